@@ -1,0 +1,152 @@
+"""The StorageBackend ABC: one tier of the cache.
+
+A backend stores MemoryObjs (or their serialized frames) under CacheKeys.
+Every method that can fail at run time (connection lost, corrupted value)
+reports a miss for that key instead of raising into the engine's step.
+
+Subclasses implement ``contains``, ``batched_submit_put``, ``get_blocking``,
+``pin``, ``unpin``, ``remove`` and ``usage_bytes``. The batched lookup and the
+non-blocking get have correct defaults built on those; a backend with a native
+batch path (one dict pass, one Redis pipeline) overrides them.
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from lmkv.memory import MemoryObj
+from lmkv.plugins.base import Plugin, PluginOptions
+from lmkv.tokens import CacheKey
+
+Allocate = Callable[[Sequence[int], torch.dtype], "MemoryObj | None"]
+
+
+def done_future(value: object) -> Future:
+    fut: Future = Future()
+    fut.set_result(value)
+    return fut
+
+
+@dataclass
+class BackendContext:
+    """What the storage manager hands a backend besides its own options."""
+
+    serializer: object | None = None  # lmkv.serde.Serializer for tiers that store bytes
+    eviction_policy: object | None = None  # lmkv.policy.EvictionPolicy, when the tier evicts
+    allocate: Allocate | None = None  # where deserialized chunks go (the cpu arena)
+    tier_index: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+class StorageBackend(Plugin, ABC):
+    """One storage tier. See plugins.md, "StorageBackend", for the full contract."""
+
+    #: True when entries live as MemoryObjs in this process (no serializer needed).
+    holds_memory_objs: bool = False
+
+    def __init__(self, options: PluginOptions, context: BackendContext) -> None:
+        self.options = options
+        self.context = context
+        self._executor: ThreadPoolExecutor | None = None
+        self._executor_lock = threading.Lock()
+
+    # -- required --------------------------------------------------------
+    @abstractmethod
+    def contains(self, key: CacheKey, pin: bool = False) -> bool:
+        """Whether ``key`` is stored; with ``pin``, a hit is pinned atomically."""
+
+    @abstractmethod
+    def batched_submit_put(self, keys: Sequence[CacheKey], objs: Sequence[MemoryObj]) -> Future:
+        """Start storing ``objs`` under ``keys``; the future resolves to the number stored.
+
+        The backend takes its own reference on each object for as long as it needs
+        it; the caller may release its references as soon as this returns.
+        """
+
+    @abstractmethod
+    def get_blocking(self, key: CacheKey) -> MemoryObj | None:
+        """The chunk under ``key`` with a reference owned by the caller, or None."""
+
+    @abstractmethod
+    def pin(self, key: CacheKey) -> bool:
+        """Protect ``key`` from eviction; False when it is not stored."""
+
+    @abstractmethod
+    def unpin(self, key: CacheKey) -> bool:
+        """Undo one ``pin``; False when it is not stored."""
+
+    @abstractmethod
+    def remove(self, key: CacheKey) -> bool:
+        """Drop ``key``; False when it was not stored."""
+
+    @property
+    @abstractmethod
+    def usage_bytes(self) -> int:
+        """Bytes this tier holds now."""
+
+    # -- defaults a backend may override ---------------------------------
+    @property
+    def capacity_bytes(self) -> int | None:
+        """The tier's byte budget, or None when it has none."""
+        return None
+
+    def allocate(self, shape: Sequence[int], dtype: torch.dtype) -> MemoryObj | None:
+        """A chunk buffer from this tier's memory, evicting as needed.
+
+        Only tiers that hold MemoryObjs (``holds_memory_objs``) own memory to
+        hand out; the others return None.
+        """
+        return None
+
+    def batched_async_contains(self, lookup_id: str, keys: Sequence[CacheKey],
+                               pin: bool = False) -> int:
+        """How many of the LEADING keys are stored (stop at the first miss).
+
+        With ``pin``, each counted key is pinned; the caller unpins them.
+        """
+        hits = 0
+        for key in keys:
+            if not self.contains(key, pin=pin):
+                break
+            hits += 1
+        return hits
+
+    def batched_get_non_blocking(self, lookup_id: str, keys: Sequence[CacheKey]) -> Future:
+        """Start fetching ``keys``; resolves to the leading objects found (a prefix).
+
+        Each returned object carries a reference owned by the caller.
+        """
+        return self._background(self._get_prefix, list(keys))
+
+    def _get_prefix(self, keys: Sequence[CacheKey]) -> list[MemoryObj]:
+        out: list[MemoryObj] = []
+        for key in keys:
+            obj = self.get_blocking(key)
+            if obj is None:
+                break
+            out.append(obj)
+        return out
+
+    def _background(self, fn: Callable, *args: object) -> Future:
+        with self._executor_lock:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(
+                    max_workers=1, thread_name_prefix=f"lmkv-{self.name}")
+            return self._executor.submit(fn, *args)
+
+    def stats(self) -> dict[str, int]:
+        """Counters for observability; backends add their own."""
+        return {"usage_bytes": self.usage_bytes}
+
+    def close(self) -> None:
+        """Release resources; must return promptly even when a remote is unreachable."""
+        with self._executor_lock:
+            if self._executor is not None:
+                self._executor.shutdown(wait=False, cancel_futures=True)
+                self._executor = None

@@ -1,0 +1,301 @@
+"""lmkv's configuration: one pydantic model, from a file, env vars and dotted keys.
+
+Precedence (later wins): defaults < config file (YAML, TOML or JSON) <
+``LMKV_*`` environment variables < dotted ``lmkv.*`` keys (what vLLM's
+``kv_connector_extra_config`` carries). Plugin options are validated in a
+second step against the plugin the config selects. Every bad value becomes
+one line naming the key, the value, what is allowed and where it came from.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PositiveInt,
+    ValidationError,
+    model_validator,
+)
+
+from lmkv.errors import ConfigError, UnknownPluginError
+from lmkv.plugins.base import PluginOptions
+
+ENV_PREFIX = "LMKV_"
+# Env vars that are not config keys.
+RESERVED_ENV = frozenset(
+    {"LMKV_CONFIG", "LMKV_LOAD_PLUGINS", "LMKV_DISABLE_PLUGINS", "LMKV_LOG_LEVEL"})
+DOTTED_PREFIX = "lmkv."
+CONFIG_FILE_KEY = "config_file"
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_default=True)
+
+
+class PluginRef(_Model):
+    """``{type: NAME, options: {...}}``; a bare string is shorthand for ``{type: NAME}``."""
+
+    type: str = Field(min_length=1)
+    options: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_name(cls, value: Any) -> Any:
+        return {"type": value} if isinstance(value, str) else value
+
+
+class TierConfig(PluginRef):
+    """One storage tier: its backend, the backend's options and its eviction policy."""
+
+    eviction: PluginRef = Field(default_factory=lambda: PluginRef(type="lru"))
+
+
+class LMKVConfig(_Model):
+    """Every key is documented in docs/configuration.md."""
+
+    model_name: str | None = Field(default=None, min_length=1)
+    chunk_size: PositiveInt = 256
+    save_partial_chunk: bool = False
+    tiers: list[TierConfig] = Field(
+        default_factory=lambda: [TierConfig(type="cpu")], min_length=1)
+    serializer: PluginRef = Field(default_factory=lambda: PluginRef(type="naive"))
+    gpu_connector: PluginRef | None = None
+    lazy_offload: bool = False
+    lazy_offload_policy: PluginRef = Field(default_factory=lambda: PluginRef(type="FIFO"))
+    lazy_offload_threshold: PositiveInt = 100
+    lazy_offload_select_count: PositiveInt = 10
+
+    def plugin_refs(self) -> list[tuple[str, str, PluginRef]]:
+        """(config path, plugin kind, ref) of every plugin this config selects."""
+        refs: list[tuple[str, str, PluginRef]] = []
+        for i, tier in enumerate(self.tiers):
+            refs.append((f"tiers.{i}", "storage_backend", tier))
+            refs.append((f"tiers.{i}.eviction", "eviction_policy", tier.eviction))
+        refs.append(("serializer", "serializer", self.serializer))
+        if self.gpu_connector is not None:
+            refs.append(("gpu_connector", "gpu_connector", self.gpu_connector))
+        refs.append(("lazy_offload_policy", "offload_policy", self.lazy_offload_policy))
+        return refs
+
+    def resolved_dump(self) -> dict[str, Any]:
+        """The config as plain data, plugin options filled with their defaults."""
+        data = self.model_dump(mode="json")
+        for path, kind, ref in self.plugin_refs():
+            _, options = resolve_plugin(kind, ref, path)
+            _set_path(data, [*path.split("."), "options"], options.model_dump(mode="json"))
+        return data
+
+
+# -- plugin resolution -------------------------------------------------------
+
+def resolve_plugin(kind: str, ref: PluginRef, path: str,
+                   manager: Any = None) -> tuple[type, PluginOptions]:
+    """The class ``ref`` names and its validated options; ConfigError on anything off."""
+    from lmkv.plugins.manager import get_plugin_manager
+
+    manager = manager or get_plugin_manager()
+    try:
+        cls = manager.get(kind, ref.type)
+    except UnknownPluginError as exc:
+        raise ConfigError(f"{path}.type = {ref.type!r}: {exc}") from None
+    try:
+        options = cls.Options.model_validate(ref.options)
+    except ValidationError as exc:
+        raise ConfigError(_format_errors(exc, f"{path}.options", {})) from None
+    return cls, options
+
+
+def validate_plugins(config: LMKVConfig, manager: Any = None) -> None:
+    lines = []
+    for path, kind, ref in config.plugin_refs():
+        try:
+            resolve_plugin(kind, ref, path, manager)
+        except ConfigError as exc:
+            lines.append(str(exc))
+    if lines:
+        raise ConfigError("\n".join(lines))
+
+
+# -- loading -----------------------------------------------------------------
+
+def load_config(path: str | os.PathLike | None = None, *,
+                overrides: Mapping[str, Any] | None = None,
+                env: Mapping[str, str] | None = None,
+                check_plugins: bool = True) -> LMKVConfig:
+    """Build the config from ``path``, ``LMKV_*`` env vars and dotted ``overrides``.
+
+    ``overrides`` keys may carry the ``lmkv.`` prefix; ``lmkv.config_file``
+    names the file when ``path`` is not given (then ``LMKV_CONFIG``).
+    """
+    env = os.environ if env is None else env
+    dotted = {_strip_prefix(k): v for k, v in (overrides or {}).items()}
+    path = path or dotted.pop(CONFIG_FILE_KEY, None) or env.get("LMKV_CONFIG") or None
+    dotted.pop(CONFIG_FILE_KEY, None)
+
+    data: dict[str, Any] = LMKVConfig().model_dump(mode="python")
+    sources: dict[str, str] = {}
+    if path:
+        file_data = read_config_file(path)
+        data.update(file_data)
+        for key in file_data:
+            sources[key] = f"from {path}"
+    for name, raw in sorted(env.items()):
+        if not name.startswith(ENV_PREFIX) or name in RESERVED_ENV:
+            continue
+        key_path = name[len(ENV_PREFIX):].lower().split("__")
+        _apply(data, key_path, _parse_scalar(raw), f"from env {name}", sources)
+    for key, value in dotted.items():
+        _apply(data, key.split("."), value, f"from lmkv.{key}", sources)
+    try:
+        config = LMKVConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_format_errors(exc, "", sources)) from None
+    if check_plugins:
+        validate_plugins(config)
+    return config
+
+
+def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as exc:
+        raise ConfigError(f"config file {p}: cannot read it ({exc.strerror or exc})") from None
+    suffix = p.suffix.lower()
+    try:
+        if suffix in (".yaml", ".yml"):
+            data = yaml.safe_load(text)
+        elif suffix == ".toml":
+            data = _toml_loads(text)
+        elif suffix == ".json":
+            data = json.loads(text)
+        else:
+            raise ConfigError(
+                f"config file {p}: unknown format {suffix or '(none)'!r}; "
+                "allowed: .yaml, .yml, .toml, .json")
+    except ConfigError:
+        raise
+    except Exception as exc:  # each parser has its own error type
+        detail = " ".join(str(exc).split())
+        raise ConfigError(f"config file {p}: not valid {suffix[1:].upper()}: {detail}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {p}: top level must be a mapping of keys, "
+                          f"got {type(data).__name__}")
+    if set(data) == {"lmkv"} and isinstance(data["lmkv"], dict):
+        data = data["lmkv"]  # an [lmkv] table / lmkv: section is accepted too
+    return data
+
+
+def _toml_loads(text: str) -> dict[str, Any]:
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib
+    return tomllib.loads(text)
+
+
+def _strip_prefix(key: str) -> str:
+    return key[len(DOTTED_PREFIX):] if key.startswith(DOTTED_PREFIX) else key
+
+
+def _parse_scalar(raw: str) -> Any:
+    """Env values: JSON when they parse as JSON (numbers, booleans, lists), else text."""
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return raw
+
+
+def _apply(data: dict[str, Any], key_path: list[str], value: Any, source: str,
+           sources: dict[str, str]) -> None:
+    dotted = ".".join(key_path)
+    if not all(key_path):
+        raise ConfigError(f"config key {dotted!r} ({source}): empty key segment")
+    try:
+        _set_path(data, key_path, value)
+    except (KeyError, IndexError, TypeError) as exc:
+        raise ConfigError(f"config key {dotted!r} ({source}): {exc.args[0]}") from None
+    sources[dotted] = source
+
+
+def _set_path(data: Any, key_path: list[str], value: Any) -> None:
+    node = data
+    for i, part in enumerate(key_path):
+        last = i == len(key_path) - 1
+        if isinstance(node, list):
+            if not part.isdigit():
+                raise KeyError(f"{part!r} is not a list index")
+            index = int(part)
+            if index > len(node):
+                raise IndexError(f"index {index} skips entries (the list has {len(node)})")
+            if index == len(node):
+                node.append({})
+            if last:
+                node[index] = value
+            else:
+                if node[index] is None:
+                    node[index] = {}
+                node = node[index]
+        elif isinstance(node, dict):
+            if last:
+                node[part] = value
+            else:
+                if node.get(part) is None:
+                    node[part] = {}
+                node = node[part]
+        else:
+            raise TypeError(f"cannot set {part!r} inside a {type(node).__name__}")
+
+
+def _format_errors(exc: ValidationError, prefix: str, sources: Mapping[str, str]) -> str:
+    lines = []
+    for err in exc.errors(include_url=False):
+        loc = [str(p) for p in err["loc"]]
+        key = ".".join(filter(None, [prefix, *loc])) or "(top level)"
+        where = _source_for(key, sources)
+        if err["type"] == "extra_forbidden":
+            lines.append(f"config key {key!r}{where}: unknown key")
+            continue
+        if err["type"] == "missing":
+            lines.append(f"config key {key!r}{where}: required")
+            continue
+        value = _short(err.get("input"))
+        lines.append(f"config key {key!r} = {value}{where}: {_allowed(err)}")
+    return "\n".join(lines)
+
+
+def _allowed(err: Mapping[str, Any]) -> str:
+    msg = err["msg"]
+    if err["type"] in ("int_parsing", "int_type", "int_from_float"):
+        msg = "must be an integer"
+    elif err["type"] == "greater_than" and err.get("ctx", {}).get("gt") == 0:
+        msg = "must be a positive integer"
+    elif err["type"] in ("bool_parsing", "bool_type"):
+        msg = "must be true or false"
+    elif err["type"].startswith("byte_size"):
+        msg = "must be a byte count or a size such as 512MiB or 4GiB"
+    return msg[0].lower() + msg[1:] if msg else msg
+
+
+def _source_for(key: str, sources: Mapping[str, str]) -> str:
+    parts = key.split(".")
+    for n in range(len(parts), 0, -1):
+        source = sources.get(".".join(parts[:n]))
+        if source:
+            return f" ({source})"
+    return ""
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."

@@ -1,0 +1,119 @@
+"""The cache engine: tokens in, KV out.
+
+``store(tokens, **kv)`` copies the KV of every whole chunk not yet stored into
+chunk buffers (through the GPU connector) and hands them to the storage
+manager; ``lookup(tokens)`` counts the hit prefix in tokens;
+``retrieve(tokens, **kv)`` loads the hit prefix back into the engine's KV.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from lmkv.config import LMKVConfig, PluginRef, resolve_plugin
+from lmkv.gpu import ChunkSpan, GPUConnector, KVSpec
+from lmkv.memory import MemoryObj
+from lmkv.storage import StorageManager
+from lmkv.tokens import KeyMeta, TokenChunker
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RetrieveResult:
+    num_tokens: int
+    """Hit prefix length in tokens (whole chunks)."""
+    kv: Any
+    """What the connector returned: the KV it built, or None when it wrote in place."""
+
+
+def dtype_name(dtype: Any) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+class CacheEngine:
+    def __init__(self, config: LMKVConfig, spec: KVSpec, *, model_name: str,
+                 connector: GPUConnector, storage: StorageManager,
+                 world_size: int = 1, worker_id: int = 0) -> None:
+        self.config = config
+        self.spec = spec
+        self.connector = connector
+        self.storage = storage
+        meta = KeyMeta(config.model_name or model_name, world_size, worker_id,
+                       dtype_name(spec.dtype), connector.chunk_layout)
+        self.chunker = TokenChunker(meta, config.chunk_size, config.save_partial_chunk)
+
+    @classmethod
+    def from_config(cls, config: LMKVConfig, spec: KVSpec, *, model_name: str,
+                    default_connector: str = "hf", world_size: int = 1,
+                    worker_id: int = 0) -> CacheEngine:
+        ref = config.gpu_connector or PluginRef(type=default_connector)
+        connector_cls, options = resolve_plugin("gpu_connector", ref, "gpu_connector")
+        return cls(config, spec, model_name=model_name, connector=connector_cls(options, spec),
+                   storage=StorageManager.from_config(config), world_size=world_size,
+                   worker_id=worker_id)
+
+    @property
+    def meta(self) -> KeyMeta:
+        return self.chunker.meta
+
+    def store(self, tokens: Sequence[int] | Any, **kv: Any) -> int:
+        """Store the KV of ``tokens``' chunks that no tier holds yet; returns tokens stored."""
+        chunks = self.chunker.chunk(tokens)
+        first = self.storage.contains_prefix(chunks.keys)
+        spans: list[ChunkSpan] = []
+        objs: list[MemoryObj] = []
+        for start, end in zip(chunks.starts[first:], chunks.ends[first:], strict=True):
+            obj = self.storage.allocate(self.spec.chunk_shape(end - start), self.spec.dtype)
+            if obj is None:
+                logger.warning("lmkv: no room for %d more chunks; storing a shorter prefix",
+                               len(chunks) - first - len(objs))
+                break
+            objs.append(obj)
+            spans.append(ChunkSpan(start, end, obj.tensor))
+        if not objs:
+            return 0
+        try:
+            self.connector.to_chunks(spans, **kv)
+            for fut in self.storage.put(chunks.keys[first:first + len(objs)], objs):
+                fut.result()
+        finally:
+            for obj in objs:
+                obj.ref_down()
+        return spans[-1].end - spans[0].start
+
+    def lookup(self, tokens: Sequence[int] | Any) -> int:
+        """Length in tokens of the longest stored prefix of ``tokens``."""
+        chunks = self.chunker.chunk(tokens)
+        hits = self.storage.contains_prefix(chunks.keys)
+        return chunks.ends[hits - 1] if hits else 0
+
+    def retrieve(self, tokens: Sequence[int] | Any, **kv: Any) -> RetrieveResult:
+        """Load the KV of the stored prefix of ``tokens`` through the connector."""
+        chunks = self.chunker.chunk(tokens)
+        objs = self.storage.get(chunks.keys)
+        if not objs:
+            return RetrieveResult(0, None)
+        try:
+            spans = [ChunkSpan(s, e, o.tensor)
+                     for s, e, o in zip(chunks.starts, chunks.ends, objs, strict=False)]
+            result = self.connector.from_chunks(spans, **kv)
+        finally:
+            for obj in objs:
+                obj.ref_down()
+        return RetrieveResult(spans[-1].end, result)
+
+    def stats(self) -> list[dict[str, Any]]:
+        return self.storage.stats()
+
+    def close(self) -> None:
+        self.storage.close()
+
+    def __enter__(self) -> CacheEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,74 @@
+"""The GPUConnector ABC: moves KV between an engine's layout and chunk buffers.
+
+Every chunk buffer has the canonical shape ``[num_layers, 2, num_tokens,
+num_kv_heads, head_dim]`` (K at index 0, V at 1): the layout tag ``l2thd`` in
+each key. Connectors translate an engine's own layout (transformers per-layer
+tensors, vLLM paged caches) to and from it, so KV stored by one engine layout
+can be loaded into another.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from lmkv.plugins.base import Plugin, PluginOptions
+
+CHUNK_LAYOUT = "l2thd"
+
+
+@dataclass(frozen=True)
+class KVSpec:
+    """Shape of an engine's KV: what a connector needs to size chunk buffers."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    def chunk_shape(self, num_tokens: int) -> tuple[int, int, int, int, int]:
+        return (self.num_layers, 2, num_tokens, self.num_kv_heads, self.head_dim)
+
+    def chunk_nbytes(self, num_tokens: int) -> int:
+        return (self.num_layers * 2 * num_tokens * self.num_kv_heads * self.head_dim
+                * self.dtype.itemsize)
+
+
+@dataclass(frozen=True)
+class ChunkSpan:
+    """Tokens ``[start, end)`` of a request and the chunk buffer that holds them."""
+
+    start: int
+    end: int
+    buffer: torch.Tensor  # [layers, 2, end - start, kv_heads, head_dim]
+
+
+class GPUConnector(Plugin, ABC):
+    """Copies KV between engine memory and chunk buffers, many chunks per call.
+
+    Engine state comes in keyword arguments whose names each connector
+    documents (``kv=`` for transformers, ``kv_caches=``/``block_ids=`` for
+    paged caches).
+    """
+
+    chunk_layout: str = CHUNK_LAYOUT
+
+    def __init__(self, options: PluginOptions | None, spec: KVSpec) -> None:
+        self.options = self.parse_options(options)
+        self.spec = spec
+
+    @abstractmethod
+    def to_chunks(self, spans: Sequence[ChunkSpan], **kv: Any) -> None:
+        """Copy the engine's KV of each span into its buffer (store path)."""
+
+    @abstractmethod
+    def from_chunks(self, spans: Sequence[ChunkSpan], **kv: Any) -> Any:
+        """Copy each span's buffer into the engine's KV (retrieve path).
+
+        Returns the KV it wrote to when the connector builds it itself (see the
+        connector's docs), else None.
+        """

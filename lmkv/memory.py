@@ -1,0 +1,219 @@
+"""Chunk buffers (MemoryObj) carved out of one arena with a hard byte budget.
+
+One large uint8 tensor is allocated up front (pinned host memory when CUDA is
+present); chunk buffers are views into it. Allocation is first-fit over a
+sorted, coalescing free list, so a full arena means "evict and retry", never
+an allocation past the budget. Typed views of recurring slots are cached,
+which keeps the per-chunk cost of small chunks near zero.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import math
+import threading
+from collections.abc import Sequence
+
+import torch
+
+from lmkv.errors import RefCountError
+
+logger = logging.getLogger(__name__)
+
+ALIGNMENT = 256
+_VIEW_CACHE_LIMIT = 1 << 16
+
+# Tests turn this on so a double release raises; in production it is logged loudly.
+strict_refcounts = False
+
+
+def _refcount_bug(message: str) -> None:
+    if strict_refcounts:
+        raise RefCountError(message)
+    logger.error("lmkv bug: %s", message)
+
+
+def nbytes_of(shape: Sequence[int], dtype: torch.dtype) -> int:
+    return math.prod(shape) * dtype.itemsize
+
+
+class MemoryObj:
+    """One chunk buffer: a typed tensor view with a reference and a pin count.
+
+    The creator holds the first reference. Whoever keeps the object (a tier,
+    a pending retrieve) takes its own with ``ref_up`` and gives it back with
+    ``ref_down``; the buffer returns to its allocator at zero. A pinned
+    object is never evicted.
+    """
+
+    __slots__ = ("_allocator", "nbytes", "offset", "pin_count", "ref_count", "tensor")
+
+    def __init__(self, tensor: torch.Tensor, allocator: MemoryAllocator | None = None,
+                 offset: int = -1, nbytes: int | None = None) -> None:
+        self.tensor = tensor
+        self._allocator = allocator
+        self.offset = offset
+        self.nbytes = tensor.numel() * tensor.element_size() if nbytes is None else nbytes
+        self.ref_count = 1
+        self.pin_count = 0
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.tensor.shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.tensor.dtype
+
+    @property
+    def allocator(self) -> MemoryAllocator | None:
+        return self._allocator
+
+    def byte_view(self) -> torch.Tensor:
+        """The buffer as flat uint8 (for serializers)."""
+        return self.tensor.reshape(-1).view(torch.uint8)
+
+    @property
+    def is_evictable(self) -> bool:
+        # One reference is the tier's own.
+        return self.ref_count <= 1 and self.pin_count == 0
+
+    def ref_up(self) -> None:
+        lock = self._allocator.lock if self._allocator else _detached_lock
+        with lock:
+            if self.ref_count <= 0:
+                _refcount_bug(f"ref_up on a released buffer at offset {self.offset}")
+                return
+            self.ref_count += 1
+
+    def ref_down(self) -> None:
+        allocator = self._allocator
+        lock = allocator.lock if allocator else _detached_lock
+        with lock:
+            if self.ref_count <= 0:
+                _refcount_bug(f"ref_down below zero at offset {self.offset}")
+                return
+            self.ref_count -= 1
+            if self.ref_count == 0 and allocator is not None:
+                if self.pin_count:
+                    _refcount_bug(f"buffer at offset {self.offset} freed while pinned")
+                    self.pin_count = 0
+                allocator._free_locked(self)
+
+    def pin(self) -> None:
+        lock = self._allocator.lock if self._allocator else _detached_lock
+        with lock:
+            self.pin_count += 1
+
+    def unpin(self) -> None:
+        lock = self._allocator.lock if self._allocator else _detached_lock
+        with lock:
+            if self.pin_count <= 0:
+                _refcount_bug(f"unpin below zero at offset {self.offset}")
+                return
+            self.pin_count -= 1
+
+    def __repr__(self) -> str:
+        return (f"MemoryObj(shape={tuple(self.shape)}, dtype={self.dtype}, "
+                f"offset={self.offset}, ref={self.ref_count}, pin={self.pin_count})")
+
+
+_detached_lock = threading.Lock()
+
+
+def tensor_obj(tensor: torch.Tensor) -> MemoryObj:
+    """A MemoryObj around a tensor that belongs to no arena (tests, lower tiers)."""
+    return MemoryObj(tensor.contiguous())
+
+
+class MemoryAllocator:
+    """First-fit arena allocator with a hard budget of ``capacity_bytes``."""
+
+    def __init__(self, capacity_bytes: int, *, pin_memory: bool | None = None,
+                 alignment: int = ALIGNMENT) -> None:
+        if capacity_bytes <= 0:
+            raise ValueError("capacity_bytes must be positive")
+        if pin_memory is None:
+            pin_memory = torch.cuda.is_available()
+        self.alignment = alignment
+        self.capacity_bytes = capacity_bytes // alignment * alignment
+        self.arena = torch.empty(self.capacity_bytes, dtype=torch.uint8, pin_memory=pin_memory)
+        self.lock = threading.Lock()
+        # Free blocks, sorted by start; sizes kept alongside for first-fit scans.
+        self._free_starts: list[int] = [0]
+        self._free_sizes: list[int] = [self.capacity_bytes]
+        self.used_bytes = 0
+        self.live_objects = 0
+        self._views: dict[tuple, torch.Tensor] = {}
+
+    def allocate(self, shape: Sequence[int], dtype: torch.dtype) -> MemoryObj | None:
+        """A buffer of ``shape``/``dtype``, or None when the arena has no room."""
+        nbytes = nbytes_of(shape, dtype)
+        size = -(-max(nbytes, 1) // self.alignment) * self.alignment
+        with self.lock:
+            offset = self._take(size)
+            if offset < 0:
+                return None
+            self.used_bytes += size
+            self.live_objects += 1
+            return MemoryObj(self._view(offset, nbytes, dtype, tuple(shape)), self, offset, size)
+
+    def _take(self, size: int) -> int:
+        sizes = self._free_sizes
+        for i, free in enumerate(sizes):
+            if free >= size:
+                start = self._free_starts[i]
+                if free == size:
+                    del self._free_starts[i]
+                    del sizes[i]
+                else:
+                    self._free_starts[i] = start + size
+                    sizes[i] = free - size
+                return start
+        return -1
+
+    def _view(self, offset: int, nbytes: int, dtype: torch.dtype, shape: tuple) -> torch.Tensor:
+        key = (offset, dtype, shape)
+        view = self._views.get(key)
+        if view is None:
+            if len(self._views) >= _VIEW_CACHE_LIMIT:
+                self._views.clear()
+            view = self.arena[offset:offset + nbytes].view(dtype).view(shape)
+            self._views[key] = view
+        return view
+
+    def _free_locked(self, obj: MemoryObj) -> None:
+        start, size = obj.offset, obj.nbytes
+        starts, sizes = self._free_starts, self._free_sizes
+        i = bisect.bisect_left(starts, start)
+        overlaps_next = i < len(starts) and starts[i] < start + size
+        overlaps_prev = i > 0 and starts[i - 1] + sizes[i - 1] > start
+        if overlaps_next or overlaps_prev:
+            _refcount_bug(f"double free of arena block at offset {start}")
+            return
+        self.used_bytes -= size
+        self.live_objects -= 1
+        merge_prev = i > 0 and starts[i - 1] + sizes[i - 1] == start
+        merge_next = i < len(starts) and start + size == starts[i]
+        if merge_prev and merge_next:
+            sizes[i - 1] += size + sizes[i]
+            del starts[i]
+            del sizes[i]
+        elif merge_prev:
+            sizes[i - 1] += size
+        elif merge_next:
+            starts[i] = start
+            sizes[i] += size
+        else:
+            starts.insert(i, start)
+            sizes.insert(i, size)
+
+    @property
+    def free_bytes(self) -> int:
+        return self.capacity_bytes - self.used_bytes
+
+    @property
+    def largest_free_block(self) -> int:
+        with self.lock:
+            return max(self._free_sizes, default=0)

@@ -1,0 +1,50 @@
+"""lmkv's plugin system, in two minutes.
+
+A plugin is an importable module (or object) with ``@hookimpl`` functions that
+return classes. Publish it under the ``lmkv`` entry-point group::
+
+    # pyproject.toml of "lmkv-hello"
+    [project.entry-points.lmkv]
+    lmkv-hello = "lmkv_hello.plugin"
+
+    # lmkv_hello/plugin.py
+    from lmkv.plugins import hookimpl
+    from lmkv_hello.backend import HelloBackend
+
+    @hookimpl
+    def lmkv_storage_backends():
+        return [HelloBackend]
+
+After ``pip install lmkv-hello``, ``lmkv plugins`` lists ``hello`` and a
+config selects it with ``tiers: [{type: hello, options: {...}}]``.
+
+Hooks (see ``lmkv.plugins.hookspecs``): ``lmkv_storage_backends``,
+``lmkv_eviction_policies``, ``lmkv_offload_policies``, ``lmkv_serializers``,
+``lmkv_gpu_connectors``. Each class declares ``name`` and an ``Options``
+pydantic model (subclass ``lmkv.PluginOptions``; unknown keys are errors).
+
+``LMKV_LOAD_PLUGINS=a,b`` loads only the named entry points (or
+distributions); ``LMKV_DISABLE_PLUGINS=a,b`` skips them. A plugin that fails
+to import is recorded (``lmkv plugins`` shows the error) and becomes an error
+only when a config selects a name it would have provided.
+"""
+
+from lmkv.plugins.base import NoOptions, Plugin, PluginOptions
+from lmkv.plugins.hookspecs import ENTRY_POINT_GROUP, hookimpl, hookspec
+from lmkv.plugins.manager import PluginManager, get_plugin_manager, reset_plugin_manager
+from lmkv.plugins.registry import KINDS, KNOWN_PLUGINS, Registry
+
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "KINDS",
+    "KNOWN_PLUGINS",
+    "NoOptions",
+    "Plugin",
+    "PluginManager",
+    "PluginOptions",
+    "Registry",
+    "get_plugin_manager",
+    "hookimpl",
+    "hookspec",
+    "reset_plugin_manager",
+]

@@ -1,0 +1,34 @@
+"""What every plugin class has: a ``name`` and a pydantic ``Options`` model."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from pydantic import BaseModel, ConfigDict
+
+
+class PluginOptions(BaseModel):
+    """Base of every plugin's options model: unknown keys are an error."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class NoOptions(PluginOptions):
+    """Options model of a plugin that takes none."""
+
+
+class Plugin:
+    """Mixin for every plugin class.
+
+    ``name`` is what a config selects (matched case-insensitively);
+    ``Options`` validates that plugin's ``options`` mapping.
+    """
+
+    name: ClassVar[str] = ""
+    Options: ClassVar[type[PluginOptions]] = NoOptions
+
+    @classmethod
+    def parse_options(cls, options: PluginOptions | dict[str, Any] | None) -> PluginOptions:
+        if isinstance(options, cls.Options):
+            return options
+        return cls.Options.model_validate(options or {})

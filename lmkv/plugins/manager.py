@@ -1,0 +1,168 @@
+"""Finds plugins through the ``lmkv`` entry-point group and builds the registry.
+
+pluggy is used only at start-up, to collect classes; the data path talks to
+the classes the registry hands out.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from dataclasses import dataclass
+from importlib.metadata import EntryPoint, entry_points
+
+import pluggy
+
+from lmkv.plugins import hookspecs
+from lmkv.plugins.registry import KINDS, LoadFailure, PluginSource, Registry
+
+logger = logging.getLogger(__name__)
+
+LOAD_ENV = "LMKV_LOAD_PLUGINS"
+DISABLE_ENV = "LMKV_DISABLE_PLUGINS"
+
+
+def _env_list(name: str) -> set[str] | None:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return None
+    return {item.strip() for item in raw.split(",") if item.strip()}
+
+
+@dataclass(frozen=True)
+class SkippedPlugin:
+    source: PluginSource
+    reason: str
+
+
+class PluginManager:
+    """Typed front of pluggy: callers never touch ``pm.hook`` directly."""
+
+    def __init__(self) -> None:
+        self._pm = pluggy.PluginManager(hookspecs.PROJECT)
+        self._pm.add_hookspecs(hookspecs)
+        self._sources: dict[str, PluginSource] = {}
+        self._failures: list[LoadFailure] = []
+        self.skipped: list[SkippedPlugin] = []
+        self._registry: Registry | None = None
+        self._lock = threading.Lock()
+
+    # -- discovery ---------------------------------------------------------
+    def load_entry_points(self) -> None:
+        allow, block = _env_list(LOAD_ENV), _env_list(DISABLE_ENV)
+        for ep in entry_points(group=hookspecs.ENTRY_POINT_GROUP):
+            source = _source_of(ep)
+            names = {ep.name, source.distribution}
+            if allow is not None and not names & allow:
+                self.skipped.append(SkippedPlugin(source, f"not in {LOAD_ENV}"))
+                continue
+            if block is not None and names & block:
+                self.skipped.append(SkippedPlugin(source, f"listed in {DISABLE_ENV}"))
+                continue
+            if self._pm.has_plugin(ep.name):
+                continue  # the same distribution seen twice on sys.path
+            try:
+                plugin = ep.load()
+            except Exception as exc:  # any import error is the plugin's, not ours
+                self._record_failure(source, exc)
+                continue
+            self.register(plugin, source=source)
+
+    def register(self, plugin: object, name: str | None = None,
+                 source: PluginSource | None = None) -> str:
+        """Register a module or object with ``@hookimpl`` functions; returns its name."""
+        with self._lock:
+            source = source or PluginSource(name or _default_name(plugin))
+            registered = self._pm.register(plugin, name=source.plugin)
+            if registered is None:
+                raise ValueError(f"plugin {source.plugin!r} is already registered")
+            self._sources[registered] = source
+            self._registry = None
+            return registered
+
+    def unregister(self, name: str) -> None:
+        with self._lock:
+            self._pm.unregister(name=name)
+            self._sources.pop(name, None)
+            self._registry = None
+
+    def _record_failure(self, source: PluginSource, exc: BaseException) -> None:
+        error = f"{type(exc).__name__}: {exc}"
+        logger.warning("lmkv plugin %s failed to load: %s", source.describe(), error)
+        self._failures.append(LoadFailure(source, error))
+
+    # -- registry ----------------------------------------------------------
+    @property
+    def registry(self) -> Registry:
+        with self._lock:
+            if self._registry is None:
+                self._registry = self._build_registry()
+            return self._registry
+
+    def _build_registry(self) -> Registry:
+        failures = list(self._failures)
+        registry = Registry(failures=failures)
+        for kind in KINDS.values():
+            caller = getattr(self._pm.hook, kind.hook)
+            for impl in reversed(caller.get_hookimpls()):  # registration order
+                source = self._sources.get(impl.plugin_name, PluginSource(impl.plugin_name))
+                try:
+                    classes = impl.function()
+                except Exception as exc:
+                    self._record_failure(source, exc)
+                    registry.failures.append(self._failures[-1])
+                    continue
+                registry.add_all(kind.key, classes, source)
+        return registry
+
+    def get(self, kind: str, name: str) -> type:
+        return self.registry.get(kind, name)
+
+    def storage_backend(self, name: str) -> type:
+        return self.get("storage_backend", name)
+
+    def eviction_policy(self, name: str) -> type:
+        return self.get("eviction_policy", name)
+
+    def offload_policy(self, name: str) -> type:
+        return self.get("offload_policy", name)
+
+    def serializer(self, name: str) -> type:
+        return self.get("serializer", name)
+
+    def gpu_connector(self, name: str) -> type:
+        return self.get("gpu_connector", name)
+
+
+def _source_of(ep: EntryPoint) -> PluginSource:
+    dist = getattr(ep, "dist", None)
+    if dist is None:
+        return PluginSource(ep.name)
+    return PluginSource(ep.name, dist.metadata["Name"], dist.version)
+
+
+def _default_name(plugin: object) -> str:
+    return getattr(plugin, "__name__", None) or f"{type(plugin).__name__}-{id(plugin):x}"
+
+
+_manager: PluginManager | None = None
+_manager_lock = threading.Lock()
+
+
+def get_plugin_manager() -> PluginManager:
+    """The process-wide manager, with entry points loaded on first use."""
+    global _manager
+    with _manager_lock:
+        if _manager is None:
+            manager = PluginManager()
+            manager.load_entry_points()
+            _manager = manager
+        return _manager
+
+
+def reset_plugin_manager() -> None:
+    """Forget the process-wide manager (tests; after changing the env lists)."""
+    global _manager
+    with _manager_lock:
+        _manager = None

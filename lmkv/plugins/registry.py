@@ -1,0 +1,150 @@
+"""Name -> class registry for every plugin kind.
+
+Names are matched case-insensitively. A duplicate name is an error; an unknown
+name is an error that lists what is available, says how to install a known
+plugin that is missing, and reports plugins that failed to load.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from pydantic import BaseModel
+
+from lmkv.errors import DuplicatePluginError, PluginError, UnknownPluginError
+
+
+@dataclass(frozen=True)
+class PluginKind:
+    key: str  # used in config paths and `lmkv plugins`
+    hook: str  # hookspec that returns classes of this kind
+    title: str  # human name in messages
+    base: str  # "module:Class" of the ABC, imported lazily to avoid import cycles
+
+    def base_class(self) -> type:
+        module, _, attr = self.base.partition(":")
+        return getattr(importlib.import_module(module), attr)
+
+
+KINDS: dict[str, PluginKind] = {
+    k.key: k
+    for k in (
+        PluginKind("storage_backend", "lmkv_storage_backends", "storage backend",
+                   "lmkv.backend:StorageBackend"),
+        PluginKind("eviction_policy", "lmkv_eviction_policies", "eviction policy",
+                   "lmkv.policy:EvictionPolicy"),
+        PluginKind("offload_policy", "lmkv_offload_policies", "offload policy",
+                   "lmkv.policy:OffloadPolicy"),
+        PluginKind("serializer", "lmkv_serializers", "serializer", "lmkv.serde:Serializer"),
+        PluginKind("gpu_connector", "lmkv_gpu_connectors", "GPU connector",
+                   "lmkv.gpu:GPUConnector"),
+    )
+}
+
+# Plugins that lmkv knows of but does not ship: (kind, name) -> distribution.
+KNOWN_PLUGINS: dict[tuple[str, str], str] = {
+    ("storage_backend", "redis"): "lmkv-redis",
+}
+
+
+@dataclass(frozen=True)
+class PluginSource:
+    """Where a plugin came from: an entry point of a distribution, or run-time registration."""
+
+    plugin: str
+    distribution: str | None = None
+    version: str | None = None
+
+    def describe(self) -> str:
+        if self.distribution:
+            return f"{self.plugin} ({self.distribution} {self.version})"
+        return f"{self.plugin} (registered at run time)"
+
+
+@dataclass(frozen=True)
+class PluginEntry:
+    kind: str
+    name: str
+    cls: type
+    source: PluginSource
+
+
+@dataclass(frozen=True)
+class LoadFailure:
+    source: PluginSource
+    error: str
+
+
+@dataclass
+class Registry:
+    failures: list[LoadFailure] = field(default_factory=list)
+    _entries: dict[str, dict[str, PluginEntry]] = field(
+        default_factory=lambda: {k: {} for k in KINDS}
+    )
+
+    def add(self, kind: str, cls: object, source: PluginSource) -> None:
+        spec = KINDS[kind]
+        base = spec.base_class()
+        if not (isinstance(cls, type) and issubclass(cls, base)):
+            raise PluginError(
+                f"plugin {source.describe()} returned {cls!r} from {spec.hook}; "
+                f"expected a subclass of {base.__module__}.{base.__qualname__}"
+            )
+        name = getattr(cls, "name", "")
+        if not isinstance(name, str) or not name:
+            raise PluginError(
+                f"{spec.title} class {cls.__qualname__} from {source.describe()} "
+                "has no `name`"
+            )
+        options = getattr(cls, "Options", None)
+        if not (isinstance(options, type) and issubclass(options, BaseModel)
+                and options.model_config.get("extra") == "forbid"):
+            raise PluginError(
+                f"{spec.title} '{name}' from {source.describe()}: `Options` must be a "
+                "pydantic model with extra='forbid' (subclass lmkv.PluginOptions)"
+            )
+        table = self._entries[kind]
+        existing = table.get(name.lower())
+        if existing is not None:
+            raise DuplicatePluginError(
+                f"{spec.title} '{name}' is registered twice: by "
+                f"{existing.source.describe()} and by {source.describe()}"
+            )
+        table[name.lower()] = PluginEntry(kind, name, cls, source)
+
+    def add_all(self, kind: str, classes: object, source: PluginSource) -> None:
+        if classes is None:
+            return
+        items = classes if isinstance(classes, (list, tuple)) else [classes]
+        for cls in items:
+            self.add(kind, cls, source)
+
+    def names(self, kind: str) -> list[str]:
+        return sorted(e.name for e in self._entries[kind].values())
+
+    def entries(self) -> Iterable[PluginEntry]:
+        for kind in KINDS:
+            yield from sorted(self._entries[kind].values(), key=lambda e: e.name)
+
+    def get(self, kind: str, name: str) -> type:
+        entry = self._entries[kind].get(name.lower())
+        if entry is not None:
+            return entry.cls
+        raise UnknownPluginError(self._unknown_message(kind, name))
+
+    def _unknown_message(self, kind: str, name: str) -> str:
+        spec = KINDS[kind]
+        available = ", ".join(self.names(kind)) or "none"
+        msg = f"unknown {spec.title} '{name}'; available: {available}"
+        dist = KNOWN_PLUGINS.get((kind, name.lower()))
+        failed = [f for f in self.failures if dist and f.source.distribution == dist]
+        if failed:
+            return f"{msg}. '{name}' comes from {dist}, which failed to load: {failed[0].error}"
+        if dist:
+            return f"{msg}. '{name}' is provided by {dist}: pip install {dist}"
+        if self.failures:
+            broken = "; ".join(f"{f.source.describe()}: {f.error}" for f in self.failures)
+            msg += f" (plugins that failed to load: {broken})"
+        return msg

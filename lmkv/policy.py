@@ -1,0 +1,87 @@
+"""ABCs of the two policy kinds: eviction (per tier) and lazy offload (per engine)."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Hashable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from lmkv.plugins.base import NoOptions, Plugin, PluginOptions
+
+
+class EvictionPolicy(Plugin, ABC):
+    """Orders a tier's keys for eviction. The tier skips pinned or referenced
+    entries, so a policy only ranks; it never decides what is safe to drop."""
+
+    def __init__(self, options: PluginOptions | None = None) -> None:
+        self.options = self.parse_options(options)
+
+    @abstractmethod
+    def on_insert(self, key: Hashable) -> None:
+        """A key was stored."""
+
+    @abstractmethod
+    def on_access(self, key: Hashable) -> None:
+        """A stored key was read."""
+
+    @abstractmethod
+    def on_remove(self, key: Hashable) -> None:
+        """A key left the tier (removed or evicted)."""
+
+    @abstractmethod
+    def victims(self) -> Iterator[Hashable]:
+        """Stored keys, the one to evict first first. The tier may stop early."""
+
+
+class StoreMeta(Protocol):
+    """What an offload policy needs of one step's store metadata."""
+
+    req_id: str
+
+
+@dataclass
+class OffloadItem:
+    """The pending stores of one request, aggregated over its scheduling steps."""
+
+    req_id: str
+    metas: list[Any] = field(default_factory=list)
+    block_hashes: dict[int, Any] = field(default_factory=dict)
+    finished: bool = False
+
+
+class OffloadPolicy(Plugin, ABC):
+    """Decides which finished requests' stores to submit, and when (lazy offload).
+
+    ``threshold`` and ``select_count`` come from the engine config keys
+    ``lazy_offload_threshold`` and ``lazy_offload_select_count``.
+    """
+
+    Options = NoOptions
+
+    def __init__(self, options: PluginOptions | None = None, *, threshold: int) -> None:
+        if not isinstance(threshold, int) or threshold <= 0:
+            raise ValueError(f"threshold must be a positive integer, got {threshold!r}")
+        self.options = self.parse_options(options)
+        self.threshold = threshold
+
+    @abstractmethod
+    def add(self, meta: StoreMeta, block_hashes: Mapping[int, Any]) -> None:
+        """Buffer one step's store metadata with a snapshot of its blocks' hashes."""
+
+    @abstractmethod
+    def mark_req_finished(self, req_id: str) -> None:
+        """The engine finished ``req_id``; raise ValueError if it is not pending."""
+
+    @abstractmethod
+    def pop_items_for_offload(self, count: int) -> Sequence[OffloadItem]:
+        """At most ``count`` items to submit now (possibly none)."""
+
+    @property
+    @abstractmethod
+    def ready_count(self) -> int:
+        """Finished requests waiting to be offloaded."""
+
+    @abstractmethod
+    def __len__(self) -> int:
+        """Pending requests, finished or not."""

@@ -1,0 +1,151 @@
+"""Tokens -> chunk keys.
+
+Tokens are split into chunks (default 256). A chunk's hash is
+``sha256(previous chunk's digest || chunk tokens as little-endian int32)``,
+starting from an empty digest, so one key names a whole prefix. Nothing here
+depends on ``hash()`` or PYTHONHASHSEED: hashes agree across processes,
+machines and Python runs.
+"""
+
+from __future__ import annotations
+
+import struct
+from hashlib import sha256
+from typing import Any
+
+import msgspec
+import numpy as np
+
+DEFAULT_CHUNK_SIZE = 256
+_INT32_MAX = 2**31 - 1
+_INT32_MIN = -(2**31)
+
+
+class KeyMeta(msgspec.Struct, frozen=True):
+    """What makes stored KV incompatible between engines: part of every key."""
+
+    model_name: str
+    world_size: int = 1
+    worker_id: int = 0
+    dtype: str = "bfloat16"
+    kv_layout: str = "l2thd"
+
+    def to_string(self) -> str:
+        return (f"{self.model_name}@{self.world_size}@{self.worker_id}"
+                f"@{self.dtype}@{self.kv_layout}")
+
+
+class CacheKey(msgspec.Struct, frozen=True):
+    """Key of one stored chunk (or one layer of a chunk when ``layer >= 0``)."""
+
+    meta: KeyMeta
+    chunk_hash: bytes
+    layer: int = -1
+
+    def to_string(self) -> str:
+        """Stable text form for tiers that need string keys (files, Redis)."""
+        tail = f"@L{self.layer}" if self.layer >= 0 else ""
+        return f"{self.meta.to_string()}@{self.chunk_hash.hex()}{tail}"
+
+    @classmethod
+    def from_string(cls, text: str) -> CacheKey:
+        parts = text.rsplit("@", 6)
+        layer = -1
+        if parts[-1].startswith("L"):
+            layer = int(parts[-1][1:])
+            parts = text.rsplit("@", 7)[:-1]
+        if len(parts) != 6:
+            raise ValueError(f"not an lmkv key: {text!r}")
+        model, world, rank, dtype, layout, digest = parts
+        meta = KeyMeta(model, int(world), int(rank), dtype, layout)
+        return cls(meta, bytes.fromhex(digest), layer)
+
+    def with_layer(self, layer: int) -> CacheKey:
+        return CacheKey(self.meta, self.chunk_hash, layer)
+
+
+def token_bytes(tokens: Any) -> memoryview:
+    """Tokens (list, tuple, numpy array, torch tensor) as little-endian int32 bytes."""
+    if isinstance(tokens, (list, tuple)):
+        try:
+            data = struct.pack(f"<{len(tokens)}i", *tokens)
+        except struct.error as exc:
+            raise ValueError(f"token ids must be integers that fit in int32: {exc}") from None
+        return memoryview(data)
+    if hasattr(tokens, "detach"):  # torch.Tensor, without importing torch here
+        tokens = tokens.detach().cpu().numpy()
+    arr = np.asarray(tokens)
+    if arr.ndim != 1 or arr.dtype.kind not in "iu":
+        raise ValueError(f"tokens must be a 1-D integer sequence, got {arr.dtype} {arr.shape}")
+    wide = arr.dtype.itemsize > 4 or (arr.dtype.kind == "u" and arr.dtype.itemsize == 4)
+    if wide and arr.size and (arr.min() < _INT32_MIN or arr.max() > _INT32_MAX):
+        raise ValueError("token ids must fit in int32")
+    arr = arr.astype("<i4", copy=False)
+    return memoryview(np.ascontiguousarray(arr)).cast("B")
+
+
+def chunk_bounds(num_tokens: int, chunk_size: int, keep_partial: bool) -> list[tuple[int, int]]:
+    """(start, end) of each chunk; a partial last chunk only when ``keep_partial``."""
+    end = num_tokens if keep_partial else num_tokens - num_tokens % chunk_size
+    return [(s, min(s + chunk_size, end)) for s in range(0, end, chunk_size)]
+
+
+def prefix_hashes(tokens: Any, chunk_size: int = DEFAULT_CHUNK_SIZE,
+                  keep_partial: bool = False) -> list[bytes]:
+    """Chained sha256 digest of every chunk of ``tokens``."""
+    data = token_bytes(tokens)
+    n = len(data) // 4
+    step = chunk_size * 4
+    full_end = (n - n % chunk_size) * 4
+    out: list[bytes] = []
+    append = out.append
+    prev = b""
+    for off in range(0, full_end, step):
+        prev = sha256(prev + data[off:off + step]).digest()
+        append(prev)
+    if keep_partial and full_end < len(data):
+        append(sha256(prev + data[full_end:]).digest())
+    return out
+
+
+class ChunkKeys(msgspec.Struct, frozen=True):
+    """The chunks of one token sequence: bounds and keys, in order."""
+
+    starts: list[int]
+    ends: list[int]
+    keys: list[CacheKey]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.ends[-1] if self.ends else 0
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+
+class TokenChunker:
+    """Turns token sequences into chunk keys for one engine (one KeyMeta)."""
+
+    def __init__(self, meta: KeyMeta, chunk_size: int = DEFAULT_CHUNK_SIZE,
+                 save_partial_chunk: bool = False) -> None:
+        if chunk_size <= 0:
+            raise ValueError("chunk_size must be positive")
+        self.meta = meta
+        self.chunk_size = chunk_size
+        self.save_partial_chunk = save_partial_chunk
+
+    def chunk(self, tokens: Any, keep_partial: bool | None = None) -> ChunkKeys:
+        keep = self.save_partial_chunk if keep_partial is None else keep_partial
+        hashes = prefix_hashes(tokens, self.chunk_size, keep)
+        n = len(tokens)
+        cs = self.chunk_size
+        starts = [i * cs for i in range(len(hashes))]
+        ends = [min(s + cs, n) for s in starts]
+        meta = self.meta
+        return ChunkKeys(starts, ends, [CacheKey(meta, h) for h in hashes])
+
+    def layerwise_keys(self, chunks: ChunkKeys, num_layers: int) -> list[list[CacheKey]]:
+        """One key per (chunk, layer): ``result[chunk][layer]``."""
+        return [[CacheKey(k.meta, k.chunk_hash, layer) for layer in range(num_layers)]
+                for k in chunks.keys]
+

@@ -1,0 +1,207 @@
+"""The ``cpu`` tier: chunk buffers kept in one host-memory arena.
+
+Entries are MemoryObjs in a dict; a full arena evicts unpinned, unreferenced
+entries in the order of the tier's eviction policy and never allocates past
+``max_bytes``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Future
+
+import torch
+from pydantic import ByteSize
+
+from lmkv.backend import BackendContext, StorageBackend, done_future
+from lmkv.memory import MemoryAllocator, MemoryObj, nbytes_of
+from lmkv.plugins.base import PluginOptions
+from lmkv.tokens import CacheKey
+
+logger = logging.getLogger(__name__)
+
+
+class CPUOptions(PluginOptions):
+    max_bytes: ByteSize = ByteSize(4 << 30)
+    """Hard budget of the arena, e.g. ``512MiB`` or ``8GiB``."""
+    pin_memory: bool | None = None
+    """Page-locked arena for fast GPU copies; default: when CUDA is available."""
+
+
+class CPUBackend(StorageBackend):
+    name = "cpu"
+    Options = CPUOptions
+    holds_memory_objs = True
+
+    def __init__(self, options: CPUOptions, context: BackendContext) -> None:
+        super().__init__(options, context)
+        if context.eviction_policy is None:
+            raise ValueError("the cpu tier needs an eviction policy")
+        self.policy = context.eviction_policy
+        self.allocator = MemoryAllocator(int(options.max_bytes), pin_memory=options.pin_memory)
+        self._entries: dict[CacheKey, MemoryObj] = {}
+        self._lock = threading.Lock()
+        self._stored_bytes = 0
+        self._counters = {"hits": 0, "misses": 0, "evictions": 0, "puts": 0,
+                          "dropped_puts": 0}
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.allocator.capacity_bytes
+
+    @property
+    def usage_bytes(self) -> int:
+        return self._stored_bytes
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    # -- memory ----------------------------------------------------------
+    def allocate(self, shape: Sequence[int], dtype: torch.dtype) -> MemoryObj | None:
+        """A buffer from this tier's arena, evicting as needed; None when nothing can go."""
+        obj = self.allocator.allocate(shape, dtype)
+        if obj is not None:
+            return obj
+        with self._lock:
+            return self._allocate_evicting(shape, dtype)
+
+    def _allocate_evicting(self, shape: Sequence[int], dtype: torch.dtype) -> MemoryObj | None:
+        while True:
+            obj = self.allocator.allocate(shape, dtype)
+            if obj is not None:
+                return obj
+            needed = max(1, nbytes_of(shape, dtype) - self.allocator.largest_free_block)
+            if not self._evict_locked(needed):
+                return None
+
+    def _evict_locked(self, needed: int) -> bool:
+        victims, freed = [], 0
+        for key in self.policy.victims():
+            obj = self._entries[key]
+            if obj.is_evictable:
+                victims.append(key)
+                freed += obj.nbytes
+                if freed >= needed:
+                    break
+        for key in victims:
+            self._drop_locked(key)
+        self._counters["evictions"] += len(victims)
+        return bool(victims)
+
+    def _drop_locked(self, key: CacheKey) -> MemoryObj:
+        obj = self._entries.pop(key)
+        self.policy.on_remove(key)
+        self._stored_bytes -= obj.nbytes
+        obj.ref_down()
+        return obj
+
+    # -- contract ----------------------------------------------------------
+    def contains(self, key: CacheKey, pin: bool = False) -> bool:
+        with self._lock:
+            obj = self._entries.get(key)
+            if obj is None:
+                return False
+            if pin:
+                obj.pin()
+            return True
+
+    def batched_async_contains(self, lookup_id: str, keys: Sequence[CacheKey],
+                               pin: bool = False) -> int:
+        hits = 0
+        with self._lock:
+            entries = self._entries
+            for key in keys:
+                obj = entries.get(key)
+                if obj is None:
+                    break
+                if pin:
+                    obj.pin()
+                hits += 1
+        return hits
+
+    def batched_submit_put(self, keys: Sequence[CacheKey], objs: Sequence[MemoryObj]) -> Future:
+        stored = 0
+        with self._lock:
+            entries, policy = self._entries, self.policy
+            for key, obj in zip(keys, objs, strict=True):
+                if key in entries:
+                    continue
+                if obj.allocator is self.allocator:
+                    obj.ref_up()
+                else:
+                    copy = self._allocate_evicting(obj.shape, obj.dtype)
+                    if copy is None:
+                        self._counters["dropped_puts"] += 1
+                        continue
+                    copy.tensor.copy_(obj.tensor)
+                    obj = copy
+                entries[key] = obj
+                policy.on_insert(key)
+                self._stored_bytes += obj.nbytes
+                stored += 1
+            self._counters["puts"] += stored
+        return done_future(stored)
+
+    def get_blocking(self, key: CacheKey) -> MemoryObj | None:
+        with self._lock:
+            obj = self._entries.get(key)
+            if obj is None:
+                self._counters["misses"] += 1
+                return None
+            obj.ref_up()
+            self.policy.on_access(key)
+            self._counters["hits"] += 1
+            return obj
+
+    def batched_get_non_blocking(self, lookup_id: str, keys: Sequence[CacheKey]) -> Future:
+        out: list[MemoryObj] = []
+        with self._lock:
+            entries, policy = self._entries, self.policy
+            for key in keys:
+                obj = entries.get(key)
+                if obj is None:
+                    break
+                obj.ref_up()
+                policy.on_access(key)
+                out.append(obj)
+            self._counters["hits"] += len(out)
+            self._counters["misses"] += len(out) < len(keys)
+        return done_future(out)
+
+    def pin(self, key: CacheKey) -> bool:
+        return self.contains(key, pin=True)
+
+    def unpin(self, key: CacheKey) -> bool:
+        with self._lock:
+            obj = self._entries.get(key)
+            if obj is None:
+                return False
+            obj.unpin()
+            return True
+
+    def remove(self, key: CacheKey) -> bool:
+        """Drop ``key``; a pinned entry is protected and stays (returns False)."""
+        with self._lock:
+            obj = self._entries.get(key)
+            if obj is None or obj.pin_count:
+                return False
+            self._drop_locked(key)
+            return True
+
+    def clear(self) -> None:
+        """Drop every unpinned entry."""
+        with self._lock:
+            for key in [k for k, o in self._entries.items() if not o.pin_count]:
+                self._drop_locked(key)
+
+    def stats(self) -> dict[str, int]:
+        return {**self._counters, "entries": len(self._entries),
+                "usage_bytes": self._stored_bytes,
+                "arena_used_bytes": self.allocator.used_bytes,
+                "capacity_bytes": self.allocator.capacity_bytes}
+
+    def close(self) -> None:
+        self.clear()
+        super().close()

@@ -1,0 +1,24 @@
+"""Entry point of lmkv's built-in tiers, serializer and GPU connectors
+(group ``lmkv``, name ``lmkv_backends``)."""
+
+from __future__ import annotations
+
+from lmkv.plugins import hookimpl
+from lmkv_backends.cpu import CPUBackend
+from lmkv_backends.gpu_torch import HFConnector, PagedConnector
+from lmkv_backends.serde_naive import NaiveSerializer
+
+
+@hookimpl
+def lmkv_storage_backends() -> list[type]:
+    return [CPUBackend]
+
+
+@hookimpl
+def lmkv_serializers() -> list[type]:
+    return [NaiveSerializer]
+
+
+@hookimpl
+def lmkv_gpu_connectors() -> list[type]:
+    return [HFConnector, PagedConnector]
