@@ -1,7 +1,7 @@
 """Tokens -> chunk keys.
 
 Tokens are split into chunks (default 256). A chunk's hash is
-``sha256(previous chunk's digest || chunk tokens as little-endian int32)``,
+``sha256(previous chunk's digest || chunk tokens as little-endian uint32)``,
 starting from an empty digest, so one key names a whole prefix. Nothing here
 depends on ``hash()`` or PYTHONHASHSEED: hashes agree across processes,
 machines and Python runs.
@@ -9,7 +9,8 @@ machines and Python runs.
 
 from __future__ import annotations
 
-import struct
+import sys
+from array import array
 from hashlib import sha256
 from typing import Any
 
@@ -17,8 +18,9 @@ import msgspec
 import numpy as np
 
 DEFAULT_CHUNK_SIZE = 256
-_INT32_MAX = 2**31 - 1
-_INT32_MIN = -(2**31)
+_UINT32_MAX = 2**32 - 1
+_UINT32 = "I" if array("I").itemsize == 4 else "L"
+_BIG_ENDIAN = sys.byteorder == "big"
 
 
 class KeyMeta(msgspec.Struct, frozen=True):
@@ -49,39 +51,54 @@ class CacheKey(msgspec.Struct, frozen=True):
 
     @classmethod
     def from_string(cls, text: str) -> CacheKey:
-        parts = text.rsplit("@", 6)
         layer = -1
-        if parts[-1].startswith("L"):
-            layer = int(parts[-1][1:])
-            parts = text.rsplit("@", 7)[:-1]
+        head, _, tail = text.rpartition("@")
+        if tail.startswith("L") and tail[1:].isdigit():
+            layer, text = int(tail[1:]), head
+        parts = text.rsplit("@", 5)
         if len(parts) != 6:
             raise ValueError(f"not an lmkv key: {text!r}")
         model, world, rank, dtype, layout, digest = parts
-        meta = KeyMeta(model, int(world), int(rank), dtype, layout)
-        return cls(meta, bytes.fromhex(digest), layer)
+        try:
+            meta = KeyMeta(model, int(world), int(rank), dtype, layout)
+            return cls(meta, bytes.fromhex(digest), layer)
+        except ValueError:
+            raise ValueError(f"not an lmkv key: {text!r}") from None
 
     def with_layer(self, layer: int) -> CacheKey:
         return CacheKey(self.meta, self.chunk_hash, layer)
 
 
 def token_bytes(tokens: Any) -> memoryview:
-    """Tokens (list, tuple, numpy array, torch tensor) as little-endian int32 bytes."""
+    """Tokens (list, tuple, numpy array, torch tensor) as little-endian uint32 bytes.
+
+    Token ids must lie in [0, 2**32); anything else is a ValueError, never a
+    silent wrap-around that could make two prompts share a key.
+    """
     if isinstance(tokens, (list, tuple)):
         try:
-            data = struct.pack(f"<{len(tokens)}i", *tokens)
-        except struct.error as exc:
-            raise ValueError(f"token ids must be integers that fit in int32: {exc}") from None
-        return memoryview(data)
+            packed = array(_UINT32, tokens)
+        except (OverflowError, TypeError) as exc:
+            raise ValueError(f"token ids must be integers in [0, 2**32): {exc}") from None
+        if _BIG_ENDIAN:
+            packed.byteswap()
+        return memoryview(packed).cast("B")
     if hasattr(tokens, "detach"):  # torch.Tensor, without importing torch here
         tokens = tokens.detach().cpu().numpy()
     arr = np.asarray(tokens)
     if arr.ndim != 1 or arr.dtype.kind not in "iu":
         raise ValueError(f"tokens must be a 1-D integer sequence, got {arr.dtype} {arr.shape}")
-    wide = arr.dtype.itemsize > 4 or (arr.dtype.kind == "u" and arr.dtype.itemsize == 4)
-    if wide and arr.size and (arr.min() < _INT32_MIN or arr.max() > _INT32_MAX):
-        raise ValueError("token ids must fit in int32")
-    arr = arr.astype("<i4", copy=False)
-    return memoryview(np.ascontiguousarray(arr)).cast("B")
+    if arr.size and not _in_uint32_range(arr):
+        raise ValueError("token ids must be integers in [0, 2**32)")
+    return memoryview(np.ascontiguousarray(arr.astype("<u4", copy=False))).cast("B")
+
+
+def _in_uint32_range(arr: np.ndarray) -> bool:
+    if arr.dtype.itemsize == 8:  # negatives wrap to huge values: one pass checks both ends
+        return int(arr.view(np.uint64).max()) <= _UINT32_MAX
+    if arr.dtype.kind == "i":
+        return int(arr.min()) >= 0
+    return True
 
 
 def chunk_bounds(num_tokens: int, chunk_size: int, keep_partial: bool) -> list[tuple[int, int]]:

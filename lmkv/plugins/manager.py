@@ -166,3 +166,11 @@ def reset_plugin_manager() -> None:
     global _manager
     with _manager_lock:
         _manager = None
+
+
+def swap_plugin_manager(manager: PluginManager | None) -> PluginManager | None:
+    """Install ``manager`` as the process-wide one; returns the previous (tests)."""
+    global _manager
+    with _manager_lock:
+        previous, _manager = _manager, manager
+        return previous

@@ -1,0 +1,165 @@
+"""Core benchmarks of issue 2: cpu tier store/retrieve, prefix hashing, lookup.
+
+Every figure is printed next to a baseline measured in the same run, as a
+ratio (the machine is shared and noisy; compare ratios, not absolute times).
+
+    python benchmarks/bench_core.py            # all
+    python benchmarks/bench_core.py --quick    # fewer rounds
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import statistics
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from lmkv.backend import BackendContext
+from lmkv.plugins import get_plugin_manager
+from lmkv.tokens import CacheKey, KeyMeta, TokenChunker, prefix_hashes, token_bytes
+
+MiB = 1 << 20
+
+
+def best_of(fn: Callable[[], object], rounds: int) -> float:
+    fn()  # warm-up: touches memory, fills caches
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def make_cpu_tier(max_bytes: int):
+    pm = get_plugin_manager()
+    backend_cls, policy_cls = pm.storage_backend("cpu"), pm.eviction_policy("lru")
+    ctx = BackendContext(eviction_policy=policy_cls())
+    return backend_cls(backend_cls.Options(max_bytes=max_bytes), ctx)
+
+
+def bench_tier(label: str, shape: tuple[int, ...], n_chunks: int, rounds: int) -> None:
+    dtype = torch.bfloat16
+    srcs = [torch.randn(shape).to(dtype) for _ in range(n_chunks)]
+    chunk_bytes = srcs[0].numel() * srcs[0].element_size()
+    dsts = [torch.empty(shape, dtype=dtype) for _ in range(n_chunks)]
+    tier = make_cpu_tier(chunk_bytes * n_chunks + MiB)
+    meta = KeyMeta("bench")
+    keys = [CacheKey(meta, i.to_bytes(32, "little")) for i in range(n_chunks)]
+
+    def copy_in() -> None:
+        for d, s in zip(dsts, srcs, strict=True):
+            d.copy_(s)
+
+    def store() -> None:
+        tier.clear()
+        objs = []
+        for s in srcs:
+            obj = tier.allocate(shape, dtype)
+            obj.tensor.copy_(s)
+            objs.append(obj)
+        tier.batched_submit_put(keys, objs).result()
+        for obj in objs:
+            obj.ref_down()
+
+    def store_timed() -> float:
+        tier.clear()  # not part of the measurement
+        t0 = time.perf_counter()
+        objs = []
+        for s in srcs:
+            obj = tier.allocate(shape, dtype)
+            obj.tensor.copy_(s)
+            objs.append(obj)
+        tier.batched_submit_put(keys, objs).result()
+        for obj in objs:
+            obj.ref_down()
+        return time.perf_counter() - t0
+
+    def retrieve() -> None:
+        objs = tier.batched_get_non_blocking("bench", keys).result()
+        for d, obj in zip(dsts, objs, strict=True):
+            d.copy_(obj.tensor)
+            obj.ref_down()
+
+    base = best_of(copy_in, rounds)
+    store()
+    t_store = min(store_timed() for _ in range(rounds))
+    t_get = best_of(retrieve, rounds)
+    gbs = chunk_bytes * n_chunks / 1e9
+    print(f"\n[{label}] {n_chunks} chunks of {chunk_bytes / MiB:.2f} MiB {tuple(shape)} bf16")
+    print(f"  torch copy_ baseline : {gbs / base:6.2f} GB/s  {n_chunks / base:9.0f} chunks/s")
+    print(f"  store (alloc+copy+put): {gbs / t_store:6.2f} GB/s  {n_chunks / t_store:9.0f} "
+          f"chunks/s  ratio {base / t_store:.2f}")
+    print(f"  retrieve (get+copy)  : {gbs / t_get:6.2f} GB/s  {n_chunks / t_get:9.0f} "
+          f"chunks/s  ratio {base / t_get:.2f}")
+    tier.close()
+
+
+def bench_hash(n_tokens: int, chunk: int, rounds: int) -> None:
+    rng = np.random.default_rng(0)
+    arr = rng.integers(0, 128_000, n_tokens, dtype=np.int64)
+    tensor = torch.from_numpy(arr)
+    as_list = arr.tolist()
+    raw = bytes(token_bytes(arr))
+    step = chunk * 4
+
+    def baseline() -> None:
+        prev = b""
+        for off in range(0, len(raw), step):
+            prev = hashlib.sha256(prev + raw[off:off + step]).digest()
+
+    base = best_of(baseline, rounds)
+    print(f"\n[prefix hash] {n_tokens:,} tokens, {chunk}-token chunks")
+    print(f"  sha256 chain baseline : {n_tokens / base / 1e6:7.1f} M tokens/s")
+    for label, data in (("torch tensor", tensor), ("numpy array", arr), ("python list", as_list)):
+        t = best_of(lambda d=data: prefix_hashes(d, chunk), rounds)
+        print(f"  from {label:12s}: {n_tokens / t / 1e6:7.1f} M tokens/s  ratio {base / t:.2f}")
+    assert prefix_hashes(tensor, chunk) == prefix_hashes(as_list, chunk)
+
+
+def bench_lookup(rounds: int) -> None:
+    n_chunks, chunk = 128, 256
+    shape = (2, 2, chunk, 2, 64)
+    tier = make_cpu_tier(n_chunks * 2 * 2 * chunk * 2 * 64 * 2 + MiB)
+    chunker = TokenChunker(KeyMeta("bench"), chunk)
+    tokens = list(range(n_chunks * chunk))
+    keys = chunker.chunk(tokens).keys
+    objs = [tier.allocate(shape, torch.bfloat16) for _ in keys]
+    tier.batched_submit_put(keys, objs).result()
+    for obj in objs:
+        obj.ref_down()
+
+    def lookup_keys() -> None:
+        assert tier.batched_async_contains("x", keys) == n_chunks
+
+    def lookup_tokens() -> None:
+        assert tier.batched_async_contains("x", chunker.chunk(tokens).keys) == n_chunks
+
+    samples_k = [best_of(lookup_keys, 1) for _ in range(rounds * 20)]
+    samples_t = [best_of(lookup_tokens, 1) for _ in range(rounds * 20)]
+    print(f"\n[lookup] {n_chunks} chunks ({n_chunks * chunk:,} tokens) in the cpu tier "
+          "(target < 1 ms)")
+    print(f"  keys already hashed   : median {statistics.median(samples_k) * 1e3:.3f} ms")
+    print(f"  from a token list     : median {statistics.median(samples_t) * 1e3:.3f} ms "
+          "(hashing included)")
+    tier.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer rounds")
+    args = parser.parse_args()
+    rounds = 3 if args.quick else 7
+    torch.set_num_threads(1)  # copies are memory-bound; one thread is the fair baseline
+    bench_tier("Llama-3-8B-shaped", (32, 2, 256, 8, 128), 16, rounds)
+    bench_tier("small model", (2, 2, 256, 2, 64), 2048, rounds)
+    bench_hash(1 << 20, 256, rounds)
+    bench_lookup(rounds)
+
+
+if __name__ == "__main__":
+    main()

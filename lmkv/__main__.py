@@ -1,0 +1,3 @@
+from lmkv.cli import main
+
+raise SystemExit(main())

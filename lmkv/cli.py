@@ -1,0 +1,102 @@
+"""The ``lmkv`` command: plugins, config check, stats and the demo."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from collections.abc import Sequence
+
+import yaml
+
+from lmkv.errors import LMKVError
+
+
+def _cmd_plugins(args: argparse.Namespace) -> int:
+    from lmkv.plugins.manager import get_plugin_manager
+
+    manager = get_plugin_manager()
+    registry = manager.registry
+    plugins = [{"kind": e.kind, "name": e.name, "distribution": e.source.distribution,
+                "version": e.source.version, "entry_point": e.source.plugin}
+               for e in registry.entries()]
+    errors = [{"entry_point": f.source.plugin, "distribution": f.source.distribution,
+               "version": f.source.version, "error": f.error} for f in registry.failures]
+    skipped = [{"entry_point": s.source.plugin, "distribution": s.source.distribution,
+                "reason": s.reason} for s in manager.skipped]
+    if args.json:
+        print(json.dumps({"plugins": plugins, "errors": errors, "skipped": skipped}, indent=2))
+        return 0
+    header = ("KIND", "NAME", "DISTRIBUTION", "VERSION", "ENTRY POINT")
+    rows = [header] + [(p["kind"], p["name"], p["distribution"] or "-", p["version"] or "-",
+                        p["entry_point"]) for p in plugins]
+    widths = [max(len(str(r[i])) for r in rows) for i in range(len(header))]
+    for row in rows:
+        print("  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
+    if errors:
+        print("\nplugins that failed to load:")
+        for e in errors:
+            print(f"  {e['entry_point']} ({e['distribution']} {e['version']}): {e['error']}")
+    if skipped:
+        print("\nplugins skipped:")
+        for s in skipped:
+            print(f"  {s['entry_point']} ({s['distribution']}): {s['reason']}")
+    return 0
+
+
+def _cmd_config_check(args: argparse.Namespace) -> int:
+    from lmkv.config import load_config
+
+    config = load_config(args.file)
+    print(f"# {args.file}: valid; resolved configuration:")
+    print(yaml.safe_dump(config.resolved_dump(), sort_keys=False).rstrip())
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from lmkv.demo import run_demo
+
+    return run_demo(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="lmkv", description="lmkv: a tiered KV-cache layer")
+    parser.add_argument("--log-level", type=str.upper,
+                        default=os.environ.get("LMKV_LOG_LEVEL", "WARNING").upper(),
+                        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                        help="logging level (default WARNING; env LMKV_LOG_LEVEL)")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    plugins = sub.add_parser("plugins", help="list installed plugins and load errors")
+    plugins.add_argument("--json", action="store_true", help="machine-readable output")
+    plugins.set_defaults(func=_cmd_plugins)
+
+    config = sub.add_parser("config", help="configuration tools")
+    config_sub = config.add_subparsers(dest="config_command", required=True)
+    check = config_sub.add_parser("check", help="validate FILE and print the resolved config")
+    check.add_argument("file")
+    check.set_defaults(func=_cmd_config_check)
+
+    from lmkv.demo import add_demo_arguments
+
+    demo = sub.add_parser("demo", help="cold vs warm time to first token on a local model")
+    add_demo_arguments(demo)
+    demo.set_defaults(func=_cmd_demo)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except LMKVError as exc:
+        for line in str(exc).splitlines() or [type(exc).__name__]:
+            print(f"lmkv: error: {line}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("lmkv: interrupted", file=sys.stderr)
+        return 130

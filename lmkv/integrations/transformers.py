@@ -1,0 +1,87 @@
+"""Reuse a Hugging Face causal LM's prompt KV through lmkv.
+
+    from lmkv.integrations.transformers import HFCacheEngine
+
+    cache = HFCacheEngine(model)              # config: LMKV_* env / lmkv.yaml / defaults
+    out = cache.prefill(input_ids)            # loads the stored prefix, computes the rest,
+    out.logits, out.cache, out.hit_tokens     # stores the new chunks
+
+``retrieve`` and ``store`` are there for loops that run the model themselves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from lmkv.config import LMKVConfig, load_config
+from lmkv.engine import CacheEngine
+from lmkv.gpu import KVSpec
+from lmkv.integrations.hf_model import cache_to_kv, kv_to_cache, prefill
+
+
+@dataclass
+class PrefillOutput:
+    logits: torch.Tensor
+    """Last-position logits, ``[vocab]``."""
+    cache: Any
+    """The model's cache after the prompt, ready for decoding."""
+    hit_tokens: int
+    """Prompt tokens loaded from lmkv instead of computed."""
+
+
+def kv_spec_of(model: Any) -> KVSpec:
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    return KVSpec(cfg.num_hidden_layers, kv_heads, head_dim, model.dtype)
+
+
+class HFCacheEngine:
+    """lmkv's cache engine bound to one transformers model (batch size 1)."""
+
+    def __init__(self, model: Any, config: LMKVConfig | None = None, *,
+                 model_name: str | None = None) -> None:
+        self.model = model
+        name = model_name or getattr(model.config, "_name_or_path", "") or model.config.model_type
+        self.engine = CacheEngine.from_config(config or load_config(), kv_spec_of(model),
+                                              model_name=name, default_connector="hf")
+
+    def store(self, input_ids: Sequence[int] | torch.Tensor, cache: Any) -> int:
+        """Store the KV of ``input_ids``' whole chunks found in ``cache``; returns tokens stored."""
+        return self.engine.store(_flat(input_ids), kv=cache_to_kv(cache))
+
+    def retrieve(self, input_ids: Sequence[int] | torch.Tensor) -> tuple[int, Any]:
+        """(hit tokens, a model cache holding them) for the stored prefix of the prompt.
+
+        At least the last prompt token is left to compute, since its logits are needed.
+        """
+        ids = _flat(input_ids)
+        result = self.engine.retrieve(ids[:-1], device=self.model.device)
+        if result.num_tokens == 0:
+            return 0, None
+        return result.num_tokens, kv_to_cache(result.kv, self.model.config)
+
+    def prefill(self, input_ids: Sequence[int] | torch.Tensor, *,
+                store: bool = True) -> PrefillOutput:
+        ids = _flat(input_ids)
+        hit, cache = self.retrieve(ids)
+        logits, cache = prefill(self.model, ids[hit:], cache)
+        if store:
+            self.store(ids, cache)
+        return PrefillOutput(logits, cache, hit)
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def _flat(input_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
+    ids = torch.as_tensor(input_ids, dtype=torch.long)
+    if ids.dim() == 2 and ids.shape[0] == 1:
+        ids = ids[0]
+    if ids.dim() != 1:
+        raise ValueError(f"expected one prompt (batch size 1), got shape {tuple(ids.shape)}")
+    return ids.cpu()

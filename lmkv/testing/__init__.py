@@ -1,0 +1,15 @@
+"""Testing helpers for plugin authors.
+
+* ``StorageBackendConformance``: subclass it in a ``Test*`` class, implement
+  ``make_backend``, and pytest runs the storage contract against your tier.
+* ``registered_plugin(obj)``: a context manager that registers a plugin in a
+  fresh plugin manager for the length of a block.
+* pytest fixtures (loaded automatically through the ``pytest11`` entry point):
+  ``lmkv_plugin_manager`` (a fresh manager for one test) and
+  ``register_lmkv_plugin`` (register a plugin for one test).
+"""
+
+from lmkv.testing.conformance import StorageBackendConformance
+from lmkv.testing.plugins import fresh_plugin_manager, registered_plugin
+
+__all__ = ["StorageBackendConformance", "fresh_plugin_manager", "registered_plugin"]

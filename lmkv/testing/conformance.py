@@ -1,0 +1,160 @@
+"""The storage-backend conformance suite.
+
+Subclass ``StorageBackendConformance`` in a class whose name starts with
+``Test`` and implement ``make_backend``; every test below then runs against
+your backend::
+
+    class TestMyBackend(StorageBackendConformance):
+        def make_backend(self):
+            return MyBackend(MyBackend.Options(), BackendContext(...))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from lmkv.backend import StorageBackend
+from lmkv.memory import MemoryObj, tensor_obj
+from lmkv.tokens import CacheKey, KeyMeta
+
+
+class StorageBackendConformance:
+    """Contract tests every storage backend passes."""
+
+    chunk_shape: tuple[int, ...] = (2, 2, 16, 2, 32)
+    dtype: torch.dtype = torch.float16
+    meta = KeyMeta("conformance-model", 1, 0, "float16", "l2thd")
+
+    def make_backend(self) -> StorageBackend:
+        raise NotImplementedError("subclasses return a fresh backend")
+
+    # -- helpers -------------------------------------------------------------
+    @pytest.fixture
+    def backend(self) -> Iterator[StorageBackend]:
+        backend = self.make_backend()
+        try:
+            yield backend
+        finally:
+            backend.close()
+
+    def key(self, i: int) -> CacheKey:
+        return CacheKey(self.meta, i.to_bytes(4, "little") * 8)
+
+    def make_obj(self, backend: StorageBackend, seed: int) -> MemoryObj:
+        gen = torch.Generator().manual_seed(seed)
+        data = torch.randn(self.chunk_shape, generator=gen).to(self.dtype)
+        obj = backend.allocate(self.chunk_shape, self.dtype)
+        if obj is None:
+            return tensor_obj(data)
+        obj.tensor.copy_(data)
+        return obj
+
+    def put(self, backend: StorageBackend, ids: list[int]) -> list[torch.Tensor]:
+        objs = [self.make_obj(backend, i) for i in ids]
+        expected = [o.tensor.clone() for o in objs]
+        stored = backend.batched_submit_put([self.key(i) for i in ids], objs).result(timeout=30)
+        for obj in objs:
+            obj.ref_down()
+        assert stored == len(ids)
+        return expected
+
+    # -- the contract -----------------------------------------------------------
+    def test_missing_key_is_a_miss(self, backend: StorageBackend) -> None:
+        assert not backend.contains(self.key(1))
+        assert backend.get_blocking(self.key(1)) is None
+        assert backend.batched_async_contains("l", [self.key(1), self.key(2)]) == 0
+
+    def test_put_then_get_returns_identical_bytes(self, backend: StorageBackend) -> None:
+        (expected,) = self.put(backend, [7])
+        obj = backend.get_blocking(self.key(7))
+        assert obj is not None
+        try:
+            assert obj.dtype == self.dtype
+            assert tuple(obj.shape) == self.chunk_shape
+            assert torch.equal(obj.tensor, expected)
+        finally:
+            obj.ref_down()
+
+    def test_put_completion_is_observable(self, backend: StorageBackend) -> None:
+        obj = self.make_obj(backend, 1)
+        future = backend.batched_submit_put([self.key(1)], [obj])
+        obj.ref_down()
+        assert future.result(timeout=30) == 1
+        assert backend.contains(self.key(1))
+
+    def test_put_of_a_stored_key_keeps_one_entry(self, backend: StorageBackend) -> None:
+        self.put(backend, [3])
+        usage = backend.usage_bytes
+        obj = self.make_obj(backend, 3)
+        backend.batched_submit_put([self.key(3)], [obj]).result(timeout=30)
+        obj.ref_down()
+        assert backend.usage_bytes == usage
+
+    def test_async_contains_counts_the_leading_prefix(self, backend: StorageBackend) -> None:
+        self.put(backend, [0, 1, 2, 4])
+        keys = [self.key(i) for i in range(5)]
+        assert backend.batched_async_contains("l", keys) == 3
+        assert backend.batched_async_contains("l", keys[3:]) == 0
+        assert backend.batched_async_contains("l", []) == 0
+
+    def test_async_contains_pins_the_hits(self, backend: StorageBackend) -> None:
+        self.put(backend, [0, 1])
+        keys = [self.key(0), self.key(1), self.key(2)]
+        assert backend.batched_async_contains("l", keys, pin=True) == 2
+        assert backend.unpin(self.key(0))
+        assert backend.unpin(self.key(1))
+        assert not backend.unpin(self.key(2))
+
+    def test_pin_and_unpin_report_presence(self, backend: StorageBackend) -> None:
+        self.put(backend, [5])
+        assert backend.pin(self.key(5))
+        assert backend.unpin(self.key(5))
+        assert not backend.pin(self.key(6))
+        assert not backend.unpin(self.key(6))
+
+    def test_non_blocking_get_returns_the_leading_hits(self, backend: StorageBackend) -> None:
+        expected = self.put(backend, [0, 1, 3])
+        keys = [self.key(i) for i in range(4)]
+        objs = backend.batched_get_non_blocking("l", keys).result(timeout=30)
+        try:
+            assert len(objs) == 2
+            for obj, data in zip(objs, expected[:2], strict=True):
+                assert torch.equal(obj.tensor, data)
+        finally:
+            for obj in objs:
+                obj.ref_down()
+
+    def test_a_released_get_leaves_the_entry_readable(self, backend: StorageBackend) -> None:
+        (expected,) = self.put(backend, [9])
+        for _ in range(3):
+            obj = backend.get_blocking(self.key(9))
+            assert obj is not None and torch.equal(obj.tensor, expected)
+            obj.ref_down()
+
+    def test_remove(self, backend: StorageBackend) -> None:
+        self.put(backend, [1])
+        assert backend.remove(self.key(1))
+        assert not backend.contains(self.key(1))
+        assert backend.get_blocking(self.key(1)) is None
+        assert not backend.remove(self.key(1))
+
+    def test_remove_frees_usage(self, backend: StorageBackend) -> None:
+        start = backend.usage_bytes
+        for _ in range(20):
+            self.put(backend, [1, 2, 3])
+            assert backend.usage_bytes > start
+            for i in (1, 2, 3):
+                assert backend.remove(self.key(i))
+        assert backend.usage_bytes == start
+
+    def test_capacity_is_reported(self, backend: StorageBackend) -> None:
+        capacity = backend.capacity_bytes
+        assert capacity is None or capacity > 0
+
+    def test_close_is_idempotent(self, backend: StorageBackend) -> None:
+        self.put(backend, [1])
+        backend.close()
+        backend.close()

@@ -1,0 +1,140 @@
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from lmkv.backend import BackendContext
+from lmkv.testing import StorageBackendConformance
+from lmkv.tokens import CacheKey, KeyMeta
+from lmkv_backends.cpu import CPUBackend
+from lmkv_policies.lru import LRUPolicy
+
+SHAPE = (2, 2, 16, 2, 32)
+CHUNK_BYTES = 2 * 2 * 16 * 2 * 32 * 2
+
+
+def make_cpu(max_bytes: int = 1 << 20) -> CPUBackend:
+    return CPUBackend(CPUBackend.Options(max_bytes=max_bytes),
+                      BackendContext(eviction_policy=LRUPolicy()))
+
+
+class TestCPUConformance(StorageBackendConformance):
+    def make_backend(self) -> CPUBackend:
+        return make_cpu()
+
+
+def key(i: int) -> CacheKey:
+    return CacheKey(KeyMeta("m"), i.to_bytes(32, "little"))
+
+
+def put(tier: CPUBackend, i: int) -> bool:
+    obj = tier.allocate(SHAPE, torch.float16)
+    if obj is None:
+        return False
+    obj.tensor.fill_(i % 1000)
+    stored = tier.batched_submit_put([key(i)], [obj]).result()
+    obj.ref_down()
+    return stored == 1
+
+
+def test_lru_eviction_keeps_recent_entries() -> None:
+    tier = make_cpu(4 * CHUNK_BYTES)
+    for i in range(4):
+        assert put(tier, i)
+    obj = tier.get_blocking(key(0))  # 0 becomes most recent
+    obj.ref_down()
+    assert put(tier, 4)
+    assert [tier.contains(key(i)) for i in range(5)] == [True, False, True, True, True]
+    assert tier.stats()["evictions"] == 1
+
+
+def test_pinned_and_referenced_entries_are_never_evicted() -> None:
+    tier = make_cpu(4 * CHUNK_BYTES)
+    for i in range(4):
+        put(tier, i)
+    tier.pin(key(0))
+    held = tier.get_blocking(key(1))
+    for i in range(4, 10):
+        put(tier, i)
+    assert tier.contains(key(0)) and tier.contains(key(1))
+    assert torch.all(held.tensor == 1)
+    # everything left is pinned or referenced: nothing can be evicted
+    tier.pin(key(8))
+    tier.pin(key(9))
+    assert tier.allocate(SHAPE, torch.float16) is None
+    held.ref_down()
+    assert put(tier, 10)
+    assert not tier.contains(key(1))
+    for k in (0, 8, 9):
+        tier.unpin(key(k))
+
+
+def test_removing_a_pinned_entry_is_refused() -> None:
+    tier = make_cpu()
+    put(tier, 1)
+    tier.pin(key(1))
+    assert not tier.remove(key(1))
+    tier.unpin(key(1))
+    assert tier.remove(key(1))
+
+
+def test_put_of_a_foreign_buffer_is_copied_in() -> None:
+    tier = make_cpu()
+    from lmkv.memory import tensor_obj
+
+    obj = tensor_obj(torch.full(SHAPE, 3.0, dtype=torch.float16))
+    assert tier.batched_submit_put([key(1)], [obj]).result() == 1
+    obj.tensor.fill_(0)
+    got = tier.get_blocking(key(1))
+    assert torch.all(got.tensor == 3)
+    got.ref_down()
+
+
+def test_workload_ten_times_the_budget_holds_it_and_leaks_nothing() -> None:
+    budget = 16 * CHUNK_BYTES
+    tier = make_cpu(budget)
+    rng = random.Random(0)
+    total_bytes = 0
+    held, pinned = [], []
+    for step in range(2000):
+        op = rng.random()
+        if op < 0.5:
+            if put(tier, step):
+                total_bytes += CHUNK_BYTES
+        elif op < 0.75:
+            obj = tier.get_blocking(key(rng.randrange(step + 1)))
+            if obj is not None:
+                held.append(obj)
+        elif op < 0.9:
+            k = key(rng.randrange(step + 1))
+            if tier.batched_async_contains("x", [k], pin=True):
+                pinned.append(k)
+        else:
+            while held:
+                held.pop().ref_down()
+            while pinned:
+                assert tier.unpin(pinned.pop())
+        assert tier.allocator.used_bytes <= budget
+        assert tier.usage_bytes <= budget
+    assert total_bytes >= 10 * budget
+    while held:
+        held.pop().ref_down()
+    while pinned:
+        assert tier.unpin(pinned.pop())
+    # every pin and reference the workload took is back: only the tier's own remain
+    for obj in tier._entries.values():
+        assert (obj.ref_count, obj.pin_count) == (1, 0)
+    tier.clear()
+    assert tier.allocator.used_bytes == 0
+    assert tier.allocator.live_objects == 0
+
+
+@pytest.mark.parametrize("n", [1, 128])
+def test_batched_contains_is_a_prefix(n: int) -> None:
+    tier = make_cpu()
+    for i in range(n):
+        put(tier, i)
+    keys = [key(i) for i in range(n + 5)]
+    assert tier.batched_async_contains("x", keys) == n

@@ -1,0 +1,37 @@
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import run_cli
+
+
+def test_demo_runs_and_reports_identical_output() -> None:
+    pytest.importorskip("transformers")
+    result = run_cli("demo", "--preset", "tiny", "--prompts", "2", "--prefix-tokens", "512",
+                     "--suffix-tokens", "64", "--new-tokens", "4")
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "generated tokens identical    : yes" in out
+    assert "logits vs the model's own KV  : bit-identical" in out
+    assert "[warm 2/2]" in out and "reused 512 tokens" in out
+    assert "speedup" in out
+
+
+@pytest.mark.parametrize("args,expected", [
+    (["demo", "--prompts", "0"], "--prompts = 0: must be a positive integer"),
+    (["demo", "--preset", "tiny", "--heads", "3"], "--heads = 3 must be a multiple of"),
+])
+def test_bad_demo_arguments_are_one_line(args: list[str], expected: str) -> None:
+    result = run_cli(*args)
+    assert result.returncode == 2
+    assert result.stderr.strip() == f"lmkv: error: {expected}" or expected in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_bad_config_file_for_the_demo(tmp_path) -> None:
+    cfg = tmp_path / "x.yaml"
+    cfg.write_text("tiers: [{type: cpu, options: {max_bytes: -5}}]\n")
+    result = run_cli("demo", "--preset", "tiny", "--config", str(cfg))
+    assert result.returncode == 2
+    assert "tiers.0.options.max_bytes" in result.stderr
+    assert "Traceback" not in result.stderr

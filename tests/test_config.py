@@ -1,0 +1,165 @@
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from lmkv.config import LMKVConfig, load_config
+from lmkv.errors import ConfigError
+from tests.conftest import run_cli
+
+
+def write(tmp_path: Path, name: str, text: str) -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def test_defaults() -> None:
+    config = load_config(env={})
+    assert config.chunk_size == 256
+    assert [t.type for t in config.tiers] == ["cpu"]
+    assert config.tiers[0].eviction.type == "lru"
+    assert config.serializer.type == "naive"
+    assert (config.lazy_offload, config.lazy_offload_policy.type,
+            config.lazy_offload_threshold, config.lazy_offload_select_count) == (
+        False, "FIFO", 100, 10)
+    # "no config" and "default config" are the same thing
+    assert config == LMKVConfig()
+
+
+@pytest.mark.parametrize("name,text", [
+    ("c.yaml", "chunk_size: 128\ntiers:\n  - type: cpu\n    options: {max_bytes: 64MiB}\n"),
+    ("c.toml", 'chunk_size = 128\n[[tiers]]\ntype = "cpu"\noptions = {max_bytes = "64MiB"}\n'),
+    ("c.json", json.dumps({"chunk_size": 128,
+                           "tiers": [{"type": "cpu", "options": {"max_bytes": "64MiB"}}]})),
+    ("nested.yaml", "lmkv:\n  chunk_size: 128\n  tiers: [{type: cpu, options: "
+                    "{max_bytes: 64MiB}}]\n"),
+])
+def test_file_formats(tmp_path: Path, name: str, text: str) -> None:
+    config = load_config(write(tmp_path, name, text), env={})
+    assert config.chunk_size == 128
+    assert config.tiers[0].options == {"max_bytes": "64MiB"}
+
+
+def test_precedence_file_env_dotted(tmp_path: Path) -> None:
+    path = write(tmp_path, "c.yaml", "chunk_size: 128\nlazy_offload_threshold: 5\n")
+    env = {"LMKV_CHUNK_SIZE": "64", "LMKV_LAZY_OFFLOAD": "true",
+           "LMKV_TIERS__0__OPTIONS__MAX_BYTES": "32MiB"}
+    config = load_config(path, env=env, overrides={"lmkv.chunk_size": 32})
+    assert config.chunk_size == 32  # dotted beats env beats file
+    assert config.lazy_offload is True
+    assert config.lazy_offload_threshold == 5
+    assert config.tiers[0].options["max_bytes"] == "32MiB"
+
+
+def test_config_file_from_dotted_key_and_env(tmp_path: Path) -> None:
+    path = write(tmp_path, "c.yaml", "chunk_size: 512\n")
+    assert load_config(env={}, overrides={"lmkv.config_file": str(path)}).chunk_size == 512
+    assert load_config(env={"LMKV_CONFIG": str(path)}).chunk_size == 512
+
+
+def test_dotted_keys_append_tiers_and_pick_plugins() -> None:
+    config = load_config(env={}, overrides={
+        "lmkv.tiers.0.eviction": "lru", "lmkv.serializer.type": "naive",
+        "lmkv.gpu_connector": {"type": "paged", "options": {"layout": "cpu"}},
+    })
+    assert config.gpu_connector.options == {"layout": "cpu"}
+    dump = config.resolved_dump()
+    assert dump["tiers"][0]["options"]["max_bytes"] == 4 << 30
+    assert dump["gpu_connector"]["options"] == {"layout": "cpu"}
+
+
+# Each bad input gives exactly one line that names the key (and value when there is one).
+BAD = [
+    ({"lmkv.chunk_size": 0}, "config key 'chunk_size' = 0 (from lmkv.chunk_size): "
+                             "must be a positive integer"),
+    ({"lmkv.chunk_size": "lots"}, "config key 'chunk_size' = 'lots' (from lmkv.chunk_size): "
+                                  "must be an integer"),
+    ({"lmkv.lazy_offload_threshold": -3}, "config key 'lazy_offload_threshold' = -3"),
+    ({"lmkv.lazy_offload_select_count": 1.5}, "config key 'lazy_offload_select_count' = 1.5"),
+    ({"lmkv.lazy_offload": "maybe"}, "config key 'lazy_offload' = 'maybe' "
+                                     "(from lmkv.lazy_offload): must be true or false"),
+    ({"lmkv.lazy_offload_policy": "LIFO"}, "lazy_offload_policy.type = 'LIFO': unknown offload "
+                                           "policy 'LIFO'; available: FIFO"),
+    ({"lmkv.chunk_sise": 3}, "config key 'chunk_sise' (from lmkv.chunk_sise): unknown key"),
+    ({"lmkv.tiers.0.type": "redis"}, "pip install lmkv-redis"),
+    ({"lmkv.tiers.0.options.max_bytes": "a lot"},
+     "config key 'tiers.0.options.max_bytes' = 'a lot': must be a byte count or a size"),
+    ({"lmkv.tiers.0.options.max_byte": 5}, "config key 'tiers.0.options.max_byte': unknown key"),
+    ({"lmkv.tiers.0.eviction": "mru"}, "tiers.0.eviction.type = 'mru': unknown eviction policy"),
+    ({"lmkv.serializer": "pickle"}, "serializer.type = 'pickle': unknown serializer 'pickle'; "
+                                    "available: naive"),
+    ({"lmkv.gpu_connector": {"type": "paged", "options": {"layout": "weird"}}},
+     "config key 'gpu_connector.options.layout' = 'weird': input should be 'flash' or 'cpu'"),
+    ({"lmkv.tiers": []}, "config key 'tiers' = [] (from lmkv.tiers): list should have at least"),
+    ({"lmkv.tiers.3.type": "cpu"}, "config key 'tiers.3.type' (from lmkv.tiers.3.type): "
+                                   "index 3 skips entries"),
+    ({"lmkv.model_name": ""}, "config key 'model_name' = ''"),
+]
+
+
+@pytest.mark.parametrize("overrides,expected", BAD)
+def test_bad_values_give_one_line(overrides: dict, expected: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(env={}, overrides=overrides)
+    message = str(info.value)
+    assert len(message.splitlines()) == 1, message
+    assert expected in message
+
+
+def test_bad_env_value_names_the_variable() -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(env={"LMKV_LAZY_OFFLOAD_THRESHOLD": "0"})
+    assert str(info.value) == ("config key 'lazy_offload_threshold' = 0 (from env "
+                               "LMKV_LAZY_OFFLOAD_THRESHOLD): must be a positive integer")
+
+
+def test_unknown_env_var_is_an_error() -> None:
+    with pytest.raises(ConfigError, match="'chunksize' \\(from env LMKV_CHUNKSIZE\\): unknown"):
+        load_config(env={"LMKV_CHUNKSIZE": "12"})
+
+
+def test_several_bad_values_give_a_line_each(tmp_path: Path) -> None:
+    path = write(tmp_path, "c.yaml", "chunk_size: -1\nlazy_offload_select_count: 0\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path, env={})
+    lines = str(info.value).splitlines()
+    assert len(lines) == 2
+    assert all(f"(from {path})" in line for line in lines)
+
+
+@pytest.mark.parametrize("name,text,expected", [
+    ("c.yaml", "chunk_size: [1\n", "not valid YAML"),
+    ("c.toml", "chunk_size = = 1\n", "not valid TOML"),
+    ("c.json", "{chunk_size: 1}", "not valid JSON"),
+    ("c.ini", "chunk_size=1", "unknown format '.ini'; allowed: .yaml, .yml, .toml, .json"),
+    ("c.yaml", "- 1\n- 2\n", "top level must be a mapping"),
+])
+def test_bad_files(tmp_path: Path, name: str, text: str, expected: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(write(tmp_path, name, text), env={})
+    assert expected in str(info.value)
+    assert len(str(info.value).splitlines()) == 1
+
+
+def test_missing_file() -> None:
+    with pytest.raises(ConfigError, match="cannot read it"):
+        load_config("/nonexistent/lmkv.yaml", env={})
+
+
+def test_cli_config_check(tmp_path: Path) -> None:
+    good = write(tmp_path, "good.yaml", "chunk_size: 128\n")
+    result = run_cli("config", "check", str(good))
+    assert result.returncode == 0, result.stderr
+    assert "chunk_size: 128" in result.stdout
+    assert "max_bytes: 4294967296" in result.stdout
+
+    bad = write(tmp_path, "bad.yaml", "chunk_size: 128\nlazy_offload_threshold: 0\n")
+    result = run_cli("config", "check", str(bad))
+    assert result.returncode == 2
+    assert result.stdout == ""
+    assert result.stderr.splitlines() == [
+        f"lmkv: error: config key 'lazy_offload_threshold' = 0 (from {bad}): "
+        "must be a positive integer"]

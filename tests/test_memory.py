@@ -1,0 +1,76 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lmkv.errors import RefCountError
+from lmkv.memory import ALIGNMENT, MemoryAllocator
+
+
+def test_allocations_never_exceed_the_budget() -> None:
+    alloc = MemoryAllocator(10 * 4096)
+    objs = []
+    while (obj := alloc.allocate((1024,), torch.float32)) is not None:
+        objs.append(obj)
+    assert len(objs) == 10
+    assert alloc.used_bytes == alloc.capacity_bytes
+    assert alloc.allocate((1,), torch.uint8) is None
+    for obj in objs:
+        obj.ref_down()
+    assert alloc.used_bytes == 0 and alloc.live_objects == 0
+
+
+def test_buffers_do_not_overlap_and_hold_their_data() -> None:
+    alloc = MemoryAllocator(1 << 20)
+    objs = [alloc.allocate((100 + i,), torch.float16) for i in range(50)]
+    for i, obj in enumerate(objs):
+        obj.tensor.fill_(i)
+    for i, obj in enumerate(objs):
+        assert torch.all(obj.tensor == i)
+        assert obj.offset % ALIGNMENT == 0
+
+
+def test_free_blocks_coalesce() -> None:
+    alloc = MemoryAllocator(8 * 1024)
+    objs = [alloc.allocate((1024,), torch.uint8) for _ in range(8)]
+    for obj in objs[1::2]:
+        obj.ref_down()
+    assert alloc.allocate((2048,), torch.uint8) is None  # fragmented
+    for obj in objs[0::2]:
+        obj.ref_down()
+    big = alloc.allocate((8 * 1024,), torch.uint8)
+    assert big is not None and big.offset == 0
+
+
+def test_reference_counting_frees_at_zero() -> None:
+    alloc = MemoryAllocator(4096)
+    obj = alloc.allocate((256,), torch.uint8)
+    obj.ref_up()
+    obj.ref_down()
+    assert alloc.live_objects == 1
+    obj.ref_down()
+    assert alloc.live_objects == 0
+
+
+def test_double_release_raises_in_tests() -> None:
+    alloc = MemoryAllocator(4096)
+    obj = alloc.allocate((256,), torch.uint8)
+    obj.ref_down()
+    with pytest.raises(RefCountError):
+        obj.ref_down()
+    other = alloc.allocate((256,), torch.uint8)
+    with pytest.raises(RefCountError):
+        other.unpin()
+
+
+def test_pin_counts() -> None:
+    alloc = MemoryAllocator(4096)
+    obj = alloc.allocate((256,), torch.uint8)
+    assert obj.is_evictable
+    obj.pin()
+    assert not obj.is_evictable
+    obj.unpin()
+    obj.ref_up()
+    assert not obj.is_evictable  # someone besides the tier holds it
+    obj.ref_down()
+    obj.ref_down()

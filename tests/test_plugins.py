@@ -1,0 +1,165 @@
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from lmkv.errors import DuplicatePluginError, PluginError, UnknownPluginError
+from lmkv.plugins import hookimpl
+from lmkv.plugins.manager import PluginManager
+from lmkv.plugins.registry import KINDS
+from lmkv.testing import registered_plugin
+from lmkv_backends.cpu import CPUBackend
+from lmkv_policies.lru import LRUPolicy
+from tests.conftest import run_cli
+from tests.plugin_fixtures import write_broken_plugin, write_hello_plugin
+
+
+class Shadow(CPUBackend):
+    name = "CPU"  # names are case-insensitive: this collides with the built-in
+
+
+class DuplicatePlugin:
+    @hookimpl
+    def lmkv_storage_backends(self):
+        return Shadow
+
+
+def test_builtins_register_through_entry_points() -> None:
+    manager = PluginManager()
+    manager.load_entry_points()
+    names = {(e.kind, e.name): e.source for e in manager.registry.entries()}
+    for key in [("storage_backend", "cpu"), ("eviction_policy", "lru"),
+                ("offload_policy", "FIFO"), ("serializer", "naive"),
+                ("gpu_connector", "hf"), ("gpu_connector", "paged")]:
+        assert key in names
+        assert names[key].distribution == "lmkv"
+
+
+def test_core_never_imports_builtin_plugins_by_name() -> None:
+    root = Path(__file__).resolve().parents[1] / "lmkv"
+    for path in root.rglob("*.py"):
+        text = path.read_text()
+        for name in ("lmkv_backends", "lmkv_policies", "lmkv_redis"):
+            assert f"import {name}" not in text and f"from {name}" not in text, path
+
+
+def test_lookup_is_case_insensitive() -> None:
+    manager = PluginManager()
+    manager.load_entry_points()
+    assert manager.offload_policy("fifo") is manager.offload_policy("FIFO")
+
+
+def test_duplicate_name_is_an_error() -> None:
+    with registered_plugin(DuplicatePlugin(), name="dup") as manager, \
+            pytest.raises(DuplicatePluginError, match="registered twice"):
+        _ = manager.registry
+
+
+def test_unknown_name_lists_available_and_pip_command() -> None:
+    manager = PluginManager()
+    manager.load_entry_points()
+    with pytest.raises(UnknownPluginError) as info:
+        manager.storage_backend("redis")
+    assert "available: cpu" in str(info.value)
+    assert "pip install lmkv-redis" in str(info.value)
+    with pytest.raises(UnknownPluginError, match="unknown storage backend 'nope'; available"):
+        manager.storage_backend("nope")
+
+
+def test_hook_must_return_plugin_classes() -> None:
+    class Bad:
+        @hookimpl
+        def lmkv_eviction_policies(self):
+            return [object]
+
+    with registered_plugin(Bad(), name="bad") as manager, \
+            pytest.raises(PluginError, match="expected a subclass"):
+        _ = manager.registry
+
+
+def test_every_kind_has_a_hook() -> None:
+    from lmkv.plugins import hookspecs
+
+    for kind in KINDS.values():
+        assert hasattr(hookspecs, kind.hook)
+        assert kind.base_class().__name__
+
+
+@pytest.fixture
+def third_party(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    write_hello_plugin(tmp_path)
+    write_broken_plugin(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield tmp_path
+    for mod in [m for m in sys.modules if m.startswith(("lmkv_hello", "lmkv_broken"))]:
+        del sys.modules[mod]
+
+
+def test_third_party_plugin_is_discovered(third_party: Path) -> None:
+    manager = PluginManager()
+    manager.load_entry_points()
+    backend = manager.storage_backend("hello")
+    assert backend.__module__ == "lmkv_hello.plugin"
+    entry = next(e for e in manager.registry.entries() if e.name == "hello")
+    assert (entry.source.distribution, entry.source.version) == ("lmkv-hello", "1.0")
+    assert manager.eviction_policy("newest-first")
+
+
+def test_broken_plugin_is_recorded_not_fatal(third_party: Path) -> None:
+    manager = PluginManager()
+    manager.load_entry_points()
+    assert manager.storage_backend("cpu") is CPUBackend
+    (failure,) = [f for f in manager.registry.failures
+                  if f.source.distribution == "lmkv-broken"]
+    assert "not_a_real_module_for_lmkv_tests" in failure.error
+    with pytest.raises(UnknownPluginError, match="failed to load"):
+        manager.storage_backend("something-broken-provides")
+
+
+def test_allow_and_block_lists(third_party: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LMKV_DISABLE_PLUGINS", "lmkv-hello")
+    manager = PluginManager()
+    manager.load_entry_points()
+    assert "hello" not in manager.registry.names("storage_backend")
+    assert any(s.source.distribution == "lmkv-hello" for s in manager.skipped)
+
+    monkeypatch.delenv("LMKV_DISABLE_PLUGINS")
+    monkeypatch.setenv("LMKV_LOAD_PLUGINS", "lmkv_policies")
+    manager = PluginManager()
+    manager.load_entry_points()
+    assert manager.registry.names("storage_backend") == []
+    assert manager.eviction_policy("lru") is LRUPolicy
+
+
+def test_cli_lists_plugins_and_errors(third_party: Path) -> None:
+    env = {"PYTHONPATH": str(third_party)}
+    result = run_cli("plugins", "--json", env=env)
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    rows = {(p["kind"], p["name"]): p for p in data["plugins"]}
+    assert rows[("storage_backend", "hello")]["distribution"] == "lmkv-hello"
+    assert rows[("storage_backend", "cpu")]["version"]
+    assert any("not_a_real_module" in e["error"] for e in data["errors"])
+
+    table = run_cli("plugins", env=env)
+    assert table.returncode == 0
+    assert "hello" in table.stdout and "lmkv-broken" in table.stdout
+
+
+def test_third_party_plugin_selected_by_config(third_party: Path, tmp_path: Path) -> None:
+    cfg = tmp_path / "hello.yaml"
+    cfg.write_text("tiers:\n  - type: hello\n    options: {greeting: hi}\n"
+                   "    eviction: newest-first\n")
+    result = run_cli("config", "check", str(cfg), env={"PYTHONPATH": str(third_party)})
+    assert result.returncode == 0, result.stderr
+    assert "greeting: hi" in result.stdout
+
+    cfg.write_text("tiers:\n  - type: hello\n    options: {colour: red}\n")
+    result = run_cli("config", "check", str(cfg), env={"PYTHONPATH": str(third_party)})
+    assert result.returncode == 2
+    errors = [line for line in result.stderr.splitlines() if line.startswith("lmkv: error")]
+    assert errors == ["lmkv: error: config key 'tiers.0.options.colour': unknown key"]
+    assert "Traceback" not in result.stderr
