@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Set up a development environment in .venv: torch (CPU build) first, then lmkv
+# with its transformers and dev extras. Safe to run again.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+# torch==2.13.0 first: an unpinned torch would pull a multi-GB CUDA build.
+.venv/bin/python -m pip install -q "torch==2.13.0"
+.venv/bin/python -m pip install -q -e ".[transformers,dev]"
