@@ -12,6 +12,7 @@ batch path (one dict pass, one Redis pipeline) overrides them.
 
 from __future__ import annotations
 
+import logging
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
@@ -20,9 +21,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+from lmkv.errors import CorruptFrameError
+from lmkv.logutil import RateLimitedLog
 from lmkv.memory import MemoryObj
 from lmkv.plugins.base import Plugin, PluginOptions
 from lmkv.tokens import CacheKey
+
+logger = logging.getLogger(__name__)
+_corrupt_log = RateLimitedLog(logger)
 
 Allocate = Callable[[Sequence[int], torch.dtype], "MemoryObj | None"]
 
@@ -55,6 +61,7 @@ class StorageBackend(Plugin, ABC):
         self.context = context
         self._executor: ThreadPoolExecutor | None = None
         self._executor_lock = threading.Lock()
+        self.corrupt_frames = 0
 
     # -- required --------------------------------------------------------
     @abstractmethod
@@ -140,9 +147,26 @@ class StorageBackend(Plugin, ABC):
                     max_workers=1, thread_name_prefix=f"lmkv-{self.name}")
             return self._executor.submit(fn, *args)
 
+    def decode_frame(self, key: CacheKey, frame: bytes | bytearray | memoryview
+                     ) -> MemoryObj | None:
+        """Deserialize a stored frame; a corrupt one is removed and becomes a miss.
+
+        For tiers that store serialized frames. Returns None on a miss (corrupt
+        frame, or no memory to decode into), never wrong data.
+        """
+        try:
+            return self.context.serializer.deserialize(frame, self.context.allocate)
+        except CorruptFrameError as exc:
+            self.corrupt_frames += 1
+            _corrupt_log.warning(f"corrupt:{self.name}",
+                                 "lmkv %s tier: dropping corrupt entry %s: %s",
+                                 self.name, key.to_string(), exc)
+            self.remove(key)
+            return None
+
     def stats(self) -> dict[str, int]:
         """Counters for observability; backends add their own."""
-        return {"usage_bytes": self.usage_bytes}
+        return {"usage_bytes": self.usage_bytes, "corrupt_frames": self.corrupt_frames}
 
     def close(self) -> None:
         """Release resources; must return promptly even when a remote is unreachable."""

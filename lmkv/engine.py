@@ -15,11 +15,13 @@ from typing import Any
 
 from lmkv.config import LMKVConfig, PluginRef, resolve_plugin
 from lmkv.gpu import ChunkSpan, GPUConnector, KVSpec
+from lmkv.logutil import RateLimitedLog
 from lmkv.memory import MemoryObj
 from lmkv.storage import StorageManager
 from lmkv.tokens import KeyMeta, TokenChunker
 
 logger = logging.getLogger(__name__)
+_store_log = RateLimitedLog(logger)
 
 
 @dataclass(frozen=True)
@@ -69,8 +71,9 @@ class CacheEngine:
         for start, end in zip(chunks.starts[first:], chunks.ends[first:], strict=True):
             obj = self.storage.allocate(self.spec.chunk_shape(end - start), self.spec.dtype)
             if obj is None:
-                logger.warning("lmkv: no room for %d more chunks; storing a shorter prefix",
-                               len(chunks) - first - len(objs))
+                _store_log.warning("no-room", "lmkv: no room for %d more chunks (everything "
+                                   "evictable is in use); storing a shorter prefix",
+                                   len(chunks) - first - len(objs))
                 break
             objs.append(obj)
             spans.append(ChunkSpan(start, end, obj.tensor))
@@ -78,8 +81,7 @@ class CacheEngine:
             return 0
         try:
             self.connector.to_chunks(spans, **kv)
-            for fut in self.storage.put(chunks.keys[first:first + len(objs)], objs):
-                fut.result()
+            self.storage.put(chunks.keys[first:first + len(objs)], objs)
         finally:
             for obj in objs:
                 obj.ref_down()

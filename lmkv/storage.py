@@ -10,16 +10,19 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from concurrent.futures import Future
+from functools import partial
 from typing import Any
 
 import torch
 
 from lmkv.backend import BackendContext, StorageBackend
 from lmkv.config import LMKVConfig, resolve_plugin
+from lmkv.logutil import RateLimitedLog
 from lmkv.memory import MemoryObj, tensor_obj
 from lmkv.tokens import CacheKey
 
 logger = logging.getLogger(__name__)
+_put_log = RateLimitedLog(logger)
 
 
 class StorageManager:
@@ -27,6 +30,7 @@ class StorageManager:
         if not tiers:
             raise ValueError("the storage manager needs at least one tier")
         self.tiers = list(tiers)
+        self.failed_puts = 0
 
     @classmethod
     def from_config(cls, config: LMKVConfig, plugin_manager: Any = None) -> StorageManager:
@@ -50,9 +54,28 @@ class StorageManager:
     def allocate(self, shape: Sequence[int], dtype: torch.dtype) -> MemoryObj | None:
         return allocate_from(self.tiers, shape, dtype)
 
-    def put(self, keys: Sequence[CacheKey], objs: Sequence[MemoryObj]) -> list[Future]:
-        """Store ``objs`` in every tier; the caller keeps (and releases) its own references."""
-        return [tier.batched_submit_put(keys, objs) for tier in self.tiers]
+    def put(self, keys: Sequence[CacheKey], objs: Sequence[MemoryObj]) -> Future:
+        """Store ``objs`` in every tier, asynchronously; returns the first tier's future.
+
+        Tiers take their own references, so the caller may release its own at
+        once. A tier that fails is logged and counted, never raised to the caller.
+        """
+        futures = []
+        for tier in self.tiers:
+            try:
+                future = tier.batched_submit_put(keys, objs)
+            except Exception as exc:
+                future = Future()
+                future.set_exception(exc)
+            future.add_done_callback(partial(self._put_done, tier))
+            futures.append(future)
+        return futures[0]
+
+    def _put_done(self, tier: StorageBackend, future: Future) -> None:
+        exc = future.exception()
+        if exc is not None:
+            self.failed_puts += 1
+            _put_log.warning(f"put:{tier.name}", "lmkv %s tier: put failed: %s", tier.name, exc)
 
     def contains_prefix(self, keys: Sequence[CacheKey]) -> int:
         """How many leading keys some tier holds, as a strict prefix across tiers."""

@@ -67,3 +67,23 @@ class TestTutorialBackendConformance(StorageBackendConformance):
         arena = MemoryAllocator(1 << 22)
         return DictBackend(DictBackend.Options(),
                            BackendContext(serializer=NaiveSerializer(), allocate=arena.allocate))
+
+
+def test_tutorial_backend_turns_a_corrupt_frame_into_a_removed_miss() -> None:
+    import torch
+
+    from lmkv.memory import tensor_obj
+    from lmkv.tokens import CacheKey, KeyMeta
+
+    arena = MemoryAllocator(1 << 20)
+    backend = DictBackend(DictBackend.Options(),
+                          BackendContext(serializer=NaiveSerializer(), allocate=arena.allocate))
+    key = CacheKey(KeyMeta("m"), b"\x02" * 32)
+    backend.batched_submit_put([key], [tensor_obj(torch.ones(2, 2, 4, 2, 8))]).result()
+    frame = bytearray(backend.frames[key])
+    frame[-1] ^= 0xFF
+    backend.frames[key] = bytes(frame)
+    assert backend.get_blocking(key) is None
+    assert not backend.contains(key)
+    assert backend.stats()["corrupt_frames"] == 1
+    assert arena.live_objects == 0

@@ -1,0 +1,35 @@
+"""Rate-limited logging for hot paths: a fault repeated every step logs once a while."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+
+class RateLimitedLog:
+    """Logs each distinct ``key`` at most once per ``interval_s``, counting the rest."""
+
+    def __init__(self, logger: logging.Logger, interval_s: float = 10.0) -> None:
+        self.logger = logger
+        self.interval_s = interval_s
+        self._last: dict[str, float] = {}
+        self._suppressed: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def log(self, level: int, key: str, msg: str, *args: object) -> None:
+        now = time.monotonic()
+        with self._lock:
+            last = self._last.get(key)
+            if last is not None and now - last < self.interval_s:
+                self._suppressed[key] = self._suppressed.get(key, 0) + 1
+                return
+            self._last[key] = now
+            suppressed = self._suppressed.pop(key, 0)
+        if suppressed:
+            msg += " (%d similar messages suppressed)"
+            args = (*args, suppressed)
+        self.logger.log(level, msg, *args)
+
+    def warning(self, key: str, msg: str, *args: object) -> None:
+        self.log(logging.WARNING, key, msg, *args)

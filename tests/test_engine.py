@@ -1,0 +1,104 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lmkv import CacheEngine, KVSpec, load_config
+
+SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=16, dtype=torch.float16)
+CHUNK = 32
+CHUNK_BYTES = 2 * 2 * CHUNK * 2 * 16 * 2
+
+
+def make_engine(max_bytes: int = 1 << 22, **overrides) -> CacheEngine:
+    config = load_config(env={}, overrides={"lmkv.chunk_size": CHUNK,
+                                            "lmkv.tiers.0.options.max_bytes": max_bytes,
+                                            **overrides})
+    return CacheEngine.from_config(config, SPEC, model_name="engine-test")
+
+
+def hf_kv(total: int, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    return [(torch.randn(1, 2, total, 16, generator=gen).half(),
+             torch.randn(1, 2, total, 16, generator=gen).half()) for _ in range(2)]
+
+
+def test_store_lookup_retrieve() -> None:
+    with make_engine() as engine:
+        tokens = list(range(100))
+        kv = hf_kv(100)
+        assert engine.lookup(tokens) == 0
+        assert engine.store(tokens, kv=kv) == 96  # 3 whole chunks
+        assert engine.lookup(tokens) == 96
+        assert engine.lookup(tokens[:70]) == 64
+        assert engine.lookup([5, *tokens[1:]]) == 0
+        result = engine.retrieve(tokens)
+        assert result.num_tokens == 96
+        for (k, v), (rk, rv) in zip(kv, result.kv, strict=True):
+            assert torch.equal(rk[0], k[0, :, :96]) and torch.equal(rv[0], v[0, :, :96])
+
+
+def test_store_skips_chunks_already_stored() -> None:
+    with make_engine() as engine:
+        tokens = list(range(128))
+        assert engine.store(tokens[:64], kv=hf_kv(64)) == 64
+        assert engine.store(tokens, kv=hf_kv(128)) == 64
+        assert engine.stats()[0]["entries"] == 4
+
+
+def test_save_partial_chunk() -> None:
+    with make_engine(**{"lmkv.save_partial_chunk": True}) as engine:
+        tokens = list(range(50))
+        kv = hf_kv(50)
+        assert engine.store(tokens, kv=kv) == 50
+        assert engine.lookup(tokens) == 50
+        result = engine.retrieve(tokens)
+        assert result.num_tokens == 50
+        assert torch.equal(result.kv[1][1][0], kv[1][1][0])
+
+
+def test_paged_engine_round_trip_through_cpu_layout() -> None:
+    config = load_config(env={}, overrides={
+        "lmkv.chunk_size": CHUNK, "lmkv.gpu_connector": {"type": "paged",
+                                                         "options": {"layout": "cpu"}}})
+    block = 16
+    caches = [torch.randn(8, 2, block, 32).half() for _ in range(2)]
+    with CacheEngine.from_config(config, SPEC, model_name="paged") as engine:
+        tokens = list(range(64))
+        assert engine.store(tokens, kv_caches=caches, block_ids=[3, 1, 6, 0]) == 64
+        target = [torch.zeros_like(c) for c in caches]
+        result = engine.retrieve(tokens, kv_caches=target, block_ids=[7, 2, 5, 4])
+        assert result.num_tokens == 64 and result.kv is None
+        for src, dst in zip(caches, target, strict=True):
+            for a, b in zip([3, 1, 6, 0], [7, 2, 5, 4], strict=True):
+                assert torch.equal(src[a], dst[b])
+
+
+def test_store_under_memory_pressure_evicts_and_keeps_the_budget() -> None:
+    budget = 8 * CHUNK_BYTES
+    with make_engine(budget) as engine:
+        tier = engine.storage.tiers[0]
+        for i in range(20):
+            tokens = [i * 1000 + t for t in range(128)]
+            engine.store(tokens, kv=hf_kv(128, seed=i))
+            assert tier.allocator.used_bytes <= budget
+        assert tier.stats()["evictions"] >= 72
+        last = [19 * 1000 + t for t in range(128)]
+        assert engine.lookup(last) == 128
+        assert tier.allocator.live_objects == tier.stats()["entries"]
+
+
+def test_keys_of_different_ranks_do_not_mix() -> None:
+    config = load_config(env={})
+    a = CacheEngine.from_config(config, SPEC, model_name="m", worker_id=0)
+    b = CacheEngine.from_config(config, SPEC, model_name="m", worker_id=1)
+    b.storage = a.storage  # one shared tier
+    tokens = list(range(512))
+    a.store(tokens, kv=hf_kv(512))
+    assert a.lookup(tokens) == 512 and b.lookup(tokens) == 0
+    a.close()
+
+
+def test_invalid_tokens_raise_value_error() -> None:
+    with make_engine() as engine, pytest.raises(ValueError):
+        engine.lookup([-1] * 64)
