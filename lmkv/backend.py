@@ -40,6 +40,26 @@ def done_future(value: object) -> Future:
 
 
 @dataclass
+class TierCounters:
+    """What every tier counts. Increment from any thread: the GIL keeps ``+=`` on
+    an attribute of a shared object cheap, and a rare lost increment in a
+    counter is acceptable (they are for observability, not accounting)."""
+
+    hits: int = 0  # chunks found by a get
+    misses: int = 0  # gets that found nothing (including corrupt frames, errors)
+    puts: int = 0  # chunks stored
+    bytes_in: int = 0  # bytes written to the tier
+    bytes_out: int = 0  # bytes read from the tier
+    evictions: int = 0
+    errors: int = 0  # operations that failed (connection lost, I/O error, ...)
+    dropped_writes: int = 0  # puts refused or lost (no room, tier down, queue full)
+    corrupt_frames: int = 0  # stored entries that failed to decode; removed
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(vars(self))
+
+
+@dataclass
 class BackendContext:
     """What the storage manager hands a backend besides its own options."""
 
@@ -61,7 +81,7 @@ class StorageBackend(Plugin, ABC):
         self.context = context
         self._executor: ThreadPoolExecutor | None = None
         self._executor_lock = threading.Lock()
-        self.corrupt_frames = 0
+        self.counters = TierCounters()
 
     # -- required --------------------------------------------------------
     @abstractmethod
@@ -157,16 +177,18 @@ class StorageBackend(Plugin, ABC):
         try:
             return self.context.serializer.deserialize(frame, self.context.allocate)
         except CorruptFrameError as exc:
-            self.corrupt_frames += 1
+            self.counters.corrupt_frames += 1
+            self.counters.misses += 1
             _corrupt_log.warning(f"corrupt:{self.name}",
                                  "lmkv %s tier: dropping corrupt entry %s: %s",
                                  self.name, key.to_string(), exc)
             self.remove(key)
             return None
 
-    def stats(self) -> dict[str, int]:
-        """Counters for observability; backends add their own."""
-        return {"usage_bytes": self.usage_bytes, "corrupt_frames": self.corrupt_frames}
+    def stats(self) -> dict[str, int | None]:
+        """Counters (``TierCounters``), usage and capacity; backends may add their own."""
+        return {**self.counters.as_dict(), "usage_bytes": self.usage_bytes,
+                "capacity_bytes": self.capacity_bytes}
 
     def close(self) -> None:
         """Release resources; must return promptly even when a remote is unreachable."""

@@ -105,6 +105,10 @@ class Serializer(Plugin, ABC):
     """
 
     serializer_id: int = 0
+    #: True when a frame's payload is the chunk's raw bytes (``naive``): a tier may
+    #: then read the payload straight into an allocated buffer and check it with
+    #: ``verify_payload`` instead of calling ``deserialize``.
+    raw_payload: bool = False
 
     def __init__(self, options: object = None) -> None:
         self.options = self.parse_options(options)

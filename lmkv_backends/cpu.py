@@ -44,8 +44,6 @@ class CPUBackend(StorageBackend):
         self._entries: dict[CacheKey, MemoryObj] = {}
         self._lock = threading.Lock()
         self._stored_bytes = 0
-        self._counters = {"hits": 0, "misses": 0, "evictions": 0, "puts": 0,
-                          "dropped_puts": 0}
 
     @property
     def capacity_bytes(self) -> int:
@@ -87,7 +85,7 @@ class CPUBackend(StorageBackend):
                     break
         for key in victims:
             self._drop_locked(key)
-        self._counters["evictions"] += len(victims)
+        self.counters.evictions += len(victims)
         return bool(victims)
 
     def _drop_locked(self, key: CacheKey) -> MemoryObj:
@@ -133,7 +131,7 @@ class CPUBackend(StorageBackend):
                 else:
                     copy = self._allocate_evicting(obj.shape, obj.dtype)
                     if copy is None:
-                        self._counters["dropped_puts"] += 1
+                        self.counters.dropped_writes += 1
                         continue
                     copy.tensor.copy_(obj.tensor)
                     obj = copy
@@ -141,18 +139,20 @@ class CPUBackend(StorageBackend):
                 policy.on_insert(key)
                 self._stored_bytes += obj.nbytes
                 stored += 1
-            self._counters["puts"] += stored
+                self.counters.bytes_in += obj.nbytes
+            self.counters.puts += stored
         return done_future(stored)
 
     def get_blocking(self, key: CacheKey) -> MemoryObj | None:
         with self._lock:
             obj = self._entries.get(key)
             if obj is None:
-                self._counters["misses"] += 1
+                self.counters.misses += 1
                 return None
             obj.ref_up()
             self.policy.on_access(key)
-            self._counters["hits"] += 1
+            self.counters.hits += 1
+            self.counters.bytes_out += obj.nbytes
             return obj
 
     def batched_get_non_blocking(self, lookup_id: str, keys: Sequence[CacheKey]) -> Future:
@@ -166,8 +166,9 @@ class CPUBackend(StorageBackend):
                 obj.ref_up()
                 policy.on_access(key)
                 out.append(obj)
-            self._counters["hits"] += len(out)
-            self._counters["misses"] += len(out) < len(keys)
+            self.counters.hits += len(out)
+            self.counters.misses += len(out) < len(keys)
+            self.counters.bytes_out += sum(o.nbytes for o in out)
         return done_future(out)
 
     def pin(self, key: CacheKey) -> bool:
@@ -196,11 +197,9 @@ class CPUBackend(StorageBackend):
             for key in [k for k, o in self._entries.items() if not o.pin_count]:
                 self._drop_locked(key)
 
-    def stats(self) -> dict[str, int]:
-        return {**self._counters, "entries": len(self._entries),
-                "usage_bytes": self._stored_bytes,
-                "arena_used_bytes": self.allocator.used_bytes,
-                "capacity_bytes": self.allocator.capacity_bytes}
+    def stats(self) -> dict[str, int | None]:
+        return {**super().stats(), "entries": len(self._entries),
+                "arena_used_bytes": self.allocator.used_bytes}
 
     def close(self) -> None:
         self.clear()

@@ -13,6 +13,7 @@ from lmkv.serde import Serializer, read_header, verify_payload, write_header
 class NaiveSerializer(Serializer):
     name = "naive"
     serializer_id = 1
+    raw_payload = True
 
     def serialize(self, obj: MemoryObj) -> list[bytes | memoryview]:
         payload = memoryview(obj.byte_view().numpy())
