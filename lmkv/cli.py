@@ -13,6 +13,8 @@ import yaml
 
 from lmkv.errors import LMKVError
 
+LOG_LEVELS = ["DEBUG", "INFO", "WARNING", "ERROR"]
+
 
 def _cmd_plugins(args: argparse.Namespace) -> int:
     from lmkv.plugins.manager import get_plugin_manager
@@ -63,9 +65,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lmkv", description="lmkv: a tiered KV-cache layer")
-    parser.add_argument("--log-level", type=str.upper,
-                        default=os.environ.get("LMKV_LOG_LEVEL", "WARNING").upper(),
-                        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+    parser.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS,
                         help="logging level (default WARNING; env LMKV_LOG_LEVEL)")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -90,7 +90,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level, format="%(levelname)s %(name)s: %(message)s")
+    level = args.log_level or os.environ.get("LMKV_LOG_LEVEL", "WARNING").upper()
+    if level not in LOG_LEVELS:
+        print(f"lmkv: error: LMKV_LOG_LEVEL = {level!r}: allowed: {', '.join(LOG_LEVELS)}",
+              file=sys.stderr)
+        return 2
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     try:
         return args.func(args)
     except LMKVError as exc:

@@ -13,14 +13,14 @@ import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import yaml
 from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
-    PositiveInt,
+    PrivateAttr,
     ValidationError,
     model_validator,
 )
@@ -36,8 +36,13 @@ DOTTED_PREFIX = "lmkv."
 CONFIG_FILE_KEY = "config_file"
 
 
+# Strict: true, 1.5 or "12" are not counts (env and dotted values are parsed as JSON first).
+PositiveInt = Annotated[int, Field(strict=True, gt=0)]
+
+
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_default=True)
+    model_config = ConfigDict(extra="forbid", validate_default=True,
+                              coerce_numbers_to_str=True)
 
 
 class PluginRef(_Model):
@@ -68,10 +73,12 @@ class LMKVConfig(_Model):
         default_factory=lambda: [TierConfig(type="cpu")], min_length=1)
     serializer: PluginRef = Field(default_factory=lambda: PluginRef(type="naive"))
     gpu_connector: PluginRef | None = None
+    write_through_queue_chunks: PositiveInt = 1024
     lazy_offload: bool = False
     lazy_offload_policy: PluginRef = Field(default_factory=lambda: PluginRef(type="FIFO"))
     lazy_offload_threshold: PositiveInt = 100
     lazy_offload_select_count: PositiveInt = 10
+    _sources: dict[str, str] = PrivateAttr(default_factory=dict)
 
     def plugin_refs(self) -> list[tuple[str, str, PluginRef]]:
         """(config path, plugin kind, ref) of every plugin this config selects."""
@@ -96,8 +103,8 @@ class LMKVConfig(_Model):
 
 # -- plugin resolution -------------------------------------------------------
 
-def resolve_plugin(kind: str, ref: PluginRef, path: str,
-                   manager: Any = None) -> tuple[type, PluginOptions]:
+def resolve_plugin(kind: str, ref: PluginRef, path: str, manager: Any = None,
+                   sources: Mapping[str, str] | None = None) -> tuple[type, PluginOptions]:
     """The class ``ref`` names and its validated options; ConfigError on anything off."""
     from lmkv.plugins.manager import get_plugin_manager
 
@@ -109,7 +116,7 @@ def resolve_plugin(kind: str, ref: PluginRef, path: str,
     try:
         options = cls.Options.model_validate(ref.options)
     except ValidationError as exc:
-        raise ConfigError(_format_errors(exc, f"{path}.options", {})) from None
+        raise ConfigError(_format_errors(exc, f"{path}.options", sources or {})) from None
     return cls, options
 
 
@@ -117,7 +124,7 @@ def validate_plugins(config: LMKVConfig, manager: Any = None) -> None:
     lines = []
     for path, kind, ref in config.plugin_refs():
         try:
-            resolve_plugin(kind, ref, path, manager)
+            resolve_plugin(kind, ref, path, manager, config._sources)
         except ConfigError as exc:
             lines.append(str(exc))
     if lines:
@@ -153,11 +160,14 @@ def load_config(path: str | os.PathLike | None = None, *,
         key_path = name[len(ENV_PREFIX):].lower().split("__")
         _apply(data, key_path, _parse_scalar(raw), f"from env {name}", sources)
     for key, value in dotted.items():
+        if isinstance(value, str):  # '"512"' from a JSON string reads as the env form would
+            value = _parse_scalar(value)
         _apply(data, key.split("."), value, f"from lmkv.{key}", sources)
     try:
         config = LMKVConfig.model_validate(data)
     except ValidationError as exc:
         raise ConfigError(_format_errors(exc, "", sources)) from None
+    config._sources = sources
     if check_plugins:
         validate_plugins(config)
     return config
@@ -166,9 +176,11 @@ def load_config(path: str | os.PathLike | None = None, *,
 def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
     p = Path(path)
     try:
-        text = p.read_text()
+        text = p.read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError(f"config file {p}: cannot read it ({exc.strerror or exc})") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"config file {p}: not UTF-8 text") from None
     suffix = p.suffix.lower()
     try:
         if suffix in (".yaml", ".yml"):
@@ -209,11 +221,12 @@ def _strip_prefix(key: str) -> str:
 
 
 def _parse_scalar(raw: str) -> Any:
-    """Env values: JSON when they parse as JSON (numbers, booleans, lists), else text."""
+    """Env values: JSON numbers, booleans, lists and objects; anything else is text."""
     try:
-        return json.loads(raw)
+        value = json.loads(raw)
     except ValueError:
         return raw
+    return raw if value is None or isinstance(value, str) else value
 
 
 def _apply(data: dict[str, Any], key_path: list[str], value: Any, source: str,

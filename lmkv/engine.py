@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,8 +18,9 @@ from lmkv.config import LMKVConfig, PluginRef, resolve_plugin
 from lmkv.gpu import ChunkSpan, GPUConnector, KVSpec
 from lmkv.logutil import RateLimitedLog
 from lmkv.memory import MemoryObj
+from lmkv.prefetch import release
 from lmkv.storage import StorageManager
-from lmkv.tokens import KeyMeta, TokenChunker
+from lmkv.tokens import ChunkKeys, KeyMeta, TokenChunker
 
 logger = logging.getLogger(__name__)
 _store_log = RateLimitedLog(logger)
@@ -47,6 +49,7 @@ class CacheEngine:
         meta = KeyMeta(config.model_name or model_name, world_size, worker_id,
                        dtype_name(spec.dtype), connector.chunk_layout)
         self.chunker = TokenChunker(meta, config.chunk_size, config.save_partial_chunk)
+        storage.set_chunk_bytes(spec.chunk_nbytes(config.chunk_size))
 
     @classmethod
     def from_config(cls, config: LMKVConfig, spec: KVSpec, *, model_name: str,
@@ -65,7 +68,15 @@ class CacheEngine:
     def store(self, tokens: Sequence[int] | Any, **kv: Any) -> int:
         """Store the KV of ``tokens``' chunks that no tier holds yet; returns tokens stored."""
         chunks = self.chunker.chunk(tokens)
-        first = self.storage.contains_prefix(chunks.keys)
+        # Pin the stored prefix while this store allocates: its own allocations
+        # must not evict the chunks it builds on.
+        pinned = self.storage.pin_prefix(chunks.keys)
+        try:
+            return self._store_after(chunks, sum(len(ks) for _, ks in pinned), kv)
+        finally:
+            self.storage.unpin(pinned)
+
+    def _store_after(self, chunks: ChunkKeys, first: int, kv: dict[str, Any]) -> int:
         spans: list[ChunkSpan] = []
         objs: list[MemoryObj] = []
         for start, end in zip(chunks.starts[first:], chunks.ends[first:], strict=True):
@@ -93,10 +104,29 @@ class CacheEngine:
         hits = self.storage.contains_prefix(chunks.keys)
         return chunks.ends[hits - 1] if hits else 0
 
-    def retrieve(self, tokens: Sequence[int] | Any, **kv: Any) -> RetrieveResult:
+    def lookup_and_prefetch(self, tokens: Sequence[int] | Any, lookup_id: str) -> Future:
+        """Start loading the stored prefix of ``tokens`` from the tiers.
+
+        Resolves to the hit length in tokens. A later ``retrieve(...,
+        lookup_id=lookup_id)`` consumes the prefetched chunks instead of reading
+        the tiers again; ``release_lookup`` drops them.
+        """
+        chunks = self.chunker.chunk(tokens)
+        return self.storage.lookup_and_prefetch(lookup_id, chunks.keys, chunks.ends)
+
+    def release_lookup(self, lookup_id: str) -> None:
+        self.storage.release_prefetched(lookup_id)
+
+    def retrieve(self, tokens: Sequence[int] | Any, *, lookup_id: str | None = None,
+                 **kv: Any) -> RetrieveResult:
         """Load the KV of the stored prefix of ``tokens`` through the connector."""
         chunks = self.chunker.chunk(tokens)
-        objs = self.storage.get(chunks.keys)
+        objs = self.storage.take_prefetched(lookup_id) if lookup_id else None
+        if objs is None:
+            objs = self.storage.get(chunks.keys)
+        if len(objs) > len(chunks):  # prefetched for a longer prompt than asked now
+            release(objs[len(chunks):])
+            objs = objs[:len(chunks)]
         if not objs:
             return RetrieveResult(0, None)
         try:
@@ -104,8 +134,7 @@ class CacheEngine:
                      for s, e, o in zip(chunks.starts, chunks.ends, objs, strict=False)]
             result = self.connector.from_chunks(spans, **kv)
         finally:
-            for obj in objs:
-                obj.ref_down()
+            release(objs)
         return RetrieveResult(spans[-1].end, result)
 
     def stats(self) -> list[dict[str, Any]]:

@@ -29,7 +29,3 @@ class CorruptFrameError(LMKVError):
 
 class RefCountError(LMKVError, RuntimeError):
     """A reference or pin count went below zero: a double release."""
-
-
-class OutOfMemoryError(LMKVError, MemoryError):
-    """The allocator cannot find room even after evicting everything evictable."""

@@ -56,6 +56,9 @@ class GPUConnector(Plugin, ABC):
     """
 
     chunk_layout: str = CHUNK_LAYOUT
+    #: What engine state the connector takes: integrations check it (the
+    #: transformers integration needs "hf"; vLLM's paged caches are "paged").
+    engine_kind: str = ""
 
     def __init__(self, options: PluginOptions | None, spec: KVSpec) -> None:
         self.options = self.parse_options(options)

@@ -79,13 +79,15 @@ class MemoryObj:
         # One reference is the tier's own.
         return self.ref_count <= 1 and self.pin_count == 0
 
-    def ref_up(self) -> None:
+    def ref_up(self) -> bool:
+        """Take a reference; False (a bug, logged or raised) if the buffer was released."""
         lock = self._allocator.lock if self._allocator else _detached_lock
         with lock:
             if self.ref_count <= 0:
                 _refcount_bug(f"ref_up on a released buffer at offset {self.offset}")
-                return
+                return False
             self.ref_count += 1
+            return True
 
     def ref_down(self) -> None:
         allocator = self._allocator
@@ -98,7 +100,6 @@ class MemoryObj:
             if self.ref_count == 0 and allocator is not None:
                 if self.pin_count:
                     _refcount_bug(f"buffer at offset {self.offset} freed while pinned")
-                    self.pin_count = 0
                 allocator._free_locked(self)
 
     def pin(self) -> None:
@@ -209,9 +210,10 @@ class MemoryAllocator:
             starts.insert(i, start)
             sizes.insert(i, size)
 
-    @property
-    def free_bytes(self) -> int:
-        return self.capacity_bytes - self.used_bytes
+    def free_blocks(self) -> list[tuple[int, int]]:
+        """(offset, size) of every free block."""
+        with self.lock:
+            return list(zip(self._free_starts, self._free_sizes, strict=True))
 
     @property
     def largest_free_block(self) -> int:

@@ -1,16 +1,19 @@
-"""The storage manager: an ordered list of tiers behind one store/lookup/get API.
+"""The storage manager: ordered tiers behind one put / lookup / prefetch API.
 
-Stores go to every tier (each tier's put is asynchronous by contract); lookups
-and gets are strict prefixes across tiers: tier 1 serves chunks 0..k1, tier 2
-serves k1..k2, and so on.
+* Stores go to the first tier and are written through to the others
+  asynchronously, each through a bounded queue (a full queue drops and counts
+  the lower-tier write; the caller never waits on a slow tier).
+* Lookups are strict prefixes across tiers: tier 1 serves chunks 0..k1,
+  tier 2 serves k1..k2, and so on (``lmkv.prefetch`` has the exact rules).
+* Lower-tier hits are promoted into the first tier when it holds memory.
 """
 
 from __future__ import annotations
 
 import logging
+import uuid
 from collections.abc import Sequence
-from concurrent.futures import Future
-from functools import partial
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -19,18 +22,26 @@ from lmkv.backend import BackendContext, StorageBackend
 from lmkv.config import LMKVConfig, resolve_plugin
 from lmkv.logutil import RateLimitedLog
 from lmkv.memory import MemoryObj, tensor_obj
+from lmkv.prefetch import EventManager, PrefetchTask, WeightedSemaphore, release
 from lmkv.tokens import CacheKey
+from lmkv.writethrough import WriteThrough
 
 logger = logging.getLogger(__name__)
-_put_log = RateLimitedLog(logger)
+_log = RateLimitedLog(logger)
+
+GET_TIMEOUT_S = 30.0
 
 
 class StorageManager:
-    def __init__(self, tiers: Sequence[StorageBackend]) -> None:
+    def __init__(self, tiers: Sequence[StorageBackend], *, write_queue_chunks: int = 1024,
+                 prefetch_threads: int = 4) -> None:
         if not tiers:
             raise ValueError("the storage manager needs at least one tier")
         self.tiers = list(tiers)
-        self.failed_puts = 0
+        self._writers = [WriteThrough(t, write_queue_chunks) for t in self.tiers[1:]]
+        self.events = EventManager()
+        self._executor = ThreadPoolExecutor(prefetch_threads, thread_name_prefix="lmkv-prefetch")
+        self._semaphore: WeightedSemaphore | None = None
 
     @classmethod
     def from_config(cls, config: LMKVConfig, plugin_manager: Any = None) -> StorageManager:
@@ -49,56 +60,206 @@ class StorageManager:
                 tier_index=i,
             )
             tiers.append(backend_cls(options, context))
-        return cls(tiers)
+        return cls(tiers, write_queue_chunks=config.write_through_queue_chunks)
+
+    def set_chunk_bytes(self, chunk_bytes: int) -> None:
+        """Size the prefetch semaphore: half the memory tier's capacity, in chunks."""
+        memory = next((t for t in self.tiers if t.holds_memory_objs), None)
+        capacity = memory.capacity_bytes if memory is not None else None
+        if capacity:
+            self._semaphore = WeightedSemaphore(max(1, capacity // chunk_bytes // 2))
 
     def allocate(self, shape: Sequence[int], dtype: torch.dtype) -> MemoryObj | None:
         return allocate_from(self.tiers, shape, dtype)
 
+    # -- store ---------------------------------------------------------------
     def put(self, keys: Sequence[CacheKey], objs: Sequence[MemoryObj]) -> Future:
-        """Store ``objs`` in every tier, asynchronously; returns the first tier's future.
+        """Store in the first tier and queue the write-through to the others.
 
-        Tiers take their own references, so the caller may release its own at
-        once. A tier that fails is logged and counted, never raised to the caller.
+        Tiers and queues take their own references: the caller may release its
+        own at once. Returns the first tier's future; failures are counted and
+        logged, never raised.
         """
-        futures = []
-        for tier in self.tiers:
-            try:
-                future = tier.batched_submit_put(keys, objs)
-            except Exception as exc:
-                future = Future()
-                future.set_exception(exc)
-            future.add_done_callback(partial(self._put_done, tier))
-            futures.append(future)
-        return futures[0]
+        first = self.tiers[0]
+        try:
+            future = first.batched_submit_put(keys, objs)
+        except Exception as exc:
+            first.counters.errors += 1
+            _log.warning(f"put:{first.name}", "lmkv %s tier: put failed: %s", first.name, exc)
+            future = Future()
+            future.set_result(0)
+        for writer in self._writers:
+            writer.submit(keys, objs)
+        return future
 
-    def _put_done(self, tier: StorageBackend, future: Future) -> None:
-        exc = future.exception()
-        if exc is not None:
-            self.failed_puts += 1
-            _put_log.warning(f"put:{tier.name}", "lmkv %s tier: put failed: %s", tier.name, exc)
+    def flush(self, timeout: float = 30.0) -> bool:
+        """Wait for the write-through queues to drain; False on timeout."""
+        return all(w.flush(timeout) for w in self._writers)
 
+    # -- lookup ----------------------------------------------------------------
     def contains_prefix(self, keys: Sequence[CacheKey]) -> int:
-        """How many leading keys some tier holds, as a strict prefix across tiers."""
+        """How many leading keys the tiers hold, as a strict prefix across tiers."""
         hits = 0
         for tier in self.tiers:
             if hits == len(keys):
                 break
-            hits += tier.batched_async_contains("", keys[hits:])
+            hits += self._contains(tier, "", keys[hits:], pin=False)
         return hits
 
+    def pin_prefix(self, keys: Sequence[CacheKey]) -> list[tuple[StorageBackend, list[CacheKey]]]:
+        """Pin the stored prefix of ``keys`` (tier by tier); undo with ``unpin``."""
+        return self._plan("", list(keys), 1)
+
+    def unpin(self, plans: list[tuple[StorageBackend, list[CacheKey]]]) -> None:
+        for tier, keys in plans:
+            for key in keys:
+                tier.unpin(key)
+
+    def _contains(self, tier: StorageBackend, lookup_id: str, keys: Sequence[CacheKey],
+                  pin: bool) -> int:
+        try:
+            return tier.batched_async_contains(lookup_id, keys, pin=pin)
+        except Exception as exc:  # a tier must not raise; if it does, it is a miss
+            tier.counters.errors += 1
+            _log.warning(f"contains:{tier.name}", "lmkv %s tier: lookup failed: %s",
+                         tier.name, exc)
+            return 0
+
+    def lookup_and_prefetch(self, lookup_id: str, keys: Sequence[CacheKey],
+                            chunk_ends: Sequence[int], keys_per_chunk: int = 1) -> Future:
+        """Start fetching the stored prefix of ``keys``; resolves to the hit tokens.
+
+        ``chunk_ends[i]`` is the cumulative token count after chunk ``i``;
+        ``keys_per_chunk`` is the number of layers in layerwise mode, else 1.
+        The chunks are then taken with ``take_prefetched`` or released with
+        ``release_prefetched``.
+        """
+        task = self.events.start(lookup_id)
+        self._executor.submit(self._prefetch, task, list(keys), list(chunk_ends), keys_per_chunk)
+        return task.future
+
+    def take_prefetched(self, lookup_id: str, timeout: float | None = None
+                        ) -> list[MemoryObj] | None:
+        """The chunks a lookup prefetched (waits for it); the caller owns the references."""
+        future = self.events.future(lookup_id)
+        if future is None:
+            return None
+        future.result(timeout)
+        return self.events.take(lookup_id)
+
+    def release_prefetched(self, lookup_id: str) -> None:
+        """Release what a lookup prefetched (now, or as soon as it finishes)."""
+        self.events.cleanup(lookup_id)
+
     def get(self, keys: Sequence[CacheKey]) -> list[MemoryObj]:
-        """The leading chunks found, each with a reference owned by the caller."""
-        found: list[MemoryObj] = []
+        """The leading chunks found across the tiers; the caller owns the references."""
+        lookup_id = f"get-{uuid.uuid4().hex}"
+        self.lookup_and_prefetch(lookup_id, keys, range(1, len(keys) + 1))
+        return self.take_prefetched(lookup_id) or []
+
+    def _prefetch(self, task: PrefetchTask, keys: list[CacheKey], chunk_ends: list[int],
+                  keys_per_chunk: int) -> None:
+        try:
+            plans = self._plan(task.lookup_id, keys, keys_per_chunk)
+            if not plans:
+                self.events.finish(task, [], 0)
+                return
+            objs = self._fetch(task.lookup_id, plans, keys_per_chunk)
+            chunks = len(objs) // keys_per_chunk
+            self.events.finish(task, objs, chunk_ends[chunks - 1] if chunks else 0)
+        except Exception as exc:  # a bug, not a tier fault (tiers never raise)
+            logger.exception("lmkv prefetch %s failed", task.lookup_id)
+            self.events.fail(task, exc)
+
+    def _plan(self, lookup_id: str, keys: list[CacheKey], kpc: int
+              ) -> list[tuple[StorageBackend, list[CacheKey]]]:
+        """Which tier serves which keys; the planned keys are pinned."""
+        plans = []
+        done = 0
         for tier in self.tiers:
-            if len(found) == len(keys):
+            if done == len(keys):
                 break
-            found.extend(tier.batched_get_non_blocking("", keys[len(found):]).result())
-        return found
+            remaining = keys[done:]
+            raw = self._contains(tier, lookup_id, remaining, pin=True)
+            hit = raw // kpc * kpc
+            for key in remaining[hit:raw]:
+                tier.unpin(key)
+            if hit:
+                plans.append((tier, remaining[:hit]))
+                done += hit
+        return plans
 
+    def _fetch(self, lookup_id: str, plans: list[tuple[StorageBackend, list[CacheKey]]],
+               kpc: int) -> list[MemoryObj]:
+        total = sum(len(ks) for _, ks in plans) // kpc
+        taken = self._semaphore.acquire(total) if self._semaphore else 0
+        try:
+            futures = [self._start_get(tier, lookup_id, ks) for tier, ks in plans]
+            objs: list[MemoryObj] = []
+            sources: list[tuple[StorageBackend, CacheKey]] = []
+            short = False
+            for (tier, ks), future in zip(plans, futures, strict=True):
+                got = self._result(tier, future)
+                if short:
+                    release(got)
+                    continue
+                objs.extend(got)
+                sources.extend((tier, k) for k in ks[:len(got)])
+                short = len(got) < len(ks)  # evicted between contains and get
+        finally:
+            self.unpin(plans)
+            if self._semaphore:
+                self._semaphore.release(taken)
+        whole = len(objs) // kpc * kpc
+        release(objs[whole:])
+        first = self.tiers[0]
+        self._promote([(key, obj) for (tier, key), obj in zip(sources[:whole], objs[:whole],
+                                                                strict=True)
+                       if tier is not first])
+        return objs[:whole]
+
+    def _start_get(self, tier: StorageBackend, lookup_id: str, keys: list[CacheKey]) -> Future:
+        try:
+            return tier.batched_get_non_blocking(lookup_id, keys)
+        except Exception as exc:
+            future: Future = Future()
+            future.set_exception(exc)
+            return future
+
+    def _result(self, tier: StorageBackend, future: Future) -> list[MemoryObj]:
+        try:
+            return future.result(timeout=GET_TIMEOUT_S)
+        except (Exception, CancelledError) as exc:
+            tier.counters.errors += 1
+            _log.warning(f"get:{tier.name}", "lmkv %s tier: get failed: %s", tier.name, exc)
+            return []
+
+    def _promote(self, pairs: list[tuple[CacheKey, MemoryObj]]) -> None:
+        first = self.tiers[0]
+        if not pairs or not first.holds_memory_objs:
+            return
+        try:
+            first.batched_submit_put([k for k, _ in pairs], [o for _, o in pairs])
+        except Exception as exc:
+            _log.warning("promote", "lmkv: promotion into the %s tier failed: %s",
+                         first.name, exc)
+
+    # -- the rest --------------------------------------------------------------
     def stats(self) -> list[dict[str, Any]]:
-        return [{"tier": i, "type": t.name, **t.stats()} for i, t in enumerate(self.tiers)]
+        out = []
+        for i, tier in enumerate(self.tiers):
+            row = {"tier": i, "type": tier.name, **tier.stats()}
+            if i:
+                row["write_queue_chunks"] = self._writers[i - 1].pending_chunks
+            out.append(row)
+        return out
 
-    def close(self) -> None:
+    def close(self, timeout: float = 2.0) -> None:
+        """Drain write-through queues (up to ``timeout``), release prefetches, close tiers."""
+        for writer in self._writers:
+            writer.close(timeout)
+        self.events.close()
+        self._executor.shutdown(wait=False, cancel_futures=True)
         for tier in self.tiers:
             try:
                 tier.close()

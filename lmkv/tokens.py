@@ -101,12 +101,6 @@ def _in_uint32_range(arr: np.ndarray) -> bool:
     return True
 
 
-def chunk_bounds(num_tokens: int, chunk_size: int, keep_partial: bool) -> list[tuple[int, int]]:
-    """(start, end) of each chunk; a partial last chunk only when ``keep_partial``."""
-    end = num_tokens if keep_partial else num_tokens - num_tokens % chunk_size
-    return [(s, min(s + chunk_size, end)) for s in range(0, end, chunk_size)]
-
-
 def prefix_hashes(tokens: Any, chunk_size: int = DEFAULT_CHUNK_SIZE,
                   keep_partial: bool = False) -> list[bytes]:
     """Chained sha256 digest of every chunk of ``tokens``."""
@@ -131,10 +125,6 @@ class ChunkKeys(msgspec.Struct, frozen=True):
     starts: list[int]
     ends: list[int]
     keys: list[CacheKey]
-
-    @property
-    def num_tokens(self) -> int:
-        return self.ends[-1] if self.ends else 0
 
     def __len__(self) -> int:
         return len(self.keys)

@@ -11,9 +11,10 @@ import logging
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future
+from typing import Annotated
 
 import torch
-from pydantic import ByteSize
+from pydantic import ByteSize, Field
 
 from lmkv.backend import BackendContext, StorageBackend, done_future
 from lmkv.memory import MemoryAllocator, MemoryObj, nbytes_of
@@ -24,7 +25,7 @@ logger = logging.getLogger(__name__)
 
 
 class CPUOptions(PluginOptions):
-    max_bytes: ByteSize = ByteSize(4 << 30)
+    max_bytes: Annotated[ByteSize, Field(ge=4096)] = ByteSize(4 << 30)
     """Hard budget of the arena, e.g. ``512MiB`` or ``8GiB``."""
     pin_memory: bool | None = None
     """Page-locked arena for fast GPU copies; default: when CUDA is available."""
@@ -66,15 +67,40 @@ class CPUBackend(StorageBackend):
             return self._allocate_evicting(shape, dtype)
 
     def _allocate_evicting(self, shape: Sequence[int], dtype: torch.dtype) -> MemoryObj | None:
+        size = nbytes_of(shape, dtype)
+        if size > self.allocator.capacity_bytes:
+            return None
+        rounds = 0
         while True:
             obj = self.allocator.allocate(shape, dtype)
             if obj is not None:
                 return obj
-            needed = max(1, nbytes_of(shape, dtype) - self.allocator.largest_free_block)
-            if not self._evict_locked(needed):
+            if rounds == 1 and not self._could_fit(size):
+                return None  # fragmented around pinned or referenced entries
+            if not self._evict_locked(max(1, size - self.allocator.largest_free_block)):
                 return None
+            rounds += 1
 
-    def _evict_locked(self, needed: int) -> bool:
+    def _could_fit(self, size: int) -> bool:
+        """Whether evicting every evictable entry would leave a contiguous block of ``size``.
+
+        Only asked when an eviction did not make room (odd sizes, pinned neighbours):
+        with uniform chunks the first eviction always does.
+        """
+        blocks = self.allocator.free_blocks()
+        blocks += [(o.offset, o.nbytes) for o in self._entries.values() if o.is_evictable]
+        blocks.sort()
+        run_start, run_end = -1, -1
+        for start, length in blocks:
+            if start != run_end:
+                run_start = start
+            run_end = start + length
+            if run_end - run_start >= size:
+                return True
+        return False
+
+    def _evict_locked(self, needed: int) -> int:
+        """Evict unpinned, unreferenced entries in policy order; returns bytes freed."""
         victims, freed = [], 0
         for key in self.policy.victims():
             obj = self._entries[key]
@@ -86,7 +112,7 @@ class CPUBackend(StorageBackend):
         for key in victims:
             self._drop_locked(key)
         self.counters.evictions += len(victims)
-        return bool(victims)
+        return freed
 
     def _drop_locked(self, key: CacheKey) -> MemoryObj:
         obj = self._entries.pop(key)
@@ -127,7 +153,8 @@ class CPUBackend(StorageBackend):
                 if key in entries:
                     continue
                 if obj.allocator is self.allocator:
-                    obj.ref_up()
+                    if not obj.ref_up():
+                        continue  # a released buffer: never store it
                 else:
                     copy = self._allocate_evicting(obj.shape, obj.dtype)
                     if copy is None:
@@ -167,7 +194,7 @@ class CPUBackend(StorageBackend):
                 policy.on_access(key)
                 out.append(obj)
             self.counters.hits += len(out)
-            self.counters.misses += len(out) < len(keys)
+            self.counters.misses += len(keys) - len(out)
             self.counters.bytes_out += sum(o.nbytes for o in out)
         return done_future(out)
 

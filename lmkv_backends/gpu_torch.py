@@ -19,6 +19,17 @@ from lmkv.plugins.base import PluginOptions
 KVPairs = Sequence[tuple[torch.Tensor, torch.Tensor]]
 
 
+def _check(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+def _sync(device: torch.device) -> None:
+    """Wait for asynchronous copies on ``device`` (pinned-memory transfers)."""
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+
+
 class HFConnector(GPUConnector):
     """Per-layer ``(K, V)`` tensors of shape ``[batch, kv_heads, seq, head_dim]``.
 
@@ -29,14 +40,34 @@ class HFConnector(GPUConnector):
     """
 
     name = "hf"
+    engine_kind = "hf"
+
+    def _validate(self, kv: KVPairs, end: int, batch_index: int) -> None:
+        spec = self.spec
+        _check(len(kv) == spec.num_layers,
+               f"KV has {len(kv)} layers; this engine stores {spec.num_layers}")
+        for k, v in kv:
+            for t in (k, v):
+                _check(t.dim() == 4 and t.shape[1] == spec.num_kv_heads
+                       and t.shape[3] == spec.head_dim,
+                       f"KV tensor of shape {tuple(t.shape)}; expected [batch, "
+                       f"{spec.num_kv_heads}, seq, {spec.head_dim}]")
+                _check(t.dtype == spec.dtype, f"KV dtype {t.dtype}; expected {spec.dtype}")
+                _check(t.shape[2] >= end, f"KV holds {t.shape[2]} tokens; {end} needed")
+                _check(0 <= batch_index < t.shape[0], f"batch_index {batch_index} out of range")
 
     def to_chunks(self, spans: Sequence[ChunkSpan], *, kv: KVPairs,
                   batch_index: int = 0, **_: Any) -> None:
+        self._validate(kv, max((s.end for s in spans), default=0), batch_index)
         for span in spans:
             buf = span.buffer
             for layer, (k, v) in enumerate(kv):
-                buf[layer, 0].copy_(k[batch_index, :, span.start:span.end].transpose(0, 1))
-                buf[layer, 1].copy_(v[batch_index, :, span.start:span.end].transpose(0, 1))
+                buf[layer, 0].copy_(k[batch_index, :, span.start:span.end].transpose(0, 1),
+                                    non_blocking=True)
+                buf[layer, 1].copy_(v[batch_index, :, span.start:span.end].transpose(0, 1),
+                                    non_blocking=True)
+        if kv:
+            _sync(kv[0][0].device)
 
     def from_chunks(self, spans: Sequence[ChunkSpan], *, kv: KVPairs | None = None,
                     batch_index: int = 0, device: torch.device | str | None = None,
@@ -49,11 +80,16 @@ class HFConnector(GPUConnector):
                    torch.empty(shape, dtype=spec.dtype, device=device))
                   for _ in range(spec.num_layers)]
             batch_index = 0
+        self._validate(kv, max((s.end for s in spans), default=0), batch_index)
         for span in spans:
             buf = span.buffer
             for layer, (k, v) in enumerate(kv):
-                k[batch_index, :, span.start:span.end].copy_(buf[layer, 0].transpose(0, 1))
-                v[batch_index, :, span.start:span.end].copy_(buf[layer, 1].transpose(0, 1))
+                k[batch_index, :, span.start:span.end].copy_(buf[layer, 0].transpose(0, 1),
+                                                             non_blocking=True)
+                v[batch_index, :, span.start:span.end].copy_(buf[layer, 1].transpose(0, 1),
+                                                             non_blocking=True)
+        if kv:
+            _sync(kv[0][0].device)  # the chunk buffers are released after this returns
         return list(kv)
 
 
@@ -74,7 +110,30 @@ class PagedConnector(GPUConnector):
     """
 
     name = "paged"
+    engine_kind = "paged"
     Options = PagedOptions
+
+    def _validate(self, kv_caches: Sequence[torch.Tensor], block_ids: Any, end: int) -> int:
+        """Check the caches against the spec; returns the block size."""
+        spec = self.spec
+        _check(len(kv_caches) == spec.num_layers,
+               f"{len(kv_caches)} KV caches; this engine stores {spec.num_layers} layers")
+        first = kv_caches[0]
+        if self.options.layout == "flash":
+            expected = (2, first.shape[1], first.shape[2], spec.num_kv_heads, spec.head_dim)
+            form = "[2, num_blocks, block_size, kv_heads, head_dim]"
+        else:
+            expected = (first.shape[0], spec.num_kv_heads, first.shape[2], 2 * spec.head_dim)
+            form = "[num_blocks, kv_heads, block_size, 2 * head_dim]"
+        for cache in kv_caches:
+            _check(tuple(cache.shape) == expected,
+                   f"KV cache of shape {tuple(cache.shape)}; the {self.options.layout} layout "
+                   f"is {form} = {expected}")
+            _check(cache.dtype == spec.dtype, f"KV dtype {cache.dtype}; expected {spec.dtype}")
+        block_size = first.shape[2]
+        _check(len(block_ids) * block_size >= end,
+               f"{len(block_ids)} blocks of {block_size} tokens cannot hold {end} tokens")
+        return block_size
 
     def _slots(self, span: ChunkSpan, block_ids: Sequence[int] | torch.Tensor,
                block_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,8 +143,9 @@ class PagedConnector(GPUConnector):
 
     def to_chunks(self, spans: Sequence[ChunkSpan], *, kv_caches: Sequence[torch.Tensor],
                   block_ids: Sequence[int] | torch.Tensor, **_: Any) -> None:
+        end = max((s.end for s in spans), default=0)
+        block_size = self._validate(kv_caches, block_ids, end)
         first = kv_caches[0]
-        block_size = first.shape[2]  # both layouts keep block_size at dim 2
         head_dim = self.spec.head_dim
         for span in spans:
             blocks, offsets = self._slots(span, block_ids, block_size, first.device)
@@ -99,11 +159,13 @@ class PagedConnector(GPUConnector):
                     gathered = cache[blocks, :, offsets]
                     _copy(buf[layer, 0], gathered[..., :head_dim])
                     _copy(buf[layer, 1], gathered[..., head_dim:])
+        _sync(first.device)  # the buffers are published to other threads next
 
     def from_chunks(self, spans: Sequence[ChunkSpan], *, kv_caches: Sequence[torch.Tensor],
                     block_ids: Sequence[int] | torch.Tensor, **_: Any) -> None:
+        end = max((s.end for s in spans), default=0)
+        block_size = self._validate(kv_caches, block_ids, end)
         first = kv_caches[0]
-        block_size = first.shape[2]  # both layouts keep block_size at dim 2
         head_dim = self.spec.head_dim
         for span in spans:
             blocks, offsets = self._slots(span, block_ids, block_size, first.device)
@@ -115,6 +177,7 @@ class PagedConnector(GPUConnector):
                 else:
                     cache[blocks, :, offsets, :head_dim] = src[0]
                     cache[blocks, :, offsets, head_dim:] = src[1]
+        _sync(first.device)  # the chunk buffers are released after this returns
         return None
 
 

@@ -24,8 +24,16 @@ def test_demo_runs_and_reports_identical_output() -> None:
 def test_bad_demo_arguments_are_one_line(args: list[str], expected: str) -> None:
     result = run_cli(*args)
     assert result.returncode == 2
-    assert result.stderr.strip() == f"lmkv: error: {expected}" or expected in result.stderr
+    assert result.stderr.strip().startswith("lmkv: error: ")
+    assert expected in result.stderr and len(result.stderr.strip().splitlines()) == 1
     assert "Traceback" not in result.stderr
+
+
+def test_bad_log_level_env_is_one_line() -> None:
+    result = run_cli("plugins", env={"LMKV_LOG_LEVEL": "verbose"})
+    assert result.returncode == 2
+    assert result.stderr.strip() == ("lmkv: error: LMKV_LOG_LEVEL = 'VERBOSE': allowed: DEBUG, "
+                                     "INFO, WARNING, ERROR")
 
 
 def test_bad_config_file_for_the_demo(tmp_path) -> None:

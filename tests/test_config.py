@@ -84,15 +84,23 @@ BAD = [
     ({"lmkv.lazy_offload_policy": "LIFO"}, "lazy_offload_policy.type = 'LIFO': unknown offload "
                                            "policy 'LIFO'; available: FIFO"),
     ({"lmkv.chunk_sise": 3}, "config key 'chunk_sise' (from lmkv.chunk_sise): unknown key"),
-    ({"lmkv.tiers.0.type": "redis"}, "pip install lmkv-redis"),
+    ({"lmkv.tiers.0.type": "nosuch"}, "tiers.0.type = 'nosuch': unknown storage backend "
+                                      "'nosuch'; available: cpu"),
     ({"lmkv.tiers.0.options.max_bytes": "a lot"},
-     "config key 'tiers.0.options.max_bytes' = 'a lot': must be a byte count or a size"),
-    ({"lmkv.tiers.0.options.max_byte": 5}, "config key 'tiers.0.options.max_byte': unknown key"),
+     "config key 'tiers.0.options.max_bytes' = 'a lot' (from lmkv.tiers.0.options.max_bytes):"
+     " must be a byte count or a size"),
+    ({"lmkv.tiers.0.options.max_bytes": 0}, "config key 'tiers.0.options.max_bytes' = 0"),
+    ({"lmkv.tiers.0.options.max_byte": 5}, "config key 'tiers.0.options.max_byte' "
+                                           "(from lmkv.tiers.0.options.max_byte): unknown key"),
+    ({"lmkv.chunk_size": True}, "config key 'chunk_size' = True (from lmkv.chunk_size): "
+                                "must be an integer"),
+    ({"lmkv.chunk_size": 2.0}, "config key 'chunk_size' = 2.0"),
     ({"lmkv.tiers.0.eviction": "mru"}, "tiers.0.eviction.type = 'mru': unknown eviction policy"),
     ({"lmkv.serializer": "pickle"}, "serializer.type = 'pickle': unknown serializer 'pickle'; "
                                     "available: naive"),
     ({"lmkv.gpu_connector": {"type": "paged", "options": {"layout": "weird"}}},
-     "config key 'gpu_connector.options.layout' = 'weird': input should be 'flash' or 'cpu'"),
+     "config key 'gpu_connector.options.layout' = 'weird' (from lmkv.gpu_connector): "
+     "input should be 'flash' or 'cpu'"),
     ({"lmkv.tiers": []}, "config key 'tiers' = [] (from lmkv.tiers): list should have at least"),
     ({"lmkv.tiers.3.type": "cpu"}, "config key 'tiers.3.type' (from lmkv.tiers.3.type): "
                                    "index 3 skips entries"),
@@ -114,6 +122,26 @@ def test_bad_env_value_names_the_variable() -> None:
         load_config(env={"LMKV_LAZY_OFFLOAD_THRESHOLD": "0"})
     assert str(info.value) == ("config key 'lazy_offload_threshold' = 0 (from env "
                                "LMKV_LAZY_OFFLOAD_THRESHOLD): must be a positive integer")
+
+
+def test_env_values_are_json_or_text() -> None:
+    config = load_config(env={"LMKV_MODEL_NAME": "123", "LMKV_CHUNK_SIZE": "64",
+                              "LMKV_SAVE_PARTIAL_CHUNK": "true"})
+    assert (config.model_name, config.chunk_size, config.save_partial_chunk) == ("123", 64, True)
+    assert load_config(env={"LMKV_MODEL_NAME": "null"}).model_name == "null"
+    with pytest.raises(ConfigError, match="'chunk_size' = True"):
+        load_config(env={"LMKV_CHUNK_SIZE": "true"})
+
+
+def test_dotted_string_values_read_like_env_values() -> None:
+    assert load_config(env={}, overrides={"lmkv.chunk_size": "512"}).chunk_size == 512
+
+
+def test_non_utf8_file(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_bytes(b"chunk_size: \xff\xfe\n")
+    with pytest.raises(ConfigError, match="not UTF-8 text"):
+        load_config(path, env={})
 
 
 def test_unknown_env_var_is_an_error() -> None:

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -102,3 +104,55 @@ def test_keys_of_different_ranks_do_not_mix() -> None:
 def test_invalid_tokens_raise_value_error() -> None:
     with make_engine() as engine, pytest.raises(ValueError):
         engine.lookup([-1] * 64)
+
+
+def test_a_store_never_evicts_the_prefix_it_builds_on() -> None:
+    with make_engine(4 * CHUNK_BYTES) as engine:
+        tokens = list(range(5 * CHUNK))
+        assert engine.store(tokens[:2 * CHUNK], kv=hf_kv(2 * CHUNK)) == 2 * CHUNK
+        engine.store(tokens, kv=hf_kv(5 * CHUNK))
+        assert engine.lookup(tokens) == 4 * CHUNK  # prefix kept; what fits after it stored
+        tier = engine.storage.tiers[0]
+        assert all(o.pin_count == 0 for o in tier._entries.values())
+
+
+@pytest.mark.parametrize("bad_kv,message", [
+    (lambda kv: kv[:1], "KV has 1 layers; this engine stores 2"),
+    (lambda kv: [(k[:, :1], v[:, :1]) for k, v in kv], "expected [batch, 2, seq, 16]"),
+    (lambda kv: [(k.float(), v.float()) for k, v in kv], "KV dtype torch.float32"),
+    (lambda kv: [(k[:, :, :10], v[:, :, :10]) for k, v in kv], "KV holds 10 tokens; 64 needed"),
+])
+def test_mismatched_kv_is_refused_and_nothing_is_stored(bad_kv, message: str) -> None:
+    with make_engine() as engine:
+        tokens = list(range(64))
+        with pytest.raises(ValueError, match=re.escape(message)):
+            engine.store(tokens, kv=bad_kv(hf_kv(64)))
+        assert engine.lookup(tokens) == 0
+        assert engine.storage.tiers[0].allocator.live_objects == 0
+
+
+def test_mismatched_paged_caches_are_refused() -> None:
+    config = load_config(env={}, overrides={"lmkv.chunk_size": CHUNK,
+                                            "lmkv.gpu_connector": "paged"})
+    with CacheEngine.from_config(config, SPEC, model_name="paged") as engine:
+        caches = [torch.randn(2, 8, 16, 2, 16).half()]  # one layer instead of two
+        with pytest.raises(ValueError, match="1 KV caches; this engine stores 2"):
+            engine.store(list(range(32)), kv_caches=caches, block_ids=[0, 1])
+        caches = [torch.randn(2, 8, 16, 2, 16).half() for _ in range(2)]
+        with pytest.raises(ValueError, match="1 blocks of 16 tokens cannot hold 32"):
+            engine.store(list(range(32)), kv_caches=caches, block_ids=[0])
+
+
+def test_prefetched_chunks_are_consumed_by_retrieve() -> None:
+    with make_engine() as engine:
+        tokens = list(range(96))
+        kv = hf_kv(96)
+        engine.store(tokens, kv=kv)
+        assert engine.lookup_and_prefetch(tokens, "req-1").result(5) == 96
+        result = engine.retrieve(tokens, lookup_id="req-1")
+        assert result.num_tokens == 96
+        assert torch.equal(result.kv[0][0][0], kv[0][0][0, :, :96])
+        assert engine.lookup_and_prefetch(tokens, "req-2").result(5) == 96
+        engine.release_lookup("req-2")
+        tier = engine.storage.tiers[0]
+        assert all((o.ref_count, o.pin_count) == (1, 0) for o in tier._entries.values())

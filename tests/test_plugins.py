@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import json
 import sys
+from importlib.metadata import entry_points
 from pathlib import Path
 
 import pytest
@@ -58,7 +59,10 @@ def test_duplicate_name_is_an_error() -> None:
         _ = manager.registry
 
 
-def test_unknown_name_lists_available_and_pip_command() -> None:
+def test_unknown_name_lists_available_and_pip_command(monkeypatch) -> None:
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if "lmkv-redis" not in p])
+    monkeypatch.setattr("lmkv.plugins.manager.entry_points", lambda group: [
+        ep for ep in entry_points(group=group) if ep.name != "lmkv-redis"])
     manager = PluginManager()
     manager.load_entry_points()
     with pytest.raises(UnknownPluginError) as info:
@@ -161,5 +165,72 @@ def test_third_party_plugin_selected_by_config(third_party: Path, tmp_path: Path
     result = run_cli("config", "check", str(cfg), env={"PYTHONPATH": str(third_party)})
     assert result.returncode == 2
     errors = [line for line in result.stderr.splitlines() if line.startswith("lmkv: error")]
-    assert errors == ["lmkv: error: config key 'tiers.0.options.colour': unknown key"]
+    assert errors == [f"lmkv: error: config key 'tiers.0.options.colour' (from {cfg}): "
+                      "unknown key"]
     assert "Traceback" not in result.stderr
+
+
+def test_an_entry_point_name_taken_by_another_distribution_is_reported(tmp_path: Path,
+                                                                       monkeypatch) -> None:
+    from tests.plugin_fixtures import write_dist
+
+    source = "from lmkv.plugins import hookimpl\n"
+    write_dist(tmp_path / "a", "lmkv-one", "lmkv_one", source)
+    write_dist(tmp_path / "b", "lmkv-two", "lmkv_two", source)
+    # both declare the entry point name of their own dist; make them collide
+    for d, dist in (("a", "lmkv_one"), ("b", "lmkv_two")):
+        (tmp_path / d / f"{dist}-1.0.dist-info" / "entry_points.txt").write_text(
+            f"[lmkv]\nshared-name = {dist}.plugin\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "a"))
+    monkeypatch.syspath_prepend(str(tmp_path / "b"))
+    manager = PluginManager()
+    manager.load_entry_points()
+    (failure,) = [f for f in manager.registry.failures if "shared-name" in f.error]
+    assert "already used by" in failure.error
+
+
+def test_a_module_registered_twice_is_a_load_failure_not_a_crash() -> None:
+    import lmkv_policies.plugin as builtin
+
+    manager = PluginManager()
+    manager.register(builtin, name="first")
+    manager.load_entry_points()  # lmkv_policies' entry point loads the same module
+    assert manager.eviction_policy("lru") is LRUPolicy
+    assert any(f.source.plugin == "lmkv_policies" for f in manager.registry.failures)
+
+
+def test_hook_errors_are_one_line_and_recorded_once() -> None:
+    class Exploding:
+        @hookimpl
+        def lmkv_serializers(self):
+            raise RuntimeError("first line\nsecond line")
+
+    with registered_plugin(Exploding(), name="exploding") as manager:
+        failures = [f for f in manager.registry.failures if f.source.plugin == "exploding"]
+        assert [f.error for f in failures] == ["RuntimeError: first line second line"]
+        manager.register(object(), name="another")  # forces a rebuild
+        assert len([f for f in manager.registry.failures
+                    if f.source.plugin == "exploding"]) == 1
+
+
+def test_skipped_plugins_are_named_in_unknown_name_errors(monkeypatch) -> None:
+    monkeypatch.setenv("LMKV_LOAD_PLUGINS", "lmkv_policies")
+    manager = PluginManager()
+    manager.load_entry_points()
+    with pytest.raises(UnknownPluginError, match="skipped by LMKV_LOAD_PLUGINS"):
+        manager.storage_backend("cpu")
+
+
+def test_duplicate_message_names_the_first_registration_first() -> None:
+    with registered_plugin(DuplicatePlugin(), name="dup") as manager, \
+            pytest.raises(DuplicatePluginError, match=r"by lmkv_backends .* and by dup"):
+        _ = manager.registry
+
+
+def test_a_known_plugin_that_is_disabled_says_so(monkeypatch) -> None:
+    pytest.importorskip("lmkv_redis")
+    monkeypatch.setenv("LMKV_DISABLE_PLUGINS", "lmkv-redis")
+    manager = PluginManager()
+    manager.load_entry_points()
+    with pytest.raises(UnknownPluginError, match="lmkv-redis, which is installed but skipped"):
+        manager.storage_backend("redis")

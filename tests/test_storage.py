@@ -69,8 +69,9 @@ def test_put_goes_to_every_tier_and_a_failing_tier_never_raises(caplog) -> None:
     obj = manager.allocate(SHAPE, torch.float32)
     with caplog.at_level(logging.WARNING):
         assert manager.put([key(1)], [obj]).result() == 1
-    obj.ref_down()
-    assert manager.failed_puts == 1
+        obj.ref_down()
+        assert manager.flush(5)
+    assert broken.counters.errors == 1
     assert "tier down" in caplog.text
     assert manager.contains_prefix([key(1)]) == 1
     manager.close()

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from lmkv.tokens import CacheKey, KeyMeta, TokenChunker, chunk_bounds, prefix_hashes
+from lmkv.tokens import CacheKey, KeyMeta, TokenChunker, prefix_hashes
 
 
 def reference_hashes(tokens: list[int], chunk: int) -> list[bytes]:
@@ -53,8 +53,6 @@ def test_invalid_tokens_are_rejected(bad) -> None:
 
 
 def test_partial_chunks() -> None:
-    assert chunk_bounds(600, 256, False) == [(0, 256), (256, 512)]
-    assert chunk_bounds(600, 256, True) == [(0, 256), (256, 512), (512, 600)]
     chunker = TokenChunker(KeyMeta("m"), 256, save_partial_chunk=True)
     chunks = chunker.chunk(list(range(600)))
     assert (chunks.starts, chunks.ends) == ([0, 256, 512], [256, 512, 600])

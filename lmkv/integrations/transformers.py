@@ -19,6 +19,7 @@ import torch
 
 from lmkv.config import LMKVConfig, load_config
 from lmkv.engine import CacheEngine
+from lmkv.errors import ConfigError
 from lmkv.gpu import KVSpec
 from lmkv.integrations.hf_model import cache_to_kv, kv_to_cache, prefill
 
@@ -49,6 +50,13 @@ class HFCacheEngine:
         name = model_name or getattr(model.config, "_name_or_path", "") or model.config.model_type
         self.engine = CacheEngine.from_config(config or load_config(), kv_spec_of(model),
                                               model_name=name, default_connector="hf")
+        connector = self.engine.connector
+        if connector.engine_kind != "hf":
+            self.engine.close()
+            raise ConfigError(
+                f"gpu_connector = {connector.name!r}: cannot serve a transformers model "
+                f"(it takes {connector.engine_kind or 'unknown'} KV); use a connector for "
+                "per-layer K/V tensors, such as 'hf'")
 
     def store(self, input_ids: Sequence[int] | torch.Tensor, cache: Any) -> int:
         """Store the KV of ``input_ids``' whole chunks found in ``cache``; returns tokens stored."""

@@ -14,6 +14,7 @@ from importlib.metadata import EntryPoint, entry_points
 
 import pluggy
 
+from lmkv.errors import PluginError
 from lmkv.plugins import hookspecs
 from lmkv.plugins.registry import KINDS, LoadFailure, PluginSource, Registry
 
@@ -60,14 +61,18 @@ class PluginManager:
             if block is not None and names & block:
                 self.skipped.append(SkippedPlugin(source, f"listed in {DISABLE_ENV}"))
                 continue
-            if self._pm.has_plugin(ep.name):
-                continue  # the same distribution seen twice on sys.path
+            known = self._sources.get(ep.name)
+            if known is not None:
+                if known.distribution != source.distribution:
+                    self._record_failure(source, PluginError(
+                        f"entry point name {ep.name!r} is already used by "
+                        f"{known.describe()}"))
+                continue  # else: the same distribution seen twice on sys.path
             try:
                 plugin = ep.load()
-            except Exception as exc:  # any import error is the plugin's, not ours
+                self.register(plugin, source=source)
+            except Exception as exc:  # any import or registration error is the plugin's
                 self._record_failure(source, exc)
-                continue
-            self.register(plugin, source=source)
 
     def register(self, plugin: object, name: str | None = None,
                  source: PluginSource | None = None) -> str:
@@ -87,10 +92,11 @@ class PluginManager:
             self._sources.pop(name, None)
             self._registry = None
 
-    def _record_failure(self, source: PluginSource, exc: BaseException) -> None:
-        error = f"{type(exc).__name__}: {exc}"
+    def _record_failure(self, source: PluginSource, exc: BaseException,
+                        failures: list[LoadFailure] | None = None) -> None:
+        error = " ".join(f"{type(exc).__name__}: {exc}".split())  # always one line
         logger.warning("lmkv plugin %s failed to load: %s", source.describe(), error)
-        self._failures.append(LoadFailure(source, error))
+        (self._failures if failures is None else failures).append(LoadFailure(source, error))
 
     # -- registry ----------------------------------------------------------
     @property
@@ -101,17 +107,16 @@ class PluginManager:
             return self._registry
 
     def _build_registry(self) -> Registry:
-        failures = list(self._failures)
-        registry = Registry(failures=failures)
+        registry = Registry(failures=list(self._failures),
+                            skipped=[s.source for s in self.skipped])
         for kind in KINDS.values():
             caller = getattr(self._pm.hook, kind.hook)
-            for impl in reversed(caller.get_hookimpls()):  # registration order
+            for impl in caller.get_hookimpls():  # registration order
                 source = self._sources.get(impl.plugin_name, PluginSource(impl.plugin_name))
                 try:
                     classes = impl.function()
                 except Exception as exc:
-                    self._record_failure(source, exc)
-                    registry.failures.append(self._failures[-1])
+                    self._record_failure(source, exc, registry.failures)
                     continue
                 registry.add_all(kind.key, classes, source)
         return registry

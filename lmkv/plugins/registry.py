@@ -80,6 +80,7 @@ class LoadFailure:
 @dataclass
 class Registry:
     failures: list[LoadFailure] = field(default_factory=list)
+    skipped: list[PluginSource] = field(default_factory=list)  # left out by the env lists
     _entries: dict[str, dict[str, PluginEntry]] = field(
         default_factory=lambda: {k: {} for k in KINDS}
     )
@@ -140,6 +141,9 @@ class Registry:
         msg = f"unknown {spec.title} '{name}'; available: {available}"
         dist = KNOWN_PLUGINS.get((kind, name.lower()))
         failed = [f for f in self.failures if dist and f.source.distribution == dist]
+        if dist and any(s.distribution == dist for s in self.skipped):
+            return (f"{msg}. '{name}' comes from {dist}, which is installed but skipped by "
+                    "LMKV_LOAD_PLUGINS/LMKV_DISABLE_PLUGINS")
         if failed:
             return f"{msg}. '{name}' comes from {dist}, which failed to load: {failed[0].error}"
         if dist:
@@ -147,4 +151,7 @@ class Registry:
         if self.failures:
             broken = "; ".join(f"{f.source.describe()}: {f.error}" for f in self.failures)
             msg += f" (plugins that failed to load: {broken})"
+        if self.skipped:
+            msg += (f" (plugins skipped by LMKV_LOAD_PLUGINS/LMKV_DISABLE_PLUGINS: "
+                    f"{', '.join(s.describe() for s in self.skipped)})")
         return msg

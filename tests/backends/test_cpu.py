@@ -138,3 +138,78 @@ def test_batched_contains_is_a_prefix(n: int) -> None:
         put(tier, i)
     keys = [key(i) for i in range(n + 5)]
     assert tier.batched_async_contains("x", keys) == n
+
+
+def test_an_impossible_allocation_evicts_nothing() -> None:
+    tier = make_cpu(4 * CHUNK_BYTES)
+    for i in range(4):
+        put(tier, i)
+    assert tier.allocate((4 * 2 + 1, *SHAPE[1:]), torch.float16) is None  # larger than the arena
+    assert len(tier) == 4 and tier.stats()["evictions"] == 0
+
+
+def test_fragmentation_around_pins_does_not_empty_the_tier() -> None:
+    tier = make_cpu(8 * CHUNK_BYTES)
+    for i in range(8):
+        put(tier, i)
+    for i in range(0, 8, 2):
+        tier.pin(key(i))  # every other block pinned: no two free blocks can merge
+    double = (SHAPE[0] * 2, *SHAPE[1:])
+    assert tier.allocate(double, torch.float16) is None
+    assert len(tier) >= 5  # gave up after a bounded number of evictions
+    for i in range(0, 8, 2):
+        tier.unpin(key(i))
+
+
+def test_concurrent_clients_keep_counts_and_budget() -> None:
+    import threading
+
+    budget = 32 * CHUNK_BYTES
+    tier = make_cpu(budget)
+    errors: list[BaseException] = []
+
+    def client(seed: int) -> None:
+        rng = random.Random(seed)
+        held, pinned = [], []
+        try:
+            for step in range(400):
+                k = rng.randrange(64)
+                op = rng.random()
+                if op < 0.4:
+                    put(tier, k)
+                elif op < 0.6:
+                    obj = tier.get_blocking(key(k))
+                    if obj is not None:
+                        assert torch.all(obj.tensor == k % 1000)
+                        held.append(obj)
+                elif op < 0.75:
+                    if tier.batched_async_contains("x", [key(k)], pin=True):
+                        pinned.append(key(k))
+                elif op < 0.85:
+                    tier.remove(key(k))
+                else:
+                    while held:
+                        held.pop().ref_down()
+                    while pinned:
+                        assert tier.unpin(pinned.pop())
+                assert tier.allocator.used_bytes <= budget
+                if step % 50 == 0:
+                    assert tier.usage_bytes <= budget
+        except BaseException as exc:  # surfaced in the main thread
+            errors.append(exc)
+        finally:
+            while held:
+                held.pop().ref_down()
+            while pinned:
+                tier.unpin(pinned.pop())
+
+    threads = [threading.Thread(target=client, args=(s,)) for s in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    for obj in tier._entries.values():
+        assert (obj.ref_count, obj.pin_count) == (1, 0)
+    tier.clear()
+    assert tier.allocator.used_bytes == 0 and tier.allocator.live_objects == 0

@@ -71,3 +71,11 @@ def test_a_different_model_name_never_hits(model, prompts, engine) -> None:
         assert other.engine.lookup(prompts[0]) == 0
     finally:
         other.close()
+
+
+def test_a_paged_connector_is_refused_for_transformers(model) -> None:
+    from lmkv.errors import ConfigError
+
+    config = load_config(env={}, overrides={"lmkv.gpu_connector": "paged"})
+    with pytest.raises(ConfigError, match="gpu_connector = 'paged': cannot serve a transformers"):
+        HFCacheEngine(model, config)

@@ -1,0 +1,140 @@
+"""Tiered lookup-and-prefetch: the weighted semaphore, the per-lookup tasks and
+the event manager that hands results from storage threads to the caller.
+
+Semantics (ARCHITECTURE.md, "Storage manager"): for each tier in order, count
+the leading keys it holds and pin them; round down to whole chunks and unpin
+the rest; start a non-blocking get of the hits; continue with the remaining
+keys on the next tier (a strict prefix across tiers). The answer is the token
+count of the consecutive chunks actually retrieved: a tier that returns fewer
+than it promised ends the answer there, and everything after it is released.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from lmkv.memory import MemoryObj
+
+logger = logging.getLogger(__name__)
+
+
+class WeightedSemaphore:
+    """Bounds the chunks that concurrent prefetches hold.
+
+    A request of ``n <= budget`` chunks takes ``n``; a larger one waits until
+    nothing else holds the semaphore and takes all of it. Concurrent
+    allocations therefore never deadlock the allocator.
+    """
+
+    def __init__(self, budget: int) -> None:
+        if budget <= 0:
+            raise ValueError("budget must be positive")
+        self.budget = budget
+        self._used = 0
+        self._cond = threading.Condition()
+
+    def acquire(self, n: int, timeout: float | None = None) -> int:
+        """Take ``min(n, budget)``; returns what was taken (0 on timeout)."""
+        want = min(n, self.budget)
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._used + want <= self.budget, timeout):
+                return 0
+            self._used += want
+            return want
+
+    def release(self, taken: int) -> None:
+        with self._cond:
+            self._used -= taken
+            if self._used < 0:
+                raise RuntimeError("semaphore released more than it gave")
+            self._cond.notify_all()
+
+    @property
+    def used(self) -> int:
+        return self._used
+
+
+@dataclass
+class PrefetchTask:
+    lookup_id: str
+    future: Future = field(default_factory=Future)
+    objs: list[MemoryObj] = field(default_factory=list)
+    cancelled: bool = False
+
+
+class EventManager:
+    """Tracks prefetches by lookup id: ongoing, done, taken or cleaned up."""
+
+    def __init__(self) -> None:
+        self._tasks: dict[str, PrefetchTask] = {}
+        self._lock = threading.Lock()
+
+    def start(self, lookup_id: str) -> PrefetchTask:
+        task = PrefetchTask(lookup_id)
+        with self._lock:
+            previous = self._tasks.pop(lookup_id, None)
+            self._tasks[lookup_id] = task
+        if previous is not None:  # a reused id: the old result is stale
+            self._discard(previous)
+        return task
+
+    def finish(self, task: PrefetchTask, objs: list[MemoryObj], hit_tokens: int) -> None:
+        """Called by the storage thread; a task cleaned up meanwhile is released at once."""
+        with self._lock:
+            cancelled = task.cancelled
+            if not cancelled:
+                task.objs = objs
+        if cancelled:
+            release(objs)
+        task.future.set_result(hit_tokens)
+
+    def fail(self, task: PrefetchTask, exc: BaseException) -> None:
+        logger.warning("lmkv prefetch %s failed: %s", task.lookup_id, exc)
+        task.future.set_result(0)
+
+    def future(self, lookup_id: str) -> Future | None:
+        with self._lock:
+            task = self._tasks.get(lookup_id)
+        return task.future if task else None
+
+    def take(self, lookup_id: str) -> list[MemoryObj] | None:
+        """The prefetched chunks (the caller now owns their references), once done."""
+        with self._lock:
+            task = self._tasks.get(lookup_id)
+            if task is None or not task.future.done():
+                return None
+            del self._tasks[lookup_id]
+            objs, task.objs = task.objs, []
+        return objs
+
+    def cleanup(self, lookup_id: str) -> None:
+        """Release what the lookup prefetched, now or when it finishes."""
+        with self._lock:
+            task = self._tasks.pop(lookup_id, None)
+        if task is not None:
+            self._discard(task)
+
+    def _discard(self, task: PrefetchTask) -> None:
+        with self._lock:
+            task.cancelled = True
+            objs, task.objs = task.objs, []
+        release(objs)
+
+    def __len__(self) -> int:
+        return len(self._tasks)
+
+    def close(self) -> None:
+        with self._lock:
+            tasks = list(self._tasks.values())
+            self._tasks.clear()
+        for task in tasks:
+            self._discard(task)
+
+
+def release(objs: Sequence[MemoryObj]) -> None:
+    for obj in objs:
+        obj.ref_down()
