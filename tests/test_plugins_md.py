@@ -63,6 +63,12 @@ DictBackend = run_section("StorageBackend")["DictBackend"]
 
 
 class TestTutorialBackendConformance(StorageBackendConformance):
+    def corrupt_entry(self, backend, key) -> bool:
+        frame = bytearray(backend.frames[key])
+        frame[-1] ^= 0x01
+        backend.frames[key] = bytes(frame)
+        return True
+
     def make_backend(self):
         arena = MemoryAllocator(1 << 22)
         return DictBackend(DictBackend.Options(),

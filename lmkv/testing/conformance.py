@@ -31,6 +31,12 @@ class StorageBackendConformance:
     def make_backend(self) -> StorageBackend:
         raise NotImplementedError("subclasses return a fresh backend")
 
+    def corrupt_entry(self, backend: StorageBackend, key: CacheKey) -> bool:
+        """Damage the stored value of ``key`` behind the backend's back (flip a
+        payload bit). Tiers that store bytes implement it; the default returns
+        False and the corruption test is skipped."""
+        return False
+
     # -- helpers -------------------------------------------------------------
     @pytest.fixture
     def backend(self) -> Iterator[StorageBackend]:
@@ -158,3 +164,11 @@ class StorageBackendConformance:
         self.put(backend, [1])
         backend.close()
         backend.close()
+
+    def test_a_corrupt_entry_is_a_miss_and_is_removed(self, backend: StorageBackend) -> None:
+        self.put(backend, [4])
+        if not self.corrupt_entry(backend, self.key(4)):
+            pytest.skip("this backend keeps no bytes to corrupt")
+        assert backend.get_blocking(self.key(4)) is None
+        assert not backend.contains(self.key(4))
+        assert backend.stats()["corrupt_frames"] >= 1
