@@ -6,7 +6,9 @@ from __future__ import annotations
 from lmkv.plugins import hookimpl
 from lmkv_backends.cpu import CPUBackend
 from lmkv_backends.gpu_torch import HFConnector, PagedConnector
+from lmkv_backends.serde_int8 import Int8Serializer
 from lmkv_backends.serde_naive import NaiveSerializer
+from lmkv_backends.serde_zstd import ZstdSerializer
 
 
 @hookimpl
@@ -16,7 +18,7 @@ def lmkv_storage_backends() -> list[type]:
 
 @hookimpl
 def lmkv_serializers() -> list[type]:
-    return [NaiveSerializer]
+    return [NaiveSerializer, ZstdSerializer, Int8Serializer]
 
 
 @hookimpl

@@ -1,0 +1,85 @@
+"""``int8``: a lossy quantizer that halves bf16/fp16 KV (quarters fp32).
+
+Each value becomes ``round(x / scale)`` in int8 with a symmetric absmax
+scale per token (``granularity: token``: one scale per layer, K/V, token and
+head, over head_dim) or per channel (``granularity: channel``: one scale per
+layer, K/V, head and channel, over the chunk's tokens). Scales are stored as
+float32. The measured error on real KV is in docs/serializers.md.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Literal
+
+import numpy as np
+import torch
+
+from lmkv.backend import Allocate
+from lmkv.errors import CorruptFrameError
+from lmkv.memory import MemoryObj
+from lmkv.plugins.base import PluginOptions
+from lmkv.serde import Serializer, read_header, verify_payload, write_header
+
+_GRANULARITY = {"token": 1, "channel": 2}
+_PREFIX = struct.Struct("<B")
+
+
+class Int8Options(PluginOptions):
+    granularity: Literal["token", "channel"] = "token"
+    """``token``: a scale per token and head (over head_dim); ``channel``: a scale per
+    head and channel (over the chunk's tokens)."""
+
+
+def _reduce_dim(granularity: int) -> int:
+    # chunk layout [layers, 2, tokens, heads, head_dim]
+    return -1 if granularity == _GRANULARITY["token"] else 2
+
+
+class Int8Serializer(Serializer):
+    name = "int8"
+    serializer_id = 3
+    Options = Int8Options
+
+    def serialize(self, obj: MemoryObj) -> list[bytes | memoryview]:
+        if obj.tensor.dim() != 5:
+            raise ValueError("int8 quantizes chunk buffers [layers, 2, tokens, heads, head_dim]")
+        granularity = _GRANULARITY[self.options.granularity]
+        x = obj.tensor.float()
+        scale = x.abs().amax(dim=_reduce_dim(granularity), keepdim=True) / 127.0
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        q = torch.round(x / scale).clamp_(-127, 127).to(torch.int8)
+        payload = b"".join([_PREFIX.pack(granularity), scale.numpy().tobytes(),
+                            q.numpy().tobytes()])
+        header = write_header(self.serializer_id, obj.dtype, tuple(obj.shape), payload,
+                              len(payload))
+        return [header, payload]
+
+    def deserialize(self, frame: bytes | bytearray | memoryview,
+                    allocate: Allocate) -> MemoryObj | None:
+        view = memoryview(frame).cast("B")
+        header = read_header(view)
+        if header.serializer_id != self.serializer_id:
+            raise CorruptFrameError(f"frame was written by serializer id "
+                                    f"{header.serializer_id}, not int8")
+        if len(header.shape) != 5:
+            raise CorruptFrameError("int8 frame of a non-chunk shape")
+        payload = view[header.header_len:]
+        verify_payload(header, payload)
+        if not payload or payload[0] not in _GRANULARITY.values():
+            raise CorruptFrameError("unknown int8 granularity")
+        granularity = payload[0]
+        scale_shape = list(header.shape)
+        scale_shape[_reduce_dim(granularity)] = 1
+        n_scale = int(np.prod(scale_shape))
+        n_values = int(np.prod(header.shape))
+        if len(payload) != 1 + 4 * n_scale + n_values:
+            raise CorruptFrameError("int8 payload length does not match its shape")
+        scale = torch.from_numpy(np.frombuffer(payload, np.float32, n_scale, 1).copy())
+        q = torch.from_numpy(np.frombuffer(payload, np.int8, n_values, 1 + 4 * n_scale).copy())
+        obj = allocate(header.shape, header.dtype)
+        if obj is None:
+            return None
+        values = q.view(header.shape).float() * scale.view(scale_shape)
+        obj.tensor.copy_(values.to(header.dtype))
+        return obj
