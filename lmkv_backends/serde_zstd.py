@@ -11,7 +11,7 @@ from __future__ import annotations
 import struct
 from typing import Annotated
 
-import torch
+import numpy as np
 import zstandard
 from pydantic import Field
 
@@ -96,8 +96,7 @@ class ZstdSerializer(Serializer):
         target = obj.byte_view().view(-1, n_planes) if shuffled else obj.byte_view().view(1, -1)
         for i, plane in enumerate(planes):
             dst = target[:, i] if shuffled else target[0]
-            dst.copy_(torch.frombuffer(bytearray(plane) if isinstance(plane, memoryview)
-                                       else plane, dtype=torch.uint8))
+            dst.numpy()[:] = np.frombuffer(plane, dtype=np.uint8)
         return obj
 
     @staticmethod
