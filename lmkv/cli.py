@@ -57,6 +57,23 @@ def _cmd_config_check(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_stats(args: argparse.Namespace) -> int:
+    from lmkv.config import load_config
+    from lmkv.stats import format_tier_stats
+    from lmkv.storage import StorageManager
+
+    storage = StorageManager.from_config(load_config(args.config))
+    try:
+        stats = storage.stats()
+    finally:
+        storage.close()
+    if args.json:
+        print(json.dumps(stats, indent=2))
+    else:
+        print("\n".join(format_tier_stats(stats, indent="")))
+    return 0
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from lmkv.demo import run_demo
 
@@ -78,6 +95,11 @@ def build_parser() -> argparse.ArgumentParser:
     check = config_sub.add_parser("check", help="validate FILE and print the resolved config")
     check.add_argument("file")
     check.set_defaults(func=_cmd_config_check)
+
+    stats = sub.add_parser("stats", help="open the tiers of a config and print their figures")
+    stats.add_argument("--config", help="config file (default: LMKV_CONFIG / defaults)")
+    stats.add_argument("--json", action="store_true", help="machine-readable output")
+    stats.set_defaults(func=_cmd_stats)
 
     from lmkv.demo import add_demo_arguments
 

@@ -15,8 +15,7 @@ import time
 from dataclasses import dataclass
 
 from lmkv.errors import ConfigError
-
-MiB = 1 << 20
+from lmkv.stats import format_tier_stats
 
 
 def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
@@ -168,10 +167,9 @@ def _report(cold: list[PromptRun], warm: list[PromptRun], stats: list[dict],
     print(f"  logits vs full recompute      : max |diff| = {max_diff:.3g} ({verdict})")
     print(f"  logits vs the model's own KV  : {'bit-identical' if lossless else 'DIFFERENT'} "
           "(same split, KV kept in the model: lmkv adds no error)")
-    for tier in stats:
-        label = f"  lmkv tier {tier['tier']} ({tier['type']})".ljust(32)
-        print(f"{label}: {tier.get('entries', '?')} chunks, {tier['usage_bytes'] / MiB:.1f} MiB, "
-              f"{tier.get('hits', 0)} chunk hits")
+    print("lmkv tiers")
+    for line in format_tier_stats(stats):
+        print(line)
     ok = same_tokens and close and lossless
     if not ok:
         print("lmkv demo: reused KV did NOT reproduce the full recompute", file=sys.stderr)

@@ -43,3 +43,17 @@ def test_bad_config_file_for_the_demo(tmp_path) -> None:
     assert result.returncode == 2
     assert "tiers.0.options.max_bytes" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_stats_prints_every_counter_of_every_tier(tmp_path) -> None:
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("tiers: [{type: cpu, options: {max_bytes: 64MiB}}]\n")
+    result = run_cli("stats", "--config", str(cfg))
+    assert result.returncode == 0, result.stderr
+    line = result.stdout.strip()
+    assert line.startswith("tier 0 (cpu): usage 0.0 MiB of 64.0 MiB, 0 entries;")
+    for counter in ("hits", "misses", "puts", "bytes_in", "bytes_out", "evictions", "errors",
+                    "dropped_writes", "corrupt_frames"):
+        assert f"{counter}=0" in line
+    as_json = run_cli("stats", "--config", str(cfg), "--json")
+    assert '"capacity_bytes": 67108864' in as_json.stdout
