@@ -48,6 +48,10 @@ def test_every_hook_has_a_section_with_an_example() -> None:
         assert SECTIONS.get(hook), f"plugins.md has no example for {hook}"
 
 
+def test_the_tutorial_has_its_steps() -> None:
+    assert len(SECTIONS["Tutorial: write a storage backend"]) >= 4
+
+
 def test_every_abc_has_a_section_with_an_example() -> None:
     for kind in KINDS.values():
         name = kind.base_class().__name__
@@ -59,7 +63,7 @@ def test_example_runs(title: str) -> None:
     run_section(title)
 
 
-DictBackend = run_section("StorageBackend")["DictBackend"]
+DictBackend = run_section("Tutorial: write a storage backend")["DictBackend"]
 
 
 class TestTutorialBackendConformance(StorageBackendConformance):
