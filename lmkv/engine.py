@@ -20,7 +20,7 @@ from lmkv.logutil import RateLimitedLog
 from lmkv.memory import MemoryObj
 from lmkv.prefetch import release
 from lmkv.storage import StorageManager
-from lmkv.tokens import ChunkKeys, KeyMeta, TokenChunker
+from lmkv.tokens import CacheKey, ChunkKeys, KeyMeta, TokenChunker
 
 logger = logging.getLogger(__name__)
 _store_log = RateLimitedLog(logger)
@@ -113,6 +113,14 @@ class CacheEngine:
         """
         chunks = self.chunker.chunk(tokens)
         return self.storage.lookup_and_prefetch(lookup_id, chunks.keys, chunks.ends)
+
+    def lookup_and_prefetch_hashes(self, lookup_id: str, chunk_hashes: Sequence[bytes],
+                                   chunk_ends: Sequence[int]) -> Future:
+        """``lookup_and_prefetch`` for chunk hashes computed elsewhere (the scheduler
+        hashes once; each worker builds its own keys, with its own rank)."""
+        meta = self.chunker.meta
+        keys = [CacheKey(meta, h) for h in chunk_hashes]
+        return self.storage.lookup_and_prefetch(lookup_id, keys, chunk_ends)
 
     def release_lookup(self, lookup_id: str) -> None:
         self.storage.release_prefetched(lookup_id)

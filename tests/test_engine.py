@@ -156,3 +156,15 @@ def test_prefetched_chunks_are_consumed_by_retrieve() -> None:
         engine.release_lookup("req-2")
         tier = engine.storage.tiers[0]
         assert all((o.ref_count, o.pin_count) == (1, 0) for o in tier._entries.values())
+
+
+def test_prefetch_by_hashes_computed_elsewhere() -> None:
+    from lmkv.tokens import prefix_hashes
+
+    with make_engine() as engine:
+        tokens = list(range(100))
+        engine.store(tokens, kv=hf_kv(100))
+        hashes = prefix_hashes(tokens, CHUNK)
+        ends = [CHUNK * (i + 1) for i in range(len(hashes))]
+        assert engine.lookup_and_prefetch_hashes("h", hashes, ends).result(5) == 96
+        assert engine.retrieve(tokens, lookup_id="h").num_tokens == 96
