@@ -291,7 +291,8 @@ def _allowed(err: Mapping[str, Any]) -> str:
     msg = err["msg"]
     if err["type"] in ("int_parsing", "int_type", "int_from_float"):
         msg = "must be an integer"
-    elif err["type"] == "greater_than" and err.get("ctx", {}).get("gt") == 0:
+    elif (err["type"] == "greater_than" and err.get("ctx", {}).get("gt") == 0
+          and isinstance(err.get("input"), int)):
         msg = "must be a positive integer"
     elif err["type"] in ("bool_parsing", "bool_type"):
         msg = "must be true or false"

@@ -97,7 +97,7 @@ BAD = [
     ({"lmkv.chunk_size": 2.0}, "config key 'chunk_size' = 2.0"),
     ({"lmkv.tiers.0.eviction": "mru"}, "tiers.0.eviction.type = 'mru': unknown eviction policy"),
     ({"lmkv.serializer": "pickle"}, "serializer.type = 'pickle': unknown serializer 'pickle'; "
-                                    "available: naive"),
+                                    "available: int8, naive, zstd"),
     ({"lmkv.gpu_connector": {"type": "paged", "options": {"layout": "weird"}}},
      "config key 'gpu_connector.options.layout' = 'weird' (from lmkv.gpu_connector): "
      "input should be 'flash' or 'cpu'"),

@@ -1,0 +1,123 @@
+"""Options of the ``redis`` tier (``tiers.N.options`` in an lmkv config)."""
+
+from __future__ import annotations
+
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+from pydantic import (
+    ByteSize,
+    Field,
+    PositiveFloat,
+    PositiveInt,
+    SecretStr,
+    field_serializer,
+    field_validator,
+    model_validator,
+)
+
+from lmkv.plugins.base import PluginOptions
+
+SCHEMES = ("redis", "rediss", "unix")
+MIN_PART_BYTES = 1024
+
+
+def redact_url(url: str) -> str:
+    """``url`` with its password replaced by ``***`` (safe to log or print)."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<unparsable url>"
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.hostname or ""
+    if ":" in host:
+        host = f"[{host}]"
+    netloc = f"{user}:***@{host}"
+    if parts.port is not None:
+        netloc += f":{parts.port}"
+    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+
+
+class RedisOptions(PluginOptions):
+    url: str = "redis://127.0.0.1:6379/0"
+    """``redis://[[user]:password@]host[:port][/db]``, ``rediss://...`` for TLS,
+    ``unix:///path/to/socket?db=N``. Passwords are redacted wherever lmkv prints it."""
+    password: SecretStr | None = None
+    """Overrides a password in ``url`` (keeps it out of config files: set
+    ``LMKV_TIERS__N__OPTIONS__PASSWORD`` in the environment)."""
+    cluster: bool = False
+    """Talk to a Redis Cluster (``url`` names any one node; db must be 0)."""
+    key_prefix: str = "lmkv:"
+    """Namespace: every key this tier writes starts with it."""
+    ttl_s: PositiveFloat | None = None
+    """Expire entries this long after they were written (None: never)."""
+    part_bytes: ByteSize = Field(default=ByteSize(64 << 20), ge=MIN_PART_BYTES)
+    """Values larger than this are split into parts of this size (same hash slot)."""
+    connect_timeout_s: PositiveFloat = 2.0
+    """Give up connecting after this long: a dead server never hangs the engine."""
+    socket_timeout_s: PositiveFloat = 2.0
+    """Give up on a read or write that makes no progress for this long."""
+    retry_after_s: float = Field(default=1.0, ge=0)
+    """After a connection failure, answer misses without touching the network for
+    this long, then try again (the pool reconnects on its own)."""
+    close_timeout_s: float = Field(default=2.0, ge=0)
+    """``close()`` waits this long for puts in flight, then drops them."""
+    max_connections: PositiveInt = 16
+    """Connections per pool (per node with ``cluster``)."""
+    pipeline_bytes: ByteSize = Field(default=ByteSize(64 << 20), ge=MIN_PART_BYTES)
+    """Value bytes one pipeline carries; a larger batch goes in several (the server
+    buffers a pipeline's replies whole: huge pipelines cost it page faults)."""
+    max_pending_bytes: ByteSize = Field(default=ByteSize(1 << 30), ge=0)
+    """Bytes of submitted puts not yet written; past it new puts are dropped and
+    counted (a slow server must not hold the cpu tier's buffers forever)."""
+    tls_ca_file: str | None = None
+    """CA bundle that signed the server's certificate (``rediss://``)."""
+    tls_cert_file: str | None = None
+    """Client certificate, for servers that require one (``tls-auth-clients yes``)."""
+    tls_key_file: str | None = None
+    """Private key of ``tls_cert_file``."""
+    tls_verify: bool = True
+    """Check the server's certificate and host name. Turn off only for testing."""
+
+    @field_validator("url")
+    @classmethod
+    def _check_url(cls, url: str) -> str:
+        scheme = url.partition("://")[0].lower() if "://" in url else ""
+        if scheme not in SCHEMES:
+            raise ValueError(
+                f"must start with {', '.join(s + '://' for s in SCHEMES)} "
+                f"(got {redact_url(url)!r})")
+        return url
+
+    @field_validator("key_prefix")
+    @classmethod
+    def _check_prefix(cls, prefix: str) -> str:
+        if "{" in prefix or "}" in prefix:
+            raise ValueError("must not contain '{' or '}' (they mark Redis Cluster hash tags)")
+        return prefix
+
+    @model_validator(mode="after")
+    def _check_cluster(self) -> RedisOptions:
+        if self.cluster:
+            if self.url.lower().startswith("unix://"):
+                raise ValueError("cluster: a Redis Cluster is reached over TCP, not unix://")
+            path = urlsplit(self.url).path.strip("/")
+            if path not in ("", "0"):
+                raise ValueError("cluster: a Redis Cluster has only database 0")
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("tls_cert_file and tls_key_file go together")
+        return self
+
+    @field_serializer("url")
+    def _dump_url(self, url: str) -> str:
+        return redact_url(url)
+
+    def __repr_args__(self) -> Any:
+        for name, value in super().__repr_args__():
+            yield name, redact_url(value) if name == "url" else value
+
+    @property
+    def is_tls(self) -> bool:
+        return self.url.lower().startswith("rediss://")

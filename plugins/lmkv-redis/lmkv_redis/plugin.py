@@ -1,0 +1,11 @@
+"""Entry point of lmkv-redis (group ``lmkv``, name ``lmkv-redis``)."""
+
+from __future__ import annotations
+
+from lmkv.plugins import hookimpl
+from lmkv_redis.backend import RedisBackend
+
+
+@hookimpl
+def lmkv_storage_backends() -> list[type]:
+    return [RedisBackend]

@@ -1,0 +1,188 @@
+"""Puts of the redis tier: asynchronous, one pipeline per ``pipeline_bytes``.
+
+``submit`` takes a reference on every MemoryObj and returns at once; a
+background thread serializes each chunk (the frame's payload is a view of the
+chunk's memory: nothing is copied on the way to the socket), writes the batch
+and then releases the references. A write that fails is dropped and counted;
+the future resolves to the number of entries stored and never raises for a
+Redis fault.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from functools import partial
+from typing import TYPE_CHECKING
+
+from lmkv.backend import done_future
+from lmkv.memory import MemoryObj
+from lmkv.tokens import CacheKey
+from lmkv_redis.layout import envelope, part_names, split
+from lmkv_redis.wire import bulk
+
+if TYPE_CHECKING:
+    from lmkv_redis.backend import RedisBackend
+
+logger = logging.getLogger(__name__)
+
+
+class Writer:
+    def __init__(self, backend: RedisBackend) -> None:
+        self.backend = backend
+        self.options = backend.options
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmkv-redis-put")
+        self._lock = threading.Lock()
+        self._in_flight: set[Future] = set()
+        self.pending_bytes = 0
+        self.net_bytes = 0  # see RedisBackend.usage_bytes
+        self._closing = False
+
+    def forget(self, nbytes: int) -> None:
+        with self._lock:
+            self.net_bytes -= nbytes
+
+    # -- submission (caller's thread) ----------------------------------------------
+    def submit(self, keys: list[CacheKey], objs: list[MemoryObj]) -> Future:
+        if len(keys) != len(objs):
+            raise ValueError(f"{len(keys)} keys for {len(objs)} chunks")
+        counters = self.backend.counters
+        if not keys:
+            return done_future(0)
+        nbytes = sum(obj.nbytes for obj in objs)
+        with self._lock:
+            full = self.pending_bytes and (
+                self.pending_bytes + nbytes > self.options.max_pending_bytes)
+            if not full and not self._closing and self.backend.usable:
+                self.pending_bytes += nbytes
+                accepted = True
+            else:
+                accepted = False
+        if not accepted:
+            counters.dropped_writes += len(keys)
+            if full:
+                self.backend.faults.note("queue-full", "%d bytes of puts still pending; "
+                                         "dropping %d writes", self.pending_bytes, len(keys))
+            return done_future(0)
+        for obj in objs:
+            obj.ref_up()
+        result: Future = Future()
+        try:
+            job = self._executor.submit(self._write, keys, objs)
+        except RuntimeError:  # closed meanwhile
+            job = Future()
+            job.cancel()
+        with self._lock:
+            self._in_flight.add(job)
+        job.add_done_callback(partial(self._finished, objs, nbytes, result))
+        return result
+
+    def _finished(self, objs: list[MemoryObj], nbytes: int, result: Future, job: Future) -> None:
+        for obj in objs:
+            obj.ref_down()
+        with self._lock:
+            self.pending_bytes -= nbytes
+            self._in_flight.discard(job)
+        if job.cancelled():
+            self.backend.counters.dropped_writes += len(objs)
+            result.set_result(0)
+        elif job.exception() is not None:  # a bug, not a Redis fault: let it show
+            result.set_exception(job.exception())
+        else:
+            result.set_result(job.result())
+
+    # -- writing (background thread) ------------------------------------------------
+    def _write(self, keys: Sequence[CacheKey], objs: Sequence[MemoryObj]) -> int:
+        backend, counters = self.backend, self.backend.counters
+        stored = start = 0
+        while start < len(keys):
+            if not backend.usable:
+                counters.dropped_writes += len(keys) - start
+                break
+            end, window_bytes = start, 0
+            while end < len(keys) and (end == start or window_bytes + objs[end].nbytes
+                                       <= self.options.pipeline_bytes):
+                window_bytes += objs[end].nbytes
+                end += 1
+            try:
+                stored += self._write_window(keys[start:end], objs[start:end])
+            except Exception as exc:
+                if not self.backend.faults.expected(exc):
+                    raise
+                left = len(keys) - start
+                counters.dropped_writes += left
+                backend.faults.record("put", exc, f"dropping {left} writes")
+                break
+            start = end
+        counters.puts += stored
+        return stored
+
+    def _write_window(self, keys: Sequence[CacheKey], objs: Sequence[MemoryObj]) -> int:
+        backend, counters = self.backend, self.backend.counters
+        serializer = backend.context.serializer
+        part_bytes = int(self.options.part_bytes)
+        ttl = ["PX", max(1, round(self.options.ttl_s * 1000))] if self.options.ttl_s else []
+        pipe = backend.client().pipeline(transaction=False)
+        plan: list[tuple[str, list[str], int]] = []
+        for key, obj in zip(keys, objs, strict=True):
+            buffers = serializer.serialize(obj)
+            frame_len = sum(memoryview(b).nbytes for b in buffers)
+            name = backend.main_key(key)
+            pieces = split(buffers, part_bytes) if frame_len > part_bytes else [buffers]
+            parts = part_names(self.options.key_prefix, name, len(pieces))
+            if not parts:
+                pieces = [buffers]
+            pipe.execute_command("EXISTS", name)  # tells usage whether the entry is new
+            for part, piece in zip(parts, pieces[1:], strict=True):
+                pipe.execute_command("SET", part, bulk(piece), *ttl)
+            head = [envelope(len(pieces), frame_len), *pieces[0]] if parts else pieces[0]
+            pipe.execute_command("SET", name, bulk(head), *ttl)  # last: readers see whole entries
+            plan.append((name, parts, frame_len))
+        replies = pipe.execute(raise_on_error=False)
+
+        stored, pos, failed = 0, 0, []
+        for name, parts, frame_len in plan:
+            existed, *sets = replies[pos:pos + 2 + len(parts)]
+            pos += 2 + len(parts)
+            if all(r is True for r in sets):
+                stored += 1
+                counters.bytes_in += frame_len
+                if existed == 0:
+                    with self._lock:
+                        self.net_bytes += frame_len
+            else:
+                counters.dropped_writes += 1
+                failed.append((name, parts, next(r for r in sets if r is not True)))
+        if failed:
+            self._clean_up(failed)
+        return stored
+
+    def _clean_up(self, failed: list[tuple[str, list[str], object]]) -> None:
+        """Delete the parts a refused write left behind (e.g. the server is out of
+        memory: DEL is still allowed)."""
+        name, _, reply = failed[0]
+        self.backend.faults.record("put", RuntimeError(f"{name}: {reply}"),
+                                   f"dropping {len(failed)} writes")
+        orphans = [(parts) for _, parts, _ in failed if parts]
+        if not orphans:
+            return
+        pipe = self.backend.client().pipeline(transaction=False)
+        for parts in orphans:
+            pipe.execute_command("DEL", *parts)
+        try:
+            pipe.execute(raise_on_error=False)
+        except Exception as exc:
+            if not self.backend.faults.expected(exc):
+                raise
+            self.backend.faults.record("put clean-up", exc, "parts left to expire")
+
+    def close(self, timeout_s: float) -> None:
+        """Refuse new puts; give those in flight ``timeout_s`` to finish, cancel the rest."""
+        with self._lock:
+            self._closing = True
+            in_flight = list(self._in_flight)
+        if in_flight and timeout_s > 0:
+            wait(in_flight, timeout=timeout_s)
+        self._executor.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,65 @@
+"""The lmkv storage contract, against a real server and a real 3-master cluster."""
+
+from __future__ import annotations
+
+import pytest
+from redis_servers import RedisCluster, RedisServer
+
+from lmkv import BackendContext, StorageBackend
+from lmkv.memory import MemoryAllocator
+from lmkv.testing import StorageBackendConformance
+from lmkv.tokens import CacheKey
+from lmkv_backends.serde_naive import NaiveSerializer
+from lmkv_redis import RedisBackend, RedisOptions
+
+
+class _RedisConformance(StorageBackendConformance):
+    url = ""
+    options: dict = {}
+
+    def make_backend(self) -> StorageBackend:
+        arena = MemoryAllocator(16 << 20, pin_memory=False)
+        prefix = f"conf-{type(self).__name__}-{id(arena):x}:"
+        return RedisBackend(RedisOptions(url=self.url, key_prefix=prefix, **self.options),
+                            BackendContext(serializer=NaiveSerializer(), allocate=arena.allocate))
+
+    def corrupt_entry(self, backend: StorageBackend, key: CacheKey) -> bool:
+        """Flip a payload bit of the main value, with the tier's own client."""
+        client = backend.client()
+        name = backend.main_key(key)
+        offset = client.strlen(name) - 10
+        byte = client.getrange(name, offset, offset)[0]
+        client.setrange(name, offset, bytes([byte ^ 1]))
+        return True
+
+
+class TestRedisServer(_RedisConformance):
+    @pytest.fixture(autouse=True)
+    def _url(self, redis_server: RedisServer) -> None:
+        self.url = redis_server.url
+
+
+class TestRedisServerInParts(_RedisConformance):
+    """Every entry split into 1 KiB parts (the chunks are 8 KiB)."""
+
+    options = {"part_bytes": 1024}
+
+    @pytest.fixture(autouse=True)
+    def _url(self, redis_server: RedisServer) -> None:
+        self.url = redis_server.url
+
+
+class TestRedisCluster(_RedisConformance):
+    options = {"cluster": True}
+
+    @pytest.fixture(autouse=True)
+    def _url(self, redis_cluster: RedisCluster) -> None:
+        self.url = redis_cluster.url
+
+
+class TestRedisClusterInParts(_RedisConformance):
+    options = {"cluster": True, "part_bytes": 1024}
+
+    @pytest.fixture(autouse=True)
+    def _url(self, redis_cluster: RedisCluster) -> None:
+        self.url = redis_cluster.url
