@@ -23,7 +23,7 @@ import torch
 
 from lmkv.errors import CorruptFrameError
 from lmkv.logutil import RateLimitedLog
-from lmkv.memory import MemoryObj
+from lmkv.memory import MemoryAllocator, MemoryObj
 from lmkv.plugins.base import Plugin, PluginOptions
 from lmkv.tokens import CacheKey
 
@@ -75,6 +75,10 @@ class StorageBackend(Plugin, ABC):
 
     #: True when entries live as MemoryObjs in this process (no serializer needed).
     holds_memory_objs: bool = False
+    #: The arena of a tier that holds memory (``holds_memory_objs``), else None.
+    allocator: MemoryAllocator | None = None
+    #: The shared-memory segment the arena lives in, when it does (``lmkv server``).
+    shared_segment: object | None = None
 
     def __init__(self, options: PluginOptions, context: BackendContext) -> None:
         self.options = options

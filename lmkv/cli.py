@@ -101,6 +101,13 @@ def build_parser() -> argparse.ArgumentParser:
     stats.add_argument("--json", action="store_true", help="machine-readable output")
     stats.set_defaults(func=_cmd_stats)
 
+    from lmkv.server.main import add_server_arguments, run_server
+
+    server = sub.add_parser("server",
+                            help="serve the tiers of a config to several engine processes")
+    add_server_arguments(server)
+    server.set_defaults(func=run_server)
+
     from lmkv.demo import add_demo_arguments
 
     demo = sub.add_parser("demo", help="cold vs warm time to first token on a local model")

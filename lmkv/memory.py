@@ -132,14 +132,24 @@ class MemoryAllocator:
     """First-fit arena allocator with a hard budget of ``capacity_bytes``."""
 
     def __init__(self, capacity_bytes: int, *, pin_memory: bool | None = None,
-                 alignment: int = ALIGNMENT) -> None:
+                 alignment: int = ALIGNMENT, buffer: torch.Tensor | None = None) -> None:
+        """``buffer``: a flat uint8 tensor of at least ``capacity_bytes`` to place the
+        arena in (a shared-memory segment); used as it is, ``pin_memory`` is ignored."""
         if capacity_bytes <= 0:
             raise ValueError("capacity_bytes must be positive")
         if pin_memory is None:
             pin_memory = torch.cuda.is_available()
         self.alignment = alignment
         self.capacity_bytes = capacity_bytes // alignment * alignment
-        self.arena = torch.empty(self.capacity_bytes, dtype=torch.uint8, pin_memory=pin_memory)
+        if buffer is None:
+            self.arena = torch.empty(self.capacity_bytes, dtype=torch.uint8,
+                                     pin_memory=pin_memory)
+        elif buffer.dtype != torch.uint8 or buffer.dim() != 1 \
+                or buffer.numel() < self.capacity_bytes:
+            raise ValueError(f"buffer must be a flat uint8 tensor of at least "
+                             f"{self.capacity_bytes} bytes")
+        else:
+            self.arena = buffer[:self.capacity_bytes]
         self.lock = threading.Lock()
         # Free blocks, sorted by start; sizes kept alongside for first-fit scans.
         self._free_starts: list[int] = [0]

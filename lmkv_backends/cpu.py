@@ -29,6 +29,9 @@ class CPUOptions(PluginOptions):
     """Hard budget of the arena, e.g. ``512MiB`` or ``8GiB``."""
     pin_memory: bool | None = None
     """Page-locked arena for fast GPU copies; default: when CUDA is available."""
+    shared_memory: bool = False
+    """Place the arena in a named shared-memory segment that other processes on this
+    machine map (the ``lmkv server``); the arena is then not page-locked."""
 
 
 class CPUBackend(StorageBackend):
@@ -41,7 +44,14 @@ class CPUBackend(StorageBackend):
         if context.eviction_policy is None:
             raise ValueError("the cpu tier needs an eviction policy")
         self.policy = context.eviction_policy
-        self.allocator = MemoryAllocator(int(options.max_bytes), pin_memory=options.pin_memory)
+        self.shared_segment = None
+        if options.shared_memory:
+            from lmkv.server.shm import SharedSegment
+
+            self.shared_segment = SharedSegment.create(int(options.max_bytes))
+        self.allocator = MemoryAllocator(
+            int(options.max_bytes), pin_memory=options.pin_memory,
+            buffer=self.shared_segment.tensor if self.shared_segment else None)
         self._entries: dict[CacheKey, MemoryObj] = {}
         self._lock = threading.Lock()
         self._stored_bytes = 0
@@ -231,3 +241,5 @@ class CPUBackend(StorageBackend):
     def close(self) -> None:
         self.clear()
         super().close()
+        if self.shared_segment is not None:
+            self.shared_segment.close()

@@ -1,0 +1,3 @@
+from lmkv.server.main import main
+
+raise SystemExit(main())

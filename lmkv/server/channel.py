@@ -1,0 +1,100 @@
+"""The client's socket: request/reply over a ZMQ DEALER with a deadline per request.
+
+A REQ socket is stuck for good once a reply is lost; a DEALER is not, and
+replies are matched to requests by ``req_id`` (a late reply to an abandoned
+request is dropped). A request with no reply before its deadline closes the
+socket, dropping whatever was still queued for a dead server; the next
+request connects a fresh one. The socket is ``IMMEDIATE``: nothing is queued
+while no server is connected, so an unreachable server fails a request at
+once instead of piling requests up for later. After a failure the channel
+is "down": requests fail without waiting until ZMQ, which keeps reconnecting
+in the background, has a connection again.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+import zmq
+
+from lmkv.server import protocol as p
+
+logger = logging.getLogger(__name__)
+
+RECONNECT_IVL_MS = 50
+RECONNECT_IVL_MAX_MS = 500
+
+
+class Failure(enum.Enum):
+    UNREACHABLE = "unreachable"  # no connection to a server
+    TIMEOUT = "timeout"  # sent, but no reply before the deadline
+
+
+class Channel:
+    def __init__(self, address: str, context: zmq.Context | None = None) -> None:
+        self.address = address
+        self._context = context or zmq.Context.instance()
+        self._socket: zmq.Socket | None = None
+        self._next_id = 0
+        self.down = False
+        self.resets = 0
+
+    def request(self, message: p.Request, frames: Sequence[Any] = (), timeout_ms: int = 500
+                ) -> tuple[p.AnyReply, list[zmq.Frame]] | Failure:
+        """Send ``message`` (and raw ``frames``); the reply and its data frames, or a Failure."""
+        sock = self._socket if self._socket is not None else self._connect()
+        if not sock.poll(0 if self.down else timeout_ms, zmq.POLLOUT):
+            self.down = True
+            return Failure.UNREACHABLE
+        self._next_id += 1
+        message.req_id = self._next_id
+        try:
+            sock.send_multipart([p.encode(message), *frames], zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            self.down = True
+            return Failure.UNREACHABLE
+        deadline = time.monotonic() + timeout_ms / 1000
+        while True:
+            left_ms = (deadline - time.monotonic()) * 1000
+            if left_ms <= 0 or not sock.poll(max(1, int(left_ms)), zmq.POLLIN):
+                self.reset()
+                self.down = True
+                return Failure.TIMEOUT
+            parts = sock.recv_multipart(copy=False)
+            try:
+                reply = p.decode_reply(parts[0].buffer)
+            except msgspec.DecodeError as exc:
+                logger.warning("lmkv client: undecodable reply from %s dropped: %s",
+                               self.address, p.one_line(exc))
+                continue
+            if reply.req_id != message.req_id:
+                continue  # the late reply to an abandoned request
+            self.down = False
+            return reply, parts[1:]
+
+    def _connect(self) -> zmq.Socket:
+        sock = self._context.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IMMEDIATE, 1)
+        sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_IVL_MS)
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_IVL_MAX_MS)
+        if self.address.startswith("tcp://["):
+            sock.setsockopt(zmq.IPV6, 1)
+        sock.connect(self.address)
+        self._socket = sock
+        return sock
+
+    def reset(self) -> None:
+        """Close the socket (dropping anything queued); the next request opens a new one."""
+        if self._socket is not None:
+            self._socket.close(linger=0)
+            self._socket = None
+            self.resets += 1
+
+    def close(self) -> None:
+        self.reset()

@@ -1,0 +1,389 @@
+"""``ServerClient``: what an engine process uses to reach an ``lmkv server``.
+
+Nothing here raises because of the server: an unreachable, slow, restarted
+or refusing server is a miss (lookup 0, retrieve nothing, store dropped and
+counted in ``counters``), and the client reconnects by itself.
+
+Chunk bytes move through the server's shared-memory arena when the server
+runs on this machine and its segment maps (``transport="auto"``): the client
+copies straight into (store) or out of (retrieve) arena buffers with torch.
+Otherwise (another machine, a failed mapping, ``transport="frame"``) they
+travel inside the ZMQ messages, sent without copying.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import socket
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, TypeVar
+
+import numpy as np
+import torch
+import zmq
+
+from lmkv.logutil import RateLimitedLog
+from lmkv.server import protocol as p
+from lmkv.server.channel import Channel, Failure
+from lmkv.server.shm import SharedMemoryUnavailable, SharedSegment, host_id
+from lmkv.tokens import CacheKey, KeyMeta
+
+logger = logging.getLogger(__name__)
+_log = RateLimitedLog(logger)
+
+DEFAULT_ADDRESS = "tcp://127.0.0.1:5555"
+DEFAULT_TIMEOUT_MS = 250
+# In-frame transfers get this much time per byte on top of the request timeout.
+FRAME_BYTES_PER_MS = 256 << 10
+HEADER_ROOM = 1 << 16
+R = TypeVar("R", bound=p.Reply)
+
+
+@dataclass
+class ClientCounters:
+    requests: int = 0
+    timeouts: int = 0  # no reply before the deadline
+    unreachable: int = 0  # no server connected
+    error_replies: int = 0  # the server refused a request
+    server_changes: int = 0  # a different server answered (a restart)
+    dropped_chunks: int = 0  # chunks a store could not hand to the server
+
+
+class ServerClient:
+    """One engine process's connection (one session) to an lmkv server; thread-safe."""
+
+    def __init__(self, address: str = DEFAULT_ADDRESS, *, session: str | None = None,
+                 timeout_ms: int = DEFAULT_TIMEOUT_MS,
+                 transport: Literal["auto", "frame"] = "auto",
+                 context: zmq.Context | None = None) -> None:
+        if transport not in ("auto", "frame"):
+            raise ValueError(f"transport {transport!r}: allowed: auto, frame")
+        self.address = address if "://" in address else f"tcp://{address}"
+        self.session = session or f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
+        self.timeout_ms = timeout_ms
+        self.transport = transport
+        self.counters = ClientCounters()
+        self.info: p.PingReply | None = None
+        self.segment: SharedSegment | None = None
+        self._channel = Channel(self.address, context)
+        self._lock = threading.RLock()
+        self._chunk_bytes_hint = 32 << 20
+
+    # -- connection -------------------------------------------------------------
+    def ping(self, timeout_ms: int | None = None) -> p.PingReply | None:
+        """Ask the server who it is (and map its arena); None when it does not answer."""
+        with self._lock:
+            got = self._call(p.Ping(), p.PingReply, timeout_ms=timeout_ms)
+            if got is None:
+                return None
+            self._adopt(got[0])
+            return self.info
+
+    @property
+    def shared_memory(self) -> bool:
+        """Whether chunks move through the server's shared-memory arena now."""
+        return self.segment is not None
+
+    def _server(self) -> p.PingReply | None:
+        return self.info if self.info is not None else self.ping()
+
+    def _adopt(self, info: p.PingReply) -> None:
+        self.info = info
+        if self.segment is not None and self.segment.name == info.shm_name:
+            return
+        if self.segment is not None:
+            self.segment.close()
+            self.segment = None
+        if self.transport == "auto" and info.shm_name and info.host_id == host_id():
+            try:
+                self.segment = SharedSegment.attach(info.shm_name, info.shm_size)
+            except SharedMemoryUnavailable as exc:
+                _log.warning("shm", "lmkv client: %s; using the in-frame transport", exc)
+
+    def _segment_named(self, name: str) -> SharedSegment | None:
+        """The mapped segment called ``name``, re-asking the server once if it changed."""
+        if self.segment is None or self.segment.name != name:
+            self.ping()
+        if self.segment is not None and self.segment.name == name:
+            return self.segment
+        _log.warning("shm-mismatch", "lmkv client: the server named segment %r, which is not "
+                     "mapped here", name)
+        return None
+
+    def _call(self, message: p.Request, expect: type[R], frames: Sequence[Any] = (),
+              timeout_ms: int | None = None) -> tuple[R, list[zmq.Frame]] | None:
+        message.session = self.session
+        self.counters.requests += 1
+        result = self._channel.request(message, frames, timeout_ms or self.timeout_ms)
+        if result is Failure.UNREACHABLE:
+            self.counters.unreachable += 1
+            _log.warning("unreachable", "lmkv client: no lmkv server at %s; a miss",
+                         self.address)
+            return None
+        if result is Failure.TIMEOUT:
+            self.counters.timeouts += 1
+            _log.warning("timeout", "lmkv client: %s got no reply from %s in time; a miss",
+                         type(message).__name__, self.address)
+            return None
+        reply, data = result
+        if self.info is not None and reply.server_id != self.info.server_id:
+            self.counters.server_changes += 1
+            self.info = None  # a restarted server: re-ask before trusting any offset
+        if isinstance(reply, expect):
+            return reply, data
+        self.counters.error_replies += 1
+        reason = f"{reply.code}: {reply.reason}" if isinstance(reply, p.ErrorReply) \
+            else f"unexpected {type(reply).__name__}"
+        _log.warning(f"refused:{type(message).__name__}", "lmkv client: server refused %s: %s",
+                     type(message).__name__, reason)
+        return None
+
+    # -- lookup -------------------------------------------------------------------
+    def lookup(self, keys: Sequence[CacheKey], chunk_ends: Sequence[int], *,
+               lookup_id: str | None = None, keys_per_chunk: int = 1,
+               timeout_ms: int | None = None) -> int:
+        """Hit prefix in tokens. With ``lookup_id``, the hit chunks are also prefetched
+        (held for ``retrieve(lookup_id=...)`` or ``release_lookup``); 0 on any failure."""
+        return self._lookup(p.key_fields(list(keys)), chunk_ends, lookup_id, keys_per_chunk,
+                            True, timeout_ms)
+
+    def lookup_hashes(self, meta: KeyMeta, chunk_hashes: Sequence[bytes],
+                      chunk_ends: Sequence[int], *, lookup_id: str | None = None,
+                      timeout_ms: int | None = None) -> int:
+        """``lookup`` for chunk hashes computed elsewhere (one key per hash)."""
+        fields = {"meta": meta, "chunk_hashes": list(chunk_hashes)}
+        return self._lookup(fields, chunk_ends, lookup_id, 1, True, timeout_ms)
+
+    def start_lookup(self, keys: Sequence[CacheKey], chunk_ends: Sequence[int],
+                     lookup_id: str, *, keys_per_chunk: int = 1) -> bool:
+        """Start a prefetch without waiting for it; poll ``prefetch_status``."""
+        return self._lookup(p.key_fields(list(keys)), chunk_ends, lookup_id, keys_per_chunk,
+                            False, None) >= 0
+
+    def _lookup(self, fields: dict[str, Any], chunk_ends: Sequence[int], lookup_id: str | None,
+                kpc: int, wait: bool, timeout_ms: int | None) -> int:
+        message = p.Lookup(**fields, chunk_ends=list(chunk_ends), lookup_id=lookup_id or "",
+                           prefetch=lookup_id is not None, wait=wait, keys_per_chunk=kpc)
+        with self._lock:
+            got = self._call(message, p.LookupReply, timeout_ms=timeout_ms)
+        if got is None:
+            return 0 if wait else -1
+        return got[0].hit_tokens
+
+    def prefetch_status(self, lookup_id: str) -> int | None:
+        """Hit tokens once the prefetch is done, None while pending, -1 for an unknown id;
+        0 when the server does not answer (the engine recomputes)."""
+        with self._lock:
+            got = self._call(p.PrefetchStatus(lookup_id=lookup_id), p.PrefetchStatusReply)
+        if got is None:
+            return 0
+        reply = got[0]
+        return {"done": reply.hit_tokens, "pending": None, "unknown": -1}[reply.state]
+
+    def release_lookup(self, lookup_id: str) -> None:
+        with self._lock:
+            self._call(p.Release(lookup_id=lookup_id), p.ReleaseReply)
+
+    # -- retrieve -------------------------------------------------------------------
+    def retrieve(self, keys: Sequence[CacheKey] | None = None, *, lookup_id: str = "",
+                 out: Sequence[torch.Tensor] | None = None, keys_per_chunk: int = 1,
+                 timeout_ms: int | None = None) -> list[torch.Tensor]:
+        """The stored prefix of ``keys`` (or what ``lookup_id`` prefetched), one tensor per
+        chunk, copied into ``out`` when given; [] on any failure."""
+        fields = p.key_fields(list(keys)) if keys is not None else {}
+        with self._lock:
+            if self._server() is None:
+                return []
+            frame = self.segment is None
+            expected = (sum(t.numel() * t.element_size() for t in out) if out is not None
+                        else len(keys or ()) * self._chunk_bytes_hint)
+            message = p.Retrieve(**fields, lookup_id=lookup_id, keys_per_chunk=keys_per_chunk,
+                                 transport="frame" if frame else "shm")
+            got = self._call(message, p.RetrieveReply,
+                             timeout_ms=self._timeout(timeout_ms, expected if frame else 0))
+            if got is None:
+                return []
+            reply, data = got
+            try:
+                return self._copy_out(reply, data, out)
+            finally:
+                if reply.handle:
+                    self._call(p.Release(handle=reply.handle), p.ReleaseReply)
+
+    def _copy_out(self, reply: p.RetrieveReply, data: list[zmq.Frame],
+                  out: Sequence[torch.Tensor] | None) -> list[torch.Tensor]:
+        segment = self._segment_named(reply.shm_name) if reply.transport == "shm" else None
+        if reply.transport == "shm" and segment is None:
+            return []
+        if reply.transport == "frame" and len(data) != len(reply.chunks):
+            _log.warning("frames", "lmkv client: %d data frames for %d chunks", len(data),
+                         len(reply.chunks))
+            return []
+        result: list[torch.Tensor] = []
+        for i, info in enumerate(reply.chunks):
+            dtype = p.DTYPES.get(info.dtype)
+            dest = out[i] if out is not None and i < len(out) else None
+            if dtype is None or (dest is not None and (dest.dtype != dtype or
+                                                       list(dest.shape) != info.shape)):
+                _log.warning("shape", "lmkv client: chunk %d is %s %s, not what was asked; "
+                             "keeping the %d before it", i, info.dtype, info.shape, i)
+                break
+            if dest is None:
+                dest = torch.empty(info.shape, dtype=dtype)
+            if segment is not None:
+                if info.offset < 0 or info.offset + info.nbytes > segment.size:
+                    break
+                view = segment.tensor[info.offset:info.offset + info.nbytes]
+                dest.copy_(view.view(dtype).view(info.shape))
+            else:
+                frame = data[i].buffer
+                if len(frame) != info.nbytes:
+                    break
+                _copy_bytes(dest, np.frombuffer(frame, dtype=np.uint8))
+            result.append(dest)
+            self._chunk_bytes_hint = max(self._chunk_bytes_hint, info.nbytes)
+        return result
+
+    # -- store ----------------------------------------------------------------------
+    def store(self, keys: Sequence[CacheKey], chunks: Sequence[torch.Tensor], *,
+              timeout_ms: int | None = None) -> int:
+        """Store ``chunks[i]`` under ``keys[i]``; returns the chunks newly stored.
+
+        Chunks the server holds already are skipped; chunks that cannot be handed
+        over (no server, no room, a refusal) are counted in ``dropped_chunks``.
+        """
+        if len(keys) != len(chunks):
+            raise ValueError(f"{len(keys)} keys for {len(chunks)} chunks")
+        if not keys:
+            return 0
+        dtype = chunks[0].dtype
+        if any(c.dtype != dtype for c in chunks):
+            raise ValueError("all chunks of one store must have one dtype")
+        with self._lock:
+            info = self._server()
+            if info is None:
+                self.counters.dropped_chunks += len(keys)
+                return 0
+            stored = 0
+            for start, end in self._batches(chunks, info):
+                count, complete = self._store_batch(list(keys[start:end]), chunks[start:end],
+                                                    timeout_ms)
+                stored += count
+                if not complete:  # later chunks extend a prefix the server lacks
+                    self.counters.dropped_chunks += len(keys) - end
+                    break
+            return stored
+
+    def _batches(self, chunks: Sequence[torch.Tensor], info: p.PingReply
+                 ) -> list[tuple[int, int]]:
+        if self.segment is not None:
+            return [(0, len(chunks))]
+        limit = info.max_request_bytes - HEADER_ROOM
+        batches, start, size = [], 0, 0
+        for i, chunk in enumerate(chunks):
+            nbytes = chunk.numel() * chunk.element_size()
+            if i > start and size + nbytes > limit:
+                batches.append((start, i))
+                start, size = i, 0
+            size += nbytes
+        batches.append((start, len(chunks)))
+        return batches
+
+    def _store_batch(self, keys: list[CacheKey], chunks: Sequence[torch.Tensor],
+                     timeout_ms: int | None) -> tuple[int, bool]:
+        """(chunks stored, whether every chunk of the batch is now on the server)."""
+        frame = self.segment is None
+        message = p.Store(**p.key_fields(keys), shapes=[list(c.shape) for c in chunks],
+                          dtype=p.dtype_name(chunks[0].dtype),
+                          transport="frame" if frame else "shm")
+        got = self._call(message, p.StoreReply, timeout_ms=timeout_ms)
+        if got is None:
+            self.counters.dropped_chunks += len(keys)
+            return 0, False
+        reply = got[0]
+        first, count = reply.first, len(reply.chunks)
+        no_room = len(keys) - first - count
+        self.counters.dropped_chunks += no_room
+        if not count:
+            return 0, no_room == 0
+        todo = chunks[first:first + count]
+        if any(info.nbytes != c.numel() * c.element_size() for info, c in zip(
+                reply.chunks, todo, strict=True)):
+            self._call(p.Release(handle=reply.handle), p.ReleaseReply)
+            self.counters.dropped_chunks += count
+            return 0, False
+        frames: list[Any] = []
+        segment = self._segment_named(reply.shm_name) if reply.transport == "shm" else None
+        if reply.transport == "shm" and segment is None:
+            self._call(p.Release(handle=reply.handle), p.ReleaseReply)
+            self.counters.dropped_chunks += count
+            return 0, False
+        try:
+            if reply.transport == "shm":
+                for info, chunk in zip(reply.chunks, todo, strict=True):
+                    view = segment.tensor[info.offset:info.offset + info.nbytes]
+                    view.view(chunk.dtype).view(chunk.shape).copy_(chunk)
+            else:
+                frames = [_byte_array(c.detach().cpu().contiguous()) for c in todo]
+        except BaseException:  # the caller's tensors failed to copy: free the buffers
+            self._call(p.Release(handle=reply.handle), p.ReleaseReply)
+            raise
+        nbytes = sum(f.nbytes for f in frames)
+        committed = self._call(p.StoreCommit(handle=reply.handle), p.StoreCommitReply, frames,
+                               timeout_ms=self._timeout(timeout_ms, nbytes))
+        if committed is None:
+            self.counters.dropped_chunks += count
+            if not self._channel.down:  # refused, not lost: free the staged buffers now
+                self._call(p.Release(handle=reply.handle), p.ReleaseReply)
+            return 0, False
+        return committed[0].stored, no_room == 0
+
+    def _timeout(self, timeout_ms: int | None, frame_bytes: int) -> int:
+        return (timeout_ms or self.timeout_ms) + frame_bytes // FRAME_BYTES_PER_MS
+
+    # -- the rest ---------------------------------------------------------------------
+    def stats(self) -> p.StatsReply | None:
+        with self._lock:
+            got = self._call(p.Stats(), p.StatsReply)
+        return got[0] if got else None
+
+    def end_session(self) -> p.EndSessionReply | None:
+        """Release everything the server holds for this client (prefetches, buffers)."""
+        with self._lock:
+            got = self._call(p.EndSession(), p.EndSessionReply)
+        return got[0] if got else None
+
+    def close(self) -> None:
+        """End the session (when the server is there) and drop the connection."""
+        with self._lock:
+            if self.info is not None and not self._channel.down:
+                self.end_session()
+            self._channel.close()
+            if self.segment is not None:
+                self.segment.close()
+                self.segment = None
+            self.info = None
+
+    def __enter__(self) -> ServerClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _byte_array(tensor: torch.Tensor) -> np.ndarray:
+    """A contiguous CPU tensor's bytes as a numpy array sharing its memory."""
+    return tensor.reshape(-1).view(torch.uint8).numpy()
+
+
+def _copy_bytes(dest: torch.Tensor, data: np.ndarray) -> None:
+    if dest.device.type == "cpu" and dest.is_contiguous():
+        np.copyto(_byte_array(dest), data)
+    else:
+        staged = torch.empty(dest.shape, dtype=dest.dtype)
+        np.copyto(_byte_array(staged), data)
+        dest.copy_(staged)

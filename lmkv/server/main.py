@@ -1,0 +1,178 @@
+"""``python -m lmkv.server`` (and ``lmkv server``): options, start-up and shutdown.
+
+Start-up opens the tiers of the config. The first tier that holds memory (the
+cpu tier) gets ``shared_memory: true`` unless the config says otherwise, so
+clients on this machine copy chunks straight into and out of its arena; when
+no segment can be made (no room in /dev/shm) the server warns and serves the
+in-frame transport only. SIGTERM or SIGINT stops serving, releases what
+clients held, waits for queued lower-tier stores, logs the final tier figures,
+closes the tiers (unlinking the segment) and exits 0. A second signal cuts the
+wait short.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import os
+import signal
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from pydantic import ByteSize, TypeAdapter, ValidationError
+
+from lmkv.config import LMKVConfig, load_config, resolve_plugin
+from lmkv.errors import LMKVError
+from lmkv.storage import StorageManager
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 5555
+DEFAULT_MAX_REQUEST_BYTES = 256 << 20
+LOG_LEVELS = ["DEBUG", "INFO", "WARNING", "ERROR"]
+
+
+def _byte_size(text: str) -> int:
+    try:
+        value = int(TypeAdapter(ByteSize).validate_python(text))
+    except ValidationError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: must be a byte count or a size such as 64MiB") from None
+    if value < 4096:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be at least 4096 bytes")
+    return value
+
+
+def _port(text: str) -> int:
+    if not text.isdigit() or int(text) > 65535:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be a port number 0-65535")
+    return int(text)
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be a positive number of seconds")
+    return value
+
+
+def add_server_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", metavar="FILE",
+                        help="lmkv config file with the tiers to serve (default: LMKV_CONFIG, "
+                             "else one 4GiB cpu tier)")
+    parser.add_argument("--host", default=DEFAULT_HOST,
+                        help=f"address to listen on (default {DEFAULT_HOST}: this machine only)")
+    parser.add_argument("--port", type=_port, default=DEFAULT_PORT,
+                        help=f"TCP port (default {DEFAULT_PORT}; 0: any free port)")
+    parser.add_argument("--max-request-bytes", type=_byte_size,
+                        default=DEFAULT_MAX_REQUEST_BYTES, metavar="SIZE",
+                        help="larger requests get a too_large error reply (default 256MiB)")
+    parser.add_argument("--session-timeout", type=_positive_float, default=60.0,
+                        metavar="SECONDS",
+                        help="release what a client holds once it has been silent this long "
+                             "(default 60)")
+    parser.add_argument("--drain-timeout", type=_positive_float, default=30.0,
+                        metavar="SECONDS",
+                        help="at shutdown, wait this long for queued lower-tier stores "
+                             "(default 30)")
+
+
+def build_storage(config: LMKVConfig) -> StorageManager:
+    """The config's tiers, with the memory tier's arena in shared memory when possible."""
+    from lmkv.server.shm import SharedMemoryUnavailable
+
+    auto = _enable_shared_memory(config)
+    try:
+        return StorageManager.from_config(config)
+    except SharedMemoryUnavailable as exc:
+        if auto is None:
+            raise
+        logger.warning("lmkv server: %s; clients use the in-frame transport", exc)
+        auto["shared_memory"] = False
+        return StorageManager.from_config(config)
+
+
+def _enable_shared_memory(config: LMKVConfig) -> dict[str, Any] | None:
+    """Turn on ``shared_memory`` for the first memory tier when its options have it
+    and the config leaves it unset; returns that tier's options when it did."""
+    for i, tier in enumerate(config.tiers):
+        cls, _ = resolve_plugin("storage_backend", tier, f"tiers.{i}")
+        if cls.holds_memory_objs:
+            if "shared_memory" in cls.Options.model_fields and \
+                    "shared_memory" not in tier.options:
+                tier.options["shared_memory"] = True
+                return tier.options
+            return None
+    return None
+
+
+def endpoint_of(host: str, port: int) -> str:
+    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+
+
+def run_server(args: argparse.Namespace) -> int:
+    """Serve until SIGTERM or SIGINT; LMKVError (bad config, port in use) propagates."""
+    from lmkv.server.server import KVServer
+
+    storage = build_storage(load_config(args.config))
+    # Everything allocated so far (torch, plugins, the tiers) lives as long as the
+    # server: keep it out of the collector, so a full collection does not stall a
+    # lookup for milliseconds.
+    gc.freeze()
+    try:
+        server = KVServer(storage, endpoint=endpoint_of(args.host, args.port),
+                          max_request_bytes=args.max_request_bytes,
+                          session_timeout_s=args.session_timeout)
+        endpoint = server.bind()
+        signals = (signal.SIGTERM, signal.SIGINT)
+
+        def on_signal(signum: int, frame: object) -> None:
+            if server.stopping:
+                raise KeyboardInterrupt  # a second signal: stop waiting
+            logger.info("lmkv server: %s received; stopping", signal.Signals(signum).name)
+            server.stop()
+
+        previous = {s: signal.signal(s, on_signal) for s in signals}
+        try:
+            logger.info("lmkv server %s (pid %d) listening on %s; shared memory: %s",
+                        server.server_id, os.getpid(), endpoint,
+                        server.service.shm_name or "none (in-frame transport only)")
+            server.serve()
+            server.close(args.drain_timeout)
+            logger.info("lmkv server: final tier stats: %s",
+                        json.dumps(storage.stats(), default=str))
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+            server.close(0.0)
+    finally:
+        storage.close(timeout=1.0)
+    logger.info("lmkv server: stopped")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m lmkv.server",
+        description="Serve lmkv's storage tiers to several engine processes.")
+    add_server_arguments(parser)
+    parser.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS, default="INFO",
+                        help="logging level (default INFO)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return run_server(args)
+    except LMKVError as exc:
+        for line in str(exc).splitlines() or [type(exc).__name__]:
+            print(f"lmkv server: error: {line}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("lmkv server: interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,282 @@
+"""The lmkv server protocol: msgspec Structs, msgpack-encoded, one tagged union each way.
+
+A request is one ZMQ multipart message ``[header, *data]``: ``header`` is a
+msgpack map whose ``op`` field names the message; ``data`` frames carry raw
+chunk bytes (only ``store_commit`` on the in-frame transport). A reply is
+``[header, *data]`` too (``retrieve_reply`` on the in-frame transport carries
+one data frame per chunk). Every message, field and error code is documented
+in docs/server.md; a test keeps the two in step.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Literal
+
+import msgspec
+import torch
+
+from lmkv.tokens import CacheKey, KeyMeta
+
+logger = logging.getLogger(__name__)
+
+PROTOCOL_VERSION = 1
+
+Transport = Literal["shm", "frame"]
+
+# Error codes of ErrorReply.
+BAD_REQUEST = "bad_request"
+TOO_LARGE = "too_large"
+UNKNOWN_HANDLE = "unknown_handle"
+INTERNAL = "internal"
+ERROR_CODES = (BAD_REQUEST, TOO_LARGE, UNKNOWN_HANDLE, INTERNAL)
+
+DTYPES: dict[str, torch.dtype] = {
+    name: getattr(torch, name)
+    for name in ("float16", "bfloat16", "float32", "float64", "int8", "uint8", "int16",
+                 "int32", "int64", "float8_e4m3fn", "float8_e5m2")
+    if hasattr(torch, name)
+}
+
+
+class ProtocolError(Exception):
+    """A request the server refuses; becomes an ErrorReply with ``code`` and ``reason``."""
+
+    def __init__(self, code: str, reason: str) -> None:
+        super().__init__(reason)
+        self.code = code
+        self.reason = reason
+
+
+# -- requests -----------------------------------------------------------------
+
+class Request(msgspec.Struct, tag_field="op", kw_only=True, omit_defaults=True):
+    req_id: int = 0
+    session: str = ""
+
+
+class KeyedRequest(Request, kw_only=True):
+    """Chunk keys, in one of two forms: ``keys``, or ``meta`` with ``chunk_hashes``."""
+
+    keys: list[CacheKey] | None = None
+    meta: KeyMeta | None = None
+    chunk_hashes: list[bytes] | None = None
+
+    def has_keys(self) -> bool:
+        return self.keys is not None or self.chunk_hashes is not None
+
+    def cache_keys(self) -> list[CacheKey]:
+        if self.keys is not None:
+            if self.meta is not None or self.chunk_hashes is not None:
+                raise ProtocolError(BAD_REQUEST, "give keys, or meta and chunk_hashes, not both")
+            return self.keys
+        if self.meta is None or self.chunk_hashes is None:
+            raise ProtocolError(BAD_REQUEST, "no keys: give keys, or meta and chunk_hashes")
+        meta = self.meta
+        return [CacheKey(meta, h) for h in self.chunk_hashes]
+
+
+class Ping(Request, tag="ping", kw_only=True):
+    pass
+
+
+class Lookup(KeyedRequest, tag="lookup", kw_only=True):
+    chunk_ends: list[int]
+    lookup_id: str = ""
+    prefetch: bool = True
+    wait: bool = True
+    keys_per_chunk: int = 1
+
+
+class PrefetchStatus(Request, tag="prefetch_status", kw_only=True):
+    lookup_id: str
+
+
+class Retrieve(KeyedRequest, tag="retrieve", kw_only=True):
+    lookup_id: str = ""
+    keys_per_chunk: int = 1
+    transport: Transport = "shm"
+
+
+class Store(KeyedRequest, tag="store", kw_only=True):
+    shapes: list[list[int]]
+    dtype: str
+    transport: Transport = "shm"
+
+
+class StoreCommit(Request, tag="store_commit", kw_only=True):
+    handle: int
+
+
+class Release(Request, tag="release", kw_only=True):
+    handle: int = 0
+    lookup_id: str = ""
+
+
+class EndSession(Request, tag="end_session", kw_only=True):
+    pass
+
+
+class Stats(Request, tag="stats", kw_only=True):
+    pass
+
+
+REQUESTS: tuple[type[Request], ...] = (Ping, Lookup, PrefetchStatus, Retrieve, Store,
+                                       StoreCommit, Release, EndSession, Stats)
+AnyRequest = (Ping | Lookup | PrefetchStatus | Retrieve | Store | StoreCommit | Release
+              | EndSession | Stats)
+
+
+# -- replies ------------------------------------------------------------------
+
+class Reply(msgspec.Struct, tag_field="op", kw_only=True, omit_defaults=True):
+    req_id: int = 0
+    server_id: str = ""
+
+
+class ChunkInfo(msgspec.Struct, array_like=True):
+    """Where one chunk's bytes are: ``[offset, nbytes, shape, dtype]``."""
+
+    offset: int
+    nbytes: int
+    shape: list[int]
+    dtype: str
+
+
+class PingReply(Reply, tag="ping_reply", kw_only=True):
+    protocol: int
+    pid: int
+    host_id: str
+    shm_name: str
+    shm_size: int
+    max_request_bytes: int
+    session_timeout_s: float
+
+
+class LookupReply(Reply, tag="lookup_reply", kw_only=True):
+    lookup_id: str
+    hit_tokens: int
+    done: bool
+
+
+class PrefetchStatusReply(Reply, tag="prefetch_status_reply", kw_only=True):
+    lookup_id: str
+    state: Literal["unknown", "pending", "done"]
+    hit_tokens: int
+
+
+class RetrieveReply(Reply, tag="retrieve_reply", kw_only=True):
+    handle: int
+    transport: Transport
+    shm_name: str
+    chunks: list[ChunkInfo]
+
+
+class StoreReply(Reply, tag="store_reply", kw_only=True):
+    handle: int
+    first: int
+    transport: Transport
+    shm_name: str
+    chunks: list[ChunkInfo]
+
+
+class StoreCommitReply(Reply, tag="store_commit_reply", kw_only=True):
+    stored: int
+
+
+class ReleaseReply(Reply, tag="release_reply", kw_only=True):
+    released: int
+
+
+class EndSessionReply(Reply, tag="end_session_reply", kw_only=True):
+    lookups: int
+    chunks: int
+
+
+class ServerStats(msgspec.Struct, kw_only=True):
+    sessions: int
+    requests: int
+    error_replies: int
+    expired_sessions: int
+    held_lookups: int
+    dropped_lookups: int
+    staged_chunks: int
+    leased_chunks: int
+    sending_chunks: int
+    arena_live_objects: int
+    arena_used_bytes: int
+    shm_name: str
+
+
+class StatsReply(Reply, tag="stats_reply", kw_only=True):
+    server: ServerStats
+    tiers: list[dict[str, Any]]
+
+
+class ErrorReply(Reply, tag="error", kw_only=True):
+    code: str
+    reason: str
+
+
+REPLIES: tuple[type[Reply], ...] = (PingReply, LookupReply, PrefetchStatusReply, RetrieveReply,
+                                    StoreReply, StoreCommitReply, ReleaseReply, EndSessionReply,
+                                    StatsReply, ErrorReply)
+AnyReply = (PingReply | LookupReply | PrefetchStatusReply | RetrieveReply | StoreReply
+            | StoreCommitReply | ReleaseReply | EndSessionReply | StatsReply | ErrorReply)
+
+_encoder = msgspec.msgpack.Encoder()
+_request_decoder = msgspec.msgpack.Decoder(AnyRequest)
+_reply_decoder = msgspec.msgpack.Decoder(AnyReply)
+
+
+def encode(message: Request | Reply) -> bytes:
+    return _encoder.encode(message)
+
+
+def decode_request(data: bytes | memoryview) -> AnyRequest:
+    """The request in ``data``; ProtocolError(bad_request) when it is not one."""
+    try:
+        return _request_decoder.decode(data)
+    except msgspec.DecodeError as exc:  # ValidationError is a DecodeError
+        raise ProtocolError(BAD_REQUEST, f"undecodable request: {one_line(exc)}") from None
+
+
+def decode_reply(data: bytes | memoryview) -> AnyReply:
+    return _reply_decoder.decode(data)
+
+
+def salvage_req_id(data: bytes | memoryview) -> int:
+    """The ``req_id`` of a request that failed to decode, when it can be read; else 0."""
+    if len(data) > 1 << 16:
+        return 0
+    try:
+        raw = msgspec.msgpack.decode(data)
+    except msgspec.DecodeError:
+        return 0
+    req_id = raw.get("req_id") if isinstance(raw, dict) else None
+    return req_id if isinstance(req_id, int) and not isinstance(req_id, bool) else 0
+
+
+def dtype_of(name: str) -> torch.dtype:
+    dtype = DTYPES.get(name)
+    if dtype is None:
+        raise ProtocolError(BAD_REQUEST, f"dtype {name!r}: allowed: {', '.join(DTYPES)}")
+    return dtype
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def key_fields(keys: list[CacheKey]) -> dict[str, Any]:
+    """The compact wire form of ``keys``: meta and hashes when they share one meta."""
+    if keys:
+        meta = keys[0].meta
+        if all(k.meta == meta and k.layer < 0 for k in keys):
+            return {"meta": meta, "chunk_hashes": [k.chunk_hash for k in keys]}
+    return {"keys": keys}
+
+
+def one_line(exc: BaseException, limit: int = 300) -> str:
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text if len(text) <= limit else text[:limit - 3] + "..."

@@ -1,0 +1,257 @@
+"""The server's loop: one ZMQ ROUTER socket, many clients, one thread.
+
+Requests are decoded and handled on the loop thread; a request that waits for
+a prefetch is finished when the prefetch resolves (the storage thread queues
+the completion and wakes the loop through a pipe), so one slow lookup never
+holds up the other clients. Whatever a request does wrong (garbage, a
+truncated frame, an oversized message, a failing handler) gets an ErrorReply
+with a reason, and the loop goes on.
+
+In-frame chunk data is sent without copying (``copy=False``): the frames are
+views of arena buffers, which stay referenced until ZMQ reports them sent.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import os
+import secrets
+import time
+from collections.abc import Callable
+
+import zmq
+
+from lmkv.errors import LMKVError
+from lmkv.logutil import RateLimitedLog
+from lmkv.memory import MemoryObj
+from lmkv.prefetch import release
+from lmkv.server import protocol as p
+from lmkv.server.service import Deferred, KVService, Outcome
+from lmkv.server.sessions import SessionTable
+from lmkv.storage import StorageManager
+
+logger = logging.getLogger(__name__)
+_log = RateLimitedLog(logger)
+
+RECV_BATCH = 64
+EXPIRY_CHECK_S = 1.0
+# A frame past this many times --max-request-bytes is cut off by ZMQ itself (the
+# peer is disconnected, no reply): it bounds what a runaway client makes us buffer.
+HARD_LIMIT_FACTOR = 4
+
+
+class ServerError(LMKVError):
+    """The server cannot start (address in use, bad address)."""
+
+
+class KVServer:
+    def __init__(self, storage: StorageManager, *, endpoint: str, max_request_bytes: int,
+                 session_timeout_s: float) -> None:
+        self.storage = storage
+        self.endpoint = endpoint
+        self.max_request_bytes = max_request_bytes
+        self.server_id = secrets.token_hex(8)
+        self.sessions = SessionTable(storage, session_timeout_s)
+        self.service = KVService(storage, self.sessions, server_id=self.server_id,
+                                 max_request_bytes=max_request_bytes)
+        self._ctx = zmq.Context()
+        self._router = self._ctx.socket(zmq.ROUTER)
+        self._router.setsockopt(zmq.LINGER, 0)
+        self._router.setsockopt(zmq.MAXMSGSIZE, max_request_bytes * HARD_LIMIT_FACTOR)
+        if ":" in endpoint.removeprefix("tcp://").rpartition(":")[0]:
+            self._router.setsockopt(zmq.IPV6, 1)
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._completions: collections.deque[tuple[list[bytes], int, Callable[[], Outcome]]] = \
+            collections.deque()
+        self._sending: list[tuple[list[zmq.MessageTracker], list[MemoryObj]]] = []
+        self._stopping = False
+        self._closed = False
+
+    def bind(self) -> str:
+        """Listen on the endpoint; returns the bound address (the real port for port 0)."""
+        try:
+            self._router.bind(self.endpoint)
+        except zmq.ZMQError as exc:
+            raise ServerError(
+                f"cannot listen on {self.endpoint}: {zmq.strerror(exc.errno)}") from None
+        return self._router.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping
+
+    def stop(self) -> None:
+        """Make ``serve`` return; safe from a signal handler or another thread."""
+        self._stopping = True
+        self._wake()
+
+    def _wake(self) -> None:
+        if self._closed:
+            return
+        # A full pipe means the loop is awake anyway.
+        with contextlib.suppress(OSError):
+            os.write(self._wake_w, b"\0")
+
+    # -- the loop ---------------------------------------------------------------
+    def serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._router, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        next_expiry = time.monotonic() + EXPIRY_CHECK_S
+        while not self._stopping:
+            timeout_ms = 5 if self._sending else int(EXPIRY_CHECK_S * 1000)
+            events = dict(poller.poll(timeout_ms))
+            if self._wake_r in events:
+                self._drain_wake_pipe()
+            if self._sending:
+                self._reap_sent()
+            self._run_completions()
+            if self._router in events:
+                self._receive()
+            now = time.monotonic()
+            if now >= next_expiry:
+                self.sessions.expire()
+                next_expiry = now + EXPIRY_CHECK_S
+
+    def _drain_wake_pipe(self) -> None:
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except BlockingIOError:
+            pass
+
+    def _receive(self) -> None:
+        for _ in range(RECV_BATCH):
+            try:
+                frames = self._router.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self._on_message(frames)
+
+    def _on_message(self, frames: list[zmq.Frame]) -> None:
+        self.service.counters.requests += 1
+        envelope = [frames[0].bytes]
+        body = frames[1:]
+        if body and len(body[0]) == 0:  # a REQ client's empty delimiter: echo it back
+            envelope.append(b"")
+            body = body[1:]
+        req_id = 0
+        try:
+            if not body:
+                raise p.ProtocolError(p.BAD_REQUEST, "empty message: no header frame")
+            header = body[0].buffer
+            size = sum(len(f) for f in body)
+            if size > self.max_request_bytes:
+                req_id = p.salvage_req_id(header)
+                raise p.ProtocolError(p.TOO_LARGE, f"request of {size} bytes exceeds the "
+                                      f"server's --max-request-bytes {self.max_request_bytes}")
+            try:
+                req = p.decode_request(header)
+            except p.ProtocolError:
+                req_id = p.salvage_req_id(header)
+                raise
+            req_id = req.req_id
+            result = self.service.handle(req, [f.buffer for f in body[1:]])
+        except p.ProtocolError as exc:
+            self._send_error(envelope, req_id, exc.code, exc.reason)
+            return
+        except Exception as exc:  # a bug in a handler must not stop the server
+            logger.exception("lmkv server: request failed")
+            self._send_error(envelope, req_id, p.INTERNAL, p.one_line(exc))
+            return
+        if isinstance(result, Deferred):
+            then = result.then
+            result.future.add_done_callback(
+                lambda _f: self._complete_later(envelope, req_id, then))
+        else:
+            self._send(envelope, req_id, result)
+
+    def _complete_later(self, envelope: list[bytes], req_id: int,
+                        then: Callable[[], Outcome]) -> None:
+        """Called on a storage thread: queue the completion for the loop thread."""
+        if self._closed:
+            return  # the session was ended at close; nothing waits for the reply
+        self._completions.append((envelope, req_id, then))
+        self._wake()
+
+    def _run_completions(self) -> None:
+        while self._completions:
+            envelope, req_id, then = self._completions.popleft()
+            try:
+                outcome = then()
+            except p.ProtocolError as exc:
+                self._send_error(envelope, req_id, exc.code, exc.reason)
+                continue
+            except Exception as exc:
+                logger.exception("lmkv server: deferred request failed")
+                self._send_error(envelope, req_id, p.INTERNAL, p.one_line(exc))
+                continue
+            self._send(envelope, req_id, outcome)
+
+    # -- replies ----------------------------------------------------------------
+    def _send(self, envelope: list[bytes], req_id: int, outcome: Outcome) -> None:
+        reply = outcome.reply
+        reply.req_id = req_id
+        reply.server_id = self.server_id
+        head = [*envelope, p.encode(reply)]
+        if not outcome.frames:
+            self._router.send_multipart(head)
+            return
+        trackers = []
+        try:
+            self._router.send_multipart(head, zmq.SNDMORE)
+            last = len(outcome.frames) - 1
+            for i, frame in enumerate(outcome.frames):
+                trackers.append(self._router.send(frame, zmq.SNDMORE if i < last else 0,
+                                                  copy=False, track=True))
+        except zmq.ZMQError as exc:
+            _log.warning("send", "lmkv server: a reply could not be sent: %s", exc)
+        self._sending.append((trackers, outcome.hold))
+        self.service.counters.sending_chunks += len(outcome.hold)
+
+    def _send_error(self, envelope: list[bytes], req_id: int, code: str, reason: str) -> None:
+        self.service.counters.error_replies += 1
+        _log.warning(f"error:{code}", "lmkv server: refused a request (%s): %s", code, reason)
+        reply = p.ErrorReply(code=code, reason=reason, req_id=req_id, server_id=self.server_id)
+        self._router.send_multipart([*envelope, p.encode(reply)])
+
+    def _reap_sent(self) -> None:
+        still = []
+        for trackers, hold in self._sending:
+            if all(t.done for t in trackers):
+                release(hold)
+                self.service.counters.sending_chunks -= len(hold)
+            else:
+                still.append((trackers, hold))
+        self._sending = still
+
+    # -- shutdown ---------------------------------------------------------------
+    def close(self, drain_timeout_s: float) -> bool:
+        """Stop serving, release what clients held, and wait for queued lower-tier
+        stores (up to ``drain_timeout_s``); True when they all reached their tiers."""
+        if self._closed:
+            return True
+        self._closed = True
+        self._router.close(linger=0)
+        self._ctx.term()  # ZMQ is done with every frame it was sending
+        for _, hold in self._sending:
+            release(hold)
+        self._sending.clear()
+        self._completions.clear()
+        self.sessions.close()
+        pending = sum(t.get("write_queue_chunks", 0) for t in self.storage.stats())
+        t0 = time.monotonic()
+        flushed = self.storage.flush(drain_timeout_s)
+        if flushed:
+            logger.info("lmkv server: flushed %d queued lower-tier chunks in %.2f s", pending,
+                        time.monotonic() - t0)
+        else:
+            logger.warning("lmkv server: lower-tier stores still queued after %.1f s; "
+                           "the rest is dropped", drain_timeout_s)
+        for fd in (self._wake_r, self._wake_w):
+            os.close(fd)
+        return flushed

@@ -1,0 +1,283 @@
+"""The server's request handlers: protocol messages in, storage-manager calls out.
+
+Handlers run on the server's loop thread. Each returns an ``Outcome`` (the
+reply, raw data frames to send after it, and the chunks to keep referenced
+until those frames are sent) or a ``Deferred`` (a prefetch still running: the
+loop finishes the request when it resolves, without blocking other clients).
+A refused request raises ProtocolError, which the loop turns into an
+ErrorReply.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import os
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from lmkv.memory import MemoryAllocator, MemoryObj
+from lmkv.prefetch import release
+from lmkv.server import protocol as p
+from lmkv.server.sessions import Session, SessionTable
+from lmkv.server.shm import SharedSegment, host_id
+from lmkv.storage import StorageManager
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Outcome:
+    reply: p.Reply
+    frames: list[Any] = field(default_factory=list)
+    hold: list[MemoryObj] = field(default_factory=list)
+
+
+@dataclass
+class Deferred:
+    future: Future
+    then: Callable[[], Outcome]
+
+
+@dataclass
+class ServerCounters:
+    requests: int = 0
+    error_replies: int = 0
+    sending_chunks: int = 0
+
+
+class KVService:
+    def __init__(self, storage: StorageManager, sessions: SessionTable, *, server_id: str,
+                 max_request_bytes: int) -> None:
+        self.storage = storage
+        self.sessions = sessions
+        self.server_id = server_id
+        self.max_request_bytes = max_request_bytes
+        self.counters = ServerCounters()
+        memory = next((t for t in storage.tiers if t.holds_memory_objs), None)
+        # The cpu tier exposes its arena and, with shared_memory, the segment it lives in.
+        self.allocator: MemoryAllocator | None = getattr(memory, "allocator", None)
+        self.segment: SharedSegment | None = getattr(memory, "shared_segment", None)
+        capacity = memory.capacity_bytes if memory is not None else None
+        self.max_chunk_bytes = capacity or max_request_bytes
+        self._chunk_bytes_known = False
+        self._internal_ids = itertools.count(1)
+        self._handlers: dict[type, Callable[..., Outcome | Deferred]] = {
+            p.Ping: self.ping, p.Lookup: self.lookup, p.PrefetchStatus: self.prefetch_status,
+            p.Retrieve: self.retrieve, p.Store: self.store, p.StoreCommit: self.store_commit,
+            p.Release: self.release, p.EndSession: self.end_session, p.Stats: self.stats,
+        }
+
+    @property
+    def shm_name(self) -> str:
+        return self.segment.name if self.segment is not None else ""
+
+    def handle(self, req: p.Request, data: Sequence[memoryview]) -> Outcome | Deferred:
+        if data and not isinstance(req, p.StoreCommit):
+            raise p.ProtocolError(p.BAD_REQUEST, f"{len(data)} unexpected data frames")
+        return self._handlers[type(req)](req, data)
+
+    # -- handlers ---------------------------------------------------------------
+    def ping(self, req: p.Ping, data: Sequence[memoryview]) -> Outcome:
+        self.sessions.touch(req.session)
+        return Outcome(p.PingReply(
+            protocol=p.PROTOCOL_VERSION, pid=os.getpid(), host_id=host_id(),
+            shm_name=self.shm_name, shm_size=self.segment.size if self.segment else 0,
+            max_request_bytes=self.max_request_bytes,
+            session_timeout_s=self.sessions.timeout_s))
+
+    def lookup(self, req: p.Lookup, data: Sequence[memoryview]) -> Outcome | Deferred:
+        keys = req.cache_keys()
+        kpc = req.keys_per_chunk
+        if kpc < 1 or len(keys) != len(req.chunk_ends) * kpc:
+            raise p.ProtocolError(p.BAD_REQUEST, f"{len(keys)} keys do not make "
+                                  f"{len(req.chunk_ends)} chunks of {kpc} keys")
+        session = self.sessions.touch(req.session)
+        if not req.prefetch:
+            chunks = self.storage.contains_prefix(keys) // kpc
+            hit = req.chunk_ends[chunks - 1] if chunks else 0
+            return Outcome(p.LookupReply(lookup_id=req.lookup_id, hit_tokens=hit, done=True))
+        if not req.lookup_id:
+            raise p.ProtocolError(p.BAD_REQUEST, "a lookup with prefetch needs a lookup_id")
+        key = session.lookup_key(req.lookup_id)
+        future = self.storage.lookup_and_prefetch(key, keys, req.chunk_ends, kpc)
+        self.sessions.hold_lookup(session, key)
+
+        def reply() -> Outcome:
+            return Outcome(p.LookupReply(lookup_id=req.lookup_id, hit_tokens=future.result(),
+                                         done=True))
+
+        if future.done():
+            return reply()
+        if not req.wait:
+            return Outcome(p.LookupReply(lookup_id=req.lookup_id, hit_tokens=0, done=False))
+        return Deferred(future, reply)
+
+    def prefetch_status(self, req: p.PrefetchStatus, data: Sequence[memoryview]) -> Outcome:
+        session = self.sessions.touch(req.session)
+        key = session.lookup_key(req.lookup_id)
+        future = self.storage.events.future(key) if key in session.lookups else None
+        if future is None:
+            state, hit = "unknown", 0
+        elif not future.done():
+            state, hit = "pending", 0
+        else:
+            state, hit = "done", future.result()
+        return Outcome(p.PrefetchStatusReply(lookup_id=req.lookup_id, state=state,
+                                             hit_tokens=hit))
+
+    def retrieve(self, req: p.Retrieve, data: Sequence[memoryview]) -> Outcome | Deferred:
+        keys = req.cache_keys() if req.has_keys() else None
+        kpc = req.keys_per_chunk
+        if kpc < 1 or (keys is not None and len(keys) % kpc):
+            raise p.ProtocolError(p.BAD_REQUEST, f"{len(keys or ())} keys are not whole "
+                                  f"chunks of {kpc} keys")
+        session = self.sessions.touch(req.session)
+        key = session.lookup_key(req.lookup_id) if req.lookup_id else ""
+        future = self.storage.events.future(key) if key in session.lookups else None
+        if future is None:
+            if not keys:
+                return self._retrieved(session, req, [])
+            # Not prefetched: prefetch now, under an id of the server's own.
+            key = session.lookup_key(f"\x00retrieve-{next(self._internal_ids)}")
+            future = self.storage.lookup_and_prefetch(
+                key, keys, list(range(1, len(keys) // kpc + 1)), kpc)
+            self.sessions.hold_lookup(session, key)
+        wanted = len(keys) if keys is not None else None
+
+        def finish() -> Outcome:
+            session.lookups.pop(key, None)
+            objs = self.storage.take_prefetched(key) or []
+            if wanted is not None and len(objs) > wanted:
+                release(objs[wanted:])  # prefetched for a longer prompt than asked now
+                objs = objs[:wanted]
+            if session.ended:
+                release(objs)
+                objs = []
+            return self._retrieved(session, req, objs)
+
+        return finish() if future.done() else Deferred(future, finish)
+
+    def _retrieved(self, session: Session, req: p.Retrieve, objs: list[MemoryObj]) -> Outcome:
+        if req.transport == "shm" and self._in_segment(objs):
+            handle = self.sessions.add_handle(session, "lease", objs) if objs else None
+            return Outcome(p.RetrieveReply(
+                handle=handle.id if handle else 0, transport="shm", shm_name=self.shm_name,
+                chunks=[_info(o, o.offset) for o in objs]))
+        return Outcome(p.RetrieveReply(handle=0, transport="frame", shm_name="",
+                                       chunks=[_info(o, -1) for o in objs]),
+                       frames=[o.byte_view().numpy() for o in objs], hold=objs)
+
+    def store(self, req: p.Store, data: Sequence[memoryview]) -> Outcome:
+        keys = req.cache_keys()
+        if len(req.shapes) != len(keys):
+            raise p.ProtocolError(p.BAD_REQUEST, f"{len(req.shapes)} shapes for {len(keys)} keys")
+        dtype = p.dtype_of(req.dtype)
+        sizes = []
+        for i, shape in enumerate(req.shapes):
+            nbytes = math.prod(shape) * dtype.itemsize
+            if min(shape, default=0) < 0 or nbytes > self.max_chunk_bytes:
+                raise p.ProtocolError(p.BAD_REQUEST, f"chunk {i}: shape {shape} is negative "
+                                      f"or larger than {self.max_chunk_bytes} bytes")
+            sizes.append(nbytes)
+        session = self.sessions.touch(req.session)
+        if sizes and not self._chunk_bytes_known:
+            self.storage.set_chunk_bytes(max(max(sizes), 1))
+            self._chunk_bytes_known = True
+        # Pin the stored prefix while allocating: these allocations must not evict it.
+        pinned = self.storage.pin_prefix(keys)
+        first = sum(len(ks) for _, ks in pinned)
+        objs: list[MemoryObj] = []
+        try:
+            for shape in req.shapes[first:]:
+                obj = self.storage.allocate(shape, dtype)
+                if obj is None:
+                    break
+                objs.append(obj)
+        finally:
+            self.storage.unpin(pinned)
+        transport = "shm" if req.transport == "shm" and self._in_segment(objs) else "frame"
+        if not objs:
+            return Outcome(p.StoreReply(handle=0, first=first, transport=transport,
+                                        shm_name="", chunks=[]))
+        handle = self.sessions.add_handle(session, "store", objs,
+                                          keys[first:first + len(objs)], transport)
+        offset = transport == "shm"
+        return Outcome(p.StoreReply(
+            handle=handle.id, first=first, transport=transport,
+            shm_name=self.shm_name if offset else "",
+            chunks=[_info(o, o.offset if offset else -1) for o in objs]))
+
+    def store_commit(self, req: p.StoreCommit, data: Sequence[memoryview]) -> Outcome:
+        session = self.sessions.touch(req.session)
+        handle = self.sessions.pop_handle(session, req.handle)
+        if handle is None or handle.kind != "store":
+            if handle is not None:
+                session.handles[handle.id] = handle
+            raise p.ProtocolError(p.UNKNOWN_HANDLE, f"no store handle {req.handle} in this "
+                                  "session (committed, released, or from an earlier server)")
+        try:
+            if data or handle.transport == "frame":
+                _copy_frames(handle.objs, data)
+            future = self.storage.put(handle.keys, handle.objs)
+            stored = future.result() if future.done() else len(handle.objs)
+        finally:
+            handle.release()
+        return Outcome(p.StoreCommitReply(stored=stored))
+
+    def release(self, req: p.Release, data: Sequence[memoryview]) -> Outcome:
+        session = self.sessions.touch(req.session)
+        released = 0
+        if req.handle:
+            handle = self.sessions.pop_handle(session, req.handle)
+            released += handle.release() if handle is not None else 0
+        if req.lookup_id:
+            self.sessions.release_lookup(session, req.lookup_id)
+        return Outcome(p.ReleaseReply(released=released))
+
+    def end_session(self, req: p.EndSession, data: Sequence[memoryview]) -> Outcome:
+        lookups, chunks = self.sessions.end(req.session)
+        return Outcome(p.EndSessionReply(lookups=lookups, chunks=chunks))
+
+    def stats(self, req: p.Stats, data: Sequence[memoryview]) -> Outcome:
+        self.sessions.touch(req.session)
+        return Outcome(p.StatsReply(server=self.server_stats(), tiers=self.storage.stats()))
+
+    def server_stats(self) -> p.ServerStats:
+        lookups, staged, leased = self.sessions.counts()
+        alloc = self.allocator
+        return p.ServerStats(
+            sessions=len(self.sessions), requests=self.counters.requests,
+            error_replies=self.counters.error_replies, expired_sessions=self.sessions.expired,
+            held_lookups=lookups, dropped_lookups=self.sessions.dropped_lookups,
+            staged_chunks=staged, leased_chunks=leased,
+            sending_chunks=self.counters.sending_chunks,
+            arena_live_objects=alloc.live_objects if alloc else -1,
+            arena_used_bytes=alloc.used_bytes if alloc else -1, shm_name=self.shm_name)
+
+    def _in_segment(self, objs: Sequence[MemoryObj]) -> bool:
+        alloc = self.allocator
+        return self.segment is not None and all(o.allocator is alloc for o in objs)
+
+
+def _info(obj: MemoryObj, offset: int) -> p.ChunkInfo:
+    tensor = obj.tensor
+    return p.ChunkInfo(offset, tensor.numel() * tensor.element_size(), list(tensor.shape),
+                       p.dtype_name(tensor.dtype))
+
+
+def _copy_frames(objs: Sequence[MemoryObj], data: Sequence[memoryview]) -> None:
+    """Copy in-frame chunk bytes into the staged buffers (one bulk copy per chunk)."""
+    if len(data) != len(objs):
+        raise p.ProtocolError(p.BAD_REQUEST, f"expected {len(objs)} data frames, got {len(data)}")
+    for i, (obj, frame) in enumerate(zip(objs, data, strict=True)):
+        dest = obj.byte_view().numpy()
+        if len(frame) != dest.nbytes:
+            raise p.ProtocolError(p.BAD_REQUEST, f"data frame {i}: {len(frame)} bytes, "
+                                  f"expected {dest.nbytes}")
+        np.copyto(dest, np.frombuffer(frame, dtype=np.uint8))

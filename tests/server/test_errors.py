@@ -1,0 +1,166 @@
+"""Bad input never stops the server: garbage, truncated and oversized requests get an
+error reply with a reason; a bad config or address stops start-up with one line."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+
+import msgspec
+import pytest
+import torch
+import zmq
+
+from lmkv.server import protocol as p
+from lmkv.server.client import ServerClient
+from lmkv.tokens import KeyMeta
+from tests.server.conftest import MAX_REQUEST_BYTES
+from tests.server.procs import REPO, child_env, chunk_for, free_port, prompt_keys
+
+
+def raw_request(address: str, frames: list[bytes], kind: int = zmq.DEALER) -> list[bytes]:
+    sock = zmq.Context.instance().socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(address)
+    try:
+        sock.send_multipart(frames)
+        assert sock.poll(5000), "no reply"
+        return sock.recv_multipart()
+    finally:
+        sock.close()
+
+
+def error_of(parts: list[bytes]) -> p.ErrorReply:
+    reply = p.decode_reply(parts[-1])
+    assert isinstance(reply, p.ErrorReply), reply
+    return reply
+
+
+def still_serving(server) -> None:
+    with server.client() as client:
+        assert client.ping() is not None
+
+
+@pytest.mark.parametrize("frames,reason", [
+    ([b"\xc1\x00garbage"], "undecodable"),
+    ([p.encode(p.Ping(req_id=7))[:-3]], "truncated"),
+    ([msgspec.msgpack.encode({"op": "nope", "req_id": 3})], "undecodable"),
+    ([msgspec.msgpack.encode({"op": "lookup", "chunk_ends": "x"})], "undecodable"),
+    ([b""], "empty message"),
+    ([p.encode(p.Ping()), b"an unexpected data frame"], "unexpected data frames"),
+    ([p.encode(p.Lookup(meta=KeyMeta("m"), chunk_hashes=[b"a"], chunk_ends=[1, 2]))],
+     "do not make"),
+    ([p.encode(p.Store(keys=[], meta=KeyMeta("m"), chunk_hashes=[], shapes=[],
+                       dtype="bfloat16"))], "not both"),
+    ([p.encode(p.Store(meta=KeyMeta("m"), chunk_hashes=[b"a"], shapes=[[4]],
+                       dtype="complex128"))], "dtype"),
+    ([p.encode(p.Store(meta=KeyMeta("m"), chunk_hashes=[b"a"], shapes=[[1 << 40]],
+                       dtype="uint8"))], "larger than"),
+])
+def test_a_bad_request_gets_a_reason_and_the_server_goes_on(server, frames, reason) -> None:
+    reply = error_of(raw_request(server.address, frames))
+    assert reply.code == p.BAD_REQUEST and reason in reply.reason
+    still_serving(server)
+
+
+def test_the_req_id_of_an_invalid_request_is_echoed(server) -> None:
+    frames = [msgspec.msgpack.encode({"op": "ping", "req_id": 41, "session": 5})]
+    assert error_of(raw_request(server.address, frames)).req_id == 41
+
+
+def test_a_req_socket_gets_its_error_reply_too(server) -> None:
+    parts = raw_request(server.address, [b"garbage"], kind=zmq.REQ)
+    assert error_of(parts).code == p.BAD_REQUEST
+
+
+def test_oversized_requests_are_refused_with_a_reply(server) -> None:
+    header = p.encode(p.StoreCommit(handle=1, req_id=9))
+    reply = error_of(raw_request(server.address, [header, bytes(MAX_REQUEST_BYTES + 1)]))
+    assert reply.code == p.TOO_LARGE and reply.req_id == 9
+    assert str(MAX_REQUEST_BYTES) in reply.reason
+    still_serving(server)
+
+
+def test_a_chunk_too_large_for_a_request_is_dropped_and_its_buffer_released(server) -> None:
+    keys = prompt_keys(200, chunks=1)
+    big = [torch.zeros(MAX_REQUEST_BYTES, dtype=torch.uint8)]
+    with server.client(transport="frame") as client:
+        assert client.store(keys, big) == 0
+        assert client.counters.dropped_chunks == 1 and client.counters.error_replies == 1
+        assert client.stats().server.staged_chunks == 0
+        assert client.lookup(keys, [16]) == 0
+
+
+def test_truncated_data_frames_are_refused_and_release_the_buffers(server) -> None:
+    keys = prompt_keys(210, chunks=2)
+    chunks = [chunk_for(k) for k in keys]
+    with server.client(transport="frame") as client:
+        client.ping()
+        store = p.Store(**p.key_fields(keys), shapes=[list(c.shape) for c in chunks],
+                        dtype="bfloat16", transport="frame")
+        reply, _ = client._call(store, p.StoreReply)
+        assert client.stats().server.staged_chunks == 2
+        data = [c.reshape(-1).view(torch.uint8).numpy() for c in chunks]
+        assert client._call(p.StoreCommit(handle=reply.handle), p.StoreCommitReply,
+                            [data[0], data[1][:100]]) is None
+        assert client.counters.error_replies == 1
+        assert client.stats().server.staged_chunks == 0
+        assert client.lookup(keys, [16, 32]) == 0  # nothing half-written was stored
+
+
+def test_unknown_handles_are_an_error_reply(server) -> None:
+    parts = raw_request(server.address, [p.encode(p.StoreCommit(handle=123456, req_id=2))])
+    reply = error_of(parts)
+    assert reply.code == p.UNKNOWN_HANDLE and reply.req_id == 2
+
+
+def test_bytes_that_are_not_zmq_do_not_stop_the_server(server) -> None:
+    for payload in (b"GET / HTTP/1.1\r\n\r\n", b"\xff" * 64 + b"\x00" * 1000, b"\x01"):
+        with socket.create_connection(("127.0.0.1", server.port), timeout=5) as raw:
+            raw.sendall(payload)
+    still_serving(server)
+
+
+def test_an_unreachable_server_is_a_miss_not_an_exception() -> None:
+    keys = prompt_keys(220, chunks=2)
+    with ServerClient(f"tcp://127.0.0.1:{free_port()}", timeout_ms=100) as client:
+        assert client.lookup(keys, [16, 32]) == 0
+        assert client.lookup(keys, [16, 32], lookup_id="x") == 0
+        assert client.retrieve(keys) == []
+        assert client.store(keys, [chunk_for(k) for k in keys]) == 0
+        assert client.prefetch_status("x") == 0
+        assert client.stats() is None and client.end_session() is None
+        assert client.counters.dropped_chunks == 2
+        assert client.counters.unreachable >= 1
+
+
+def run_server_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "lmkv.server", *args], capture_output=True,
+                          text=True, env=child_env(), cwd=REPO, timeout=60)
+
+
+@pytest.mark.parametrize("config,expected", [
+    ("tiers:\n  - type: cpu\n    options: {max_bytes: lots}\n",
+     "config key 'tiers.0.options.max_bytes' = 'lots'"),
+    ("tiers:\n  - type: nosuchtier\n", "tiers.0.type = 'nosuchtier'"),
+])
+def test_a_bad_config_is_one_line_and_exit_code_2(tmp_path, config, expected) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text(config)
+    result = run_server_cli("--config", str(path), "--port", str(free_port()))
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("lmkv server: error: ")
+    assert expected in lines[0]
+
+
+def test_an_address_in_use_is_one_line_and_exit_code_2(server, tmp_path) -> None:
+    config = tmp_path / "small.yaml"
+    config.write_text("tiers: [{type: cpu, options: {max_bytes: 1MiB}}]\n")
+    result = run_server_cli("--config", str(config), "--port", str(server.port))
+    errors = [ln for ln in result.stderr.splitlines() if "error" in ln]
+    assert result.returncode == 2
+    assert errors == [f"lmkv server: error: cannot listen on {server.address}: "
+                      "Address already in use"]
+    assert "Traceback" not in result.stderr

@@ -1,0 +1,46 @@
+"""The options ``lmkv server`` takes (``add_server_arguments``), and shared-memory set-up."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from lmkv.config import load_config
+from lmkv.server.main import _enable_shared_memory, add_server_arguments, endpoint_of
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_server_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def test_defaults_listen_on_loopback_port_5555() -> None:
+    args = parse()
+    assert (args.host, args.port, args.config) == ("127.0.0.1", 5555, None)
+    assert args.max_request_bytes == 256 << 20
+    assert endpoint_of(args.host, args.port) == "tcp://127.0.0.1:5555"
+    assert endpoint_of("::1", 7) == "tcp://[::1]:7"
+
+
+def test_sizes_and_times_are_parsed_and_checked(capsys) -> None:
+    args = parse("--max-request-bytes", "64MiB", "--session-timeout", "2.5", "--port", "0")
+    assert (args.max_request_bytes, args.session_timeout, args.port) == (64 << 20, 2.5, 0)
+    for bad in (["--max-request-bytes", "lots"], ["--port", "70000"],
+                ["--session-timeout", "0"], ["--drain-timeout", "-1"]):
+        with pytest.raises(SystemExit) as info:
+            parse(*bad)
+        assert info.value.code == 2
+        assert bad[1] in capsys.readouterr().err
+
+
+def test_the_memory_tier_gets_shared_memory_unless_the_config_says_otherwise(tmp_path) -> None:
+    config = load_config(overrides={"tiers": [{"type": "cpu"}, {"type": "cpu"}]})
+    assert _enable_shared_memory(config) is config.tiers[0].options
+    assert config.tiers[0].options == {"shared_memory": True}
+    assert config.tiers[1].options == {}
+    explicit = load_config(overrides={"tiers": [{"type": "cpu",
+                                                  "options": {"shared_memory": False}}]})
+    assert _enable_shared_memory(explicit) is None
+    assert explicit.tiers[0].options == {"shared_memory": False}

@@ -1,0 +1,80 @@
+"""An engine process for the server tests: ``python -m tests.server.worker MODE ...``.
+
+``loop ADDRESS TRANSPORT WORKER OUT STOP_FILE ITERATIONS TIMEOUT_MS``: look up, retrieve
+(checking every byte) and store prompts, own and shared, until ITERATIONS are done
+or STOP_FILE exists; one JSON line per iteration goes to OUT, then a summary line.
+Any exception escapes (non-zero exit): the tests require none.
+
+``hold ADDRESS``: take a prefetch, a staged store and a retrieve lease, print
+"held", then sleep until killed.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from lmkv.server import protocol as p
+from lmkv.server.client import ServerClient
+from tests.server.procs import chunk_ends, chunk_for, prompt_keys, same_bytes
+
+SHARED_PROMPTS = (900, 901, 902)
+
+
+def loop(address: str, transport: str, worker: int, out: Path, stop_file: Path,
+         iterations: int, timeout_ms: int) -> None:
+    prompts = [1000 + worker * 10 + i for i in range(4)] + list(SHARED_PROMPTS)
+    rng = random.Random(worker)
+    mismatches = 0
+    client = ServerClient(address, transport=transport, timeout_ms=timeout_ms)
+    with out.open("w") as log:
+        for i in range(iterations):
+            if stop_file.exists():
+                break
+            prompt = rng.choice(prompts)
+            keys = prompt_keys(prompt)
+            lookup_id = f"{worker}-{i}"
+            hit = client.lookup(keys, chunk_ends(keys), lookup_id=lookup_id)
+            got = client.retrieve(keys, lookup_id=lookup_id)
+            bad = sum(not same_bytes(t, chunk_for(k)) for t, k in zip(got, keys, strict=False))
+            mismatches += bad
+            stored = 0
+            if len(got) < len(keys):
+                stored = client.store(keys, [chunk_for(k) for k in keys])
+            log.write(json.dumps({"t": time.time(), "prompt": prompt, "hit": hit,
+                                  "got": len(got), "bad": bad, "stored": stored,
+                                  "shm": client.shared_memory}) + "\n")
+            log.flush()
+        log.write(json.dumps({"summary": True, "mismatches": mismatches,
+                              "counters": asdict(client.counters)}) + "\n")
+    client.close()
+
+
+def hold(address: str) -> None:
+    client = ServerClient(address, timeout_ms=5000)
+    keys = prompt_keys(700)
+    chunks = [chunk_for(k) for k in keys]
+    assert client.store(keys, chunks) == len(keys)
+    assert client.lookup(keys, chunk_ends(keys), lookup_id="held") > 0
+    staged = prompt_keys(701)
+    store = p.Store(**p.key_fields(staged), shapes=[list(c.shape) for c in chunks],
+                    dtype="bfloat16", transport="shm")
+    assert client._call(store, p.StoreReply) is not None
+    assert client._call(p.Retrieve(**p.key_fields(keys), transport="shm"),
+                        p.RetrieveReply) is not None
+    print("held", flush=True)
+    time.sleep(600)
+
+
+if __name__ == "__main__":
+    mode, *args = sys.argv[1:]
+    if mode == "loop":
+        address, transport, worker, out, stop, iterations, timeout_ms = args
+        loop(address, transport, int(worker), Path(out), Path(stop), int(iterations),
+             int(timeout_ms))
+    else:
+        hold(args[0])
