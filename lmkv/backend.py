@@ -114,7 +114,12 @@ class StorageBackend(Plugin, ABC):
 
     @abstractmethod
     def remove(self, key: CacheKey) -> bool:
-        """Drop ``key``; False when it was not stored."""
+        """Drop ``key``; False when it was not stored.
+
+        Pins protect against eviction. A tier may refuse to remove a pinned
+        entry (the cpu tier does, since a lookup is about to read its buffer);
+        a tier that stores frames removes it, so a corrupt entry always goes.
+        """
 
     @property
     @abstractmethod

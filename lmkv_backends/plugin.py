@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from lmkv.plugins import hookimpl
 from lmkv_backends.cpu import CPUBackend
+from lmkv_backends.fs import FSBackend
 from lmkv_backends.gpu_torch import HFConnector, PagedConnector
 from lmkv_backends.serde_int8 import Int8Serializer
 from lmkv_backends.serde_naive import NaiveSerializer
@@ -13,7 +14,7 @@ from lmkv_backends.serde_zstd import ZstdSerializer
 
 @hookimpl
 def lmkv_storage_backends() -> list[type]:
-    return [CPUBackend]
+    return [CPUBackend, FSBackend]
 
 
 @hookimpl

@@ -1,0 +1,333 @@
+"""The ``fs`` tier: serialized chunks as files on local disk or objects in S3 (fsspec).
+
+One entry per chunk, named after its key (``fs_index``). On local disk
+(``fs_local``) writes are atomic and, by default, durable; entries survive a
+restart and are found again; reads go straight into chunk buffers. Other URLs
+(``fs_remote``) go through fsspec. A budget (``max_bytes``) evicts unpinned
+entries in the order of the tier's eviction policy. Every fault (I/O error,
+stopped endpoint, corrupted entry) is a counted, rate-logged miss or dropped
+write: nothing raises into the caller.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from functools import partial
+
+from lmkv.backend import BackendContext, StorageBackend
+from lmkv.errors import ConfigError, CorruptFrameError
+from lmkv.logutil import RateLimitedLog
+from lmkv.memory import MemoryObj
+from lmkv.tokens import CacheKey
+from lmkv_backends.fs_futures import count_true, gather, leading_objects, outcome
+from lmkv_backends.fs_index import EntryIndex, entry_name
+from lmkv_backends.fs_local import LocalStore
+from lmkv_backends.fs_options import (
+    FSOptions,
+    check_s3_options,
+    display_url,
+    local_root,
+    open_remote,
+)
+from lmkv_backends.fs_remote import RemoteStore
+
+logger = logging.getLogger(__name__)
+_log = RateLimitedLog(logger)
+
+
+class _Failed(enum.Enum):
+    FAILED = "failed"
+
+
+FAILED = _Failed.FAILED  # a probe that could not tell (storage failed): not a removal
+
+
+class FSBackend(StorageBackend):
+    name = "fs"
+    Options = FSOptions
+
+    def __init__(self, options: FSOptions, context: BackendContext) -> None:
+        super().__init__(options, context)
+        if context.serializer is None or context.eviction_policy is None:
+            raise ValueError("the fs tier needs a serializer and an eviction policy")
+        self.location = display_url(options.url)
+        prefix = f"tiers.{context.tier_index}.options"  # for start-up errors
+        self.store: LocalStore | RemoteStore
+        if options.is_local:
+            check_s3_options(options, prefix)
+            try:
+                self.store = LocalStore(local_root(options), options.durable,
+                                        options.page_cache)
+            except OSError as exc:
+                raise ConfigError(f"config key '{prefix}.url' = {self.location!r}: cannot use "
+                                  f"the directory: {exc.strerror or exc}") from None
+        else:
+            self.store = RemoteStore(open_remote(options, prefix))
+        capacity = int(options.max_bytes) if options.max_bytes is not None else None
+        self.index = EntryIndex(context.eviction_policy, capacity)
+        self._raw_reads = self.store.reads_into and context.serializer.raw_payload
+        self._closed = False
+        self._pending: set[Future] = set()  # put batches not finished
+        self._pending_lock = threading.Lock()
+        threads = options.threads
+        self._readers = ThreadPoolExecutor(threads, thread_name_prefix="lmkv-fs-read")
+        self._writers = ThreadPoolExecutor(threads, thread_name_prefix="lmkv-fs-write")
+        if self.store.trust_index:
+            self._load_index()  # local: the directory is the index, read it before serving
+        else:
+            self._readers.submit(self._load_index)
+
+    def _load_index(self) -> None:
+        try:
+            self.index.adopt_all(self.store.scan())
+            self._delete_evicted(self.index.excess_victims())
+            logger.info("lmkv fs tier %s: %d entries, %d bytes", self.location,
+                        len(self.index), self.index.usage)
+        except Exception as exc:
+            if self._closed:  # closed while listing (interpreter exit, say): nobody cares
+                logger.debug("lmkv fs tier %s: listing ended by close: %s", self.location, exc)
+                return
+            self._fault("scan", "listing the entries", exc)
+
+    # -- figures -----------------------------------------------------------------
+    @property
+    def usage_bytes(self) -> int:
+        return self.index.usage
+
+    @property
+    def capacity_bytes(self) -> int | None:
+        return self.index.capacity
+
+    def stats(self) -> dict[str, int | None]:
+        return {**super().stats(), "entries": len(self.index)}
+
+    # -- lookup --------------------------------------------------------------------
+    def contains(self, key: CacheKey, pin: bool = False) -> bool:
+        if self.store.trust_index and self.index.lookup(key, pin):
+            return True
+        return self._present(key, self._probe(key), pin)
+
+    def batched_async_contains(self, lookup_id: str, keys: Sequence[CacheKey],
+                               pin: bool = False) -> int:
+        if self.store.trust_index:
+            hits = self.index.count_prefix(keys, pin)
+            while hits < len(keys) and self.contains(keys[hits], pin):
+                hits += 1
+            return hits
+        probes = [self._submit(self._readers, self._probe, key) for key in keys]
+        hits = 0
+        for key, probe in zip(keys, probes, strict=True):
+            if not self._present(key, outcome(probe, FAILED) if probe else FAILED, pin):
+                break
+            hits += 1
+        for probe in probes[hits:]:
+            if probe is not None:
+                probe.cancel()
+        return hits
+
+    def _probe(self, key: CacheKey) -> int | _Failed | None:
+        """The stored size of ``key``, None when absent, FAILED when the storage failed."""
+        if self._closed:
+            return FAILED
+        try:
+            return self.store.stat(entry_name(key))
+        except Exception as exc:
+            self._fault("stat", f"checking {key.to_string()}", exc)
+            return FAILED
+
+    def _present(self, key: CacheKey, size: int | _Failed | None, pin: bool) -> bool:
+        if size is FAILED:
+            return False
+        if size is None:
+            if not self.store.trust_index:
+                self.index.discard(key)  # removed by another process
+            return False
+        self.index.adopt(key, size, pin)
+        return True
+
+    def pin(self, key: CacheKey) -> bool:
+        return self.contains(key, pin=True)
+
+    def unpin(self, key: CacheKey) -> bool:
+        return self.index.unpin(key)
+
+    # -- put -----------------------------------------------------------------------
+    def batched_submit_put(self, keys: Sequence[CacheKey], objs: Sequence[MemoryObj]) -> Future:
+        jobs: list[Future] = []
+        try:
+            for key, obj in zip(keys, objs, strict=True):
+                if not self.index.begin_write(key):
+                    continue
+                obj.ref_up()  # written from the buffer itself: keep it alive until then
+                job = self._submit(self._writers, self._write, key, obj)
+                if job is None:
+                    self._write_finished(key, obj, None)
+                    continue
+                job.add_done_callback(partial(self._write_finished, key, obj))
+                jobs.append(job)
+        except Exception as exc:  # e.g. keys and objs of different lengths
+            self._fault("put", "submitting a put", exc)
+        batch = gather(jobs, count_true, self._sync)
+        if not batch.done():
+            with self._pending_lock:
+                self._pending.add(batch)
+            batch.add_done_callback(self._batch_finished)
+        return batch
+
+    def _batch_finished(self, batch: Future) -> None:
+        with self._pending_lock:
+            self._pending.discard(batch)
+
+    def _write(self, key: CacheKey, obj: MemoryObj) -> bool:
+        name = entry_name(key)
+        try:
+            existing = self.store.stat(name)
+            if existing is not None:  # another process stored it
+                self.index.adopt(key, existing)
+                return False
+            buffers = self.context.serializer.serialize(obj)
+            size = sum(memoryview(b).nbytes for b in buffers)
+            evicted = self.index.reserve(size)
+            if evicted is None:
+                self.counters.dropped_writes += 1
+                _log.warning(f"full:{self.location}", "lmkv fs tier %s: no room for an entry "
+                             "of %d bytes (budget %s, all else pinned); dropping the write",
+                             self.location, size, self.index.capacity)
+                return False
+            self._delete_evicted(evicted)
+            try:
+                written = self.store.write(name, buffers)
+            except BaseException:
+                self.index.release(size)
+                raise
+            self.index.commit(key, size, written)
+        except Exception as exc:
+            self.counters.dropped_writes += 1
+            self._fault("write", f"writing {key.to_string()}", exc)
+            return False
+        self.counters.puts += 1
+        self.counters.bytes_in += written
+        return True
+
+    def _write_finished(self, key: CacheKey, obj: MemoryObj, job: Future | None) -> None:
+        if job is None or job.cancelled():  # closed before it ran
+            self.counters.dropped_writes += 1
+        self.index.end_write(key)
+        obj.ref_down()
+
+    def _sync(self) -> None:
+        try:
+            self.store.sync()
+        except Exception as exc:
+            self._fault("sync", "syncing the directory", exc)
+
+    def _delete_evicted(self, evicted: list[tuple[CacheKey, int]]) -> None:
+        for key, _ in evicted:
+            try:
+                self.store.delete(entry_name(key))
+            except Exception as exc:
+                self._fault("evict", f"evicting {key.to_string()}", exc)
+        self.counters.evictions += len(evicted)
+
+    # -- get ------------------------------------------------------------------------
+    def get_blocking(self, key: CacheKey) -> MemoryObj | None:
+        if self._closed:
+            self.counters.misses += 1
+            return None
+        name = entry_name(key)
+        try:
+            if self._raw_reads:
+                obj, size = self.store.read_into(
+                    name, self.context.serializer.serializer_id, self.context.allocate)
+            else:
+                frame = self.store.read_frame(name)
+                size = len(frame)
+                corrupt_before = self.counters.corrupt_frames
+                obj = self.decode_frame(key, frame)  # removes and counts a corrupt frame
+                if obj is None and self.counters.corrupt_frames != corrupt_before:
+                    return None
+        except FileNotFoundError:
+            self.index.discard(key)
+            obj = None
+        except CorruptFrameError as exc:
+            self._drop_corrupt(key, exc)
+            return None
+        except Exception as exc:
+            self._fault("read", f"reading {key.to_string()}", exc)
+            obj = None
+        if obj is None:
+            self.counters.misses += 1
+            return None
+        self.index.adopt(key, size)
+        self.index.touch(key)
+        self.counters.hits += 1
+        self.counters.bytes_out += size
+        return obj
+
+    def batched_get_non_blocking(self, lookup_id: str, keys: Sequence[CacheKey]) -> Future:
+        jobs: list[Future] = []
+        for key in keys:
+            job = self._submit(self._readers, self.get_blocking, key)
+            if job is None:  # closed: what was started still counts as a prefix
+                self.counters.misses += 1
+                break
+            jobs.append(job)
+        return gather(jobs, leading_objects)
+
+    def _drop_corrupt(self, key: CacheKey, exc: CorruptFrameError) -> None:
+        """What ``decode_frame`` does for a frame read straight into a buffer."""
+        self.counters.corrupt_frames += 1
+        self.counters.misses += 1
+        _log.warning(f"corrupt:{self.location}", "lmkv fs tier %s: dropping corrupt entry "
+                     "%s: %s", self.location, key.to_string(), exc)
+        self.remove(key)
+
+    # -- the rest -----------------------------------------------------------------------
+    def remove(self, key: CacheKey) -> bool:
+        """Drop ``key`` (pins guard against eviction, not against removal)."""
+        known = self.index.discard(key)
+        name = entry_name(key)
+        try:
+            if not known and self.store.stat(name) is None:
+                return False
+            return self.store.delete(name) or known
+        except Exception as exc:
+            self._fault("remove", f"removing {key.to_string()}", exc)
+            return known
+
+    def _submit(self, pool: ThreadPoolExecutor, fn: Callable[..., object],
+                *args: object) -> Future | None:
+        if self._closed:
+            return None
+        try:
+            return pool.submit(fn, *args)
+        except RuntimeError:  # shut down meanwhile
+            return None
+
+    def _fault(self, op: str, what: str, exc: BaseException) -> None:
+        self.counters.errors += 1
+        _log.warning(f"{op}:{self.location}", "lmkv fs tier %s: %s failed: %s: %s",
+                     self.location, what, type(exc).__name__, exc)
+
+    def close(self) -> None:
+        """Waits up to ``close_timeout_s`` for puts in flight; the rest is cancelled
+        (buffers released, counted as dropped). A request still running ends
+        within the remote's timeouts, on its own thread."""
+        if self._closed:
+            return
+        self._closed = True
+        with self._pending_lock:
+            pending = list(self._pending)
+        if pending:
+            wait(pending, timeout=self.options.close_timeout_s)
+        for pool in (self._readers, self._writers):
+            pool.shutdown(wait=False, cancel_futures=True)
+        try:
+            self.store.close()
+        except Exception as exc:
+            self._fault("close", "closing", exc)
+        super().close()

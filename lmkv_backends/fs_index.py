@@ -1,0 +1,209 @@
+"""What the ``fs`` tier knows of its entries: names, sizes, pins and the byte budget.
+
+Entry names are ``quote(key.to_string()) + ".lmkv"``: ``/`` and every other
+character that a file or object name cannot carry is percent-escaped, and the
+key comes back with ``CacheKey.from_string``. The index is this process's
+view; the storage itself stays the truth (other processes may add or remove
+entries), so callers adopt what they find there and discard what vanished.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from urllib.parse import quote, unquote
+
+from lmkv.policy import EvictionPolicy
+from lmkv.tokens import CacheKey
+
+SUFFIX = ".lmkv"
+
+
+def entry_name(key: CacheKey) -> str:
+    name = quote(key.to_string(), safe="@")
+    if name.startswith("."):  # leading dots are hidden files (and our temporaries)
+        name = "%2E" + name[1:]
+    return name + SUFFIX
+
+
+def key_of(name: str) -> CacheKey | None:
+    """The key an entry name stands for; None for anything that is not an entry."""
+    if not name.endswith(SUFFIX) or name.startswith("."):
+        return None
+    try:
+        return CacheKey.from_string(unquote(name[:-len(SUFFIX)], errors="strict"))
+    except (ValueError, UnicodeDecodeError):
+        return None
+
+
+@dataclass
+class Entry:
+    size: int
+    pins: int = 0
+
+
+class EntryIndex:
+    """Thread-safe map of stored entries, their eviction order and the byte budget.
+
+    ``reserve`` accounts a write before it starts, so parallel writers never
+    take the tier past ``capacity`` together; it picks unpinned victims in
+    the policy's order and hands them back for the caller to delete.
+    """
+
+    def __init__(self, policy: EvictionPolicy, capacity: int | None) -> None:
+        self.policy = policy
+        self.capacity = capacity
+        self._entries: dict[CacheKey, Entry] = {}
+        self._writing: set[CacheKey] = set()
+        self._lock = threading.Lock()
+        self.usage = 0  # bytes of the entries in the index
+        self.reserved = 0  # bytes of writes in flight
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key: CacheKey) -> bool:
+        return key in self._entries
+
+    def keys(self) -> list[CacheKey]:
+        with self._lock:
+            return list(self._entries)
+
+    # -- lookups -------------------------------------------------------------
+    def lookup(self, key: CacheKey, pin: bool = False) -> bool:
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                return False
+            if pin:
+                entry.pins += 1
+            return True
+
+    def count_prefix(self, keys: Sequence[CacheKey], pin: bool = False) -> int:
+        """How many leading ``keys`` the index holds (pinning them when asked)."""
+        hits = 0
+        with self._lock:
+            entries = self._entries
+            for key in keys:
+                entry = entries.get(key)
+                if entry is None:
+                    break
+                if pin:
+                    entry.pins += 1
+                hits += 1
+        return hits
+
+    def unpin(self, key: CacheKey) -> bool:
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                return False
+            if entry.pins:
+                entry.pins -= 1
+            return True
+
+    def touch(self, key: CacheKey) -> None:
+        with self._lock:
+            if key in self._entries:
+                self.policy.on_access(key)
+
+    # -- changes -------------------------------------------------------------
+    def adopt(self, key: CacheKey, size: int, pin: bool = False) -> None:
+        """Record an entry found in storage (written by us earlier or by someone else)."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                entry = self._entries[key] = Entry(size)
+                self.usage += size
+                self.policy.on_insert(key)
+            elif entry.size != size:
+                self.usage += size - entry.size
+                entry.size = size
+            if pin:
+                entry.pins += 1
+
+    def adopt_all(self, found: Iterable[tuple[CacheKey, int]]) -> None:
+        for key, size in found:
+            self.adopt(key, size)
+
+    def discard(self, key: CacheKey) -> bool:
+        """Forget ``key`` (removed, vanished or corrupt); pins do not keep it."""
+        with self._lock:
+            return self._drop_locked(key) is not None
+
+    def _drop_locked(self, key: CacheKey) -> Entry | None:
+        entry = self._entries.pop(key, None)
+        if entry is not None:
+            self.usage -= entry.size
+            self.policy.on_remove(key)
+        return entry
+
+    def begin_write(self, key: CacheKey) -> bool:
+        """Claim ``key`` for one writer; False when it is stored or being written."""
+        with self._lock:
+            if key in self._entries or key in self._writing:
+                return False
+            self._writing.add(key)
+            return True
+
+    def end_write(self, key: CacheKey) -> None:
+        with self._lock:
+            self._writing.discard(key)
+
+    def reserve(self, size: int) -> list[tuple[CacheKey, int]] | None:
+        """Account ``size`` bytes for a write, evicting unpinned entries in policy
+        order; returns the evicted (key, size) for the caller to delete, or None
+        (nothing changed) when the room cannot be made."""
+        with self._lock:
+            if self.capacity is None:
+                self.reserved += size
+                return []
+            if size > self.capacity:
+                return None
+            excess = self.usage + self.reserved + size - self.capacity
+            victims: list[CacheKey] = []
+            for key in self.policy.victims():
+                if excess <= 0:
+                    break
+                entry = self._entries.get(key)
+                if entry is None or entry.pins:
+                    continue
+                victims.append(key)
+                excess -= entry.size
+            if excess > 0:
+                return None
+            evicted = [(key, self._drop_locked(key).size) for key in victims]
+            self.reserved += size
+            return evicted
+
+    def release(self, reserved: int) -> None:
+        with self._lock:
+            self.reserved -= reserved
+
+    def commit(self, key: CacheKey, reserved: int, size: int) -> None:
+        """A reserved write landed: the entry is stored."""
+        with self._lock:
+            self.reserved -= reserved
+            entry = self._entries.get(key)
+            if entry is None:
+                self._entries[key] = Entry(size)
+                self.usage += size
+                self.policy.on_insert(key)
+
+    def excess_victims(self) -> list[tuple[CacheKey, int]]:
+        """Unpinned entries to evict until usage fits the budget (after a restart
+        with a smaller budget)."""
+        with self._lock:
+            if self.capacity is None:
+                return []
+            excess = self.usage + self.reserved - self.capacity
+            victims = []
+            for key in self.policy.victims():
+                if excess <= 0:
+                    break
+                entry = self._entries.get(key)
+                if entry is not None and not entry.pins:
+                    victims.append(key)
+                    excess -= entry.size
+            return [(key, self._drop_locked(key).size) for key in victims]

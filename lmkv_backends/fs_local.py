@@ -1,0 +1,274 @@
+"""Entries of the ``fs`` tier on a local filesystem: one file per entry.
+
+A write goes to a temporary file in the same directory (``pwritev`` of the
+frame's buffers, no join), is flushed with ``fdatasync`` when durable, and is
+renamed onto the entry's name: a reader sees the whole entry or none of it.
+Temporaries left by a crashed process are removed at start. A read parses the
+header, then reads the payload straight into the chunk buffer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import mmap
+import os
+import socket
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from functools import partial
+
+from lmkv.backend import Allocate
+from lmkv.errors import CorruptFrameError
+from lmkv.memory import MemoryObj, nbytes_of
+from lmkv.serde import FrameHeader, read_header, verify_payload
+from lmkv.tokens import CacheKey
+from lmkv_backends.fs_index import key_of
+
+logger = logging.getLogger(__name__)
+
+TMP_PREFIX = ".lmkv-tmp."
+# A temporary this old is stale even when its writer's pid cannot be checked
+# (another host sharing the directory).
+STALE_TMP_S = 3600.0
+# Bytes per pwritev: the unit in which a durable write is handed to the disk early.
+WRITE_SEGMENT = 8 << 20
+# The first read of an entry: the header (under 100 bytes) and the page it is on.
+HEAD_READ = 4096
+_HOST = socket.gethostname().replace("/", "_") or "host"
+
+
+class LocalStore:
+    """Files in one directory; every method raises OSError (or CorruptFrameError)."""
+
+    #: the index is trusted for hits; storage is consulted on index misses
+    trust_index = True
+    #: ``read_into`` reads a raw payload straight into a chunk buffer
+    reads_into = True
+
+    def __init__(self, root: str, durable: bool = True, page_cache: bool = False) -> None:
+        os.makedirs(root, exist_ok=True)
+        self.root = root
+        self.durable = durable
+        self.page_cache = page_cache
+
+    def path(self, name: str) -> str:
+        return os.path.join(self.root, name)
+
+    # -- start-up --------------------------------------------------------------
+    def scan(self) -> list[tuple[CacheKey, int]]:
+        """Entries in the directory, oldest first; stale temporaries are removed."""
+        found: list[tuple[float, CacheKey, int]] = []
+        with os.scandir(self.root) as it:
+            for item in it:
+                if item.name.startswith(TMP_PREFIX):
+                    self._clean_temporary(item)
+                    continue
+                key = key_of(item.name)
+                if key is None or not item.is_file(follow_symlinks=False):
+                    continue
+                try:
+                    st = item.stat(follow_symlinks=False)
+                except FileNotFoundError:
+                    continue
+                found.append((st.st_mtime, key, st.st_size))
+        found.sort(key=lambda t: t[0])
+        return [(key, size) for _, key, size in found]
+
+    def _clean_temporary(self, item: os.DirEntry) -> None:
+        parts = item.name[len(TMP_PREFIX):].rsplit(".", 2)  # host, pid, random
+        host = parts[0] if len(parts) == 3 else ""
+        pid = int(parts[1]) if len(parts) == 3 and parts[1].isdigit() else -1
+        try:
+            age = time.time() - item.stat(follow_symlinks=False).st_mtime
+        except FileNotFoundError:
+            return
+        if (host == _HOST and pid > 0 and not _alive(pid)) or age > STALE_TMP_S:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(item.path)
+                logger.info("lmkv fs tier: removed stale temporary %s", item.path)
+
+    # -- entries -----------------------------------------------------------------
+    def stat(self, name: str) -> int | None:
+        try:
+            return os.stat(self.path(name)).st_size
+        except FileNotFoundError:
+            return None
+
+    def write(self, name: str, buffers: Sequence[bytes | memoryview]) -> int:
+        """Write the frame atomically; the entry exists only once all of it is there."""
+        tmp = self.path(f"{TMP_PREFIX}{_HOST}.{os.getpid()}.{uuid.uuid4().hex[:12]}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        try:
+            try:
+                early = self.durable and not self.page_cache
+                written = _write_all(fd, buffers,
+                                     partial(_start_writeback, fd) if early else None)
+                if self.durable:
+                    os.fdatasync(fd)
+                    self._release_pages(fd)  # clean now: they can go
+            finally:
+                os.close(fd)
+            os.rename(tmp, self.path(name))
+        except BaseException:
+            _unlink_quietly(tmp)
+            raise
+        return written
+
+    def _release_pages(self, fd: int) -> None:
+        """Hand the file's cached pages back. The chunk is in the memory tier above
+        already, so a page-cache copy only doubles its memory; freed pages are
+        also what the next read or write reuses instead of allocating new ones."""
+        if not self.page_cache:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
+    def sync(self) -> None:
+        """Make completed renames durable (one directory fsync for a batch)."""
+        if not self.durable:
+            return
+        fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def read_into(self, name: str, serializer_id: int, allocate: Allocate
+                  ) -> tuple[MemoryObj | None, int]:
+        """Read a raw-payload frame straight into a buffer from ``allocate``.
+
+        Returns (None, size) when ``allocate`` has no room. Raises
+        FileNotFoundError for a missing entry and CorruptFrameError for one
+        that fails to parse or verify.
+        """
+        fd = os.open(self.path(name), os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            size = os.fstat(fd).st_size
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+            head = os.pread(fd, min(size, HEAD_READ), 0)
+            header = parse_header(head, size)
+            if header.serializer_id != serializer_id:
+                raise CorruptFrameError(f"frame was written by serializer id "
+                                        f"{header.serializer_id}, not {serializer_id}")
+            if header.payload_len != nbytes_of(header.shape, header.dtype):
+                raise CorruptFrameError("payload length does not match dtype and shape")
+            obj = allocate(header.shape, header.dtype)
+            if obj is None:
+                return None, size
+            try:
+                payload = memoryview(obj.byte_view().numpy())
+                start = header.header_len
+                have = max(0, min(len(head) - start, len(payload)))
+                payload[:have] = head[start:start + have]
+                _read_exact(fd, payload[have:], start + have)
+                self._release_pages(fd)
+                verify_payload(header, payload)
+            except BaseException:
+                obj.ref_down()
+                raise
+            return obj, size
+        finally:
+            os.close(fd)
+
+    def read_frame(self, name: str) -> bytearray:
+        fd = os.open(self.path(name), os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            size = os.fstat(fd).st_size
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+            frame = bytearray(size)
+            _read_exact(fd, memoryview(frame), 0)
+            self._release_pages(fd)
+            return frame
+        finally:
+            os.close(fd)
+
+    def delete(self, name: str) -> bool:
+        try:
+            os.unlink(self.path(name))
+            return True
+        except FileNotFoundError:
+            return False
+
+    def close(self) -> None:
+        pass
+
+
+def parse_header(head: bytes, frame_len: int) -> FrameHeader:
+    """Check the header at the start of a frame of ``frame_len`` bytes, given only
+    its first bytes. ``read_header`` wants the whole frame (it checks the length),
+    so the prefix is placed in a lazily-zeroed anonymous mapping of the frame's
+    size: no page past the first is ever touched."""
+    if frame_len <= len(head):
+        return read_header(memoryview(head)[:frame_len])
+    try:
+        scratch = mmap.mmap(-1, frame_len)
+    except (OSError, OverflowError, ValueError):
+        raise CorruptFrameError(f"an entry of {frame_len} bytes is not a frame") from None
+    try:
+        scratch[:len(head)] = head
+        with memoryview(scratch) as view:
+            return read_header(view)
+    finally:
+        # A view kept alive by a traceback blocks close(); the mapping then goes with it.
+        with contextlib.suppress(BufferError):
+            scratch.close()
+
+
+def _write_all(fd: int, buffers: Sequence[bytes | memoryview],
+               written_back: Callable[[int, int], None] | None = None) -> int:
+    """``pwritev`` the buffers back to back, ``WRITE_SEGMENT`` bytes per call;
+    ``written_back(offset, length)`` is called after each segment."""
+    views = [memoryview(b).cast("B") for b in buffers]
+    views = [v for v in views if v.nbytes]
+    total = sum(v.nbytes for v in views)
+    offset = 0
+    while views:
+        batch, room = [], WRITE_SEGMENT
+        for view in views:
+            batch.append(view[:room])
+            room -= batch[-1].nbytes
+            if not room:
+                break
+        n = os.pwritev(fd, batch, offset)
+        if n <= 0:
+            raise OSError(f"short write at offset {offset}")
+        if written_back is not None:
+            written_back(offset, n)
+        offset += n
+        while views and n >= views[0].nbytes:
+            n -= views[0].nbytes
+            views.pop(0)
+        if n:
+            views[0] = views[0][n:]
+    return total
+
+
+def _read_exact(fd: int, view: memoryview, offset: int) -> None:
+    done, want = 0, view.nbytes
+    while done < want:
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n == 0:
+            raise CorruptFrameError("entry is shorter than its header says")
+        done += n
+
+
+def _start_writeback(fd: int, offset: int, length: int) -> None:
+    """Start writing a segment back now (DONTNEED on dirty pages starts their
+    writeback without waiting), so the disk works while the next segment is
+    copied in, instead of everything waiting for the final fdatasync."""
+    os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _unlink_quietly(path: str) -> None:
+    with contextlib.suppress(OSError):
+        os.unlink(path)

@@ -1,0 +1,537 @@
+"""The ``fs`` tier on local disk.
+
+Run as a script, this module is the other process of the sharing and fault
+tests: ``python tests/backends/test_fs.py ROLE URL [ENDPOINT]`` (see ``main``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from lmkv.backend import BackendContext
+from lmkv.errors import ConfigError
+from lmkv.memory import MemoryAllocator, tensor_obj
+from lmkv.plugins import PluginManager, hookimpl
+from lmkv.testing import StorageBackendConformance
+from lmkv.tokens import CacheKey, KeyMeta
+from lmkv_backends.fs import FSBackend
+from lmkv_backends.fs_index import entry_name
+from lmkv_backends.fs_local import TMP_PREFIX
+from lmkv_backends.serde_naive import NaiveSerializer
+from lmkv_policies.lru import LRUPolicy
+
+SHAPE = (2, 2, 16, 2, 32)
+DTYPE = torch.float16
+# A model name with what a file name cannot carry as it is.
+META = KeyMeta("org/Model v1:ü%..", 1, 0, "float16", "l2thd")
+FRAME_BYTES = len(NaiveSerializer().frame_bytes(tensor_obj(torch.zeros(SHAPE, dtype=DTYPE))))
+HERE = Path(__file__).resolve()
+TIMEOUT = 30
+
+
+def key(i: int) -> CacheKey:
+    return CacheKey(META, i.to_bytes(32, "little"))
+
+
+def chunk(i: int) -> torch.Tensor:
+    return torch.randn(SHAPE, generator=torch.Generator().manual_seed(i)).to(DTYPE)
+
+
+def digest(tensor: torch.Tensor) -> str:
+    return hashlib.sha256(tensor.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def make_fs(url: str, arena: MemoryAllocator, **options: object) -> FSBackend:
+    context = BackendContext(serializer=NaiveSerializer(), eviction_policy=LRUPolicy(),
+                             allocate=arena.allocate)
+    return FSBackend(FSBackend.Options(url=url, **options), context)
+
+
+def put(backend: FSBackend, ids: list[int]) -> int:
+    objs = [tensor_obj(chunk(i)) for i in ids]
+    return backend.batched_submit_put([key(i) for i in ids], objs).result(timeout=TIMEOUT)
+
+
+def read(backend: FSBackend, i: int) -> torch.Tensor | None:
+    obj = backend.get_blocking(key(i))
+    if obj is None:
+        return None
+    try:
+        return obj.tensor.clone()
+    finally:
+        obj.ref_down()
+
+
+def entry_files(root: Path) -> list[Path]:
+    return sorted(p for p in root.iterdir() if p.name.endswith(".lmkv"))
+
+
+@pytest.fixture
+def arena() -> Iterator[MemoryAllocator]:
+    arena = MemoryAllocator(16 << 20)
+    yield arena
+    assert arena.live_objects == 0, "a chunk buffer was leaked"
+
+
+@pytest.fixture
+def make(tmp_path: Path, arena: MemoryAllocator) -> Iterator[Callable[..., FSBackend]]:
+    """``make(**options)``: an fs tier on ``tmp_path`` (closed after the test)."""
+    made: list[FSBackend] = []
+
+    def factory(url: str | None = None, **options: object) -> FSBackend:
+        backend = make_fs(url or str(tmp_path), arena, **options)
+        made.append(backend)
+        return backend
+
+    yield factory
+    for backend in made:
+        backend.close()
+
+
+class TestLocalConformance(StorageBackendConformance):
+    @pytest.fixture(autouse=True)
+    def _setup(self, tmp_path: Path, arena: MemoryAllocator) -> None:
+        self.root = tmp_path
+        self.arena = arena
+
+    def make_backend(self) -> FSBackend:
+        return make_fs(f"file://{self.root}", self.arena, durable=False)
+
+    def corrupt_entry(self, backend: FSBackend, key: CacheKey) -> bool:
+        path = self.root / entry_name(key)
+        path.write_bytes(CORRUPTIONS["payload bit flip"](path.read_bytes()))
+        return True
+
+
+# -- restart, atomicity, durability ------------------------------------------------
+
+def test_entries_survive_a_restart(make: Callable[..., FSBackend], tmp_path: Path) -> None:
+    first = make()
+    assert put(first, [0, 1, 2]) == 3
+    usage = first.usage_bytes
+    first.close()
+    # the key (with its escaped model name) comes back from the file name
+    assert [p.parent for p in entry_files(tmp_path)] == [tmp_path] * 3
+    second = make()
+    assert second.usage_bytes == usage == 3 * FRAME_BYTES
+    assert second.batched_async_contains("l", [key(0), key(1), key(2), key(3)]) == 3
+    for i in range(3):
+        assert torch.equal(read(second, i), chunk(i))
+
+
+def test_a_crash_mid_write_leaves_no_entry_and_the_temporary_is_cleaned(
+        make: Callable[..., FSBackend], tmp_path: Path) -> None:
+    run_worker("crash", str(tmp_path), check=False)
+    leftovers = [p for p in tmp_path.iterdir() if p.name.startswith(TMP_PREFIX)]
+    assert leftovers and not entry_files(tmp_path)  # the writer died between write and rename
+    stranger = tmp_path / f"{TMP_PREFIX}otherhost.123.abc"  # another host's, in flight
+    stranger.write_bytes(b"partial")
+    ancient = tmp_path / f"{TMP_PREFIX}otherhost.456.def"
+    ancient.write_bytes(b"partial")
+    os.utime(ancient, (time.time() - 7200, time.time() - 7200))
+    backend = make()
+    assert not backend.contains(key(0))
+    assert read(backend, 0) is None
+    remaining = {p.name for p in tmp_path.iterdir()}
+    assert remaining == {stranger.name}
+    assert backend.usage_bytes == 0
+
+
+def test_durable_put_syncs_data_before_the_rename(make: Callable[..., FSBackend],
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[str] = []
+    for name in ("fdatasync", "fsync", "rename"):
+        real = getattr(os, name)
+
+        def spy(*args: object, _real: Callable = real, _name: str = name) -> object:
+            calls.append(_name)
+            return _real(*args)
+
+        monkeypatch.setattr(os, name, spy)
+    durable = make(io_threads=1)
+    put(durable, [0, 1])
+    assert calls == ["fdatasync", "rename"] * 2 + ["fsync"]  # data, name, then the directory
+    calls.clear()
+    put(make(durable=False), [2])
+    assert calls == ["rename"]
+
+
+@pytest.mark.skipif(shutil.which("fincore") is None, reason="needs util-linux fincore")
+@pytest.mark.parametrize("page_cache", [False, True])
+def test_entries_leave_the_page_cache_unless_asked(page_cache: bool, tmp_path: Path,
+                                                   make: Callable[..., FSBackend]) -> None:
+    def cached_bytes() -> int:
+        out = subprocess.run(["fincore", "--bytes", "--noheadings", "--output", "RES",
+                              str(tmp_path / entry_name(key(1)))],
+                             capture_output=True, text=True, check=True).stdout
+        return int(out.strip())
+
+    backend = make(page_cache=page_cache)
+    put(backend, [1])
+    assert (cached_bytes() > 0) == page_cache
+    assert torch.equal(read(backend, 1), chunk(1))
+    assert (cached_bytes() > 0) == page_cache
+
+
+def test_another_process_writing_the_directory_is_seen(make: Callable[..., FSBackend]) -> None:
+    reader = make()  # started before the writer stores anything
+    writer = make()
+    put(writer, [5, 6])
+    assert reader.batched_async_contains("l", [key(5), key(6)], pin=True) == 2
+    assert torch.equal(read(reader, 6), chunk(6))
+    assert reader.usage_bytes == 2 * FRAME_BYTES
+    # and removals by the other one are a miss, not an error
+    assert writer.remove(key(5))
+    assert read(reader, 5) is None
+    assert reader.stats()["errors"] == 0
+    reader.unpin(key(6))
+
+
+def test_a_key_too_long_for_a_file_name_is_a_counted_dropped_write(
+        make: Callable[..., FSBackend]) -> None:
+    backend = make()
+    long_key = CacheKey(KeyMeta("m" * 300), bytes(32))
+    stored = backend.batched_submit_put([long_key], [tensor_obj(chunk(0))]).result(TIMEOUT)
+    assert stored == 0
+    stats = backend.stats()
+    assert (stats["dropped_writes"], stats["errors"], stats["usage_bytes"]) == (1, 1, 0)
+    assert not backend.contains(long_key) and backend.get_blocking(long_key) is None
+
+
+def test_foreign_files_are_left_alone(make: Callable[..., FSBackend], tmp_path: Path) -> None:
+    (tmp_path / "README").write_text("not ours")
+    (tmp_path / "junk.lmkv").write_bytes(b"not a key")
+    backend = make()
+    assert put(backend, [1]) == 1
+    assert backend.usage_bytes == FRAME_BYTES
+    assert (tmp_path / "README").exists() and (tmp_path / "junk.lmkv").exists()
+
+
+# -- capacity and eviction ---------------------------------------------------------
+
+def test_budget_evicts_least_recently_used_and_never_pinned(
+        make: Callable[..., FSBackend], tmp_path: Path) -> None:
+    backend = make(max_bytes=4 * FRAME_BYTES)
+    assert put(backend, [0, 1, 2, 3]) == 4
+    assert read(backend, 0) is not None  # 0 becomes the most recent
+    assert backend.pin(key(1))  # 1 is the least recent, but pinned
+    assert put(backend, [4, 5]) == 2
+    assert [backend.contains(key(i)) for i in range(6)] == [True, True, False, False, True,
+                                                            True]
+    assert len(entry_files(tmp_path)) == 4
+    assert backend.usage_bytes == 4 * FRAME_BYTES
+    assert backend.stats()["evictions"] == 2
+    # everything pinned: a put is refused, counted, and nothing is evicted
+    for i in (0, 4, 5):
+        backend.pin(key(i))
+    assert put(backend, [6]) == 0
+    assert backend.stats()["dropped_writes"] == 1
+    assert all(backend.contains(key(i)) for i in (0, 1, 4, 5))
+    for i in (0, 1, 4, 5):
+        assert backend.unpin(key(i))
+
+
+def test_parallel_puts_never_exceed_the_budget(make: Callable[..., FSBackend],
+                                               tmp_path: Path) -> None:
+    budget = 5 * FRAME_BYTES
+    backend = make(max_bytes=budget, io_threads=4, durable=False)
+    assert put(backend, list(range(40))) == 40
+    sizes = [p.stat().st_size for p in entry_files(tmp_path)]
+    assert sum(sizes) == backend.usage_bytes <= budget
+    assert len(sizes) == 5
+
+
+def test_a_smaller_budget_after_a_restart_evicts_the_oldest(make: Callable[..., FSBackend]
+                                                            ) -> None:
+    first = make(durable=False)
+    for i in range(4):
+        put(first, [i])
+        time.sleep(0.01)  # distinct modification times order the entries
+    first.close()
+    second = make(max_bytes=2 * FRAME_BYTES)
+    assert [second.contains(key(i)) for i in range(4)] == [False, False, True, True]
+    assert second.usage_bytes == 2 * FRAME_BYTES
+
+
+def test_an_entry_larger_than_the_budget_is_dropped_and_counted(
+        make: Callable[..., FSBackend], tmp_path: Path) -> None:
+    backend = make(max_bytes=FRAME_BYTES - 1)
+    assert put(backend, [1]) == 0
+    stats = backend.stats()
+    assert stats["dropped_writes"] == 1 and stats["usage_bytes"] == 0
+    assert not list(tmp_path.iterdir())
+
+
+def test_put_remove_cycles_leave_usage_where_it_started(make: Callable[..., FSBackend],
+                                                        tmp_path: Path) -> None:
+    backend = make(durable=False, max_bytes=8 * FRAME_BYTES)
+    put(backend, [10**6])
+    start = backend.usage_bytes
+    for cycle in range(1000):
+        ids = [3 * cycle, 3 * cycle + 1, 3 * cycle + 2]
+        assert put(backend, ids) == 3
+        for i in ids:
+            assert backend.remove(key(i))
+    assert backend.usage_bytes == start == FRAME_BYTES
+    assert len(entry_files(tmp_path)) == 1
+    assert backend.stats()["evictions"] == 0
+
+
+# -- faults --------------------------------------------------------------------------
+
+CORRUPTIONS: dict[str, Callable[[bytes], bytes]] = {
+    "payload bit flip": lambda b: b[:-100] + bytes([b[-100] ^ 0x01]) + b[-99:],
+    "header bit flip": lambda b: b[:20] + bytes([b[20] ^ 0x80]) + b[21:],
+    "truncated": lambda b: b[: len(b) // 2],
+    "foreign file": lambda b: os.urandom(len(b)),
+    "empty": lambda b: b"",
+}
+
+
+@pytest.mark.parametrize("corrupt", CORRUPTIONS)
+@pytest.mark.parametrize("serializer_reads_raw", [True, False])
+def test_a_corrupted_entry_is_a_removed_miss(corrupt: str, serializer_reads_raw: bool,
+                                             make: Callable[..., FSBackend], tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(NaiveSerializer, "raw_payload", serializer_reads_raw)
+    backend = make()
+    put(backend, [1, 2])
+    path = tmp_path / entry_name(key(1))
+    path.write_bytes(CORRUPTIONS[corrupt](path.read_bytes()))
+    assert backend.contains(key(1))  # nothing has read it yet
+    assert read(backend, 1) is None
+    stats = backend.stats()
+    assert (stats["corrupt_frames"], stats["misses"], stats["hits"]) == (1, 1, 0)
+    assert not path.exists() and not backend.contains(key(1))
+    assert backend.usage_bytes == FRAME_BYTES
+    assert torch.equal(read(backend, 2), chunk(2))
+
+
+def test_a_frame_of_another_serializer_is_a_miss(make: Callable[..., FSBackend],
+                                                 tmp_path: Path) -> None:
+    class Other(NaiveSerializer):
+        serializer_id = 150
+
+    backend = make()
+    path = tmp_path / entry_name(key(3))
+    path.write_bytes(Other().frame_bytes(tensor_obj(chunk(3))))
+    assert read(backend, 3) is None
+    assert backend.stats()["corrupt_frames"] == 1 and not path.exists()
+
+
+def test_a_filesystem_that_refuses_writes(tmp_path: Path) -> None:
+    """Writes past RLIMIT_FSIZE fail with EFBIG (SIGXFSZ ignored): counted, no entry,
+    no temporary left; existing entries stay readable."""
+    arena = MemoryAllocator(1 << 20)
+    backend = make_fs(str(tmp_path), arena)
+    put(backend, [1])
+    backend.close()
+    out = run_worker("refused", str(tmp_path))
+    assert out["stored"] == 0
+    assert out["dropped_writes"] == out["errors"] == 2
+    assert out["read_back"] == digest(chunk(1))
+    assert [p.name for p in tmp_path.iterdir()] == [entry_name(key(1))]
+
+
+def test_close_waits_for_puts_in_flight(make: Callable[..., FSBackend]) -> None:
+    backend = make(io_threads=1)
+    future = backend.batched_submit_put([key(i) for i in range(10)],
+                                        [tensor_obj(chunk(i)) for i in range(10)])
+    backend.close()
+    assert future.done() and future.result() == 10
+    assert make().usage_bytes == 10 * FRAME_BYTES
+
+
+def test_close_past_its_timeout_drops_queued_puts_and_releases_them(
+        make: Callable[..., FSBackend], arena: MemoryAllocator) -> None:
+    backend = make(io_threads=1, close_timeout_s=0)
+    gate = threading.Event()
+    write = backend.store.write
+
+    def held_write(*args: object) -> int:
+        gate.wait(TIMEOUT)  # the first write stays in flight until the test lets it go
+        return write(*args)
+
+    backend.store.write = held_write
+    objs = []
+    for i in range(30):
+        obj = arena.allocate(SHAPE, DTYPE)
+        obj.tensor.copy_(chunk(i))
+        objs.append(obj)
+    future = backend.batched_submit_put([key(i) for i in range(30)], objs)
+    for obj in objs:
+        obj.ref_down()  # the tier holds its own references
+    backend.close()
+    gate.set()
+    assert future.result(timeout=TIMEOUT) == 1
+    assert backend.stats()["dropped_writes"] == 29
+    assert arena.live_objects == 0
+
+
+def test_operations_after_close_are_misses(make: Callable[..., FSBackend]) -> None:
+    backend = make()
+    put(backend, [1])
+    backend.close()
+    assert put(backend, [2]) == 0
+    assert read(backend, 1) is None
+    assert backend.batched_get_non_blocking("l", [key(1)]).result(timeout=TIMEOUT) == []
+
+
+# -- sharing between processes, config ---------------------------------------------------
+
+def test_two_processes_share_one_directory(tmp_path: Path) -> None:
+    check_sharing(str(tmp_path))
+
+
+def check_sharing(url: str, endpoint: str = "") -> None:
+    """A reader process starts first; a writer process stores; the reader then finds
+    and retrieves the KV byte-identical (through its own cpu + fs tiers)."""
+    reader = subprocess.Popen([sys.executable, str(HERE), "read", url, endpoint],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert reader.stdout.readline().strip() == "ready"
+        written = run_worker("write", url, endpoint)
+        out, _ = reader.communicate("go\n", timeout=120)
+    finally:
+        reader.kill()
+    got = json.loads(out.strip().splitlines()[-1])
+    assert got["hits"] == SHARED_CHUNKS
+    assert got["digests"] == written["digests"] == [digest(chunk(i))
+                                                    for i in range(SHARED_CHUNKS)]
+
+
+def test_config_selects_the_fs_tier(lmkv_plugin_manager: PluginManager,
+                                    register_lmkv_plugin: Callable[..., str],
+                                    tmp_path: Path) -> None:
+    from lmkv import StorageManager, load_config
+
+    class Plugin:
+        @hookimpl
+        def lmkv_storage_backends(self) -> list[type]:
+            return [FSBackend]
+
+    if "fs" not in lmkv_plugin_manager.registry.names("storage_backend"):
+        register_lmkv_plugin(Plugin())  # until lmkv_backends.plugin registers it
+    assert lmkv_plugin_manager.storage_backend("fs") is FSBackend
+    config = load_config(env={}, overrides={
+        "lmkv.tiers": [{"type": "cpu", "options": {"max_bytes": "1MiB"}},
+                       {"type": "fs", "options": {"url": str(tmp_path), "max_bytes": "1MiB"}}],
+    })
+    manager = StorageManager.from_config(config)
+    try:
+        fs_tier = manager.tiers[1]
+        assert isinstance(fs_tier, FSBackend) and fs_tier.capacity_bytes == 1 << 20
+        obj = manager.allocate(SHAPE, DTYPE)
+        obj.tensor.copy_(chunk(7))
+        manager.put([key(7)], [obj])
+        obj.ref_down()
+        assert manager.flush()
+        assert fs_tier.contains(key(7)) and (tmp_path / entry_name(key(7))).exists()
+    finally:
+        manager.close()
+    shown = json.dumps(load_config(env={}, overrides={
+        "lmkv.tiers": [{"type": "cpu"}, {"type": "fs", "options": {
+            "url": "s3://b/p", "key": "AKIDSECRETID", "secret": "hunter22",
+            "storage_options": {"client_kwargs": {"aws_session_token": "tok3n"}}}}],
+    }).resolved_dump())  # what `lmkv config check` prints
+    assert "hunter22" not in shown and "AKIDSECRETID" not in shown and "tok3n" not in shown
+    with pytest.raises(ConfigError, match=r"tiers\.1\.options\.colour"):
+        load_config(env={}, overrides={
+            "lmkv.tiers": [{"type": "cpu"}, {"type": "fs", "options": {"url": "/x",
+                                                                        "colour": 1}}]})
+
+
+def test_secrets_never_show(tmp_path: Path, arena: MemoryAllocator) -> None:
+    options = FSBackend.Options(url="s3://bucket/p", key="AKIDSECRETID", secret="hunter22",
+                                storage_options={"token": "tok3n", "anon": False})
+    text = repr(options) + options.model_dump_json()
+    assert "hunter22" not in text and "AKIDSECRETID" not in text and "tok3n" not in text
+    with pytest.raises(ConfigError) as info:
+        make_fs(f"file://{tmp_path}", arena, key="AKIDSECRETID")
+    assert "AKIDSECRETID" not in str(info.value)
+    assert str(info.value).startswith("config key 'tiers.0.options.key': applies to s3:// URLs")
+
+
+# -- the other process ------------------------------------------------------------------
+
+SHARED_CHUNKS = 4
+
+
+def run_worker(role: str, url: str, endpoint: str = "", check: bool = True) -> dict:
+    proc = subprocess.run([sys.executable, str(HERE), role, url, endpoint],
+                          capture_output=True, text=True, timeout=120)
+    if not check:
+        return {}
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _worker_tiers(url: str, endpoint: str) -> tuple[object, FSBackend]:
+    from lmkv import StorageManager
+    from lmkv_backends.cpu import CPUBackend
+
+    cpu = CPUBackend(CPUBackend.Options(max_bytes=4 << 20),
+                     BackendContext(eviction_policy=LRUPolicy()))
+    options: dict[str, object] = {"url": url}
+    if endpoint:
+        options.update(endpoint_url=endpoint, key="testing", secret="testing")
+    fs = FSBackend(FSBackend.Options(**options),
+                   BackendContext(serializer=NaiveSerializer(), eviction_policy=LRUPolicy(),
+                                  allocate=cpu.allocate, tier_index=1))
+    return StorageManager([cpu, fs]), fs
+
+
+def main(role: str, url: str, endpoint: str = "") -> None:
+    keys = [key(i) for i in range(SHARED_CHUNKS)]
+    if role == "crash":  # die between writing the temporary and renaming it
+        os.rename = lambda *_: os._exit(3)
+        put(make_fs(url, MemoryAllocator(1 << 20)), [0])
+    elif role == "refused":
+        import resource
+        import signal
+
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1024, 1024))
+        backend = make_fs(url, MemoryAllocator(1 << 20))
+        stored = put(backend, [2, 3])
+        got = read(backend, 1)
+        print(json.dumps({"stored": stored, **backend.stats(),
+                          "read_back": digest(got) if got is not None else None}))
+    elif role == "write":
+        manager, _ = _worker_tiers(url, endpoint)
+        objs = [manager.allocate(SHAPE, DTYPE) for _ in keys]
+        for i, obj in enumerate(objs):
+            obj.tensor.copy_(chunk(i))
+        manager.put(keys, objs).result(timeout=TIMEOUT)
+        for obj in objs:
+            obj.ref_down()
+        assert manager.flush(TIMEOUT)
+        print(json.dumps({"digests": [digest(chunk(i)) for i in range(SHARED_CHUNKS)]}))
+        manager.close()
+    elif role == "read":
+        manager, fs = _worker_tiers(url, endpoint)
+        print("ready", flush=True)
+        sys.stdin.readline()
+        hits = manager.contains_prefix(keys)
+        objs = manager.get(keys)
+        print(json.dumps({"hits": hits, "digests": [digest(o.tensor) for o in objs],
+                          "fs": fs.stats()}))
+        for obj in objs:
+            obj.ref_down()
+        manager.close()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
