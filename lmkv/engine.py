@@ -127,9 +127,17 @@ class CacheEngine:
 
     def retrieve(self, tokens: Sequence[int] | Any, *, lookup_id: str | None = None,
                  **kv: Any) -> RetrieveResult:
-        """Load the KV of the stored prefix of ``tokens`` through the connector."""
+        """Load the KV of the stored prefix of ``tokens`` through the connector.
+
+        With a connector that writes into the engine's own KV (paged caches),
+        chunks are copied in tier by tier as each tier delivers them, so an
+        upper tier's copy overlaps a lower tier's read. Otherwise the connector
+        builds the KV once every chunk is in (``RetrieveResult.kv``).
+        """
         chunks = self.chunker.chunk(tokens)
         objs = self.storage.take_prefetched(lookup_id) if lookup_id else None
+        if objs is None and self.connector.writes_in_place:
+            return self._retrieve_streaming(chunks, kv)
         if objs is None:
             objs = self.storage.get(chunks.keys)
         if len(objs) > len(chunks):  # prefetched for a longer prompt than asked now
@@ -144,6 +152,19 @@ class CacheEngine:
         finally:
             release(objs)
         return RetrieveResult(spans[-1].end, result)
+
+    def _retrieve_streaming(self, chunks: ChunkKeys, kv: dict[str, Any]) -> RetrieveResult:
+        hit = 0
+        for first, objs in self.storage.stream(chunks.keys):
+            try:
+                spans = [ChunkSpan(chunks.starts[first + i], chunks.ends[first + i], o.tensor)
+                         for i, o in enumerate(objs)]
+                if spans:
+                    self.connector.from_chunks(spans, **kv)
+            finally:
+                release(objs)
+            hit = first + len(objs)
+        return RetrieveResult(chunks.ends[hit - 1] if hit else 0, None)
 
     def stats(self) -> list[dict[str, Any]]:
         return self.storage.stats()

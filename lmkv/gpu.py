@@ -59,6 +59,9 @@ class GPUConnector(Plugin, ABC):
     #: What engine state the connector takes: integrations check it (the
     #: transformers integration needs "hf"; vLLM's paged caches are "paged").
     engine_kind: str = ""
+    #: True when ``from_chunks`` writes into KV the engine owns (paged caches), so
+    #: chunks can be copied in batch by batch as tiers deliver them.
+    writes_in_place: bool = False
 
     def __init__(self, options: PluginOptions | None, spec: KVSpec) -> None:
         self.options = self.parse_options(options)

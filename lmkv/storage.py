@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from typing import Any
 
@@ -191,32 +191,57 @@ class StorageManager:
 
     def _fetch(self, lookup_id: str, plans: list[tuple[StorageBackend, list[CacheKey]]],
                kpc: int) -> list[MemoryObj]:
-        total = sum(len(ks) for _, ks in plans) // kpc
-        taken = self._semaphore.acquire(total) if self._semaphore else 0
+        objs: list[MemoryObj] = []
+        for _, _, got in self._iter_fetch(lookup_id, plans):
+            objs.extend(got)
+        whole = len(objs) // kpc * kpc
+        release(objs[whole:])
+        return objs[:whole]
+
+    def stream(self, keys: Sequence[CacheKey]) -> Iterator[tuple[int, list[MemoryObj]]]:
+        """The leading chunks across the tiers, yielded tier by tier as each tier's
+        get completes: ``(index of the first chunk, chunks)``. The caller owns the
+        references. All gets start at once, so the caller can copy out what an
+        upper tier returned while lower tiers are still reading."""
+        plans = self._plan(f"stream-{uuid.uuid4().hex}", list(keys), 1)
+        index = 0
+        for _, _, got in self._iter_fetch("", plans):
+            yield index, got
+            index += len(got)
+
+    def _iter_fetch(self, lookup_id: str, plans: list[tuple[StorageBackend, list[CacheKey]]]
+                    ) -> Iterator[tuple[StorageBackend, list[CacheKey], list[MemoryObj]]]:
+        """Start every planned get, then yield each tier's chunks in order.
+
+        A tier that returns fewer chunks than planned ends the answer there:
+        everything after it is released. Pins are dropped and lower-tier chunks
+        promoted as each tier completes.
+        """
+        taken = self._semaphore.acquire(sum(len(ks) for _, ks in plans)) \
+            if self._semaphore else 0
+        futures = [self._start_get(tier, lookup_id, ks) for tier, ks in plans]
+        done = 0
+        short = False
         try:
-            futures = [self._start_get(tier, lookup_id, ks) for tier, ks in plans]
-            objs: list[MemoryObj] = []
-            sources: list[tuple[StorageBackend, CacheKey]] = []
-            short = False
             for (tier, ks), future in zip(plans, futures, strict=True):
                 got = self._result(tier, future)
+                done += 1
+                for key in ks:
+                    tier.unpin(key)
                 if short:
                     release(got)
                     continue
-                objs.extend(got)
-                sources.extend((tier, k) for k in ks[:len(got)])
                 short = len(got) < len(ks)  # evicted between contains and get
-        finally:
-            self.unpin(plans)
+                if tier is not self.tiers[0]:
+                    self._promote(list(zip(ks, got, strict=False)))
+                yield tier, ks, got
+        finally:  # also when the consumer stops early: release what it did not take
+            for (tier, ks), future in zip(plans[done:], futures[done:], strict=True):
+                release(self._result(tier, future))
+                for key in ks:
+                    tier.unpin(key)
             if self._semaphore:
                 self._semaphore.release(taken)
-        whole = len(objs) // kpc * kpc
-        release(objs[whole:])
-        first = self.tiers[0]
-        self._promote([(key, obj) for (tier, key), obj in zip(sources[:whole], objs[:whole],
-                                                                strict=True)
-                       if tier is not first])
-        return objs[:whole]
 
     def _start_get(self, tier: StorageBackend, lookup_id: str, keys: list[CacheKey]) -> Future:
         try:

@@ -111,6 +111,7 @@ class PagedConnector(GPUConnector):
 
     name = "paged"
     engine_kind = "paged"
+    writes_in_place = True
     Options = PagedOptions
 
     def _validate(self, kv_caches: Sequence[torch.Tensor], block_ids: Any, end: int) -> int:

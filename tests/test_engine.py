@@ -168,3 +168,25 @@ def test_prefetch_by_hashes_computed_elsewhere() -> None:
         ends = [CHUNK * (i + 1) for i in range(len(hashes))]
         assert engine.lookup_and_prefetch_hashes("h", hashes, ends).result(5) == 96
         assert engine.retrieve(tokens, lookup_id="h").num_tokens == 96
+
+
+def test_paged_retrieve_streams_across_tiers() -> None:
+    config = load_config(env={}, overrides={
+        "lmkv.chunk_size": 16, "lmkv.gpu_connector": {"type": "paged",
+                                                       "options": {"layout": "cpu"}},
+        "lmkv.tiers": [{"type": "cpu", "options": {"max_bytes": "1MiB"}},
+                       {"type": "cpu", "options": {"max_bytes": "1MiB"}}]})
+    caches = [torch.randn(8, 2, 16, 32).half() for _ in range(2)]
+    with CacheEngine.from_config(config, SPEC, model_name="paged") as engine:
+        tokens = list(range(64))
+        engine.store(tokens, kv_caches=caches, block_ids=[0, 1, 2, 3])
+        assert engine.storage.flush(5)
+        upper = engine.storage.tiers[0]
+        for k in engine.chunker.chunk(tokens).keys[2:]:
+            assert upper.remove(k)  # the last two chunks now live only in the lower tier
+        target = [torch.zeros_like(c) for c in caches]
+        result = engine.retrieve(tokens, kv_caches=target, block_ids=[4, 5, 6, 7])
+        assert result.num_tokens == 64
+        for src, dst in zip(caches, target, strict=True):
+            assert torch.equal(src[:4], dst[4:])
+        assert all(upper.contains(k) for k in engine.chunker.chunk(tokens).keys)  # promoted

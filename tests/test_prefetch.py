@@ -249,3 +249,22 @@ def test_event_manager_reused_id_drops_the_stale_result() -> None:
     events.finish(first, [obj], 1)
     events.start("x")
     assert tier.allocator.live_objects == 0
+
+
+def test_stream_yields_tier_by_tier_and_cleans_up_when_abandoned(two_tiers) -> None:
+    manager, upper, lower = two_tiers
+    fill(upper, [0, 1])
+    fill(lower, [2, 3])
+    keys = [key(i) for i in range(5)]
+    batches = []
+    for first, objs in manager.stream(keys):
+        batches.append((first, values(objs)))
+        for obj in objs:
+            obj.ref_down()
+    assert batches == [(0, [0, 1]), (2, [2, 3])]
+    stream = manager.stream(keys)
+    first, objs = next(stream)  # take the first tier's chunks, then walk away
+    for obj in objs:
+        obj.ref_down()
+    stream.close()
+    no_leaks(upper, lower)
