@@ -136,49 +136,60 @@ class PagedConnector(GPUConnector):
                f"{len(block_ids)} blocks of {block_size} tokens cannot hold {end} tokens")
         return block_size
 
-    def _slots(self, span: ChunkSpan, block_ids: Sequence[int] | torch.Tensor,
-               block_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        tokens = torch.arange(span.start, span.end, device=device)
-        table = torch.as_tensor(block_ids, dtype=torch.long, device=device)
-        return table[tokens // block_size], tokens % block_size
+    @staticmethod
+    def _runs(span: ChunkSpan, block_ids: Sequence[int] | torch.Tensor,
+              block_size: int) -> list[tuple[int, int, int, int, int]]:
+        """(block id, first offset, end offset, first token, end token) of each
+        block the span touches; tokens are relative to the span."""
+        runs = []
+        t = span.start
+        while t < span.end:
+            offset = t % block_size
+            n = min(block_size - offset, span.end - t)
+            block = int(block_ids[t // block_size])
+            runs.append((block, offset, offset + n, t - span.start, t - span.start + n))
+            t += n
+        return runs
 
     def to_chunks(self, spans: Sequence[ChunkSpan], *, kv_caches: Sequence[torch.Tensor],
                   block_ids: Sequence[int] | torch.Tensor, **_: Any) -> None:
         end = max((s.end for s in spans), default=0)
         block_size = self._validate(kv_caches, block_ids, end)
-        first = kv_caches[0]
-        head_dim = self.spec.head_dim
+        flash = self.options.layout == "flash"
+        d = self.spec.head_dim
         for span in spans:
-            blocks, offsets = self._slots(span, block_ids, block_size, first.device)
+            runs = self._runs(span, block_ids, block_size)
             buf = span.buffer
             for layer, cache in enumerate(kv_caches):
-                if self.options.layout == "flash":
-                    # [2, NB, BS, H, D] -> [2, T, H, D]
-                    _copy(buf[layer], cache[:, blocks, offsets])
-                else:
-                    # [NB, H, BS, 2D] -> [T, H, 2D]
-                    gathered = cache[blocks, :, offsets]
-                    _copy(buf[layer, 0], gathered[..., :head_dim])
-                    _copy(buf[layer, 1], gathered[..., head_dim:])
-        _sync(first.device)  # the buffers are published to other threads next
+                for block, o0, o1, t0, t1 in runs:
+                    if flash:  # [2, NB, BS, H, D] -> [2, T, H, D]
+                        _copy(buf[layer, :, t0:t1], cache[:, block, o0:o1])
+                    else:  # [NB, H, BS, 2D] -> [T, H, D] twice
+                        part = cache[block, :, o0:o1].transpose(0, 1)
+                        _copy(buf[layer, 0, t0:t1], part[..., :d])
+                        _copy(buf[layer, 1, t0:t1], part[..., d:])
+        if kv_caches:
+            _sync(kv_caches[0].device)  # the buffers are published to other threads next
 
     def from_chunks(self, spans: Sequence[ChunkSpan], *, kv_caches: Sequence[torch.Tensor],
                     block_ids: Sequence[int] | torch.Tensor, **_: Any) -> None:
         end = max((s.end for s in spans), default=0)
         block_size = self._validate(kv_caches, block_ids, end)
-        first = kv_caches[0]
-        head_dim = self.spec.head_dim
+        flash = self.options.layout == "flash"
+        d = self.spec.head_dim
         for span in spans:
-            blocks, offsets = self._slots(span, block_ids, block_size, first.device)
-            buf = span.buffer
+            runs = self._runs(span, block_ids, block_size)
             for layer, cache in enumerate(kv_caches):
-                src = buf[layer].to(cache.device, non_blocking=True)
-                if self.options.layout == "flash":
-                    cache[:, blocks, offsets] = src
-                else:
-                    cache[blocks, :, offsets, :head_dim] = src[0]
-                    cache[blocks, :, offsets, head_dim:] = src[1]
-        _sync(first.device)  # the chunk buffers are released after this returns
+                src = span.buffer[layer].to(cache.device, non_blocking=True)  # one transfer
+                for block, o0, o1, t0, t1 in runs:
+                    if flash:
+                        cache[:, block, o0:o1].copy_(src[:, t0:t1])
+                    else:
+                        part = cache[block, :, o0:o1]  # [H, n, 2D]
+                        part[..., :d].copy_(src[0, t0:t1].transpose(0, 1))
+                        part[..., d:].copy_(src[1, t0:t1].transpose(0, 1))
+        if kv_caches:
+            _sync(kv_caches[0].device)  # the chunk buffers are released after this returns
         return None
 
 
