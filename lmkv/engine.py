@@ -135,7 +135,7 @@ class CacheEngine:
         builds the KV once every chunk is in (``RetrieveResult.kv``).
         """
         chunks = self.chunker.chunk(tokens)
-        objs = self.storage.take_prefetched(lookup_id) if lookup_id else None
+        objs = self.storage.take_prefetched(lookup_id, chunks.keys) if lookup_id else None
         if objs is None and self.connector.writes_in_place:
             return self._retrieve_streaming(chunks, kv)
         if objs is None:

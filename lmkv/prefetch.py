@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -58,29 +59,48 @@ class WeightedSemaphore:
         return self._used
 
 
+# A finished prefetch that nobody takes or releases (a scheduler that crashed,
+# a request that was dropped) is released after this long.
+UNCLAIMED_TTL_S = 60.0
+
+
 @dataclass
 class PrefetchTask:
     lookup_id: str
+    keys: tuple = ()
     future: Future = field(default_factory=Future)
     objs: list[MemoryObj] = field(default_factory=list)
     cancelled: bool = False
+    finished_at: float | None = None
 
 
 class EventManager:
     """Tracks prefetches by lookup id: ongoing, done, taken or cleaned up."""
 
-    def __init__(self) -> None:
+    def __init__(self, unclaimed_ttl_s: float = UNCLAIMED_TTL_S) -> None:
         self._tasks: dict[str, PrefetchTask] = {}
         self._lock = threading.Lock()
+        self.unclaimed_ttl_s = unclaimed_ttl_s
+        self.expired = 0
 
-    def start(self, lookup_id: str) -> PrefetchTask:
-        task = PrefetchTask(lookup_id)
+    def start(self, lookup_id: str, keys: Sequence = ()) -> PrefetchTask:
+        task = PrefetchTask(lookup_id, tuple(keys))
         with self._lock:
             previous = self._tasks.pop(lookup_id, None)
             self._tasks[lookup_id] = task
-        if previous is not None:  # a reused id: the old result is stale
-            self._discard(previous)
+            stale = self._expired_locked()
+        for old in ([previous] if previous is not None else []) + stale:
+            self._discard(old)  # a reused id's old result, or one nobody claimed
         return task
+
+    def _expired_locked(self) -> list[PrefetchTask]:
+        deadline = time.monotonic() - self.unclaimed_ttl_s
+        stale = [t for t in self._tasks.values()
+                 if t.finished_at is not None and t.finished_at < deadline]
+        for task in stale:
+            del self._tasks[task.lookup_id]
+        self.expired += len(stale)
+        return stale
 
     def finish(self, task: PrefetchTask, objs: list[MemoryObj], hit_tokens: int) -> None:
         """Called by the storage thread; a task cleaned up meanwhile is released at once."""
@@ -88,27 +108,38 @@ class EventManager:
             cancelled = task.cancelled
             if not cancelled:
                 task.objs = objs
+            task.finished_at = time.monotonic()
         if cancelled:
             release(objs)
         task.future.set_result(hit_tokens)
 
     def fail(self, task: PrefetchTask, exc: BaseException) -> None:
         logger.warning("lmkv prefetch %s failed: %s", task.lookup_id, exc)
-        task.future.set_result(0)
+        task.finished_at = time.monotonic()
+        if not task.future.done():
+            task.future.set_result(0)
 
     def future(self, lookup_id: str) -> Future | None:
         with self._lock:
             task = self._tasks.get(lookup_id)
         return task.future if task else None
 
-    def take(self, lookup_id: str) -> list[MemoryObj] | None:
-        """The prefetched chunks (the caller now owns their references), once done."""
+    def take(self, lookup_id: str, keys: Sequence | None = None) -> list[MemoryObj] | None:
+        """The prefetched chunks (the caller now owns their references), once done.
+
+        With ``keys``, the chunks are handed over only if the lookup was for a
+        prefix of those keys; otherwise they are released and None is returned
+        (a lookup id reused for another prompt must never yield its KV).
+        """
         with self._lock:
             task = self._tasks.get(lookup_id)
             if task is None or not task.future.done():
                 return None
             del self._tasks[lookup_id]
             objs, task.objs = task.objs, []
+        if keys is not None and tuple(keys[:len(objs)]) != task.keys[:len(objs)]:
+            release(objs)
+            return None
         return objs
 
     def cleanup(self, lookup_id: str) -> None:
@@ -133,6 +164,8 @@ class EventManager:
             self._tasks.clear()
         for task in tasks:
             self._discard(task)
+            if not task.future.done():  # queued, never run: answer a miss
+                task.future.set_result(0)
 
 
 def release(objs: Sequence[MemoryObj]) -> None:

@@ -42,6 +42,7 @@ class StorageManager:
         self.events = EventManager()
         self._executor = ThreadPoolExecutor(prefetch_threads, thread_name_prefix="lmkv-prefetch")
         self._semaphore: WeightedSemaphore | None = None
+        self._closed = False
 
     @classmethod
     def from_config(cls, config: LMKVConfig, plugin_manager: Any = None) -> StorageManager:
@@ -134,18 +135,25 @@ class StorageManager:
         The chunks are then taken with ``take_prefetched`` or released with
         ``release_prefetched``.
         """
-        task = self.events.start(lookup_id)
+        if self._closed:
+            future: Future = Future()
+            future.set_result(0)
+            return future
+        task = self.events.start(lookup_id, keys)
         self._executor.submit(self._prefetch, task, list(keys), list(chunk_ends), keys_per_chunk)
         return task.future
 
-    def take_prefetched(self, lookup_id: str, timeout: float | None = None
-                        ) -> list[MemoryObj] | None:
-        """The chunks a lookup prefetched (waits for it); the caller owns the references."""
+    def take_prefetched(self, lookup_id: str, keys: Sequence[CacheKey] | None = None,
+                        timeout: float | None = None) -> list[MemoryObj] | None:
+        """The chunks a lookup prefetched (waits for it); the caller owns the references.
+
+        With ``keys``, None unless the lookup was for a prefix of these keys.
+        """
         future = self.events.future(lookup_id)
         if future is None:
             return None
         future.result(timeout)
-        return self.events.take(lookup_id)
+        return self.events.take(lookup_id, keys)
 
     def release_prefetched(self, lookup_id: str) -> None:
         """Release what a lookup prefetched (now, or as soon as it finishes)."""
@@ -192,7 +200,7 @@ class StorageManager:
     def _fetch(self, lookup_id: str, plans: list[tuple[StorageBackend, list[CacheKey]]],
                kpc: int) -> list[MemoryObj]:
         objs: list[MemoryObj] = []
-        for _, _, got in self._iter_fetch(lookup_id, plans):
+        for _, _, got in self._iter_fetch(lookup_id, plans, kpc):
             objs.extend(got)
         whole = len(objs) // kpc * kpc
         release(objs[whole:])
@@ -205,20 +213,20 @@ class StorageManager:
         upper tier returned while lower tiers are still reading."""
         plans = self._plan(f"stream-{uuid.uuid4().hex}", list(keys), 1)
         index = 0
-        for _, _, got in self._iter_fetch("", plans):
+        for _, _, got in self._iter_fetch("", plans, 1):
             yield index, got
             index += len(got)
 
-    def _iter_fetch(self, lookup_id: str, plans: list[tuple[StorageBackend, list[CacheKey]]]
-                    ) -> Iterator[tuple[StorageBackend, list[CacheKey], list[MemoryObj]]]:
+    def _iter_fetch(self, lookup_id: str, plans: list[tuple[StorageBackend, list[CacheKey]]],
+                    kpc: int) -> Iterator[tuple[StorageBackend, list[CacheKey], list[MemoryObj]]]:
         """Start every planned get, then yield each tier's chunks in order.
 
         A tier that returns fewer chunks than planned ends the answer there:
         everything after it is released. Pins are dropped and lower-tier chunks
         promoted as each tier completes.
         """
-        taken = self._semaphore.acquire(sum(len(ks) for _, ks in plans)) \
-            if self._semaphore else 0
+        chunks = sum(len(ks) for _, ks in plans) // kpc
+        taken = self._semaphore.acquire(chunks) if self._semaphore else 0
         futures = [self._start_get(tier, lookup_id, ks) for tier, ks in plans]
         done = 0
         short = False
@@ -281,6 +289,7 @@ class StorageManager:
 
     def close(self, timeout: float = 2.0) -> None:
         """Drain write-through queues (up to ``timeout``), release prefetches, close tiers."""
+        self._closed = True
         for writer in self._writers:
             writer.close(timeout)
         self.events.close()

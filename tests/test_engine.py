@@ -190,3 +190,23 @@ def test_paged_retrieve_streams_across_tiers() -> None:
         for src, dst in zip(caches, target, strict=True):
             assert torch.equal(src[:4], dst[4:])
         assert all(upper.contains(k) for k in engine.chunker.chunk(tokens).keys)  # promoted
+
+
+def test_a_lookup_id_reused_for_another_prompt_never_yields_its_kv() -> None:
+    with make_engine() as engine:
+        a, b = list(range(64)), list(range(1000, 1064))
+        kv_a, kv_b = hf_kv(64, seed=1), hf_kv(64, seed=2)
+        engine.store(a, kv=kv_a)
+        engine.store(b, kv=kv_b)
+        assert engine.lookup_and_prefetch(a, "x").result(5) == 64
+        result = engine.retrieve(b, lookup_id="x")  # prefetched for a, asked for b
+        assert result.num_tokens == 64
+        assert torch.equal(result.kv[0][0][0], kv_b[0][0][0])
+        tier = engine.storage.tiers[0]
+        assert all((o.ref_count, o.pin_count) == (1, 0) for o in tier._entries.values())
+
+
+def test_prefetch_after_close_is_a_miss() -> None:
+    engine = make_engine()
+    engine.close()
+    assert engine.lookup_and_prefetch(list(range(64)), "late").result(5) == 0

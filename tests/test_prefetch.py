@@ -268,3 +268,31 @@ def test_stream_yields_tier_by_tier_and_cleans_up_when_abandoned(two_tiers) -> N
         obj.ref_down()
     stream.close()
     no_leaks(upper, lower)
+
+
+def test_unclaimed_prefetches_expire() -> None:
+    tier = cpu()
+    manager = StorageManager([tier])
+    manager.events.unclaimed_ttl_s = 0.0
+    fill(tier, [0])
+    manager.lookup_and_prefetch("forgotten", [key(0)], [1]).result(5)
+    assert tier._entries[key(0)].ref_count == 2  # held for a retrieve that never comes
+    manager.lookup_and_prefetch("next", [key(5)], [1]).result(5)  # any new lookup sweeps
+    assert tier._entries[key(0)].ref_count == 1
+    assert manager.events.expired >= 1
+    manager.close()
+
+
+def test_semaphore_counts_chunks_in_layerwise_mode(two_tiers) -> None:
+    manager, upper, _ = two_tiers
+    manager._semaphore = WeightedSemaphore(3)
+    held = manager._semaphore.acquire(1)  # another prefetch holds part of the budget
+    fill(upper, range(6))
+    keys = [key(i) for i in range(6)]
+    # 6 keys are 2 chunks of 3 layers: 2 <= 3 - 1, so it runs now (counting 6 keys
+    # would exceed the budget and wait until the semaphore is idle)
+    assert manager.lookup_and_prefetch("l", keys, [1, 2], keys_per_chunk=3).result(5) == 2
+    for obj in manager.take_prefetched("l"):
+        obj.ref_down()
+    manager._semaphore.release(held)
+    assert manager._semaphore.used == 0

@@ -1,0 +1,385 @@
+"""Scheduler side of the lookup channel: hash once, ask every worker, keep the minimum.
+
+``lookup(lookup_id, tokens)`` hashes the prompt (``lmkv.tokens.prefix_hashes``
+with the engine's chunk size), pushes one ``LookupRequest`` to every worker
+and returns at once. A background thread collects the ``LookupResponse``
+frames; the result is the MINIMUM over the workers (ranks may hold different
+prefixes; the minimum is the prefix every rank can load).
+
+``poll(lookup_id)``:
+
+* ``-1``: no such lookup (never started, or forgotten: the client keeps the
+  last ``results_kept`` results);
+* ``None``: still pending, after waiting up to ``backoff_ms`` for the answer;
+* the hit count in tokens when every worker has answered (a result of 0 also
+  sends a cleanup: there is nothing to retrieve, and a worker that hit more
+  than the minimum holds chunks);
+* ``0`` once the lookup is past ``timeout_ms`` (it is then cancelled) or was
+  cancelled; polling again keeps answering 0.
+
+Cancelled lookups: workers that already answered hold prefetched chunks, so
+they get a ``LookupCleanup`` at once; every answer that arrives later for a
+cancelled lookup sends another (cleanups are idempotent, and each one follows
+its request on the same per-worker socket). Until every owed answer has
+arrived (or ``STALE_ANSWER_TTL_S`` has passed) the id is not reused: a new
+``lookup`` with that id answers 0, a cache miss, because an old answer could
+not be told from a new one.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+
+from lmkv.config import LMKVConfig
+from lmkv.logutil import RateLimitedLog
+from lmkv.lookup.messages import (
+    LookupCleanup,
+    LookupRequest,
+    LookupResponse,
+    decode_frame,
+    encode,
+)
+from lmkv.lookup.transport import (
+    LookupEndpoints,
+    Waker,
+    close_all,
+    last_endpoint,
+    pull_socket,
+    push_socket,
+)
+from lmkv.tokens import DEFAULT_CHUNK_SIZE, prefix_hashes
+
+logger = logging.getLogger(__name__)
+_log = RateLimitedLog(logger)
+
+DEFAULT_TIMEOUT_MS = 3000
+DEFAULT_BACKOFF_MS = 10
+DEFAULT_RESULTS_KEPT = 65536
+STALE_ANSWER_TTL_S = 60.0
+SWEEP_INTERVAL_MS = 100
+CLOSE_TIMEOUT_S = 2.0
+
+
+@dataclass
+class _Pending:
+    deadline: float
+    answers: int = 0
+    hits: int = -1  # running minimum; -1 until the first answer
+
+
+@dataclass
+class _Owed:
+    """A cancelled lookup some workers have not answered yet."""
+
+    answers: int
+    expires: float
+
+
+@dataclass
+class ClientCounters:
+    lookups: int = 0
+    completed: int = 0
+    timeouts: int = 0
+    cancels: int = 0
+    cleanups_sent: int = 0
+    late_answers: int = 0  # answers to cancelled lookups (each triggers a cleanup)
+    unexpected_answers: int = 0  # answers to no known lookup
+    reused_while_owed: int = 0  # lookups answered 0 because their id still had answers owed
+    failed_sends: int = 0
+    rejected_frames: int = 0
+
+
+class LookupClient:
+    """The scheduler's end of the lookup channel. Thread-safe.
+
+    Settings: ``chunk_size`` and ``save_partial_chunk`` must match the workers'
+    engines (``from_config`` takes them from the config); ``timeout_ms``
+    (default 3000) bounds a lookup; ``backoff_ms`` (default 10) is how long a
+    poll of a pending lookup waits for its answer; ``results_kept`` finished
+    results stay pollable.
+    """
+
+    def __init__(self, endpoints: LookupEndpoints, *, chunk_size: int = DEFAULT_CHUNK_SIZE,
+                 save_partial_chunk: bool = False, timeout_ms: float = DEFAULT_TIMEOUT_MS,
+                 backoff_ms: float = DEFAULT_BACKOFF_MS,
+                 results_kept: int = DEFAULT_RESULTS_KEPT) -> None:
+        if chunk_size <= 0:
+            raise ValueError(f"chunk_size {chunk_size}: must be a positive integer")
+        if timeout_ms <= 0:
+            raise ValueError(f"timeout_ms {timeout_ms}: must be positive")
+        if backoff_ms < 0:
+            raise ValueError(f"backoff_ms {backoff_ms}: must not be negative")
+        if results_kept <= 0:
+            raise ValueError(f"results_kept {results_kept}: must be a positive integer")
+        self.endpoints = endpoints
+        self.world_size = endpoints.world_size
+        self.chunk_size = chunk_size
+        self.save_partial_chunk = save_partial_chunk
+        self.timeout_s = timeout_ms / 1000
+        self.backoff_s = backoff_ms / 1000
+        self.results_kept = results_kept
+        self.counters = ClientCounters()
+
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._pending: dict[str, _Pending] = {}
+        self._results: OrderedDict[str, int] = OrderedDict()
+        self._owed: dict[str, _Owed] = {}
+        self._closed = False
+
+        self._context = zmq.Context()
+        self._responses = pull_socket(self._context, endpoints.responses)
+        self.response_endpoint = last_endpoint(self._responses)
+        self._workers = [push_socket(self._context, e) for e in endpoints.requests]
+        self._waker = Waker(self._context)
+        self._thread = threading.Thread(target=self._run, name="lmkv-lookup-client",
+                                        daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_config(cls, config: LMKVConfig, *, engine_id: str, world_size: int,
+                    transport: str = "ipc", runtime_dir: str | None = None,
+                    host: str = "127.0.0.1", base_port: int | None = None,
+                    **settings: Any) -> LookupClient:
+        """A client for the ``world_size`` workers of ``engine_id``, addressed by
+        ``transport`` ("ipc" under ``runtime_dir``, or "tcp" on ``host`` from
+        ``base_port``): see ``lmkv.lookup.transport`` for the scheme."""
+        if transport == "ipc":
+            endpoints = LookupEndpoints.ipc(engine_id, world_size, runtime_dir)
+        elif transport == "tcp":
+            if base_port is None:
+                raise ValueError("transport 'tcp' needs base_port")
+            endpoints = LookupEndpoints.tcp(world_size, host=host, base_port=base_port)
+        else:
+            raise ValueError(f"transport {transport!r}: allowed: 'ipc', 'tcp'")
+        return cls(endpoints, chunk_size=config.chunk_size,
+                   save_partial_chunk=config.save_partial_chunk, **settings)
+
+    # -- the API ---------------------------------------------------------------
+    def lookup(self, lookup_id: str, tokens: Sequence[int] | Any) -> None:
+        """Start looking up ``tokens`` on every worker; returns at once (see ``poll``).
+
+        A lookup already pending under ``lookup_id`` is left alone.
+        """
+        hashes = prefix_hashes(tokens, self.chunk_size, self.save_partial_chunk)
+        total, size = len(tokens), self.chunk_size
+        offsets = [min((i + 1) * size, total) for i in range(len(hashes))]
+        self.lookup_hashes(lookup_id, hashes, offsets)
+
+    def lookup_hashes(self, lookup_id: str, hashes: list[bytes], offsets: list[int],
+                      request_configs: dict[str, Any] | None = None) -> None:
+        """``lookup`` for chunk hashes already computed (``offsets``: cumulative ends)."""
+        request = LookupRequest(lookup_id, hashes, offsets, request_configs or {})
+        frame = encode(request)
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the lookup client is closed")
+            if lookup_id in self._pending:
+                return
+            self.counters.lookups += 1
+            if not hashes:  # shorter than a chunk: nothing any worker could hold
+                self._finish(lookup_id, 0)
+                return
+            if lookup_id in self._owed:
+                self.counters.reused_while_owed += 1
+                _log.warning("reused", "lmkv lookup %s: the id's previous (cancelled) lookup "
+                             "still has answers owed; answering a miss", lookup_id)
+                self._finish(lookup_id, 0)
+                return
+            self._results.pop(lookup_id, None)
+            pending = _Pending(time.monotonic() + self.timeout_s)
+            self._pending[lookup_id] = pending
+            sent = self._send_locked(frame, lookup_id)
+            if sent < self.world_size:  # a worker cannot answer: the lookup is a miss
+                del self._pending[lookup_id]
+                self._finish(lookup_id, 0)
+                if sent:  # the others release what they prefetch, then owe an answer
+                    self._cleanup_locked(lookup_id)
+                    self._owed[lookup_id] = _Owed(sent, pending.deadline + STALE_ANSWER_TTL_S)
+
+    def poll(self, lookup_id: str) -> int | None:
+        """-1 unknown, None pending (after up to ``backoff_ms``), else the hit tokens."""
+        with self._lock:
+            wake_at = time.monotonic() + self.backoff_s
+            while True:
+                result = self._results.get(lookup_id)
+                if result is not None:
+                    return result
+                pending = self._pending.get(lookup_id)
+                if pending is None:
+                    return -1
+                now = time.monotonic()
+                if now >= pending.deadline:
+                    self.counters.timeouts += 1
+                    _log.warning("timeout", "lmkv lookup %s: no answer from every worker in "
+                                 "%.0f ms; answering a miss", lookup_id, self.timeout_s * 1e3)
+                    self._cancel_locked(lookup_id)
+                    return 0
+                wait = min(wake_at, pending.deadline) - now
+                if wait <= 0:
+                    return None
+                self._cond.wait(wait)
+
+    def cancel(self, lookup_id: str) -> None:
+        """Give up on a lookup (polling then answers 0) and have the workers release
+        what it prefetched. Also releases a finished lookup that will not be retrieved.
+        Unknown ids are ignored."""
+        with self._lock:
+            if self._closed:
+                return
+            if lookup_id in self._pending:
+                self._cancel_locked(lookup_id)
+            elif lookup_id in self._results and lookup_id not in self._owed:
+                self.counters.cancels += 1
+                self._results[lookup_id] = 0
+                self._cleanup_locked(lookup_id)
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return {**vars(self.counters), "pending": len(self._pending),
+                    "owed": len(self._owed)}
+
+    def close(self) -> None:
+        """Stop at once: pending lookups answer 0; nothing more is sent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            for lookup_id in list(self._pending):
+                del self._pending[lookup_id]
+                self._results[lookup_id] = 0
+            self._cond.notify_all()
+        self._waker.wake()
+        self._thread.join(CLOSE_TIMEOUT_S)
+        if self._thread.is_alive():  # never close sockets a live thread uses
+            logger.warning("lmkv lookup client: receive thread did not stop; leaving it")
+            return
+        with self._lock:
+            close_all([self._responses, *self._workers])
+        self._waker.close()
+        self._context.term()
+
+    def __enter__(self) -> LookupClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- state changes (the lock is held) --------------------------------------
+    def _finish(self, lookup_id: str, hits: int) -> None:
+        self._results[lookup_id] = hits
+        self._results.move_to_end(lookup_id)
+        while len(self._results) > self.results_kept:
+            self._results.popitem(last=False)
+        self._cond.notify_all()
+
+    def _cancel_locked(self, lookup_id: str) -> None:
+        pending = self._pending.pop(lookup_id)
+        self.counters.cancels += 1
+        self._finish(lookup_id, 0)
+        if pending.answers:  # those workers hold what they prefetched
+            self._cleanup_locked(lookup_id)
+        owed = self.world_size - pending.answers
+        if owed:
+            self._owed[lookup_id] = _Owed(owed, time.monotonic() + STALE_ANSWER_TTL_S)
+
+    def _cleanup_locked(self, lookup_id: str) -> None:
+        self._send_locked(encode(LookupCleanup(lookup_id)), lookup_id)
+        self.counters.cleanups_sent += 1
+
+    def _send_locked(self, frame: bytes, lookup_id: str) -> int:
+        """Send ``frame`` to every worker; returns how many took it."""
+        sent = 0
+        for rank, sock in enumerate(self._workers):
+            try:
+                sock.send(frame, zmq.NOBLOCK)
+                sent += 1
+            except zmq.ZMQError as exc:  # Again: the worker's queue is full (stalled worker)
+                self.counters.failed_sends += 1
+                _log.warning(f"send:{rank}", "lmkv lookup %s: could not send to worker %d "
+                             "(%s): %s", lookup_id, rank, self.endpoints.requests[rank], exc)
+        return sent
+
+    def _answered(self, response: LookupResponse) -> None:
+        lookup_id = response.lookup_id
+        with self._lock:
+            pending = self._pending.get(lookup_id)
+            if pending is not None:
+                pending.answers += 1
+                if pending.hits < 0 or response.num_hit_tokens < pending.hits:
+                    pending.hits = response.num_hit_tokens
+                if pending.answers >= self.world_size:
+                    del self._pending[lookup_id]
+                    self.counters.completed += 1
+                    self._finish(lookup_id, pending.hits)
+                    if pending.hits == 0:  # nothing to retrieve: the workers drop the lookup
+                        self._cleanup_locked(lookup_id)
+                return
+            owed = self._owed.get(lookup_id)
+            if owed is not None:
+                self.counters.late_answers += 1
+                self._cleanup_locked(lookup_id)
+                owed.answers -= 1
+                if owed.answers <= 0:
+                    del self._owed[lookup_id]
+                return
+            self.counters.unexpected_answers += 1
+        logger.debug("lmkv lookup %s: answer for no known lookup", lookup_id)
+
+    def _sweep(self) -> None:
+        """Cancel lookups past their deadline that nobody polls; forget stale debts."""
+        now = time.monotonic()
+        with self._lock:
+            for lookup_id in [i for i, p in self._pending.items() if p.deadline <= now]:
+                self.counters.timeouts += 1
+                self._cancel_locked(lookup_id)
+            for lookup_id in [i for i, o in self._owed.items() if o.expires <= now]:
+                # A worker went silent. It may still come back: its cleanup waits
+                # behind its request in its queue.
+                del self._owed[lookup_id]
+                self._cleanup_locked(lookup_id)
+
+    # -- the receiving thread --------------------------------------------------
+    def _run(self) -> None:
+        sock = self._responses
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(self._waker.socket, zmq.POLLIN)
+        next_sweep = time.monotonic()
+        while not self._closed:
+            try:
+                ready = dict(poller.poll(SWEEP_INTERVAL_MS))
+                if sock in ready:
+                    self._drain(sock)
+                if time.monotonic() >= next_sweep:
+                    next_sweep = time.monotonic() + SWEEP_INTERVAL_MS / 1000
+                    self._sweep()
+            except zmq.ZMQError as exc:
+                if self._closed:
+                    break
+                _log.log(logging.ERROR, "recv", "lmkv lookup client: receive failed: %s", exc)
+            except Exception:  # a bug; the thread must keep collecting answers
+                logger.exception("lmkv lookup client: unexpected error")
+
+    def _drain(self, sock: zmq.Socket) -> None:
+        while True:
+            try:
+                parts = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            message = decode_frame(parts[0], "client") if len(parts) == 1 else None
+            if isinstance(message, LookupResponse):
+                self._answered(message)
+                continue
+            self.counters.rejected_frames += 1
+            if message is not None or len(parts) != 1:
+                _log.log(logging.ERROR, "reject", "lmkv lookup client: rejected a %s",
+                         type(message).__name__ if message else f"{len(parts)}-part message")

@@ -1,0 +1,171 @@
+"""Where the lookup channel's sockets live, and how they are opened.
+
+Addressing (one engine = one scheduler process + ``world_size`` workers):
+
+* each worker **binds** a PULL socket for requests; the scheduler's client
+  connects one PUSH socket to each of them (one per worker, never a shared
+  round-robin PUSH: a cleanup must reach every worker, after its request);
+* the client **binds** one PULL socket for responses; every worker connects a
+  PUSH socket to it.
+
+``ipc`` (the default) derives the paths from a runtime directory::
+
+    ipc://{runtime_dir}/lmkv-lookup-{engine_id}-{rank}.sock       requests, rank 0..N-1
+    ipc://{runtime_dir}/lmkv-lookup-{engine_id}-responses.sock    responses
+
+``tcp`` uses consecutive ports on one host: ``tcp://{host}:{base_port + rank}``
+for requests and ``tcp://{host}:{base_port + world_size}`` for responses.
+Endpoints may also be given explicitly (``LookupEndpoints(requests=...,
+responses=...)``), e.g. for workers on other hosts.
+
+``engine_id`` must be unique per runtime directory: binding an ipc path
+replaces a socket file left there, including a live engine's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import zmq
+
+logger = logging.getLogger(__name__)
+
+# sockaddr_un.sun_path holds 108 bytes on Linux (104 on macOS), NUL included.
+MAX_IPC_PATH_BYTES = 103
+_ENGINE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+# Queued messages per peer before a send would block; a send that would block fails instead.
+SEND_HWM = 100_000
+# A larger frame disconnects its sender (a 1M-token prompt in 16-token chunks is ~3 MB).
+MAX_FRAME_BYTES = 64 << 20
+RECONNECT_IVL_MS = 10
+RECONNECT_IVL_MAX_MS = 1000
+
+
+def default_runtime_dir() -> Path:
+    """``$XDG_RUNTIME_DIR/lmkv`` when that is set, else ``{tmp}/lmkv-{uid}``."""
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    if xdg:
+        return Path(xdg) / "lmkv"
+    return Path(tempfile.gettempdir()) / f"lmkv-{os.getuid()}"
+
+
+@dataclass(frozen=True)
+class LookupEndpoints:
+    """The request endpoint of every worker (by rank) and the client's response endpoint."""
+
+    requests: tuple[str, ...]
+    responses: str
+
+    def __post_init__(self) -> None:
+        if not self.requests:
+            raise ValueError("the lookup channel needs at least one worker endpoint")
+        for endpoint in (*self.requests, self.responses):
+            check_endpoint(endpoint)
+
+    @property
+    def world_size(self) -> int:
+        return len(self.requests)
+
+    @classmethod
+    def ipc(cls, engine_id: str, world_size: int,
+            runtime_dir: str | os.PathLike | None = None) -> LookupEndpoints:
+        _check_layout(engine_id, world_size)
+        base = Path(runtime_dir) if runtime_dir is not None else default_runtime_dir()
+        prefix = f"ipc://{base.absolute()}/lmkv-lookup-{engine_id}"
+        return cls(tuple(f"{prefix}-{rank}.sock" for rank in range(world_size)),
+                   f"{prefix}-responses.sock")
+
+    @classmethod
+    def tcp(cls, world_size: int, *, base_port: int,
+            host: str = "127.0.0.1") -> LookupEndpoints:
+        _check_layout("tcp", world_size)
+        if not 0 < base_port <= 65535 - world_size:
+            raise ValueError(f"base_port {base_port}: needs {world_size + 1} ports below 65536")
+        return cls(tuple(f"tcp://{host}:{base_port + rank}" for rank in range(world_size)),
+                   f"tcp://{host}:{base_port + world_size}")
+
+
+def _check_layout(engine_id: str, world_size: int) -> None:
+    if not _ENGINE_ID.match(engine_id):
+        raise ValueError(f"engine_id {engine_id!r}: use 1-64 characters of "
+                         "letters, digits, '.', '_' and '-' (it names socket files)")
+    if world_size <= 0:
+        raise ValueError(f"world_size {world_size}: must be a positive integer")
+
+
+def check_endpoint(endpoint: str) -> None:
+    """ValueError unless ``endpoint`` is a usable ``ipc://`` or ``tcp://`` address."""
+    if endpoint.startswith("ipc://"):
+        path = endpoint[len("ipc://"):]
+        if not path.startswith("/"):
+            raise ValueError(f"{endpoint}: ipc paths must be absolute")
+        if len(path.encode()) > MAX_IPC_PATH_BYTES:
+            raise ValueError(f"{endpoint}: the socket path is {len(path.encode())} bytes; "
+                             f"unix sockets allow {MAX_IPC_PATH_BYTES} (use a shorter runtime_dir)")
+    elif endpoint.startswith("tcp://"):
+        if ":" not in endpoint[len("tcp://"):]:
+            raise ValueError(f"{endpoint}: tcp endpoints need a port")
+    else:
+        raise ValueError(f"{endpoint}: the lookup channel speaks ipc:// or tcp://")
+
+
+def prepare_bind(endpoint: str) -> None:
+    """Create an ipc endpoint's directory (owner-only when new)."""
+    if endpoint.startswith("ipc://"):
+        Path(endpoint[len("ipc://"):]).parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+
+
+def push_socket(context: zmq.Context, endpoint: str) -> zmq.Socket:
+    sock = context.socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, SEND_HWM)
+    # The peer may bind later or restart: retry soon (ZMQ's default is 100 ms).
+    sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_IVL_MS)
+    sock.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_IVL_MAX_MS)
+    sock.connect(endpoint)
+    return sock
+
+
+def pull_socket(context: zmq.Context, endpoint: str) -> zmq.Socket:
+    """A bound PULL socket; ``last_endpoint(sock)`` tells the port of ``tcp://host:*``."""
+    sock = context.socket(zmq.PULL)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)  # never drop: the peers' HWM bounds the queue
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+    prepare_bind(endpoint)
+    sock.bind(endpoint)
+    return sock
+
+
+def last_endpoint(sock: zmq.Socket) -> str:
+    return sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+
+
+def close_all(sockets: Sequence[zmq.Socket]) -> None:
+    for sock in sockets:
+        sock.close(linger=0)
+
+
+class Waker:
+    """Wakes a thread blocked in ``zmq.Poller.poll`` (so that close is immediate)."""
+
+    def __init__(self, context: zmq.Context) -> None:
+        address = f"inproc://lmkv-lookup-wake-{id(self):x}"
+        self.socket = context.socket(zmq.PAIR)  # polled by the thread that sleeps
+        self.socket.bind(address)
+        self._sender = context.socket(zmq.PAIR)  # used by the thread that wakes it
+        self._sender.connect(address)
+
+    def wake(self) -> None:
+        with contextlib.suppress(zmq.Again):  # a wake-up is already queued
+            self._sender.send(b"", zmq.NOBLOCK)
+
+    def close(self) -> None:
+        close_all([self.socket, self._sender])
