@@ -13,7 +13,7 @@ import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import (
@@ -63,6 +63,23 @@ class TierConfig(PluginRef):
     eviction: PluginRef = Field(default_factory=lambda: PluginRef(type="lru"))
 
 
+class LookupConfig(_Model):
+    """The async lookup channel between a scheduler and its workers (docs/lookup.md)."""
+
+    transport: Literal["ipc", "tcp"] = "ipc"
+    runtime_dir: str | None = None
+    host: str = "127.0.0.1"
+    base_port: Annotated[int, Field(strict=True, gt=0, lt=65536)] | None = None
+    timeout_ms: PositiveInt = 3000
+    backoff_ms: Annotated[int, Field(strict=True, ge=0)] = 10
+
+    @model_validator(mode="after")
+    def _tcp_needs_a_port(self) -> LookupConfig:
+        if self.transport == "tcp" and self.base_port is None:
+            raise ValueError("transport 'tcp' needs base_port")
+        return self
+
+
 class LMKVConfig(_Model):
     """Every key is documented in docs/configuration.md."""
 
@@ -74,6 +91,7 @@ class LMKVConfig(_Model):
     serializer: PluginRef = Field(default_factory=lambda: PluginRef(type="naive"))
     gpu_connector: PluginRef | None = None
     write_through_queue_chunks: PositiveInt = 1024
+    lookup: LookupConfig = Field(default_factory=LookupConfig)
     lazy_offload: bool = False
     lazy_offload_policy: PluginRef = Field(default_factory=lambda: PluginRef(type="FIFO"))
     lazy_offload_threshold: PositiveInt = 100

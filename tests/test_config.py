@@ -191,3 +191,15 @@ def test_cli_config_check(tmp_path: Path) -> None:
     assert result.stderr.splitlines() == [
         f"lmkv: error: config key 'lazy_offload_threshold' = 0 (from {bad}): "
         "must be a positive integer"]
+
+
+def test_lookup_section() -> None:
+    config = load_config(env={"LMKV_LOOKUP__TRANSPORT": "tcp", "LMKV_LOOKUP__BASE_PORT": "7000"})
+    assert (config.lookup.transport, config.lookup.base_port, config.lookup.timeout_ms) == (
+        "tcp", 7000, 3000)
+    with pytest.raises(ConfigError, match="transport 'tcp' needs base_port"):
+        load_config(env={}, overrides={"lmkv.lookup.transport": "tcp"})
+    with pytest.raises(ConfigError, match=r"config key 'lookup\.timeout_ms' = 0"):
+        load_config(env={}, overrides={"lmkv.lookup.timeout_ms": 0})
+    with pytest.raises(ConfigError, match=r"config key 'lookup\.transport' = 'udp'"):
+        load_config(env={}, overrides={"lmkv.lookup.transport": "udp"})

@@ -146,12 +146,20 @@ class LookupClient:
 
     @classmethod
     def from_config(cls, config: LMKVConfig, *, engine_id: str, world_size: int,
-                    transport: str = "ipc", runtime_dir: str | None = None,
-                    host: str = "127.0.0.1", base_port: int | None = None,
+                    transport: str | None = None, runtime_dir: str | None = None,
+                    host: str | None = None, base_port: int | None = None,
                     **settings: Any) -> LookupClient:
         """A client for the ``world_size`` workers of ``engine_id``, addressed by
         ``transport`` ("ipc" under ``runtime_dir``, or "tcp" on ``host`` from
-        ``base_port``): see ``lmkv.lookup.transport`` for the scheme."""
+        ``base_port``): see ``lmkv.lookup.transport`` for the scheme. Arguments
+        left out come from the config's ``lookup`` section."""
+        lookup = config.lookup
+        transport = transport or lookup.transport
+        runtime_dir = runtime_dir or lookup.runtime_dir
+        host = host or lookup.host
+        base_port = base_port or lookup.base_port
+        settings.setdefault("timeout_ms", lookup.timeout_ms)
+        settings.setdefault("backoff_ms", lookup.backoff_ms)
         if transport == "ipc":
             endpoints = LookupEndpoints.ipc(engine_id, world_size, runtime_dir)
         elif transport == "tcp":

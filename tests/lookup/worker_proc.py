@@ -1,0 +1,68 @@
+"""A worker process for the lookup tests: its own CacheEngine with a cpu tier,
+served by one LookupServer per endpoint, driven over a multiprocessing pipe."""
+
+from __future__ import annotations
+
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+
+import lmkv.memory
+from lmkv import CacheEngine, KVSpec, load_config
+from lmkv.lookup import LookupServer
+
+SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=16, dtype=torch.float16)
+
+
+def make_engine(chunk_size: int, max_bytes: int, rank: int) -> CacheEngine:
+    config = load_config(env={}, overrides={"lmkv.chunk_size": chunk_size,
+                                            "lmkv.tiers.0.options.max_bytes": max_bytes})
+    return CacheEngine.from_config(config, SPEC, model_name="lookup-test", world_size=2,
+                                   worker_id=rank)
+
+
+def hf_kv(total: int, spec: KVSpec = SPEC) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    shape = (1, spec.num_kv_heads, total, spec.head_dim)
+    return [(torch.randn(shape).to(spec.dtype), torch.randn(shape).to(spec.dtype))
+            for _ in range(spec.num_layers)]
+
+
+def state(engine: CacheEngine, servers: list[LookupServer]) -> dict[str, Any]:
+    """Pins and references held on the cpu tier's entries beyond the tier's own."""
+    tier = engine.storage.tiers[0]
+    entries = list(tier._entries.values())
+    return {
+        "entries": len(entries),
+        "pins": sum(o.pin_count for o in entries),
+        "extra_refs": sum(o.ref_count - 1 for o in entries),
+        "live_objects": tier.allocator.live_objects,
+        "lookups_held": len(engine.storage.events),
+        "tier_hits": tier.counters.hits,
+        "servers": [s.stats() for s in servers],
+    }
+
+
+def serve(conn: Connection, rank: int, endpoints: list[tuple[str, str]], chunk_size: int,
+          max_bytes: int = 1 << 24) -> None:
+    """``endpoints``: (request endpoint to bind, response endpoint to connect) per server."""
+    lmkv.memory.strict_refcounts = True  # a double release is a bug: crash the worker
+    engine = make_engine(chunk_size, max_bytes, rank)
+    servers = [LookupServer(engine, req, resp) for req, resp in endpoints]
+    conn.send([s.request_endpoint for s in servers])
+    while True:
+        command, *args = conn.recv()
+        if command == "store":
+            (tokens,) = args
+            conn.send(engine.store(tokens, kv=hf_kv(len(tokens))))
+        elif command == "state":
+            conn.send(state(engine, servers))
+        elif command == "retrieve":
+            tokens, lookup_id = args
+            conn.send(engine.retrieve(tokens, lookup_id=lookup_id).num_tokens)
+        elif command == "stop":
+            for server in servers:
+                server.close()
+            engine.close()
+            conn.send("stopped")
+            return
