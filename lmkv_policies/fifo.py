@@ -40,6 +40,10 @@ class FIFOOffloadPolicy(OffloadPolicy):
     def pop_items_for_offload(self, count: int) -> list[OffloadItem]:
         if count <= 0 or self._ready < self.threshold:
             return []
+        return self._pop_finished(count)
+
+    def _pop_finished(self, count: int) -> list[OffloadItem]:
+        """Pop at most ``count`` finished items, oldest first; unfinished ones stay."""
         popped = []
         for req_id, item in list(self._items.items()):
             if len(popped) >= count:

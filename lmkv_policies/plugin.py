@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from lmkv.plugins import hookimpl
 from lmkv_policies.fifo import FIFOOffloadPolicy
+from lmkv_policies.fifo_max_age import FIFOMaxAgeOffloadPolicy
 from lmkv_policies.lru import LRUPolicy
 
 
@@ -14,4 +15,4 @@ def lmkv_eviction_policies() -> list[type]:
 
 @hookimpl
 def lmkv_offload_policies() -> list[type]:
-    return [FIFOOffloadPolicy]
+    return [FIFOOffloadPolicy, FIFOMaxAgeOffloadPolicy]
