@@ -12,27 +12,16 @@ from __future__ import annotations
 import argparse
 import hashlib
 import statistics
-import time
-from collections.abc import Callable
 
 import numpy as np
 import torch
+from _timing import best_of
 
 from lmkv.backend import BackendContext
 from lmkv.plugins import get_plugin_manager
 from lmkv.tokens import CacheKey, KeyMeta, TokenChunker, prefix_hashes, token_bytes
 
 MiB = 1 << 20
-
-
-def best_of(fn: Callable[[], object], rounds: int) -> float:
-    fn()  # warm-up: touches memory, fills caches
-    times = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
 
 
 def make_cpu_tier(max_bytes: int):
@@ -56,7 +45,6 @@ def bench_tier(label: str, shape: tuple[int, ...], n_chunks: int, rounds: int) -
             d.copy_(s)
 
     def store() -> None:
-        tier.clear()
         objs = []
         for s in srcs:
             obj = tier.allocate(shape, dtype)
@@ -65,19 +53,6 @@ def bench_tier(label: str, shape: tuple[int, ...], n_chunks: int, rounds: int) -
         tier.batched_submit_put(keys, objs).result()
         for obj in objs:
             obj.ref_down()
-
-    def store_timed() -> float:
-        tier.clear()  # not part of the measurement
-        t0 = time.perf_counter()
-        objs = []
-        for s in srcs:
-            obj = tier.allocate(shape, dtype)
-            obj.tensor.copy_(s)
-            objs.append(obj)
-        tier.batched_submit_put(keys, objs).result()
-        for obj in objs:
-            obj.ref_down()
-        return time.perf_counter() - t0
 
     def retrieve() -> None:
         objs = tier.batched_get_non_blocking("bench", keys).result()
@@ -86,8 +61,7 @@ def bench_tier(label: str, shape: tuple[int, ...], n_chunks: int, rounds: int) -
             obj.ref_down()
 
     base = best_of(copy_in, rounds)
-    store()
-    t_store = min(store_timed() for _ in range(rounds))
+    t_store = best_of(store, rounds, setup=tier.clear)  # clearing is not measured
     t_get = best_of(retrieve, rounds)
     gbs = chunk_bytes * n_chunks / 1e9
     print(f"\n[{label}] {n_chunks} chunks of {chunk_bytes / MiB:.2f} MiB {tuple(shape)} bf16")

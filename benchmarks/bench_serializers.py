@@ -12,9 +12,9 @@ generation changes when the prompt's prefix KV goes through it.
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
+from _timing import best_of
 
 from lmkv.gpu import ChunkSpan
 from lmkv.integrations import hf_model
@@ -26,16 +26,6 @@ from lmkv_backends.serde_naive import NaiveSerializer
 from lmkv_backends.serde_zstd import ZstdSerializer
 
 CHUNK = 256
-
-
-def best(fn, rounds: int = 3) -> float:
-    fn()
-    times = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
 
 
 def main() -> None:
@@ -67,7 +57,7 @@ def main() -> None:
     raw_bytes = sum(o.nbytes for o in objs)
     arena = MemoryAllocator(raw_bytes * 2 + (1 << 20))
     dst = [torch.empty_like(s.buffer) for s in spans]
-    copy_t = best(lambda: [d.copy_(o.tensor) for d, o in zip(dst, objs, strict=True)])
+    copy_t = best_of(lambda: [d.copy_(o.tensor) for d, o in zip(dst, objs, strict=True)], 3)
 
     print(f"{args.preset} model, {args.dtype}, {n_chunks} chunks of {CHUNK} tokens "
           f"({raw_bytes / 2**20:.1f} MiB of KV); plain copy {raw_bytes / copy_t / 1e9:.2f} GB/s")
@@ -77,7 +67,7 @@ def main() -> None:
         label = f"{ser.name}({opts})" if opts else ser.name
         frames = [ser.frame_bytes(o) for o in objs]
         size = sum(len(f) for f in frames)
-        enc = best(lambda s=ser: [s.serialize(o) for o in objs])
+        enc = best_of(lambda s=ser: [s.serialize(o) for o in objs], 3)
 
         def decode(s=ser, fr=frames) -> list:
             out = [s.deserialize(f, arena.allocate) for f in fr]
@@ -85,7 +75,7 @@ def main() -> None:
                 o.ref_down()
             return out
 
-        dec = best(decode)
+        dec = best_of(decode, 3)
         decoded = [ser.deserialize(f, arena.allocate) for f in frames]
         x = torch.stack([o.tensor.float() for o in objs])
         y = torch.stack([o.tensor.float() for o in decoded])

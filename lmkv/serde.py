@@ -127,3 +127,22 @@ class Serializer(Plugin, ABC):
 
     def frame_bytes(self, obj: MemoryObj) -> bytes:
         return b"".join(self.serialize(obj))
+
+    def framed(self, obj: MemoryObj, payload: bytes | memoryview) -> list[bytes | memoryview]:
+        """``[header, payload]`` for ``obj``: what ``serialize`` returns."""
+        return [write_header(self.serializer_id, obj.dtype, tuple(obj.shape), payload,
+                             len(payload)), payload]
+
+    def open_frame(self, frame: bytes | bytearray | memoryview
+                   ) -> tuple[FrameHeader, memoryview]:
+        """Check a frame's header, serializer id and payload checksum; returns the
+        header and the payload. Raises CorruptFrameError on anything off."""
+        view = memoryview(frame).cast("B")
+        header = read_header(view)
+        if header.serializer_id != self.serializer_id:
+            raise CorruptFrameError(
+                f"frame was written by serializer id {header.serializer_id}, "
+                f"not {self.name} ({self.serializer_id})")
+        payload = view[header.header_len:]
+        verify_payload(header, payload)
+        return header, payload

@@ -19,7 +19,7 @@ from lmkv.backend import Allocate
 from lmkv.errors import CorruptFrameError
 from lmkv.memory import MemoryObj
 from lmkv.plugins.base import PluginOptions
-from lmkv.serde import Serializer, read_header, verify_payload, write_header
+from lmkv.serde import Serializer
 
 _GRANULARITY = {"token": 1, "channel": 2}
 _PREFIX = struct.Struct("<B")
@@ -49,23 +49,14 @@ class Int8Serializer(Serializer):
         scale = x.abs().amax(dim=_reduce_dim(granularity), keepdim=True) / 127.0
         scale = torch.where(scale > 0, scale, torch.ones_like(scale))
         q = torch.round(x / scale).clamp_(-127, 127).to(torch.int8)
-        payload = b"".join([_PREFIX.pack(granularity), scale.numpy().tobytes(),
-                            q.numpy().tobytes()])
-        header = write_header(self.serializer_id, obj.dtype, tuple(obj.shape), payload,
-                              len(payload))
-        return [header, payload]
+        return self.framed(obj, b"".join([_PREFIX.pack(granularity), scale.numpy().tobytes(),
+                                          q.numpy().tobytes()]))
 
     def deserialize(self, frame: bytes | bytearray | memoryview,
                     allocate: Allocate) -> MemoryObj | None:
-        view = memoryview(frame).cast("B")
-        header = read_header(view)
-        if header.serializer_id != self.serializer_id:
-            raise CorruptFrameError(f"frame was written by serializer id "
-                                    f"{header.serializer_id}, not int8")
+        header, payload = self.open_frame(frame)
         if len(header.shape) != 5:
             raise CorruptFrameError("int8 frame of a non-chunk shape")
-        payload = view[header.header_len:]
-        verify_payload(header, payload)
         if not payload or payload[0] not in _GRANULARITY.values():
             raise CorruptFrameError("unknown int8 granularity")
         granularity = payload[0]

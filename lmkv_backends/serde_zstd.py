@@ -19,7 +19,7 @@ from lmkv.backend import Allocate
 from lmkv.errors import CorruptFrameError
 from lmkv.memory import MemoryObj, nbytes_of
 from lmkv.plugins.base import PluginOptions
-from lmkv.serde import Serializer, read_header, verify_payload, write_header
+from lmkv.serde import Serializer
 
 _SHUFFLED = 1
 
@@ -59,20 +59,11 @@ class ZstdSerializer(Serializer):
                 parts += [_PLANE.pack(_ZSTD, len(packed)), packed]
             else:
                 parts += [_PLANE.pack(_RAW, len(plane)), memoryview(plane)]
-        payload = b"".join(parts)
-        header = write_header(self.serializer_id, obj.dtype, tuple(obj.shape), payload,
-                              len(payload))
-        return [header, payload]
+        return self.framed(obj, b"".join(parts))
 
     def deserialize(self, frame: bytes | bytearray | memoryview,
                     allocate: Allocate) -> MemoryObj | None:
-        view = memoryview(frame).cast("B")
-        header = read_header(view)
-        if header.serializer_id != self.serializer_id:
-            raise CorruptFrameError(f"frame was written by serializer id "
-                                    f"{header.serializer_id}, not zstd")
-        payload = view[header.header_len:]
-        verify_payload(header, payload)
+        header, payload = self.open_frame(frame)
         if not payload:
             raise CorruptFrameError("empty zstd payload")
         itemsize = header.dtype.itemsize

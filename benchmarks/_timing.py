@@ -1,0 +1,23 @@
+"""Timing helpers shared by the benchmark scripts (run them as ``python benchmarks/X.py``)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+
+def best_of(fn: Callable[[], object], rounds: int, *, warm_up: bool = True,
+            setup: Callable[[], object] | None = None) -> float:
+    """The fastest of ``rounds`` timed calls of ``fn``; ``setup`` runs untimed before each."""
+    if warm_up:
+        if setup:
+            setup()
+        fn()  # touches memory, fills caches
+    times = []
+    for _ in range(rounds):
+        if setup:
+            setup()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
