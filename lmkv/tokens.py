@@ -22,6 +22,12 @@ _UINT32_MAX = 2**32 - 1
 _UINT32 = "I" if array("I").itemsize == 4 else "L"
 _BIG_ENDIAN = sys.byteorder == "big"
 
+try:  # the optional C accelerator (setup.py); pure Python gives the same bytes
+    from lmkv._ext._tokens import int64_to_uint32_le as _int64_to_uint32_le
+    from lmkv._ext._tokens import uint32_le as _uint32_le
+except ImportError:  # pragma: no cover - depends on the build
+    _uint32_le = _int64_to_uint32_le = None
+
 
 class KeyMeta(msgspec.Struct, frozen=True):
     """What makes stored KV incompatible between engines: part of every key."""
@@ -77,6 +83,8 @@ def token_bytes(tokens: Any) -> memoryview:
     """
     if isinstance(tokens, (list, tuple)):
         try:
+            if _uint32_le is not None:
+                return memoryview(_uint32_le(tokens))
             packed = array(_UINT32, tokens)
         except (OverflowError, TypeError) as exc:
             raise ValueError(f"token ids must be integers in [0, 2**32): {exc}") from None
@@ -88,6 +96,11 @@ def token_bytes(tokens: Any) -> memoryview:
     arr = np.asarray(tokens)
     if arr.ndim != 1 or arr.dtype.kind not in "iu":
         raise ValueError(f"tokens must be a 1-D integer sequence, got {arr.dtype} {arr.shape}")
+    if _int64_to_uint32_le is not None and arr.dtype.itemsize == 8 and not _BIG_ENDIAN:
+        try:  # one pass: range check and conversion
+            return memoryview(_int64_to_uint32_le(np.ascontiguousarray(arr)))
+        except OverflowError:
+            raise ValueError("token ids must be integers in [0, 2**32)") from None
     if arr.size and not _in_uint32_range(arr):
         raise ValueError("token ids must be integers in [0, 2**32)")
     return memoryview(np.ascontiguousarray(arr.astype("<u4", copy=False))).cast("B")

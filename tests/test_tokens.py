@@ -106,3 +106,36 @@ def test_hashes_identical_across_processes_and_hash_seeds() -> None:
                                 text=True, check=True)
         outputs.add(result.stdout.strip())
     assert outputs == {prefix_hashes(list(range(5000)), 256)[-1].hex()}
+
+
+@pytest.mark.parametrize("accelerated", [True, False])
+def test_list_conversion_with_and_without_the_c_accelerator(monkeypatch, accelerated) -> None:
+    import lmkv.tokens as tokens_mod
+
+    if not accelerated:
+        monkeypatch.setattr(tokens_mod, "_uint32_le", None)
+        monkeypatch.setattr(tokens_mod, "_int64_to_uint32_le", None)
+    elif tokens_mod._uint32_le is None:
+        pytest.skip("the C accelerator is not built here")
+    values = [0, 1, 255, 256, 65535, 65536, 2**31, 2**32 - 1]
+    expected = b"".join(v.to_bytes(4, "little") for v in values)
+    assert bytes(tokens_mod.token_bytes(values)) == expected
+    assert bytes(tokens_mod.token_bytes(tuple(values))) == expected
+    for bad in ([-1], [2**32], [1.0], ["1"], [None]):
+        with pytest.raises(ValueError):
+            tokens_mod.token_bytes(bad)
+    for dtype in (np.int64, np.uint64):
+        assert bytes(tokens_mod.token_bytes(np.array(values, dtype=dtype))) == expected
+        assert bytes(tokens_mod.token_bytes(torch.tensor(values, dtype=torch.int64))) == expected
+    for bad in (np.array([-1], dtype=np.int64), np.array([2**32], dtype=np.uint64),
+                torch.tensor([2**40]), np.array(values, dtype=np.int64)[::2][[0, 0]] - 5):
+        with pytest.raises(ValueError):
+            tokens_mod.token_bytes(bad)
+
+
+def test_the_c_accelerator_is_built_in_development_installs() -> None:
+    """setup.py builds it when a compiler is present (CI has one): keep it from
+    silently falling back to the slow path."""
+    import lmkv.tokens as tokens_mod
+
+    assert tokens_mod._uint32_le is not None
