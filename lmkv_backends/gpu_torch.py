@@ -172,13 +172,18 @@ class PagedConnector(GPUConnector):
             _sync(kv_caches[0].device)  # the buffers are published to other threads next
 
     def from_chunks(self, spans: Sequence[ChunkSpan], *, kv_caches: Sequence[torch.Tensor],
-                    block_ids: Sequence[int] | torch.Tensor, **_: Any) -> None:
+                    block_ids: Sequence[int] | torch.Tensor, skip_tokens: int = 0,
+                    **_: Any) -> None:
+        """``skip_tokens``: leave the request's first tokens alone (the engine
+        already holds them, possibly in blocks other requests share)."""
         end = max((s.end for s in spans), default=0)
         block_size = self._validate(kv_caches, block_ids, end)
         flash = self.options.layout == "flash"
         d = self.spec.head_dim
         for span in spans:
             runs = self._runs(span, block_ids, block_size)
+            if skip_tokens > span.start:
+                runs = _clip(runs, skip_tokens - span.start)
             for layer, cache in enumerate(kv_caches):
                 src = span.buffer[layer].to(cache.device, non_blocking=True)  # one transfer
                 for block, o0, o1, t0, t1 in runs:
@@ -195,3 +200,15 @@ class PagedConnector(GPUConnector):
 
 def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
     dst.copy_(src, non_blocking=src.device.type != "cpu")
+
+
+def _clip(runs: list[tuple[int, int, int, int, int]],
+          skip: int) -> list[tuple[int, int, int, int, int]]:
+    """``runs`` without their first ``skip`` tokens (relative to the span)."""
+    out = []
+    for block, o0, o1, t0, t1 in runs:
+        if t1 <= skip:
+            continue
+        cut = max(0, skip - t0)
+        out.append((block, o0 + cut, o1, t0 + cut, t1))
+    return out

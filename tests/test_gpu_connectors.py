@@ -109,3 +109,21 @@ def test_flash_and_cpu_layouts_exchange_kv() -> None:
     ks2, vs2 = token_kv(cpu, "cpu", [3, 1, 0], block, total)
     for a, b in zip(ks + vs, ks2 + vs2, strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("layout", ["flash", "cpu"])
+@pytest.mark.parametrize("skip", [0, 16, 20, 40, 70])
+def test_paged_from_chunks_skips_tokens_the_engine_holds(layout: str, skip: int) -> None:
+    total, block, num_blocks = 70, 16, 8
+    block_ids = [5, 2, 7, 0, 3]
+    src = make_paged(layout, num_blocks, block)
+    spans = spans_for(total, 24)
+    conn = PagedConnector(PagedConnector.Options(layout=layout), SPEC)
+    conn.to_chunks(spans, kv_caches=src, block_ids=block_ids)
+    dst = [torch.zeros_like(c) for c in src]
+    conn.from_chunks(spans, kv_caches=dst, block_ids=block_ids, skip_tokens=skip)
+    ks, vs = token_kv(src, layout, block_ids, block, total)
+    ks2, vs2 = token_kv(dst, layout, block_ids, block, total)
+    for a, b in zip(ks + vs, ks2 + vs2, strict=True):
+        assert torch.all(b[:skip] == 0)
+        assert torch.equal(a[skip:], b[skip:])

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from lmkv.config import LMKVConfig, load_config
+from lmkv.errors import ConfigError
 from lmkv.lookup.transport import LookupEndpoints
 
 logger = logging.getLogger(__name__)
@@ -27,7 +28,7 @@ def extra_config_overrides(extra: Mapping[str, Any] | None) -> dict[str, Any]:
         if key in ALIASES:
             target = ALIASES[key]
             if target in (extra or {}):
-                raise ValueError(f"{key} and {target} are both set; keep one")
+                raise ConfigError(f"{key} and {target} are both set; keep one")
             logger.info("lmkv: mapped %s to %s", key, target)
             overrides[target] = value
         elif key.startswith("lmkv."):

@@ -1,0 +1,115 @@
+"""``LMKVConnector``: vLLM's ``KVConnectorBase_V1`` over lmkv (thin; see scheduler.py
+and worker.py)."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
+from vllm.v1.core.kv_cache_utils import get_block_hash
+
+from lmkv.integrations.vllm.config import config_from_extra
+from lmkv.integrations.vllm.metadata import LMKVConnectorMetadata, LMKVWorkerMetadata
+
+if TYPE_CHECKING:
+    import torch
+
+logger = logging.getLogger(__name__)
+
+
+class LMKVConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config: Any, role: KVConnectorRole,
+                 kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        config = config_from_extra(self._kv_transfer_config.kv_connector_extra_config)
+        if config.lazy_offload and not vllm_config.cache_config.enable_prefix_caching:
+            raise ValueError("lmkv.lazy_offload needs vLLM's prefix caching (the block "
+                             "hashes it verifies); enable it or turn lazy offload off")
+        self.lmkv_config = config
+        self.scheduler_side = self.worker_side = None
+        if role == KVConnectorRole.SCHEDULER:
+            from lmkv.integrations.vllm.scheduler import SchedulerSide
+            lazy = None
+            if config.lazy_offload:
+                from lmkv.integrations.vllm.lazy import LazyOffload
+                lazy = LazyOffload(config, block_size=vllm_config.cache_config.block_size,
+                                   world_size=vllm_config.parallel_config.world_size,
+                                   block_hash_of=_block_hash_of)
+            self.scheduler_side = SchedulerSide(config, vllm_config, lazy)
+        else:
+            from lmkv.integrations.vllm.worker import WorkerSide
+            self.worker_side = WorkerSide(config, vllm_config)
+        logger.info("lmkv connector (%s) ready: chunk size %d, %s offload", role.name,
+                    config.chunk_size, "lazy" if config.lazy_offload else "eager")
+
+    # -- worker side -------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self.worker_side.register(kv_caches)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        self.worker_side.load(self._meta())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any,
+                      **kwargs: Any) -> None:
+        return  # whole-model stores in wait_for_save
+
+    def wait_for_save(self) -> None:
+        self.worker_side.save(self._meta())
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker_side.take_failed_blocks() if self.worker_side else set()
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        return self.worker_side.take_worker_meta() if self.worker_side else None
+
+    def _meta(self) -> LMKVConnectorMetadata:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, LMKVConnectorMetadata)
+        return meta
+
+    # -- scheduler side ----------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Any,
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self.scheduler_side.num_new_matched_tokens(request, num_computed_tokens), False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any,
+                                 num_external_tokens: int) -> None:
+        self.scheduler_side.after_alloc(request, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        return self.scheduler_side.build_meta(scheduler_output)
+
+    def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        lazy = self.scheduler_side.lazy if self.scheduler_side else None
+        if lazy is not None:
+            lazy.pool = kv_cache_manager.block_pool
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        if isinstance(meta, LMKVWorkerMetadata):
+            self.scheduler_side.confirmed(meta.done)
+
+    def request_finished(self, request: Any,
+                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self.scheduler_side.finished(request)
+        return False, None
+
+    def shutdown(self) -> None:
+        for side in (self.scheduler_side, self.worker_side):
+            if side is not None:
+                side.close()
+
+
+def _block_hash_of(pool_hash: Any) -> Any:
+    """The request-side block hash of a pool block's hash (which carries its group id)."""
+    return get_block_hash(pool_hash)

@@ -1,0 +1,158 @@
+"""Scheduler side: synchronous lookups over the lookup channel; load and store plans.
+
+Eager offload: every step's newly computed whole chunks of the prompt are
+planned as a store for the workers (``wait_for_save``). Lazy offload: those
+plans are buffered in ``LazyOffload`` and submitted after requests finish.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from lmkv.config import LMKVConfig
+from lmkv.integrations.vllm.config import lookup_endpoints
+from lmkv.integrations.vllm.lazy import LazyOffload
+from lmkv.integrations.vllm.metadata import LMKVConnectorMetadata
+from lmkv.integrations.vllm.specs import LoadSpec, StoreSpec
+from lmkv.lookup.client import LookupClient
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Req:
+    prompt: list[int]
+    block_ids: list[int]
+    stored: int = 0  # tokens planned for storing so far (whole chunks)
+
+
+@dataclass
+class SchedulerCounters:
+    lookups: int = 0
+    hit_tokens: int = 0  # tokens answered beyond what vLLM had
+    load_tokens: int = 0  # tokens planned for loading
+    store_tokens: int = 0  # tokens planned for storing
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class SchedulerSide:
+    def __init__(self, config: LMKVConfig, vllm_config: Any,
+                 lazy: LazyOffload | None = None) -> None:
+        self.chunk_size = config.chunk_size
+        self.lazy = lazy
+        engine_id = str(vllm_config.kv_transfer_config.engine_id)
+        world_size = vllm_config.parallel_config.world_size
+        self.client = LookupClient(lookup_endpoints(config, engine_id, world_size),
+                                   chunk_size=config.chunk_size,
+                                   save_partial_chunk=config.save_partial_chunk,
+                                   timeout_ms=config.lookup.timeout_ms,
+                                   backoff_ms=config.lookup.backoff_ms)
+        self.counters = SchedulerCounters()
+        self._hits: dict[str, int] = {}  # req id -> stored prefix (tokens)
+        self._loads: dict[str, int] = {}  # req id -> external tokens vLLM allocated for
+        self._reqs: dict[str, _Req] = {}
+        self._requests: dict[str, Any] = {}  # req id -> vLLM Request (its block hashes)
+
+    # -- lookup ----------------------------------------------------------------
+    def num_new_matched_tokens(self, request: Any, num_computed: int) -> int:
+        req_id = request.request_id
+        self._requests[req_id] = request
+        hit = self._hits.get(req_id)
+        if hit is None:
+            prompt = request.prompt_token_ids or []
+            # Never the whole prompt: vLLM must compute the last token itself.
+            limit = (len(prompt) - 1) // self.chunk_size * self.chunk_size
+            hit = self._lookup(req_id, prompt[:limit]) if limit > num_computed else 0
+            self._hits[req_id] = hit
+        return max(0, hit - num_computed)
+
+    def _lookup(self, req_id: str, tokens: list[int]) -> int:
+        self.counters.lookups += 1
+        self.client.lookup(req_id, tokens)
+        while (result := self.client.poll(req_id)) is None:
+            pass  # poll waits up to backoff_ms; the client's timeout answers a miss
+        hit = max(0, min(result, len(tokens)))
+        return hit // self.chunk_size * self.chunk_size
+
+    def after_alloc(self, request: Any, num_external: int) -> None:
+        req_id = request.request_id
+        self._requests[req_id] = request
+        if num_external > 0:
+            self._loads[req_id] = num_external
+        elif self._hits.get(req_id):
+            self.client.cancel(req_id)  # nothing will be loaded: drop the prefetch
+
+    # -- per step --------------------------------------------------------------
+    def build_meta(self, out: Any) -> LMKVConnectorMetadata:
+        meta = LMKVConnectorMetadata()
+        for new in out.scheduled_new_reqs:
+            req = self._reqs[new.req_id] = _Req(list(new.prompt_token_ids or []),
+                                                list(new.block_ids[0]))
+            self._plan_load(new.req_id, req, new.num_computed_tokens, meta)
+            self._plan_store(new.req_id, req, new.num_computed_tokens
+                             + out.num_scheduled_tokens.get(new.req_id, 0), meta)
+        cached = out.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            req = self._reqs.get(req_id)
+            if req is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:  # preempted: a fresh block table
+                req.block_ids = list(new_ids[0]) if new_ids else []
+                req.stored = 0
+            elif new_ids:
+                req.block_ids.extend(new_ids[0])
+            computed = cached.num_computed_tokens[i]
+            self._plan_load(req_id, req, computed, meta)
+            self._plan_store(req_id, req, computed + out.num_scheduled_tokens.get(req_id, 0),
+                             meta)
+        if self.lazy is not None:
+            meta.stores.extend(self.lazy.select(out.total_num_scheduled_tokens))
+        return meta
+
+    def _plan_load(self, req_id: str, req: _Req, computed: int,
+                   meta: LMKVConnectorMetadata) -> None:
+        num_external = self._loads.pop(req_id, 0)
+        if not num_external:
+            return
+        meta.loads.append(LoadSpec(req_id, req.prompt[:computed], list(req.block_ids),
+                                   computed - num_external))
+        req.stored = max(req.stored, computed)
+        self.counters.load_tokens += num_external
+        self.counters.hit_tokens += num_external
+        logger.info("lmkv: request %s loads %d tokens from lmkv (%d already in vLLM)",
+                    req_id, num_external, computed - num_external)
+
+    def _plan_store(self, req_id: str, req: _Req, computed: int,
+                    meta: LMKVConnectorMetadata) -> None:
+        end = min(computed, len(req.prompt)) // self.chunk_size * self.chunk_size
+        if end > req.stored:
+            spec = StoreSpec(req_id, req.prompt[:end], list(req.block_ids))
+            if self.lazy is None:
+                meta.stores.append(spec)
+            else:
+                request = self._requests.get(req_id)
+                self.lazy.add(spec, request.block_hashes if request is not None else [])
+            self.counters.store_tokens += end - req.stored
+            req.stored = end
+
+    def finished(self, request: Any) -> None:
+        req_id = request.request_id
+        self._reqs.pop(req_id, None)
+        self._loads.pop(req_id, None)
+        self._requests.pop(req_id, None)
+        if self.lazy is not None:
+            self.lazy.finished(req_id)
+        if self._hits.pop(req_id, 0):
+            self.client.cancel(req_id)  # releases a prefetch no load consumed
+
+    def confirmed(self, done: dict[str, int]) -> None:
+        if self.lazy is not None:
+            self.lazy.confirmed(done)
+
+    def close(self) -> None:
+        logger.info("lmkv scheduler counters: %s, lookup channel: %s",
+                    vars(self.counters), self.client.stats())
+        self.client.close()

@@ -1,0 +1,132 @@
+"""Worker side: one in-process CacheEngine over vLLM's paged KV caches."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from lmkv.config import LMKVConfig, PluginRef, resolve_plugin
+from lmkv.engine import CacheEngine
+from lmkv.gpu import KVSpec
+from lmkv.integrations.vllm.config import lookup_endpoints
+from lmkv.integrations.vllm.metadata import LMKVConnectorMetadata, LMKVWorkerMetadata
+from lmkv.lookup.server import LookupServer
+from lmkv.storage import StorageManager
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class WorkerCounters:
+    loads: int = 0
+    loaded_tokens: int = 0
+    stores: int = 0
+    stored_tokens: int = 0
+    failed_blocks: int = 0
+
+
+def detect_layout(cache: torch.Tensor, head_size: int) -> tuple[str, int, int]:
+    """(layout, kv heads, head dim) of one layer's paged cache.
+
+    ``cpu``: ``[num_blocks, kv_heads, block_size, 2 * head_size]`` (vLLM's CPU
+    backend); otherwise ``flash``: ``[2, num_blocks, block_size, kv_heads, head_dim]``.
+    """
+    if cache.dim() == 4 and cache.shape[3] == 2 * head_size:
+        return "cpu", cache.shape[1], head_size
+    if cache.dim() == 5 and cache.shape[0] == 2:
+        return "flash", cache.shape[3], cache.shape[4]
+    raise ValueError(f"lmkv: unsupported paged KV cache shape {tuple(cache.shape)} "
+                     f"(head size {head_size})")
+
+
+class WorkerSide:
+    def __init__(self, config: LMKVConfig, vllm_config: Any) -> None:
+        self.config = config
+        self.model_name = vllm_config.model_config.model
+        self.head_size = vllm_config.model_config.get_head_size()
+        parallel = vllm_config.parallel_config
+        self.world_size = parallel.world_size
+        self.rank = getattr(parallel, "rank", 0) % max(self.world_size, 1)
+        self.engine_id = str(vllm_config.kv_transfer_config.engine_id)
+        self.counters = WorkerCounters()
+        self.engine: CacheEngine | None = None
+        self.server: LookupServer | None = None
+        self.kv_caches: list[torch.Tensor] = []
+        self.block_size = 0
+        self._failed: set[int] = set()
+        self._done: dict[str, int] = {}  # lazy stores finished this step
+
+    def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self.kv_caches = list(kv_caches.values())
+        first = self.kv_caches[0]
+        layout, kv_heads, head_dim = detect_layout(first, self.head_size)
+        self.block_size = first.shape[2]
+        spec = KVSpec(len(self.kv_caches), kv_heads, head_dim, first.dtype)
+        connector_cls, options = resolve_plugin(
+            "gpu_connector", PluginRef(type="paged", options={"layout": layout}),
+            "gpu_connector")
+        connector = connector_cls(options, spec)
+        self.engine = CacheEngine(self.config, spec, model_name=self.model_name,
+                                  connector=connector,
+                                  storage=StorageManager.from_config(self.config),
+                                  world_size=self.world_size, worker_id=self.rank)
+        endpoints = lookup_endpoints(self.config, self.engine_id, self.world_size)
+        self.server = LookupServer.for_rank(self.engine, endpoints, self.rank)
+        logger.info("lmkv: worker %d/%d registered %d KV caches, layout %s, block size %d",
+                    self.rank, self.world_size, len(self.kv_caches), layout, self.block_size)
+
+    def load(self, meta: LMKVConnectorMetadata) -> None:
+        assert self.engine is not None, "register_kv_caches was not called"
+        for spec in meta.loads:
+            want = len(spec.token_ids)
+            try:
+                got = self.engine.retrieve(spec.token_ids, lookup_id=spec.req_id,
+                                           kv_caches=self.kv_caches,
+                                           block_ids=spec.block_ids,
+                                           skip_tokens=spec.skip_tokens).num_tokens
+            except Exception:
+                logger.exception("lmkv: loading request %s failed", spec.req_id)
+                got = 0
+            self.counters.loads += 1
+            self.counters.loaded_tokens += max(0, got - spec.skip_tokens)
+            if got < want:  # blocks from the first token not loaded to the end of the load
+                first = max(got, spec.skip_tokens) // self.block_size
+                last = -(-want // self.block_size)
+                failed = set(spec.block_ids[first:last])
+                self._failed |= failed
+                self.counters.failed_blocks += len(failed)
+                logger.warning("lmkv: request %s: loaded %d of %d tokens; %d blocks failed",
+                               spec.req_id, got, want, len(failed))
+
+    def save(self, meta: LMKVConnectorMetadata) -> None:
+        assert self.engine is not None, "register_kv_caches was not called"
+        for spec in meta.stores:
+            try:
+                n = self.engine.store(spec.token_ids, kv_caches=self.kv_caches,
+                                      block_ids=spec.block_ids)
+                self.counters.stores += 1
+                self.counters.stored_tokens += n
+            except Exception:
+                logger.exception("lmkv: storing request %s failed", spec.req_id)
+            if spec.store_id is not None:  # confirmed even when failed: frees the blocks
+                self._done[spec.store_id] = 1
+
+    def take_worker_meta(self) -> LMKVWorkerMetadata | None:
+        if not self._done:
+            return None
+        done, self._done = self._done, {}
+        return LMKVWorkerMetadata(done)
+
+    def take_failed_blocks(self) -> set[int]:
+        failed, self._failed = self._failed, set()
+        return failed
+
+    def close(self) -> None:
+        logger.info("lmkv worker counters: %s", vars(self.counters))
+        if self.server is not None:
+            self.server.close()
+        if self.engine is not None:
+            self.engine.close()

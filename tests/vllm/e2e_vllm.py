@@ -1,0 +1,187 @@
+"""End-to-end check of LMKVConnector against a real vLLM (CPU build).
+
+Run with the vLLM venv: ``/work/vllm-venv/bin/python tests/vllm/e2e_vllm.py``.
+Each vLLM run is a subprocess: a baseline without lmkv, then lmkv with eager
+offload (vLLM prefix caching off), then lmkv with lazy offload (FIFO,
+threshold 1; prefix caching on, as lazy offload verifies block hashes). The
+second prompt shares a long prefix with the first and must load it from lmkv
+and generate exactly the baseline's tokens (greedy). In the lazy run a filler
+request's step submits the first request's store, then vLLM's own prefix
+cache is reset so the prefix can only come from lmkv.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+
+CHUNK = 256
+PREFIX, TAIL1, TAIL2 = 640, 60, 100
+MAX_TOKENS = 16
+
+
+def prompts() -> list[list[int]]:
+    import random
+    rng = random.Random(0)
+    prefix = [rng.randrange(10, 8000) for _ in range(PREFIX)]
+    return [prefix + [rng.randrange(10, 8000) for _ in range(TAIL1)],
+            prefix + [rng.randrange(10, 8000) for _ in range(TAIL2)]]
+
+
+def build(model_dir: str) -> None:
+    import torch
+
+    from lmkv.integrations.hf_model import build_model, build_tokenizer
+    model = build_model(hidden_size=256, num_layers=2, num_heads=4, num_kv_heads=2,
+                        head_dim=64, intermediate_size=512, max_position_embeddings=2048,
+                        dtype=torch.float32)
+    model.save_pretrained(model_dir)
+    build_tokenizer().save_pretrained(model_dir)
+
+
+def run(model_dir: str, mode: str) -> dict:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("[lmkv] %(levelname)s %(message)s"))
+    logging.getLogger("lmkv").addHandler(handler)
+    logging.getLogger("lmkv").setLevel(logging.INFO)
+    kwargs: dict = {}
+    extra: dict = {"lmkv.chunk_size": CHUNK}
+    if mode == "corrupt":  # negative control: noisy loaded KV must change the output
+        _corrupt_loads()
+    if mode == "lazy":
+        extra.update({"lmcache.mp.lazy_offload": True,
+                      "lmcache.mp.lazy_offload_threshold": 1})
+    if mode != "baseline":
+        kwargs["kv_transfer_config"] = {
+            "kv_connector": "LMKVConnector",
+            "kv_connector_module_path": "lmkv.integrations.vllm",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": extra,
+        }
+    llm = LLM(model=model_dir, enforce_eager=True, dtype="float32", max_model_len=2048,
+              enable_prefix_caching=mode == "lazy", max_num_seqs=4, seed=0,
+              disable_log_stats=False, **kwargs)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+    def generate(p: list[int]) -> list[int]:
+        out = llm.generate([TokensPrompt(prompt_token_ids=p)], params, use_tqdm=False)
+        return list(out[0].outputs[0].token_ids)
+
+    first, second = prompts()
+    outputs = [generate(first)]  # stored (eager) or buffered (lazy) before the second
+    if mode == "lazy":
+        generate(list(range(20, 120)))  # a step with scheduled tokens: the store goes out
+        assert llm.reset_prefix_cache(), "vLLM could not reset its prefix cache"
+    outputs.append(generate(second))
+    result: dict = {"outputs": outputs, "metrics": _metrics(llm)}
+    if mode != "baseline":
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+        result["worker_counters"] = vars(get_kv_transfer_group().worker_side.counters)
+        sched = _scheduler_side(llm)
+        if sched is not None:
+            result["scheduler_counters"] = {k: v for k, v in vars(sched.counters).items()
+                                            if k != "extra"}
+            if sched.lazy is not None:
+                result["lazy"] = {"skipped": sched.lazy.skipped,
+                                  "protected": sched.lazy.protected_stores,
+                                  "pending": len(sched.lazy.policy)}
+    return result
+
+
+def _corrupt_loads() -> None:
+    import torch
+
+    from lmkv_backends.gpu_torch import PagedConnector
+    original = PagedConnector.from_chunks
+
+    def noisy(self, spans, **kv):  # type: ignore[no-untyped-def]
+        for span in spans:
+            span.buffer.add_(torch.randn_like(span.buffer))
+        return original(self, spans, **kv)
+
+    PagedConnector.from_chunks = noisy  # type: ignore[method-assign]
+
+
+def _metrics(llm: object) -> dict:
+    """vLLM's counters about external (connector) hits, where this vLLM has them."""
+    try:
+        metrics = llm.get_metrics()  # type: ignore[attr-defined]
+    except Exception as exc:  # report it; the check does not depend on it
+        return {"error": repr(exc)}
+    return {m.name: getattr(m, "value", None) for m in metrics
+            if "external" in m.name or "connector" in m.name or "prefix_cache" in m.name}
+
+
+def _scheduler_side(llm: object) -> object | None:
+    """The scheduler's connector side (in-process engine core only)."""
+    try:
+        core = llm.llm_engine.engine_core.engine_core  # type: ignore[attr-defined]
+        return core.scheduler.connector.scheduler_side
+    except AttributeError:
+        return None
+
+
+def main() -> int:
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0,1",
+           "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    with tempfile.TemporaryDirectory(prefix="lmkv-e2e-") as tmp:
+        model_dir = os.path.join(tmp, "model")
+        build(model_dir)
+        results = {}
+        for mode in ("baseline", "eager", "lazy", "corrupt"):
+            out = os.path.join(tmp, f"{mode}.json")
+            rc = subprocess.call([sys.executable, __file__, "--run", mode, model_dir, out],
+                                 env=env)
+            if rc != 0:
+                print(f"FAIL: the {mode} run exited {rc}")
+                return 1
+            with open(out) as f:
+                results[mode] = json.load(f)
+    base = results["baseline"]
+    print("baseline outputs:", base["outputs"])
+    expected_hit = min((len(prompts()[1]) - 1) // CHUNK, PREFIX // CHUNK) * CHUNK
+    ok = True
+    for mode in ("eager", "lazy"):
+        lm = results[mode]
+        counters = lm["worker_counters"]
+        print(f"{mode} outputs:", lm["outputs"])
+        for key in ("worker_counters", "scheduler_counters", "lazy", "metrics"):
+            if key in lm:
+                print(f"{mode} {key}:", lm[key])
+        if lm["outputs"] != base["outputs"]:
+            print(f"FAIL ({mode}): outputs differ from the baseline")
+            ok = False
+        if counters["loaded_tokens"] != expected_hit:
+            print(f"FAIL ({mode}): loaded {counters['loaded_tokens']} tokens from lmkv; "
+                  f"expected {expected_hit}")
+            ok = False
+        if counters["failed_blocks"]:
+            print(f"FAIL ({mode}): failed blocks")
+            ok = False
+        if lm.get("lazy", {}).get("protected"):
+            print(f"FAIL ({mode}): protected blocks never released")
+            ok = False
+    corrupt = results["corrupt"]
+    print("corrupt (noisy loads) outputs:", corrupt["outputs"])
+    if corrupt["worker_counters"]["loaded_tokens"] != expected_hit or \
+            corrupt["outputs"][1] == base["outputs"][1]:
+        print("FAIL (corrupt): noisy loaded KV did not change the output: the check is blind")
+        ok = False
+    print("PASS" if ok else "FAILED")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 5 and sys.argv[1] == "--run":
+        res = run(sys.argv[3], sys.argv[2])
+        with open(sys.argv[4], "w") as f:
+            json.dump(res, f)
+        sys.exit(0)
+    sys.exit(main())
