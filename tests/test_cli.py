@@ -12,7 +12,7 @@ def test_demo_runs_and_reports_identical_output() -> None:
     assert result.returncode == 0, result.stderr
     out = result.stdout
     assert "generated tokens identical    : yes" in out
-    assert "logits vs the model's own KV  : bit-identical" in out
+    assert "reused KV vs computed KV      : bit-identical" in out
     assert "[warm 2/2]" in out and "reused 512 tokens" in out
     assert "speedup" in out
 

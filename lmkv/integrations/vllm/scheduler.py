@@ -1,4 +1,10 @@
-"""Scheduler side: synchronous lookups over the lookup channel; load and store plans.
+"""Scheduler side: asynchronous lookups over the lookup channel; load and store plans.
+
+A lookup is started the first time vLLM asks about a request; until every
+worker has answered (or the lookup timed out, which answers 0) vLLM is told
+"not known yet" and asks again on a later step, so a slow tier never stalls
+the scheduling loop.
+
 
 Eager offload: every step's newly computed whole chunks of the prompt are
 planned as a store for the workers (``wait_for_save``). Lazy offload: those
@@ -51,30 +57,37 @@ class SchedulerSide:
                                    backoff_ms=config.lookup.backoff_ms)
         self.counters = SchedulerCounters()
         self._hits: dict[str, int] = {}  # req id -> stored prefix (tokens)
+        self._pending: dict[str, int] = {}  # req id -> tokens looked up, answer not in yet
         self._loads: dict[str, int] = {}  # req id -> external tokens vLLM allocated for
         self._reqs: dict[str, _Req] = {}
         self._requests: dict[str, Any] = {}  # req id -> vLLM Request (its block hashes)
 
     # -- lookup ----------------------------------------------------------------
-    def num_new_matched_tokens(self, request: Any, num_computed: int) -> int:
+    def num_new_matched_tokens(self, request: Any, num_computed: int) -> int | None:
+        """Tokens lmkv can load beyond ``num_computed``; None while the workers
+        have not all answered (vLLM asks again later)."""
         req_id = request.request_id
         self._requests[req_id] = request
         hit = self._hits.get(req_id)
         if hit is None:
-            prompt = request.prompt_token_ids or []
-            # Never the whole prompt: vLLM must compute the last token itself.
-            limit = (len(prompt) - 1) // self.chunk_size * self.chunk_size
-            hit = self._lookup(req_id, prompt[:limit]) if limit > num_computed else 0
+            limit = self._pending.get(req_id)
+            if limit is None:
+                prompt = request.prompt_token_ids or []
+                # Never the whole prompt: vLLM must compute the last token itself.
+                limit = (len(prompt) - 1) // self.chunk_size * self.chunk_size
+                if limit <= num_computed:
+                    self._hits[req_id] = 0
+                    return 0
+                self.counters.lookups += 1
+                self._pending[req_id] = limit
+                self.client.lookup(req_id, prompt[:limit])
+            result = self.client.poll(req_id)  # waits up to backoff_ms for the answer
+            if result is None:
+                return None
+            del self._pending[req_id]
+            hit = max(0, min(result, limit)) // self.chunk_size * self.chunk_size
             self._hits[req_id] = hit
         return max(0, hit - num_computed)
-
-    def _lookup(self, req_id: str, tokens: list[int]) -> int:
-        self.counters.lookups += 1
-        self.client.lookup(req_id, tokens)
-        while (result := self.client.poll(req_id)) is None:
-            pass  # poll waits up to backoff_ms; the client's timeout answers a miss
-        hit = max(0, min(result, len(tokens)))
-        return hit // self.chunk_size * self.chunk_size
 
     def after_alloc(self, request: Any, num_external: int) -> None:
         req_id = request.request_id
@@ -143,6 +156,8 @@ class SchedulerSide:
         self._reqs.pop(req_id, None)
         self._loads.pop(req_id, None)
         self._requests.pop(req_id, None)
+        if self._pending.pop(req_id, None) is not None:
+            self.client.cancel(req_id)  # finished (aborted) before the answer came
         if self.lazy is not None:
             self.lazy.finished(req_id)
         if self._hits.pop(req_id, 0):
