@@ -7,7 +7,9 @@ threshold 1; prefix caching on, as lazy offload verifies block hashes). The
 second prompt shares a long prefix with the first and must load it from lmkv
 and generate exactly the baseline's tokens (greedy). In the lazy run a filler
 request's step submits the first request's store, then vLLM's own prefix
-cache is reset so the prefix can only come from lmkv.
+cache is reset so the prefix can only come from lmkv. Then two more vLLM
+processes share a disk tier: the first stores the first prompt's KV; the second,
+started afterwards with an empty cpu tier, must load the shared prefix from disk.
 """
 
 from __future__ import annotations
@@ -58,6 +60,9 @@ def run(model_dir: str, mode: str) -> dict:
     if mode == "lazy":
         extra.update({"lmcache.mp.lazy_offload": True,
                       "lmcache.mp.lazy_offload_threshold": 1})
+    if mode.startswith("disk"):
+        extra["lmkv.tiers"] = [{"type": "cpu", "options": {"max_bytes": "256MiB"}},
+                               {"type": "fs", "options": {"url": os.environ["E2E_DISK_TIER_DIR"]}}]
     if mode != "baseline":
         kwargs["kv_transfer_config"] = {
             "kv_connector": "LMKVConnector",
@@ -75,6 +80,15 @@ def run(model_dir: str, mode: str) -> dict:
         return list(out[0].outputs[0].token_ids)
 
     first, second = prompts()
+    if mode.startswith("disk"):
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        worker = get_kv_transfer_group().worker_side
+        # the writer only stores; the reader, a fresh process, only asks
+        outputs = [generate(first if mode == "disk-writer" else second)]
+        assert worker.engine.storage.flush(60), "the disk writes did not finish"
+        return {"outputs": outputs, "worker_counters": vars(worker.counters),
+                "metrics": _metrics(llm)}
     outputs = [generate(first)]  # stored (eager) or buffered (lazy) before the second
     if mode == "lazy":
         generate(list(range(20, 120)))  # a step with scheduled tokens: the store goes out
@@ -135,7 +149,8 @@ def main() -> int:
         model_dir = os.path.join(tmp, "model")
         build(model_dir)
         results = {}
-        for mode in ("baseline", "eager", "lazy", "corrupt"):
+        env["E2E_DISK_TIER_DIR"] = os.path.join(tmp, "disk")
+        for mode in ("baseline", "eager", "lazy", "corrupt", "disk-writer", "disk-reader"):
             out = os.path.join(tmp, f"{mode}.json")
             rc = subprocess.call([sys.executable, __file__, "--run", mode, model_dir, out],
                                  env=env)
@@ -173,6 +188,17 @@ def main() -> int:
     if corrupt["worker_counters"]["loaded_tokens"] != expected_hit or \
             corrupt["outputs"][1] == base["outputs"][1]:
         print("FAIL (corrupt): noisy loaded KV did not change the output: the check is blind")
+        ok = False
+    writer, reader = results["disk-writer"], results["disk-reader"]
+    print("disk writer worker_counters:", writer["worker_counters"])
+    print("disk reader (a second vLLM process) worker_counters:", reader["worker_counters"],
+          "metrics:", reader["metrics"])
+    if writer["worker_counters"]["stored_tokens"] < expected_hit:
+        print("FAIL (disk): the first process stored too little")
+        ok = False
+    if reader["worker_counters"]["loaded_tokens"] != expected_hit or \
+            reader["outputs"][0] != base["outputs"][1]:
+        print("FAIL (disk): the second process did not reuse the first one's KV exactly")
         ok = False
     print("PASS" if ok else "FAILED")
     return 0 if ok else 1
