@@ -1,0 +1,222 @@
+"""Time to first token in a real vLLM (CPU build): vLLM's prefix cache vs connectors.
+
+Run with the vLLM venv: ``/work/vllm-venv/bin/python benchmarks/bench_vllm.py``.
+A random-weight Llama (~107M parameters with embeddings, float32). For N = 512,
+2048 and 4096: TTFT (wall time of ``llm.generate`` with ``max_tokens=1``, greedy)
+of a cold prompt (N fresh random tokens plus 16) and of a warm prompt (the first
+N tokens of an earlier cold prompt plus 2-16 new ones, so the reusable prefix is
+whole lmkv chunks and vLLM blocks), median of 3, in these configurations, each
+in its own subprocess:
+
+* ``prefix-cache``: vLLM's own prefix cache, no connector (same-process hit);
+* ``example-conn``: vLLM's ``ExampleConnector`` (disk), prefix caching off;
+* ``lmkv``: ``LMKVConnector``, cpu tier, prefix caching off;
+* ``lmkv-2proc``: a first process stores the prompts (cpu + fs tier, flushed);
+  a fresh second process measures (cold with fresh prompts, warm from disk).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+LENGTHS = (512, 2048, 4096)
+REPEATS = 3
+CHUNK = 256
+MAX_MODEL_LEN = 4608
+CONFIGS = ("prefix-cache", "example-conn", "lmkv", "lmkv-2proc")
+
+
+def tokens(tag: str, n: int) -> list[int]:
+    rng = random.Random(tag)
+    return [rng.randrange(10, 8000) for _ in range(n)]
+
+
+def cold_prompt(length: int, i: int, kind: str = "base") -> list[int]:
+    """``length`` fresh tokens plus 16 more (ExampleConnector keys a stored prompt
+    by its tokens up to the last whole block before its last token)."""
+    return tokens(f"{kind}-{length}-{i}", length) + tokens(f"pad-{kind}-{length}-{i}", 16)
+
+
+def warm_prompt(length: int, i: int) -> list[int]:
+    """The first ``length`` tokens of cold prompt ``i`` plus 2-16 new ones
+    (ExampleConnector looks up ``align(len - 1)`` tokens: one new token would miss)."""
+    k = 2 + random.Random(f"k-{length}-{i}").randrange(15)
+    return cold_prompt(length, i)[:length] + tokens(f"suffix-{length}-{i}", k)
+
+
+def build(model_dir: str) -> int:
+    import torch
+
+    from lmkv.integrations.hf_model import build_model, build_tokenizer
+    model = build_model(hidden_size=1024, num_layers=8, num_heads=16, num_kv_heads=4,
+                        head_dim=64, intermediate_size=2816, vocab_size=8192,
+                        max_position_embeddings=MAX_MODEL_LEN, dtype=torch.float32)
+    model.save_pretrained(model_dir)
+    build_tokenizer().save_pretrained(model_dir)
+    return sum(p.numel() for p in model.parameters())
+
+
+def make_llm(model_dir: str, mode: str, tmp: str):  # type: ignore[no-untyped-def]
+    from vllm import LLM
+
+    kwargs: dict = {}
+    if mode == "example-conn":
+        kwargs["kv_transfer_config"] = {
+            "kv_connector": "ExampleConnector", "kv_role": "kv_both",
+            "kv_connector_extra_config": {"shared_storage_path": os.path.join(tmp, "example")}}
+    elif mode.startswith("lmkv"):
+        tiers: list = [{"type": "cpu", "options": {"max_bytes": "2GiB"}}]
+        if mode.startswith("lmkv-2proc"):
+            tiers.append({"type": "fs", "options": {"url": os.path.join(tmp, "lmkv-fs")}})
+        kwargs["kv_transfer_config"] = {
+            "kv_connector": "LMKVConnector", "kv_connector_module_path": "lmkv.integrations.vllm",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"lmkv.chunk_size": CHUNK, "lmkv.tiers": tiers}}
+    return LLM(model=model_dir, enforce_eager=True, dtype="float32",
+               max_model_len=MAX_MODEL_LEN, enable_prefix_caching=mode == "prefix-cache",
+               max_num_seqs=4, seed=0, max_num_batched_tokens=MAX_MODEL_LEN, **kwargs)
+
+
+def run(model_dir: str, mode: str, tmp: str) -> dict:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = make_llm(model_dir, mode, tmp)
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    worker = None
+    if mode.startswith("lmkv"):
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+        worker = get_kv_transfer_group().worker_side
+    # ms in the connector's (synchronous) worker load / save and scheduler lookups
+    spent = {"load": 0.0, "save": 0.0, "lookup": 0.0, "asks": 0.0}
+
+    def timed(name: str, fn):  # type: ignore[no-untyped-def]
+        def call(meta):  # type: ignore[no-untyped-def]
+            t0 = time.perf_counter()
+            fn(meta)
+            spent[name] += (time.perf_counter() - t0) * 1e3
+        return call
+
+    def timed_lookup(fn):  # type: ignore[no-untyped-def]
+        def call(request, num_computed):  # type: ignore[no-untyped-def]
+            t0 = time.perf_counter()
+            out = fn(request, num_computed)
+            spent["lookup"] += (time.perf_counter() - t0) * 1e3
+            spent["asks"] += 1
+            return out
+        return call
+
+    if worker:
+        for name in ("load", "save"):
+            setattr(worker, name, timed(name, getattr(worker, name)))
+        sched = llm.llm_engine.engine_core.engine_core.scheduler.connector.scheduler_side
+        sched.num_new_matched_tokens = timed_lookup(sched.num_new_matched_tokens)
+
+    def ttft(p: list[int]) -> float:
+        t0 = time.perf_counter()
+        llm.generate([TokensPrompt(prompt_token_ids=p)], params, use_tqdm=False)
+        return (time.perf_counter() - t0) * 1e3
+
+    ttft(tokens("warm-up", 64))  # one short unrelated request first
+    if mode == "lmkv-2proc-writer":  # only stores the prompts the reader will extend
+        for length in LENGTHS:
+            for i in range(REPEATS):
+                ttft(cold_prompt(length, i))
+        assert worker is not None and worker.engine.storage.flush(120), "disk writes unfinished"
+        return {"worker_counters": vars(worker.counters)}
+    reader = mode == "lmkv-2proc-reader"
+    result: dict = {}
+    for length in LENGTHS:
+        cold = [ttft(cold_prompt(length, i, "fresh" if reader else "base"))
+                for i in range(REPEATS)]
+        warm, loaded, parts = [], [], []
+        for i in range(REPEATS):
+            before = worker.counters.loaded_tokens if worker else 0
+            spent.update(dict.fromkeys(spent, 0.0))
+            warm.append(ttft(warm_prompt(length, i)))
+            loaded.append(worker.counters.loaded_tokens - before if worker else None)
+            parts.append(dict(spent))
+        result[str(length)] = {"cold": cold, "warm": warm, "loaded": loaded, "parts": parts}
+    if worker is not None:
+        result["worker_counters"] = vars(worker.counters)
+    return result
+
+
+def sub(mode: str, model_dir: str, tmp: str, env: dict) -> dict:
+    out = os.path.join(tmp, f"{mode}.json")
+    t0 = time.perf_counter()
+    with open(out + ".log", "w") as log:
+        rc = subprocess.call([sys.executable, __file__, "--run", mode, model_dir, tmp, out],
+                             env=env, stdout=subprocess.DEVNULL, stderr=log)
+    if rc != 0:
+        with open(out + ".log") as f:
+            sys.stderr.write(f.read()[-4000:])
+        raise SystemExit(f"the {mode} run exited {rc}")
+    print(f"  {mode}: {time.perf_counter() - t0:.0f} s", flush=True)
+    with open(out) as f:
+        return json.load(f)
+
+
+def main() -> int:
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0,1",
+           "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    t_start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="lmkv-bench-vllm-") as tmp:
+        model_dir = os.path.join(tmp, "model")
+        print(f"model: {build(model_dir) / 1e6:.0f}M parameters, float32", flush=True)
+        results = {}
+        for mode in CONFIGS:
+            if mode == "lmkv-2proc":
+                writer = sub("lmkv-2proc-writer", model_dir, tmp, env)
+                print("    writer counters:", writer["worker_counters"], flush=True)
+                mode_run = "lmkv-2proc-reader"
+            else:
+                mode_run = mode
+            results[mode] = sub(mode_run, model_dir, tmp, env)
+    med = {m: {n: (statistics.median(r[str(n)]["cold"]), statistics.median(r[str(n)]["warm"]))
+               for n in LENGTHS} for m, r in results.items()}
+    print(f"\nTTFT, median of {REPEATS} (ms); cold = N + 16 tokens, warm = N + 2-16; "
+          f"Δpc = warm - prefix-cache warm")
+    print(f"{'config':<14}{'tokens':>7}{'cold':>10}{'warm':>10}{'warm/cold':>11}{'Δpc':>9}"
+          f"  lmkv (median ms): lookup (asks) / load / save; loaded tokens per warm")
+    for m, r in results.items():
+        for n in LENGTHS:
+            cold, warm = med[m][n]
+            loaded = r[str(n)]["loaded"]
+            part = {k: statistics.median(p[k] for p in r[str(n)]["parts"])
+                    for k in r[str(n)]["parts"][0]}
+            note = "" if loaded[0] is None else (
+                f"{part['lookup']:.1f} ({part['asks']:.0f}) / {part['load']:.1f} / "
+                f"{part['save']:.1f}  {loaded}")
+            print(f"{m:<14}{n:>7}{cold:>10.1f}{warm:>10.1f}{warm / cold:>11.3f}"
+                  f"{warm - med['prefix-cache'][n][1]:>+9.1f}  {note}")
+    ok = True
+    for m in ("lmkv", "lmkv-2proc"):
+        print(f"{m} worker counters: {results[m]['worker_counters']}")
+        for n in LENGTHS:
+            if any(x != n for x in results[m][str(n)]["loaded"]):
+                print(f"  WARNING ({m}, {n}): a warm prompt did not load its {n}-token prefix")
+                ok = False
+            gap = med[m][n][1] - med["prefix-cache"][n][1]
+            if gap > 10:
+                print(f"  target missed ({m}, {n}): warm is {gap:.1f} ms over the prefix cache's")
+    print("warm samples (ms):", {m: {n: [round(x, 1) for x in r[str(n)]["warm"]]
+                                     for n in LENGTHS} for m, r in results.items()})
+    print(f"total {time.perf_counter() - t_start:.0f} s")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 6 and sys.argv[1] == "--run":
+        res = run(sys.argv[3], sys.argv[2], sys.argv[4])
+        with open(sys.argv[5], "w") as f:
+            json.dump(res, f)
+        sys.exit(0)
+    sys.exit(main())
