@@ -7,7 +7,7 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import yaml
 
@@ -125,12 +125,18 @@ def main(argv: Sequence[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    return run_reporting_errors(args.func, args, "lmkv")
+
+
+def run_reporting_errors(func: Callable[[argparse.Namespace], int],
+                         args: argparse.Namespace, prog: str) -> int:
+    """Run a command; an LMKVError is one line per message line on stderr and exit 2."""
     try:
-        return args.func(args)
+        return func(args)
     except LMKVError as exc:
         for line in str(exc).splitlines() or [type(exc).__name__]:
-            print(f"lmkv: error: {line}", file=sys.stderr)
+            print(f"{prog}: error: {line}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("lmkv: interrupted", file=sys.stderr)
+        print(f"{prog}: interrupted", file=sys.stderr)
         return 130

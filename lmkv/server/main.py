@@ -18,14 +18,12 @@ import json
 import logging
 import os
 import signal
-import sys
 from collections.abc import Sequence
 from typing import Any
 
 from pydantic import ByteSize, TypeAdapter, ValidationError
 
 from lmkv.config import LMKVConfig, load_config, resolve_plugin
-from lmkv.errors import LMKVError
 from lmkv.storage import StorageManager
 
 logger = logging.getLogger(__name__)
@@ -167,12 +165,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="logging level (default INFO)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(levelname)s %(name)s: %(message)s")
-    try:
-        return run_server(args)
-    except LMKVError as exc:
-        for line in str(exc).splitlines() or [type(exc).__name__]:
-            print(f"lmkv server: error: {line}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("lmkv server: interrupted", file=sys.stderr)
-        return 130
+    from lmkv.cli import run_reporting_errors
+
+    return run_reporting_errors(run_server, args, "lmkv server")
