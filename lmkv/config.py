@@ -80,6 +80,14 @@ class LookupConfig(_Model):
         return self
 
 
+class ServerConnection(_Model):
+    """The ``lmkv server`` an engine uses in server mode (docs/server.md)."""
+
+    address: str = Field(default="tcp://127.0.0.1:5555", min_length=1)
+    timeout_ms: PositiveInt = 250
+    transport: Literal["auto", "frame"] = "auto"
+
+
 class LMKVConfig(_Model):
     """Every key is documented in docs/configuration.md."""
 
@@ -92,6 +100,8 @@ class LMKVConfig(_Model):
     gpu_connector: PluginRef | None = None
     write_through_queue_chunks: PositiveInt = 1024
     lookup: LookupConfig = Field(default_factory=LookupConfig)
+    mode: Literal["in_process", "server"] = "in_process"
+    server: ServerConnection = Field(default_factory=ServerConnection)
     lazy_offload: bool = False
     lazy_offload_policy: PluginRef = Field(default_factory=lambda: PluginRef(type="FIFO"))
     lazy_offload_threshold: PositiveInt = 100

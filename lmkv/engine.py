@@ -12,7 +12,7 @@ import logging
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lmkv.config import LMKVConfig, PluginRef, resolve_plugin
 from lmkv.gpu import ChunkSpan, GPUConnector, KVSpec
@@ -21,6 +21,9 @@ from lmkv.memory import MemoryObj
 from lmkv.prefetch import release
 from lmkv.storage import StorageManager
 from lmkv.tokens import CacheKey, ChunkKeys, KeyMeta, TokenChunker
+
+if TYPE_CHECKING:
+    from lmkv.server.remote import RemoteCacheEngine
 
 logger = logging.getLogger(__name__)
 _store_log = RateLimitedLog(logger)
@@ -54,12 +57,14 @@ class CacheEngine:
     @classmethod
     def from_config(cls, config: LMKVConfig, spec: KVSpec, *, model_name: str,
                     default_connector: str = "hf", world_size: int = 1,
-                    worker_id: int = 0) -> CacheEngine:
+                    worker_id: int = 0) -> CacheEngine | RemoteCacheEngine:
+        """The engine ``config.mode`` asks for (the tiers here, or an lmkv server's),
+        with ``config.gpu_connector`` or else ``default_connector``."""
         ref = config.gpu_connector or PluginRef(type=default_connector)
         connector_cls, options = resolve_plugin("gpu_connector", ref, "gpu_connector")
-        return cls(config, spec, model_name=model_name, connector=connector_cls(options, spec),
-                   storage=StorageManager.from_config(config), world_size=world_size,
-                   worker_id=worker_id)
+        return open_engine(config, spec, model_name=model_name,
+                           connector=connector_cls(options, spec), world_size=world_size,
+                           worker_id=worker_id)
 
     @property
     def meta(self) -> KeyMeta:
@@ -177,3 +182,16 @@ class CacheEngine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def open_engine(config: LMKVConfig, spec: KVSpec, *, model_name: str, connector: GPUConnector,
+                world_size: int = 1, worker_id: int = 0) -> CacheEngine | RemoteCacheEngine:
+    """A ``CacheEngine`` over the config's tiers (``mode: in_process``) or a
+    ``RemoteCacheEngine`` over the lmkv server at ``server.address`` (``mode: server``)."""
+    if config.mode == "server":
+        from lmkv.server.remote import RemoteCacheEngine
+        return RemoteCacheEngine(config, spec, model_name=model_name, connector=connector,
+                                 world_size=world_size, worker_id=worker_id)
+    return CacheEngine(config, spec, model_name=model_name, connector=connector,
+                       storage=StorageManager.from_config(config), world_size=world_size,
+                       worker_id=worker_id)

@@ -14,11 +14,13 @@ travel inside the ZMQ messages, sent without copying.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import secrets
 import socket
 import threading
-from collections.abc import Sequence
+import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
@@ -162,17 +164,29 @@ class ServerClient:
                      lookup_id: str, *, keys_per_chunk: int = 1) -> bool:
         """Start a prefetch without waiting for it; poll ``prefetch_status``."""
         return self._lookup(p.key_fields(list(keys)), chunk_ends, lookup_id, keys_per_chunk,
-                            False, None) >= 0
+                            False, None) is not False
+
+    def start_lookup_hashes(self, meta: KeyMeta, chunk_hashes: Sequence[bytes],
+                            chunk_ends: Sequence[int], lookup_id: str) -> int | None:
+        """Start a prefetch of chunk hashes computed elsewhere without waiting for it:
+        the hit tokens when the server finished it at once, None while it is still
+        loading (poll ``prefetch_status``), 0 when the server does not answer."""
+        fields = {"meta": meta, "chunk_hashes": list(chunk_hashes)}
+        got = self._lookup(fields, chunk_ends, lookup_id, 1, False, None)
+        return 0 if got is False else got
 
     def _lookup(self, fields: dict[str, Any], chunk_ends: Sequence[int], lookup_id: str | None,
-                kpc: int, wait: bool, timeout_ms: int | None) -> int:
+                kpc: int, wait: bool, timeout_ms: int | None) -> int | bool | None:
+        """Waiting: the hit tokens (0 on failure). Not waiting: the hit tokens when
+        done, None when pending, False on failure."""
         message = p.Lookup(**fields, chunk_ends=list(chunk_ends), lookup_id=lookup_id or "",
                            prefetch=lookup_id is not None, wait=wait, keys_per_chunk=kpc)
         with self._lock:
             got = self._call(message, p.LookupReply, timeout_ms=timeout_ms)
         if got is None:
-            return 0 if wait else -1
-        return got[0].hit_tokens
+            return 0 if wait else False
+        reply = got[0]
+        return reply.hit_tokens if reply.done else None
 
     def prefetch_status(self, lookup_id: str) -> int | None:
         """Hit tokens once the prefetch is done, None while pending, -1 for an unknown id;
@@ -194,28 +208,57 @@ class ServerClient:
                  timeout_ms: int | None = None) -> list[torch.Tensor]:
         """The stored prefix of ``keys`` (or what ``lookup_id`` prefetched), one tensor per
         chunk, copied into ``out`` when given; [] on any failure."""
+        result: list[torch.Tensor] = []
+
+        def copy(views: list[torch.Tensor]) -> None:
+            for i, view in enumerate(views):
+                dest = out[i] if out is not None and i < len(out) else None
+                if dest is not None and (dest.dtype != view.dtype or dest.shape != view.shape):
+                    _log.warning("shape", "lmkv client: chunk %d is %s %s, not what was "
+                                 "asked; keeping the %d before it", i, view.dtype,
+                                 list(view.shape), i)
+                    break
+                result.append(view.clone() if dest is None else dest.copy_(view))
+
+        expected = (sum(t.numel() * t.element_size() for t in out) if out is not None
+                    else None)
+        self.retrieve_into(keys, copy, lookup_id=lookup_id, keys_per_chunk=keys_per_chunk,
+                           timeout_ms=timeout_ms, expected_bytes=expected)
+        return result
+
+    def retrieve_into(self, keys: Sequence[CacheKey] | None,
+                      consume: Callable[[list[torch.Tensor]], Any], *, lookup_id: str = "",
+                      keys_per_chunk: int = 1, timeout_ms: int | None = None,
+                      expected_bytes: int | None = None) -> int:
+        """Call ``consume`` with the stored prefix of ``keys`` (or what ``lookup_id``
+        prefetched): one read-only tensor per chunk, valid only during the call (views
+        of the server's arena, or of the reply's frames: no copy is made). Returns the
+        number of chunks handed over; 0, without calling ``consume``, on any failure."""
         fields = p.key_fields(list(keys)) if keys is not None else {}
         with self._lock:
             if self._server() is None:
-                return []
+                return 0
             frame = self.segment is None
-            expected = (sum(t.numel() * t.element_size() for t in out) if out is not None
-                        else len(keys or ()) * self._chunk_bytes_hint)
+            if expected_bytes is None:
+                expected_bytes = len(keys or ()) * self._chunk_bytes_hint
             message = p.Retrieve(**fields, lookup_id=lookup_id, keys_per_chunk=keys_per_chunk,
                                  transport="frame" if frame else "shm")
             got = self._call(message, p.RetrieveReply,
-                             timeout_ms=self._timeout(timeout_ms, expected if frame else 0))
+                             timeout_ms=self._timeout(timeout_ms, expected_bytes if frame else 0))
             if got is None:
-                return []
+                return 0
             reply, data = got
             try:
-                return self._copy_out(reply, data, out)
+                views = self._views(reply, data)
+                if views:
+                    consume(views)
+                return len(views)
             finally:
                 if reply.handle:
                     self._call(p.Release(handle=reply.handle), p.ReleaseReply)
 
-    def _copy_out(self, reply: p.RetrieveReply, data: list[zmq.Frame],
-                  out: Sequence[torch.Tensor] | None) -> list[torch.Tensor]:
+    def _views(self, reply: p.RetrieveReply, data: list[zmq.Frame]) -> list[torch.Tensor]:
+        """Typed views of the reply's chunks (the valid prefix of them)."""
         segment = self._segment_named(reply.shm_name) if reply.transport == "shm" else None
         if reply.transport == "shm" and segment is None:
             return []
@@ -223,30 +266,26 @@ class ServerClient:
             _log.warning("frames", "lmkv client: %d data frames for %d chunks", len(data),
                          len(reply.chunks))
             return []
-        result: list[torch.Tensor] = []
+        views: list[torch.Tensor] = []
         for i, info in enumerate(reply.chunks):
             dtype = p.DTYPES.get(info.dtype)
-            dest = out[i] if out is not None and i < len(out) else None
-            if dtype is None or (dest is not None and (dest.dtype != dtype or
-                                                       list(dest.shape) != info.shape)):
-                _log.warning("shape", "lmkv client: chunk %d is %s %s, not what was asked; "
-                             "keeping the %d before it", i, info.dtype, info.shape, i)
+            if dtype is None or info.nbytes <= 0 \
+                    or info.nbytes != math.prod(info.shape) * dtype.itemsize:
+                _log.warning("chunk", "lmkv client: chunk %d (%s %s, %d bytes) is malformed; "
+                             "keeping the %d before it", i, info.dtype, info.shape,
+                             info.nbytes, i)
                 break
-            if dest is None:
-                dest = torch.empty(info.shape, dtype=dtype)
             if segment is not None:
                 if info.offset < 0 or info.offset + info.nbytes > segment.size:
                     break
-                view = segment.tensor[info.offset:info.offset + info.nbytes]
-                dest.copy_(view.view(dtype).view(info.shape))
+                raw = segment.tensor[info.offset:info.offset + info.nbytes]
             else:
-                frame = data[i].buffer
-                if len(frame) != info.nbytes:
+                if len(data[i].buffer) != info.nbytes:
                     break
-                _copy_bytes(dest, np.frombuffer(frame, dtype=np.uint8))
-            result.append(dest)
+                raw = _frame_tensor(data[i])
+            views.append(raw.view(dtype).view(info.shape))
             self._chunk_bytes_hint = max(self._chunk_bytes_hint, info.nbytes)
-        return result
+        return views
 
     # -- store ----------------------------------------------------------------------
     def store(self, keys: Sequence[CacheKey], chunks: Sequence[torch.Tensor], *,
@@ -263,43 +302,62 @@ class ServerClient:
         dtype = chunks[0].dtype
         if any(c.dtype != dtype for c in chunks):
             raise ValueError("all chunks of one store must have one dtype")
+
+        def fill(first: int, buffers: list[torch.Tensor]) -> None:
+            for buf, chunk in zip(buffers, chunks[first:], strict=False):
+                buf.copy_(chunk)
+
+        return self.store_from(keys, [tuple(c.shape) for c in chunks], dtype, fill,
+                               timeout_ms=timeout_ms)
+
+    def store_from(self, keys: Sequence[CacheKey], shapes: Sequence[Sequence[int]],
+                   dtype: torch.dtype, fill: Callable[[int, list[torch.Tensor]], Any], *,
+                   timeout_ms: int | None = None) -> int:
+        """``store`` without a staging copy: the server lends buffers for the chunks it
+        lacks and ``fill(first, buffers)`` writes chunk ``first + i`` into
+        ``buffers[i]`` (arena views when shared memory works, else tensors sent as the
+        request's frames). Returns the chunks newly stored."""
+        if len(keys) != len(shapes):
+            raise ValueError(f"{len(keys)} keys for {len(shapes)} shapes")
+        if not keys:
+            return 0
         with self._lock:
             info = self._server()
             if info is None:
                 self.counters.dropped_chunks += len(keys)
                 return 0
+            nbytes = [math.prod(s) * dtype.itemsize for s in shapes]
             stored = 0
-            for start, end in self._batches(chunks, info):
-                count, complete = self._store_batch(list(keys[start:end]), chunks[start:end],
-                                                    timeout_ms)
+            for start, end in self._batches(nbytes, info):
+                count, complete = self._store_batch(
+                    list(keys[start:end]), shapes[start:end], dtype,
+                    lambda first, bufs, start=start: fill(start + first, bufs), timeout_ms)
                 stored += count
                 if not complete:  # later chunks extend a prefix the server lacks
                     self.counters.dropped_chunks += len(keys) - end
                     break
             return stored
 
-    def _batches(self, chunks: Sequence[torch.Tensor], info: p.PingReply
-                 ) -> list[tuple[int, int]]:
+    def _batches(self, nbytes: Sequence[int], info: p.PingReply) -> list[tuple[int, int]]:
         if self.segment is not None:
-            return [(0, len(chunks))]
+            return [(0, len(nbytes))]
         limit = info.max_request_bytes - HEADER_ROOM
         batches, start, size = [], 0, 0
-        for i, chunk in enumerate(chunks):
-            nbytes = chunk.numel() * chunk.element_size()
-            if i > start and size + nbytes > limit:
+        for i, n in enumerate(nbytes):
+            if i > start and size + n > limit:
                 batches.append((start, i))
                 start, size = i, 0
-            size += nbytes
-        batches.append((start, len(chunks)))
+            size += n
+        batches.append((start, len(nbytes)))
         return batches
 
-    def _store_batch(self, keys: list[CacheKey], chunks: Sequence[torch.Tensor],
+    def _store_batch(self, keys: list[CacheKey], shapes: Sequence[Sequence[int]],
+                     dtype: torch.dtype, fill: Callable[[int, list[torch.Tensor]], Any],
                      timeout_ms: int | None) -> tuple[int, bool]:
         """(chunks stored, whether every chunk of the batch is now on the server)."""
         frame = self.segment is None
-        message = p.Store(**p.key_fields(keys), shapes=[list(c.shape) for c in chunks],
-                          dtype=p.dtype_name(chunks[0].dtype),
-                          transport="frame" if frame else "shm")
+        message = p.Store(**p.key_fields(keys), shapes=[list(s) for s in shapes],
+                          dtype=p.dtype_name(dtype), transport="frame" if frame else "shm")
         got = self._call(message, p.StoreReply, timeout_ms=timeout_ms)
         if got is None:
             self.counters.dropped_chunks += len(keys)
@@ -310,25 +368,27 @@ class ServerClient:
         self.counters.dropped_chunks += no_room
         if not count:
             return 0, no_room == 0
-        todo = chunks[first:first + count]
-        if any(info.nbytes != c.numel() * c.element_size() for info, c in zip(
-                reply.chunks, todo, strict=True)):
+        todo = shapes[first:first + count]
+        if any(info.nbytes != math.prod(s) * dtype.itemsize
+               for info, s in zip(reply.chunks, todo, strict=True)):
             self._call(p.Release(handle=reply.handle), p.ReleaseReply)
             self.counters.dropped_chunks += count
             return 0, False
-        frames: list[Any] = []
         segment = self._segment_named(reply.shm_name) if reply.transport == "shm" else None
         if reply.transport == "shm" and segment is None:
             self._call(p.Release(handle=reply.handle), p.ReleaseReply)
             self.counters.dropped_chunks += count
             return 0, False
+        frames: list[Any] = []
         try:
             if reply.transport == "shm":
-                for info, chunk in zip(reply.chunks, todo, strict=True):
-                    view = segment.tensor[info.offset:info.offset + info.nbytes]
-                    view.view(chunk.dtype).view(chunk.shape).copy_(chunk)
+                buffers = [segment.tensor[i.offset:i.offset + i.nbytes].view(dtype).view(s)
+                           for i, s in zip(reply.chunks, todo, strict=True)]
             else:
-                frames = [_byte_array(c.detach().cpu().contiguous()) for c in todo]
+                buffers = [torch.empty(tuple(s), dtype=dtype) for s in todo]
+            fill(first, buffers)
+            if reply.transport != "shm":
+                frames = [_byte_array(b) for b in buffers]
         except BaseException:  # the caller's tensors failed to copy: free the buffers
             self._call(p.Release(handle=reply.handle), p.ReleaseReply)
             raise
@@ -357,6 +417,15 @@ class ServerClient:
             got = self._call(p.EndSession(), p.EndSessionReply)
         return got[0] if got else None
 
+    def close_connection(self) -> None:
+        """Drop the connection, leaving the session to another client that shares it."""
+        with self._lock:
+            self._channel.close()
+            if self.segment is not None:
+                self.segment.close()
+                self.segment = None
+            self.info = None
+
     def close(self) -> None:
         """End the session (when the server is there) and drop the connection."""
         with self._lock:
@@ -380,10 +449,8 @@ def _byte_array(tensor: torch.Tensor) -> np.ndarray:
     return tensor.reshape(-1).view(torch.uint8).numpy()
 
 
-def _copy_bytes(dest: torch.Tensor, data: np.ndarray) -> None:
-    if dest.device.type == "cpu" and dest.is_contiguous():
-        np.copyto(_byte_array(dest), data)
-    else:
-        staged = torch.empty(dest.shape, dtype=dest.dtype)
-        np.copyto(_byte_array(staged), data)
-        dest.copy_(staged)
+def _frame_tensor(frame: zmq.Frame) -> torch.Tensor:
+    """A received frame's bytes as a uint8 tensor sharing its memory (read it only)."""
+    with warnings.catch_warnings():  # torch warns that the buffer is read-only
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(frame.buffer, dtype=torch.uint8)

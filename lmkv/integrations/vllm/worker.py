@@ -4,17 +4,19 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from lmkv.config import LMKVConfig, PluginRef, resolve_plugin
-from lmkv.engine import CacheEngine
+from lmkv.engine import CacheEngine, open_engine
 from lmkv.gpu import KVSpec
 from lmkv.integrations.vllm.config import lookup_endpoints
 from lmkv.integrations.vllm.metadata import LMKVConnectorMetadata, LMKVWorkerMetadata
 from lmkv.lookup.server import LookupServer
-from lmkv.storage import StorageManager
+
+if TYPE_CHECKING:
+    from lmkv.server.remote import RemoteCacheEngine
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +54,7 @@ class WorkerSide:
         self.rank = getattr(parallel, "rank", 0) % max(self.world_size, 1)
         self.engine_id = str(vllm_config.kv_transfer_config.engine_id)
         self.counters = WorkerCounters()
-        self.engine: CacheEngine | None = None
+        self.engine: CacheEngine | RemoteCacheEngine | None = None
         self.server: LookupServer | None = None
         self.kv_caches: list[torch.Tensor] = []
         self.block_size = 0
@@ -69,14 +71,15 @@ class WorkerSide:
             "gpu_connector", PluginRef(type="paged", options={"layout": layout}),
             "gpu_connector")
         connector = connector_cls(options, spec)
-        self.engine = CacheEngine(self.config, spec, model_name=self.model_name,
-                                  connector=connector,
-                                  storage=StorageManager.from_config(self.config),
-                                  world_size=self.world_size, worker_id=self.rank)
+        self.engine = open_engine(self.config, spec, model_name=self.model_name,
+                                  connector=connector, world_size=self.world_size,
+                                  worker_id=self.rank)
         endpoints = lookup_endpoints(self.config, self.engine_id, self.world_size)
         self.server = LookupServer.for_rank(self.engine, endpoints, self.rank)
-        logger.info("lmkv: worker %d/%d registered %d KV caches, layout %s, block size %d",
-                    self.rank, self.world_size, len(self.kv_caches), layout, self.block_size)
+        logger.info("lmkv: worker %d/%d registered %d KV caches, layout %s, block size %d, "
+                    "%s", self.rank, self.world_size, len(self.kv_caches), layout,
+                    self.block_size, f"tiers in the lmkv server at {self.config.server.address}"
+                    if self.config.mode == "server" else "tiers in this process")
 
     def load(self, meta: LMKVConnectorMetadata) -> None:
         assert self.engine is not None, "register_kv_caches was not called"

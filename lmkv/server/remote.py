@@ -1,0 +1,202 @@
+"""``RemoteCacheEngine``: ``CacheEngine``'s interface over an ``lmkv server`` (server mode).
+
+The engine process keeps only its GPU connector; the tiers live in the
+server. Chunks move without a staging copy: a store gathers the KV straight
+into buffers the server lends (views of its shared-memory arena on this
+machine), a retrieve scatters straight out of the arena into the engine's
+KV. Keys are built here exactly as ``CacheEngine`` builds them, so both modes
+name the same chunk the same way.
+
+Lookups for the async lookup channel (``lookup_and_prefetch_hashes``) start
+a prefetch on the server and resolve their future when the server has the
+chunks; a background thread polls the pending ones. The prefetch is held in
+this engine's session, so ``retrieve(..., lookup_id=...)`` takes it from there.
+
+Nothing here raises because of the server: a server that is down, slow or
+refusing makes lookups answer 0, retrieves load nothing and stores drop
+(counted in ``client.counters``), and the client reconnects by itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from collections.abc import Sequence
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+
+from lmkv.config import LMKVConfig
+from lmkv.engine import RetrieveResult, dtype_name
+from lmkv.gpu import ChunkSpan, GPUConnector, KVSpec
+from lmkv.server.client import ServerClient
+from lmkv.tokens import KeyMeta, TokenChunker
+
+logger = logging.getLogger(__name__)
+
+POLL_INTERVAL_S = 0.0005
+
+
+@dataclass
+class RemoteCounters:
+    lookups: int = 0
+    pending_lookups: int = 0  # answered by the poller: the server was still loading
+    polls: int = 0
+
+
+class RemoteCacheEngine:
+    def __init__(self, config: LMKVConfig, spec: KVSpec, *, model_name: str,
+                 connector: GPUConnector, world_size: int = 1, worker_id: int = 0) -> None:
+        self.config = config
+        self.spec = spec
+        self.connector = connector
+        meta = KeyMeta(config.model_name or model_name, world_size, worker_id,
+                       dtype_name(spec.dtype), connector.chunk_layout)
+        self.chunker = TokenChunker(meta, config.chunk_size, config.save_partial_chunk)
+        self.counters = RemoteCounters()
+        server = config.server
+        self.client = ServerClient(server.address, timeout_ms=server.timeout_ms,
+                                   transport=server.transport)
+        # Lookups and their polls use their own connection (same session, so the
+        # prefetches are this engine's): a retrieve never queues behind a poll.
+        self._lookups = ServerClient(server.address, session=self.client.session,
+                                     timeout_ms=server.timeout_ms, transport="frame")
+        if self.client.ping() is None:  # maps the arena now, not on the first load
+            logger.warning("lmkv: no lmkv server answers at %s yet; misses until one does",
+                           server.address)
+        self._pending: dict[str, Future] = {}
+        self._cond = threading.Condition()
+        self._closed = False
+        self._poller = threading.Thread(target=self._poll_loop, name="lmkv-remote-poll",
+                                        daemon=True)
+        self._poller.start()
+
+    @property
+    def meta(self) -> KeyMeta:
+        return self.chunker.meta
+
+    # -- store -------------------------------------------------------------------
+    def store(self, tokens: Sequence[int] | Any, **kv: Any) -> int:
+        """Store the KV of ``tokens``' chunks the server lacks; returns tokens stored."""
+        chunks = self.chunker.chunk(tokens)
+        if not len(chunks):
+            return 0
+        shapes = [self.spec.chunk_shape(e - s) for s, e in zip(chunks.starts, chunks.ends,
+                                                               strict=True)]
+        filled: list[int] = []
+
+        def fill(first: int, buffers: list[torch.Tensor]) -> None:
+            spans = [ChunkSpan(chunks.starts[first + i], chunks.ends[first + i], buf)
+                     for i, buf in enumerate(buffers)]
+            self.connector.to_chunks(spans, **kv)
+            filled.append(first)
+
+        stored = self.client.store_from(chunks.keys, shapes, self.spec.dtype, fill)
+        if not stored or not filled:
+            return 0
+        first = filled[0]
+        return chunks.ends[first + stored - 1] - chunks.starts[first]
+
+    # -- lookup ------------------------------------------------------------------
+    def lookup(self, tokens: Sequence[int] | Any) -> int:
+        """Length in tokens of the longest prefix of ``tokens`` the server holds."""
+        chunks = self.chunker.chunk(tokens)
+        return self.client.lookup(chunks.keys, chunks.ends) if len(chunks) else 0
+
+    def lookup_and_prefetch_hashes(self, lookup_id: str, chunk_hashes: Sequence[bytes],
+                                   chunk_ends: Sequence[int]) -> Future:
+        """Have the server load the stored prefix and hold it for ``lookup_id``; the
+        future resolves to the hit length in tokens (0 when the server fails)."""
+        future: Future = Future()
+        if not chunk_hashes:
+            future.set_result(0)
+            return future
+        self.counters.lookups += 1
+        hit = self._lookups.start_lookup_hashes(self.meta, chunk_hashes, chunk_ends,
+                                                lookup_id)
+        if hit is not None:
+            future.set_result(hit)
+            return future
+        self.counters.pending_lookups += 1
+        with self._cond:
+            old = self._pending.pop(lookup_id, None)
+            self._pending[lookup_id] = future
+            self._cond.notify()
+        if old is not None:
+            old.set_result(0)
+        return future
+
+    def release_lookup(self, lookup_id: str) -> None:
+        with self._cond:
+            future = self._pending.pop(lookup_id, None)
+        if future is not None:
+            future.set_result(0)
+        self._lookups.release_lookup(lookup_id)
+
+    def _poll_loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._pending and not self._closed:
+                    self._cond.wait()
+                if self._closed:
+                    return
+                ids = list(self._pending)
+            for lookup_id in ids:
+                state = self._lookups.prefetch_status(lookup_id)
+                self.counters.polls += 1
+                if state is None:
+                    continue
+                with self._cond:
+                    future = self._pending.pop(lookup_id, None)
+                if future is not None:  # released meanwhile otherwise
+                    future.set_result(max(state, 0))
+            with self._cond:
+                if self._pending and not self._closed:
+                    self._cond.wait(POLL_INTERVAL_S)
+
+    # -- retrieve ----------------------------------------------------------------
+    def retrieve(self, tokens: Sequence[int] | Any, *, lookup_id: str | None = None,
+                 **kv: Any) -> RetrieveResult:
+        """Load the KV of the stored prefix of ``tokens`` (what ``lookup_id``
+        prefetched, when given) through the connector, straight from the server."""
+        chunks = self.chunker.chunk(tokens)
+        if not len(chunks):
+            return RetrieveResult(0, None)
+        result: list[Any] = [None]
+
+        def consume(views: list[torch.Tensor]) -> None:
+            spans = [ChunkSpan(s, e, v) for s, e, v in zip(chunks.starts, chunks.ends, views,
+                                                           strict=False)]
+            result[0] = self.connector.from_chunks(spans, **kv)
+
+        expected = sum(self.spec.chunk_nbytes(e - s)
+                       for s, e in zip(chunks.starts, chunks.ends, strict=True))
+        n = self.client.retrieve_into(chunks.keys, consume, lookup_id=lookup_id or "",
+                                      expected_bytes=expected)
+        return RetrieveResult(chunks.ends[n - 1] if n else 0, result[0] if n else None)
+
+    # -- the rest ----------------------------------------------------------------
+    def stats(self) -> list[dict[str, Any]]:
+        reply = self.client.stats()
+        return [] if reply is None else list(reply.tiers)
+
+    def close(self) -> None:
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            pending, self._pending = self._pending, {}
+            self._cond.notify_all()
+        for future in pending.values():
+            future.set_result(0)
+        self._poller.join(2.0)
+        self._lookups.close_connection()
+        self.client.close()
+
+    def __enter__(self) -> RemoteCacheEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,165 @@
+"""``RemoteCacheEngine`` (server mode) against a real ``lmkv server`` on loopback."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+import torch
+
+from lmkv.config import load_config
+from lmkv.engine import CacheEngine, open_engine
+from lmkv.gpu import KVSpec
+from lmkv.server.remote import RemoteCacheEngine
+from lmkv.tokens import prefix_hashes
+from lmkv_backends.gpu_torch import HFConnector, PagedConnector, PagedOptions
+from tests.server.procs import free_port, start_server
+
+L, H, D, BLOCK, CHUNK = 2, 2, 32, 8, 16
+SPEC = KVSpec(L, H, D, torch.bfloat16)  # a 16-token chunk is 8 KiB
+
+
+def config(server, transport: str = "auto", **extra):
+    return load_config(overrides={"lmkv.mode": "server", "lmkv.chunk_size": CHUNK,
+                                  "lmkv.server.address": server.address,
+                                  "lmkv.server.timeout_ms": 5000,
+                                  "lmkv.server.transport": transport, **extra})
+
+
+def paged_engine(cfg) -> RemoteCacheEngine:
+    engine = open_engine(cfg, SPEC, model_name="remote-test",
+                         connector=PagedConnector(PagedOptions(layout="cpu"), SPEC))
+    assert isinstance(engine, RemoteCacheEngine)
+    return engine
+
+
+def caches(seed: int | None, blocks: int = 16) -> list[torch.Tensor]:
+    shape = (blocks, H, BLOCK, 2 * D)
+    if seed is None:
+        return [torch.zeros(shape, dtype=torch.bfloat16) for _ in range(L)]
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(shape, generator=gen).to(torch.bfloat16) for _ in range(L)]
+
+
+def tokens_kv(kv: list[torch.Tensor], block_ids: list[int], n: int) -> list[torch.Tensor]:
+    """Per layer, the KV of the first ``n`` tokens in token order."""
+    out = []
+    for cache in kv:
+        rows = torch.cat([cache[b] for b in block_ids], dim=1)  # [H, blocks * BLOCK, 2D]
+        out.append(rows[:, :n])
+    return out
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    return [seed * 10_000 + i for i in range(n)]
+
+
+@pytest.mark.parametrize("transport", ["auto", "frame"])
+def test_kv_stored_by_one_engine_loads_into_another_bit_identical(server, transport) -> None:
+    tokens = prompt(1 if transport == "auto" else 2, 5 * CHUNK + 3)  # 5 whole chunks
+    src, src_blocks = caches(7), [3, 9, 1, 4, 12, 6, 0, 2, 5, 7, 8]
+    with paged_engine(config(server, transport)) as writer:
+        assert writer.client.shared_memory == (transport == "auto")
+        assert writer.store(tokens, kv_caches=src, block_ids=src_blocks) == 5 * CHUNK
+        assert writer.store(tokens, kv_caches=src, block_ids=src_blocks) == 0  # held already
+        assert writer.lookup(tokens) == 5 * CHUNK
+    dst, dst_blocks = caches(None), [15, 14, 13, 0, 1, 2, 3, 4, 5, 6, 7]
+    with paged_engine(config(server, transport)) as reader:  # another session
+        got = reader.retrieve(tokens, kv_caches=dst, block_ids=dst_blocks)
+        assert got.num_tokens == 5 * CHUNK
+        assert reader.client.counters.error_replies == 0
+    n = 5 * CHUNK
+    for a, b in zip(tokens_kv(src, src_blocks, n), tokens_kv(dst, dst_blocks, n), strict=True):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+    untouched = set(range(16)) - set(dst_blocks[:n // BLOCK])
+    assert all(not dst[layer][b].any() for layer in range(L) for b in untouched)
+
+
+def test_prefetched_lookup_is_what_retrieve_loads(server) -> None:
+    tokens = prompt(3, 4 * CHUNK)
+    src, blocks = caches(11), list(range(8))
+    with paged_engine(config(server)) as engine:
+        engine.store(tokens[:2 * CHUNK], kv_caches=src, block_ids=blocks)
+        hashes = prefix_hashes(tokens, CHUNK)
+        ends = [CHUNK * (i + 1) for i in range(4)]
+        assert engine.lookup_and_prefetch_hashes("req-1", hashes, ends).result(5) == 2 * CHUNK
+        assert engine.client.stats().server.held_lookups == 1
+        dst = caches(None)
+        got = engine.retrieve(tokens, lookup_id="req-1", kv_caches=dst, block_ids=blocks)
+        assert got.num_tokens == 2 * CHUNK
+        assert engine.client.stats().server.held_lookups == 0  # consumed
+        assert all(torch.equal(a, b) for a, b in zip(tokens_kv(src, blocks, 2 * CHUNK),
+                                                     tokens_kv(dst, blocks, 2 * CHUNK),
+                                                     strict=True))
+        # A lookup that will not be loaded is released, server-side too.
+        assert engine.lookup_and_prefetch_hashes("req-2", hashes, ends).result(5) == 2 * CHUNK
+        engine.release_lookup("req-2")
+        assert engine.client.stats().server.held_lookups == 0
+        assert engine.lookup_and_prefetch_hashes("req-3", [], []).result(1) == 0
+
+
+def test_prefetch_from_disk_after_a_server_restart(tmp_path) -> None:
+    """A restarted server finds the chunks on its disk tier only: the prefetch
+    reads them back (asynchronously) and the load is bit-identical."""
+    disk = tmp_path / "disk"
+    tiers = (f"tiers:\n  - type: cpu\n    options: {{max_bytes: 16MiB}}\n"
+             f"  - type: fs\n    options: {{url: '{disk}'}}\n")
+    tokens = prompt(4, 3 * CHUNK)
+    src, blocks = caches(5), list(range(6))
+    port = free_port()
+    first = start_server(tmp_path, tiers, port=port, name="first")
+    try:
+        with paged_engine(config(first)) as engine:
+            assert engine.store(tokens, kv_caches=src, block_ids=blocks) == 3 * CHUNK
+    finally:
+        assert first.stop(signal.SIGTERM) == 0, first.log()  # drains the disk writes
+    second = start_server(tmp_path, tiers, port=port, name="second")
+    try:
+        with paged_engine(config(second)) as engine:
+            hashes = prefix_hashes(tokens, CHUNK)
+            future = engine.lookup_and_prefetch_hashes("disk", hashes, [16, 32, 48])
+            assert future.result(10) == 3 * CHUNK
+            dst = caches(None)
+            assert engine.retrieve(tokens, lookup_id="disk", kv_caches=dst,
+                                   block_ids=blocks).num_tokens == 3 * CHUNK
+    finally:
+        second.stop(signal.SIGTERM)
+    assert all(torch.equal(a, b) for a, b in zip(tokens_kv(src, blocks, 3 * CHUNK),
+                                                 tokens_kv(dst, blocks, 3 * CHUNK),
+                                                 strict=True))
+
+
+def test_transformers_style_engine_in_server_mode(server) -> None:
+    """``CacheEngine.from_config`` honours ``mode: server`` (the hf connector builds
+    its KV from the server's chunks before they are released)."""
+    engine = CacheEngine.from_config(config(server), SPEC, model_name="remote-hf")
+    assert isinstance(engine, RemoteCacheEngine) and isinstance(engine.connector, HFConnector)
+    tokens = prompt(5, 2 * CHUNK)
+    gen = torch.Generator().manual_seed(3)
+    kv = [(torch.randn(1, H, 2 * CHUNK, D, generator=gen).to(torch.bfloat16),
+           torch.randn(1, H, 2 * CHUNK, D, generator=gen).to(torch.bfloat16))
+          for _ in range(L)]
+    with engine:
+        assert engine.store(tokens, kv=kv) == 2 * CHUNK
+        got = engine.retrieve(tokens)
+    assert got.num_tokens == 2 * CHUNK
+    for (k, v), (k2, v2) in zip(kv, got.kv, strict=True):
+        assert torch.equal(k, k2) and torch.equal(v, v2)
+
+
+def test_no_server_is_a_miss_not_an_error() -> None:
+    cfg = load_config(overrides={"lmkv.mode": "server", "lmkv.chunk_size": CHUNK,
+                                 "lmkv.server.address": f"tcp://127.0.0.1:{free_port()}",
+                                 "lmkv.server.timeout_ms": 200})
+    tokens = prompt(6, 2 * CHUNK)
+    t0 = time.monotonic()
+    with paged_engine(cfg) as engine:
+        kv, blocks = caches(1), list(range(4))
+        assert engine.store(tokens, kv_caches=kv, block_ids=blocks) == 0
+        assert engine.lookup(tokens) == 0
+        future = engine.lookup_and_prefetch_hashes("x", prefix_hashes(tokens, CHUNK), [16, 32])
+        assert future.result(5) == 0
+        assert engine.retrieve(tokens, kv_caches=kv, block_ids=blocks).num_tokens == 0
+        assert engine.client.counters.unreachable + engine.client.counters.timeouts > 0
+    assert time.monotonic() - t0 < 5
