@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass
 from collections.abc import Sequence
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any
 
 import torch
