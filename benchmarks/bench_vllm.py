@@ -1,6 +1,7 @@
 """Time to first token in a real vLLM (CPU build): vLLM's prefix cache vs connectors.
 
-Run with the vLLM venv: ``/work/vllm-venv/bin/python benchmarks/bench_vllm.py``.
+Run with the vLLM venv: ``.venv-vllm/bin/python benchmarks/bench_vllm.py``
+(``./scripts/setup-vllm.sh`` makes it).
 A random-weight Llama (~107M parameters with embeddings, float32). For N = 512,
 2048 and 4096: TTFT (wall time of ``llm.generate`` with ``max_tokens=1``, greedy)
 of a cold prompt (N fresh random tokens plus 16) and of a warm prompt (the first
@@ -12,12 +13,20 @@ in its own subprocess:
 * ``example-conn``: vLLM's ``ExampleConnector`` (disk), prefix caching off;
 * ``lmkv``: ``LMKVConnector``, cpu tier, prefix caching off;
 * ``lmkv-2proc``: a first process stores the prompts (cpu + fs tier, flushed);
-  a fresh second process measures (cold with fresh prompts, warm from disk).
+  a fresh second process measures (cold with fresh prompts, warm from disk);
+* ``lmkv-server``: server mode (``lmkv.mode: server``), an ``lmkv server`` with
+  a cpu tier owns the KV, one vLLM process stores and loads through it;
+* ``lmkv-server-2proc``: server mode, a first process stores the prompts into
+  a fresh server; a fresh second process measures (warm from the server's
+  shared-memory arena).
+
+``--configs a,b`` runs a subset (``prefix-cache`` always runs: it is the baseline).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import statistics
@@ -30,7 +39,8 @@ LENGTHS = (512, 2048, 4096)
 REPEATS = 3
 CHUNK = 256
 MAX_MODEL_LEN = 4608
-CONFIGS = ("prefix-cache", "example-conn", "lmkv", "lmkv-2proc")
+CONFIGS = ("prefix-cache", "example-conn", "lmkv", "lmkv-2proc", "lmkv-server",
+           "lmkv-server-2proc")
 
 
 def tokens(tag: str, n: int) -> list[int]:
@@ -75,10 +85,14 @@ def make_llm(model_dir: str, mode: str, tmp: str):  # type: ignore[no-untyped-de
         tiers: list = [{"type": "cpu", "options": {"max_bytes": "2GiB"}}]
         if mode.startswith("lmkv-2proc"):
             tiers.append({"type": "fs", "options": {"url": os.path.join(tmp, "lmkv-fs")}})
+        extra = {"lmkv.chunk_size": CHUNK, "lmkv.tiers": tiers}
+        if mode.startswith("lmkv-server"):
+            extra = {"lmkv.chunk_size": CHUNK, "lmkv.mode": "server",
+                     "lmkv.server.address": os.environ["BENCH_SERVER_ADDRESS"],
+                     "lmkv.server.timeout_ms": 2000}
         kwargs["kv_transfer_config"] = {
             "kv_connector": "LMKVConnector", "kv_connector_module_path": "lmkv.integrations.vllm",
-            "kv_role": "kv_both",
-            "kv_connector_extra_config": {"lmkv.chunk_size": CHUNK, "lmkv.tiers": tiers}}
+            "kv_role": "kv_both", "kv_connector_extra_config": extra}
     return LLM(model=model_dir, enforce_eager=True, dtype="float32",
                max_model_len=MAX_MODEL_LEN, enable_prefix_caching=mode == "prefix-cache",
                max_num_seqs=4, seed=0, max_num_batched_tokens=MAX_MODEL_LEN, **kwargs)
@@ -125,13 +139,14 @@ def run(model_dir: str, mode: str, tmp: str) -> dict:
         return (time.perf_counter() - t0) * 1e3
 
     ttft(tokens("warm-up", 64))  # one short unrelated request first
-    if mode == "lmkv-2proc-writer":  # only stores the prompts the reader will extend
+    if mode.endswith("-writer"):  # only stores the prompts the reader will extend
         for length in LENGTHS:
             for i in range(REPEATS):
                 ttft(cold_prompt(length, i))
-        assert worker is not None and worker.engine.storage.flush(120), "disk writes unfinished"
+        storage = getattr(worker.engine, "storage", None)  # none in server mode
+        assert storage is None or storage.flush(120), "disk writes unfinished"
         return {"worker_counters": vars(worker.counters)}
-    reader = mode == "lmkv-2proc-reader"
+    reader = mode.endswith("-reader")
     result: dict = {}
     for length in LENGTHS:
         cold = [ttft(cold_prompt(length, i, "fresh" if reader else "base"))
@@ -164,22 +179,63 @@ def sub(mode: str, model_dir: str, tmp: str, env: dict) -> dict:
         return json.load(f)
 
 
+def start_server(tmp: str, env: dict) -> tuple[subprocess.Popen, str]:
+    """A fresh ``lmkv server`` (4 GiB cpu tier in shared memory) on a free port."""
+    import socket
+
+    from lmkv.server.client import ServerClient
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    config = os.path.join(tmp, "server.yaml")
+    with open(config, "w") as f:
+        f.write("tiers:\n  - type: cpu\n    options: {max_bytes: 4GiB}\n")
+    with open(os.path.join(tmp, f"server-{port}.log"), "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "lmkv.server", "--config", config,
+                                 "--port", str(port)], stdout=log, stderr=subprocess.STDOUT,
+                                env=env)
+    address = f"tcp://127.0.0.1:{port}"
+    logging.getLogger("lmkv.server.client").setLevel(logging.ERROR)  # misses until it is up
+    with ServerClient(address, timeout_ms=500) as client:
+        deadline = time.monotonic() + 60
+        while client.ping() is None:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit("the lmkv server did not start")
+            time.sleep(0.1)
+    return proc, address
+
+
 def main() -> int:
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0,1",
+    configs = list(CONFIGS)
+    if len(sys.argv) == 3 and sys.argv[1] == "--configs":
+        configs = ["prefix-cache", *(c for c in sys.argv[2].split(",") if c != "prefix-cache")]
+        unknown = set(configs) - set(CONFIGS)
+        if unknown:
+            raise SystemExit(f"unknown configs {sorted(unknown)}; known: {', '.join(CONFIGS)}")
+    cpus = f"0-{(os.cpu_count() or 1) - 1}"  # every configuration gets every CPU
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": cpus,
            "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     t_start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="lmkv-bench-vllm-") as tmp:
         model_dir = os.path.join(tmp, "model")
         print(f"model: {build(model_dir) / 1e6:.0f}M parameters, float32", flush=True)
         results = {}
-        for mode in CONFIGS:
-            if mode == "lmkv-2proc":
-                writer = sub("lmkv-2proc-writer", model_dir, tmp, env)
-                print("    writer counters:", writer["worker_counters"], flush=True)
-                mode_run = "lmkv-2proc-reader"
-            else:
-                mode_run = mode
-            results[mode] = sub(mode_run, model_dir, tmp, env)
+        for mode in configs:
+            server = None
+            if mode.startswith("lmkv-server"):
+                server, env["BENCH_SERVER_ADDRESS"] = start_server(tmp, env)
+            try:
+                if mode.endswith("-2proc"):
+                    writer = sub(f"{mode}-writer", model_dir, tmp, env)
+                    print("    writer counters:", writer["worker_counters"], flush=True)
+                    results[mode] = sub(f"{mode}-reader", model_dir, tmp, env)
+                else:
+                    results[mode] = sub(mode, model_dir, tmp, env)
+            finally:
+                if server is not None:
+                    server.terminate()
+                    server.wait(60)
     med = {m: {n: (statistics.median(r[str(n)]["cold"]), statistics.median(r[str(n)]["warm"]))
                for n in LENGTHS} for m, r in results.items()}
     print(f"\nTTFT, median of {REPEATS} (ms); cold = N + 16 tokens, warm = N + 2-16; "
@@ -198,7 +254,7 @@ def main() -> int:
             print(f"{m:<14}{n:>7}{cold:>10.1f}{warm:>10.1f}{warm / cold:>11.3f}"
                   f"{warm - med['prefix-cache'][n][1]:>+9.1f}  {note}")
     ok = True
-    for m in ("lmkv", "lmkv-2proc"):
+    for m in (c for c in configs if c.startswith("lmkv")):
         print(f"{m} worker counters: {results[m]['worker_counters']}")
         for n in LENGTHS:
             if any(x != n for x in results[m][str(n)]["loaded"]):
@@ -214,7 +270,7 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 6 and sys.argv[1] == "--run":
+    if len(sys.argv) == 6 and sys.argv[1] == "--run":  # one configuration's subprocess
         res = run(sys.argv[3], sys.argv[2], sys.argv[4])
         with open(sys.argv[5], "w") as f:
             json.dump(res, f)

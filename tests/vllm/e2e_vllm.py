@@ -134,6 +134,7 @@ def _start_server(tmp: str, env: dict) -> tuple[subprocess.Popen, str]:
                                  "--port", str(port)], stdout=log, stderr=subprocess.STDOUT,
                                 env=env)
     address = f"tcp://127.0.0.1:{port}"
+    logging.getLogger("lmkv.server.client").setLevel(logging.ERROR)  # misses until it is up
     with ServerClient(address, timeout_ms=500) as client:
         deadline = time.monotonic() + 60
         while client.ping() is None:

@@ -10,6 +10,7 @@ import torch
 
 from lmkv.config import LMKVConfig, PluginRef, resolve_plugin
 from lmkv.engine import CacheEngine, open_engine
+from lmkv.errors import ConfigError
 from lmkv.gpu import KVSpec
 from lmkv.integrations.vllm.config import lookup_endpoints
 from lmkv.integrations.vllm.metadata import LMKVConnectorMetadata, LMKVWorkerMetadata
@@ -67,10 +68,15 @@ class WorkerSide:
         layout, kv_heads, head_dim = detect_layout(first, self.head_size)
         self.block_size = first.shape[2]
         spec = KVSpec(len(self.kv_caches), kv_heads, head_dim, first.dtype)
-        connector_cls, options = resolve_plugin(
-            "gpu_connector", PluginRef(type="paged", options={"layout": layout}),
-            "gpu_connector")
+        # lmkv.gpu_connector picks another connector for vLLM's paged caches (a
+        # plugin's kernels, say); by default the built-in one, layout detected.
+        ref = self.config.gpu_connector or PluginRef(type="paged", options={"layout": layout})
+        connector_cls, options = resolve_plugin("gpu_connector", ref, "gpu_connector")
         connector = connector_cls(options, spec)
+        if connector.engine_kind != "paged":
+            raise ConfigError(f"gpu_connector = {connector.name!r}: cannot serve vLLM's paged "
+                              f"KV caches (it takes {connector.engine_kind or 'unknown'} KV); "
+                              "use 'paged' or another connector for paged caches")
         self.engine = open_engine(self.config, spec, model_name=self.model_name,
                                   connector=connector, world_size=self.world_size,
                                   worker_id=self.rank)
