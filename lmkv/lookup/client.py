@@ -213,10 +213,11 @@ class LookupClient:
                     self._cleanup_locked(lookup_id)
                     self._owed[lookup_id] = _Owed(sent, pending.deadline + STALE_ANSWER_TTL_S)
 
-    def poll(self, lookup_id: str) -> int | None:
-        """-1 unknown, None pending (after up to ``backoff_ms``), else the hit tokens."""
+    def poll(self, lookup_id: str, wait_s: float | None = None) -> int | None:
+        """-1 unknown, None pending (after waiting up to ``wait_s``, default
+        ``backoff_ms``, for the answer), else the hit tokens."""
         with self._lock:
-            wake_at = time.monotonic() + self.backoff_s
+            wake_at = time.monotonic() + (self.backoff_s if wait_s is None else max(wait_s, 0))
             while True:
                 result = self._results.get(lookup_id)
                 if result is not None:

@@ -92,6 +92,21 @@ def test_lazy_offload_skips_reused_blocks(caplog: pytest.LogCaptureFixture) -> N
     assert lazy.skipped == 1 and pool.blocks[0].ref_cnt == 0
 
 
+def test_steps_of_one_request_are_submitted_as_one_store() -> None:
+    """Chunked prefill plans a request's store over several steps; finished, it is
+    one store of its longest plan over all its blocks, protected once."""
+    lazy, pool = make_lazy()
+    hashes = ["r-0", "r-1", "r-2", "r-3"]
+    for i, h in enumerate(hashes):
+        pool.blocks[i].block_hash = h
+    lazy.add(StoreSpec("r", list(range(8)), [0, 1]), hashes[:2])
+    lazy.add(StoreSpec("r", list(range(16)), [0, 1, 2, 3]), hashes)
+    lazy.finished("r")
+    (spec,) = lazy.select(1)
+    assert spec.token_ids == list(range(16)) and spec.block_ids == [0, 1, 2, 3]
+    assert [pool.blocks[i].ref_cnt for i in range(4)] == [1, 1, 1, 1]
+
+
 def test_unfinished_request_is_never_marked() -> None:
     lazy, _ = make_lazy()
     lazy.finished("never-stored")  # no pending store: nothing to mark

@@ -62,18 +62,22 @@ class LazyOffload:
             return []
         out = []
         for item in self.policy.pop_items_for_offload(self.select_count):
-            for spec in item.metas:
-                n = -(-len(spec.token_ids) // self.block_size)
-                block_ids = spec.block_ids[:n]
-                if not all(self._intact(bid, item.block_hashes.get(bid)) for bid in block_ids):
-                    self.skipped += 1
-                    logger.warning("block hashes mismatch for request %s, skip it", spec.req_id)
-                    continue
-                store_id = f"{spec.req_id}#{next(self._ids)}"
-                blocks = [self.pool.blocks[bid] for bid in block_ids]
-                self.pool.touch(blocks)
-                self._protected[store_id] = blocks
-                out.append(StoreSpec(spec.req_id, spec.token_ids, spec.block_ids, store_id))
+            if not item.metas:
+                continue
+            # The steps of a request aggregate into one store: its longest plan
+            # (the latest among equals, e.g. after a preemption) covers the others.
+            spec = max(reversed(item.metas), key=lambda m: len(m.token_ids))
+            n = -(-len(spec.token_ids) // self.block_size)
+            block_ids = spec.block_ids[:n]
+            if not all(self._intact(bid, item.block_hashes.get(bid)) for bid in block_ids):
+                self.skipped += 1
+                logger.warning("block hashes mismatch for request %s, skip it", spec.req_id)
+                continue
+            store_id = f"{spec.req_id}#{next(self._ids)}"
+            blocks = [self.pool.blocks[bid] for bid in block_ids]
+            self.pool.touch(blocks)
+            self._protected[store_id] = blocks
+            out.append(StoreSpec(spec.req_id, spec.token_ids, block_ids, store_id))
         return out
 
     def _intact(self, block_id: int, snapshot: Any) -> bool:

@@ -3,7 +3,11 @@
 A lookup is started the first time vLLM asks about a request; until every
 worker has answered (or the lookup timed out, which answers 0) vLLM is told
 "not known yet" and asks again on a later step, so a slow tier never stalls
-the scheduling loop.
+the scheduling loop. Asks may wait for answers, but all the asks of one
+scheduling step together wait at most ``lookup.backoff_ms``: a lone request
+gets its (typically sub-millisecond) answer in the step that asked, a burst
+of new requests has all its lookups in flight at once and is answered on the
+next step, and a slow lookup costs a step at most that much.
 
 
 Eager offload: every step's newly computed whole chunks of the prompt are
@@ -14,6 +18,7 @@ plans are buffered in ``LazyOffload`` and submitted after requests finish.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,6 +61,8 @@ class SchedulerSide:
                                    timeout_ms=config.lookup.timeout_ms,
                                    backoff_ms=config.lookup.backoff_ms)
         self.counters = SchedulerCounters()
+        self._step_wait_s = config.lookup.backoff_ms / 1000
+        self._wait_left_s = self._step_wait_s  # of this scheduling step
         self._hits: dict[str, int] = {}  # req id -> stored prefix (tokens)
         self._pending: dict[str, int] = {}  # req id -> tokens looked up, answer not in yet
         self._loads: dict[str, int] = {}  # req id -> external tokens vLLM allocated for
@@ -81,7 +88,9 @@ class SchedulerSide:
                 self.counters.lookups += 1
                 self._pending[req_id] = limit
                 self.client.lookup(req_id, prompt[:limit])
-            result = self.client.poll(req_id)  # waits up to backoff_ms for the answer
+            t0 = time.monotonic()
+            result = self.client.poll(req_id, self._wait_left_s)
+            self._wait_left_s -= time.monotonic() - t0
             if result is None:
                 return None
             del self._pending[req_id]
@@ -99,6 +108,7 @@ class SchedulerSide:
 
     # -- per step --------------------------------------------------------------
     def build_meta(self, out: Any) -> LMKVConnectorMetadata:
+        self._wait_left_s = self._step_wait_s  # the end of a step: a fresh wait budget
         meta = LMKVConnectorMetadata()
         for new in out.scheduled_new_reqs:
             req = self._reqs[new.req_id] = _Req(list(new.prompt_token_ids or []),

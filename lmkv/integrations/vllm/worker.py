@@ -1,8 +1,10 @@
-"""Worker side: one in-process CacheEngine over vLLM's paged KV caches."""
+"""Worker side: a cache engine (in-process, or an lmkv server's) over vLLM's paged KV caches."""
 
 from __future__ import annotations
 
 import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -13,7 +15,11 @@ from lmkv.engine import CacheEngine, open_engine
 from lmkv.errors import ConfigError
 from lmkv.gpu import KVSpec
 from lmkv.integrations.vllm.config import lookup_endpoints
-from lmkv.integrations.vllm.metadata import LMKVConnectorMetadata, LMKVWorkerMetadata
+from lmkv.integrations.vllm.metadata import (
+    LMKVConnectorMetadata,
+    LMKVWorkerMetadata,
+    StoreSpec,
+)
 from lmkv.lookup.server import LookupServer
 
 if TYPE_CHECKING:
@@ -60,7 +66,9 @@ class WorkerSide:
         self.kv_caches: list[torch.Tensor] = []
         self.block_size = 0
         self._failed: set[int] = set()
-        self._done: dict[str, int] = {}  # lazy stores finished this step
+        self._done: dict[str, int] = {}  # lazy stores finished since the last report
+        self._lock = threading.Lock()
+        self._saver = ThreadPoolExecutor(1, thread_name_prefix="lmkv-lazy-store")
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.kv_caches = list(kv_caches.values())
@@ -111,22 +119,36 @@ class WorkerSide:
                                spec.req_id, got, want, len(failed))
 
     def save(self, meta: LMKVConnectorMetadata) -> None:
+        """Eager stores now (vLLM may reuse their blocks once the step ends); lazy
+        stores, whose blocks the scheduler protects until confirmed, in the
+        background, off the step's path."""
         assert self.engine is not None, "register_kv_caches was not called"
         for spec in meta.stores:
-            try:
-                n = self.engine.store(spec.token_ids, kv_caches=self.kv_caches,
-                                      block_ids=spec.block_ids)
+            if spec.store_id is None:
+                self._store(spec)
+            else:
+                self._saver.submit(self._store_lazy, spec)
+
+    def _store(self, spec: StoreSpec) -> None:
+        try:
+            n = self.engine.store(spec.token_ids, kv_caches=self.kv_caches,
+                                  block_ids=spec.block_ids)
+            with self._lock:
                 self.counters.stores += 1
                 self.counters.stored_tokens += n
-            except Exception:
-                logger.exception("lmkv: storing request %s failed", spec.req_id)
-            if spec.store_id is not None:  # confirmed even when failed: frees the blocks
-                self._done[spec.store_id] = 1
+        except Exception:
+            logger.exception("lmkv: storing request %s failed", spec.req_id)
+
+    def _store_lazy(self, spec: StoreSpec) -> None:
+        self._store(spec)
+        with self._lock:  # confirmed even when failed: frees the blocks
+            self._done[spec.store_id] = 1
 
     def take_worker_meta(self) -> LMKVWorkerMetadata | None:
-        if not self._done:
-            return None
-        done, self._done = self._done, {}
+        with self._lock:
+            if not self._done:
+                return None
+            done, self._done = self._done, {}
         return LMKVWorkerMetadata(done)
 
     def take_failed_blocks(self) -> set[int]:
@@ -134,6 +156,7 @@ class WorkerSide:
         return failed
 
     def close(self) -> None:
+        self._saver.shutdown(wait=True)  # lazy stores in flight finish first
         logger.info("lmkv worker counters: %s", vars(self.counters))
         if self.server is not None:
             self.server.close()
