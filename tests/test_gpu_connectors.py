@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from lmkv.gpu import ChunkSpan, KVSpec
-from lmkv_backends.gpu_torch import HFConnector, PagedConnector
+from lmkv_backends.gpu_torch import HFConnector, PagedConnector, _pieces, _scatter
 
 L, H, D = 3, 2, 8
 SPEC = KVSpec(L, H, D, torch.float32)
@@ -127,3 +127,147 @@ def test_paged_from_chunks_skips_tokens_the_engine_holds(layout: str, skip: int)
     for a, b in zip(ks + vs, ks2 + vs2, strict=True):
         assert torch.all(b[:skip] == 0)
         assert torch.equal(a[skip:], b[skip:])
+
+
+# -- paged copies against a token-by-token reference, all paths ---------------------------------
+
+PAGED = KVSpec(2, 3, 16, torch.float32)
+
+
+def paged_caches(layout: str, num_blocks: int, block: int, dtype: torch.dtype,
+                 contiguous: bool = True) -> list[torch.Tensor]:
+    h, d = PAGED.num_kv_heads, PAGED.head_dim
+    if layout == "flash":
+        shape, order = (num_blocks, 2, block, h, d), (1, 0, 2, 3, 4)
+    else:
+        shape, order = (h, num_blocks, block, 2 * d), (1, 0, 2, 3)
+    caches = [torch.randn(shape).to(dtype) for _ in range(PAGED.num_layers)]
+    caches = [c.permute(order) for c in caches]  # the cache shape, not contiguous
+    return [c.contiguous() for c in caches] if contiguous else caches
+
+
+def block_table(kind: str, n: int, num_blocks: int, seed: int) -> list[int]:
+    gen = torch.Generator().manual_seed(seed)
+    if kind == "consecutive":
+        first = int(torch.randint(0, num_blocks - n + 1, (1,), generator=gen))
+        return list(range(first, first + n))
+    if kind == "shuffled":
+        return torch.randperm(num_blocks, generator=gen)[:n].tolist()
+    # "runs": runs of 1-4 consecutive ids in random order
+    cuts = torch.randint(1, 5, (num_blocks,), generator=gen).cumsum(0).tolist()
+    starts = [0, *[c for c in cuts if c < num_blocks]]
+    runs = [list(range(a, b)) for a, b in zip(starts, [*starts[1:], num_blocks], strict=True)]
+    order = torch.randperm(len(runs), generator=gen).tolist()
+    return [b for i in order for b in runs[i]][:n]
+
+
+def token_index(caches: list[torch.Tensor], layout: str, ids: list[int], block: int,
+                total: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer, K and V as [T, H, D], each token picked at its (block, offset)."""
+    t = torch.arange(total)
+    b, o = torch.tensor(ids)[t // block], t % block
+    d = PAGED.head_dim
+    if layout == "flash":
+        return [(c[0, b, o], c[1, b, o]) for c in caches]
+    return [(c[b, :, o, :d], c[b, :, o, d:]) for c in caches]
+
+
+def write_tokens(caches: list[torch.Tensor], layout: str, ids: list[int], block: int,
+                 kv: list[tuple[torch.Tensor, torch.Tensor]], first: int) -> None:
+    """Write tokens ``first..`` of per-layer [T, H, D] K and V at (block, offset)."""
+    t = torch.arange(first, kv[0][0].shape[0])
+    b, o = torch.tensor(ids)[t // block], t % block
+    d = PAGED.head_dim
+    for cache, (k, v) in zip(caches, kv, strict=True):
+        if layout == "flash":
+            cache[0, b, o], cache[1, b, o] = k[first:], v[first:]
+        else:
+            cache[b, :, o, :d], cache[b, :, o, d:] = k[first:], v[first:]
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int16 if t.element_size() == 2 else torch.int32)
+
+
+def check_paged(layout: str, dtype: torch.dtype, total: int, chunk: int, block: int,
+                skip: int, table: str, contiguous: bool = True, tensor_ids: bool = False) -> None:
+    spec = KVSpec(PAGED.num_layers, PAGED.num_kv_heads, PAGED.head_dim, dtype)
+    conn = PagedConnector(PagedConnector.Options(layout=layout), spec)
+    n = -(-total // block)
+    num_blocks = 2 * n + 3
+    src_ids = block_table(table, n, num_blocks, seed=1)
+    dst_ids = block_table(table, n, num_blocks, seed=2)
+    src = paged_caches(layout, num_blocks, block, dtype, contiguous)
+    spans = []
+    for s in range(0, total, chunk):
+        shape = spec.chunk_shape(min(chunk, total - s))
+        buf = torch.full(shape, float("nan"), dtype=dtype)
+        if not contiguous:  # a buffer with the chunk shape, not contiguous
+            buf = torch.empty(shape[1], shape[0], *shape[2:], dtype=dtype).transpose(0, 1)
+        spans.append(ChunkSpan(s, min(s + chunk, total), buf))
+
+    conn.to_chunks(spans, kv_caches=src,
+                   block_ids=torch.tensor(src_ids) if tensor_ids else src_ids)
+    kv = token_index(src, layout, src_ids, block, total)
+    for span in spans:
+        expected = torch.stack([torch.stack([k[span.start:span.end], v[span.start:span.end]])
+                                for k, v in kv])
+        assert torch.equal(bits(span.buffer), bits(expected))
+
+    dst = paged_caches(layout, num_blocks, block, dtype, contiguous)
+    expected = [c.clone() for c in dst]
+    write_tokens(expected, layout, dst_ids, block, kv, skip)
+    conn.from_chunks(spans, kv_caches=dst, skip_tokens=skip,
+                     block_ids=torch.tensor(dst_ids) if tensor_ids else dst_ids)
+    # the loaded tokens are bit-identical; tokens before skip_tokens, the rest of
+    # the last block and blocks outside the table are untouched
+    for got, want in zip(dst, expected, strict=True):
+        assert torch.equal(bits(got), bits(want))
+
+
+@pytest.mark.parametrize("layout", ["flash", "cpu"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("table", ["consecutive", "runs", "shuffled"])
+@pytest.mark.parametrize("total,chunk,block,skip", [
+    (1000, 256, 96, 0),  # chunks straddle blocks; partial last chunk and last block
+    (1000, 256, 96, 192),  # skip_tokens on a block boundary
+    (1000, 256, 96, 200),  # ... inside a block
+    (1000, 256, 96, 256),  # ... on a chunk boundary
+    (1024, 256, 128, 0),  # chunks of whole blocks
+    (1000, 256, 128, 300),
+    (200, 64, 16, 37),
+    (1000, 256, 16, 100),  # small blocks: scattered with index_copy_ when fragmented
+])
+def test_paged_copies_match_token_by_token(layout: str, dtype: torch.dtype, table: str,
+                                           total: int, chunk: int, block: int,
+                                           skip: int) -> None:
+    check_paged(layout, dtype, total, chunk, block, skip, table)
+
+
+@pytest.mark.parametrize("layout", ["flash", "cpu"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_paged_copies_with_strided_caches_and_buffers(layout: str, dtype: torch.dtype) -> None:
+    check_paged(layout, dtype, 1000, 256, 96, 100, "runs", contiguous=False)
+
+
+@pytest.mark.parametrize("layout", ["flash", "cpu"])
+def test_paged_block_ids_as_a_tensor(layout: str) -> None:
+    check_paged(layout, torch.bfloat16, 1000, 256, 96, 100, "runs", tensor_ids=True)
+
+
+def test_paged_copies_whole_runs_of_consecutive_blocks_at_once() -> None:
+    # (first block, blocks, first offset, tokens per block, first token)
+    assert _pieces(0, 400, [4, 5, 6, 9, 10], 96) == [
+        (4, 3, 0, 96, 0), (9, 1, 0, 96, 288), (10, 1, 0, 16, 384)]
+    assert _pieces(100, 300, [4, 5, 6, 7], 96) == [
+        (5, 1, 4, 92, 100), (6, 1, 0, 96, 192), (7, 1, 0, 12, 288)]
+
+
+@pytest.mark.parametrize("head_dim,offset", [(8, 0), (8, 1), (4, 0)])
+def test_paged_scatter_moves_rows_bit_for_bit(head_dim: int, offset: int) -> None:
+    """Rows go as 16-byte elements when their size and alignment allow, else as they are."""
+    source = torch.randn(3 * head_dim + offset).to(torch.bfloat16)[offset:].view(3, head_dim)
+    rows = torch.zeros(6, head_dim, dtype=torch.bfloat16)
+    _scatter(rows, torch.tensor([4, 0, 2]), source)
+    assert torch.equal(bits(rows[[4, 0, 2]]), bits(source))
+    assert torch.all(rows[[1, 3, 5]] == 0)
