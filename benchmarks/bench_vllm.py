@@ -2,7 +2,8 @@
 
 Run with the vLLM venv: ``.venv-vllm/bin/python benchmarks/bench_vllm.py``
 (``./scripts/setup-vllm.sh`` makes it).
-A random-weight Llama (~107M parameters with embeddings, float32). For N = 512,
+A random-weight Llama (~107M parameters with embeddings; float32, or
+``--dtype bfloat16``: the KV is then half the bytes). For N = 512,
 2048 and 4096: TTFT (wall time of ``llm.generate`` with ``max_tokens=1``, greedy)
 of a cold prompt (N fresh random tokens plus 16) and of a warm prompt (the first
 N tokens of an earlier cold prompt plus 2-16 new ones, so the reusable prefix is
@@ -20,7 +21,8 @@ in its own subprocess:
   a fresh server; a fresh second process measures (warm from the server's
   shared-memory arena).
 
-``--configs a,b`` runs a subset (``prefix-cache`` always runs: it is the baseline).
+``--configs a,b`` runs a subset (``prefix-cache`` always runs: it is the baseline);
+``--repeats N`` takes the median of N (default 3).
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ import tempfile
 import time
 
 LENGTHS = (512, 2048, 4096)
-REPEATS = 3
+REPEATS = int(os.environ.get("BENCH_REPEATS", "3"))
+DTYPE = os.environ.get("BENCH_DTYPE", "float32")
 CHUNK = 256
 MAX_MODEL_LEN = 4608
 CONFIGS = ("prefix-cache", "example-conn", "lmkv", "lmkv-2proc", "lmkv-server",
@@ -67,7 +70,7 @@ def build(model_dir: str) -> int:
     from lmkv.integrations.hf_model import build_model, build_tokenizer
     model = build_model(hidden_size=1024, num_layers=8, num_heads=16, num_kv_heads=4,
                         head_dim=64, intermediate_size=2816, vocab_size=8192,
-                        max_position_embeddings=MAX_MODEL_LEN, dtype=torch.float32)
+                        max_position_embeddings=MAX_MODEL_LEN, dtype=getattr(torch, DTYPE))
     model.save_pretrained(model_dir)
     build_tokenizer().save_pretrained(model_dir)
     return sum(p.numel() for p in model.parameters())
@@ -92,8 +95,9 @@ def make_llm(model_dir: str, mode: str, tmp: str):  # type: ignore[no-untyped-de
                      "lmkv.server.timeout_ms": 2000}
         kwargs["kv_transfer_config"] = {
             "kv_connector": "LMKVConnector", "kv_connector_module_path": "lmkv.integrations.vllm",
-            "kv_role": "kv_both", "kv_connector_extra_config": extra}
-    return LLM(model=model_dir, enforce_eager=True, dtype="float32",
+            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": extra}
+    return LLM(model=model_dir, enforce_eager=True, dtype=DTYPE,
                max_model_len=MAX_MODEL_LEN, enable_prefix_caching=mode == "prefix-cache",
                max_num_seqs=4, seed=0, max_num_batched_tokens=MAX_MODEL_LEN, **kwargs)
 
@@ -207,19 +211,26 @@ def start_server(tmp: str, env: dict) -> tuple[subprocess.Popen, str]:
 
 
 def main() -> int:
-    configs = list(CONFIGS)
-    if len(sys.argv) == 3 and sys.argv[1] == "--configs":
-        configs = ["prefix-cache", *(c for c in sys.argv[2].split(",") if c != "prefix-cache")]
-        unknown = set(configs) - set(CONFIGS)
-        if unknown:
-            raise SystemExit(f"unknown configs {sorted(unknown)}; known: {', '.join(CONFIGS)}")
+    import argparse
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--configs", default=",".join(CONFIGS))
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    configs = ["prefix-cache", *(c for c in args.configs.split(",") if c != "prefix-cache")]
+    unknown = set(configs) - set(CONFIGS)
+    if unknown:
+        raise SystemExit(f"unknown configs {sorted(unknown)}; known: {', '.join(CONFIGS)}")
+    global REPEATS, DTYPE
+    REPEATS, DTYPE = args.repeats, args.dtype
+    os.environ.update(BENCH_REPEATS=str(REPEATS), BENCH_DTYPE=DTYPE)  # for the subprocesses
     cpus = f"0-{(os.cpu_count() or 1) - 1}"  # every configuration gets every CPU
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": cpus,
            "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     t_start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="lmkv-bench-vllm-") as tmp:
         model_dir = os.path.join(tmp, "model")
-        print(f"model: {build(model_dir) / 1e6:.0f}M parameters, float32", flush=True)
+        print(f"model: {build(model_dir) / 1e6:.0f}M parameters, {DTYPE}", flush=True)
         results = {}
         for mode in configs:
             server = None

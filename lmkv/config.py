@@ -101,6 +101,7 @@ class LMKVConfig(_Model):
     write_through_queue_chunks: PositiveInt = 1024
     lookup: LookupConfig = Field(default_factory=LookupConfig)
     mode: Literal["in_process", "server"] = "in_process"
+    async_load: bool = False
     server: ServerConnection = Field(default_factory=ServerConnection)
     lazy_offload: bool = False
     lazy_offload_policy: PluginRef = Field(default_factory=lambda: PluginRef(type="FIFO"))

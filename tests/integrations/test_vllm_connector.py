@@ -117,3 +117,92 @@ def test_connector_loads_where_vllm_is_installed() -> None:
     pytest.importorskip("vllm")
     from lmkv.integrations.vllm import LMKVConnector
     assert LMKVConnector.__name__ == "LMKVConnector"
+
+
+# -- the scheduler side against a real worker engine over the lookup channel ----------
+
+def _scheduler_and_worker(tmp_path, **keys):  # type: ignore[no-untyped-def]
+    import torch
+
+    from lmkv.engine import CacheEngine
+    from lmkv.gpu import KVSpec
+    from lmkv.integrations.vllm.config import lookup_endpoints
+    from lmkv.integrations.vllm.scheduler import SchedulerSide
+    from lmkv.lookup.server import LookupServer
+    from lmkv.storage import StorageManager
+    from lmkv_backends.gpu_torch import PagedConnector, PagedOptions
+
+    config = load_config(overrides={"lmkv.chunk_size": 16,
+                                    "lmkv.lookup.runtime_dir": str(tmp_path), **keys})
+    spec = KVSpec(2, 2, 8, torch.float32)
+    engine = CacheEngine(config, spec, model_name="m",
+                         connector=PagedConnector(PagedOptions(layout="cpu"), spec),
+                         storage=StorageManager.from_config(config))
+    server = LookupServer.for_rank(engine, lookup_endpoints(config, "e2", 1), 0)
+    vllm_config = SimpleNamespace(kv_transfer_config=SimpleNamespace(engine_id="e2"),
+                                  parallel_config=SimpleNamespace(world_size=1))
+    caches = [torch.randn(8, 2, 16, 16) for _ in range(2)]  # blocks of 16 tokens
+    return SchedulerSide(config, vllm_config), engine, server, caches
+
+
+def _no_steps(new=()):  # type: ignore[no-untyped-def]
+    cached = SimpleNamespace(req_ids=[], new_block_ids=[], resumed_req_ids=set(),
+                             num_computed_tokens=[])
+    return SimpleNamespace(scheduled_new_reqs=list(new), scheduled_cached_reqs=cached,
+                           num_scheduled_tokens={}, total_num_scheduled_tokens=0)
+
+
+def _ask(sched, request, computed: int) -> int:  # type: ignore[no-untyped-def]
+    import time
+    deadline = time.monotonic() + 15
+    while (n := sched.num_new_matched_tokens(request, computed)) is None:
+        assert time.monotonic() < deadline, "no lookup answer"
+        sched.build_meta(_no_steps())  # a step ends: a fresh wait budget
+    return n
+
+
+def test_async_load_is_planned_at_allocation_and_not_stored_again(tmp_path) -> None:
+    sched, engine, server, caches = _scheduler_and_worker(tmp_path, **{"lmkv.async_load": True})
+    try:
+        prompt = list(range(100, 150))  # 3 whole chunks of 16 + 2 tokens
+        engine.store(prompt[:48], kv_caches=caches, block_ids=[0, 1, 2, 3])
+        request = SimpleNamespace(request_id="r", prompt_token_ids=prompt, block_hashes=[])
+        assert _ask(sched, request, 16) == 32  # vLLM had the first chunk itself
+        sched.after_alloc(request, [5, 6, 7, 4], 32)
+        (load,) = sched.build_meta(_no_steps()).loads
+        assert (load.async_load, load.token_ids, load.block_ids, load.skip_tokens) == \
+            (True, prompt[:48], [5, 6, 7, 4], 16)
+        assert sched.build_meta(_no_steps()).loads == []  # planned once
+        # Loaded, vLLM schedules it: the loaded chunks are not planned as a store.
+        new = SimpleNamespace(req_id="r", prompt_token_ids=prompt, block_ids=([5, 6, 7, 4],),
+                              num_computed_tokens=48)
+        out = _no_steps([new])
+        out.num_scheduled_tokens = {"r": 2}
+        meta = sched.build_meta(out)
+        assert meta.loads == [] and meta.stores == []
+    finally:
+        sched.close()
+        server.close()
+        engine.close()
+
+
+def test_synchronous_load_is_planned_when_scheduled(tmp_path) -> None:
+    sched, engine, server, caches = _scheduler_and_worker(tmp_path)
+    try:
+        prompt = list(range(200, 240))  # 2 whole chunks + 8 tokens
+        engine.store(prompt[:32], kv_caches=caches, block_ids=[0, 1])
+        request = SimpleNamespace(request_id="s", prompt_token_ids=prompt, block_hashes=[])
+        assert _ask(sched, request, 0) == 32
+        sched.after_alloc(request, [3, 2, 1], 32)
+        assert sched.build_meta(_no_steps()).loads == []  # nothing until it is scheduled
+        new = SimpleNamespace(req_id="s", prompt_token_ids=prompt, block_ids=([3, 2, 1],),
+                              num_computed_tokens=32)
+        out = _no_steps([new])
+        out.num_scheduled_tokens = {"s": 8}
+        (load,) = sched.build_meta(out).loads
+        assert (load.async_load, load.token_ids, load.block_ids, load.skip_tokens) == \
+            (False, prompt[:32], [3, 2, 1], 0)
+    finally:
+        sched.close()
+        server.close()
+        engine.close()

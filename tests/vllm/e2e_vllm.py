@@ -4,7 +4,10 @@ Run with the vLLM venv: ``./scripts/setup-vllm.sh && .venv-vllm/bin/python
 tests/vllm/e2e_vllm.py`` (a step of .ci/run).
 Each vLLM run is a subprocess: a baseline without lmkv, then lmkv with eager
 offload (vLLM prefix caching off), then lmkv with lazy offload (FIFO,
-threshold 1; prefix caching on, as lazy offload verifies block hashes). The
+threshold 1; prefix caching on, as lazy offload verifies block hashes), then
+with asynchronous loads (``lmkv.async_load``: vLLM schedules the second request
+once the worker reported its load finished). A run whose loads all fail must
+report the blocks and generate the baseline's tokens (vLLM recomputes). The
 second prompt shares a long prefix with the first and must load it from lmkv
 and generate exactly the baseline's tokens (greedy). In the lazy run a filler
 request's step submits the first request's store, then vLLM's own prefix
@@ -60,9 +63,13 @@ def run(model_dir: str, mode: str) -> dict:
     extra: dict = {"lmkv.chunk_size": CHUNK}
     if mode == "corrupt":  # negative control: noisy loaded KV must change the output
         _corrupt_loads()
+    if mode == "load-fails":  # every load fails: vLLM must recompute, output unchanged
+        _failing_loads()
     if mode == "lazy":
         extra.update({"lmcache.mp.lazy_offload": True,
                       "lmcache.mp.lazy_offload_threshold": 1})
+    if mode == "async":
+        extra["lmkv.async_load"] = True
     if mode.startswith("disk"):
         extra["lmkv.tiers"] = [{"type": "cpu", "options": {"max_bytes": "256MiB"}},
                                {"type": "fs", "options": {"url": os.environ["E2E_DISK_TIER_DIR"]}}]
@@ -73,7 +80,7 @@ def run(model_dir: str, mode: str) -> dict:
         kwargs["kv_transfer_config"] = {
             "kv_connector": "LMKVConnector",
             "kv_connector_module_path": "lmkv.integrations.vllm",
-            "kv_role": "kv_both",
+            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": extra,
         }
     llm = LLM(model=model_dir, enforce_eager=True, dtype="float32", max_model_len=2048,
@@ -158,6 +165,15 @@ def _corrupt_loads() -> None:
     PagedConnector.from_chunks = noisy  # type: ignore[method-assign]
 
 
+def _failing_loads() -> None:
+    from lmkv.engine import CacheEngine
+
+    def fail(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        raise RuntimeError("simulated: the chunks vanished between lookup and load")
+
+    CacheEngine.retrieve = fail  # type: ignore[method-assign]
+
+
 def _metrics(llm: object) -> dict:
     """vLLM's counters about external (connector) hits, where this vLLM has them."""
     try:
@@ -188,8 +204,8 @@ def main() -> int:
         env["E2E_DISK_TIER_DIR"] = os.path.join(tmp, "disk")
         server, env["E2E_SERVER_ADDRESS"] = _start_server(tmp, env)
         try:
-            for mode in ("baseline", "eager", "lazy", "corrupt", "disk-writer", "disk-reader",
-                         "server-writer", "server-reader"):
+            for mode in ("baseline", "eager", "lazy", "async", "corrupt", "load-fails",
+                         "disk-writer", "disk-reader", "server-writer", "server-reader"):
                 out = os.path.join(tmp, f"{mode}.json")
                 rc = subprocess.call([sys.executable, __file__, "--run", mode, model_dir, out],
                                      env=env)
@@ -210,7 +226,7 @@ def main() -> int:
     print("baseline outputs:", base["outputs"])
     expected_hit = min((len(prompts()[1]) - 1) // CHUNK, PREFIX // CHUNK) * CHUNK
     ok = True
-    for mode in ("eager", "lazy"):
+    for mode in ("eager", "lazy", "async"):
         lm = results[mode]
         counters = lm["worker_counters"]
         print(f"{mode} outputs:", lm["outputs"])
@@ -235,6 +251,13 @@ def main() -> int:
     if corrupt["worker_counters"]["loaded_tokens"] != expected_hit or \
             corrupt["outputs"][1] == base["outputs"][1]:
         print("FAIL (corrupt): noisy loaded KV did not change the output: the check is blind")
+        ok = False
+    fails = results["load-fails"]
+    print("load-fails (every load raises) outputs:", fails["outputs"],
+          "worker_counters:", fails["worker_counters"])
+    if fails["outputs"] != base["outputs"] or \
+            fails["worker_counters"]["failed_blocks"] != expected_hit // 128:
+        print("FAIL (load-fails): failed loads were not reported and recomputed")
         ok = False
     writer, reader = results["disk-writer"], results["disk-reader"]
     print("disk writer worker_counters:", writer["worker_counters"])

@@ -35,6 +35,12 @@ class LMKVConnector(KVConnectorBase_V1):
         self.scheduler_side = self.worker_side = None
         if role == KVConnectorRole.SCHEDULER:
             from lmkv.integrations.vllm.scheduler import SchedulerSide
+            if getattr(self._kv_transfer_config, "kv_load_failure_policy", None) == "fail":
+                logger.warning(
+                    "lmkv: vLLM's kv_load_failure_policy is 'fail': a chunk lmkv cannot load "
+                    "(evicted or corrupted meanwhile, a tier down) fails its request; add "
+                    "\"kv_load_failure_policy\": \"recompute\" to --kv-transfer-config to "
+                    "recompute those blocks instead")
             lazy = None
             if config.lazy_offload:
                 from lmkv.integrations.vllm.lazy import LazyOffload
@@ -65,6 +71,12 @@ class LMKVConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         self.worker_side.save(self._meta())
 
+    def get_finished(self, finished_req_ids: set[str]
+                     ) -> tuple[set[str] | None, set[str] | None]:
+        """(None: lmkv never delays freeing a request's blocks, requests whose
+        asynchronous load finished since the last call)."""
+        return None, self.worker_side.take_finished_loads() if self.worker_side else None
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker_side.take_failed_blocks() if self.worker_side else set()
 
@@ -79,14 +91,17 @@ class LMKVConnector(KVConnectorBase_V1):
     # -- scheduler side ----------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
-        return self.scheduler_side.num_new_matched_tokens(request, num_computed_tokens), False
+        n = self.scheduler_side.num_new_matched_tokens(request, num_computed_tokens)
+        return n, bool(n) and self.lmkv_config.async_load
 
     def update_state_after_alloc(self, request: Any, blocks: Any,
                                  num_external_tokens: int) -> None:
-        self.scheduler_side.after_alloc(request, num_external_tokens)
+        block_ids = blocks.get_block_ids()[0] if num_external_tokens > 0 else []
+        self.scheduler_side.after_alloc(request, block_ids, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
-        return self.scheduler_side.build_meta(scheduler_output)
+        plan = self.scheduler_side.build_meta(scheduler_output)
+        return LMKVConnectorMetadata(plan.loads, plan.stores)
 
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
         super().bind_kv_cache_manager(kv_cache_manager)

@@ -10,6 +10,12 @@ of new requests has all its lookups in flight at once and is answered on the
 next step, and a slow lookup costs a step at most that much.
 
 
+Loads are synchronous by default (the worker copies the KV in before the
+step's forward). With ``async_load`` vLLM is told the load is asynchronous:
+the load is planned as soon as vLLM has allocated the blocks, the worker runs
+it in the background while other requests' steps go on, and vLLM schedules
+the request once every worker reported it finished.
+
 Eager offload: every step's newly computed whole chunks of the prompt are
 planned as a store for the workers (``wait_for_save``). Lazy offload: those
 plans are buffered in ``LazyOffload`` and submitted after requests finish.
@@ -25,8 +31,7 @@ from typing import Any
 from lmkv.config import LMKVConfig
 from lmkv.integrations.vllm.config import lookup_endpoints
 from lmkv.integrations.vllm.lazy import LazyOffload
-from lmkv.integrations.vllm.metadata import LMKVConnectorMetadata
-from lmkv.integrations.vllm.specs import LoadSpec, StoreSpec
+from lmkv.integrations.vllm.specs import LoadSpec, StepPlan, StoreSpec
 from lmkv.lookup.client import LookupClient
 
 logger = logging.getLogger(__name__)
@@ -68,6 +73,10 @@ class SchedulerSide:
         self._loads: dict[str, int] = {}  # req id -> external tokens vLLM allocated for
         self._reqs: dict[str, _Req] = {}
         self._requests: dict[str, Any] = {}  # req id -> vLLM Request (its block hashes)
+        self.async_load = config.async_load
+        self._local: dict[str, int] = {}  # req id -> tokens vLLM had when it asked
+        self._async_specs: list[LoadSpec] = []  # planned, for the next step's metadata
+        self._async_loaded: dict[str, int] = {}  # req id -> tokens an async load brings
 
     # -- lookup ----------------------------------------------------------------
     def num_new_matched_tokens(self, request: Any, num_computed: int) -> int | None:
@@ -75,6 +84,7 @@ class SchedulerSide:
         have not all answered (vLLM asks again later)."""
         req_id = request.request_id
         self._requests[req_id] = request
+        self._local[req_id] = num_computed
         hit = self._hits.get(req_id)
         if hit is None:
             limit = self._pending.get(req_id)
@@ -98,21 +108,33 @@ class SchedulerSide:
             self._hits[req_id] = hit
         return max(0, hit - num_computed)
 
-    def after_alloc(self, request: Any, num_external: int) -> None:
+    def after_alloc(self, request: Any, block_ids: list[int], num_external: int) -> None:
+        """``block_ids``: the request's whole block table (vLLM's blocks for it)."""
         req_id = request.request_id
         self._requests[req_id] = request
-        if num_external > 0:
+        if num_external > 0 and self.async_load:
+            local = self._local.get(req_id, 0)
+            end = local + num_external
+            prompt = list(request.prompt_token_ids or [])
+            self._async_specs.append(LoadSpec(req_id, prompt[:end], list(block_ids), local,
+                                              async_load=True))
+            self._async_loaded[req_id] = end
+            self._count_load(req_id, num_external, local, "asynchronously ")
+        elif num_external > 0:
             self._loads[req_id] = num_external
         elif self._hits.get(req_id):
             self.client.cancel(req_id)  # nothing will be loaded: drop the prefetch
 
     # -- per step --------------------------------------------------------------
-    def build_meta(self, out: Any) -> LMKVConnectorMetadata:
+    def build_meta(self, out: Any) -> StepPlan:
         self._wait_left_s = self._step_wait_s  # the end of a step: a fresh wait budget
-        meta = LMKVConnectorMetadata()
+        meta = StepPlan()
+        meta.loads.extend(self._async_specs)
+        self._async_specs = []
         for new in out.scheduled_new_reqs:
             req = self._reqs[new.req_id] = _Req(list(new.prompt_token_ids or []),
                                                 list(new.block_ids[0]))
+            req.stored = self._async_loaded.pop(new.req_id, 0)  # loaded: stored already
             self._plan_load(new.req_id, req, new.num_computed_tokens, meta)
             self._plan_store(new.req_id, req, new.num_computed_tokens
                              + out.num_scheduled_tokens.get(new.req_id, 0), meta)
@@ -136,20 +158,23 @@ class SchedulerSide:
         return meta
 
     def _plan_load(self, req_id: str, req: _Req, computed: int,
-                   meta: LMKVConnectorMetadata) -> None:
+                   meta: StepPlan) -> None:
         num_external = self._loads.pop(req_id, 0)
         if not num_external:
             return
         meta.loads.append(LoadSpec(req_id, req.prompt[:computed], list(req.block_ids),
                                    computed - num_external))
         req.stored = max(req.stored, computed)
-        self.counters.load_tokens += num_external
-        self.counters.hit_tokens += num_external
-        logger.info("lmkv: request %s loads %d tokens from lmkv (%d already in vLLM)",
-                    req_id, num_external, computed - num_external)
+        self._count_load(req_id, num_external, computed - num_external)
+
+    def _count_load(self, req_id: str, tokens: int, local: int, how: str = "") -> None:
+        self.counters.load_tokens += tokens
+        self.counters.hit_tokens += tokens
+        logger.info("lmkv: request %s loads %d tokens from lmkv %s(%d already in vLLM)",
+                    req_id, tokens, how, local)
 
     def _plan_store(self, req_id: str, req: _Req, computed: int,
-                    meta: LMKVConnectorMetadata) -> None:
+                    meta: StepPlan) -> None:
         end = min(computed, len(req.prompt)) // self.chunk_size * self.chunk_size
         if end > req.stored:
             spec = StoreSpec(req_id, req.prompt[:end], list(req.block_ids))
@@ -166,6 +191,8 @@ class SchedulerSide:
         self._reqs.pop(req_id, None)
         self._loads.pop(req_id, None)
         self._requests.pop(req_id, None)
+        self._local.pop(req_id, None)
+        self._async_loaded.pop(req_id, None)
         if self._pending.pop(req_id, None) is not None:
             self.client.cancel(req_id)  # finished (aborted) before the answer came
         if self.lazy is not None:

@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
 class LoadSpec:
     """Load ``token_ids`` (the stored prefix) into ``block_ids``; tokens below
-    ``skip_tokens`` are already in vLLM's cache (its own prefix hit)."""
+    ``skip_tokens`` are already in vLLM's cache (its own prefix hit). An
+    ``async_load`` runs in the background; the worker reports it finished."""
 
     req_id: str
     token_ids: list[int]
     block_ids: list[int]
     skip_tokens: int = 0
+    async_load: bool = False
 
 
 @dataclass
@@ -25,3 +27,11 @@ class StoreSpec:
     token_ids: list[int]
     block_ids: list[int]
     store_id: str | None = None
+
+
+@dataclass
+class StepPlan:
+    """What the scheduler plans for one step (the connector wraps it as vLLM metadata)."""
+
+    loads: list[LoadSpec] = field(default_factory=list)
+    stores: list[StoreSpec] = field(default_factory=list)

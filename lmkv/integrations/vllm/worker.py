@@ -18,6 +18,7 @@ from lmkv.integrations.vllm.config import lookup_endpoints
 from lmkv.integrations.vllm.metadata import (
     LMKVConnectorMetadata,
     LMKVWorkerMetadata,
+    LoadSpec,
     StoreSpec,
 )
 from lmkv.lookup.server import LookupServer
@@ -69,6 +70,8 @@ class WorkerSide:
         self._done: dict[str, int] = {}  # lazy stores finished since the last report
         self._lock = threading.Lock()
         self._saver = ThreadPoolExecutor(1, thread_name_prefix="lmkv-lazy-store")
+        self._loader = ThreadPoolExecutor(1, thread_name_prefix="lmkv-async-load")
+        self._loaded: list[tuple[str, set[int]]] = []  # async loads finished, unreported
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.kv_caches = list(kv_caches.values())
@@ -96,27 +99,57 @@ class WorkerSide:
                     if self.config.mode == "server" else "tiers in this process")
 
     def load(self, meta: LMKVConnectorMetadata) -> None:
+        """Synchronous loads now (this step's forward reads them); asynchronous
+        ones in the background, reported by ``take_finished_loads``."""
         assert self.engine is not None, "register_kv_caches was not called"
         for spec in meta.loads:
-            want = len(spec.token_ids)
-            try:
-                got = self.engine.retrieve(spec.token_ids, lookup_id=spec.req_id,
-                                           kv_caches=self.kv_caches,
-                                           block_ids=spec.block_ids,
-                                           skip_tokens=spec.skip_tokens).num_tokens
-            except Exception:
-                logger.exception("lmkv: loading request %s failed", spec.req_id)
-                got = 0
+            if spec.async_load:
+                self._loader.submit(self._load_async, spec)
+            else:
+                failed = self._load(spec)
+                with self._lock:
+                    self._failed |= failed
+
+    def _load_async(self, spec: LoadSpec) -> None:
+        failed: set[int] = set()
+        try:
+            failed = self._load(spec)
+        finally:  # reported even when failed: vLLM then recomputes the failed blocks
+            with self._lock:
+                self._loaded.append((spec.req_id, failed))
+
+    def take_finished_loads(self) -> set[str] | None:
+        """Requests whose asynchronous load finished; their failed blocks go out
+        with the same step's ``take_failed_blocks`` (vLLM asks for both, in that order)."""
+        with self._lock:
+            if not self._loaded:
+                return None
+            done, self._loaded = self._loaded, []
+            for _, failed in done:
+                self._failed |= failed
+        return {req_id for req_id, _ in done}
+
+    def _load(self, spec: LoadSpec) -> set[int]:
+        """Load one request's KV; the blocks that did not load."""
+        want = len(spec.token_ids)
+        try:
+            got = self.engine.retrieve(spec.token_ids, lookup_id=spec.req_id,
+                                       kv_caches=self.kv_caches, block_ids=spec.block_ids,
+                                       skip_tokens=spec.skip_tokens).num_tokens
+        except Exception:
+            logger.exception("lmkv: loading request %s failed", spec.req_id)
+            got = 0
+        failed: set[int] = set()
+        if got < want:  # blocks from the first token not loaded to the end of the load
+            first = max(got, spec.skip_tokens) // self.block_size
+            failed = set(spec.block_ids[first:-(-want // self.block_size)])
+            logger.warning("lmkv: request %s: loaded %d of %d tokens; %d blocks failed",
+                           spec.req_id, got, want, len(failed))
+        with self._lock:
             self.counters.loads += 1
             self.counters.loaded_tokens += max(0, got - spec.skip_tokens)
-            if got < want:  # blocks from the first token not loaded to the end of the load
-                first = max(got, spec.skip_tokens) // self.block_size
-                last = -(-want // self.block_size)
-                failed = set(spec.block_ids[first:last])
-                self._failed |= failed
-                self.counters.failed_blocks += len(failed)
-                logger.warning("lmkv: request %s: loaded %d of %d tokens; %d blocks failed",
-                               spec.req_id, got, want, len(failed))
+            self.counters.failed_blocks += len(failed)
+        return failed
 
     def save(self, meta: LMKVConnectorMetadata) -> None:
         """Eager stores now (vLLM may reuse their blocks once the step ends); lazy
@@ -152,10 +185,12 @@ class WorkerSide:
         return LMKVWorkerMetadata(done)
 
     def take_failed_blocks(self) -> set[int]:
-        failed, self._failed = self._failed, set()
+        with self._lock:
+            failed, self._failed = self._failed, set()
         return failed
 
     def close(self) -> None:
+        self._loader.shutdown(wait=True)
         self._saver.shutdown(wait=True)  # lazy stores in flight finish first
         logger.info("lmkv worker counters: %s", vars(self.counters))
         if self.server is not None:
