@@ -28,7 +28,6 @@ in its own subprocess:
 from __future__ import annotations
 
 import json
-import logging
 import os
 import random
 import statistics
@@ -183,35 +182,10 @@ def sub(mode: str, model_dir: str, tmp: str, env: dict) -> dict:
         return json.load(f)
 
 
-def start_server(tmp: str, env: dict) -> tuple[subprocess.Popen, str]:
-    """A fresh ``lmkv server`` (4 GiB cpu tier in shared memory) on a free port."""
-    import socket
-
-    from lmkv.server.client import ServerClient
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    config = os.path.join(tmp, "server.yaml")
-    with open(config, "w") as f:
-        f.write("tiers:\n  - type: cpu\n    options: {max_bytes: 4GiB}\n")
-    with open(os.path.join(tmp, f"server-{port}.log"), "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "lmkv.server", "--config", config,
-                                 "--port", str(port)], stdout=log, stderr=subprocess.STDOUT,
-                                env=env)
-    address = f"tcp://127.0.0.1:{port}"
-    logging.getLogger("lmkv.server.client").setLevel(logging.ERROR)  # misses until it is up
-    with ServerClient(address, timeout_ms=500) as client:
-        deadline = time.monotonic() + 60
-        while client.ping() is None:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit("the lmkv server did not start")
-            time.sleep(0.1)
-    return proc, address
-
-
 def main() -> int:
     import argparse
+
+    from lmkv.server.spawn import spawn_server
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--configs", default=",".join(CONFIGS))
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
@@ -235,7 +209,8 @@ def main() -> int:
         for mode in configs:
             server = None
             if mode.startswith("lmkv-server"):
-                server, env["BENCH_SERVER_ADDRESS"] = start_server(tmp, env)
+                server, env["BENCH_SERVER_ADDRESS"] = spawn_server(
+                    tmp, "tiers:\n  - type: cpu\n    options: {max_bytes: 4GiB}\n", env=env)
             try:
                 if mode.endswith("-2proc"):
                     writer = sub(f"{mode}-writer", model_dir, tmp, env)

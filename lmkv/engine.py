@@ -49,9 +49,8 @@ class CacheEngine:
         self.spec = spec
         self.connector = connector
         self.storage = storage
-        meta = KeyMeta(config.model_name or model_name, world_size, worker_id,
-                       dtype_name(spec.dtype), connector.chunk_layout)
-        self.chunker = TokenChunker(meta, config.chunk_size, config.save_partial_chunk)
+        self.chunker = engine_chunker(config, spec, model_name, connector, world_size,
+                                      worker_id)
         storage.set_chunk_bytes(spec.chunk_nbytes(config.chunk_size))
 
     @classmethod
@@ -182,6 +181,15 @@ class CacheEngine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def engine_chunker(config: LMKVConfig, spec: KVSpec, model_name: str, connector: GPUConnector,
+                   world_size: int, worker_id: int) -> TokenChunker:
+    """The chunker (keys) of an engine: the same in every mode, so that engines in
+    either mode name a chunk the same way."""
+    meta = KeyMeta(config.model_name or model_name, world_size, worker_id,
+                   dtype_name(spec.dtype), connector.chunk_layout)
+    return TokenChunker(meta, config.chunk_size, config.save_partial_chunk)
 
 
 def open_engine(config: LMKVConfig, spec: KVSpec, *, model_name: str, connector: GPUConnector,

@@ -29,10 +29,10 @@ from typing import Any
 import torch
 
 from lmkv.config import LMKVConfig
-from lmkv.engine import RetrieveResult, dtype_name
+from lmkv.engine import RetrieveResult, engine_chunker
 from lmkv.gpu import ChunkSpan, GPUConnector, KVSpec
 from lmkv.server.client import ServerClient
-from lmkv.tokens import KeyMeta, TokenChunker
+from lmkv.tokens import KeyMeta
 
 logger = logging.getLogger(__name__)
 
@@ -52,9 +52,8 @@ class RemoteCacheEngine:
         self.config = config
         self.spec = spec
         self.connector = connector
-        meta = KeyMeta(config.model_name or model_name, world_size, worker_id,
-                       dtype_name(spec.dtype), connector.chunk_layout)
-        self.chunker = TokenChunker(meta, config.chunk_size, config.save_partial_chunk)
+        self.chunker = engine_chunker(config, spec, model_name, connector, world_size,
+                                      worker_id)
         self.counters = RemoteCounters()
         server = config.server
         self.client = ServerClient(server.address, timeout_ms=server.timeout_ms,

@@ -163,3 +163,18 @@ def test_no_server_is_a_miss_not_an_error() -> None:
         assert engine.retrieve(tokens, kv_caches=kv, block_ids=blocks).num_tokens == 0
         assert engine.client.counters.unreachable + engine.client.counters.timeouts > 0
     assert time.monotonic() - t0 < 5
+
+
+def test_spawn_server_starts_a_server_that_drains_on_terminate(tmp_path) -> None:
+    from lmkv.server.client import ServerClient
+    from lmkv.server.spawn import spawn_server
+
+    tiers = "tiers:\n  - type: cpu\n    options: {max_bytes: 8MiB}\n"
+    proc, address = spawn_server(tmp_path, tiers)
+    try:
+        with ServerClient(address, timeout_ms=2000) as client:
+            assert client.ping() is not None
+    finally:
+        proc.terminate()
+        assert proc.wait(30) == 0
+    assert list(tmp_path.glob("server-*.log"))

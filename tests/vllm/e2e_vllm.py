@@ -20,12 +20,14 @@ through it, and a second one, started afterwards, loads the prefix from it.
 
 from __future__ import annotations
 
+import glob
 import json
 import logging
 import os
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
 
 CHUNK = 256
 PREFIX, TAIL1, TAIL2 = 640, 60, 100
@@ -123,34 +125,6 @@ def run(model_dir: str, mode: str) -> dict:
     return result
 
 
-def _start_server(tmp: str, env: dict) -> tuple[subprocess.Popen, str]:
-    """An ``lmkv server`` with a 256 MiB cpu tier on a free loopback port."""
-    import socket
-    import time
-
-    from lmkv.server.client import ServerClient
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    config = os.path.join(tmp, "server.yaml")
-    with open(config, "w") as f:
-        f.write("tiers:\n  - type: cpu\n    options: {max_bytes: 256MiB}\n")
-    with open(os.path.join(tmp, "server.log"), "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "lmkv.server", "--config", config,
-                                 "--port", str(port)], stdout=log, stderr=subprocess.STDOUT,
-                                env=env)
-    address = f"tcp://127.0.0.1:{port}"
-    logging.getLogger("lmkv.server.client").setLevel(logging.ERROR)  # misses until it is up
-    with ServerClient(address, timeout_ms=500) as client:
-        deadline = time.monotonic() + 60
-        while client.ping() is None:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit("FAIL: the lmkv server did not start")
-            time.sleep(0.1)
-    return proc, address
-
-
 def _corrupt_loads() -> None:
     import torch
 
@@ -202,7 +176,9 @@ def main() -> int:
         build(model_dir)
         results = {}
         env["E2E_DISK_TIER_DIR"] = os.path.join(tmp, "disk")
-        server, env["E2E_SERVER_ADDRESS"] = _start_server(tmp, env)
+        from lmkv.server.spawn import spawn_server
+        server, env["E2E_SERVER_ADDRESS"] = spawn_server(
+            tmp, "tiers:\n  - type: cpu\n    options: {max_bytes: 256MiB}\n", env=env)
         try:
             for mode in ("baseline", "eager", "lazy", "async", "corrupt", "load-fails",
                          "disk-writer", "disk-reader", "server-writer", "server-reader"):
@@ -217,8 +193,8 @@ def main() -> int:
         finally:
             server.terminate()
             server_rc = server.wait(60)
-            with open(os.path.join(tmp, "server.log")) as f:
-                server_log = f.read()
+            server_log = "".join(Path(p).read_text()
+                                 for p in glob.glob(os.path.join(tmp, "server-*.log")))
     if server_rc != 0:
         print(f"FAIL: the lmkv server exited {server_rc}:\n{server_log}")
         return 1
@@ -259,28 +235,18 @@ def main() -> int:
             fails["worker_counters"]["failed_blocks"] != expected_hit // 128:
         print("FAIL (load-fails): failed loads were not reported and recomputed")
         ok = False
-    writer, reader = results["disk-writer"], results["disk-reader"]
-    print("disk writer worker_counters:", writer["worker_counters"])
-    print("disk reader (a second vLLM process) worker_counters:", reader["worker_counters"],
-          "metrics:", reader["metrics"])
-    if writer["worker_counters"]["stored_tokens"] < expected_hit:
-        print("FAIL (disk): the first process stored too little")
-        ok = False
-    if reader["worker_counters"]["loaded_tokens"] != expected_hit or \
-            reader["outputs"][0] != base["outputs"][1]:
-        print("FAIL (disk): the second process did not reuse the first one's KV exactly")
-        ok = False
-    writer, reader = results["server-writer"], results["server-reader"]
-    print("server writer worker_counters:", writer["worker_counters"])
-    print("server reader (a second vLLM process) worker_counters:", reader["worker_counters"],
-          "metrics:", reader["metrics"])
-    if writer["worker_counters"]["stored_tokens"] < expected_hit:
-        print("FAIL (server): the first process stored too little through the server")
-        ok = False
-    if reader["worker_counters"]["loaded_tokens"] != expected_hit or \
-            reader["outputs"][0] != base["outputs"][1]:
-        print("FAIL (server): the second process did not reuse the first one's KV exactly")
-        ok = False
+    for tier in ("disk", "server"):  # a second process reuses what the first stored
+        writer, reader = results[f"{tier}-writer"], results[f"{tier}-reader"]
+        print(f"{tier} writer worker_counters:", writer["worker_counters"])
+        print(f"{tier} reader (a second vLLM process) worker_counters:",
+              reader["worker_counters"], "metrics:", reader["metrics"])
+        if writer["worker_counters"]["stored_tokens"] < expected_hit:
+            print(f"FAIL ({tier}): the first process stored too little")
+            ok = False
+        if reader["worker_counters"]["loaded_tokens"] != expected_hit or \
+                reader["outputs"][0] != base["outputs"][1]:
+            print(f"FAIL ({tier}): the second process did not reuse the first one's KV exactly")
+            ok = False
     print("PASS" if ok else "FAILED")
     return 0 if ok else 1
 
