@@ -12,7 +12,7 @@ in its own subprocess:
 
 * ``prefix-cache``: vLLM's own prefix cache, no connector (same-process hit);
 * ``example-conn``: vLLM's ``ExampleConnector`` (disk), prefix caching off;
-* ``lmkv``: ``LMKVConnector``, cpu tier, prefix caching off;
+* ``lmkv``: ``LMKVConnector``, cpu tier (``huge_pages: true``), prefix caching off;
 * ``lmkv-2proc``: a first process stores the prompts (cpu + fs tier, flushed);
   a fresh second process measures (cold with fresh prompts, warm from disk);
 * ``lmkv-server``: server mode (``lmkv.mode: server``), an ``lmkv server`` with
@@ -84,7 +84,10 @@ def make_llm(model_dir: str, mode: str, tmp: str):  # type: ignore[no-untyped-de
             "kv_connector": "ExampleConnector", "kv_role": "kv_both",
             "kv_connector_extra_config": {"shared_storage_path": os.path.join(tmp, "example")}}
     elif mode.startswith("lmkv"):
-        tiers: list = [{"type": "cpu", "options": {"max_bytes": "2GiB"}}]
+        # huge pages for the one-process engine that serves hits from memory; the
+        # disk reader fills a fresh arena, where first touches of huge pages cost more
+        tiers: list = [{"type": "cpu", "options": {"max_bytes": "2GiB",
+                                                   "huge_pages": mode == "lmkv"}}]
         if mode.startswith("lmkv-2proc"):
             tiers.append({"type": "fs", "options": {"url": os.path.join(tmp, "lmkv-fs")}})
         extra = {"lmkv.chunk_size": CHUNK, "lmkv.tiers": tiers}

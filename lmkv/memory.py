@@ -130,14 +130,15 @@ def tensor_obj(tensor: torch.Tensor) -> MemoryObj:
     return MemoryObj(tensor.contiguous())
 
 
-def _anonymous_arena(nbytes: int) -> tuple[torch.Tensor, mmap.mmap]:
-    """Page-aligned anonymous memory (pages are only taken when touched), advised
-    to use transparent huge pages where the kernel offers them: copies of large
-    chunks out of it take far fewer TLB misses (a 64 MiB copy: 3.3 ms instead of
-    5.6 here)."""
+def _anonymous_arena(nbytes: int, huge_pages: bool) -> tuple[torch.Tensor, mmap.mmap]:
+    """Page-aligned anonymous memory (pages are only taken when touched). With
+    ``huge_pages`` it is advised to use transparent huge pages where the kernel
+    offers them: large copies out of it take far fewer TLB misses (a 64 MiB copy:
+    3.3 ms instead of 5.6 here), but first touches cost more (a fresh arena
+    filled from disk was 3-4x slower here)."""
     mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     advice = getattr(mmap, "MADV_HUGEPAGE", None)
-    if advice is not None:
+    if huge_pages and advice is not None:
         with contextlib.suppress(OSError):  # THP off in this kernel: plain pages
             mapping.madvise(advice)
     return torch.frombuffer(mapping, dtype=torch.uint8), mapping
@@ -147,9 +148,12 @@ class MemoryAllocator:
     """First-fit arena allocator with a hard budget of ``capacity_bytes``."""
 
     def __init__(self, capacity_bytes: int, *, pin_memory: bool | None = None,
-                 alignment: int = ALIGNMENT, buffer: torch.Tensor | None = None) -> None:
+                 alignment: int = ALIGNMENT, buffer: torch.Tensor | None = None,
+                 huge_pages: bool = False) -> None:
         """``buffer``: a flat uint8 tensor of at least ``capacity_bytes`` to place the
-        arena in (a shared-memory segment); used as it is, ``pin_memory`` is ignored."""
+        arena in (a shared-memory segment); used as it is, ``pin_memory`` and
+        ``huge_pages`` are ignored. ``huge_pages``: advise transparent huge pages
+        for an arena that is neither given nor page-locked."""
         if capacity_bytes <= 0:
             raise ValueError("capacity_bytes must be positive")
         if pin_memory is None:
@@ -160,7 +164,7 @@ class MemoryAllocator:
         if buffer is None and pin_memory:
             self.arena = torch.empty(self.capacity_bytes, dtype=torch.uint8, pin_memory=True)
         elif buffer is None:
-            self.arena, self._mapping = _anonymous_arena(self.capacity_bytes)
+            self.arena, self._mapping = _anonymous_arena(self.capacity_bytes, huge_pages)
         elif buffer.dtype != torch.uint8 or buffer.dim() != 1 \
                 or buffer.numel() < self.capacity_bytes:
             raise ValueError(f"buffer must be a flat uint8 tensor of at least "

@@ -74,3 +74,15 @@ def test_pin_counts() -> None:
     assert not obj.is_evictable  # someone besides the tier holds it
     obj.ref_down()
     obj.ref_down()
+
+
+@pytest.mark.parametrize("huge_pages", [False, True])
+def test_unpinned_arena_is_page_aligned_and_usable(huge_pages: bool) -> None:
+    alloc = MemoryAllocator(8 << 20, pin_memory=False, huge_pages=huge_pages)
+    assert alloc.arena.data_ptr() % 4096 == 0
+    obj = alloc.allocate((256, 1024), torch.float32)
+    assert obj is not None
+    obj.tensor.copy_(torch.arange(256 * 1024, dtype=torch.float32).view(256, 1024))
+    assert obj.tensor[255, 1023].item() == 256 * 1024 - 1
+    obj.ref_down()
+    assert alloc.used_bytes == 0
