@@ -32,6 +32,9 @@ class LMKVConnector(KVConnectorBase_V1):
             raise ValueError("lmkv.lazy_offload needs vLLM's prefix caching (the block "
                              "hashes it verifies); enable it or turn lazy offload off")
         self.lmkv_config = config
+        if config.save_partial_chunk:
+            logger.warning("lmkv.save_partial_chunk has no effect in the vLLM connector: it "
+                           "stores and loads whole chunks (vLLM recomputes the rest)")
         self.scheduler_side = self.worker_side = None
         if role == KVConnectorRole.SCHEDULER:
             from lmkv.integrations.vllm.scheduler import SchedulerSide
