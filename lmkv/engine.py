@@ -144,9 +144,6 @@ class CacheEngine:
             return self._retrieve_streaming(chunks, kv)
         if objs is None:
             objs = self.storage.get(chunks.keys)
-        if len(objs) > len(chunks):  # prefetched for a longer prompt than asked now
-            release(objs[len(chunks):])
-            objs = objs[:len(chunks)]
         if not objs:
             return RetrieveResult(0, None)
         try:

@@ -127,9 +127,11 @@ class EventManager:
     def take(self, lookup_id: str, keys: Sequence | None = None) -> list[MemoryObj] | None:
         """The prefetched chunks (the caller now owns their references), once done.
 
-        With ``keys``, the chunks are handed over only if the lookup was for a
-        prefix of those keys; otherwise they are released and None is returned
-        (a lookup id reused for another prompt must never yield its KV).
+        With ``keys``, only the chunks of ``keys`` are handed over (chunks
+        prefetched beyond them, for a longer prompt, are released), and only if
+        the lookup was for the same prefix; otherwise everything is released and
+        None is returned (a lookup id reused for another prompt must never yield
+        its KV).
         """
         with self._lock:
             task = self._tasks.get(lookup_id)
@@ -137,10 +139,14 @@ class EventManager:
                 return None
             del self._tasks[lookup_id]
             objs, task.objs = task.objs, []
-        if keys is not None and tuple(keys[:len(objs)]) != task.keys[:len(objs)]:
+        if keys is None:
+            return objs
+        n = min(len(objs), len(keys))
+        if tuple(keys[:n]) != task.keys[:n]:
             release(objs)
             return None
-        return objs
+        release(objs[n:])
+        return objs[:n]
 
     def cleanup(self, lookup_id: str) -> None:
         """Release what the lookup prefetched, now or when it finishes."""

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from lmkv.backend import BackendContext, StorageBackend
+from lmkv.backend import BackendContext, StorageBackend, done_future
 from lmkv.config import LMKVConfig, resolve_plugin
 from lmkv.logutil import RateLimitedLog
 from lmkv.memory import MemoryObj, tensor_obj
@@ -87,8 +87,7 @@ class StorageManager:
         except Exception as exc:
             first.counters.errors += 1
             _log.warning(f"put:{first.name}", "lmkv %s tier: put failed: %s", first.name, exc)
-            future = Future()
-            future.set_result(0)
+            future = done_future(0)
         for writer in self._writers:
             writer.submit(keys, objs)
         return future
@@ -136,9 +135,7 @@ class StorageManager:
         ``release_prefetched``.
         """
         if self._closed:
-            future: Future = Future()
-            future.set_result(0)
-            return future
+            return done_future(0)
         task = self.events.start(lookup_id, keys)
         self._executor.submit(self._prefetch, task, list(keys), list(chunk_ends), keys_per_chunk)
         return task.future

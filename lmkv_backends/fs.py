@@ -115,7 +115,8 @@ class FSBackend(StorageBackend):
                                pin: bool = False) -> int:
         if self.store.trust_index:
             hits = self.index.count_prefix(keys, pin)
-            while hits < len(keys) and self.contains(keys[hits], pin):
+            # the index missed: another process may have written the rest since
+            while hits < len(keys) and self._present(keys[hits], self._probe(keys[hits]), pin):
                 hits += 1
             return hits
         probes = [self._submit(self._readers, self._probe, key) for key in keys]

@@ -56,5 +56,5 @@ class FIFOMaxAgeOffloadPolicy(FIFOOffloadPolicy):
     def _oldest_waited_too_long(self) -> bool:
         if not self._finished_at:
             return False
-        oldest = min(self._finished_at.values())
+        oldest = next(iter(self._finished_at.values()))  # kept in finish order
         return self._clock() - oldest >= self.options.max_age_s

@@ -153,6 +153,24 @@ def test_take_waits_for_the_prefetch_and_unknown_ids_are_none(two_tiers) -> None
     assert manager.take_prefetched("never-started") is None
 
 
+def test_take_for_a_shorter_prompt_hands_over_its_chunks_and_releases_the_rest(
+        two_tiers) -> None:
+    manager, upper, lower = two_tiers
+    fill(upper, [0, 1])
+    fill(lower, [2])
+    keys = [key(i) for i in range(3)]
+    manager.lookup_and_prefetch("s", keys, [1, 2, 3]).result(5)
+    objs = manager.take_prefetched("s", keys[:2])
+    assert values(objs) == [0, 1]
+    for obj in objs:
+        obj.ref_down()
+    no_leaks(upper, lower)
+    # The same id prefetched for another prompt yields nothing, and leaks nothing.
+    manager.lookup_and_prefetch("s", keys, [1, 2, 3]).result(5)
+    assert manager.take_prefetched("s", [key(7), key(8)]) is None
+    no_leaks(upper, lower)
+
+
 def test_fall_through_whatever_the_order() -> None:
     a, b, c = cpu(), cpu(), cpu()
     fill(c, [0, 1])

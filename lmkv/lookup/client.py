@@ -153,21 +153,13 @@ class LookupClient:
         ``transport`` ("ipc" under ``runtime_dir``, or "tcp" on ``host`` from
         ``base_port``): see ``lmkv.lookup.transport`` for the scheme. Arguments
         left out come from the config's ``lookup`` section."""
-        lookup = config.lookup
-        transport = transport or lookup.transport
-        runtime_dir = runtime_dir or lookup.runtime_dir
-        host = host or lookup.host
-        base_port = base_port or lookup.base_port
+        given = {"transport": transport, "runtime_dir": runtime_dir, "host": host,
+                 "base_port": base_port}
+        lookup = config.lookup.model_copy(
+            update={k: v for k, v in given.items() if v is not None})
         settings.setdefault("timeout_ms", lookup.timeout_ms)
         settings.setdefault("backoff_ms", lookup.backoff_ms)
-        if transport == "ipc":
-            endpoints = LookupEndpoints.ipc(engine_id, world_size, runtime_dir)
-        elif transport == "tcp":
-            if base_port is None:
-                raise ValueError("transport 'tcp' needs base_port")
-            endpoints = LookupEndpoints.tcp(world_size, host=host, base_port=base_port)
-        else:
-            raise ValueError(f"transport {transport!r}: allowed: 'ipc', 'tcp'")
+        endpoints = LookupEndpoints.from_config(lookup, engine_id, world_size)
         return cls(endpoints, chunk_size=config.chunk_size,
                    save_partial_chunk=config.save_partial_chunk, **settings)
 

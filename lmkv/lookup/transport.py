@@ -35,6 +35,8 @@ from pathlib import Path
 
 import zmq
 
+from lmkv.config import LookupConfig
+
 logger = logging.getLogger(__name__)
 
 # sockaddr_un.sun_path holds 108 bytes on Linux (104 on macOS), NUL included.
@@ -90,6 +92,19 @@ class LookupEndpoints:
             raise ValueError(f"base_port {base_port}: needs {world_size + 1} ports below 65536")
         return cls(tuple(f"tcp://{host}:{base_port + rank}" for rank in range(world_size)),
                    f"tcp://{host}:{base_port + world_size}")
+
+
+    @classmethod
+    def from_config(cls, lookup: LookupConfig, engine_id: str,
+                    world_size: int) -> LookupEndpoints:
+        """The endpoints a config's ``lookup`` section names for ``engine_id``."""
+        if lookup.transport == "ipc":
+            return cls.ipc(engine_id, world_size, lookup.runtime_dir)
+        if lookup.transport != "tcp":
+            raise ValueError(f"transport {lookup.transport!r}: allowed: 'ipc', 'tcp'")
+        if lookup.base_port is None:
+            raise ValueError("transport 'tcp' needs base_port")
+        return cls.tcp(world_size, host=lookup.host, base_port=lookup.base_port)
 
 
 def _check_layout(engine_id: str, world_size: int) -> None:

@@ -431,11 +431,7 @@ class ServerClient:
         with self._lock:
             if self.info is not None and not self._channel.down:
                 self.end_session()
-            self._channel.close()
-            if self.segment is not None:
-                self.segment.close()
-                self.segment = None
-            self.info = None
+            self.close_connection()
 
     def __enter__(self) -> ServerClient:
         return self

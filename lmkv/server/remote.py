@@ -23,7 +23,6 @@ import logging
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -39,13 +38,6 @@ logger = logging.getLogger(__name__)
 POLL_INTERVAL_S = 0.0005
 
 
-@dataclass
-class RemoteCounters:
-    lookups: int = 0
-    pending_lookups: int = 0  # answered by the poller: the server was still loading
-    polls: int = 0
-
-
 class RemoteCacheEngine:
     def __init__(self, config: LMKVConfig, spec: KVSpec, *, model_name: str,
                  connector: GPUConnector, world_size: int = 1, worker_id: int = 0) -> None:
@@ -54,7 +46,6 @@ class RemoteCacheEngine:
         self.connector = connector
         self.chunker = engine_chunker(config, spec, model_name, connector, world_size,
                                       worker_id)
-        self.counters = RemoteCounters()
         server = config.server
         self.client = ServerClient(server.address, timeout_ms=server.timeout_ms,
                                    transport=server.transport)
@@ -112,13 +103,11 @@ class RemoteCacheEngine:
         if not chunk_hashes:
             future.set_result(0)
             return future
-        self.counters.lookups += 1
         hit = self._lookups.start_lookup_hashes(self.meta, chunk_hashes, chunk_ends,
                                                 lookup_id)
         if hit is not None:
             future.set_result(hit)
             return future
-        self.counters.pending_lookups += 1
         with self._cond:
             old = self._pending.pop(lookup_id, None)
             self._pending[lookup_id] = future
@@ -144,7 +133,6 @@ class RemoteCacheEngine:
                 ids = list(self._pending)
             for lookup_id in ids:
                 state = self._lookups.prefetch_status(lookup_id)
-                self.counters.polls += 1
                 if state is None:
                     continue
                 with self._cond:

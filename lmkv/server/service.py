@@ -148,14 +148,10 @@ class KVService:
             future = self.storage.lookup_and_prefetch(
                 key, keys, list(range(1, len(keys) // kpc + 1)), kpc)
             self.sessions.hold_lookup(session, key)
-        wanted = len(keys) if keys is not None else None
-
         def finish() -> Outcome:
             session.lookups.pop(key, None)
-            objs = self.storage.take_prefetched(key) or []
-            if wanted is not None and len(objs) > wanted:
-                release(objs[wanted:])  # prefetched for a longer prompt than asked now
-                objs = objs[:wanted]
+            # With keys: only their chunks, and only if the prefetch was for them.
+            objs = self.storage.take_prefetched(key, keys) or []
             if session.ended:
                 release(objs)
                 objs = []

@@ -126,9 +126,9 @@ def _scheduler_and_worker(tmp_path, **keys):  # type: ignore[no-untyped-def]
 
     from lmkv.engine import CacheEngine
     from lmkv.gpu import KVSpec
-    from lmkv.integrations.vllm.config import lookup_endpoints
     from lmkv.integrations.vllm.scheduler import SchedulerSide
     from lmkv.lookup.server import LookupServer
+    from lmkv.lookup.transport import LookupEndpoints
     from lmkv.storage import StorageManager
     from lmkv_backends.gpu_torch import PagedConnector, PagedOptions
 
@@ -138,7 +138,7 @@ def _scheduler_and_worker(tmp_path, **keys):  # type: ignore[no-untyped-def]
     engine = CacheEngine(config, spec, model_name="m",
                          connector=PagedConnector(PagedOptions(layout="cpu"), spec),
                          storage=StorageManager.from_config(config))
-    server = LookupServer.for_rank(engine, lookup_endpoints(config, "e2", 1), 0)
+    server = LookupServer.for_rank(engine, LookupEndpoints.from_config(config.lookup, "e2", 1), 0)
     vllm_config = SimpleNamespace(kv_transfer_config=SimpleNamespace(engine_id="e2"),
                                   parallel_config=SimpleNamespace(world_size=1))
     caches = [torch.randn(8, 2, 16, 16) for _ in range(2)]  # blocks of 16 tokens
@@ -202,6 +202,24 @@ def test_synchronous_load_is_planned_when_scheduled(tmp_path) -> None:
         (load,) = sched.build_meta(out).loads
         assert (load.async_load, load.token_ids, load.block_ids, load.skip_tokens) == \
             (False, prompt[:32], [3, 2, 1], 0)
+        sched.finished(request)  # the load took the prefetch: nothing to release
+        assert sched.client.counters.cancels == 0
+    finally:
+        sched.close()
+        server.close()
+        engine.close()
+
+
+def test_a_hit_vllm_does_not_load_is_released_once(tmp_path) -> None:
+    sched, engine, server, caches = _scheduler_and_worker(tmp_path)
+    try:
+        prompt = list(range(300, 340))
+        engine.store(prompt[:32], kv_caches=caches, block_ids=[0, 1])
+        request = SimpleNamespace(request_id="u", prompt_token_ids=prompt, block_hashes=[])
+        assert _ask(sched, request, 0) == 32
+        sched.after_alloc(request, [], 0)  # vLLM loads nothing (e.g. no room)
+        sched.finished(request)
+        assert sched.client.counters.cancels == 1
     finally:
         sched.close()
         server.close()

@@ -8,7 +8,6 @@ from typing import Any
 
 from lmkv.config import LMKVConfig, load_config
 from lmkv.errors import ConfigError
-from lmkv.lookup.transport import LookupEndpoints
 
 logger = logging.getLogger(__name__)
 
@@ -40,10 +39,3 @@ def config_from_extra(extra: Mapping[str, Any] | None) -> LMKVConfig:
     """Load the config: ``lmkv.config_file`` (if any), ``LMKV_*`` env, then the keys."""
     return load_config(overrides=extra_config_overrides(extra))
 
-
-def lookup_endpoints(config: LMKVConfig, engine_id: str, world_size: int) -> LookupEndpoints:
-    """The lookup channel's endpoints, as ``LookupClient.from_config`` derives them."""
-    lookup = config.lookup
-    if lookup.transport == "tcp":
-        return LookupEndpoints.tcp(world_size, host=lookup.host, base_port=lookup.base_port)
-    return LookupEndpoints.ipc(engine_id, world_size, lookup.runtime_dir)

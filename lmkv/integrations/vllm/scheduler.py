@@ -25,11 +25,10 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from lmkv.config import LMKVConfig
-from lmkv.integrations.vllm.config import lookup_endpoints
 from lmkv.integrations.vllm.lazy import LazyOffload
 from lmkv.integrations.vllm.specs import LoadSpec, StepPlan, StoreSpec
 from lmkv.lookup.client import LookupClient
@@ -47,10 +46,8 @@ class _Req:
 @dataclass
 class SchedulerCounters:
     lookups: int = 0
-    hit_tokens: int = 0  # tokens answered beyond what vLLM had
     load_tokens: int = 0  # tokens planned for loading
     store_tokens: int = 0  # tokens planned for storing
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 class SchedulerSide:
@@ -60,15 +57,13 @@ class SchedulerSide:
         self.lazy = lazy
         engine_id = str(vllm_config.kv_transfer_config.engine_id)
         world_size = vllm_config.parallel_config.world_size
-        self.client = LookupClient(lookup_endpoints(config, engine_id, world_size),
-                                   chunk_size=config.chunk_size,
-                                   save_partial_chunk=config.save_partial_chunk,
-                                   timeout_ms=config.lookup.timeout_ms,
-                                   backoff_ms=config.lookup.backoff_ms)
+        self.client = LookupClient.from_config(config, engine_id=engine_id,
+                                               world_size=world_size)
         self.counters = SchedulerCounters()
         self._step_wait_s = config.lookup.backoff_ms / 1000
         self._wait_left_s = self._step_wait_s  # of this scheduling step
         self._hits: dict[str, int] = {}  # req id -> stored prefix (tokens)
+        self._held: set[str] = set()  # req ids whose prefetch no load has claimed yet
         self._pending: dict[str, int] = {}  # req id -> tokens looked up, answer not in yet
         self._loads: dict[str, int] = {}  # req id -> external tokens vLLM allocated for
         self._reqs: dict[str, _Req] = {}
@@ -106,13 +101,19 @@ class SchedulerSide:
             del self._pending[req_id]
             hit = max(0, min(result, limit)) // self.chunk_size * self.chunk_size
             self._hits[req_id] = hit
+            if result > 0:
+                self._held.add(req_id)
         return max(0, hit - num_computed)
 
     def after_alloc(self, request: Any, block_ids: list[int], num_external: int) -> None:
         """``block_ids``: the request's whole block table (vLLM's blocks for it)."""
         req_id = request.request_id
         self._requests[req_id] = request
-        if num_external > 0 and self.async_load:
+        if num_external <= 0:
+            self._drop_prefetch(req_id)  # nothing will be loaded
+            return
+        self._held.discard(req_id)  # the worker's load takes the prefetch
+        if self.async_load:
             local = self._local.get(req_id, 0)
             end = local + num_external
             prompt = list(request.prompt_token_ids or [])
@@ -120,10 +121,14 @@ class SchedulerSide:
                                               async_load=True))
             self._async_loaded[req_id] = end
             self._count_load(req_id, num_external, local, "asynchronously ")
-        elif num_external > 0:
+        else:
             self._loads[req_id] = num_external
-        elif self._hits.get(req_id):
-            self.client.cancel(req_id)  # nothing will be loaded: drop the prefetch
+
+    def _drop_prefetch(self, req_id: str) -> None:
+        """Have the workers release a prefetch that no load will take."""
+        if req_id in self._held:
+            self._held.discard(req_id)
+            self.client.cancel(req_id)
 
     # -- per step --------------------------------------------------------------
     def build_meta(self, out: Any) -> StepPlan:
@@ -169,7 +174,6 @@ class SchedulerSide:
 
     def _count_load(self, req_id: str, tokens: int, local: int, how: str = "") -> None:
         self.counters.load_tokens += tokens
-        self.counters.hit_tokens += tokens
         logger.info("lmkv: request %s loads %d tokens from lmkv %s(%d already in vLLM)",
                     req_id, tokens, how, local)
 
@@ -197,8 +201,8 @@ class SchedulerSide:
             self.client.cancel(req_id)  # finished (aborted) before the answer came
         if self.lazy is not None:
             self.lazy.finished(req_id)
-        if self._hits.pop(req_id, 0):
-            self.client.cancel(req_id)  # releases a prefetch no load consumed
+        self._hits.pop(req_id, None)
+        self._drop_prefetch(req_id)
 
     def confirmed(self, done: dict[str, int]) -> None:
         if self.lazy is not None:

@@ -14,7 +14,6 @@ from lmkv.config import LMKVConfig, PluginRef, resolve_plugin
 from lmkv.engine import CacheEngine, open_engine
 from lmkv.errors import ConfigError
 from lmkv.gpu import KVSpec
-from lmkv.integrations.vllm.config import lookup_endpoints
 from lmkv.integrations.vllm.metadata import (
     LMKVConnectorMetadata,
     LMKVWorkerMetadata,
@@ -22,6 +21,7 @@ from lmkv.integrations.vllm.metadata import (
     StoreSpec,
 )
 from lmkv.lookup.server import LookupServer
+from lmkv.lookup.transport import LookupEndpoints
 
 if TYPE_CHECKING:
     from lmkv.server.remote import RemoteCacheEngine
@@ -91,7 +91,8 @@ class WorkerSide:
         self.engine = open_engine(self.config, spec, model_name=self.model_name,
                                   connector=connector, world_size=self.world_size,
                                   worker_id=self.rank)
-        endpoints = lookup_endpoints(self.config, self.engine_id, self.world_size)
+        endpoints = LookupEndpoints.from_config(self.config.lookup, self.engine_id,
+                                                self.world_size)
         self.server = LookupServer.for_rank(self.engine, endpoints, self.rank)
         logger.info("lmkv: worker %d/%d registered %d KV caches, layout %s, block size %d, "
                     "%s", self.rank, self.world_size, len(self.kv_caches), layout,
