@@ -120,7 +120,7 @@ def bench_throughput(port: int, n_chunks: int, rounds: int) -> None:
     tier = make_tier(port, get_arena)
     meta = KeyMeta("bench-redis", dtype="bfloat16")
     keys = [CacheKey(meta, i.to_bytes(32, "little")) for i in range(n_chunks)]
-    frame_bytes = len(tier.context.serializer.frame_bytes(objs[0]))
+    frame_bytes = len(tier.context.serializer.frame_bytes(objs[0], keys[0]))
 
     def put() -> None:
         assert tier.batched_submit_put(keys, objs).result() == n_chunks

@@ -20,6 +20,7 @@ from lmkv.gpu import ChunkSpan
 from lmkv.integrations import hf_model
 from lmkv.integrations.transformers import kv_spec_of
 from lmkv.memory import MemoryAllocator, tensor_obj
+from lmkv.tokens import CacheKey, KeyMeta
 from lmkv_backends.gpu_torch import HFConnector
 from lmkv_backends.serde_int8 import Int8Serializer
 from lmkv_backends.serde_naive import NaiveSerializer
@@ -54,6 +55,7 @@ def main() -> None:
              for i in range(n_chunks)]
     connector.to_chunks(spans, kv=kv)
     objs = [tensor_obj(s.buffer) for s in spans]
+    keys = [CacheKey(KeyMeta("bench"), i.to_bytes(32, "little")) for i in range(len(objs))]
     raw_bytes = sum(o.nbytes for o in objs)
     arena = MemoryAllocator(raw_bytes * 2 + (1 << 20))
     dst = [torch.empty_like(s.buffer) for s in spans]
@@ -65,18 +67,20 @@ def main() -> None:
                 Int8Serializer(), Int8Serializer({"granularity": "channel"})):
         opts = ",".join(f"{k}={v}" for k, v in ser.options.model_dump().items())
         label = f"{ser.name}({opts})" if opts else ser.name
-        frames = [ser.frame_bytes(o) for o in objs]
+        frames = [ser.frame_bytes(o, k) for o, k in zip(objs, keys, strict=True)]
         size = sum(len(f) for f in frames)
-        enc = best_of(lambda s=ser: [s.serialize(o) for o in objs], 3)
+        enc = best_of(lambda s=ser: [s.serialize(o, k) for o, k in zip(objs, keys, strict=True)],
+                      3)
 
         def decode(s=ser, fr=frames) -> list:
-            out = [s.deserialize(f, arena.allocate) for f in fr]
+            out = [s.deserialize(f, arena.allocate, k) for f, k in zip(fr, keys, strict=True)]
             for o in out:
                 o.ref_down()
             return out
 
         dec = best_of(decode, 3)
-        decoded = [ser.deserialize(f, arena.allocate) for f in frames]
+        decoded = [ser.deserialize(f, arena.allocate, k) for f, k in zip(frames, keys,
+                                                                          strict=True)]
         x = torch.stack([o.tensor.float() for o in objs])
         y = torch.stack([o.tensor.float() for o in decoded])
         max_abs = float((x - y).abs().max())

@@ -184,7 +184,7 @@ class StorageBackend(Plugin, ABC):
         frame, or no memory to decode into), never wrong data.
         """
         try:
-            return self.context.serializer.deserialize(frame, self.context.allocate)
+            return self.context.serializer.deserialize(frame, self.context.allocate, key)
         except CorruptFrameError as exc:
             self.counters.corrupt_frames += 1
             self.counters.misses += 1

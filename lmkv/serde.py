@@ -1,10 +1,13 @@
 """The Serializer ABC and the frame header every serializer shares.
 
 A frame is ``header | payload``. The header carries magic, format version,
-serializer id, dtype, shape, payload length and an xxh3-64 checksum of the
-payload, plus a checksum of the header itself. ``read_header`` and
-``verify_payload`` raise CorruptFrameError on anything off; the storage layer
-turns that into a miss and drops the entry.
+serializer id, dtype, shape, payload length, an xxh3-64 checksum of the
+payload and the digest of the key the frame was written under
+(``CacheKey.digest``), plus a checksum of the header itself. ``read_header``
+and ``verify_payload`` raise CorruptFrameError on anything off, including a
+frame read under another key than its own (copied, renamed, swapped) and a
+shape no chunk can have; the storage layer turns that into a miss and drops
+the entry.
 """
 
 from __future__ import annotations
@@ -21,9 +24,10 @@ from lmkv.backend import Allocate
 from lmkv.errors import CorruptFrameError
 from lmkv.memory import MemoryObj
 from lmkv.plugins.base import Plugin
+from lmkv.tokens import CacheKey
 
 MAGIC = b"LMKV"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the key digest (version-1 frames are not bound: misses)
 
 # Stable on-disk codes: never renumber, only append.
 DTYPE_CODES: dict[torch.dtype, int] = {
@@ -33,11 +37,14 @@ DTYPE_CODES: dict[torch.dtype, int] = {
 }
 CODE_DTYPES = {v: k for k, v in DTYPE_CODES.items()}
 
-# magic, version, serializer id, dtype code, ndim, payload length, payload checksum
-_FIXED = struct.Struct("<4sBBBBQQ")
+# magic, version, serializer id, dtype code, ndim, payload length, payload checksum,
+# key digest
+_FIXED = struct.Struct("<4sBBBBQQ16s")
 _DIM = struct.Struct("<Q")
 _HEADER_SUM = struct.Struct("<Q")
 MAX_NDIM = 8
+#: No chunk is larger than this; a header that claims more is corrupt.
+MAX_CHUNK_BYTES = 1 << 36
 
 
 @dataclass(frozen=True)
@@ -54,21 +61,42 @@ def payload_checksum(payload: object) -> int:
     return xxhash.xxh3_64_intdigest(payload)
 
 
+def check_shape(shape: Sequence[int], dtype: torch.dtype) -> None:
+    """CorruptFrameError unless ``shape`` is one a chunk can have: 1 to MAX_NDIM
+    dimensions, each positive, at most MAX_CHUNK_BYTES in all."""
+    if not 0 < len(shape) <= MAX_NDIM:
+        raise CorruptFrameError(f"frame claims {len(shape)} dimensions (1 to {MAX_NDIM})")
+    nbytes = dtype.itemsize
+    for dim in shape:
+        if dim <= 0:
+            raise CorruptFrameError(f"frame claims shape {list(shape)}: dimensions must be "
+                                    "positive")
+        nbytes *= dim
+        if nbytes > MAX_CHUNK_BYTES:
+            raise CorruptFrameError(f"frame claims shape {list(shape)}: more than "
+                                    f"{MAX_CHUNK_BYTES} bytes")
+
+
 def write_header(serializer_id: int, dtype: torch.dtype, shape: Sequence[int],
-                 payload: object, payload_len: int) -> bytes:
+                 payload: object, payload_len: int, key: CacheKey) -> bytes:
     if dtype not in DTYPE_CODES:
         raise ValueError(f"dtype {dtype} cannot be framed")
     body = _FIXED.pack(MAGIC, FORMAT_VERSION, serializer_id, DTYPE_CODES[dtype], len(shape),
-                       payload_len, payload_checksum(payload))
+                       payload_len, payload_checksum(payload), key.digest())
     body += b"".join(_DIM.pack(d) for d in shape)
     return body + _HEADER_SUM.pack(xxhash.xxh3_64_intdigest(body))
 
 
-def read_header(frame: memoryview) -> FrameHeader:
-    """Parse and check the header of ``frame`` (not the payload)."""
+def read_header(frame: memoryview, key: CacheKey, frame_len: int | None = None) -> FrameHeader:
+    """Parse and check the header of a frame stored under ``key`` (not the payload).
+
+    ``frame`` holds the whole frame, or at least its header when ``frame_len``
+    gives the whole frame's length.
+    """
+    frame_len = len(frame) if frame_len is None else frame_len
     if len(frame) < _FIXED.size + _HEADER_SUM.size:
         raise CorruptFrameError(f"frame of {len(frame)} bytes is shorter than a header")
-    magic, version, sid, dcode, ndim, plen, checksum = _FIXED.unpack_from(frame, 0)
+    magic, version, sid, dcode, ndim, plen, checksum, digest = _FIXED.unpack_from(frame, 0)
     if magic != MAGIC:
         raise CorruptFrameError("not an lmkv frame (bad magic)")
     if version != FORMAT_VERSION:
@@ -82,12 +110,14 @@ def read_header(frame: memoryview) -> FrameHeader:
     (expected,) = _HEADER_SUM.unpack_from(frame, body_len)
     if xxhash.xxh3_64_intdigest(frame[:body_len]) != expected:
         raise CorruptFrameError("frame header checksum mismatch")
+    if digest != key.digest():
+        raise CorruptFrameError("frame belongs to another key (copied or moved)")
     if dcode not in CODE_DTYPES:
         raise CorruptFrameError(f"unknown dtype code {dcode}")
     shape = tuple(_DIM.unpack_from(frame, _FIXED.size + i * _DIM.size)[0] for i in range(ndim))
-    if len(frame) != header_len + plen:
-        raise CorruptFrameError(
-            f"frame is {len(frame)} bytes, header says {header_len + plen}")
+    check_shape(shape, CODE_DTYPES[dcode])
+    if frame_len != header_len + plen:
+        raise CorruptFrameError(f"frame is {frame_len} bytes, header says {header_len + plen}")
     return FrameHeader(sid, CODE_DTYPES[dcode], shape, plen, checksum, header_len)
 
 
@@ -114,31 +144,36 @@ class Serializer(Plugin, ABC):
         self.options = self.parse_options(options)
 
     @abstractmethod
-    def serialize(self, obj: MemoryObj) -> list[bytes | memoryview]:
-        """The frame as a list of buffers to write back to back (no copy needed)."""
+    def serialize(self, obj: MemoryObj, key: CacheKey) -> list[bytes | memoryview]:
+        """The frame of ``obj`` stored under ``key``, as a list of buffers to write
+        back to back (no copy needed). Build it with ``framed``."""
 
     @abstractmethod
     def deserialize(self, frame: bytes | bytearray | memoryview,
-                    allocate: Allocate) -> MemoryObj | None:
-        """Decode ``frame`` into a buffer from ``allocate`` (None: no room).
+                    allocate: Allocate, key: CacheKey) -> MemoryObj | None:
+        """Decode ``frame``, read under ``key``, into a buffer from ``allocate``
+        (None: no room). Open it with ``open_frame``.
 
-        Raises CorruptFrameError when the frame fails to decode or verify.
+        Raises CorruptFrameError when the frame fails to decode or verify, or
+        was written under another key.
         """
 
-    def frame_bytes(self, obj: MemoryObj) -> bytes:
-        return b"".join(self.serialize(obj))
+    def frame_bytes(self, obj: MemoryObj, key: CacheKey) -> bytes:
+        return b"".join(self.serialize(obj, key))
 
-    def framed(self, obj: MemoryObj, payload: bytes | memoryview) -> list[bytes | memoryview]:
-        """``[header, payload]`` for ``obj``: what ``serialize`` returns."""
+    def framed(self, obj: MemoryObj, payload: bytes | memoryview,
+               key: CacheKey) -> list[bytes | memoryview]:
+        """``[header, payload]`` for ``obj`` under ``key``: what ``serialize`` returns."""
         return [write_header(self.serializer_id, obj.dtype, tuple(obj.shape), payload,
-                             len(payload)), payload]
+                             len(payload), key), payload]
 
-    def open_frame(self, frame: bytes | bytearray | memoryview
+    def open_frame(self, frame: bytes | bytearray | memoryview, key: CacheKey
                    ) -> tuple[FrameHeader, memoryview]:
-        """Check a frame's header, serializer id and payload checksum; returns the
-        header and the payload. Raises CorruptFrameError on anything off."""
+        """Check a frame's header (bound to ``key``), serializer id and payload
+        checksum; returns the header and the payload. Raises CorruptFrameError on
+        anything off."""
         view = memoryview(frame).cast("B")
-        header = read_header(view)
+        header = read_header(view, key)
         if header.serializer_id != self.serializer_id:
             raise CorruptFrameError(
                 f"frame was written by serializer id {header.serializer_id}, "

@@ -1,17 +1,30 @@
 """Tokens -> chunk keys.
 
-Tokens are split into chunks (default 256). A chunk's hash is
+Tokens are split into chunks (default 256). A whole chunk's hash is
 ``sha256(previous chunk's digest || chunk tokens as little-endian uint32)``,
 starting from an empty digest, so one key names a whole prefix. Nothing here
 depends on ``hash()`` or PYTHONHASHSEED: hashes agree across processes,
 machines and Python runs.
+
+The same token ids do not always mean the same KV: a LoRA adapter, a tenant's
+``cache_salt``, the multimodal inputs whose placeholders a chunk covers and
+prompt embeddings all change it. An ``Identity`` names those; a chunk with any
+of them (and a partial chunk) is hashed with a trailer::
+
+    sha256(prev || tokens || extras digest? || uint32 token count || flags || 0xA5)
+
+whose length is 2 mod 4, so it can never equal the input of a plain whole
+chunk (0 mod 4), and whose fields read back unambiguously from the end. No
+identity and whole chunks: exactly the plain hashes above.
 """
 
 from __future__ import annotations
 
+import re
+import struct
 import sys
 from array import array
-from hashlib import sha256
+from hashlib import blake2b, sha256
 from typing import Any
 
 import msgspec
@@ -29,18 +42,32 @@ except ImportError:  # pragma: no cover - depends on the build
     _uint32_le = _int64_to_uint32_le = None
 
 
+_GEOMETRY = re.compile(r"\d+x\d+x\d+")
+
+
+def kv_geometry(num_layers: int, num_kv_heads: int, head_dim: int) -> str:
+    """``KeyMeta.geometry`` of an engine's KV: ``"<layers>x<kv heads>x<head dim>"``."""
+    return f"{num_layers}x{num_kv_heads}x{head_dim}"
+
+
 class KeyMeta(msgspec.Struct, frozen=True):
-    """What makes stored KV incompatible between engines: part of every key."""
+    """What makes stored KV incompatible between engines: part of every key.
+
+    ``geometry`` (``kv_geometry``) keeps engines that share a model name but
+    differ in layers, KV heads or head size from ever naming the same chunk.
+    """
 
     model_name: str
     world_size: int = 1
     worker_id: int = 0
     dtype: str = "bfloat16"
     kv_layout: str = "l2thd"
+    geometry: str = ""
 
     def to_string(self) -> str:
+        tail = f"@{self.geometry}" if self.geometry else ""
         return (f"{self.model_name}@{self.world_size}@{self.worker_id}"
-                f"@{self.dtype}@{self.kv_layout}")
+                f"@{self.dtype}@{self.kv_layout}{tail}")
 
 
 class CacheKey(msgspec.Struct, frozen=True):
@@ -57,22 +84,30 @@ class CacheKey(msgspec.Struct, frozen=True):
 
     @classmethod
     def from_string(cls, text: str) -> CacheKey:
+        # model @ world @ rank @ dtype @ layout [@ geometry] @ hash [@ L<layer>]
+        parts = text.rsplit("@", 7)
         layer = -1
-        head, _, tail = text.rpartition("@")
-        if tail.startswith("L") and tail[1:].isdigit():
-            layer, text = int(tail[1:]), head
-        parts = text.rsplit("@", 5)
-        if len(parts) != 6:
+        if len(parts) > 1 and parts[-1][:1] == "L" and parts[-1][1:].isdigit():
+            layer = int(parts.pop()[1:])
+        geometry = ""
+        if len(parts) > 2 and _GEOMETRY.fullmatch(parts[-2]):  # never a layout name
+            geometry = parts.pop(-2)
+        if len(parts) < 6:
             raise ValueError(f"not an lmkv key: {text!r}")
-        model, world, rank, dtype, layout, digest = parts
+        *model, world, rank, dtype, layout, digest = parts
         try:
-            meta = KeyMeta(model, int(world), int(rank), dtype, layout)
+            meta = KeyMeta("@".join(model), int(world), int(rank), dtype, layout, geometry)
             return cls(meta, bytes.fromhex(digest), layer)
         except ValueError:
             raise ValueError(f"not an lmkv key: {text!r}") from None
 
     def with_layer(self, layer: int) -> CacheKey:
         return CacheKey(self.meta, self.chunk_hash, layer)
+
+    def digest(self) -> bytes:
+        """16 bytes naming the whole key (meta, chunk hash, layer): what a frame is
+        bound to, so a frame moved under another key never decodes as that key."""
+        return blake2b(self.to_string().encode(), digest_size=16).digest()
 
 
 def token_bytes(tokens: Any) -> memoryview:
@@ -114,9 +149,80 @@ def _in_uint32_range(arr: np.ndarray) -> bool:
     return True
 
 
+class MMInput(msgspec.Struct, frozen=True, array_like=True):
+    """One multimodal input: its content hash (vLLM's ``mm_feature.identifier``)
+    and the prompt positions its placeholders take."""
+
+    identifier: str
+    offset: int
+    length: int
+
+
+class Identity(msgspec.Struct, frozen=True, omit_defaults=True):
+    """What changes the KV of the same token ids (vLLM's block-hash extra keys).
+
+    - ``salt``: the request's ``cache_salt`` (tenant isolation); seeds the chain
+      (it enters chunk 0, so every later chunk differs too).
+    - ``adapter``: the LoRA adapter (name and path, say); enters every chunk.
+    - ``mm``: multimodal inputs; a chunk takes the identifier and chunk-relative
+      offset of every input whose placeholders it overlaps.
+    - ``embeds``: the sha256 of the prompt embeddings of each chunk
+      (``Identity.embeddings`` builds it), for prompts given as embeddings.
+    """
+
+    salt: str | None = None
+    adapter: str | None = None
+    mm: tuple[MMInput, ...] = ()
+    embeds: tuple[bytes, ...] = ()
+    embeds_chunk_size: int = 0
+
+    def __bool__(self) -> bool:
+        return bool(self.salt or self.adapter or self.mm or self.embeds)
+
+    def with_embeddings(self, embeds: Any, chunk_size: int) -> Identity:
+        """This identity plus the per-chunk digests of ``embeds`` (``[tokens, hidden]``,
+        a torch tensor or numpy array)."""
+        if hasattr(embeds, "detach"):  # torch.Tensor; torch is imported already then
+            import torch
+
+            # As raw bytes: numpy has no bfloat16.
+            embeds = embeds.detach().cpu().contiguous().view(torch.uint8).numpy()
+        arr = np.ascontiguousarray(embeds)
+        digests = tuple(sha256(arr[s:s + chunk_size].tobytes()).digest()
+                        for s in range(0, len(arr), chunk_size))
+        return msgspec.structs.replace(self, embeds=digests, embeds_chunk_size=chunk_size)
+
+    def chunk_extras(self, start: int, end: int, index: int, chunk_size: int) -> bytes | None:
+        """Digest of what enters the hash of chunk ``index`` (tokens ``[start, end)``)."""
+        extras: list[Any] = []
+        if self.salt and start == 0:
+            extras.append(("salt", self.salt))
+        if self.adapter:
+            extras.append(("adapter", self.adapter))
+        for item in self.mm:
+            if item.offset < end and item.offset + item.length > start:
+                extras.append(("mm", item.identifier, item.offset - start))
+        if self.embeds:
+            if self.embeds_chunk_size != chunk_size:
+                raise ValueError(f"identity embeds were hashed per {self.embeds_chunk_size} "
+                                 f"tokens, the chunks are {chunk_size}")
+            if index < len(self.embeds):
+                extras.append(("embeds", self.embeds[index]))
+        if not extras:
+            return None
+        return sha256(msgspec.msgpack.encode(extras)).digest()
+
+
+NO_IDENTITY = Identity()
+_TRAILER = struct.Struct("<IBB")
+_TRAILER_TAG = 0xA5
+_HAS_EXTRAS, _PARTIAL, _FIRST = 1, 2, 4
+
+
 def prefix_hashes(tokens: Any, chunk_size: int = DEFAULT_CHUNK_SIZE,
-                  keep_partial: bool = False) -> list[bytes]:
-    """Chained sha256 digest of every chunk of ``tokens``."""
+                  keep_partial: bool = False,
+                  identity: Identity | None = None) -> list[bytes]:
+    """Chained sha256 digest of every chunk of ``tokens`` (see the module doc)."""
     data = token_bytes(tokens)
     n = len(data) // 4
     step = chunk_size * 4
@@ -124,12 +230,32 @@ def prefix_hashes(tokens: Any, chunk_size: int = DEFAULT_CHUNK_SIZE,
     out: list[bytes] = []
     append = out.append
     prev = b""
-    for off in range(0, full_end, step):
-        prev = sha256(prev + data[off:off + step]).digest()
+    if not identity:
+        for off in range(0, full_end, step):
+            prev = sha256(prev + data[off:off + step]).digest()
+            append(prev)
+        if keep_partial and full_end < len(data):
+            append(_trailed(prev, data[full_end:], None, partial=True))
+        return out
+    end = len(data) if keep_partial else full_end
+    for index, off in enumerate(range(0, end, step)):
+        chunk = data[off:off + step]
+        start = off // 4
+        extras = identity.chunk_extras(start, start + len(chunk) // 4, index, chunk_size)
+        partial = len(chunk) < step
+        if extras is None and not partial:
+            prev = sha256(prev + chunk).digest()
+        else:
+            prev = _trailed(prev, chunk, extras, partial)
         append(prev)
-    if keep_partial and full_end < len(data):
-        append(sha256(prev + data[full_end:]).digest())
     return out
+
+
+def _trailed(prev: bytes, chunk: memoryview, extras: bytes | None, partial: bool) -> bytes:
+    flags = ((_HAS_EXTRAS if extras else 0) | (_PARTIAL if partial else 0)
+             | (0 if prev else _FIRST))
+    return sha256(b"".join((prev, chunk, extras or b"",
+                            _TRAILER.pack(len(chunk) // 4, flags, _TRAILER_TAG)))).digest()
 
 
 class ChunkKeys(msgspec.Struct, frozen=True):
@@ -154,9 +280,10 @@ class TokenChunker:
         self.chunk_size = chunk_size
         self.save_partial_chunk = save_partial_chunk
 
-    def chunk(self, tokens: Any, keep_partial: bool | None = None) -> ChunkKeys:
+    def chunk(self, tokens: Any, keep_partial: bool | None = None,
+              identity: Identity | None = None) -> ChunkKeys:
         keep = self.save_partial_chunk if keep_partial is None else keep_partial
-        hashes = prefix_hashes(tokens, self.chunk_size, keep)
+        hashes = prefix_hashes(tokens, self.chunk_size, keep, identity)
         n = len(tokens)
         cs = self.chunk_size
         starts = [i * cs for i in range(len(hashes))]

@@ -190,7 +190,7 @@ class FSBackend(StorageBackend):
             if existing is not None:  # another process stored it
                 self.index.adopt(key, existing)
                 return False
-            buffers = self.context.serializer.serialize(obj)
+            buffers = self.context.serializer.serialize(obj, key)
             size = sum(memoryview(b).nbytes for b in buffers)
             evicted = self.index.reserve(size)
             if evicted is None:
@@ -243,7 +243,7 @@ class FSBackend(StorageBackend):
         try:
             if self._raw_reads:
                 obj, size = self.store.read_into(
-                    name, self.context.serializer.serializer_id, self.context.allocate)
+                    name, key, self.context.serializer.serializer_id, self.context.allocate)
             else:
                 frame = self.store.read_frame(name)
                 size = len(frame)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import mmap
 import os
 import socket
 import time
@@ -22,7 +21,7 @@ from functools import partial
 from lmkv.backend import Allocate
 from lmkv.errors import CorruptFrameError
 from lmkv.memory import MemoryObj, nbytes_of
-from lmkv.serde import FrameHeader, read_header, verify_payload
+from lmkv.serde import read_header, verify_payload
 from lmkv.tokens import CacheKey
 from lmkv_backends.fs_index import key_of
 
@@ -133,7 +132,7 @@ class LocalStore:
         finally:
             os.close(fd)
 
-    def read_into(self, name: str, serializer_id: int, allocate: Allocate
+    def read_into(self, name: str, key: CacheKey, serializer_id: int, allocate: Allocate
                   ) -> tuple[MemoryObj | None, int]:
         """Read a raw-payload frame straight into a buffer from ``allocate``.
 
@@ -146,7 +145,7 @@ class LocalStore:
             size = os.fstat(fd).st_size
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
             head = os.pread(fd, min(size, HEAD_READ), 0)
-            header = parse_header(head, size)
+            header = read_header(memoryview(head), key, size)
             if header.serializer_id != serializer_id:
                 raise CorruptFrameError(f"frame was written by serializer id "
                                         f"{header.serializer_id}, not {serializer_id}")
@@ -191,27 +190,6 @@ class LocalStore:
 
     def close(self) -> None:
         pass
-
-
-def parse_header(head: bytes, frame_len: int) -> FrameHeader:
-    """Check the header at the start of a frame of ``frame_len`` bytes, given only
-    its first bytes. ``read_header`` wants the whole frame (it checks the length),
-    so the prefix is placed in a lazily-zeroed anonymous mapping of the frame's
-    size: no page past the first is ever touched."""
-    if frame_len <= len(head):
-        return read_header(memoryview(head)[:frame_len])
-    try:
-        scratch = mmap.mmap(-1, frame_len)
-    except (OSError, OverflowError, ValueError):
-        raise CorruptFrameError(f"an entry of {frame_len} bytes is not a frame") from None
-    try:
-        scratch[:len(head)] = head
-        with memoryview(scratch) as view:
-            return read_header(view)
-    finally:
-        # A view kept alive by a traceback blocks close(); the mapping then goes with it.
-        with contextlib.suppress(BufferError):
-            scratch.close()
 
 
 def _write_all(fd: int, buffers: Sequence[bytes | memoryview],

@@ -20,6 +20,7 @@ from lmkv.errors import CorruptFrameError
 from lmkv.memory import MemoryObj
 from lmkv.plugins.base import PluginOptions
 from lmkv.serde import Serializer
+from lmkv.tokens import CacheKey
 
 _GRANULARITY = {"token": 1, "channel": 2}
 _PREFIX = struct.Struct("<B")
@@ -41,7 +42,7 @@ class Int8Serializer(Serializer):
     serializer_id = 3
     Options = Int8Options
 
-    def serialize(self, obj: MemoryObj) -> list[bytes | memoryview]:
+    def serialize(self, obj: MemoryObj, key: CacheKey) -> list[bytes | memoryview]:
         if obj.tensor.dim() != 5:
             raise ValueError("int8 quantizes chunk buffers [layers, 2, tokens, heads, head_dim]")
         granularity = _GRANULARITY[self.options.granularity]
@@ -50,11 +51,11 @@ class Int8Serializer(Serializer):
         scale = torch.where(scale > 0, scale, torch.ones_like(scale))
         q = torch.round(x / scale).clamp_(-127, 127).to(torch.int8)
         return self.framed(obj, b"".join([_PREFIX.pack(granularity), scale.numpy().tobytes(),
-                                          q.numpy().tobytes()]))
+                                          q.numpy().tobytes()]), key)
 
     def deserialize(self, frame: bytes | bytearray | memoryview,
-                    allocate: Allocate) -> MemoryObj | None:
-        header, payload = self.open_frame(frame)
+                    allocate: Allocate, key: CacheKey) -> MemoryObj | None:
+        header, payload = self.open_frame(frame, key)
         if len(header.shape) != 5:
             raise CorruptFrameError("int8 frame of a non-chunk shape")
         if not payload or payload[0] not in _GRANULARITY.values():

@@ -8,6 +8,7 @@ from lmkv.backend import Allocate
 from lmkv.errors import CorruptFrameError
 from lmkv.memory import MemoryObj, nbytes_of
 from lmkv.serde import Serializer
+from lmkv.tokens import CacheKey
 
 
 class NaiveSerializer(Serializer):
@@ -15,12 +16,12 @@ class NaiveSerializer(Serializer):
     serializer_id = 1
     raw_payload = True
 
-    def serialize(self, obj: MemoryObj) -> list[bytes | memoryview]:
-        return self.framed(obj, memoryview(obj.byte_view().numpy()))
+    def serialize(self, obj: MemoryObj, key: CacheKey) -> list[bytes | memoryview]:
+        return self.framed(obj, memoryview(obj.byte_view().numpy()), key)
 
     def deserialize(self, frame: bytes | bytearray | memoryview,
-                    allocate: Allocate) -> MemoryObj | None:
-        header, payload = self.open_frame(frame)
+                    allocate: Allocate, key: CacheKey) -> MemoryObj | None:
+        header, payload = self.open_frame(frame, key)
         if header.payload_len != nbytes_of(header.shape, header.dtype):
             raise CorruptFrameError("payload length does not match dtype and shape")
         obj = allocate(header.shape, header.dtype)

@@ -20,6 +20,7 @@ from lmkv.errors import CorruptFrameError
 from lmkv.memory import MemoryObj, nbytes_of
 from lmkv.plugins.base import PluginOptions
 from lmkv.serde import Serializer
+from lmkv.tokens import CacheKey
 
 _SHUFFLED = 1
 
@@ -45,7 +46,7 @@ class ZstdSerializer(Serializer):
     serializer_id = 2
     Options = ZstdOptions
 
-    def serialize(self, obj: MemoryObj) -> list[bytes | memoryview]:
+    def serialize(self, obj: MemoryObj, key: CacheKey) -> list[bytes | memoryview]:
         raw = obj.byte_view()
         itemsize = obj.dtype.itemsize
         shuffle = self.options.shuffle and itemsize > 1
@@ -59,11 +60,11 @@ class ZstdSerializer(Serializer):
                 parts += [_PLANE.pack(_ZSTD, len(packed)), packed]
             else:
                 parts += [_PLANE.pack(_RAW, len(plane)), memoryview(plane)]
-        return self.framed(obj, b"".join(parts))
+        return self.framed(obj, b"".join(parts), key)
 
     def deserialize(self, frame: bytes | bytearray | memoryview,
-                    allocate: Allocate) -> MemoryObj | None:
-        header, payload = self.open_frame(frame)
+                    allocate: Allocate, key: CacheKey) -> MemoryObj | None:
+        header, payload = self.open_frame(frame, key)
         if not payload:
             raise CorruptFrameError("empty zstd payload")
         itemsize = header.dtype.itemsize

@@ -73,6 +73,10 @@ class TestTutorialBackendConformance(StorageBackendConformance):
         backend.frames[key] = bytes(frame)
         return True
 
+    def copy_entry(self, backend, source, target) -> bool:
+        backend.frames[target] = backend.frames[source]
+        return True
+
     def make_backend(self):
         arena = MemoryAllocator(1 << 22)
         return DictBackend(DictBackend.Options(),

@@ -5,8 +5,11 @@ import torch
 
 from lmkv.errors import CorruptFrameError
 from lmkv.memory import MemoryAllocator, tensor_obj
-from lmkv.serde import DTYPE_CODES
+from lmkv.serde import DTYPE_CODES, MAX_NDIM, write_header
+from lmkv.tokens import CacheKey, KeyMeta
 from lmkv_backends.serde_naive import NaiveSerializer
+
+KEY = CacheKey(KeyMeta("m", geometry="2x2x4"), b"\x07" * 32)
 
 
 @pytest.fixture
@@ -15,13 +18,13 @@ def alloc() -> MemoryAllocator:
 
 
 def frame_of(tensor: torch.Tensor) -> bytes:
-    return NaiveSerializer().frame_bytes(tensor_obj(tensor))
+    return NaiveSerializer().frame_bytes(tensor_obj(tensor), KEY)
 
 
 @pytest.mark.parametrize("dtype", list(DTYPE_CODES))
 def test_round_trip_every_dtype(dtype: torch.dtype, alloc: MemoryAllocator) -> None:
     data = (torch.randn(2, 2, 8, 2, 4) * 10).to(dtype)
-    obj = NaiveSerializer().deserialize(frame_of(data), alloc.allocate)
+    obj = NaiveSerializer().deserialize(frame_of(data), alloc.allocate, KEY)
     assert obj.dtype == dtype and obj.shape == data.shape
     assert torch.equal(obj.tensor.view(torch.uint8), data.view(torch.uint8))
     obj.ref_down()
@@ -29,7 +32,7 @@ def test_round_trip_every_dtype(dtype: torch.dtype, alloc: MemoryAllocator) -> N
 
 def test_no_room_is_none(alloc: MemoryAllocator) -> None:
     frame = frame_of(torch.ones(4))
-    assert NaiveSerializer().deserialize(frame, lambda shape, dtype: None) is None
+    assert NaiveSerializer().deserialize(frame, lambda shape, dtype: None, KEY) is None
 
 
 def corruptions(frame: bytes) -> dict[str, bytes]:
@@ -37,7 +40,8 @@ def corruptions(frame: bytes) -> dict[str, bytes]:
     return {
         "payload bit flip": flip(len(frame) - 3),
         "header bit flip": flip(10),
-        "shape bit flip": flip(30),
+        "shape bit flip": flip(44),
+        "key digest bit flip": flip(30),
         "truncated payload": frame[:-1],
         "truncated header": frame[:12],
         "extra bytes": frame + b"\0",
@@ -51,7 +55,7 @@ def corruptions(frame: bytes) -> dict[str, bytes]:
 def test_corrupted_frames_raise(case: str, alloc: MemoryAllocator) -> None:
     frame = frame_of(torch.randn(2, 2, 8, 2, 4).half())
     with pytest.raises(CorruptFrameError):
-        NaiveSerializer().deserialize(corruptions(frame)[case], alloc.allocate)
+        NaiveSerializer().deserialize(corruptions(frame)[case], alloc.allocate, KEY)
     assert alloc.live_objects == 0  # nothing allocated for a bad frame
 
 
@@ -60,6 +64,42 @@ def test_frame_of_another_serializer_is_rejected(alloc: MemoryAllocator) -> None
         name = "other"
         serializer_id = 200
 
-    frame = Other().frame_bytes(tensor_obj(torch.ones(4)))
+    frame = Other().frame_bytes(tensor_obj(torch.ones(4)), KEY)
     with pytest.raises(CorruptFrameError, match="serializer id 200"):
-        NaiveSerializer().deserialize(frame, alloc.allocate)
+        NaiveSerializer().deserialize(frame, alloc.allocate, KEY)
+
+
+@pytest.mark.parametrize("other", [
+    CacheKey(KeyMeta("m", geometry="2x2x4"), b"\x08" * 32),  # another chunk
+    CacheKey(KeyMeta("m", geometry="2x2x4"), b"\x07" * 32, layer=0),  # a layer of it
+    CacheKey(KeyMeta("m", geometry="4x2x4"), b"\x07" * 32),  # another geometry
+    CacheKey(KeyMeta("m", 2, 1, geometry="2x2x4"), b"\x07" * 32),  # another rank
+])
+def test_a_frame_read_under_another_key_is_corrupt(other: CacheKey,
+                                                   alloc: MemoryAllocator) -> None:
+    """A valid frame copied, renamed or swapped to another key is never that key's KV."""
+    frame = frame_of(torch.randn(2, 2, 8, 2, 4))
+    with pytest.raises(CorruptFrameError, match="another key"):
+        NaiveSerializer().deserialize(frame, alloc.allocate, other)
+    assert alloc.live_objects == 0
+
+
+def crafted(shape: list[int], dtype: torch.dtype = torch.float16, payload: bytes = b"") -> bytes:
+    """A frame whose header checksums are right but whose shape is absurd."""
+    return write_header(1, dtype, shape, payload, len(payload), KEY) + payload
+
+
+@pytest.mark.parametrize("shape", [
+    [2**40, 2**40, 0], [0], [4, 0, 4], [2**63, 2], [2**33, 2**33], [1] * (MAX_NDIM + 1), [],
+])
+def test_crafted_shapes_are_corrupt_and_allocate_nothing(shape: list[int],
+                                                         alloc: MemoryAllocator) -> None:
+    calls = []
+
+    def allocate(shape, dtype):  # must never be asked for an absurd shape
+        calls.append(shape)
+        return alloc.allocate(shape, dtype)
+
+    with pytest.raises(CorruptFrameError):
+        NaiveSerializer().deserialize(crafted(shape), allocate, KEY)
+    assert calls == [] and alloc.live_objects == 0

@@ -10,7 +10,7 @@ from lmkv.memory import MemoryAllocator, tensor_obj
 from lmkv_backends.serde_int8 import Int8Serializer
 from lmkv_backends.serde_naive import NaiveSerializer
 from lmkv_backends.serde_zstd import ZstdSerializer
-from tests.test_serde import corruptions
+from tests.test_serde import KEY, corruptions
 
 SHAPE = (2, 2, 32, 2, 16)
 
@@ -33,16 +33,16 @@ def kv_like(dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
 def test_zstd_is_lossless(dtype, options, alloc) -> None:
     data = kv_like(torch.float32).mul(10).to(dtype)
     ser = ZstdSerializer(options)
-    obj = ser.deserialize(ser.frame_bytes(tensor_obj(data)), alloc.allocate)
+    obj = ser.deserialize(ser.frame_bytes(tensor_obj(data), KEY), alloc.allocate, KEY)
     assert torch.equal(obj.tensor.view(torch.uint8), data.view(torch.uint8))
     obj.ref_down()
 
 
 def test_zstd_shuffle_compresses_kv(alloc) -> None:
     data = kv_like(torch.bfloat16)
-    raw = len(NaiveSerializer().frame_bytes(tensor_obj(data)))
-    plain = len(ZstdSerializer({"shuffle": False}).frame_bytes(tensor_obj(data)))
-    shuffled = len(ZstdSerializer().frame_bytes(tensor_obj(data)))
+    raw = len(NaiveSerializer().frame_bytes(tensor_obj(data), KEY))
+    plain = len(ZstdSerializer({"shuffle": False}).frame_bytes(tensor_obj(data), KEY))
+    shuffled = len(ZstdSerializer().frame_bytes(tensor_obj(data), KEY))
     assert shuffled < plain <= raw * 1.01
     assert shuffled < 0.9 * raw
 
@@ -52,9 +52,9 @@ def test_zstd_shuffle_compresses_kv(alloc) -> None:
 def test_int8_error_is_bounded_by_half_a_step(granularity, dtype, alloc) -> None:
     data = kv_like(dtype)
     ser = Int8Serializer({"granularity": granularity})
-    frame = ser.frame_bytes(tensor_obj(data))
+    frame = ser.frame_bytes(tensor_obj(data), KEY)
     assert len(frame) < data.numel() * data.element_size() * 0.6 or dtype != torch.float32
-    obj = ser.deserialize(frame, alloc.allocate)
+    obj = ser.deserialize(frame, alloc.allocate, KEY)
     assert obj.dtype == dtype and tuple(obj.shape) == SHAPE
     x = data.float()
     dim = -1 if granularity == "token" else 2
@@ -68,8 +68,8 @@ def test_int8_error_is_bounded_by_half_a_step(granularity, dtype, alloc) -> None
 
 def test_int8_of_zeros_is_exact(alloc) -> None:
     data = torch.zeros(SHAPE, dtype=torch.bfloat16)
-    obj = Int8Serializer().deserialize(Int8Serializer().frame_bytes(tensor_obj(data)),
-                                       alloc.allocate)
+    obj = Int8Serializer().deserialize(Int8Serializer().frame_bytes(tensor_obj(data), KEY),
+                                       alloc.allocate, KEY)
     assert torch.equal(obj.tensor, data)
     obj.ref_down()
 
@@ -77,9 +77,9 @@ def test_int8_of_zeros_is_exact(alloc) -> None:
 @pytest.mark.parametrize("ser", [ZstdSerializer(), Int8Serializer()], ids=["zstd", "int8"])
 @pytest.mark.parametrize("case", list(corruptions(b"\0" * 300)))
 def test_corrupt_frames_raise(ser, case, alloc) -> None:
-    frame = ser.frame_bytes(tensor_obj(kv_like(torch.float16)))
+    frame = ser.frame_bytes(tensor_obj(kv_like(torch.float16)), KEY)
     with pytest.raises(CorruptFrameError):
-        ser.deserialize(corruptions(frame)[case], alloc.allocate)
+        ser.deserialize(corruptions(frame)[case], alloc.allocate, KEY)
     assert alloc.live_objects == 0
 
 
@@ -87,9 +87,9 @@ def test_serializers_refuse_each_others_frames(alloc) -> None:
     sers = [NaiveSerializer(), ZstdSerializer(), Int8Serializer()]
     data = tensor_obj(kv_like(torch.float16))
     for writer in sers:
-        frame = writer.frame_bytes(data)
+        frame = writer.frame_bytes(data, KEY)
         for reader in sers:
             if reader is writer:
                 continue
             with pytest.raises(CorruptFrameError, match="serializer id"):
-                reader.deserialize(frame, alloc.allocate)
+                reader.deserialize(frame, alloc.allocate, KEY)

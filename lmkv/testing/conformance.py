@@ -37,6 +37,12 @@ class StorageBackendConformance:
         False and the corruption test is skipped."""
         return False
 
+    def copy_entry(self, backend: StorageBackend, source: CacheKey, target: CacheKey) -> bool:
+        """Store the bytes of ``source``'s entry under ``target``'s name behind the
+        backend's back (a file copied or renamed, a Redis value moved). Tiers that
+        store bytes implement it; the default returns False and the test is skipped."""
+        return False
+
     # -- helpers -------------------------------------------------------------
     @pytest.fixture
     def backend(self) -> Iterator[StorageBackend]:
@@ -172,3 +178,14 @@ class StorageBackendConformance:
         assert backend.get_blocking(self.key(4)) is None
         assert not backend.contains(self.key(4))
         assert backend.stats()["corrupt_frames"] >= 1
+
+    def test_an_entry_moved_to_another_key_is_a_miss(self, backend: StorageBackend) -> None:
+        """A valid frame under another key's name is never served as that key's KV."""
+        expected = self.put(backend, [4, 5])
+        if not self.copy_entry(backend, self.key(4), self.key(5)):
+            pytest.skip("this backend keeps no bytes to move")
+        assert backend.get_blocking(self.key(5)) is None
+        assert backend.stats()["corrupt_frames"] >= 1
+        obj = backend.get_blocking(self.key(4))  # the original still reads as itself
+        assert obj is not None and torch.equal(obj.tensor, expected[0])
+        obj.ref_down()

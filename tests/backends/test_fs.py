@@ -36,7 +36,8 @@ SHAPE = (2, 2, 16, 2, 32)
 DTYPE = torch.float16
 # A model name with what a file name cannot carry as it is.
 META = KeyMeta("org/Model v1:ü%..", 1, 0, "float16", "l2thd")
-FRAME_BYTES = len(NaiveSerializer().frame_bytes(tensor_obj(torch.zeros(SHAPE, dtype=DTYPE))))
+FRAME_BYTES = len(NaiveSerializer().frame_bytes(tensor_obj(torch.zeros(SHAPE, dtype=DTYPE)),
+                                                CacheKey(META, bytes(32))))
 HERE = Path(__file__).resolve()
 TIMEOUT = 30
 
@@ -112,6 +113,10 @@ class TestLocalConformance(StorageBackendConformance):
     def corrupt_entry(self, backend: FSBackend, key: CacheKey) -> bool:
         path = self.root / entry_name(key)
         path.write_bytes(CORRUPTIONS["payload bit flip"](path.read_bytes()))
+        return True
+
+    def copy_entry(self, backend: FSBackend, source: CacheKey, target: CacheKey) -> bool:
+        (self.root / entry_name(target)).write_bytes((self.root / entry_name(source)).read_bytes())
         return True
 
 
@@ -326,7 +331,7 @@ def test_a_frame_of_another_serializer_is_a_miss(make: Callable[..., FSBackend],
 
     backend = make()
     path = tmp_path / entry_name(key(3))
-    path.write_bytes(Other().frame_bytes(tensor_obj(chunk(3))))
+    path.write_bytes(Other().frame_bytes(tensor_obj(chunk(3)), key(3)))
     assert read(backend, 3) is None
     assert backend.stats()["corrupt_frames"] == 1 and not path.exists()
 

@@ -124,6 +124,13 @@ class TestS3Conformance(StorageBackendConformance):
         rewrite_object(self.s3, self.url, key, CORRUPTIONS["payload bit flip"])
         return True
 
+    def copy_entry(self, backend: FSBackend, source: CacheKey, target: CacheKey) -> bool:
+        bucket, _, prefix = self.url.removeprefix("s3://").partition("/")
+        client = self.s3.client()
+        body = client.get_object(Bucket=bucket, Key=f"{prefix}/{entry_name(source)}")["Body"]
+        client.put_object(Bucket=bucket, Key=f"{prefix}/{entry_name(target)}", Body=body.read())
+        return True
+
 
 def test_entries_survive_a_restart(make: Callable[..., FSBackend]) -> None:
     url = s3_url()

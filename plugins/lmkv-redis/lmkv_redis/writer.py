@@ -127,7 +127,7 @@ class Writer:
         pipe = backend.client().pipeline(transaction=False)
         plan: list[tuple[str, list[str], int]] = []
         for key, obj in zip(keys, objs, strict=True):
-            buffers = serializer.serialize(obj)
+            buffers = serializer.serialize(obj, key)
             frame_len = sum(memoryview(b).nbytes for b in buffers)
             name = backend.main_key(key)
             pieces = split(buffers, part_bytes) if frame_len > part_bytes else [buffers]

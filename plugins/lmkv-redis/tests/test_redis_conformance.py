@@ -32,6 +32,12 @@ class _RedisConformance(StorageBackendConformance):
         client.setrange(name, offset, bytes([byte ^ 1]))
         return True
 
+    def copy_entry(self, backend: StorageBackend, source: CacheKey, target: CacheKey) -> bool:
+        """Move the main value (a whole frame, or the envelope naming its parts)."""
+        client = backend.client()
+        client.set(backend.main_key(target), client.get(backend.main_key(source)))
+        return True
+
 
 class TestRedisServer(_RedisConformance):
     @pytest.fixture(autouse=True)
