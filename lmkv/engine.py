@@ -4,10 +4,17 @@
 chunk buffers (through the GPU connector) and hands them to the storage
 manager; ``lookup(tokens)`` counts the hit prefix in tokens;
 ``retrieve(tokens, **kv)`` loads the hit prefix back into the engine's KV.
+
+Each takes an optional ``identity`` (``lmkv.tokens.Identity``: LoRA adapter,
+cache salt, multimodal inputs, prompt embeddings): the same tokens under
+another identity are other chunks. Every chunk a retrieve gets is checked
+against the engine's KV spec (shape and dtype) before the connector sees it;
+a chunk that does not fit ends the hit there (``counters.spec_mismatches``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Sequence
 from concurrent.futures import Future
@@ -20,13 +27,19 @@ from lmkv.logutil import RateLimitedLog
 from lmkv.memory import MemoryObj
 from lmkv.prefetch import release
 from lmkv.storage import StorageManager
-from lmkv.tokens import CacheKey, ChunkKeys, KeyMeta, TokenChunker
+from lmkv.tokens import CacheKey, ChunkKeys, Identity, KeyMeta, TokenChunker, kv_geometry
 
 if TYPE_CHECKING:
     from lmkv.server.remote import RemoteCacheEngine
 
 logger = logging.getLogger(__name__)
 _store_log = RateLimitedLog(logger)
+_spec_log = RateLimitedLog(logger)
+
+
+@dataclass
+class EngineCounters:
+    spec_mismatches: int = 0  # chunks whose shape or dtype did not fit the engine: misses
 
 
 @dataclass(frozen=True)
@@ -51,6 +64,7 @@ class CacheEngine:
         self.storage = storage
         self.chunker = engine_chunker(config, spec, model_name, connector, world_size,
                                       worker_id)
+        self.counters = EngineCounters()
         storage.set_chunk_bytes(spec.chunk_nbytes(config.chunk_size))
 
     @classmethod
@@ -69,9 +83,10 @@ class CacheEngine:
     def meta(self) -> KeyMeta:
         return self.chunker.meta
 
-    def store(self, tokens: Sequence[int] | Any, **kv: Any) -> int:
+    def store(self, tokens: Sequence[int] | Any, *, identity: Identity | None = None,
+              **kv: Any) -> int:
         """Store the KV of ``tokens``' chunks that no tier holds yet; returns tokens stored."""
-        chunks = self.chunker.chunk(tokens)
+        chunks = self.chunker.chunk(tokens, identity=identity)
         # Pin the stored prefix while this store allocates: its own allocations
         # must not evict the chunks it builds on.
         pinned = self.storage.pin_prefix(chunks.keys)
@@ -102,26 +117,28 @@ class CacheEngine:
                 obj.ref_down()
         return spans[-1].end - spans[0].start
 
-    def lookup(self, tokens: Sequence[int] | Any) -> int:
+    def lookup(self, tokens: Sequence[int] | Any, *, identity: Identity | None = None) -> int:
         """Length in tokens of the longest stored prefix of ``tokens``."""
-        chunks = self.chunker.chunk(tokens)
+        chunks = self.chunker.chunk(tokens, identity=identity)
         hits = self.storage.contains_prefix(chunks.keys)
         return chunks.ends[hits - 1] if hits else 0
 
-    def lookup_and_prefetch(self, tokens: Sequence[int] | Any, lookup_id: str) -> Future:
+    def lookup_and_prefetch(self, tokens: Sequence[int] | Any, lookup_id: str, *,
+                            identity: Identity | None = None) -> Future:
         """Start loading the stored prefix of ``tokens`` from the tiers.
 
         Resolves to the hit length in tokens. A later ``retrieve(...,
         lookup_id=lookup_id)`` consumes the prefetched chunks instead of reading
         the tiers again; ``release_lookup`` drops them.
         """
-        chunks = self.chunker.chunk(tokens)
+        chunks = self.chunker.chunk(tokens, identity=identity)
         return self.storage.lookup_and_prefetch(lookup_id, chunks.keys, chunks.ends)
 
     def lookup_and_prefetch_hashes(self, lookup_id: str, chunk_hashes: Sequence[bytes],
                                    chunk_ends: Sequence[int]) -> Future:
         """``lookup_and_prefetch`` for chunk hashes computed elsewhere (the scheduler
-        hashes once; each worker builds its own keys, with its own rank)."""
+        hashes once, identity included; each worker builds its own keys, with its
+        own rank)."""
         meta = self.chunker.meta
         keys = [CacheKey(meta, h) for h in chunk_hashes]
         return self.storage.lookup_and_prefetch(lookup_id, keys, chunk_ends)
@@ -130,7 +147,7 @@ class CacheEngine:
         self.storage.release_prefetched(lookup_id)
 
     def retrieve(self, tokens: Sequence[int] | Any, *, lookup_id: str | None = None,
-                 **kv: Any) -> RetrieveResult:
+                 identity: Identity | None = None, **kv: Any) -> RetrieveResult:
         """Load the KV of the stored prefix of ``tokens`` through the connector.
 
         With a connector that writes into the engine's own KV (paged caches),
@@ -138,12 +155,13 @@ class CacheEngine:
         upper tier's copy overlaps a lower tier's read. Otherwise the connector
         builds the KV once every chunk is in (``RetrieveResult.kv``).
         """
-        chunks = self.chunker.chunk(tokens)
+        chunks = self.chunker.chunk(tokens, identity=identity)
         objs = self.storage.take_prefetched(lookup_id, chunks.keys) if lookup_id else None
         if objs is None and self.connector.writes_in_place:
             return self._retrieve_streaming(chunks, kv)
         if objs is None:
             objs = self.storage.get(chunks.keys)
+        objs = self._fitting(chunks, 0, objs)
         if not objs:
             return RetrieveResult(0, None)
         try:
@@ -156,16 +174,32 @@ class CacheEngine:
 
     def _retrieve_streaming(self, chunks: ChunkKeys, kv: dict[str, Any]) -> RetrieveResult:
         hit = 0
-        for first, objs in self.storage.stream(chunks.keys):
-            try:
-                spans = [ChunkSpan(chunks.starts[first + i], chunks.ends[first + i], o.tensor)
-                         for i, o in enumerate(objs)]
-                if spans:
-                    self.connector.from_chunks(spans, **kv)
-            finally:
-                release(objs)
-            hit = first + len(objs)
+        with contextlib.closing(self.storage.stream(chunks.keys)) as stream:
+            for first, got in stream:
+                objs = self._fitting(chunks, first, got)
+                try:
+                    spans = [ChunkSpan(chunks.starts[first + i], chunks.ends[first + i], o.tensor)
+                             for i, o in enumerate(objs)]
+                    if spans:
+                        self.connector.from_chunks(spans, **kv)
+                finally:
+                    release(objs)
+                hit = first + len(objs)
+                if len(objs) < len(got):
+                    break
         return RetrieveResult(chunks.ends[hit - 1] if hit else 0, None)
+
+    def _fitting(self, chunks: ChunkKeys, first: int, objs: list[MemoryObj]
+                 ) -> list[MemoryObj]:
+        """The leading ``objs`` (chunks ``first``...) whose shape and dtype are what this
+        engine's KV spec gives their tokens; the rest are released and counted."""
+        for i, obj in enumerate(objs):
+            j = first + i
+            if not fits_spec(self.spec, self.counters, chunks.keys[j], obj.tensor,
+                             chunks.ends[j] - chunks.starts[j]):
+                release(objs[i:])
+                return objs[:i]
+        return objs
 
     def stats(self) -> list[dict[str, Any]]:
         return self.storage.stats()
@@ -180,12 +214,27 @@ class CacheEngine:
         self.close()
 
 
+def fits_spec(spec: KVSpec, counters: EngineCounters, key: CacheKey, chunk: Any,
+              num_tokens: int) -> bool:
+    """Whether ``chunk`` (a tensor) has the shape and dtype ``spec`` gives ``num_tokens``
+    tokens; a chunk that does not is counted and logged (a miss for the caller)."""
+    expected = spec.chunk_shape(num_tokens)
+    if chunk.dtype == spec.dtype and tuple(chunk.shape) == expected:
+        return True
+    counters.spec_mismatches += 1
+    _spec_log.warning("spec", "lmkv: chunk %s is %s %s, this engine's KV is %s %s; a miss "
+                      "from there", key.to_string(), dtype_name(chunk.dtype), list(chunk.shape),
+                      dtype_name(spec.dtype), list(expected))
+    return False
+
+
 def engine_chunker(config: LMKVConfig, spec: KVSpec, model_name: str, connector: GPUConnector,
                    world_size: int, worker_id: int) -> TokenChunker:
     """The chunker (keys) of an engine: the same in every mode, so that engines in
     either mode name a chunk the same way."""
     meta = KeyMeta(config.model_name or model_name, world_size, worker_id,
-                   dtype_name(spec.dtype), connector.chunk_layout)
+                   dtype_name(spec.dtype), connector.chunk_layout,
+                   kv_geometry(spec.num_layers, spec.num_kv_heads, spec.head_dim))
     return TokenChunker(meta, config.chunk_size, config.save_partial_chunk)
 
 

@@ -28,10 +28,10 @@ from typing import Any
 import torch
 
 from lmkv.config import LMKVConfig
-from lmkv.engine import RetrieveResult, engine_chunker
+from lmkv.engine import EngineCounters, RetrieveResult, engine_chunker, fits_spec
 from lmkv.gpu import ChunkSpan, GPUConnector, KVSpec
 from lmkv.server.client import ServerClient
-from lmkv.tokens import KeyMeta
+from lmkv.tokens import Identity, KeyMeta
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +46,7 @@ class RemoteCacheEngine:
         self.connector = connector
         self.chunker = engine_chunker(config, spec, model_name, connector, world_size,
                                       worker_id)
+        self.counters = EngineCounters()
         server = config.server
         self.client = ServerClient(server.address, timeout_ms=server.timeout_ms,
                                    transport=server.transport)
@@ -68,9 +69,10 @@ class RemoteCacheEngine:
         return self.chunker.meta
 
     # -- store -------------------------------------------------------------------
-    def store(self, tokens: Sequence[int] | Any, **kv: Any) -> int:
+    def store(self, tokens: Sequence[int] | Any, *, identity: Identity | None = None,
+              **kv: Any) -> int:
         """Store the KV of ``tokens``' chunks the server lacks; returns tokens stored."""
-        chunks = self.chunker.chunk(tokens)
+        chunks = self.chunker.chunk(tokens, identity=identity)
         if not len(chunks):
             return 0
         shapes = [self.spec.chunk_shape(e - s) for s, e in zip(chunks.starts, chunks.ends,
@@ -90,9 +92,9 @@ class RemoteCacheEngine:
         return chunks.ends[first + stored - 1] - chunks.starts[first]
 
     # -- lookup ------------------------------------------------------------------
-    def lookup(self, tokens: Sequence[int] | Any) -> int:
+    def lookup(self, tokens: Sequence[int] | Any, *, identity: Identity | None = None) -> int:
         """Length in tokens of the longest prefix of ``tokens`` the server holds."""
-        chunks = self.chunker.chunk(tokens)
+        chunks = self.chunker.chunk(tokens, identity=identity)
         return self.client.lookup(chunks.keys, chunks.ends) if len(chunks) else 0
 
     def lookup_and_prefetch_hashes(self, lookup_id: str, chunk_hashes: Sequence[bytes],
@@ -145,23 +147,31 @@ class RemoteCacheEngine:
 
     # -- retrieve ----------------------------------------------------------------
     def retrieve(self, tokens: Sequence[int] | Any, *, lookup_id: str | None = None,
-                 **kv: Any) -> RetrieveResult:
+                 identity: Identity | None = None, **kv: Any) -> RetrieveResult:
         """Load the KV of the stored prefix of ``tokens`` (what ``lookup_id``
-        prefetched, when given) through the connector, straight from the server."""
-        chunks = self.chunker.chunk(tokens)
+        prefetched, when given) through the connector, straight from the server.
+        Chunks whose shape or dtype does not fit this engine end the hit there."""
+        chunks = self.chunker.chunk(tokens, identity=identity)
         if not len(chunks):
             return RetrieveResult(0, None)
         result: list[Any] = [None]
+        fitting = [len(chunks)]
 
         def consume(views: list[torch.Tensor]) -> None:
-            spans = [ChunkSpan(s, e, v) for s, e, v in zip(chunks.starts, chunks.ends, views,
-                                                           strict=False)]
-            result[0] = self.connector.from_chunks(spans, **kv)
+            spans = []
+            for s, e, v in zip(chunks.starts, chunks.ends, views, strict=False):
+                if not fits_spec(self.spec, self.counters, chunks.keys[len(spans)], v, e - s):
+                    break
+                spans.append(ChunkSpan(s, e, v))
+            fitting[0] = len(spans)
+            if spans:
+                result[0] = self.connector.from_chunks(spans, **kv)
 
         expected = sum(self.spec.chunk_nbytes(e - s)
                        for s, e in zip(chunks.starts, chunks.ends, strict=True))
         n = self.client.retrieve_into(chunks.keys, consume, lookup_id=lookup_id or "",
                                       expected_bytes=expected)
+        n = min(n, fitting[0])
         return RetrieveResult(chunks.ends[n - 1] if n else 0, result[0] if n else None)
 
     # -- the rest ----------------------------------------------------------------
