@@ -22,3 +22,5 @@ print(*(n for n in ('torchvision', 'torchaudio', 'torchcodec') if u.find_spec(n)
 # lmkv with its own deps: only those vLLM does not bring get installed
 # (pluggy, xxhash, zstandard); torch and the rest stay vLLM's.
 "${PIP[@]}" install -q -e . -c scripts/constraints-dev.txt
+# pytest for tests/vllm/test_*.py (vLLM's own Request objects and block hashes).
+"${PIP[@]}" install -q pytest -c scripts/constraints-dev.txt

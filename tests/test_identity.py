@@ -103,7 +103,7 @@ def test_equal_tokens_under_another_identity_never_hit(name: str) -> None:
             if other == identity:
                 continue
             theirs = prefix_hashes(TOKENS, CHUNK, identity=other)
-            shared = next(i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b)
+            shared = next(i for i, (a, b) in enumerate(zip(mine, theirs, strict=True)) if a != b)
             # Only chunks whose KV is the same (before an image, say) may be shared.
             assert shared < 3 and e.lookup(TOKENS, identity=other) == shared * CHUNK
             assert e.retrieve(TOKENS, identity=other).num_tokens == shared * CHUNK

@@ -55,7 +55,7 @@ from lmkv.lookup.transport import (
     pull_socket,
     push_socket,
 )
-from lmkv.tokens import DEFAULT_CHUNK_SIZE, prefix_hashes
+from lmkv.tokens import DEFAULT_CHUNK_SIZE, Identity, prefix_hashes
 
 logger = logging.getLogger(__name__)
 _log = RateLimitedLog(logger)
@@ -164,12 +164,14 @@ class LookupClient:
                    save_partial_chunk=config.save_partial_chunk, **settings)
 
     # -- the API ---------------------------------------------------------------
-    def lookup(self, lookup_id: str, tokens: Sequence[int] | Any) -> None:
-        """Start looking up ``tokens`` on every worker; returns at once (see ``poll``).
+    def lookup(self, lookup_id: str, tokens: Sequence[int] | Any,
+               identity: Identity | None = None) -> None:
+        """Start looking up ``tokens`` (under ``identity``) on every worker; returns at
+        once (see ``poll``). The chunk hashes carry the identity to the workers.
 
         A lookup already pending under ``lookup_id`` is left alone.
         """
-        hashes = prefix_hashes(tokens, self.chunk_size, self.save_partial_chunk)
+        hashes = prefix_hashes(tokens, self.chunk_size, self.save_partial_chunk, identity)
         total, size = len(tokens), self.chunk_size
         offsets = [min((i + 1) * size, total) for i in range(len(hashes))]
         self.lookup_hashes(lookup_id, hashes, offsets)

@@ -14,8 +14,11 @@ request's step submits the first request's store, then vLLM's own prefix
 cache is reset so the prefix can only come from lmkv. Then two more vLLM
 processes share a disk tier: the first stores the first prompt's KV; the second,
 started afterwards with an empty cpu tier, must load the shared prefix from disk.
-Last, server mode: an ``lmkv server`` owns the tiers; one vLLM process stores
+Then server mode: an ``lmkv server`` owns the tiers; one vLLM process stores
 through it, and a second one, started afterwards, loads the prefix from it.
+Last, tenants: the first prompt under ``cache_salt`` "a", then the second under
+"b", under none and under "a": only the same salt may load the shared prefix,
+and every output equals the baseline's.
 """
 
 from __future__ import annotations
@@ -90,11 +93,24 @@ def run(model_dir: str, mode: str) -> dict:
               disable_log_stats=False, **kwargs)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
-    def generate(p: list[int]) -> list[int]:
-        out = llm.generate([TokensPrompt(prompt_token_ids=p)], params, use_tqdm=False)
+    def generate(p: list[int], salt: str | None = None) -> list[int]:
+        prompt = TokensPrompt(prompt_token_ids=p)
+        if salt is not None:
+            prompt["cache_salt"] = salt
+        out = llm.generate([prompt], params, use_tqdm=False)
         return list(out[0].outputs[0].token_ids)
 
     first, second = prompts()
+    if mode == "salt":
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+        counters = get_kv_transfer_group().worker_side.counters
+        generate(first, "a")
+        outputs, loaded = [], []
+        for salt in ("b", None, "a"):
+            before = counters.loaded_tokens
+            outputs.append(generate(second, salt))
+            loaded.append(counters.loaded_tokens - before)
+        return {"outputs": outputs, "loaded": loaded}
     if mode.startswith(("disk", "server")):
         from vllm.distributed.kv_transfer import get_kv_transfer_group
 
@@ -181,7 +197,8 @@ def main() -> int:
             tmp, "tiers:\n  - type: cpu\n    options: {max_bytes: 256MiB}\n", env=env)
         try:
             for mode in ("baseline", "eager", "lazy", "async", "corrupt", "load-fails",
-                         "disk-writer", "disk-reader", "server-writer", "server-reader"):
+                         "disk-writer", "disk-reader", "server-writer", "server-reader",
+                         "salt"):
                 out = os.path.join(tmp, f"{mode}.json")
                 rc = subprocess.call([sys.executable, __file__, "--run", mode, model_dir, out],
                                      env=env)
@@ -247,6 +264,12 @@ def main() -> int:
                 reader["outputs"][0] != base["outputs"][1]:
             print(f"FAIL ({tier}): the second process did not reuse the first one's KV exactly")
             ok = False
+    salt = results["salt"]
+    print("salt outputs:", salt["outputs"], "loaded (salt b, none, a):", salt["loaded"])
+    if salt["loaded"] != [0, 0, expected_hit] or \
+            any(out != base["outputs"][1] for out in salt["outputs"]):
+        print("FAIL (salt): a tenant loaded another's KV, or its own did not load exactly")
+        ok = False
     print("PASS" if ok else "FAILED")
     return 0 if ok else 1
 

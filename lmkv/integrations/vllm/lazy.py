@@ -77,7 +77,7 @@ class LazyOffload:
             blocks = [self.pool.blocks[bid] for bid in block_ids]
             self.pool.touch(blocks)
             self._protected[store_id] = blocks
-            out.append(StoreSpec(spec.req_id, spec.token_ids, block_ids, store_id))
+            out.append(StoreSpec(spec.req_id, spec.token_ids, block_ids, store_id, spec.identity))
         return out
 
     def _intact(self, block_id: int, snapshot: Any) -> bool:

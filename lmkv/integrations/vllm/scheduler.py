@@ -19,6 +19,11 @@ the request once every worker reported it finished.
 Eager offload: every step's newly computed whole chunks of the prompt are
 planned as a store for the workers (``wait_for_save``). Lazy offload: those
 plans are buffered in ``LazyOffload`` and submitted after requests finish.
+
+Every request's identity (LoRA adapter, cache salt, multimodal inputs, prompt
+embeddings: ``identity.request_identity``) is read once, when vLLM first asks
+about it, and goes with its lookup and with every load and store plan. A
+request whose identity was never read is neither loaded nor stored.
 """
 
 from __future__ import annotations
@@ -29,9 +34,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from lmkv.config import LMKVConfig
+from lmkv.integrations.vllm.identity import request_identity
 from lmkv.integrations.vllm.lazy import LazyOffload
 from lmkv.integrations.vllm.specs import LoadSpec, StepPlan, StoreSpec
 from lmkv.lookup.client import LookupClient
+from lmkv.tokens import Identity
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +79,7 @@ class SchedulerSide:
         self._local: dict[str, int] = {}  # req id -> tokens vLLM had when it asked
         self._async_specs: list[LoadSpec] = []  # planned, for the next step's metadata
         self._async_loaded: dict[str, int] = {}  # req id -> tokens an async load brings
+        self._identities: dict[str, Identity | None] = {}  # req id -> what names its chunks
 
     # -- lookup ----------------------------------------------------------------
     def num_new_matched_tokens(self, request: Any, num_computed: int) -> int | None:
@@ -80,6 +88,8 @@ class SchedulerSide:
         req_id = request.request_id
         self._requests[req_id] = request
         self._local[req_id] = num_computed
+        if req_id not in self._identities:
+            self._identities[req_id] = request_identity(request, self.chunk_size)
         hit = self._hits.get(req_id)
         if hit is None:
             limit = self._pending.get(req_id)
@@ -92,7 +102,7 @@ class SchedulerSide:
                     return 0
                 self.counters.lookups += 1
                 self._pending[req_id] = limit
-                self.client.lookup(req_id, prompt[:limit])
+                self.client.lookup(req_id, prompt[:limit], self._identities[req_id])
             t0 = time.monotonic()
             result = self.client.poll(req_id, self._wait_left_s)
             self._wait_left_s -= time.monotonic() - t0
@@ -118,7 +128,8 @@ class SchedulerSide:
             end = local + num_external
             prompt = list(request.prompt_token_ids or [])
             self._async_specs.append(LoadSpec(req_id, prompt[:end], list(block_ids), local,
-                                              async_load=True))
+                                              async_load=True,
+                                              identity=self._identities.get(req_id)))
             self._async_loaded[req_id] = end
             self._count_load(req_id, num_external, local, "asynchronously ")
         else:
@@ -168,7 +179,8 @@ class SchedulerSide:
         if not num_external:
             return
         meta.loads.append(LoadSpec(req_id, req.prompt[:computed], list(req.block_ids),
-                                   computed - num_external))
+                                   computed - num_external,
+                                   identity=self._identities.get(req_id)))
         req.stored = max(req.stored, computed)
         self._count_load(req_id, num_external, computed - num_external)
 
@@ -180,8 +192,9 @@ class SchedulerSide:
     def _plan_store(self, req_id: str, req: _Req, computed: int,
                     meta: StepPlan) -> None:
         end = min(computed, len(req.prompt)) // self.chunk_size * self.chunk_size
-        if end > req.stored:
-            spec = StoreSpec(req_id, req.prompt[:end], list(req.block_ids))
+        if end > req.stored and req_id in self._identities:
+            spec = StoreSpec(req_id, req.prompt[:end], list(req.block_ids),
+                             identity=self._identities[req_id])
             if self.lazy is None:
                 meta.stores.append(spec)
             else:
@@ -197,6 +210,7 @@ class SchedulerSide:
         self._requests.pop(req_id, None)
         self._local.pop(req_id, None)
         self._async_loaded.pop(req_id, None)
+        self._identities.pop(req_id, None)
         if self._pending.pop(req_id, None) is not None:
             self.client.cancel(req_id)  # finished (aborted) before the answer came
         if self.lazy is not None:

@@ -4,18 +4,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from lmkv.tokens import Identity
+
 
 @dataclass
 class LoadSpec:
     """Load ``token_ids`` (the stored prefix) into ``block_ids``; tokens below
     ``skip_tokens`` are already in vLLM's cache (its own prefix hit). An
-    ``async_load`` runs in the background; the worker reports it finished."""
+    ``async_load`` runs in the background; the worker reports it finished.
+    ``identity``: what besides the tokens names the request's chunks."""
 
     req_id: str
     token_ids: list[int]
     block_ids: list[int]
     skip_tokens: int = 0
     async_load: bool = False
+    identity: Identity | None = None
 
 
 @dataclass
@@ -27,6 +31,7 @@ class StoreSpec:
     token_ids: list[int]
     block_ids: list[int]
     store_id: str | None = None
+    identity: Identity | None = None
 
 
 @dataclass

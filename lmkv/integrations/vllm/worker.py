@@ -135,7 +135,8 @@ class WorkerSide:
         want = len(spec.token_ids)
         try:
             got = self.engine.retrieve(spec.token_ids, lookup_id=spec.req_id,
-                                       kv_caches=self.kv_caches, block_ids=spec.block_ids,
+                                       identity=spec.identity, kv_caches=self.kv_caches,
+                                       block_ids=spec.block_ids,
                                        skip_tokens=spec.skip_tokens).num_tokens
         except Exception:
             logger.exception("lmkv: loading request %s failed", spec.req_id)
@@ -165,8 +166,8 @@ class WorkerSide:
 
     def _store(self, spec: StoreSpec) -> None:
         try:
-            n = self.engine.store(spec.token_ids, kv_caches=self.kv_caches,
-                                  block_ids=spec.block_ids)
+            n = self.engine.store(spec.token_ids, identity=spec.identity,
+                                  kv_caches=self.kv_caches, block_ids=spec.block_ids)
             with self._lock:
                 self.counters.stores += 1
                 self.counters.stored_tokens += n
