@@ -7,10 +7,17 @@
     out.logits, out.cache, out.hit_tokens     # stores the new chunks
 
 ``retrieve`` and ``store`` are there for loops that run the model themselves.
+
+KV is shared only between calls with the same identity: the engine's
+``namespace`` (a tenant, say: it seeds every chunk's hash) and the model's
+active PEFT adapter (its name and a digest of its weights, so two adapters that
+share a name never share KV). The base model and each adapter have their own
+chunks.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +29,7 @@ from lmkv.engine import CacheEngine
 from lmkv.errors import ConfigError
 from lmkv.gpu import KVSpec
 from lmkv.integrations.hf_model import cache_to_kv, kv_to_cache, prefill
+from lmkv.tokens import Identity
 
 
 @dataclass
@@ -45,8 +53,10 @@ class HFCacheEngine:
     """lmkv's cache engine bound to one transformers model (batch size 1)."""
 
     def __init__(self, model: Any, config: LMKVConfig | None = None, *,
-                 model_name: str | None = None) -> None:
+                 model_name: str | None = None, namespace: str | None = None) -> None:
         self.model = model
+        self.namespace = namespace
+        self._adapter_digests: dict[str, str] = {}
         name = model_name or getattr(model.config, "_name_or_path", "") or model.config.model_type
         self.engine = CacheEngine.from_config(config or load_config(), kv_spec_of(model),
                                               model_name=name, default_connector="hf")
@@ -60,7 +70,8 @@ class HFCacheEngine:
 
     def store(self, input_ids: Sequence[int] | torch.Tensor, cache: Any) -> int:
         """Store the KV of ``input_ids``' whole chunks found in ``cache``; returns tokens stored."""
-        return self.engine.store(_flat(input_ids), kv=cache_to_kv(cache))
+        return self.engine.store(_flat(input_ids), identity=self.identity(),
+                                 kv=cache_to_kv(cache))
 
     def retrieve(self, input_ids: Sequence[int] | torch.Tensor) -> tuple[int, Any]:
         """(hit tokens, a model cache holding them) for the stored prefix of the prompt.
@@ -68,7 +79,8 @@ class HFCacheEngine:
         At least the last prompt token is left to compute, since its logits are needed.
         """
         ids = _flat(input_ids)
-        result = self.engine.retrieve(ids[:-1], device=self.model.device)
+        result = self.engine.retrieve(ids[:-1], identity=self.identity(),
+                                      device=self.model.device)
         if result.num_tokens == 0:
             return 0, None
         return result.num_tokens, kv_to_cache(result.kv, self.model.config)
@@ -82,8 +94,49 @@ class HFCacheEngine:
             self.store(ids, cache)
         return PrefillOutput(logits, cache, hit)
 
+    def identity(self) -> Identity | None:
+        """What names this engine's chunks besides the tokens, now: the namespace and
+        the model's active adapter(s)."""
+        adapters = [f"{name}\x00{self._adapter_digest(name)}"
+                    for name in _active_adapters(self.model)]
+        identity = Identity(salt=self.namespace, adapter="\x01".join(adapters) or None)
+        return identity or None
+
+    def _adapter_digest(self, name: str) -> str:
+        """sha256 of an adapter's weights, once per adapter name (adapters are served,
+        not trained, between calls)."""
+        digest = self._adapter_digests.get(name)
+        if digest is None:
+            h = hashlib.sha256()
+            for key, tensor in sorted(_adapter_state(self.model, name).items()):
+                h.update(key.encode())
+                h.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy())
+            digest = self._adapter_digests[name] = h.hexdigest()
+        return digest
+
     def close(self) -> None:
         self.engine.close()
+
+
+def _active_adapters(model: Any) -> list[str]:
+    """Names of the PEFT adapters that compute ``model``'s KV now (a ``PeftModel``, or a
+    transformers model with adapters loaded): what its adapter layers say, so a
+    ``disable_adapter()`` block counts as the base model. [] without adapters."""
+    if not getattr(model, "peft_config", None):
+        return []
+    from peft.tuners.tuners_utils import BaseTunerLayer  # present whenever peft_config is
+    for module in model.modules():
+        if isinstance(module, BaseTunerLayer):
+            if module.disable_adapters:
+                return []
+            names = module.active_adapters
+            return sorted([names] if isinstance(names, str) else names)
+    return []
+
+
+def _adapter_state(model: Any, name: str) -> dict[str, torch.Tensor]:
+    from peft import get_peft_model_state_dict  # present whenever an adapter is
+    return get_peft_model_state_dict(model, adapter_name=name)
 
 
 def _flat(input_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:

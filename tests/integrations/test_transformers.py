@@ -79,3 +79,78 @@ def test_a_paged_connector_is_refused_for_transformers(model) -> None:
     config = load_config(env={}, overrides={"lmkv.gpu_connector": "paged"})
     with pytest.raises(ConfigError, match="gpu_connector = 'paged': cannot serve a transformers"):
         HFCacheEngine(model, config)
+
+
+def test_a_namespace_never_shares_kv_with_another(model, prompts, engine) -> None:
+    engine.namespace = "tenant-a"
+    engine.prefill(prompts[0])
+    engine.namespace = "tenant-b"
+    assert engine.retrieve(prompts[0])[0] == 0
+    engine.namespace = None
+    assert engine.retrieve(prompts[0])[0] == 0
+    engine.namespace = "tenant-a"
+    assert engine.retrieve(prompts[0])[0] > 0
+
+
+def _lora(model, adapters: dict[str, int]):  # type: ignore[no-untyped-def]
+    """A copy of ``model`` with LoRA adapters of random (non-zero) weights, by seed."""
+    import copy
+
+    peft = pytest.importorskip("peft")
+    peft_model = None
+    for name, seed in adapters.items():
+        torch.manual_seed(seed)
+        config = peft.LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj", "k_proj",
+                                                                      "v_proj"],
+                                 init_lora_weights=False)
+        if peft_model is None:
+            peft_model = peft.get_peft_model(copy.deepcopy(model), config, adapter_name=name)
+        else:
+            peft_model.add_adapter(name, config)
+    peft_model.eval()
+    return peft_model
+
+
+def test_lora_adapters_share_kv_with_neither_the_base_nor_each_other(model, prompts,
+                                                                      tmp_path) -> None:
+    """Two models whose adapter is named "sql" but has other weights, and a second
+    adapter and the base model, over one disk tier: each gets its own KV or a miss,
+    and an adapter's output with reused KV equals its recompute."""
+    config = load_config(env={}, overrides={
+        "lmkv.chunk_size": 64,
+        "lmkv.tiers": [{"type": "cpu", "options": {"max_bytes": "64MiB"}},
+                       {"type": "fs", "options": {"url": str(tmp_path)}}]})
+    first = _lora(model, {"sql": 1, "chat": 2})
+    other_sql = _lora(model, {"sql": 3})
+    prompt = prompts[0]
+    hit = (len(prompt) - 1) // 64 * 64
+    engine = HFCacheEngine(first, config, model_name="tiny-test")
+    try:
+        first.set_adapter("sql")
+        engine.prefill(prompt)
+        assert engine.engine.storage.flush(60)
+        first.set_adapter("chat")
+        assert engine.retrieve(prompt)[0] == 0
+        with first.disable_adapter():
+            assert engine.retrieve(prompt)[0] == 0
+            engine.prefill(prompt)  # the base model's own KV
+        first.set_adapter("sql")
+        expected_logits, expected_cache = hf_model.prefill(first, prompt)
+        again = engine.prefill(prompt)
+        assert again.hit_tokens == hit
+        assert torch.allclose(again.logits, expected_logits, atol=1e-5, rtol=1e-5)
+        assert hf_model.greedy_generate(first, again.logits, again.cache, 6) == \
+            hf_model.greedy_generate(first, expected_logits, expected_cache, 6)
+        assert engine.engine.storage.flush(60)
+    finally:
+        engine.close()
+    other = HFCacheEngine(other_sql, config, model_name="tiny-test")
+    try:
+        assert other.retrieve(prompt)[0] == 0  # same name "sql", other weights
+    finally:
+        other.close()
+    plain = HFCacheEngine(model, config, model_name="tiny-test")
+    try:
+        assert plain.retrieve(prompt)[0] == hit  # the base model's, stored above
+    finally:
+        plain.close()
