@@ -138,9 +138,9 @@ class LookupClient:
 
         self._context = zmq.Context()
         self._auth = CurveServer(self._context, endpoints.curve) if endpoints.curve else None
-        self._responses = pull_socket(self._context, endpoints.responses, self._auth)
+        self._responses = pull_socket(self._context, endpoints.responses, curve=self._auth)
         self.response_endpoint = last_endpoint(self._responses)
-        self._workers = [push_socket(self._context, e, endpoints.curve)
+        self._workers = [push_socket(self._context, e, curve=endpoints.curve)
                          for e in endpoints.requests]
         self._waker = Waker(self._context)
         self._thread = threading.Thread(target=self._run, name="lmkv-lookup-client",

@@ -80,8 +80,8 @@ class LookupServer:
         self.counters = ServerCounters()
         self._context = zmq.Context()
         self._auth = CurveServer(self._context, curve) if curve is not None else None
-        self._requests = pull_socket(self._context, request_endpoint, self._auth)
-        self._responses = push_socket(self._context, response_endpoint, curve)
+        self._requests = pull_socket(self._context, request_endpoint, curve=self._auth)
+        self._responses = push_socket(self._context, response_endpoint, curve=curve)
         self.request_endpoint = last_endpoint(self._requests)
         self._send_lock = threading.Lock()
         self._closed = False

@@ -151,7 +151,7 @@ def prepare_bind(endpoint: str) -> None:
         Path(endpoint[len("ipc://"):]).parent.mkdir(mode=0o700, parents=True, exist_ok=True)
 
 
-def push_socket(context: zmq.Context, endpoint: str,
+def push_socket(context: zmq.Context, endpoint: str, *,
                 curve: CurveKeys | None = None) -> zmq.Socket:
     sock = context.socket(zmq.PUSH)
     if curve is not None:
@@ -165,7 +165,7 @@ def push_socket(context: zmq.Context, endpoint: str,
     return sock
 
 
-def pull_socket(context: zmq.Context, endpoint: str,
+def pull_socket(context: zmq.Context, endpoint: str, *,
                 curve: CurveServer | None = None) -> zmq.Socket:
     """A bound PULL socket; ``last_endpoint(sock)`` tells the port of ``tcp://host:*``."""
     sock = context.socket(zmq.PULL)

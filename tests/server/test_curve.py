@@ -20,9 +20,9 @@ from lmkv.server.client import ServerClient
 from tests.server.procs import (
     REPO,
     ServerProcess,
+    child_env,
     chunk_ends,
     chunk_for,
-    child_env,
     free_port,
     prompt_keys,
     same_bytes,
@@ -47,7 +47,7 @@ def keys(tmp_path_factory: pytest.TempPathFactory) -> Keys:
     root = tmp_path_factory.mktemp("curve")
     server_public, server_secret = write_keypair(root / "server", "server")
     authorized = root / "clients"
-    client_public, client_secret = write_keypair(authorized, "engine")
+    _client_public, _client_secret = write_keypair(authorized, "engine")
     authorized.chmod(0o755)
     (authorized / "engine.key_secret").rename(root / "engine.key_secret")  # only .key stays
     _, rogue_secret = write_keypair(root / "rogue", "rogue")
