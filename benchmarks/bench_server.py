@@ -305,6 +305,8 @@ def main() -> None:
                                         curve=curve))
             secured = f"tcp://127.0.0.1:{curve_port}"
             bench_curve_throughput(address, secured, curve, n, rounds)
+            if args.curve_only:  # the baseline, in this run
+                bench_lookup(address, lookups, None, " without CURVE")
             bench_lookup(secured, lookups, curve, " with CURVE")
         finally:
             for srv in servers:
