@@ -23,7 +23,6 @@ import os
 import re
 import stat
 import tempfile
-from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -286,7 +285,3 @@ class CurveServer:
     def stop(self) -> None:
         self._auth.stop()
 
-
-def describe(keys: Iterable[bytes]) -> str:
-    """Public keys for a log line."""
-    return ", ".join(sorted(k.decode() for k in keys))
