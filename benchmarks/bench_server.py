@@ -7,6 +7,10 @@ cpu tier (same run), and the round trip of lookups of a 32k-token prompt.
 Targets: store and retrieve through the server >= 0.7 of in-process; lookup
 round trip p99 < 2 ms. The server runs as its own process (``python -m
 lmkv.server``) on loopback, as in production.
+
+CURVE: a second server with CURVE keys (``lmkv keygen``; docs/security.md) in
+the same run: in-frame store and retrieve with CURVE against without (ratios),
+and the lookup round trip with CURVE (target p99 < 2 ms).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from pathlib import Path
 import torch
 import zmq
 
+from lmkv.auth import CurveKeys, load_keypair, load_public_key, write_keypair
 from lmkv.config import load_config
 from lmkv.server.client import ServerClient
 from lmkv.storage import StorageManager
@@ -45,14 +50,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(config: Path, port: int, log: Path) -> subprocess.Popen:
+def start_server(config: Path, port: int, log: Path, *args: str,
+                 curve: CurveKeys | None = None) -> subprocess.Popen:
     """The server with its default options (in-frame stores go in 256 MiB requests)."""
     with log.open("w") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "lmkv.server", "--config", str(config), "--port", str(port),
-             "--log-level", "WARNING"],
+             "--log-level", "WARNING", *args],
             stdout=out, stderr=subprocess.STDOUT)
-    client = ServerClient(f"tcp://127.0.0.1:{port}", timeout_ms=500)
+    client = ServerClient(f"tcp://127.0.0.1:{port}", timeout_ms=500, curve=curve)
     client_log = logging.getLogger("lmkv.server.client")
     client_log.setLevel(logging.ERROR)  # "no server yet" while it starts
     deadline = time.monotonic() + 60
@@ -197,12 +203,36 @@ def bench_throughput(address: str, config: Path, n: int, rounds: int) -> None:
           f"in-frame reaches {st / ceiling:.2f} (store) / {rt / ceiling:.2f} (retrieve) of it")
 
 
-def bench_lookup(address: str, count: int) -> None:
+def bench_curve_throughput(plain: str, secured: str, curve: CurveKeys, n: int,
+                           rounds: int) -> None:
+    """The in-frame path (the one that crosses machines) with and without CURVE."""
+    srcs = [torch.randn(SHAPE).to(torch.bfloat16) for _ in range(n)]
+    dsts = [torch.empty(SHAPE, dtype=torch.bfloat16) for _ in range(n)]
+    gen = Round()
+    results = {}
+    for label, address, keys in (("in-frame", plain, None),
+                                  ("in-frame, CURVE", secured, curve)):
+        client = ServerClient(address, transport="frame", timeout_ms=60_000, curve=keys)
+        assert client.ping() is not None, label
+        results[label] = throughput(
+            label, lambda keys_, c=client: c.store(keys_, srcs),
+            lambda keys_, c=client: len(c.retrieve(keys_, out=dsts)), n, rounds, gen)
+        client.close()
+    base_store, base_retrieve = results["in-frame"]
+    print(f"\nCURVE: {n} chunks of 32 MiB through the in-frame transport, best of {rounds}:")
+    print(f"  {'path':<24} {'store GB/s':>10} {'ratio':>6} {'retrieve GB/s':>14} {'ratio':>6}")
+    for label, (st, rt) in results.items():
+        print(f"  {label:<24} {st:>10.2f} {st / base_store:>6.2f} {rt:>14.2f} "
+              f"{rt / base_retrieve:>6.2f}")
+
+
+def bench_lookup(address: str, count: int, curve: CurveKeys | None = None,
+                 title: str = "") -> None:
     tokens = list(range(32 * 1024))
     hashes = prefix_hashes(tokens, 256)
     ends = [256 * (i + 1) for i in range(len(hashes))]
     keys = [CacheKey(META, h) for h in hashes]
-    client = ServerClient(address, timeout_ms=1000)
+    client = ServerClient(address, timeout_ms=1000, curve=curve)
     small = [torch.zeros(2, 2, 256, 2, 16, dtype=torch.bfloat16) for _ in keys]
     assert client.store(keys, small) == len(keys)
 
@@ -223,7 +253,7 @@ def bench_lookup(address: str, count: int) -> None:
         p99 = times[int(len(times) * 0.99) - 1] * 1e3
         print(f"  {label:<36} p50 {p50:.3f} ms  p99 {p99:.3f} ms  max {times[-1] * 1e3:.3f} ms")
 
-    print(f"\nlookup round trip, 32k-token prompt (128 chunks), {count} lookups:")
+    print(f"\nlookup round trip{title}, 32k-token prompt (128 chunks), {count} lookups:")
     report("lookup (count only)",
            round_trips(lambda: client.lookup_hashes(META, hashes, ends), count))
     report("lookup + prefetch (waits, 128 chunks)",
@@ -237,6 +267,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer chunks and lookups")
     parser.add_argument("--chunks", type=int, help="32 MiB chunks per round (default 16)")
+    parser.add_argument("--curve-only", action="store_true",
+                        help="only the CURVE comparison and the CURVE lookups")
     args = parser.parse_args()
     n = args.chunks or (8 if args.quick else 16)
     rounds = 2 if args.quick else 5
@@ -250,14 +282,37 @@ def main() -> None:
         port = free_port()
         server = start_server(config, port, Path(tmp) / "server.log")
         address = f"tcp://127.0.0.1:{port}"
+        servers = [server]
         try:
             print(f"lmkv server benchmark ({os.cpu_count()} cores, torch threads "
                   f"{torch.get_num_threads()})")
-            bench_throughput(address, config, n, rounds)
-            bench_lookup(address, lookups)
+            if not args.curve_only:
+                bench_throughput(address, config, n, rounds)
+                bench_lookup(address, lookups)
+            if not zmq.has("curve"):
+                print("\nCURVE: this libzmq has no CURVE support; skipped")
+                return
+            keys = Path(tmp) / "keys"
+            _, server_secret = write_keypair(keys, "server")
+            client_public, client_secret = write_keypair(keys / "clients", "engine")
+            public, secret = load_keypair(client_secret)
+            curve = CurveKeys(public, secret,
+                              server_key=load_public_key(keys / "server.key"))
+            curve_port = free_port()
+            servers.append(start_server(config, curve_port, Path(tmp) / "curve.log",
+                                        "--curve-secret-key", str(server_secret),
+                                        "--curve-authorized-keys", str(client_public),
+                                        curve=curve))
+            secured = f"tcp://127.0.0.1:{curve_port}"
+            bench_curve_throughput(address, secured, curve, n, rounds)
+            if args.curve_only:  # the baseline, in this run
+                bench_lookup(address, lookups, None, " without CURVE")
+            bench_lookup(secured, lookups, curve, " with CURVE")
         finally:
-            server.send_signal(signal.SIGTERM)
-            server.wait(60)
+            for srv in servers:
+                srv.send_signal(signal.SIGTERM)
+            for srv in servers:
+                srv.wait(60)
 
 
 if __name__ == "__main__":

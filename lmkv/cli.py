@@ -1,4 +1,4 @@
-"""The ``lmkv`` command: plugins, config check, stats and the demo."""
+"""The ``lmkv`` command: plugins, config check, stats, server, keygen and the demo."""
 
 from __future__ import annotations
 
@@ -74,6 +74,15 @@ def _cmd_stats(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_keygen(args: argparse.Namespace) -> int:
+    from lmkv.auth import load_public_key, write_keypair
+
+    public, secret = write_keypair(args.dir, args.name, force=args.force)
+    print(f"public key:  {public}  ({load_public_key(public).decode()})")
+    print(f"secret key:  {secret}  (mode 0600: keep it private)")
+    return 0
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from lmkv.demo import run_demo
 
@@ -100,6 +109,16 @@ def build_parser() -> argparse.ArgumentParser:
     stats.add_argument("--config", help="config file (default: LMKV_CONFIG / defaults)")
     stats.add_argument("--json", action="store_true", help="machine-readable output")
     stats.set_defaults(func=_cmd_stats)
+
+    keygen = sub.add_parser(
+        "keygen", help="write a CURVE key pair for the lmkv server or the lookup channel",
+        description="Write NAME.key (the public key, to hand to peers) and NAME.key_secret "
+                    "(the key pair, mode 0600) into DIR. See docs/security.md.")
+    keygen.add_argument("--dir", default=".",
+                        help="directory to write to (created 0700; default: .)")
+    keygen.add_argument("--name", default="lmkv", help="file name stem (default: lmkv)")
+    keygen.add_argument("--force", action="store_true", help="replace existing key files")
+    keygen.set_defaults(func=_cmd_keygen)
 
     from lmkv.server.main import add_server_arguments, run_server
 

@@ -9,6 +9,7 @@ one line naming the key, the value, what is allowed and where it came from.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 from collections.abc import Mapping
@@ -63,6 +64,29 @@ class TierConfig(PluginRef):
     eviction: PluginRef = Field(default_factory=lambda: PluginRef(type="lru"))
 
 
+class CurveConfig(_Model):
+    """ZMQ CURVE key files for a TCP socket (docs/security.md; ``lmkv keygen`` writes them)."""
+
+    # This process's key pair (a ``.key_secret`` file, owner-only).
+    secret_key: str = Field(min_length=1)
+    # The public key of the server this process connects to (a ``.key`` file).
+    server_key: str | None = Field(default=None, min_length=1)
+    # Public keys allowed to connect: one ``.key`` file or a directory of them.
+    authorized_keys: str | None = Field(default=None, min_length=1)
+
+
+def is_loopback_host(host: str) -> bool:
+    """Whether ``host`` names this machine's loopback interface only. Host names other
+    than ``localhost`` count as not loopback: what they resolve to can change."""
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 class LookupConfig(_Model):
     """The async lookup channel between a scheduler and its workers (docs/lookup.md)."""
 
@@ -72,11 +96,23 @@ class LookupConfig(_Model):
     base_port: Annotated[int, Field(strict=True, gt=0, lt=65536)] | None = None
     timeout_ms: PositiveInt = 3000
     backoff_ms: Annotated[int, Field(strict=True, ge=0)] = 10
+    # tcp only: the key pair the scheduler and its workers share (docs/security.md).
+    curve: CurveConfig | None = None
+    insecure: bool = False
 
     @model_validator(mode="after")
     def _tcp_needs_a_port(self) -> LookupConfig:
         if self.transport == "tcp" and self.base_port is None:
             raise ValueError("transport 'tcp' needs base_port")
+        return self
+
+    @model_validator(mode="after")
+    def _closed_beyond_loopback(self) -> LookupConfig:
+        if self.transport == "tcp" and self.curve is None and not self.insecure \
+                and not is_loopback_host(self.host):
+            raise ValueError(f"host {self.host!r} is not loopback: set lookup.curve "
+                             "(docs/security.md), or lookup.insecure: true to accept that "
+                             "anyone who reaches it can read and answer lookups")
         return self
 
 
@@ -86,6 +122,9 @@ class ServerConnection(_Model):
     address: str = Field(default="tcp://127.0.0.1:5555", min_length=1)
     timeout_ms: PositiveInt = 250
     transport: Literal["auto", "frame"] = "auto"
+    # CURVE keys: this process's key pair and the server's public key (docs/security.md).
+    # ``lmkv server`` reads its own key pair and ``authorized_keys`` from here too.
+    curve: CurveConfig | None = None
 
 
 class LMKVConfig(_Model):

@@ -38,6 +38,7 @@ from typing import Any
 
 import zmq
 
+from lmkv.auth import CurveServer
 from lmkv.config import LMKVConfig
 from lmkv.logutil import RateLimitedLog
 from lmkv.lookup.messages import (
@@ -136,9 +137,11 @@ class LookupClient:
         self._closed = False
 
         self._context = zmq.Context()
-        self._responses = pull_socket(self._context, endpoints.responses)
+        self._auth = CurveServer(self._context, endpoints.curve) if endpoints.curve else None
+        self._responses = pull_socket(self._context, endpoints.responses, curve=self._auth)
         self.response_endpoint = last_endpoint(self._responses)
-        self._workers = [push_socket(self._context, e) for e in endpoints.requests]
+        self._workers = [push_socket(self._context, e, curve=endpoints.curve)
+                         for e in endpoints.requests]
         self._waker = Waker(self._context)
         self._thread = threading.Thread(target=self._run, name="lmkv-lookup-client",
                                         daemon=True)
@@ -268,6 +271,8 @@ class LookupClient:
         with self._lock:
             close_all([self._responses, *self._workers])
         self._waker.close()
+        if self._auth is not None:
+            self._auth.stop()
         self._context.term()
 
     def __enter__(self) -> LookupClient:

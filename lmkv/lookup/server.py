@@ -24,6 +24,7 @@ from typing import Protocol
 
 import zmq
 
+from lmkv.auth import CurveKeys, CurveServer
 from lmkv.logutil import RateLimitedLog
 from lmkv.lookup.messages import (
     LookupCleanup,
@@ -74,12 +75,13 @@ class LookupServer:
     """
 
     def __init__(self, engine: PrefetchingEngine, request_endpoint: str,
-                 response_endpoint: str) -> None:
+                 response_endpoint: str, curve: CurveKeys | None = None) -> None:
         self.engine = engine
         self.counters = ServerCounters()
         self._context = zmq.Context()
-        self._requests = pull_socket(self._context, request_endpoint)
-        self._responses = push_socket(self._context, response_endpoint)
+        self._auth = CurveServer(self._context, curve) if curve is not None else None
+        self._requests = pull_socket(self._context, request_endpoint, curve=self._auth)
+        self._responses = push_socket(self._context, response_endpoint, curve=curve)
         self.request_endpoint = last_endpoint(self._requests)
         self._send_lock = threading.Lock()
         self._closed = False
@@ -94,7 +96,7 @@ class LookupServer:
                  rank: int) -> LookupServer:
         if not 0 <= rank < endpoints.world_size:
             raise ValueError(f"rank {rank}: the channel has ranks 0..{endpoints.world_size - 1}")
-        return cls(engine, endpoints.requests[rank], endpoints.responses)
+        return cls(engine, endpoints.requests[rank], endpoints.responses, endpoints.curve)
 
     # -- receiving -------------------------------------------------------------
     def _run(self) -> None:
@@ -197,6 +199,8 @@ class LookupServer:
                 return
             close_all([self._requests, self._responses])
         self._waker.close()
+        if self._auth is not None:
+            self._auth.stop()
         self._context.term()
 
     def __enter__(self) -> LookupServer:

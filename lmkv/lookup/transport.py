@@ -20,6 +20,10 @@ responses=...)``), e.g. for workers on other hosts.
 
 ``engine_id`` must be unique per runtime directory: binding an ipc path
 replaces a socket file left there, including a live engine's.
+
+With ``lookup.curve`` (a key pair the scheduler and its workers share; meant
+for ``tcp``), every socket speaks ZMQ CURVE: bound sockets accept only the
+authorized keys, connecting ones check the peer's key (docs/security.md).
 """
 
 from __future__ import annotations
@@ -30,11 +34,12 @@ import os
 import re
 import tempfile
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import zmq
 
+from lmkv.auth import CurveKeys, CurveServer, peer_keys, secure_client
 from lmkv.config import LookupConfig
 
 logger = logging.getLogger(__name__)
@@ -64,6 +69,8 @@ class LookupEndpoints:
 
     requests: tuple[str, ...]
     responses: str
+    # The channel's CURVE keys; None: plain ZMQ.
+    curve: CurveKeys | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if not self.requests:
@@ -99,12 +106,19 @@ class LookupEndpoints:
                     world_size: int) -> LookupEndpoints:
         """The endpoints a config's ``lookup`` section names for ``engine_id``."""
         if lookup.transport == "ipc":
-            return cls.ipc(engine_id, world_size, lookup.runtime_dir)
+            return cls.ipc(engine_id, world_size, lookup.runtime_dir).secured(lookup)
         if lookup.transport != "tcp":
             raise ValueError(f"transport {lookup.transport!r}: allowed: 'ipc', 'tcp'")
         if lookup.base_port is None:
             raise ValueError("transport 'tcp' needs base_port")
-        return cls.tcp(world_size, host=lookup.host, base_port=lookup.base_port)
+        endpoints = cls.tcp(world_size, host=lookup.host, base_port=lookup.base_port)
+        return endpoints.secured(lookup)
+
+    def secured(self, lookup: LookupConfig) -> LookupEndpoints:
+        """These endpoints with the CURVE keys of ``lookup.curve`` (unchanged without)."""
+        if lookup.curve is None:
+            return self
+        return LookupEndpoints(self.requests, self.responses, peer_keys(lookup.curve))
 
 
 def _check_layout(engine_id: str, world_size: int) -> None:
@@ -137,8 +151,11 @@ def prepare_bind(endpoint: str) -> None:
         Path(endpoint[len("ipc://"):]).parent.mkdir(mode=0o700, parents=True, exist_ok=True)
 
 
-def push_socket(context: zmq.Context, endpoint: str) -> zmq.Socket:
+def push_socket(context: zmq.Context, endpoint: str, *,
+                curve: CurveKeys | None = None) -> zmq.Socket:
     sock = context.socket(zmq.PUSH)
+    if curve is not None:
+        secure_client(sock, curve)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, SEND_HWM)
     # The peer may bind later or restart: retry soon (ZMQ's default is 100 ms).
@@ -148,9 +165,12 @@ def push_socket(context: zmq.Context, endpoint: str) -> zmq.Socket:
     return sock
 
 
-def pull_socket(context: zmq.Context, endpoint: str) -> zmq.Socket:
+def pull_socket(context: zmq.Context, endpoint: str, *,
+                curve: CurveServer | None = None) -> zmq.Socket:
     """A bound PULL socket; ``last_endpoint(sock)`` tells the port of ``tcp://host:*``."""
     sock = context.socket(zmq.PULL)
+    if curve is not None:
+        curve.secure(sock)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.RCVHWM, 0)  # never drop: the peers' HWM bounds the queue
     sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)

@@ -22,6 +22,7 @@ from typing import Any
 import msgspec
 import zmq
 
+from lmkv.auth import CurveKeys, secure_client
 from lmkv.server import protocol as p
 
 logger = logging.getLogger(__name__)
@@ -36,8 +37,10 @@ class Failure(enum.Enum):
 
 
 class Channel:
-    def __init__(self, address: str, context: zmq.Context | None = None) -> None:
+    def __init__(self, address: str, context: zmq.Context | None = None,
+                 curve: CurveKeys | None = None) -> None:
         self.address = address
+        self.curve = curve
         self._context = context or zmq.Context.instance()
         self._socket: zmq.Socket | None = None
         self._next_id = 0
@@ -85,6 +88,10 @@ class Channel:
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_IVL_MAX_MS)
         if self.address.startswith("tcp://["):
             sock.setsockopt(zmq.IPV6, 1)
+        if self.curve is not None:
+            # A server without our key on its list, or not holding the key we expect,
+            # never completes the handshake: IMMEDIATE then makes every request a miss.
+            secure_client(sock, self.curve)
         sock.connect(self.address)
         self._socket = sock
         return sock

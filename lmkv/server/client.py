@@ -28,6 +28,7 @@ import numpy as np
 import torch
 import zmq
 
+from lmkv.auth import CurveKeys
 from lmkv.logutil import RateLimitedLog
 from lmkv.server import protocol as p
 from lmkv.server.channel import Channel, Failure
@@ -61,7 +62,8 @@ class ServerClient:
     def __init__(self, address: str = DEFAULT_ADDRESS, *, session: str | None = None,
                  timeout_ms: int = DEFAULT_TIMEOUT_MS,
                  transport: Literal["auto", "frame"] = "auto",
-                 context: zmq.Context | None = None) -> None:
+                 context: zmq.Context | None = None, curve: CurveKeys | None = None
+                 ) -> None:
         if transport not in ("auto", "frame"):
             raise ValueError(f"transport {transport!r}: allowed: auto, frame")
         self.address = address if "://" in address else f"tcp://{address}"
@@ -71,7 +73,7 @@ class ServerClient:
         self.counters = ClientCounters()
         self.info: p.PingReply | None = None
         self.segment: SharedSegment | None = None
-        self._channel = Channel(self.address, context)
+        self._channel = Channel(self.address, context, curve)
         self._lock = threading.RLock()
         self._chunk_bytes_hint = 32 << 20
 
@@ -123,8 +125,9 @@ class ServerClient:
         result = self._channel.request(message, frames, timeout_ms or self.timeout_ms)
         if result is Failure.UNREACHABLE:
             self.counters.unreachable += 1
-            _log.warning("unreachable", "lmkv client: no lmkv server at %s; a miss",
-                         self.address)
+            _log.warning("unreachable", "lmkv client: no lmkv server at %s%s; a miss",
+                         self.address, " accepts this client's CURVE key" if
+                         self._channel.curve is not None else "")
             return None
         if result is Failure.TIMEOUT:
             self.counters.timeouts += 1

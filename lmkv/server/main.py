@@ -19,12 +19,15 @@ import logging
 import os
 import signal
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import ByteSize, TypeAdapter, ValidationError
 
-from lmkv.config import LMKVConfig, load_config, resolve_plugin
+from lmkv.config import LMKVConfig, is_loopback_host, load_config, resolve_plugin
 from lmkv.storage import StorageManager
+
+if TYPE_CHECKING:
+    from lmkv.auth import CurveKeys
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +83,15 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
                         metavar="SECONDS",
                         help="at shutdown, wait this long for queued lower-tier stores "
                              "(default 30)")
+    parser.add_argument("--curve-secret-key", metavar="FILE",
+                        help="CURVE: the server's key pair (a .key_secret file from `lmkv "
+                             "keygen`, owner-only); default: server.curve.secret_key")
+    parser.add_argument("--curve-authorized-keys", metavar="PATH",
+                        help="CURVE: the public keys allowed to connect (a .key file or a "
+                             "directory of them); default: server.curve.authorized_keys")
+    parser.add_argument("--insecure", action="store_true",
+                        help="serve a non-loopback address without CURVE: anyone who reaches "
+                             "the port can read and plant KV (warned at each start)")
 
 
 def build_storage(config: LMKVConfig) -> StorageManager:
@@ -115,11 +127,38 @@ def endpoint_of(host: str, port: int) -> str:
     return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
 
 
+def server_curve(args: argparse.Namespace, config: LMKVConfig) -> CurveKeys | None:
+    """The server's CURVE keys from the flags, else the config's ``server.curve``; None
+    without either. Refuses a non-loopback host without CURVE unless ``--insecure``."""
+    from lmkv.auth import server_keys
+    from lmkv.server.server import ServerError
+
+    section = config.server.curve
+    secret = args.curve_secret_key or (section.secret_key if section else None)
+    authorized = args.curve_authorized_keys or (section.authorized_keys if section else None)
+    if secret is None and authorized is not None:
+        raise ServerError("--curve-authorized-keys needs --curve-secret-key (the server's "
+                          "own key pair)")
+    curve = server_keys(secret, authorized) if secret is not None else None
+    if curve is None and not is_loopback_host(args.host):
+        if not args.insecure:
+            raise ServerError(
+                f"--host {args.host} is not loopback and CURVE is off: anyone who reaches "
+                "the port could read and plant KV; give --curve-secret-key and "
+                "--curve-authorized-keys (docs/security.md), or --insecure")
+        logger.warning("lmkv server: INSECURE: serving %s without CURVE (--insecure): anyone "
+                       "who reaches this port can read every chunk and plant KV that engines "
+                       "will load", args.host)
+    return curve
+
+
 def run_server(args: argparse.Namespace) -> int:
     """Serve until SIGTERM or SIGINT; LMKVError (bad config, port in use) propagates."""
     from lmkv.server.server import KVServer
 
-    storage = build_storage(load_config(args.config))
+    config = load_config(args.config)
+    curve = server_curve(args, config)  # before the tiers: a refusal costs nothing
+    storage = build_storage(config)
     # Everything allocated so far (torch, plugins, the tiers) lives as long as the
     # server: keep it out of the collector, so a full collection does not stall a
     # lookup for milliseconds.
@@ -127,7 +166,7 @@ def run_server(args: argparse.Namespace) -> int:
     try:
         server = KVServer(storage, endpoint=endpoint_of(args.host, args.port),
                           max_request_bytes=args.max_request_bytes,
-                          session_timeout_s=args.session_timeout)
+                          session_timeout_s=args.session_timeout, curve=curve)
         endpoint = server.bind()
         signals = (signal.SIGTERM, signal.SIGINT)
 
@@ -139,9 +178,12 @@ def run_server(args: argparse.Namespace) -> int:
 
         previous = {s: signal.signal(s, on_signal) for s in signals}
         try:
-            logger.info("lmkv server %s (pid %d) listening on %s; shared memory: %s",
+            logger.info("lmkv server %s (pid %d) listening on %s; shared memory: %s; %s",
                         server.server_id, os.getpid(), endpoint,
-                        server.service.shm_name or "none (in-frame transport only)")
+                        server.service.shm_name or "none (in-frame transport only)",
+                        f"CURVE, {len(curve.authorized)} authorized client keys"
+                        if curve is not None else "no CURVE: every user who can reach "
+                        "the port can connect (docs/security.md)")
             server.serve()
             server.close(args.drain_timeout)
             logger.info("lmkv server: final tier stats: %s",

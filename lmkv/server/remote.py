@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from lmkv.auth import client_keys
 from lmkv.config import LMKVConfig
 from lmkv.engine import EngineCounters, RetrieveResult, engine_chunker, fits_spec
 from lmkv.gpu import ChunkSpan, GPUConnector, KVSpec
@@ -48,12 +49,14 @@ class RemoteCacheEngine:
                                       worker_id)
         self.counters = EngineCounters()
         server = config.server
+        curve = client_keys(server.curve) if server.curve is not None else None
         self.client = ServerClient(server.address, timeout_ms=server.timeout_ms,
-                                   transport=server.transport)
+                                   transport=server.transport, curve=curve)
         # Lookups and their polls use their own connection (same session, so the
         # prefetches are this engine's): a retrieve never queues behind a poll.
         self._lookups = ServerClient(server.address, session=self.client.session,
-                                     timeout_ms=server.timeout_ms, transport="frame")
+                                     timeout_ms=server.timeout_ms, transport="frame",
+                                     curve=curve)
         if self.client.ping() is None:  # maps the arena now, not on the first load
             logger.warning("lmkv: no lmkv server answers at %s yet; misses until one does",
                            server.address)

@@ -23,6 +23,7 @@ from collections.abc import Callable
 
 import zmq
 
+from lmkv.auth import CurveKeys, CurveServer
 from lmkv.errors import LMKVError
 from lmkv.logutil import RateLimitedLog
 from lmkv.memory import MemoryObj
@@ -48,7 +49,7 @@ class ServerError(LMKVError):
 
 class KVServer:
     def __init__(self, storage: StorageManager, *, endpoint: str, max_request_bytes: int,
-                 session_timeout_s: float) -> None:
+                 session_timeout_s: float, curve: CurveKeys | None = None) -> None:
         self.storage = storage
         self.endpoint = endpoint
         self.max_request_bytes = max_request_bytes
@@ -62,6 +63,10 @@ class KVServer:
         self._router.setsockopt(zmq.MAXMSGSIZE, max_request_bytes * HARD_LIMIT_FACTOR)
         if ":" in endpoint.removeprefix("tcp://").rpartition(":")[0]:
             self._router.setsockopt(zmq.IPV6, 1)
+        # With CURVE, only clients holding an authorized key get past the handshake.
+        self._auth = CurveServer(self._ctx, curve) if curve is not None else None
+        if self._auth is not None:
+            self._auth.secure(self._router)
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -237,6 +242,8 @@ class KVServer:
             return True
         self._closed = True
         self._router.close(linger=0)
+        if self._auth is not None:
+            self._auth.stop()  # its sockets would keep the context from terminating
         self._ctx.term()  # ZMQ is done with every frame it was sending
         for _, hold in self._sending:
             release(hold)
