@@ -22,5 +22,8 @@ print(*(n for n in ('torchvision', 'torchaudio', 'torchcodec') if u.find_spec(n)
 # lmkv with its own deps: only those vLLM does not bring get installed
 # (pluggy, xxhash, zstandard); torch and the rest stay vLLM's.
 "${PIP[@]}" install -q -e . -c scripts/constraints-dev.txt
-# pytest for tests/vllm/test_*.py (vLLM's own Request objects and block hashes).
+# pytest for tests/vllm/test_*.py (vLLM's own Request objects and block hashes);
+# peft builds the e2e's LoRA adapters (--no-deps: everything it needs is vLLM's
+# already, and nothing may replace vLLM's torch).
 "${PIP[@]}" install -q pytest -c scripts/constraints-dev.txt
+"${PIP[@]}" install -q --no-deps "peft==0.21.2" "accelerate==1.15.0"

@@ -16,9 +16,12 @@ processes share a disk tier: the first stores the first prompt's KV; the second,
 started afterwards with an empty cpu tier, must load the shared prefix from disk.
 Then server mode: an ``lmkv server`` owns the tiers; one vLLM process stores
 through it, and a second one, started afterwards, loads the prefix from it.
-Last, tenants: the first prompt under ``cache_salt`` "a", then the second under
+Then tenants: the first prompt under ``cache_salt`` "a", then the second under
 "b", under none and under "a": only the same salt may load the shared prefix,
-and every output equals the baseline's.
+and every output equals the baseline's. Last, LoRA: two adapters with random
+weights built with peft; the first prompt under adapter "sql", then the second
+under the base model, under "chat" and under "sql": only "sql" may load the
+prefix, and its output equals a LoRA run without lmkv (``lora-baseline``).
 """
 
 from __future__ import annotations
@@ -56,6 +59,23 @@ def build(model_dir: str) -> None:
     build_tokenizer().save_pretrained(model_dir)
 
 
+def build_adapters(model_dir: str, out_dir: str) -> dict[str, str]:
+    """Two LoRA adapters of random (non-zero) weights for the model: name -> path."""
+    import peft
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    paths = {}
+    for name, seed in (("sql", 1), ("chat", 2)):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_pretrained(model_dir)
+        config = peft.LoraConfig(r=8, lora_alpha=16, init_lora_weights=False,
+                                 target_modules=["q_proj", "k_proj", "v_proj"])
+        paths[name] = os.path.join(out_dir, f"lora-{name}")
+        peft.get_peft_model(model, config).save_pretrained(paths[name])
+    return paths
+
+
 def run(model_dir: str, mode: str) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -88,19 +108,40 @@ def run(model_dir: str, mode: str) -> dict:
             "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": extra,
         }
+    if mode.startswith("lora"):
+        kwargs.update(enable_lora=True, max_lora_rank=8, max_loras=2)
+    if mode == "lora-baseline":
+        kwargs.pop("kv_transfer_config", None)
     llm = LLM(model=model_dir, enforce_eager=True, dtype="float32", max_model_len=2048,
               enable_prefix_caching=mode == "lazy", max_num_seqs=4, seed=0,
               disable_log_stats=False, **kwargs)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
-    def generate(p: list[int], salt: str | None = None) -> list[int]:
+    def generate(p: list[int], salt: str | None = None, lora: str | None = None) -> list[int]:
         prompt = TokensPrompt(prompt_token_ids=p)
         if salt is not None:
             prompt["cache_salt"] = salt
-        out = llm.generate([prompt], params, use_tqdm=False)
+        lora_request = None
+        if lora is not None:
+            from vllm.lora.request import LoRARequest
+            adapters = json.loads(os.environ["E2E_LORA_ADAPTERS"])
+            lora_request = LoRARequest(lora, list(adapters).index(lora) + 1, adapters[lora])
+        out = llm.generate([prompt], params, use_tqdm=False, lora_request=lora_request)
         return list(out[0].outputs[0].token_ids)
 
     first, second = prompts()
+    if mode == "lora-baseline":
+        return {"outputs": [generate(second, lora="sql")]}
+    if mode == "lora":
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+        counters = get_kv_transfer_group().worker_side.counters
+        generate(first, lora="sql")
+        outputs, loaded = [], []
+        for lora in (None, "chat", "sql"):
+            before = counters.loaded_tokens
+            outputs.append(generate(second, lora=lora))
+            loaded.append(counters.loaded_tokens - before)
+        return {"outputs": outputs, "loaded": loaded}
     if mode == "salt":
         from vllm.distributed.kv_transfer import get_kv_transfer_group
         counters = get_kv_transfer_group().worker_side.counters
@@ -192,13 +233,14 @@ def main() -> int:
         build(model_dir)
         results = {}
         env["E2E_DISK_TIER_DIR"] = os.path.join(tmp, "disk")
+        env["E2E_LORA_ADAPTERS"] = json.dumps(build_adapters(model_dir, tmp))
         from lmkv.server.spawn import spawn_server
         server, env["E2E_SERVER_ADDRESS"] = spawn_server(
             tmp, "tiers:\n  - type: cpu\n    options: {max_bytes: 256MiB}\n", env=env)
         try:
             for mode in ("baseline", "eager", "lazy", "async", "corrupt", "load-fails",
                          "disk-writer", "disk-reader", "server-writer", "server-reader",
-                         "salt"):
+                         "salt", "lora-baseline", "lora"):
                 out = os.path.join(tmp, f"{mode}.json")
                 rc = subprocess.call([sys.executable, __file__, "--run", mode, model_dir, out],
                                      env=env)
@@ -269,6 +311,15 @@ def main() -> int:
     if salt["loaded"] != [0, 0, expected_hit] or \
             any(out != base["outputs"][1] for out in salt["outputs"]):
         print("FAIL (salt): a tenant loaded another's KV, or its own did not load exactly")
+        ok = False
+    lora, lora_base = results["lora"], results["lora-baseline"]
+    print("lora outputs (base, chat, sql):", lora["outputs"], "loaded:", lora["loaded"],
+          "sql without lmkv:", lora_base["outputs"])
+    if lora["loaded"] != [0, 0, expected_hit] or lora["outputs"][0] != base["outputs"][1] \
+            or lora["outputs"][2] != lora_base["outputs"][0] \
+            or lora["outputs"][2] == base["outputs"][1]:
+        print("FAIL (lora): an adapter or the base model loaded another's KV, or the "
+              "adapter's reused KV changed its output")
         ok = False
     print("PASS" if ok else "FAILED")
     return 0 if ok else 1
