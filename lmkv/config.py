@@ -72,6 +72,9 @@ class LookupConfig(_Model):
     base_port: Annotated[int, Field(strict=True, gt=0, lt=65536)] | None = None
     timeout_ms: PositiveInt = 3000
     backoff_ms: Annotated[int, Field(strict=True, ge=0)] = 10
+    # The longest prompt a lookup may name (vLLM passes max_model_len); longer
+    # requests are answered 0 unread, so a peer cannot make a worker allocate.
+    max_tokens: PositiveInt = 1 << 20
 
     @model_validator(mode="after")
     def _tcp_needs_a_port(self) -> LookupConfig:
