@@ -55,7 +55,7 @@ def engine_holding_prompts() -> CacheEngine:
 
 def worker(conn: Connection, endpoints: list[tuple[str, str]]) -> None:
     engine = engine_holding_prompts()
-    servers = [LookupServer(engine, req, resp) for req, resp in endpoints]
+    servers = [LookupServer(engine, req, resp, rank=0) for req, resp in endpoints]
     conn.send([s.request_endpoint for s in servers])
     conn.recv()  # until told to stop
     for server in servers:

@@ -99,6 +99,9 @@ class LookupConfig(_Model):
     # tcp only: the key pair the scheduler and its workers share (docs/security.md).
     curve: CurveConfig | None = None
     insecure: bool = False
+    # The longest prompt a lookup may name (vLLM passes max_model_len); longer
+    # requests are answered 0 unread, so a peer cannot make a worker allocate.
+    max_tokens: PositiveInt = 1 << 20
 
     @model_validator(mode="after")
     def _tcp_needs_a_port(self) -> LookupConfig:

@@ -75,23 +75,49 @@ class PrefetchTask:
 
 
 class EventManager:
-    """Tracks prefetches by lookup id: ongoing, done, taken or cleaned up."""
+    """Tracks prefetches by lookup id: ongoing, done, taken or cleaned up.
+
+    Finished prefetches nobody claims are released after ``unclaimed_ttl_s`` by
+    a timer thread (started with the first prefetch), so an idle process gives
+    their memory back without waiting for another lookup.
+    """
 
     def __init__(self, unclaimed_ttl_s: float = UNCLAIMED_TTL_S) -> None:
         self._tasks: dict[str, PrefetchTask] = {}
         self._lock = threading.Lock()
         self.unclaimed_ttl_s = unclaimed_ttl_s
         self.expired = 0
+        self._closed = threading.Event()
+        self._reaper: threading.Thread | None = None
 
     def start(self, lookup_id: str, keys: Sequence = ()) -> PrefetchTask:
         task = PrefetchTask(lookup_id, tuple(keys))
         with self._lock:
             previous = self._tasks.pop(lookup_id, None)
             self._tasks[lookup_id] = task
-            stale = self._expired_locked()
-        for old in ([previous] if previous is not None else []) + stale:
-            self._discard(old)  # a reused id's old result, or one nobody claimed
+            if self._reaper is None and not self._closed.is_set():
+                self._reaper = threading.Thread(target=self._reap, daemon=True,
+                                                name="lmkv-prefetch-expiry")
+                self._reaper.start()
+        if previous is not None:
+            self._discard(previous)  # a reused id's old result
         return task
+
+    def expire(self) -> int:
+        """Release the finished prefetches unclaimed for ``unclaimed_ttl_s``; returns how many."""
+        with self._lock:
+            stale = self._expired_locked()
+        for task in stale:
+            self._discard(task)
+        return len(stale)
+
+    def _reap(self) -> None:
+        # A quarter of the TTL: a prefetch is released at most 1.25 TTLs after it finished.
+        while not self._closed.wait(min(max(self.unclaimed_ttl_s / 4, 0.01), 5.0)):
+            try:
+                self.expire()
+            except Exception:  # a bug; expiry must go on
+                logger.exception("lmkv prefetch expiry failed")
 
     def _expired_locked(self) -> list[PrefetchTask]:
         deadline = time.monotonic() - self.unclaimed_ttl_s
@@ -108,6 +134,9 @@ class EventManager:
             cancelled = task.cancelled
             if not cancelled:
                 task.objs = objs
+            # Only the keys of held chunks are compared at take: drop the rest now
+            # (a long miss would otherwise keep every key until it expires).
+            task.keys = task.keys[:len(task.objs)]
             task.finished_at = time.monotonic()
         if cancelled:
             release(objs)
@@ -115,6 +144,7 @@ class EventManager:
 
     def fail(self, task: PrefetchTask, exc: BaseException) -> None:
         logger.warning("lmkv prefetch %s failed: %s", task.lookup_id, exc)
+        task.keys = ()
         task.finished_at = time.monotonic()
         if not task.future.done():
             task.future.set_result(0)
@@ -165,6 +195,7 @@ class EventManager:
         return len(self._tasks)
 
     def close(self) -> None:
+        self._closed.set()
         with self._lock:
             tasks = list(self._tasks.values())
             self._tasks.clear()

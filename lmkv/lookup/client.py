@@ -17,6 +17,16 @@ prefixes; the minimum is the prefix every rank can load).
 * ``0`` once the lookup is past ``timeout_ms`` (it is then cancelled) or was
   cancelled; polling again keeps answering 0.
 
+Answers are checked against the request they answer (a peer that reaches the
+response socket must not be able to steer the scheduler): the lookup id must be
+pending (or owe answers after a cancel), the rank in range and not yet heard
+from, and the hit count 0 or one of the offsets sent (a chunk boundary, at most
+the tokens looked up). Anything else is dropped and counted
+(``invalid_answers``, ``unexpected_answers``); it never raises.
+
+A prompt of more chunks than ``max_chunks`` (the model's maximum length in
+chunks; the workers refuse such requests too) answers 0 without asking.
+
 Cancelled lookups: workers that already answered hold prefetched chunks, so
 they get a ``LookupCleanup`` at once; every answer that arrives later for a
 cancelled lookup sends another (cleanups are idempotent, and each one follows
@@ -31,6 +41,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from bisect import bisect_left
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -47,12 +58,14 @@ from lmkv.lookup.messages import (
     LookupResponse,
     decode_frame,
     encode,
+    max_chunks_for,
 )
 from lmkv.lookup.transport import (
     LookupEndpoints,
     Waker,
     close_all,
     last_endpoint,
+    prepare_bind,
     pull_socket,
     push_socket,
 )
@@ -67,11 +80,17 @@ DEFAULT_RESULTS_KEPT = 65536
 STALE_ANSWER_TTL_S = 60.0
 SWEEP_INTERVAL_MS = 100
 CLOSE_TIMEOUT_S = 2.0
+DEFAULT_MAX_TOKENS = 1 << 20
+# A response is an id of at most 1024 characters and two integers: a larger
+# frame is no answer, and ZMQ drops it (and its sender) unread.
+MAX_RESPONSE_FRAME_BYTES = 8 << 10
 
 
 @dataclass
 class _Pending:
     deadline: float
+    offsets: list[int]  # what the request asked: valid hit counts are 0 and these
+    answered: int = 0  # bit r set: rank r has answered
     answers: int = 0
     hits: int = -1  # running minimum; -1 until the first answer
 
@@ -80,7 +99,7 @@ class _Pending:
 class _Owed:
     """A cancelled lookup some workers have not answered yet."""
 
-    answers: int
+    ranks: int  # bit r set: rank r still owes its answer
     expires: float
 
 
@@ -93,6 +112,8 @@ class ClientCounters:
     cleanups_sent: int = 0
     late_answers: int = 0  # answers to cancelled lookups (each triggers a cleanup)
     unexpected_answers: int = 0  # answers to no known lookup
+    invalid_answers: int = 0  # answers with a bad rank, a repeated rank or a bad count
+    oversize: int = 0  # lookups over max_chunks, answered 0 without asking
     reused_while_owed: int = 0  # lookups answered 0 because their id still had answers owed
     failed_sends: int = 0
     rejected_frames: int = 0
@@ -105,13 +126,15 @@ class LookupClient:
     engines (``from_config`` takes them from the config); ``timeout_ms``
     (default 3000) bounds a lookup; ``backoff_ms`` (default 10) is how long a
     poll of a pending lookup waits for its answer; ``results_kept`` finished
-    results stay pollable.
+    results stay pollable; ``max_tokens`` (default 1,048,576; pass the model's
+    maximum length) bounds a lookup, as it bounds the workers.
     """
 
     def __init__(self, endpoints: LookupEndpoints, *, chunk_size: int = DEFAULT_CHUNK_SIZE,
                  save_partial_chunk: bool = False, timeout_ms: float = DEFAULT_TIMEOUT_MS,
                  backoff_ms: float = DEFAULT_BACKOFF_MS,
-                 results_kept: int = DEFAULT_RESULTS_KEPT) -> None:
+                 results_kept: int = DEFAULT_RESULTS_KEPT,
+                 max_tokens: int = DEFAULT_MAX_TOKENS) -> None:
         if chunk_size <= 0:
             raise ValueError(f"chunk_size {chunk_size}: must be a positive integer")
         if timeout_ms <= 0:
@@ -120,6 +143,8 @@ class LookupClient:
             raise ValueError(f"backoff_ms {backoff_ms}: must not be negative")
         if results_kept <= 0:
             raise ValueError(f"results_kept {results_kept}: must be a positive integer")
+        if max_tokens <= 0:
+            raise ValueError(f"max_tokens {max_tokens}: must be a positive integer")
         self.endpoints = endpoints
         self.world_size = endpoints.world_size
         self.chunk_size = chunk_size
@@ -127,6 +152,7 @@ class LookupClient:
         self.timeout_s = timeout_ms / 1000
         self.backoff_s = backoff_ms / 1000
         self.results_kept = results_kept
+        self.max_chunks = max_chunks_for(max_tokens, chunk_size)
         self.counters = ClientCounters()
 
         self._lock = threading.Lock()
@@ -134,11 +160,15 @@ class LookupClient:
         self._pending: dict[str, _Pending] = {}
         self._results: OrderedDict[str, int] = OrderedDict()
         self._owed: dict[str, _Owed] = {}
+        self._all_ranks = (1 << self.world_size) - 1
         self._closed = False
 
+        for endpoint in (endpoints.responses, *endpoints.requests):
+            prepare_bind(endpoint)  # refuse a foreign runtime dir before opening anything
         self._context = zmq.Context()
         self._auth = CurveServer(self._context, endpoints.curve) if endpoints.curve else None
-        self._responses = pull_socket(self._context, endpoints.responses, curve=self._auth)
+        self._responses = pull_socket(self._context, endpoints.responses,
+                                      MAX_RESPONSE_FRAME_BYTES, curve=self._auth)
         self.response_endpoint = last_endpoint(self._responses)
         self._workers = [push_socket(self._context, e, curve=endpoints.curve)
                          for e in endpoints.requests]
@@ -155,13 +185,15 @@ class LookupClient:
         """A client for the ``world_size`` workers of ``engine_id``, addressed by
         ``transport`` ("ipc" under ``runtime_dir``, or "tcp" on ``host`` from
         ``base_port``): see ``lmkv.lookup.transport`` for the scheme. Arguments
-        left out come from the config's ``lookup`` section."""
+        left out come from the config's ``lookup`` section (``max_tokens``: pass
+        the model's maximum length when known)."""
         given = {"transport": transport, "runtime_dir": runtime_dir, "host": host,
                  "base_port": base_port}
         lookup = config.lookup.model_copy(
             update={k: v for k, v in given.items() if v is not None})
         settings.setdefault("timeout_ms", lookup.timeout_ms)
         settings.setdefault("backoff_ms", lookup.backoff_ms)
+        settings.setdefault("max_tokens", lookup.max_tokens)
         endpoints = LookupEndpoints.from_config(lookup, engine_id, world_size)
         return cls(endpoints, chunk_size=config.chunk_size,
                    save_partial_chunk=config.save_partial_chunk, **settings)
@@ -193,6 +225,13 @@ class LookupClient:
             if not hashes:  # shorter than a chunk: nothing any worker could hold
                 self._finish(lookup_id, 0)
                 return
+            if len(hashes) > self.max_chunks:  # every worker would refuse it
+                self.counters.oversize += 1
+                _log.warning("oversize", "lmkv lookup %s: %d chunks is over the limit of %d "
+                             "(lookup.max_tokens); answering a miss", lookup_id, len(hashes),
+                             self.max_chunks)
+                self._finish(lookup_id, 0)
+                return
             if lookup_id in self._owed:
                 self.counters.reused_while_owed += 1
                 _log.warning("reused", "lmkv lookup %s: the id's previous (cancelled) lookup "
@@ -200,10 +239,10 @@ class LookupClient:
                 self._finish(lookup_id, 0)
                 return
             self._results.pop(lookup_id, None)
-            pending = _Pending(time.monotonic() + self.timeout_s)
+            pending = _Pending(time.monotonic() + self.timeout_s, request.offsets)
             self._pending[lookup_id] = pending
             sent = self._send_locked(frame, lookup_id)
-            if sent < self.world_size:  # a worker cannot answer: the lookup is a miss
+            if sent != self._all_ranks:  # a worker cannot answer: the lookup is a miss
                 del self._pending[lookup_id]
                 self._finish(lookup_id, 0)
                 if sent:  # the others release what they prefetch, then owe an answer
@@ -295,7 +334,7 @@ class LookupClient:
         self._finish(lookup_id, 0)
         if pending.answers:  # those workers hold what they prefetched
             self._cleanup_locked(lookup_id)
-        owed = self.world_size - pending.answers
+        owed = self._all_ranks & ~pending.answered
         if owed:
             self._owed[lookup_id] = _Owed(owed, time.monotonic() + STALE_ANSWER_TTL_S)
 
@@ -304,12 +343,12 @@ class LookupClient:
         self.counters.cleanups_sent += 1
 
     def _send_locked(self, frame: bytes, lookup_id: str) -> int:
-        """Send ``frame`` to every worker; returns how many took it."""
+        """Send ``frame`` to every worker; returns the ranks that took it (bit r: rank r)."""
         sent = 0
         for rank, sock in enumerate(self._workers):
             try:
                 sock.send(frame, zmq.NOBLOCK)
-                sent += 1
+                sent |= 1 << rank
             except zmq.ZMQError as exc:  # Again: the worker's queue is full (stalled worker)
                 self.counters.failed_sends += 1
                 _log.warning(f"send:{rank}", "lmkv lookup %s: could not send to worker %d "
@@ -317,13 +356,18 @@ class LookupClient:
         return sent
 
     def _answered(self, response: LookupResponse) -> None:
-        lookup_id = response.lookup_id
+        lookup_id, rank, hits = response.lookup_id, response.rank, response.num_hit_tokens
         with self._lock:
             pending = self._pending.get(lookup_id)
             if pending is not None:
+                problem = self._check_answer(pending, rank, hits)
+                if problem:
+                    self._invalid_locked(lookup_id, rank, hits, problem)
+                    return
+                pending.answered |= 1 << rank
                 pending.answers += 1
-                if pending.hits < 0 or response.num_hit_tokens < pending.hits:
-                    pending.hits = response.num_hit_tokens
+                if pending.hits < 0 or hits < pending.hits:
+                    pending.hits = hits
                 if pending.answers >= self.world_size:
                     del self._pending[lookup_id]
                     self.counters.completed += 1
@@ -333,14 +377,37 @@ class LookupClient:
                 return
             owed = self._owed.get(lookup_id)
             if owed is not None:
+                if rank >= self.world_size or not owed.ranks >> rank & 1:
+                    self._invalid_locked(lookup_id, rank, hits, "from a rank that owes none")
+                    return
                 self.counters.late_answers += 1
                 self._cleanup_locked(lookup_id)
-                owed.answers -= 1
-                if owed.answers <= 0:
+                owed.ranks &= ~(1 << rank)
+                if not owed.ranks:
                     del self._owed[lookup_id]
                 return
             self.counters.unexpected_answers += 1
-        logger.debug("lmkv lookup %s: answer for no known lookup", lookup_id)
+        _log.warning("unexpected", "lmkv lookup %s: dropped an answer (rank %d) for no "
+                     "lookup this client has pending", lookup_id, rank)
+
+    def _check_answer(self, pending: _Pending, rank: int, hits: int) -> str | None:
+        """Why an answer cannot be the answer of ``rank`` to ``pending`` (None: it can)."""
+        if rank >= self.world_size:
+            return f"rank out of range (the channel has ranks 0..{self.world_size - 1})"
+        if pending.answered >> rank & 1:
+            return "a second answer from the rank"
+        if hits:
+            offsets = pending.offsets
+            i = bisect_left(offsets, hits)
+            if i == len(offsets) or offsets[i] != hits:
+                return (f"not a chunk boundary of the request (0 or one of its offsets, "
+                        f"at most {offsets[-1]})")
+        return None
+
+    def _invalid_locked(self, lookup_id: str, rank: int, hits: int, problem: str) -> None:
+        self.counters.invalid_answers += 1
+        _log.warning("invalid", "lmkv lookup %s: dropped an answer of %d tokens from rank %d: "
+                     "%s", lookup_id, hits, rank, problem)
 
     def _sweep(self) -> None:
         """Cancel lookups past their deadline that nobody polls; forget stale debts."""

@@ -21,13 +21,36 @@ _log = RateLimitedLog(logger)
 
 LookupId = Annotated[str, msgspec.Meta(min_length=1, max_length=1024)]
 TokenCount = Annotated[int, msgspec.Meta(ge=0)]
+# sha256 digests are 32 bytes; the bound leaves room for a longer digest while
+# keeping a crafted "hash" from carrying megabytes.
+MAX_HASH_BYTES = 64
+ChunkHash = Annotated[bytes, msgspec.Meta(min_length=1, max_length=MAX_HASH_BYTES)]
+# What one chunk costs in an encoded request at most: its hash (bin8 header +
+# bytes) and its offset (a uint64 at most): used to bound frames before decoding.
+MAX_ENCODED_CHUNK_BYTES = 2 + MAX_HASH_BYTES + 9
+
+
+def max_chunks_for(max_tokens: int, chunk_size: int) -> int:
+    """How many chunks a prompt of at most ``max_tokens`` tokens has (a partial last
+    chunk included)."""
+    return -(-max_tokens // chunk_size)
+
+
+def max_request_bytes(max_chunks: int) -> int:
+    """The largest encoded ``LookupRequest`` of ``max_chunks`` chunks, with room for
+    the id and modest ``request_configs``."""
+    return max_chunks * MAX_ENCODED_CHUNK_BYTES + REQUEST_SLACK_BYTES
+
+
+# Room in a request frame for everything but the chunks (id, tags, request_configs).
+REQUEST_SLACK_BYTES = 64 << 10
 
 
 class LookupRequest(msgspec.Struct, tag=True, frozen=True):
     """Scheduler -> every worker: look up and prefetch the chunks of one prompt."""
 
     lookup_id: LookupId
-    hashes: list[bytes]
+    hashes: list[ChunkHash]
     """Prefix hash of every chunk, in order (``lmkv.tokens.prefix_hashes``)."""
     offsets: list[Annotated[int, msgspec.Meta(gt=0)]]
     """Cumulative token count after each chunk: ``offsets[i]`` ends chunk ``i``."""
@@ -38,8 +61,8 @@ class LookupRequest(msgspec.Struct, tag=True, frozen=True):
     def __post_init__(self) -> None:
         if len(self.hashes) != len(self.offsets):
             raise ValueError(f"{len(self.hashes)} hashes but {len(self.offsets)} offsets")
-        if any(not h for h in self.hashes):
-            raise ValueError("empty chunk hash")
+        if any(not 0 < len(h) <= MAX_HASH_BYTES for h in self.hashes):
+            raise ValueError(f"a chunk hash must be 1-{MAX_HASH_BYTES} bytes")
         if any(b <= a for a, b in zip(self.offsets, self.offsets[1:], strict=False)):
             raise ValueError("offsets must be strictly increasing")
 
@@ -49,6 +72,8 @@ class LookupResponse(msgspec.Struct, tag=True, frozen=True):
 
     lookup_id: LookupId
     num_hit_tokens: TokenCount
+    rank: Annotated[int, msgspec.Meta(ge=0)]
+    """The answering worker's rank: the client takes one answer per rank."""
 
 
 class LookupCleanup(msgspec.Struct, tag=True, frozen=True):
@@ -59,8 +84,18 @@ class LookupCleanup(msgspec.Struct, tag=True, frozen=True):
 
 Message = LookupRequest | LookupResponse | LookupCleanup
 
+
+
+class RequestHead(msgspec.Struct, tag="LookupRequest"):
+    """The id of a ``LookupRequest`` alone: decoding it skips the hashes without
+    building them (an oversize request is answered without being allocated)."""
+
+    lookup_id: LookupId
+
+
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
+_head_decoder = msgspec.msgpack.Decoder(RequestHead)
 
 
 def encode(message: Message) -> bytes:
@@ -76,8 +111,18 @@ def decode_frame(frame: bytes | memoryview, where: str) -> Message | None:
     """``decode`` for a receiving thread: a bad frame is logged (rate-limited), never raised."""
     try:
         return _decoder.decode(frame)
-    except msgspec.DecodeError as exc:  # ValidationError is a DecodeError
+    # ValidationError is a DecodeError; deep nesting (in request_configs) raises
+    # RecursionError, which must be a rejected frame like any other.
+    except (msgspec.DecodeError, RecursionError) as exc:
         _log.log(logging.ERROR, f"bad-frame:{where}",
                  "lmkv lookup %s: rejected a malformed frame (%d bytes): %s",
                  where, len(frame), exc)
+        return None
+
+
+def decode_request_head(frame: bytes | memoryview) -> str | None:
+    """The ``lookup_id`` of a frame that holds a ``LookupRequest``, else None."""
+    try:
+        return _head_decoder.decode(frame).lookup_id
+    except (msgspec.DecodeError, RecursionError):
         return None

@@ -8,15 +8,31 @@ prefetch never holds up the next request. A full miss resolves at once and
 answers 0. Every request is answered exactly once (0 when it cannot be
 served), which lets the client account for answers to cancelled lookups.
 
+Bounds (a peer must not make a worker allocate or stall):
+
+* a request of more than ``max_chunks`` chunks is answered 0 without being
+  decoded beyond its id (a frame too long to hold ``max_chunks`` chunks is not
+  decoded at all); a frame over four times that disconnects its sender;
+* requests of more than ``BULK_CHUNKS`` chunks are started by a second thread
+  (the bulk lane), so building the keys of a long prompt never delays the
+  short ones behind it; at most ``BULK_QUEUE_CHUNKS_FACTOR * max_chunks``
+  chunks wait there, and at most ``INFLIGHT_CHUNKS_FACTOR * max_chunks``
+  chunks are being prefetched at once: beyond either, a request is shed
+  (answered 0, counted);
+* what a finished prefetch holds is released by the engine after its
+  unclaimed TTL on a timer (``lmkv.prefetch``), with no further lookup needed.
+
 A cleanup calls ``engine.release_lookup``: the prefetched chunks are released
-now, or as soon as a prefetch still in flight finishes. A later
-``engine.retrieve(tokens, lookup_id=...)`` consumes them instead.
+now, or as soon as a prefetch still in flight finishes. A cleanup for a request
+still queued in the bulk lane drops it (it answers 0 and is never started). A
+later ``engine.retrieve(tokens, lookup_id=...)`` consumes them instead.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
 from functools import partial
@@ -25,19 +41,24 @@ from typing import Protocol
 import zmq
 
 from lmkv.auth import CurveKeys, CurveServer
+from lmkv.config import LMKVConfig
 from lmkv.logutil import RateLimitedLog
 from lmkv.lookup.messages import (
     LookupCleanup,
     LookupRequest,
     LookupResponse,
     decode_frame,
+    decode_request_head,
     encode,
+    max_chunks_for,
+    max_request_bytes,
 )
 from lmkv.lookup.transport import (
     LookupEndpoints,
     Waker,
     close_all,
     last_endpoint,
+    prepare_bind,
     pull_socket,
     push_socket,
 )
@@ -46,10 +67,26 @@ logger = logging.getLogger(__name__)
 _log = RateLimitedLog(logger)
 
 CLOSE_TIMEOUT_S = 2.0
+# Requests up to this many chunks are started on the receiving thread (building
+# their keys costs well under a millisecond); longer ones go to the bulk lane.
+BULK_CHUNKS = 512
+BULK_QUEUE_CHUNKS_FACTOR = 4
+INFLIGHT_CHUNKS_FACTOR = 8
+# Frames between the largest valid request and this many times it are answered
+# 0 from their id; larger ones never reach the server (ZMQ MAXMSGSIZE).
+FRAME_LIMIT_FACTOR = 4
+DEFAULT_MAX_CHUNKS = max_chunks_for(1 << 20, 256)
+
+
+def _unexpected(exc: Exception) -> None:
+    _log.log(logging.ERROR, "bug", "lmkv lookup server: unexpected error: %r", exc)
+    logger.debug("lmkv lookup server: unexpected error", exc_info=exc)
 
 
 class PrefetchingEngine(Protocol):
     """What the server needs of an engine (``lmkv.CacheEngine`` has it)."""
+
+    config: LMKVConfig
 
     def lookup_and_prefetch_hashes(self, lookup_id: str, chunk_hashes: list[bytes],
                                    chunk_ends: list[int]) -> Future: ...
@@ -64,6 +101,15 @@ class ServerCounters:
     cleanups: int = 0
     rejected_frames: int = 0  # malformed, foreign or unexpected messages
     failed_sends: int = 0  # answers the response socket refused (client gone, queue full)
+    oversize: int = 0  # requests over max_chunks, answered 0 unread
+    shed: int = 0  # requests answered 0 because the bulk lane or the prefetches were full
+    dropped_queued: int = 0  # bulk requests a cleanup reached before they started
+
+
+@dataclass
+class _Queued:
+    request: LookupRequest
+    cancelled: bool = False
 
 
 class LookupServer:
@@ -71,32 +117,64 @@ class LookupServer:
 
     ``request_endpoint`` is bound (``tcp://host:*`` picks a free port; see
     ``request_endpoint`` afterwards); ``response_endpoint`` is the client's,
-    connected to (it may come up later). The thread starts at construction.
+    connected to (it may come up later). ``rank`` is put in every answer (the
+    client takes one per rank). ``max_chunks`` bounds a request (see the module
+    docstring; ``for_rank`` derives it from the engine's config). The threads
+    start at construction.
     """
 
     def __init__(self, engine: PrefetchingEngine, request_endpoint: str,
-                 response_endpoint: str, curve: CurveKeys | None = None) -> None:
+                 response_endpoint: str, curve: CurveKeys | None = None, *, rank: int,
+                 max_chunks: int = DEFAULT_MAX_CHUNKS) -> None:
+        if rank < 0:
+            raise ValueError(f"rank {rank}: must not be negative")
+        if max_chunks <= 0:
+            raise ValueError(f"max_chunks {max_chunks}: must be a positive integer")
         self.engine = engine
+        self.rank = rank
+        self.max_chunks = max_chunks
+        self.max_request_bytes = max_request_bytes(max_chunks)
+        self.max_queued_chunks = BULK_QUEUE_CHUNKS_FACTOR * max_chunks
+        self.max_inflight_chunks = INFLIGHT_CHUNKS_FACTOR * max_chunks
         self.counters = ServerCounters()
+        for endpoint in (request_endpoint, response_endpoint):
+            prepare_bind(endpoint)  # refuse a foreign runtime dir before opening anything
         self._context = zmq.Context()
         self._auth = CurveServer(self._context, curve) if curve is not None else None
-        self._requests = pull_socket(self._context, request_endpoint, curve=self._auth)
+        self._requests = pull_socket(self._context, request_endpoint,
+                                     FRAME_LIMIT_FACTOR * self.max_request_bytes,
+                                     curve=self._auth)
         self._responses = push_socket(self._context, response_endpoint, curve=curve)
         self.request_endpoint = last_endpoint(self._requests)
         self._send_lock = threading.Lock()
         self._closed = False
         self._stop = threading.Event()
+        # The bulk lane and the in-flight budget (guarded by _lane).
+        self._lane = threading.Condition()
+        self._bulk: deque[_Queued] = deque()
+        self._queued_ids: dict[str, list[_Queued]] = {}
+        self._queued_chunks = 0
+        self._inflight_chunks = 0
         self._waker = Waker(self._context)
         self._thread = threading.Thread(target=self._run, name="lmkv-lookup-server",
                                         daemon=True)
+        self._bulk_thread = threading.Thread(target=self._run_bulk,
+                                             name="lmkv-lookup-server-bulk", daemon=True)
         self._thread.start()
+        self._bulk_thread.start()
 
     @classmethod
-    def for_rank(cls, engine: PrefetchingEngine, endpoints: LookupEndpoints,
-                 rank: int) -> LookupServer:
+    def for_rank(cls, engine: PrefetchingEngine, endpoints: LookupEndpoints, rank: int,
+                 *, max_tokens: int | None = None) -> LookupServer:
+        """The server of ``rank``; requests are bounded by ``max_tokens`` (the
+        model's maximum length when the caller knows it, else the config's
+        ``lookup.max_tokens``) in the engine's chunks."""
         if not 0 <= rank < endpoints.world_size:
             raise ValueError(f"rank {rank}: the channel has ranks 0..{endpoints.world_size - 1}")
-        return cls(engine, endpoints.requests[rank], endpoints.responses, endpoints.curve)
+        config = engine.config
+        max_chunks = max_chunks_for(max_tokens or config.lookup.max_tokens, config.chunk_size)
+        return cls(engine, endpoints.requests[rank], endpoints.responses, endpoints.curve,
+                   rank=rank, max_chunks=max_chunks)
 
     # -- receiving -------------------------------------------------------------
     def _run(self) -> None:
@@ -118,19 +196,26 @@ class LookupServer:
                 if self._stop.is_set():
                     break
                 _log.log(logging.ERROR, "recv", "lmkv lookup server: receive failed: %s", exc)
-            except Exception:  # a bug; the thread must keep serving
-                logger.exception("lmkv lookup server: unexpected error")
+            except Exception as exc:  # a bug; the thread must keep serving
+                _unexpected(exc)
 
     def _handle(self, parts: list[bytes]) -> None:
         if len(parts) != 1:
             self._reject("multipart", "a %d-part message", len(parts))
             return
-        message = decode_frame(parts[0], "server")
+        frame = parts[0]
+        if len(frame) > self.max_request_bytes:  # too long for max_chunks: never decoded
+            lookup_id = decode_request_head(frame)
+            if lookup_id is None:
+                self._reject("oversize-frame", "a %d-byte frame that is no request", len(frame))
+            else:
+                self._refuse_oversize(lookup_id, f"a {len(frame)}-byte frame")
+            return
+        message = decode_frame(frame, "server")
         if isinstance(message, LookupRequest):
             self._start(message)
         elif isinstance(message, LookupCleanup):
-            self.counters.cleanups += 1
-            self.engine.release_lookup(message.lookup_id)
+            self._cleanup(message.lookup_id)
         elif message is None:
             self.counters.rejected_frames += 1
         else:
@@ -141,34 +226,113 @@ class LookupServer:
         self.counters.rejected_frames += 1
         _log.log(logging.ERROR, f"reject:{key}", "lmkv lookup server: rejected " + what, *args)
 
+    def _refuse_oversize(self, lookup_id: str, what: str) -> None:
+        self.counters.requests += 1
+        self.counters.oversize += 1
+        _log.warning("oversize", "lmkv lookup %s: %s is over the limit of %d chunks "
+                     "(lookup.max_tokens); answering a miss", lookup_id, what, self.max_chunks)
+        self._answer(lookup_id, 0)
+
     def _start(self, request: LookupRequest) -> None:
+        n = len(request.hashes)
+        if n > self.max_chunks:
+            self._refuse_oversize(request.lookup_id, f"a request of {n} chunks")
+            return
         self.counters.requests += 1
         if request.request_configs:
             logger.debug("lmkv lookup %s: ignoring request_configs %s", request.lookup_id,
                          sorted(request.request_configs))
+        if n <= BULK_CHUNKS:
+            self._prefetch(request)
+            return
+        with self._lane:
+            if self._queued_chunks + n > self.max_queued_chunks:
+                shed = True
+            else:
+                shed = False
+                entry = _Queued(request)
+                self._bulk.append(entry)
+                self._queued_ids.setdefault(request.lookup_id, []).append(entry)
+                self._queued_chunks += n
+                self._lane.notify()
+        if shed:
+            self._shed(request.lookup_id, "the bulk lane is full")
+
+    def _cleanup(self, lookup_id: str) -> None:
+        self.counters.cleanups += 1
+        with self._lane:
+            # A request still queued has not started: it must never start now,
+            # or it would hold its prefetch with no cleanup to come.
+            for entry in self._queued_ids.get(lookup_id, ()):
+                entry.cancelled = True
+        self.engine.release_lookup(lookup_id)
+
+    def _shed(self, lookup_id: str, why: str) -> None:
+        with self._lane:  # the receiving thread and the bulk lane both shed
+            self.counters.shed += 1
+        _log.warning("shed", "lmkv lookup %s: %s; answering a miss", lookup_id, why)
+        self._answer(lookup_id, 0)
+
+    def _run_bulk(self) -> None:
+        while True:
+            with self._lane:
+                while not self._bulk and not self._stop.is_set():
+                    self._lane.wait()
+                if self._stop.is_set():
+                    return
+                entry = self._bulk.popleft()
+                request = entry.request
+                self._queued_chunks -= len(request.hashes)
+                queued = self._queued_ids[request.lookup_id]
+                queued.remove(entry)
+                if not queued:
+                    del self._queued_ids[request.lookup_id]
+            if entry.cancelled:
+                self.counters.dropped_queued += 1
+                self._answer(request.lookup_id, 0)  # every request is answered once
+                continue
+            try:
+                self._prefetch(request)
+            except Exception as exc:  # a bug; the lane must keep serving
+                _unexpected(exc)
+
+    def _prefetch(self, request: LookupRequest) -> None:
+        lookup_id, n = request.lookup_id, len(request.hashes)
+        with self._lane:
+            if self._inflight_chunks + n > self.max_inflight_chunks:
+                over = True
+            else:
+                over = False
+                self._inflight_chunks += n
+        if over:
+            self._shed(lookup_id, "too many chunks are being prefetched")
+            return
         try:
-            future = self.engine.lookup_and_prefetch_hashes(
-                request.lookup_id, request.hashes, request.offsets)
+            future = self.engine.lookup_and_prefetch_hashes(lookup_id, request.hashes,
+                                                            request.offsets)
         except Exception as exc:  # the engine refused: answer a miss, keep serving
             _log.log(logging.ERROR, "engine", "lmkv lookup %s: prefetch failed: %s",
-                     request.lookup_id, exc)
-            self._answer(request.lookup_id, 0)
+                     lookup_id, exc)
+            self._prefetched(lookup_id, n, None)
             return
-        future.add_done_callback(partial(self._prefetched, request.lookup_id))
+        future.add_done_callback(partial(self._prefetched, lookup_id, n))
 
     # -- answering -------------------------------------------------------------
-    def _prefetched(self, lookup_id: str, future: Future) -> None:
+    def _prefetched(self, lookup_id: str, chunks: int, future: Future | None) -> None:
         """Runs in the storage manager's prefetch thread (or at once when already done)."""
-        try:
-            hits = int(future.result())
-        except BaseException as exc:  # cancelled or failed: a miss
-            _log.log(logging.ERROR, "result", "lmkv lookup %s: prefetch failed: %s",
-                     lookup_id, exc)
-            hits = 0
+        with self._lane:
+            self._inflight_chunks -= chunks
+        hits = 0
+        if future is not None:
+            try:
+                hits = int(future.result())
+            except BaseException as exc:  # cancelled or failed: a miss
+                _log.log(logging.ERROR, "result", "lmkv lookup %s: prefetch failed: %s",
+                         lookup_id, exc)
         self._answer(lookup_id, max(hits, 0))
 
     def _answer(self, lookup_id: str, hits: int) -> None:
-        frame = encode(LookupResponse(lookup_id, hits))
+        frame = encode(LookupResponse(lookup_id, hits, self.rank))
         with self._send_lock:
             if self._closed:
                 return
@@ -179,19 +343,27 @@ class LookupServer:
                 _log.log(logging.ERROR, "send",
                          "lmkv lookup server: could not answer %s: %s", lookup_id, exc)
                 return
-        self.counters.answers += 1
+            self.counters.answers += 1
 
     # -- the rest --------------------------------------------------------------
     def stats(self) -> dict[str, int]:
-        return dict(vars(self.counters))
+        """Counters, and the work held now: requests queued in the bulk lane and
+        chunks queued or being prefetched."""
+        with self._lane:
+            held = {"queued_requests": len(self._bulk), "queued_chunks": self._queued_chunks,
+                    "inflight_chunks": self._inflight_chunks}
+        return {**vars(self.counters), **held}
 
     def close(self) -> None:
         """Stop serving. Prefetched chunks stay with the engine (``engine.close`` frees them)."""
         if self._stop.is_set():
             return
         self._stop.set()
+        with self._lane:
+            self._lane.notify_all()
         self._waker.wake()
         self._thread.join(CLOSE_TIMEOUT_S)
+        self._bulk_thread.join(CLOSE_TIMEOUT_S)
         with self._send_lock:
             self._closed = True
             if self._thread.is_alive():  # never close a socket a live thread uses

@@ -24,14 +24,20 @@ replaces a socket file left there, including a live engine's.
 With ``lookup.curve`` (a key pair the scheduler and its workers share; meant
 for ``tcp``), every socket speaks ZMQ CURVE: bound sockets accept only the
 authorized keys, connecting ones check the peer's key (docs/security.md).
+
+Closed by default: the runtime directory is created owner-only (0700); an
+existing one is used only when it is a real directory owned by this user and
+not writable by group or others (``ensure_private_dir``), so another local
+user cannot pre-create the predictable path and bind the sockets first.
+Socket files are made owner-only (0600). tcp binds loopback by default.
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import re
+import stat
 import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -41,15 +47,16 @@ import zmq
 
 from lmkv.auth import CurveKeys, CurveServer, peer_keys, secure_client
 from lmkv.config import LookupConfig
+from lmkv.errors import ConfigError
 
-logger = logging.getLogger(__name__)
 
 # sockaddr_un.sun_path holds 108 bytes on Linux (104 on macOS), NUL included.
 MAX_IPC_PATH_BYTES = 103
 _ENGINE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 # Queued messages per peer before a send would block; a send that would block fails instead.
 SEND_HWM = 100_000
-# A larger frame disconnects its sender (a 1M-token prompt in 16-token chunks is ~3 MB).
+# A larger frame disconnects its sender (ZMQ MAXMSGSIZE); servers and clients
+# pass a tighter bound derived from what they accept (see server.py, client.py).
 MAX_FRAME_BYTES = 64 << 20
 RECONNECT_IVL_MS = 10
 RECONNECT_IVL_MAX_MS = 1000
@@ -145,14 +152,50 @@ def check_endpoint(endpoint: str) -> None:
         raise ValueError(f"{endpoint}: the lookup channel speaks ipc:// or tcp://")
 
 
+def ensure_private_dir(directory: Path) -> None:
+    """Create ``directory`` owner-only (0700), or check that an existing one is
+    private: a directory (not a link), owned by this user, not writable by group
+    or others. Otherwise ConfigError, one line naming the directory and the problem."""
+    try:
+        directory.mkdir(mode=0o700, parents=True)
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        raise ConfigError(f"lookup runtime_dir {directory}: cannot create it: "
+                          f"{exc.strerror}") from None
+    info = os.lstat(directory)
+    uid = os.geteuid()
+    problem = None
+    if stat.S_ISLNK(info.st_mode):
+        problem = "is a symbolic link; a real directory is required"
+    elif not stat.S_ISDIR(info.st_mode):
+        problem = "is not a directory"
+    elif info.st_uid != uid:
+        problem = f"is owned by uid {info.st_uid}, not by this user (uid {uid})"
+    elif info.st_mode & 0o022:
+        problem = (f"has mode {stat.S_IMODE(info.st_mode):04o}: writable by group or "
+                   "others (allowed: owner-only, e.g. 0700)")
+    if problem:
+        raise ConfigError(f"lookup runtime_dir {directory} {problem}; refusing to use it "
+                          "for lookup sockets (set lookup.runtime_dir to a private directory)")
+
+
+def _ipc_path(endpoint: str) -> Path | None:
+    return Path(endpoint[len("ipc://"):]) if endpoint.startswith("ipc://") else None
+
+
 def prepare_bind(endpoint: str) -> None:
-    """Create an ipc endpoint's directory (owner-only when new)."""
-    if endpoint.startswith("ipc://"):
-        Path(endpoint[len("ipc://"):]).parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    """Make sure an ipc endpoint's directory is private (creating it 0700)."""
+    path = _ipc_path(endpoint)
+    if path is not None:
+        ensure_private_dir(path.parent)
 
 
 def push_socket(context: zmq.Context, endpoint: str, *,
                 curve: CurveKeys | None = None) -> zmq.Socket:
+    # Connecting into a runtime directory someone else controls would hand them
+    # the lookups: the same check as for binding.
+    prepare_bind(endpoint)
     sock = context.socket(zmq.PUSH)
     if curve is not None:
         secure_client(sock, curve)
@@ -165,17 +208,22 @@ def push_socket(context: zmq.Context, endpoint: str, *,
     return sock
 
 
-def pull_socket(context: zmq.Context, endpoint: str, *,
+def pull_socket(context: zmq.Context, endpoint: str,
+                max_frame_bytes: int = MAX_FRAME_BYTES, *,
                 curve: CurveServer | None = None) -> zmq.Socket:
-    """A bound PULL socket; ``last_endpoint(sock)`` tells the port of ``tcp://host:*``."""
+    """A bound PULL socket; ``last_endpoint(sock)`` tells the port of ``tcp://host:*``.
+    A frame over ``max_frame_bytes`` disconnects its sender (it is never received)."""
+    prepare_bind(endpoint)
     sock = context.socket(zmq.PULL)
     if curve is not None:
         curve.secure(sock)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.RCVHWM, 0)  # never drop: the peers' HWM bounds the queue
-    sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
-    prepare_bind(endpoint)
+    sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
     sock.bind(endpoint)
+    path = _ipc_path(endpoint)
+    if path is not None:  # the directory is private already; the file is too
+        os.chmod(path, 0o600)
     return sock
 
 

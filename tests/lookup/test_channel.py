@@ -136,7 +136,7 @@ def test_garbage_frames_are_rejected_and_the_worker_keeps_serving(workers, make_
         [msgspec.msgpack.encode({"type": "LookupRequest", "lookup_id": "g", "hashes": [b"x"],
                                  "offsets": [3, 2]})],  # inconsistent
         [msgspec.msgpack.encode({"type": "Hello", "lookup_id": "g"})],  # foreign
-        [encode(LookupResponse("g", 5))],  # a message for the other direction
+        [encode(LookupResponse("g", 5, 0))],  # a message for the other direction
         [request, request],  # two parts
     ]
     rank0 = workers[0]
@@ -170,7 +170,7 @@ def test_garbage_and_stray_answers_do_not_disturb_the_client(workers, make_clien
     sock.connect(client.response_endpoint)
     try:
         sock.send(b"\x93garbage")
-        sock.send(encode(LookupResponse("nobody-asked", 7)))
+        sock.send(encode(LookupResponse("nobody-asked", 7, 0)))
         wait_for(lambda: client.stats()["rejected_frames"] == 1
                  and client.stats()["unexpected_answers"] == 1, "the client to drop both")
     finally:

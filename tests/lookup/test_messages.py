@@ -11,6 +11,7 @@ from lmkv.lookup.messages import (
     LookupResponse,
     decode,
     decode_frame,
+    decode_request_head,
     encode,
 )
 
@@ -18,7 +19,7 @@ from lmkv.lookup.messages import (
 @pytest.mark.parametrize("message", [
     LookupRequest("req-1", [b"\x01" * 32, b"\x02" * 32], [256, 400], {"future": 1}),
     LookupRequest("req-2", [], []),
-    LookupResponse("req-1", 512),
+    LookupResponse("req-1", 512, 3),
     LookupCleanup("req-1"),
 ])
 def test_one_decoder_tells_every_message_apart(message) -> None:
@@ -37,6 +38,7 @@ def test_request_configs_default_to_empty() -> None:
     {"lookup_id": "r", "hashes": [b""], "offsets": [1]},  # empty hash
     {"lookup_id": "", "hashes": [], "offsets": []},  # empty id
     {"lookup_id": "r", "hashes": ["text"], "offsets": [1]},  # hashes are bytes
+    {"lookup_id": "r", "hashes": [b"h" * 65], "offsets": [1]},  # a "hash" of any size
 ])
 def test_inconsistent_requests_do_not_decode(fields) -> None:
     frame = msgspec.msgpack.encode({"type": "LookupRequest", **fields})
@@ -44,11 +46,33 @@ def test_inconsistent_requests_do_not_decode(fields) -> None:
         decode(frame)
 
 
-def test_negative_hit_counts_do_not_decode() -> None:
+@pytest.mark.parametrize("hits,rank", [(-1, 0), (1, -1)])
+def test_negative_hit_counts_and_ranks_do_not_decode(hits, rank) -> None:
     frame = msgspec.msgpack.encode({"type": "LookupResponse", "lookup_id": "r",
-                                    "num_hit_tokens": -1})
+                                    "num_hit_tokens": hits, "rank": rank})
     with pytest.raises(msgspec.ValidationError):
         decode(frame)
+
+
+def test_an_answer_without_a_rank_does_not_decode() -> None:
+    frame = msgspec.msgpack.encode({"type": "LookupResponse", "lookup_id": "r",
+                                    "num_hit_tokens": 1})
+    with pytest.raises(msgspec.ValidationError):
+        decode(frame)
+
+
+def test_deep_nesting_is_a_rejected_frame_not_a_recursion_error() -> None:
+    inner = b"\x91" * 200_000 + b"\xc0"  # [[[[...]]]] in request_configs
+    frame = (msgspec.msgpack.encode({"type": "LookupRequest", "lookup_id": "r", "hashes": [],
+                                     "offsets": [], "request_configs": {"k": 1}})[:-1] + inner)
+    assert decode_frame(frame, "nesting-test") is None
+
+
+def test_the_head_of_a_request_is_its_id_alone() -> None:
+    frame = encode(LookupRequest("big", [b"\x01" * 32] * 1000, list(range(1, 1001))))
+    assert decode_request_head(frame) == "big"
+    assert decode_request_head(encode(LookupCleanup("big"))) is None
+    assert decode_request_head(b"\xc1") is None
 
 
 def test_bad_frames_are_logged_at_a_bounded_rate(caplog: pytest.LogCaptureFixture) -> None:

@@ -48,7 +48,7 @@ def serve(conn: Connection, rank: int, endpoints: list[tuple[str, str]], chunk_s
     """``endpoints``: (request endpoint to bind, response endpoint to connect) per server."""
     lmkv.memory.strict_refcounts = True  # a double release is a bug: crash the worker
     engine = make_engine(chunk_size, max_bytes, rank)
-    servers = [LookupServer(engine, req, resp) for req, resp in endpoints]
+    servers = [LookupServer(engine, req, resp, rank=rank) for req, resp in endpoints]
     conn.send([s.request_endpoint for s in servers])
     while True:
         command, *args = conn.recv()
