@@ -94,13 +94,17 @@ class Reader:
         usable = self._check_mains(entries)
         self._fetch_missing_parts(usable)
         out: list[MemoryObj] = []
-        for entry in usable:
-            frame = self._assemble(entry)
-            obj = backend.decode_frame(entry.key, frame) if frame is not None else None
-            if obj is None:
-                break
-            backend.counters.bytes_out += entry.frame_len
-            out.append(obj)
+        try:
+            for entry in usable:
+                frame = self._assemble(entry)
+                obj = backend.decode_frame(entry.key, frame) if frame is not None else None
+                if obj is None:
+                    break
+                backend.counters.bytes_out += entry.frame_len
+                out.append(obj)
+        except BaseException:  # a delete that failed mid-window: give the buffers back
+            _release(out)
+            raise
         return out
 
     def _check_mains(self, entries: list[_Fetched]) -> list[_Fetched]:
