@@ -27,7 +27,7 @@ from pydantic import (
 
 from lmkv.errors import ConfigError, UnknownPluginError
 from lmkv.plugins.base import PluginOptions
-from lmkv.redact import redact_text, redact_value
+from lmkv.redact import redact_value
 
 ENV_PREFIX = "LMKV_"
 # Env vars that are not config keys.
@@ -316,7 +316,7 @@ def _format_errors(exc: ValidationError, prefix: str, sources: Mapping[str, str]
         # pydantic echoes the input: a password, a URL with credentials, or (for a
         # model-level check) the whole options mapping with its secrets.
         value = _short(redact_value(err.get("input"), loc[-1] if loc else None))
-        lines.append(f"config key {key!r} = {value}{where}: {redact_text(_allowed(err))}")
+        lines.append(f"config key {key!r} = {value}{where}: {_allowed(err)}")
     return "\n".join(lines)
 
 

@@ -65,11 +65,18 @@ def redact_url(url: str) -> str:
 def redact_text(text: str, secrets: Iterable[str] = ()) -> str:
     """``text`` with every URL redacted and every string of ``secrets`` masked."""
     if "://" in text:
-        text = _URL.sub(lambda m: redact_url(m.group(0)), text)
+        text = _URL.sub(lambda m: _redact_found_url(m.group(0)), text)
     for secret in secrets:
         if secret:
             text = text.replace(secret, MASK)
     return text
+
+
+def _redact_found_url(url: str) -> str:
+    """A URL found in free text: rewritten only when it carries a secret."""
+    if "@" not in url and not _url_secrets(url):
+        return url
+    return redact_url(url)
 
 
 def redact_value(value: Any, name: object = None) -> Any:
