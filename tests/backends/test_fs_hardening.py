@@ -33,7 +33,7 @@ def special(kind: str, path: Path, tmp_path: Path) -> None:
         (path / "inner").write_bytes(b"x" * 4096)
     elif kind == "symlink to a valid frame":
         target = tmp_path.parent / f"{tmp_path.name}-outside.lmkv"
-        target.write_bytes(NaiveSerializer().frame_bytes(tensor_obj(chunk(7))))
+        target.write_bytes(NaiveSerializer().frame_bytes(tensor_obj(chunk(99))))  # not key 7's KV
         path.symlink_to(target)
     elif kind == "symlink to a fifo":
         target = tmp_path.parent / f"{tmp_path.name}-outside.fifo"
