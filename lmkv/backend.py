@@ -70,6 +70,49 @@ class BackendContext:
     extra: dict = field(default_factory=dict)
 
 
+class TrackedAllocate:
+    """``allocate`` that remembers what it handed out, so a decode that fails or
+    returns something else gives every buffer back (no arena block leaks,
+    whatever a serializer does with a crafted frame)."""
+
+    __slots__ = ("_allocate", "_objs")
+
+    def __init__(self, allocate: Allocate | None) -> None:
+        self._allocate = allocate
+        self._objs: list[MemoryObj] = []
+
+    def __call__(self, shape: Sequence[int], dtype: torch.dtype) -> MemoryObj | None:
+        if self._allocate is None:
+            return None
+        obj = self._allocate(shape, dtype)
+        if obj is not None:
+            self._objs.append(obj)
+        return obj
+
+    def release_all(self) -> None:
+        objs, self._objs = self._objs, []
+        for obj in objs:
+            obj.ref_down()
+
+    def keep_only(self, result: object) -> CorruptFrameError | None:
+        """Keep ``result`` (the decoded chunk) and release every other buffer; a
+        result that is not a whole chunk from this allocation is released too and
+        reported as a corrupt frame. None (no room) is a plain miss."""
+        if result is None:
+            self.release_all()
+            return None
+        kept = next((o for o in self._objs if o is result), None)
+        problem = None
+        if kept is None:
+            problem = CorruptFrameError("the serializer returned a buffer it did not allocate")
+        elif kept.tensor.numel() == 0:
+            problem = CorruptFrameError(f"frame holds no elements (shape {tuple(kept.shape)})")
+        if problem is None:
+            self._objs.remove(kept)
+        self.release_all()
+        return problem
+
+
 class StorageBackend(Plugin, ABC):
     """One storage tier. See plugins.md, "StorageBackend", for the full contract."""
 
@@ -183,16 +226,26 @@ class StorageBackend(Plugin, ABC):
         For tiers that store serialized frames. Returns None on a miss (corrupt
         frame, or no memory to decode into), never wrong data.
         """
+        taken = TrackedAllocate(self.context.allocate)
         try:
-            return self.context.serializer.deserialize(frame, self.context.allocate, key)
-        except CorruptFrameError as exc:
-            self.counters.corrupt_frames += 1
-            self.counters.misses += 1
-            _corrupt_log.warning(f"corrupt:{self.name}",
-                                 "lmkv %s tier: dropping corrupt entry %s: %s",
-                                 self.name, key.to_string(), exc)
-            self.remove(key)
-            return None
+            obj = self.context.serializer.deserialize(frame, taken, key)
+            problem = taken.keep_only(obj)
+        except Exception as exc:  # a serializer may raise anything on a crafted frame
+            taken.release_all()
+            problem = exc if isinstance(exc, CorruptFrameError) else \
+                CorruptFrameError(f"{type(exc).__name__}: {exc}")
+        except BaseException:
+            taken.release_all()
+            raise
+        if problem is None:
+            return obj
+        self.counters.corrupt_frames += 1
+        self.counters.misses += 1
+        _corrupt_log.warning(f"corrupt:{self.name}",
+                             "lmkv %s tier: dropping corrupt entry %s: %s",
+                             self.name, key.to_string(), problem)
+        self.remove(key)
+        return None
 
     def stats(self) -> dict[str, int | None]:
         """Counters (``TierCounters``), usage and capacity; backends may add their own."""

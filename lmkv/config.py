@@ -28,6 +28,7 @@ from pydantic import (
 
 from lmkv.errors import ConfigError, UnknownPluginError
 from lmkv.plugins.base import PluginOptions
+from lmkv.redact import redact_value
 
 ENV_PREFIX = "LMKV_"
 # Env vars that are not config keys.
@@ -164,12 +165,13 @@ class LMKVConfig(_Model):
         return refs
 
     def resolved_dump(self) -> dict[str, Any]:
-        """The config as plain data, plugin options filled with their defaults."""
+        """The config as plain data, plugin options filled with their defaults;
+        secrets masked (this is what ``config check`` prints)."""
         data = self.model_dump(mode="json")
         for path, kind, ref in self.plugin_refs():
             _, options = resolve_plugin(kind, ref, path)
             _set_path(data, [*path.split("."), "options"], options.model_dump(mode="json"))
-        return data
+        return redact_value(data)
 
 
 # -- plugin resolution -------------------------------------------------------
@@ -353,7 +355,9 @@ def _format_errors(exc: ValidationError, prefix: str, sources: Mapping[str, str]
         if err["type"] == "missing":
             lines.append(f"config key {key!r}{where}: required")
             continue
-        value = _short(err.get("input"))
+        # pydantic echoes the input: a password, a URL with credentials, or (for a
+        # model-level check) the whole options mapping with its secrets.
+        value = _short(redact_value(err.get("input"), loc[-1] if loc else None))
         lines.append(f"config key {key!r} = {value}{where}: {_allowed(err)}")
     return "\n".join(lines)
 

@@ -5,6 +5,11 @@ present); chunk buffers are views into it. Allocation is first-fit over a
 sorted, coalescing free list, so a full arena means "evict and retry", never
 an allocation past the budget. Typed views of recurring slots are cached,
 which keeps the per-chunk cost of small chunks near zero.
+
+The view cache is bounded by the memory its views take (about 1 KiB of tensor
+metadata each): at most twice as many views as buffers were ever live at once
+(what uniform chunks reuse), never more than ``VIEW_CACHE_BYTES``. Mixed chunk
+sizes create new (offset, shape) pairs without end; the oldest views go first.
 """
 
 from __future__ import annotations
@@ -24,7 +29,11 @@ from lmkv.errors import RefCountError
 logger = logging.getLogger(__name__)
 
 ALIGNMENT = 256
-_VIEW_CACHE_LIMIT = 1 << 16
+# What one cached view costs (tensor object, its impl and sizes, the dict entry):
+# measured at about 1.1 KiB on CPython 3.12 / torch 2.x.
+VIEW_COST_BYTES = 1152
+VIEW_CACHE_BYTES = 16 << 20
+_VIEW_CACHE_MIN = 1024  # views kept whatever the live count (a small working set)
 
 # Tests turn this on so a double release raises; in production it is logged loudly.
 strict_refcounts = False
@@ -177,6 +186,7 @@ class MemoryAllocator:
         self._free_sizes: list[int] = [self.capacity_bytes]
         self.used_bytes = 0
         self.live_objects = 0
+        self._peak_live = 0
         self._views: dict[tuple, torch.Tensor] = {}
 
     def allocate(self, shape: Sequence[int], dtype: torch.dtype) -> MemoryObj | None:
@@ -187,9 +197,18 @@ class MemoryAllocator:
             offset = self._take(size)
             if offset < 0:
                 return None
+            try:
+                view = self._view(offset, nbytes, dtype, tuple(shape))
+            except (RuntimeError, ValueError, TypeError, OverflowError) as exc:
+                # e.g. a crafted shape (2**40, 2**40, 0): its numel overflows
+                self._insert_free(offset, size)
+                raise ValueError(f"no buffer of shape {tuple(shape)} and {dtype}: {exc}"
+                                 ) from None
             self.used_bytes += size
             self.live_objects += 1
-            return MemoryObj(self._view(offset, nbytes, dtype, tuple(shape)), self, offset, size)
+            if self.live_objects > self._peak_live:
+                self._peak_live = self.live_objects
+            return MemoryObj(view, self, offset, size)
 
     def _take(self, size: int) -> int:
         sizes = self._free_sizes
@@ -207,25 +226,40 @@ class MemoryAllocator:
 
     def _view(self, offset: int, nbytes: int, dtype: torch.dtype, shape: tuple) -> torch.Tensor:
         key = (offset, dtype, shape)
-        view = self._views.get(key)
+        views = self._views
+        view = views.get(key)
         if view is None:
-            if len(self._views) >= _VIEW_CACHE_LIMIT:
-                self._views.clear()
             view = self.arena[offset:offset + nbytes].view(dtype).view(shape)
-            self._views[key] = view
+            if len(views) >= self.view_cache_limit:
+                del views[next(iter(views))]  # the oldest: dicts keep insertion order
+            views[key] = view
         return view
 
+    @property
+    def view_cache_limit(self) -> int:
+        """Views the cache may hold now (see the module docstring)."""
+        return min(VIEW_CACHE_BYTES // VIEW_COST_BYTES,
+                   max(_VIEW_CACHE_MIN, 2 * self._peak_live))
+
+    @property
+    def view_cache_bytes(self) -> int:
+        """Estimated memory held by cached views."""
+        return len(self._views) * VIEW_COST_BYTES
+
     def _free_locked(self, obj: MemoryObj) -> None:
-        start, size = obj.offset, obj.nbytes
+        if self._insert_free(obj.offset, obj.nbytes):
+            self.used_bytes -= obj.nbytes
+            self.live_objects -= 1
+
+    def _insert_free(self, start: int, size: int) -> bool:
+        """Return a block to the free list (coalescing); False on a double free."""
         starts, sizes = self._free_starts, self._free_sizes
         i = bisect.bisect_left(starts, start)
         overlaps_next = i < len(starts) and starts[i] < start + size
         overlaps_prev = i > 0 and starts[i - 1] + sizes[i - 1] > start
         if overlaps_next or overlaps_prev:
             _refcount_bug(f"double free of arena block at offset {start}")
-            return
-        self.used_bytes -= size
-        self.live_objects -= 1
+            return False
         merge_prev = i > 0 and starts[i - 1] + sizes[i - 1] == start
         merge_next = i < len(starts) and start + size == starts[i]
         if merge_prev and merge_next:
@@ -240,6 +274,7 @@ class MemoryAllocator:
         else:
             starts.insert(i, start)
             sizes.insert(i, size)
+        return True
 
     def free_blocks(self) -> list[tuple[int, int]]:
         """(offset, size) of every free block."""

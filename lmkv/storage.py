@@ -107,8 +107,17 @@ class StorageManager:
         return hits
 
     def pin_prefix(self, keys: Sequence[CacheKey]) -> list[tuple[StorageBackend, list[CacheKey]]]:
-        """Pin the stored prefix of ``keys`` (tier by tier); undo with ``unpin``."""
-        return self._plan("", list(keys), 1)
+        """Pin the prefix of ``keys`` that the first tier holds; undo with ``unpin``.
+
+        For stores: the chunks it returns need not be stored again, and the
+        pins keep the store's own allocations from evicting them. Only the
+        first tier is asked: a store never waits on a lower tier (a remote one
+        may take its whole timeout to answer). Chunks only a lower tier holds
+        are stored again in the first; their write-through finds them present.
+        """
+        first = self.tiers[0]
+        hits = self._contains(first, "", keys, pin=True)
+        return [(first, list(keys[:hits]))] if hits else []
 
     def unpin(self, plans: list[tuple[StorageBackend, list[CacheKey]]]) -> None:
         for tier, keys in plans:

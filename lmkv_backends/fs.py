@@ -6,7 +6,9 @@ restart and are found again; reads go straight into chunk buffers. Other URLs
 (``fs_remote``) go through fsspec. A budget (``max_bytes``) evicts unpinned
 entries in the order of the tier's eviction policy. Every fault (I/O error,
 stopped endpoint, corrupted entry) is a counted, rate-logged miss or dropped
-write: nothing raises into the caller.
+write: nothing raises into the caller. Anything under an entry's name that is
+not a regular file (directory, FIFO, symlink, ...) is never read and never a
+hit: it is left alone and counted (``special_files``).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from lmkv.logutil import RateLimitedLog
 from lmkv.memory import MemoryObj
 from lmkv.tokens import CacheKey
 from lmkv_backends.fs_futures import count_true, gather, leading_objects, outcome
-from lmkv_backends.fs_index import EntryIndex, entry_name
+from lmkv_backends.fs_index import EntryIndex, NotAnEntry, entry_name
 from lmkv_backends.fs_local import LocalStore
 from lmkv_backends.fs_options import (
     FSOptions,
@@ -55,13 +57,16 @@ class FSBackend(StorageBackend):
         if context.serializer is None or context.eviction_policy is None:
             raise ValueError("the fs tier needs a serializer and an eviction policy")
         self.location = display_url(options.url)
+        self._redact = options.redactor()
+        self.special_files = 0  # names found that are not regular files
         prefix = f"tiers.{context.tier_index}.options"  # for start-up errors
         self.store: LocalStore | RemoteStore
         if options.is_local:
             check_s3_options(options, prefix)
             try:
                 self.store = LocalStore(local_root(options), options.durable,
-                                        options.page_cache)
+                                        options.page_cache, options.file_mode,
+                                        options.dir_mode)
             except OSError as exc:
                 raise ConfigError(f"config key '{prefix}.url' = {self.location!r}: cannot use "
                                   f"the directory: {exc.strerror or exc}") from None
@@ -103,7 +108,9 @@ class FSBackend(StorageBackend):
         return self.index.capacity
 
     def stats(self) -> dict[str, int | None]:
-        return {**super().stats(), "entries": len(self.index)}
+        scanned = getattr(self.store, "special_files", 0)
+        return {**super().stats(), "entries": len(self.index),
+                "special_files": self.special_files + scanned}
 
     # -- lookup --------------------------------------------------------------------
     def contains(self, key: CacheKey, pin: bool = False) -> bool:
@@ -136,6 +143,9 @@ class FSBackend(StorageBackend):
             return FAILED
         try:
             return self.store.stat(entry_name(key))
+        except NotAnEntry as exc:
+            self._special(key, exc)
+            return None
         except Exception as exc:
             self._fault("stat", f"checking {key.to_string()}", exc)
             return FAILED
@@ -186,7 +196,12 @@ class FSBackend(StorageBackend):
     def _write(self, key: CacheKey, obj: MemoryObj) -> bool:
         name = entry_name(key)
         try:
-            existing = self.store.stat(name)
+            try:
+                existing = self.store.stat(name)
+            except NotAnEntry as exc:  # not ours to replace
+                self._special(key, exc)
+                self.counters.dropped_writes += 1
+                return False
             if existing is not None:  # another process stored it
                 self.index.adopt(key, existing)
                 return False
@@ -254,6 +269,9 @@ class FSBackend(StorageBackend):
         except FileNotFoundError:
             self.index.discard(key)
             obj = None
+        except NotAnEntry as exc:
+            self._special(key, exc)
+            obj = None
         except CorruptFrameError as exc:
             self._drop_corrupt(key, exc)
             return None
@@ -296,6 +314,8 @@ class FSBackend(StorageBackend):
             if not known and self.store.stat(name) is None:
                 return False
             return self.store.delete(name) or known
+        except NotAnEntry:
+            return known
         except Exception as exc:
             self._fault("remove", f"removing {key.to_string()}", exc)
             return known
@@ -311,8 +331,17 @@ class FSBackend(StorageBackend):
 
     def _fault(self, op: str, what: str, exc: BaseException) -> None:
         self.counters.errors += 1
+        # A client library's message may carry the endpoint URL with its credentials.
         _log.warning(f"{op}:{self.location}", "lmkv fs tier %s: %s failed: %s: %s",
-                     self.location, what, type(exc).__name__, exc)
+                     self.location, what, type(exc).__name__, self._redact(exc))
+
+    def _special(self, key: CacheKey, exc: NotAnEntry) -> None:
+        """Something that is not an entry file sits under ``key``'s name: forget the
+        key, leave the thing alone, count it."""
+        self.index.discard(key)
+        self.special_files += 1
+        _log.warning(f"special:{self.location}", "lmkv fs tier %s: ignoring %s (a miss)",
+                     self.location, exc)
 
     def close(self) -> None:
         """Waits up to ``close_timeout_s`` for puts in flight; the rest is cancelled

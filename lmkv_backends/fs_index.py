@@ -20,6 +20,11 @@ from lmkv.tokens import CacheKey
 SUFFIX = ".lmkv"
 
 
+class NotAnEntry(OSError):
+    """Something other than a regular file (a directory, FIFO, socket, device,
+    symlink) sits under an entry's name: never read, never a hit, left alone."""
+
+
 def entry_name(key: CacheKey) -> str:
     name = quote(key.to_string(), safe="@")
     if name.startswith("."):  # leading dots are hidden files (and our temporaries)

@@ -5,6 +5,13 @@ frame's buffers, no join), is flushed with ``fdatasync`` when durable, and is
 renamed onto the entry's name: a reader sees the whole entry or none of it.
 Temporaries left by a crashed process are removed at start. A read parses the
 header, then reads the payload straight into the chunk buffer.
+
+Only regular files are entries. Names are checked with ``lstat`` and opened
+with ``O_NOFOLLOW | O_NONBLOCK`` then ``fstat``-ed, so a symlink never serves
+(not even to a valid entry elsewhere), a FIFO cannot block a reader, and a
+directory is never a hit; such names raise ``NotAnEntry``. Files are created
+with the tier's ``mode`` (0600 by default) and directories with the matching
+execute bits (0700), whatever the umask.
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ import contextlib
 import logging
 import os
 import socket
+import stat
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -23,7 +31,7 @@ from lmkv.errors import CorruptFrameError
 from lmkv.memory import MemoryObj, nbytes_of
 from lmkv.serde import read_header, verify_payload
 from lmkv.tokens import CacheKey
-from lmkv_backends.fs_index import key_of
+from lmkv_backends.fs_index import NotAnEntry, key_of
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +44,8 @@ WRITE_SEGMENT = 8 << 20
 # The first read of an entry: the header (under 100 bytes) and the page it is on.
 HEAD_READ = 4096
 _HOST = socket.gethostname().replace("/", "_") or "host"
+# Opening an entry: never through a symlink, never waiting on a FIFO's writer.
+_READ_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
 
 
 class LocalStore:
@@ -46,11 +56,14 @@ class LocalStore:
     #: ``read_into`` reads a raw payload straight into a chunk buffer
     reads_into = True
 
-    def __init__(self, root: str, durable: bool = True, page_cache: bool = False) -> None:
-        os.makedirs(root, exist_ok=True)
+    def __init__(self, root: str, durable: bool = True, page_cache: bool = False,
+                 file_mode: int = 0o600, dir_mode: int = 0o700) -> None:
+        make_dirs(root, dir_mode)
         self.root = root
         self.durable = durable
         self.page_cache = page_cache
+        self.file_mode = file_mode
+        self.special_files = 0  # names that are not regular files, seen by scan
 
     def path(self, name: str) -> str:
         return os.path.join(self.root, name)
@@ -65,7 +78,10 @@ class LocalStore:
                     self._clean_temporary(item)
                     continue
                 key = key_of(item.name)
-                if key is None or not item.is_file(follow_symlinks=False):
+                if key is None:
+                    continue
+                if not item.is_file(follow_symlinks=False):
+                    self.special_files += 1
                     continue
                 try:
                     st = item.stat(follow_symlinks=False)
@@ -90,17 +106,23 @@ class LocalStore:
 
     # -- entries -----------------------------------------------------------------
     def stat(self, name: str) -> int | None:
+        """The entry's size; None when absent; NotAnEntry when not a regular file."""
         try:
-            return os.stat(self.path(name)).st_size
+            st = os.lstat(self.path(name))
         except FileNotFoundError:
             return None
+        if not stat.S_ISREG(st.st_mode):
+            raise NotAnEntry(f"{name} is a {_kind(st.st_mode)}, not an entry file")
+        return st.st_size
 
     def write(self, name: str, buffers: Sequence[bytes | memoryview]) -> int:
         """Write the frame atomically; the entry exists only once all of it is there."""
         tmp = self.path(f"{TMP_PREFIX}{_HOST}.{os.getpid()}.{uuid.uuid4().hex[:12]}")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, self.file_mode)
         try:
             try:
+                if self.file_mode & 0o060:  # a group mode the umask may have narrowed
+                    os.fchmod(fd, self.file_mode)
                 early = self.durable and not self.page_cache
                 written = _write_all(fd, buffers,
                                      partial(_start_writeback, fd) if early else None)
@@ -140,7 +162,7 @@ class LocalStore:
         FileNotFoundError for a missing entry and CorruptFrameError for one
         that fails to parse or verify.
         """
-        fd = os.open(self.path(name), os.O_RDONLY | os.O_CLOEXEC)
+        fd = open_entry(self.path(name))
         try:
             size = os.fstat(fd).st_size
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
@@ -151,7 +173,12 @@ class LocalStore:
                                         f"{header.serializer_id}, not {serializer_id}")
             if header.payload_len != nbytes_of(header.shape, header.dtype):
                 raise CorruptFrameError("payload length does not match dtype and shape")
-            obj = allocate(header.shape, header.dtype)
+            if not header.payload_len:
+                raise CorruptFrameError(f"frame holds no elements (shape {header.shape})")
+            try:
+                obj = allocate(header.shape, header.dtype)
+            except (ValueError, RuntimeError, OverflowError) as exc:  # a shape no view takes
+                raise CorruptFrameError(f"shape {header.shape}: {exc}") from None
             if obj is None:
                 return None, size
             try:
@@ -170,7 +197,7 @@ class LocalStore:
             os.close(fd)
 
     def read_frame(self, name: str) -> bytearray:
-        fd = os.open(self.path(name), os.O_RDONLY | os.O_CLOEXEC)
+        fd = open_entry(self.path(name))
         try:
             size = os.fstat(fd).st_size
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
@@ -182,6 +209,9 @@ class LocalStore:
             os.close(fd)
 
     def delete(self, name: str) -> bool:
+        """Unlink the entry file; what is not a regular file is left alone."""
+        if self.stat(name) is None:
+            return False
         try:
             os.unlink(self.path(name))
             return True
@@ -190,6 +220,60 @@ class LocalStore:
 
     def close(self) -> None:
         pass
+
+
+def open_entry(path: str) -> int:
+    """A read-only descriptor of the regular file at ``path``: FileNotFoundError when
+    absent, NotAnEntry for a symlink, FIFO, directory or anything else."""
+    try:
+        fd = os.open(path, _READ_FLAGS)
+    except OSError as exc:
+        if isinstance(exc, FileNotFoundError):
+            raise
+        try:
+            mode = os.lstat(path).st_mode
+        except OSError:
+            raise exc from None
+        raise NotAnEntry(f"{os.path.basename(path)} is a {_kind(mode)}, not an entry file"
+                         ) from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise NotAnEntry(f"{os.path.basename(path)} is a {_kind(mode)}, not an entry file")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def make_dirs(root: str, mode: int) -> None:
+    """Create ``root`` and its missing parents with exactly ``mode`` (umask aside);
+    existing directories keep theirs."""
+    missing = []
+    path = os.path.abspath(root)
+    while not os.path.isdir(path):
+        missing.append(path)
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    for path in reversed(missing):
+        try:
+            os.mkdir(path, mode)
+        except FileExistsError:
+            if not os.path.isdir(path):
+                raise
+            continue
+        os.chmod(path, mode)
+
+
+def _kind(mode: int) -> str:
+    for test, kind in ((stat.S_ISDIR, "directory"), (stat.S_ISFIFO, "FIFO"),
+                       (stat.S_ISLNK, "symlink"), (stat.S_ISSOCK, "socket"),
+                       (stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device")):
+        if test(mode):
+            return kind
+    return "special file"
 
 
 def _write_all(fd: int, buffers: Sequence[bytes | memoryview],

@@ -2,8 +2,13 @@
 
 A local path (or ``file://`` URL) is served by ``fs_local`` with plain ``os``
 calls; every other fsspec URL (``s3://bucket/prefix``, ...) by ``fs_remote``
-through ``fsspec.filesystem(protocol, **storage_options)``. Secrets are
-``SecretStr``: they never appear in a repr, a log line or an error message.
+through ``fsspec.filesystem(protocol, **storage_options)``. Secrets (``key``,
+``secret``, secret-named ``storage_options``, credentials in ``endpoint_url``)
+never appear in a repr, a log line or an error message (``lmkv.redact``).
+
+Remote timeouts are a cache's: a call gives up within seconds (connect 1 s,
+no progress for 2 s, one retry), since a miss costs a recompute and a hung
+call would hold a lookup or a writer thread.
 """
 
 from __future__ import annotations
@@ -29,13 +34,18 @@ from pydantic import (
 
 from lmkv.errors import ConfigError
 from lmkv.plugins.base import PluginOptions
+from lmkv.redact import Redactor, redact_url, redact_value, secrets_in
 
 LOCAL_PROTOCOLS = frozenset({None, "file", "local"})
 S3_PROTOCOLS = frozenset({"s3", "s3a"})
 DEFAULT_LOCAL_THREADS = 4
 DEFAULT_REMOTE_THREADS = 16
-# storage_options keys whose values are masked when the config is shown.
-_SECRET_WORDS = ("secret", "password", "token", "key", "credential")
+# Owner read and write, and what a group (or others, read only) may be given;
+# never execute (entries are data) and never write for others (planted KV).
+DEFAULT_MODE = 0o600
+_ALLOWED_MODE_BITS = 0o664
+_MODE_HELP = ('must be an octal file mode with owner read and write, no execute bits and '
+              'no write for others, such as "0600" (default) or "0640"')
 
 
 class FSOptions(PluginOptions):
@@ -58,12 +68,15 @@ class FSOptions(PluginOptions):
     """S3: access key id (default: the usual AWS credential chain)."""
     secret: SecretStr | None = None
     """S3: secret access key."""
-    connect_timeout_s: PositiveFloat = 2.0
+    connect_timeout_s: PositiveFloat = 1.0
     """Remote: seconds to wait for a connection."""
-    read_timeout_s: PositiveFloat = 10.0
+    read_timeout_s: PositiveFloat = 2.0
     """Remote: give up on a response that makes no progress for this long."""
     retries: NonNegativeInt = 1
     """Remote: retries of a failed request (after the first attempt)."""
+    mode: int | str = DEFAULT_MODE
+    """Local disk: permissions of entry files (``"0600"``; ``"0640"`` shares them with
+    the directory's group on purpose); directories get the matching execute bits."""
     close_timeout_s: NonNegativeFloat = 2.0
     """``close()`` waits this long for puts in flight, then drops the rest (counted)."""
     storage_options: dict[str, Any] = Field(default_factory=dict, repr=False)
@@ -76,9 +89,37 @@ class FSOptions(PluginOptions):
             raise ValueError("must be a positive size such as 64GiB, or null for unbounded")
         return value
 
+    @field_validator("mode", mode="before")
+    @classmethod
+    def _check_mode(cls, value: object) -> int:
+        return parse_mode(value)
+
     @field_serializer("storage_options", when_used="json")
     def _mask_secrets(self, value: dict[str, Any]) -> dict[str, Any]:
-        return _masked(value)
+        return redact_value(value)
+
+    @field_serializer("endpoint_url", when_used="json")
+    def _mask_endpoint(self, value: str | None) -> str | None:
+        return redact_url(value) if value else value
+
+    @field_serializer("mode", when_used="json")
+    def _octal_mode(self, value: int) -> str:
+        return f"{value:04o}"
+
+    @property
+    def file_mode(self) -> int:
+        return int(self.mode)
+
+    @property
+    def dir_mode(self) -> int:
+        """``mode`` plus execute wherever it grants read (to list the directory)."""
+        mode = int(self.mode)
+        return mode | (mode & 0o444) >> 2
+
+    def redactor(self) -> Redactor:
+        """Masks every secret these options hold, in any text (exception messages)."""
+        return Redactor([self.key, self.secret, *secrets_in(self.endpoint_url or ""),
+                         *secrets_in(self.storage_options)])
 
     @property
     def protocol(self) -> str | None:
@@ -96,27 +137,35 @@ class FSOptions(PluginOptions):
         return DEFAULT_LOCAL_THREADS if self.is_local else DEFAULT_REMOTE_THREADS
 
 
-def _masked(value: Any) -> Any:
-    if isinstance(value, Mapping):
-        return {k: "**********" if _is_secret_name(k) and v else _masked(v)
-                for k, v in value.items()}
+def parse_mode(value: object) -> int:
+    """``"0640"``, ``"0o640"``, ``"640"`` or an int such as ``0o640`` (416)."""
+    if isinstance(value, bool):
+        raise ValueError(_MODE_HELP)
+    if isinstance(value, str):
+        text = value.strip().lower().removeprefix("0o")
+        if not text or any(c not in "01234567" for c in text):
+            raise ValueError(_MODE_HELP)
+        value = int(text, 8)
+    if not isinstance(value, int) or value & ~_ALLOWED_MODE_BITS \
+            or value & DEFAULT_MODE != DEFAULT_MODE:
+        raise ValueError(_MODE_HELP)
     return value
-
-
-def _is_secret_name(name: object) -> bool:
-    lowered = str(name).lower()
-    return any(word in lowered for word in _SECRET_WORDS)
 
 
 def display_url(url: str) -> str:
     """``url`` without any user:password part, for logs and errors."""
-    parts = urlsplit(url)
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError:
+        return "<unparsable url>"
     if parts.username is None and parts.password is None:
-        return url
+        return redact_url(url)
     host = parts.hostname or ""
-    if parts.port:
-        host = f"{host}:{parts.port}"
-    return urlunsplit((parts.scheme, host, parts.path, parts.query, parts.fragment))
+    if port:
+        host = f"{host}:{port}"
+    return redact_url(urlunsplit((parts.scheme, host, parts.path, parts.query,
+                                  parts.fragment)))
 
 
 def check_s3_options(options: FSOptions, prefix: str) -> None:
@@ -129,6 +178,10 @@ def check_s3_options(options: FSOptions, prefix: str) -> None:
         raise ConfigError(f"config key '{prefix}.{s3_only[0]}': applies to s3:// URLs only, "
                           f"not {display_url(options.url)!r}; pass other filesystems' "
                           "settings in storage_options")
+    if not options.is_local and "mode" in options.model_fields_set:
+        raise ConfigError(f"config key '{prefix}.mode': applies to local directories only, "
+                          f"not {display_url(options.url)!r} (object stores keep "
+                          "their own permissions)")
 
 
 def local_root(options: FSOptions) -> str:
@@ -159,7 +212,7 @@ def open_remote(options: FSOptions, prefix: str) -> RemoteLocation:
         fs = cls(**storage)
     except Exception as exc:  # each filesystem validates its own arguments
         raise ConfigError(f"{where}: cannot open it: {type(exc).__name__}: "
-                          f"{_without_secrets(str(exc), options)}") from None
+                          f"{options.redactor()(exc)}") from None
     if protocol in S3_PROTOCOLS:
         # botocore retries (total_max_attempts) already; s3fs's own loop on top
         # of it would multiply the time a stopped endpoint costs.
@@ -195,23 +248,3 @@ def _merged(base: dict[str, Any], override: Mapping[str, Any]) -> dict[str, Any]
         else:
             out[name] = value
     return out
-
-
-def _without_secrets(text: str, options: FSOptions) -> str:
-    secrets = [s.get_secret_value() for s in (options.key, options.secret) if s is not None]
-    secrets += _secret_values(options.storage_options)
-    for secret in secrets:
-        if secret:
-            text = text.replace(secret, "**********")
-    return text
-
-
-def _secret_values(value: Any) -> list[str]:
-    if not isinstance(value, Mapping):
-        return []
-    found = []
-    for name, item in value.items():
-        if _is_secret_name(name) and isinstance(item, str):
-            found.append(item)
-        found += _secret_values(item)
-    return found

@@ -17,7 +17,7 @@ from datetime import datetime
 from typing import Any, TypeVar
 
 from lmkv.tokens import CacheKey
-from lmkv_backends.fs_index import key_of
+from lmkv_backends.fs_index import NotAnEntry, key_of
 from lmkv_backends.fs_options import RemoteLocation
 
 logger = logging.getLogger(__name__)
@@ -84,7 +84,7 @@ class RemoteStore:
         self.breaker.check()
         try:
             result = fn(*args)
-        except FileNotFoundError:
+        except (FileNotFoundError, IsADirectoryError):
             self.breaker.succeeded()  # the remote answered
             raise
         except Exception as exc:
@@ -112,7 +112,10 @@ class RemoteStore:
             info = self._call(self.fs.info, self.path(name))
         except FileNotFoundError:
             return None
-        return int(info["size"]) if info.get("type", "file") == "file" else None
+        kind = info.get("type", "file")
+        if kind != "file":  # a "directory" (a prefix on S3), a link, ...
+            raise NotAnEntry(f"{name} is a {kind}, not an entry object")
+        return int(info["size"])
 
     def write(self, name: str, buffers: Sequence[bytes | memoryview]) -> int:
         data = b"".join(buffers)
@@ -123,7 +126,10 @@ class RemoteStore:
         pass  # a completed PUT is durable
 
     def read_frame(self, name: str) -> bytes:
-        return self._call(self.fs.cat_file, self.path(name))
+        try:
+            return self._call(self.fs.cat_file, self.path(name))
+        except IsADirectoryError:
+            raise NotAnEntry(f"{name} is a directory, not an entry object") from None
 
     def delete(self, name: str) -> bool:
         try:

@@ -86,3 +86,49 @@ def test_unpinned_arena_is_page_aligned_and_usable(huge_pages: bool) -> None:
     assert obj.tensor[255, 1023].item() == 256 * 1024 - 1
     obj.ref_down()
     assert alloc.used_bytes == 0
+
+
+def test_a_shape_no_view_takes_leaks_no_block() -> None:
+    import pytest
+
+    from lmkv.memory import MemoryAllocator
+
+    arena = MemoryAllocator(1 << 20, pin_memory=False)
+    for _ in range(10_000):  # more than the arena's 4096 blocks
+        with pytest.raises(ValueError, match="no buffer of shape"):
+            arena.allocate((2**40, 2**40, 0), torch.float16)
+    assert (arena.used_bytes, arena.live_objects) == (0, 0)
+    assert arena.free_blocks() == [(0, arena.capacity_bytes)]
+    obj = arena.allocate((4, 64), torch.float16)
+    assert obj is not None
+    obj.ref_down()
+
+
+def test_the_view_cache_stays_bounded_with_mixed_chunk_sizes() -> None:
+    from lmkv import memory
+
+    arena = memory.MemoryAllocator(64 << 20, pin_memory=False)
+    live = []
+    for i in range(200_000):  # new (offset, shape) pairs without end
+        obj = arena.allocate((1 + i % 97, 8 + i % 13), torch.float16)
+        live.append(obj)
+        if len(live) > 64:
+            live.pop(0).ref_down()
+    assert arena.view_cache_bytes <= memory.VIEW_CACHE_BYTES
+    assert len(arena._views) <= max(1024, 2 * 65)  # twice the buffers ever live at once
+    for obj in live:
+        obj.ref_down()
+
+
+def test_uniform_chunks_keep_their_views_cached() -> None:
+    from lmkv import memory
+
+    arena = memory.MemoryAllocator(8 << 20, pin_memory=False)
+    objs = [arena.allocate((64, 64), torch.float16) for _ in range(1000)]
+    views = len(arena._views)
+    for obj in objs:
+        obj.ref_down()
+    again = [arena.allocate((64, 64), torch.float16) for _ in range(1000)]
+    assert len(arena._views) == views == 1000  # every slot reused its cached view
+    for obj in again:
+        obj.ref_down()

@@ -98,3 +98,45 @@ def test_rate_limited_log_counts_suppressed(caplog) -> None:
     assert caplog.text.count("fault 0") == 1
     assert "fault 1" not in caplog.text
     assert "other fault" in caplog.text
+
+
+# -- a hung lower tier never stalls a store ---------------------------------------------
+
+
+def test_a_store_never_waits_on_a_hung_lower_tier() -> None:
+    """The S3 endpoint accepts connections and never answers; its read timeout is
+    30 s. A store goes to the cpu tier and queues the write-through: it returns
+    at once (old code asked every tier what it held first, and waited)."""
+    import threading
+    import uuid
+
+    from lmkv import CacheEngine, KVSpec, load_config
+    from tests.services import S3Endpoint
+
+    endpoint = S3Endpoint()
+    endpoint.start()
+    endpoint.client().create_bucket(Bucket="hang")
+    endpoint.hang()
+    config = load_config(env={}, overrides={"lmkv.chunk_size": 16, "lmkv.tiers": [
+        {"type": "cpu", "options": {"max_bytes": 1 << 22}},
+        {"type": "fs", "options": {
+            "url": f"s3://hang/{uuid.uuid4().hex[:8]}", "endpoint_url": endpoint.url,
+            "key": "testing", "secret": "testing", "connect_timeout_s": 30,
+            "read_timeout_s": 30, "retries": 0, "close_timeout_s": 0}}]})
+    spec = KVSpec(num_layers=2, num_kv_heads=2, head_dim=16, dtype=torch.float16)
+    engine = CacheEngine.from_config(config, spec, model_name="hang-test")
+    kv = [(torch.randn(1, 2, 64, 16).half(), torch.randn(1, 2, 64, 16).half())
+          for _ in range(2)]
+    stored: list[int] = []
+    try:
+        for _ in range(3):  # a fresh prompt each time: nothing to skip
+            tokens = torch.randint(0, 50_000, (64,)).tolist()
+            store = threading.Thread(target=lambda t=tokens: stored.append(
+                engine.store(t, kv=kv)), daemon=True)
+            store.start()
+            store.join(timeout=2.0)  # against a 30 s hang
+            assert not store.is_alive(), "a store waited on the hung lower tier"
+        assert stored == [64, 64, 64]
+    finally:
+        endpoint.stop()  # ends the hung requests (their connections are reset)
+        engine.close()

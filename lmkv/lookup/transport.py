@@ -49,7 +49,6 @@ from lmkv.auth import CurveKeys, CurveServer, peer_keys, secure_client
 from lmkv.config import LookupConfig
 from lmkv.errors import ConfigError
 
-
 # sockaddr_un.sun_path holds 108 bytes on Linux (104 on macOS), NUL included.
 MAX_IPC_PATH_BYTES = 103
 _ENGINE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")

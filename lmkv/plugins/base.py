@@ -12,6 +12,13 @@ class PluginOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
+    def __repr_args__(self) -> Any:
+        # A repr lands in logs and tracebacks: secrets never go with it.
+        from lmkv.redact import redact_value
+
+        for name, value in super().__repr_args__():
+            yield name, redact_value(value, name)
+
 
 class NoOptions(PluginOptions):
     """Options model of a plugin that takes none."""

@@ -31,6 +31,7 @@ class GatedEngine:
     has time to arrive first)."""
 
     def __init__(self) -> None:
+        self.config = load_config(env={})  # the lookup bounds come from it
         self.futures: dict[str, Future] = {}
         self.asked: list[str] = []
         self.lock = threading.Lock()
@@ -106,7 +107,7 @@ def test_an_outsider_cannot_answer_a_lookup(channel, who) -> None:
     ctx, sock, monitor = rogue_push(client.response_endpoint, keys, server_key)
     try:
         assert handshake_failed(monitor)
-        forged = encode(LookupResponse("victim", 4 * CHUNK))
+        forged = encode(LookupResponse("victim", 4 * CHUNK, rank=0))
         for _ in range(10):
             with contextlib.suppress(zmq.Again):  # nothing connected: nothing delivered
                 sock.send(forged, zmq.NOBLOCK)

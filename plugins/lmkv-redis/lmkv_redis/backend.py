@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from lmkv.backend import BackendContext, StorageBackend, done_future
 from lmkv.memory import MemoryObj
+from lmkv.redact import Redactor, secrets_in
 from lmkv.tokens import CacheKey
 from lmkv_redis.connect import Client, make_client
 from lmkv_redis.faults import Faults
@@ -32,6 +34,8 @@ logger = logging.getLogger(__name__)
 
 #: Gets of concurrent lookups run side by side, each on its own connection.
 GET_THREADS = 4
+#: Empty-value checks start at most this often (lookups that miss are frequent).
+SWEEP_INTERVAL_S = 0.05
 
 
 @dataclass
@@ -50,7 +54,8 @@ class RedisBackend(StorageBackend):
             raise ValueError("the redis tier needs a serializer")
         self.options: RedisOptions = options
         self.where = redact_url(options.url)
-        self.faults = Faults(self.counters, self.where, options.retry_after_s)
+        self.faults = Faults(self.counters, self.where, options.retry_after_s,
+                             Redactor([options.password, *secrets_in(options.url)]))
         self._client_obj: Client | None = None
         self._client_lock = threading.Lock()
         self._pins: dict[str, _Pin] = {}
@@ -62,6 +67,8 @@ class RedisBackend(StorageBackend):
         self._info = ServerInfo(self)
         self._gets = ThreadPoolExecutor(max_workers=GET_THREADS,
                                         thread_name_prefix="lmkv-redis-get")
+        self._sweeping = threading.Lock()  # held while an empty-value check runs
+        self._last_sweep = 0.0
 
     def __repr__(self) -> str:
         return f"RedisBackend({self.where}, cluster={self.options.cluster})"
@@ -134,6 +141,33 @@ class RedisBackend(StorageBackend):
             if entry.count == 0:
                 del self._pins[name]
             return True
+
+    def sweep_empty(self, name: str) -> None:
+        """Check ``name`` for an empty value in the background; at most one check
+        runs at a time (a lookup never waits on it, and misses cost Redis one
+        check at a time, not one per lookup)."""
+        now = time.monotonic()
+        if now - self._last_sweep < SWEEP_INTERVAL_S or not self._sweeping.acquire(
+                blocking=False):
+            return
+        self._last_sweep = now
+        try:
+            self._gets.submit(self._sweep, name)
+        except RuntimeError:  # closed
+            self._sweeping.release()
+
+    def _sweep(self, name: str) -> None:
+        try:
+            if self.usable:
+                self._reader.drop_if_empty(name)
+        except Exception as exc:
+            if not self.faults.expected(exc):
+                logger.exception("lmkv redis tier: checking %s for an empty value failed",
+                                 name)
+            else:
+                self.faults.record("check", exc, "an empty value, if any, stays for now")
+        finally:
+            self._sweeping.release()
 
     # -- gets -----------------------------------------------------------------------
     def get_blocking(self, key: CacheKey) -> MemoryObj | None:

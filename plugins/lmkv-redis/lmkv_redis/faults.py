@@ -19,6 +19,7 @@ from redis.exceptions import RedisClusterException
 
 from lmkv.backend import TierCounters
 from lmkv.logutil import RateLimitedLog
+from lmkv.redact import Redactor
 
 logger = logging.getLogger(__name__)
 
@@ -31,8 +32,10 @@ CONNECTION_FAULTS: tuple[type[BaseException], ...] = (
 
 
 class Faults:
-    def __init__(self, counters: TierCounters, where: str, retry_after_s: float) -> None:
+    def __init__(self, counters: TierCounters, where: str, retry_after_s: float,
+                 redact: Redactor | None = None) -> None:
         self.counters = counters
+        self.redact = redact or Redactor()
         self.where = where
         self.retry_after_s = retry_after_s
         self._log = RateLimitedLog(logger)
@@ -61,7 +64,8 @@ class Faults:
                 self._down_until = time.monotonic() + self.retry_after_s
         self._log.warning(f"{what}:{type(exc).__name__}",
                           "lmkv redis tier (%s): %s failed (%s: %s); %s",
-                          self.where, what, type(exc).__name__, exc, consequence)
+                          self.where, what, type(exc).__name__, self.redact(exc),
+                          consequence)
 
     def note(self, key: str, msg: str, *args: object) -> None:
         """A rate-limited warning about data (a missing part, a corrupt entry)."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import parse_qsl, urlsplit
 
 from pydantic import (
     ByteSize,
@@ -17,27 +17,42 @@ from pydantic import (
 )
 
 from lmkv.plugins.base import PluginOptions
+from lmkv.redact import redact_url
+
+__all__ = ["RedisOptions", "redact_url"]
 
 SCHEMES = ("redis", "rediss", "unix")
 MIN_PART_BYTES = 1024
+URL_FORMS = ("redis://[[user]:password@]host[:port][/db], rediss://... (TLS) or "
+             "unix:///path/to/socket[?db=N]")
 
 
-def redact_url(url: str) -> str:
-    """``url`` with its password replaced by ``***`` (safe to log or print)."""
+def check_url(url: str) -> str:
+    """Why ``url`` is not a Redis URL lmkv can use, or "" when it is."""
     try:
         parts = urlsplit(url)
-    except ValueError:
-        return "<unparsable url>"
-    if parts.password is None:
-        return url
-    user = parts.username or ""
-    host = parts.hostname or ""
-    if ":" in host:
-        host = f"[{host}]"
-    netloc = f"{user}:***@{host}"
-    if parts.port is not None:
-        netloc += f":{parts.port}"
-    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+        port = parts.port
+        query = dict(parse_qsl(parts.query, keep_blank_values=True))
+    except ValueError as exc:
+        return f"cannot be parsed ({exc})"
+    scheme = parts.scheme.lower()
+    if scheme not in SCHEMES or "://" not in url:
+        return "has no redis://, rediss:// or unix:// scheme"
+    if scheme == "unix":
+        if not parts.path:
+            return "names no socket path"
+    else:
+        if not parts.hostname:
+            return "names no host"
+        if port is not None and not 0 < port < 65536:
+            return f"has port {port}, outside 1-65535"
+        db = parts.path.strip("/")
+        if db and not db.isdigit():
+            return f"has database {db!r}, not an integer"
+    db = query.get("db")
+    if db is not None and not db.isdigit():
+        return "has a db= that is not an integer"
+    return ""
 
 
 class RedisOptions(PluginOptions):
@@ -84,11 +99,9 @@ class RedisOptions(PluginOptions):
     @field_validator("url")
     @classmethod
     def _check_url(cls, url: str) -> str:
-        scheme = url.partition("://")[0].lower() if "://" in url else ""
-        if scheme not in SCHEMES:
-            raise ValueError(
-                f"must start with {', '.join(s + '://' for s in SCHEMES)} "
-                f"(got {redact_url(url)!r})")
+        problem = check_url(url)
+        if problem:
+            raise ValueError(f"{problem}; use {URL_FORMS}")
         return url
 
     @field_validator("key_prefix")

@@ -53,7 +53,14 @@ class Reader:
         for name in names:
             pipe.execute_command("GETRANGE", name, 0, _PROBE_END)
         replies = pipe.execute(raise_on_error=False)
-        return [_part_count(reply) for reply in replies]
+        counts = [_part_count(reply) for reply in replies]
+        first_miss = next((i for i, c in enumerate(counts) if c == 0), None)
+        if first_miss is not None:
+            # GETRANGE answers "" for an absent key and for an empty value alike:
+            # the lookup takes it as a miss now, and a check in the background
+            # removes an empty value (a corrupt frame) without costing the lookup.
+            self.backend.sweep_empty(names[first_miss])
+        return counts
 
     # -- gets -------------------------------------------------------------------------
     def get_prefix(self, keys: Sequence[CacheKey]) -> list[MemoryObj]:
@@ -94,13 +101,17 @@ class Reader:
         usable = self._check_mains(entries)
         self._fetch_missing_parts(usable)
         out: list[MemoryObj] = []
-        for entry in usable:
-            frame = self._assemble(entry)
-            obj = backend.decode_frame(entry.key, frame) if frame is not None else None
-            if obj is None:
-                break
-            backend.counters.bytes_out += entry.frame_len
-            out.append(obj)
+        try:
+            for entry in usable:
+                frame = self._assemble(entry)
+                obj = backend.decode_frame(entry.key, frame) if frame is not None else None
+                if obj is None:
+                    break
+                backend.counters.bytes_out += entry.frame_len
+                out.append(obj)
+        except BaseException:  # a delete that failed mid-window: give the buffers back
+            _release(out)
+            raise
         return out
 
     def _check_mains(self, entries: list[_Fetched]) -> list[_Fetched]:
@@ -183,6 +194,22 @@ class Reader:
             if not self.backend.faults.expected(exc):
                 raise
             self.backend.faults.record("delete", exc, "entry left in place")
+
+    def drop_if_empty(self, name: str) -> bool:
+        """Delete ``name`` when it holds an empty string (no frame is that short);
+        True when it did (counted as a corrupt frame)."""
+        client = self.backend.client()
+        pipe = client.pipeline(transaction=False)
+        pipe.execute_command("EXISTS", name)
+        pipe.execute_command("STRLEN", name)
+        exists, length = pipe.execute(raise_on_error=False)
+        if exists != 1 or length != 0:
+            return False
+        if not client.execute_command("DEL", name):
+            return False
+        self.backend.counters.corrupt_frames += 1
+        self.backend.faults.note("corrupt", "dropping corrupt entry %s: an empty value", name)
+        return True
 
     # -- deletes ----------------------------------------------------------------------
     def delete(self, name: str) -> bool:

@@ -15,7 +15,7 @@ from lmkv_redis import RedisBackend
 from lmkv_redis.layout import ENVELOPE
 
 MakeTier = Callable[..., RedisBackend]
-FRAME_BYTES = 8192 + 72  # an 8 KiB chunk behind the naive serializer's 72-byte header
+FRAME_BYTES = 8192 + 88  # an 8 KiB chunk behind the naive serializer's 88-byte header
 
 
 def test_key_prefix_keeps_namespaces_apart(redis_server: RedisServer,
@@ -175,6 +175,8 @@ def test_a_pinned_get_fetches_every_part_in_one_round_trip(redis_server: RedisSe
 def test_puts_are_one_pipeline(redis_server: RedisServer, make_tier: MakeTier) -> None:
     tier = make_tier(redis_server.url)
     assert not tier.contains(key(999))  # connects (the handshake sends too)
+    assert tier._sweeping.acquire(timeout=10)  # the miss's empty-value check is done
+    tier._sweeping.release()
     with count_sends(tier) as sends:
         put(tier, list(range(32)))
     assert sends[0] == 1

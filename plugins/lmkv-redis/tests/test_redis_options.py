@@ -25,7 +25,7 @@ def test_defaults() -> None:
 
 
 @pytest.mark.parametrize(("options", "message"), [
-    ({"url": "http://host:6379"}, "must start with redis://"),
+    ({"url": "http://host:6379"}, "has no redis://, rediss:// or unix:// scheme"),
     ({"key_prefix": "a{b}:"}, "hash tags"),
     ({"cluster": True, "url": "redis://h:7000/3"}, "only database 0"),
     ({"cluster": True, "url": "unix:///tmp/r.sock"}, "over TCP"),

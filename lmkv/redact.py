@@ -1,0 +1,143 @@
+"""Secrets out of everything lmkv prints: logs, ``config check``, ``stats``, errors.
+
+One place decides what a secret looks like, so every tier, plugin and
+command hides the same things the same way:
+
+* the password of a URL (``redis://user:PASS@host``, ``http://KEY:SECRET@minio``)
+  and query parameters with secret names (``?password=...``);
+* values under secret-looking names (``password``, ``secret``, ``token``,
+  ``key``, ``aws_secret_access_key``, ...) in mappings such as
+  ``storage_options``;
+* secret strings a component knows it holds (``Redactor``), replaced wherever
+  they show up in a message (an exception from a client library, say).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from typing import Any
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+MASK = "***"
+_WORDS = frozenset({"password", "passwd", "pass", "pwd", "secret", "token", "credential",
+                    "credentials", "auth", "apikey", "passphrase", "sas"})
+_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>]+")
+
+
+def is_secret_name(name: object) -> bool:
+    """Whether a setting called ``name`` holds a secret (``key_prefix`` does not,
+    ``key``, ``secret_key`` and ``aws_access_key_id`` do)."""
+    lowered = str(name).lower()
+    parts = [p for p in re.split(r"[^a-z0-9]+", lowered) if p]
+    if any(p in _WORDS for p in parts):
+        return True
+    return bool(parts) and (parts[-1] == "key" or parts[-2:] == ["key", "id"])
+
+
+def redact_url(url: str) -> str:
+    """``url`` with its password and secret query values replaced by ``***``."""
+    try:
+        parts = urlsplit(url)
+        password = parts.password
+        port = parts.port
+    except ValueError:  # a malformed port or host: show nothing that may hide a secret
+        return "<unparsable url>"
+    netloc = parts.netloc
+    if password is not None or "@" in netloc:
+        user = parts.username or ""
+        host = parts.hostname or ""
+        if ":" in host:
+            host = f"[{host}]"
+        if port is not None:
+            host += f":{port}"
+        userinfo = f"{user}:{MASK}" if password is not None else user
+        netloc = f"{userinfo}@{host}" if userinfo else host
+    query = parts.query
+    if query:
+        pairs = parse_qsl(query, keep_blank_values=True)
+        if any(is_secret_name(k) for k, _ in pairs):
+            query = urlencode([(k, MASK if is_secret_name(k) else v) for k, v in pairs],
+                              safe="*")
+    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+
+
+def redact_text(text: str, secrets: Iterable[str] = ()) -> str:
+    """``text`` with every URL redacted and every string of ``secrets`` masked."""
+    if "://" in text:
+        text = _URL.sub(lambda m: _redact_found_url(m.group(0)), text)
+    for secret in secrets:
+        if secret:
+            text = text.replace(secret, MASK)
+    return text
+
+
+def _redact_found_url(url: str) -> str:
+    """A URL found in free text: rewritten only when it carries a secret."""
+    if "@" not in url and not _url_secrets(url):
+        return url
+    return redact_url(url)
+
+
+def redact_value(value: Any, name: object = None) -> Any:
+    """A copy of ``value`` (plain data) safe to print: values under secret names
+    masked, URLs redacted, mappings and lists walked."""
+    if name is not None and is_secret_name(name) and value not in (None, "", {}, []):
+        return MASK
+    if isinstance(value, Mapping):
+        return {k: redact_value(v, k) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(redact_value(v) for v in value)
+    if isinstance(value, str) and "://" in value:
+        return redact_text(value)
+    if hasattr(value, "get_secret_value"):  # pydantic SecretStr / SecretBytes
+        return MASK
+    return value
+
+
+class Redactor:
+    """Masks the secrets one component holds in any text it is about to print."""
+
+    __slots__ = ("_secrets",)
+
+    def __init__(self, secrets: Iterable[object] = ()) -> None:
+        values = []
+        for secret in secrets:
+            if hasattr(secret, "get_secret_value"):
+                secret = secret.get_secret_value()
+            if isinstance(secret, str) and len(secret) >= 3:  # shorter: would mask noise
+                values.append(secret)
+        # Longest first: a secret that contains another is masked whole.
+        self._secrets = tuple(sorted(set(values), key=len, reverse=True))
+
+    def __call__(self, text: object) -> str:
+        return redact_text(str(text), self._secrets)
+
+
+def secrets_in(value: Any, name: object = None) -> list[str]:
+    """Secret strings found in plain data: values under secret names and URL passwords."""
+    found: list[str] = []
+    if hasattr(value, "get_secret_value"):
+        value = value.get_secret_value()
+    if isinstance(value, Mapping):
+        for k, v in value.items():
+            found += secrets_in(v, k)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            found += secrets_in(v)
+    elif isinstance(value, str):
+        if name is not None and is_secret_name(name):
+            found.append(value)
+        elif "://" in value:
+            found += _url_secrets(value)
+    return found
+
+
+def _url_secrets(url: str) -> list[str]:
+    try:
+        parts = urlsplit(url)
+        out = [parts.password] if parts.password else []
+    except ValueError:
+        return []
+    out += [v for k, v in parse_qsl(parts.query) if is_secret_name(k) and v]
+    return out
