@@ -189,7 +189,14 @@ class MemoryAllocator:
                 return None
             self.used_bytes += size
             self.live_objects += 1
-            return MemoryObj(self._view(offset, nbytes, dtype, tuple(shape)), self, offset, size)
+            try:
+                view = self._view(offset, nbytes, dtype, tuple(shape))
+            except Exception:
+                # A shape torch refuses (overflowing dimensions hidden by a zero one):
+                # give the block back, or every such request leaks one for good.
+                self._give_back_locked(offset, size)
+                raise
+            return MemoryObj(view, self, offset, size)
 
     def _take(self, size: int) -> int:
         sizes = self._free_sizes
@@ -216,7 +223,9 @@ class MemoryAllocator:
         return view
 
     def _free_locked(self, obj: MemoryObj) -> None:
-        start, size = obj.offset, obj.nbytes
+        self._give_back_locked(obj.offset, obj.nbytes)
+
+    def _give_back_locked(self, start: int, size: int) -> None:
         starts, sizes = self._free_starts, self._free_sizes
         i = bisect.bisect_left(starts, start)
         overlaps_next = i < len(starts) and starts[i] < start + size

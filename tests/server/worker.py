@@ -20,6 +20,7 @@ from pathlib import Path
 
 from lmkv.server import protocol as p
 from lmkv.server.client import ServerClient
+from lmkv.server.liveness import process_identity
 from tests.server.procs import chunk_ends, chunk_for, prompt_keys, same_bytes
 
 SHARED_PROMPTS = (900, 901, 902)
@@ -62,9 +63,10 @@ def hold(address: str) -> None:
     assert client.lookup(keys, chunk_ends(keys), lookup_id="held") > 0
     staged = prompt_keys(701)
     store = p.Store(**p.key_fields(staged), shapes=[list(c.shape) for c in chunks],
-                    dtype="bfloat16", transport="shm")
+                    dtype="bfloat16", transport="shm", process=process_identity())
     assert client._call(store, p.StoreReply) is not None
-    assert client._call(p.Retrieve(**p.key_fields(keys), transport="shm"),
+    assert client._call(p.Retrieve(**p.key_fields(keys), transport="shm",
+                                   process=process_identity()),
                         p.RetrieveReply) is not None
     print("held", flush=True)
     time.sleep(600)
