@@ -14,8 +14,8 @@ read another chunk's KV or overwrite it. So the buffers are quarantined
 instead (kept referenced, so the arena cannot reuse them) until the client
 is known gone:
 
-- it says it is done: it releases the handle, commits it, or names its
-  request as abandoned;
+- it says it is done: it releases the handle, commits it, names its
+  request as abandoned, or ends its session;
 - its process has exited (``lmkv.server.liveness``: same host and pid
   namespace, and the pid is gone, a zombie, or reused);
 - when its process cannot be checked (another pid namespace, a client that
@@ -102,6 +102,11 @@ class Quarantine:
     def release_request(self, session_id: str, req_id: int) -> int:
         ids = [i for i, h in self._held.items()
                if h.session_id == session_id and h.handle.req_id == req_id]
+        return sum(self._free(i) for i in ids)
+
+    def release_session(self, session_id: str) -> int:
+        """The client ended its session: it copies nothing any more."""
+        ids = [i for i, h in self._held.items() if h.session_id == session_id]
         return sum(self._free(i) for i in ids)
 
     def sweep(self, last_seen: Callable[[str], float | None]) -> int:

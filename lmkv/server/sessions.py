@@ -179,15 +179,15 @@ class SessionTable:
     def end(self, session_id: str, *, client_done: bool = True) -> tuple[int, int]:
         """Release all a session holds; (lookups, chunks) released. Without
         ``client_done`` (the lease ran out), shared handles go to the quarantine."""
+        chunks = self.quarantine.release_session(session_id) if client_done else 0
         session = self._sessions.pop(session_id, None)
         if session is None:
-            return 0, 0
+            return 0, chunks
         session.ended = True
         lookups = len(session.lookups)
         for key in session.lookups:
             self.storage.release_prefetched(key)
         session.lookups.clear()
-        chunks = 0
         for handle in session.handles.values():
             if handle.shared and not client_done:
                 self.quarantine.hold(handle, session_id, session.last_seen)
