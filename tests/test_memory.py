@@ -86,3 +86,13 @@ def test_unpinned_arena_is_page_aligned_and_usable(huge_pages: bool) -> None:
     assert obj.tensor[255, 1023].item() == 256 * 1024 - 1
     obj.ref_down()
     assert alloc.used_bytes == 0
+
+
+@pytest.mark.parametrize("shape", [[1 << 40, 1 << 40, 0], [1 << 63, 0], [1 << 62, 1 << 62, 0]])
+def test_a_shape_torch_refuses_gives_its_block_back(shape) -> None:
+    alloc = MemoryAllocator(1 << 20, pin_memory=False)
+    for _ in range(5000):  # more than the arena's blocks
+        with pytest.raises((RuntimeError, TypeError, ValueError)):
+            alloc.allocate(shape, torch.uint8)
+    assert alloc.used_bytes == 0 and alloc.live_objects == 0
+    assert alloc.free_blocks() == [(0, alloc.capacity_bytes)]
