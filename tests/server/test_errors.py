@@ -246,23 +246,26 @@ def test_decode_failures_of_any_kind_are_counted_bad_requests_logged_at_a_bounde
     assert new_log.count("refused a request") <= 3, new_log
 
 
-def fake_server(answer) -> tuple[str, threading.Thread, zmq.Socket]:
-    """A ROUTER that answers every request with ``answer(request)`` frames."""
+def fake_server(answer) -> tuple[str, threading.Event, threading.Thread]:
+    """A ROUTER that answers every request with ``answer(request)`` frames, until the
+    event is set (its thread owns the socket: ZMQ sockets are not thread-safe)."""
     sock = zmq.Context.instance().socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
     port = sock.bind_to_random_port("tcp://127.0.0.1")
+    stop = threading.Event()
 
     def serve() -> None:
-        while True:
-            try:
-                ident, header, *_ = sock.recv_multipart()
-                sock.send_multipart([ident, *answer(p.decode_request(header))])
-            except zmq.ZMQError:
-                return
+        try:
+            while not stop.is_set():
+                if sock.poll(50):
+                    ident, header, *_ = sock.recv_multipart()
+                    sock.send_multipart([ident, *answer(p.decode_request(header))])
+        finally:
+            sock.close()
 
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()
-    return f"tcp://127.0.0.1:{port}", thread, sock
+    return f"tcp://127.0.0.1:{port}", stop, thread
 
 
 def test_hostile_replies_are_misses_on_the_client() -> None:
@@ -280,7 +283,7 @@ def test_hostile_replies_are_misses_on_the_client() -> None:
             return [p.encode(reply), bytes(131072)]
         return [nested(200_000)]  # everything else: a decode bomb
 
-    address, thread, sock = fake_server(answer)
+    address, stop, thread = fake_server(answer)
     try:
         with ServerClient(address, timeout_ms=300) as client:
             assert client.ping() is not None
@@ -288,5 +291,5 @@ def test_hostile_replies_are_misses_on_the_client() -> None:
             assert client.lookup(prompt_keys(70), [16, 32, 48, 64]) == 0
             assert client.counters.timeouts == 1  # the bomb was dropped, not raised
     finally:
-        sock.close()
+        stop.set()
         thread.join(5)
