@@ -9,23 +9,30 @@ while no server is connected, so an unreachable server fails a request at
 once instead of piling requests up for later. After a failure the channel
 is "down": requests fail without waiting until ZMQ, which keeps reconnecting
 in the background, has a connection again.
+
+Request ids come from one counter per process, so two channels that share a
+session (an engine's retrieve and lookup connections) never reuse an id: a
+request named as abandoned is that request only.
 """
 
 from __future__ import annotations
 
 import enum
+import itertools
 import logging
 import time
 from collections.abc import Sequence
 from typing import Any
 
-import msgspec
 import zmq
 
 from lmkv.auth import CurveKeys, secure_client
+from lmkv.logutil import RateLimitedLog
 from lmkv.server import protocol as p
 
 logger = logging.getLogger(__name__)
+_log = RateLimitedLog(logger)
+_req_ids = itertools.count(1)  # next() is atomic under the GIL
 
 RECONNECT_IVL_MS = 50
 RECONNECT_IVL_MAX_MS = 500
@@ -41,9 +48,8 @@ class Channel:
                  curve: CurveKeys | None = None) -> None:
         self.address = address
         self.curve = curve
-        self._context = context or zmq.Context.instance()
+        self.context = context or zmq.Context.instance()
         self._socket: zmq.Socket | None = None
-        self._next_id = 0
         self.down = False
         self.resets = 0
 
@@ -54,8 +60,7 @@ class Channel:
         if not sock.poll(0 if self.down else timeout_ms, zmq.POLLOUT):
             self.down = True
             return Failure.UNREACHABLE
-        self._next_id += 1
-        message.req_id = self._next_id
+        message.req_id = next(_req_ids)
         try:
             sock.send_multipart([p.encode(message), *frames], zmq.NOBLOCK, copy=False)
         except zmq.Again:
@@ -71,9 +76,9 @@ class Channel:
             parts = sock.recv_multipart(copy=False)
             try:
                 reply = p.decode_reply(parts[0].buffer)
-            except msgspec.DecodeError as exc:
-                logger.warning("lmkv client: undecodable reply from %s dropped: %s",
-                               self.address, p.one_line(exc))
+            except p.UndecodableReply as exc:
+                _log.warning("undecodable", "lmkv client: undecodable reply from %s dropped: "
+                             "%s", self.address, exc)
                 continue
             if reply.req_id != message.req_id:
                 continue  # the late reply to an abandoned request
@@ -81,7 +86,7 @@ class Channel:
             return reply, parts[1:]
 
     def _connect(self) -> zmq.Socket:
-        sock = self._context.socket(zmq.DEALER)
+        sock = self.context.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.IMMEDIATE, 1)
         sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_IVL_MS)

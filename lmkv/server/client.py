@@ -9,6 +9,11 @@ runs on this machine and its segment maps (``transport="auto"``): the client
 copies straight into (store) or out of (retrieve) arena buffers with torch.
 Otherwise (another machine, a failed mapping, ``transport="frame"``) they
 travel inside the ZMQ messages, sent without copying.
+
+While the caller copies (``consume``, ``fill``) a heartbeat thread keeps the
+buffers lent by the server alive (lmkv.server.heartbeat); a request that got
+no reply in time, or a lease that could not be released, is named to the
+server as abandoned, so what it holds there is released.
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ from lmkv.auth import CurveKeys
 from lmkv.logutil import RateLimitedLog
 from lmkv.server import protocol as p
 from lmkv.server.channel import Channel, Failure
+from lmkv.server.heartbeat import Heartbeat
+from lmkv.server.liveness import process_identity
 from lmkv.server.shm import SharedMemoryUnavailable, SharedSegment, host_id
 from lmkv.tokens import CacheKey, KeyMeta
 
@@ -44,6 +51,8 @@ DEFAULT_TIMEOUT_MS = 250
 FRAME_BYTES_PER_MS = 256 << 10
 HEADER_ROOM = 1 << 16
 R = TypeVar("R", bound=p.Reply)
+# Requests whose reply lends something the server holds until it is released.
+_HOLDING = (p.Lookup, p.Retrieve, p.Store)
 
 
 @dataclass
@@ -74,6 +83,7 @@ class ServerClient:
         self.info: p.PingReply | None = None
         self.segment: SharedSegment | None = None
         self._channel = Channel(self.address, context, curve)
+        self._heartbeat = Heartbeat(self.address, self.session, context, curve)
         self._lock = threading.RLock()
         self._chunk_bytes_hint = 32 << 20
 
@@ -97,6 +107,7 @@ class ServerClient:
 
     def _adopt(self, info: p.PingReply) -> None:
         self.info = info
+        self._heartbeat.set_timeouts(info.session_timeout_s, info.handle_ttl_s)
         if self.segment is not None and self.segment.name == info.shm_name:
             return
         if self.segment is not None:
@@ -131,6 +142,8 @@ class ServerClient:
             return None
         if result is Failure.TIMEOUT:
             self.counters.timeouts += 1
+            if isinstance(message, _HOLDING):  # a reply may still come, and lend something
+                self._heartbeat.abandon(message.req_id)
             _log.warning("timeout", "lmkv client: %s got no reply from %s in time; a miss",
                          type(message).__name__, self.address)
             return None
@@ -245,12 +258,15 @@ class ServerClient:
             if expected_bytes is None:
                 expected_bytes = len(keys or ()) * self._chunk_bytes_hint
             message = p.Retrieve(**fields, lookup_id=lookup_id, keys_per_chunk=keys_per_chunk,
-                                 transport="frame" if frame else "shm")
+                                 transport="frame" if frame else "shm",
+                                 process="" if frame else process_identity())
             got = self._call(message, p.RetrieveReply,
                              timeout_ms=self._timeout(timeout_ms, expected_bytes if frame else 0))
             if got is None:
                 return 0
             reply, data = got
+            if reply.handle:
+                self._heartbeat.begin(reply.handle)
             try:
                 views = self._views(reply, data)
                 if views:
@@ -258,7 +274,15 @@ class ServerClient:
                 return len(views)
             finally:
                 if reply.handle:
-                    self._call(p.Release(handle=reply.handle), p.ReleaseReply)
+                    self._heartbeat.end(reply.handle)
+                    self._release(reply)
+
+    def _release(self, reply: p.RetrieveReply | p.StoreReply) -> None:
+        """Give a handle back; when the server cannot be told now, its request is
+        named as abandoned as soon as it can."""
+        if self._channel.down or self._call(p.Release(handle=reply.handle),
+                                            p.ReleaseReply) is None:
+            self._heartbeat.abandon(reply.req_id)
 
     def _views(self, reply: p.RetrieveReply, data: list[zmq.Frame]) -> list[torch.Tensor]:
         """Typed views of the reply's chunks (the valid prefix of them)."""
@@ -272,7 +296,7 @@ class ServerClient:
         views: list[torch.Tensor] = []
         for i, info in enumerate(reply.chunks):
             dtype = p.DTYPES.get(info.dtype)
-            if dtype is None or info.nbytes <= 0 \
+            if dtype is None or info.nbytes <= 0 or not _valid_shape(info.shape) \
                     or info.nbytes != math.prod(info.shape) * dtype.itemsize:
                 _log.warning("chunk", "lmkv client: chunk %d (%s %s, %d bytes) is malformed; "
                              "keeping the %d before it", i, info.dtype, info.shape,
@@ -360,7 +384,8 @@ class ServerClient:
         """(chunks stored, whether every chunk of the batch is now on the server)."""
         frame = self.segment is None
         message = p.Store(**p.key_fields(keys), shapes=[list(s) for s in shapes],
-                          dtype=p.dtype_name(dtype), transport="frame" if frame else "shm")
+                          dtype=p.dtype_name(dtype), transport="frame" if frame else "shm",
+                          process="" if frame else process_identity())
         got = self._call(message, p.StoreReply, timeout_ms=timeout_ms)
         if got is None:
             self.counters.dropped_chunks += len(keys)
@@ -374,15 +399,17 @@ class ServerClient:
         todo = shapes[first:first + count]
         if any(info.nbytes != math.prod(s) * dtype.itemsize
                for info, s in zip(reply.chunks, todo, strict=True)):
-            self._call(p.Release(handle=reply.handle), p.ReleaseReply)
+            self._release(reply)
             self.counters.dropped_chunks += count
             return 0, False
         segment = self._segment_named(reply.shm_name) if reply.transport == "shm" else None
-        if reply.transport == "shm" and segment is None:
-            self._call(p.Release(handle=reply.handle), p.ReleaseReply)
+        if reply.transport == "shm" and (segment is None or any(
+                i.offset < 0 or i.offset + i.nbytes > segment.size for i in reply.chunks)):
+            self._release(reply)
             self.counters.dropped_chunks += count
             return 0, False
         frames: list[Any] = []
+        self._heartbeat.begin(reply.handle)
         try:
             if reply.transport == "shm":
                 buffers = [segment.tensor[i.offset:i.offset + i.nbytes].view(dtype).view(s)
@@ -393,15 +420,17 @@ class ServerClient:
             if reply.transport != "shm":
                 frames = [_byte_array(b) for b in buffers]
         except BaseException:  # the caller's tensors failed to copy: free the buffers
-            self._call(p.Release(handle=reply.handle), p.ReleaseReply)
+            self._release(reply)
             raise
+        finally:
+            self._heartbeat.end(reply.handle)
         nbytes = sum(f.nbytes for f in frames)
         committed = self._call(p.StoreCommit(handle=reply.handle), p.StoreCommitReply, frames,
                                timeout_ms=self._timeout(timeout_ms, nbytes))
         if committed is None:
+            # Refused (the buffers are still staged) or lost: give them back either way.
             self.counters.dropped_chunks += count
-            if not self._channel.down:  # refused, not lost: free the staged buffers now
-                self._call(p.Release(handle=reply.handle), p.ReleaseReply)
+            self._release(reply)
             return 0, False
         return committed[0].stored, no_room == 0
 
@@ -423,6 +452,8 @@ class ServerClient:
     def close_connection(self) -> None:
         """Drop the connection, leaving the session to another client that shares it."""
         with self._lock:
+            self._heartbeat.close()
+            self._heartbeat = Heartbeat(self.address, self.session, self._channel.context)
             self._channel.close()
             if self.segment is not None:
                 self.segment.close()
@@ -441,6 +472,11 @@ class ServerClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _valid_shape(shape: list[int]) -> bool:
+    """What ``view`` takes without raising, as the server checks it (p.check_shape)."""
+    return 1 <= len(shape) <= p.MAX_RANK and all(d >= 1 for d in shape)
 
 
 def _byte_array(tensor: torch.Tensor) -> np.ndarray:

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import ByteSize, TypeAdapter, ValidationError
 
 from lmkv.config import LMKVConfig, is_loopback_host, load_config, resolve_plugin
+from lmkv.server.sessions import DEFAULT_HANDLE_TTL_S, DEFAULT_QUARANTINE_GRACE_S
 from lmkv.storage import StorageManager
 
 if TYPE_CHECKING:
@@ -79,6 +80,16 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
                         metavar="SECONDS",
                         help="release what a client holds once it has been silent this long "
                              "(default 60)")
+    parser.add_argument("--handle-ttl", type=_positive_float, default=DEFAULT_HANDLE_TTL_S,
+                        metavar="SECONDS",
+                        help="release chunk buffers lent to a client that has neither used "
+                             "nor renewed them for this long; shared-memory ones are "
+                             f"quarantined instead (default {DEFAULT_HANDLE_TTL_S:g})")
+    parser.add_argument("--quarantine-grace", type=_positive_float,
+                        default=DEFAULT_QUARANTINE_GRACE_S, metavar="SECONDS",
+                        help="free quarantined buffers of a client whose process the server "
+                             "cannot check after it has been silent this long (default "
+                             f"{DEFAULT_QUARANTINE_GRACE_S:g})")
     parser.add_argument("--drain-timeout", type=_positive_float, default=30.0,
                         metavar="SECONDS",
                         help="at shutdown, wait this long for queued lower-tier stores "
@@ -166,7 +177,9 @@ def run_server(args: argparse.Namespace) -> int:
     try:
         server = KVServer(storage, endpoint=endpoint_of(args.host, args.port),
                           max_request_bytes=args.max_request_bytes,
-                          session_timeout_s=args.session_timeout, curve=curve)
+                          session_timeout_s=args.session_timeout, curve=curve,
+                          handle_ttl_s=args.handle_ttl,
+                          quarantine_grace_s=args.quarantine_grace)
         endpoint = server.bind()
         signals = (signal.SIGTERM, signal.SIGINT)
 

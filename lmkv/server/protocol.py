@@ -31,6 +31,11 @@ UNKNOWN_HANDLE = "unknown_handle"
 INTERNAL = "internal"
 ERROR_CODES = (BAD_REQUEST, TOO_LARGE, UNKNOWN_HANDLE, INTERNAL)
 
+# Bounds of a chunk shape (a KV chunk has at most 6 dimensions; a little room above).
+MAX_RANK = 8
+# Request ids a client may name in one request's ``abandoned``.
+MAX_ABANDONED = 1024
+
 DTYPES: dict[str, torch.dtype] = {
     name: getattr(torch, name)
     for name in ("float16", "bfloat16", "float32", "float64", "int8", "uint8", "int16",
@@ -53,6 +58,10 @@ class ProtocolError(Exception):
 class Request(msgspec.Struct, tag_field="op", kw_only=True, omit_defaults=True):
     req_id: int = 0
     session: str = ""
+    # Earlier requests of this session whose results the client will never use
+    # (it timed out, or could not release them): the server releases what they
+    # hold now, or as soon as they produce it.
+    abandoned: list[int] = msgspec.field(default_factory=list)
 
 
 class KeyedRequest(Request, kw_only=True):
@@ -96,12 +105,14 @@ class Retrieve(KeyedRequest, tag="retrieve", kw_only=True):
     lookup_id: str = ""
     keys_per_chunk: int = 1
     transport: Transport = "shm"
+    process: str = ""  # the client's process (lmkv.server.liveness), for shared memory
 
 
 class Store(KeyedRequest, tag="store", kw_only=True):
     shapes: list[list[int]]
     dtype: str
     transport: Transport = "shm"
+    process: str = ""
 
 
 class StoreCommit(Request, tag="store_commit", kw_only=True):
@@ -113,6 +124,12 @@ class Release(Request, tag="release", kw_only=True):
     lookup_id: str = ""
 
 
+class Renew(Request, tag="renew", kw_only=True):
+    """The client's heartbeat while it copies: keeps the session and these handles alive."""
+
+    handles: list[int] = msgspec.field(default_factory=list)
+
+
 class EndSession(Request, tag="end_session", kw_only=True):
     pass
 
@@ -122,9 +139,9 @@ class Stats(Request, tag="stats", kw_only=True):
 
 
 REQUESTS: tuple[type[Request], ...] = (Ping, Lookup, PrefetchStatus, Retrieve, Store,
-                                       StoreCommit, Release, EndSession, Stats)
+                                       StoreCommit, Release, Renew, EndSession, Stats)
 AnyRequest = (Ping | Lookup | PrefetchStatus | Retrieve | Store | StoreCommit | Release
-              | EndSession | Stats)
+              | Renew | EndSession | Stats)
 
 
 # -- replies ------------------------------------------------------------------
@@ -151,6 +168,7 @@ class PingReply(Reply, tag="ping_reply", kw_only=True):
     shm_size: int
     max_request_bytes: int
     session_timeout_s: float
+    handle_ttl_s: float
 
 
 class LookupReply(Reply, tag="lookup_reply", kw_only=True):
@@ -188,6 +206,10 @@ class ReleaseReply(Reply, tag="release_reply", kw_only=True):
     released: int
 
 
+class RenewReply(Reply, tag="renew_reply", kw_only=True):
+    renewed: int
+
+
 class EndSessionReply(Reply, tag="end_session_reply", kw_only=True):
     lookups: int
     chunks: int
@@ -197,7 +219,11 @@ class ServerStats(msgspec.Struct, kw_only=True):
     sessions: int
     requests: int
     error_replies: int
+    bad_requests: int
     expired_sessions: int
+    expired_handles: int
+    abandoned_handles: int
+    quarantined_chunks: int
     held_lookups: int
     dropped_lookups: int
     staged_chunks: int
@@ -219,10 +245,11 @@ class ErrorReply(Reply, tag="error", kw_only=True):
 
 
 REPLIES: tuple[type[Reply], ...] = (PingReply, LookupReply, PrefetchStatusReply, RetrieveReply,
-                                    StoreReply, StoreCommitReply, ReleaseReply, EndSessionReply,
-                                    StatsReply, ErrorReply)
+                                    StoreReply, StoreCommitReply, ReleaseReply, RenewReply,
+                                    EndSessionReply, StatsReply, ErrorReply)
 AnyReply = (PingReply | LookupReply | PrefetchStatusReply | RetrieveReply | StoreReply
-            | StoreCommitReply | ReleaseReply | EndSessionReply | StatsReply | ErrorReply)
+            | StoreCommitReply | ReleaseReply | RenewReply | EndSessionReply | StatsReply
+            | ErrorReply)
 
 _encoder = msgspec.msgpack.Encoder()
 _request_decoder = msgspec.msgpack.Decoder(AnyRequest)
@@ -233,16 +260,42 @@ def encode(message: Request | Reply) -> bytes:
     return _encoder.encode(message)
 
 
+class UndecodableReply(ValueError):
+    """A reply that is not one of REPLIES (garbage, or a hostile peer)."""
+
+
 def decode_request(data: bytes | memoryview) -> AnyRequest:
-    """The request in ``data``; ProtocolError(bad_request) when it is not one."""
+    """The request in ``data``; ProtocolError(bad_request) when it is not one.
+
+    Any failure is the sender's: msgspec's errors, but also RecursionError (deep
+    nesting), MemoryError (absurd lengths) and whatever else a crafted frame can
+    provoke, so every one of them is a ``bad_request``, never ``internal``.
+    """
     try:
-        return _request_decoder.decode(data)
-    except msgspec.DecodeError as exc:  # ValidationError is a DecodeError
-        raise ProtocolError(BAD_REQUEST, f"undecodable request: {one_line(exc)}") from None
+        req = _request_decoder.decode(data)
+    except Exception as exc:
+        raise ProtocolError(BAD_REQUEST, f"undecodable request: {_decode_failure(exc)}"
+                            ) from None
+    if len(req.abandoned) > MAX_ABANDONED:
+        raise ProtocolError(BAD_REQUEST, f"{len(req.abandoned)} abandoned request ids: "
+                            f"at most {MAX_ABANDONED} allowed")
+    return req
 
 
 def decode_reply(data: bytes | memoryview) -> AnyReply:
-    return _reply_decoder.decode(data)
+    """The reply in ``data``; UndecodableReply (one line) when it is not one."""
+    try:
+        return _reply_decoder.decode(data)
+    except Exception as exc:
+        raise UndecodableReply(_decode_failure(exc)) from None
+
+
+def _decode_failure(exc: BaseException) -> str:
+    if isinstance(exc, RecursionError):
+        return "nested too deeply"
+    if isinstance(exc, MemoryError):
+        return "a length too large to hold"
+    return one_line(exc)
 
 
 def salvage_req_id(data: bytes | memoryview) -> int:
@@ -251,7 +304,7 @@ def salvage_req_id(data: bytes | memoryview) -> int:
         return 0
     try:
         raw = msgspec.msgpack.decode(data)
-    except msgspec.DecodeError:
+    except Exception:  # as in decode_request: any failure is the sender's
         return 0
     req_id = raw.get("req_id") if isinstance(raw, dict) else None
     return req_id if isinstance(req_id, int) and not isinstance(req_id, bool) else 0
@@ -262,6 +315,34 @@ def dtype_of(name: str) -> torch.dtype:
     if dtype is None:
         raise ProtocolError(BAD_REQUEST, f"dtype {name!r}: allowed: {', '.join(DTYPES)}")
     return dtype
+
+
+def check_shape(shape: list[int], itemsize: int, max_bytes: int) -> int:
+    """The byte size of a chunk of ``shape``; ProtocolError(bad_request) unless it has
+    1 to MAX_RANK dimensions, each at least 1, and at most ``max_bytes`` bytes.
+
+    Checked before anything is allocated: a zero dimension hides overflowing ones
+    from the product (``[2**40, 2**40, 0]`` is 0 bytes), and torch refuses such a
+    shape only after the arena block was taken.
+    """
+    if not 1 <= len(shape) <= MAX_RANK:
+        raise ProtocolError(BAD_REQUEST, f"shape {_short(shape)}: {len(shape)} dimensions; "
+                            f"allowed: 1 to {MAX_RANK}")
+    nbytes = itemsize
+    for dim in shape:
+        if dim < 1:
+            raise ProtocolError(BAD_REQUEST, f"shape {_short(shape)}: dimension {dim}; "
+                                "allowed: 1 or more")
+        nbytes *= dim
+        if nbytes > max_bytes:  # stops before the product can grow huge
+            raise ProtocolError(BAD_REQUEST, f"shape {_short(shape)}: larger than "
+                                f"{max_bytes} bytes; allowed: up to the arena's size")
+    return nbytes
+
+
+def _short(shape: list[int]) -> str:
+    text = str(shape)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def dtype_name(dtype: torch.dtype) -> str:

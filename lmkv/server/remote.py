@@ -7,7 +7,8 @@ machine), a retrieve scatters straight out of the arena into the engine's
 KV. Keys are built here exactly as ``CacheEngine`` builds them, so both modes
 name the same chunk the same way.
 
-Lookups for the async lookup channel (``lookup_and_prefetch_hashes``) start
+Lookups for the async lookup channel (``lookup_and_prefetch_hashes``, and
+``lookup_and_prefetch`` for in-process callers that have the tokens) start
 a prefetch on the server and resolve their future when the server has the
 chunks; a background thread polls the pending ones. The prefetch is held in
 this engine's session, so ``retrieve(..., lookup_id=...)`` takes it from there.
@@ -99,6 +100,15 @@ class RemoteCacheEngine:
         """Length in tokens of the longest prefix of ``tokens`` the server holds."""
         chunks = self.chunker.chunk(tokens, identity=identity)
         return self.client.lookup(chunks.keys, chunks.ends) if len(chunks) else 0
+
+    def lookup_and_prefetch(self, tokens: Sequence[int] | Any, lookup_id: str) -> Future:
+        """Have the server load the stored prefix of ``tokens`` and hold it for
+        ``lookup_id``: ``CacheEngine.lookup_and_prefetch`` over the server. Resolves to
+        the hit length in tokens (0 when the server fails); ``retrieve(...,
+        lookup_id=lookup_id)`` then loads what it holds, ``release_lookup`` drops it."""
+        chunks = self.chunker.chunk(tokens)
+        return self.lookup_and_prefetch_hashes(lookup_id, [k.chunk_hash for k in chunks.keys],
+                                               chunks.ends)
 
     def lookup_and_prefetch_hashes(self, lookup_id: str, chunk_hashes: Sequence[bytes],
                                    chunk_ends: Sequence[int]) -> Future:

@@ -5,7 +5,8 @@ a prefetch is finished when the prefetch resolves (the storage thread queues
 the completion and wakes the loop through a pipe), so one slow lookup never
 holds up the other clients. Whatever a request does wrong (garbage, a
 truncated frame, an oversized message, a failing handler) gets an ErrorReply
-with a reason, and the loop goes on.
+with a reason, and the loop goes on; its log lines are rate-limited, so a
+flood of bad requests cannot flood the log either.
 
 In-frame chunk data is sent without copying (``copy=False``): the frames are
 views of arena buffers, which stay referenced until ZMQ reports them sent.
@@ -19,6 +20,7 @@ import logging
 import os
 import secrets
 import time
+import traceback
 from collections.abc import Callable
 
 import zmq
@@ -30,7 +32,11 @@ from lmkv.memory import MemoryObj
 from lmkv.prefetch import release
 from lmkv.server import protocol as p
 from lmkv.server.service import Deferred, KVService, Outcome
-from lmkv.server.sessions import SessionTable
+from lmkv.server.sessions import (
+    DEFAULT_HANDLE_TTL_S,
+    DEFAULT_QUARANTINE_GRACE_S,
+    SessionTable,
+)
 from lmkv.storage import StorageManager
 
 logger = logging.getLogger(__name__)
@@ -49,12 +55,15 @@ class ServerError(LMKVError):
 
 class KVServer:
     def __init__(self, storage: StorageManager, *, endpoint: str, max_request_bytes: int,
-                 session_timeout_s: float, curve: CurveKeys | None = None) -> None:
+                 session_timeout_s: float, curve: CurveKeys | None = None,
+                 handle_ttl_s: float = DEFAULT_HANDLE_TTL_S,
+                 quarantine_grace_s: float = DEFAULT_QUARANTINE_GRACE_S) -> None:
         self.storage = storage
         self.endpoint = endpoint
         self.max_request_bytes = max_request_bytes
         self.server_id = secrets.token_hex(8)
-        self.sessions = SessionTable(storage, session_timeout_s)
+        self.sessions = SessionTable(storage, session_timeout_s, handle_ttl_s=handle_ttl_s,
+                                     quarantine_grace_s=quarantine_grace_s)
         self.service = KVService(storage, self.sessions, server_id=self.server_id,
                                  max_request_bytes=max_request_bytes)
         self._ctx = zmq.Context()
@@ -165,8 +174,7 @@ class KVServer:
             self._send_error(envelope, req_id, exc.code, exc.reason)
             return
         except Exception as exc:  # a bug in a handler must not stop the server
-            logger.exception("lmkv server: request failed")
-            self._send_error(envelope, req_id, p.INTERNAL, p.one_line(exc))
+            self._internal_error(envelope, req_id, exc)
             return
         if isinstance(result, Deferred):
             then = result.then
@@ -192,8 +200,7 @@ class KVServer:
                 self._send_error(envelope, req_id, exc.code, exc.reason)
                 continue
             except Exception as exc:
-                logger.exception("lmkv server: deferred request failed")
-                self._send_error(envelope, req_id, p.INTERNAL, p.one_line(exc))
+                self._internal_error(envelope, req_id, exc)
                 continue
             self._send(envelope, req_id, outcome)
 
@@ -218,9 +225,19 @@ class KVServer:
         self._sending.append((trackers, outcome.hold))
         self.service.counters.sending_chunks += len(outcome.hold)
 
-    def _send_error(self, envelope: list[bytes], req_id: int, code: str, reason: str) -> None:
-        self.service.counters.error_replies += 1
-        _log.warning(f"error:{code}", "lmkv server: refused a request (%s): %s", code, reason)
+    def _internal_error(self, envelope: list[bytes], req_id: int, exc: Exception) -> None:
+        # The traceback is formatted only when the rate limit lets the line out.
+        _log.log(logging.ERROR, "internal", "lmkv server: request failed: %s", _Traceback(exc))
+        self._send_error(envelope, req_id, p.INTERNAL, p.one_line(exc), logged=True)
+
+    def _send_error(self, envelope: list[bytes], req_id: int, code: str, reason: str, *,
+                    logged: bool = False) -> None:
+        counters = self.service.counters
+        counters.error_replies += 1
+        counters.bad_requests += code == p.BAD_REQUEST
+        if not logged:
+            _log.warning(f"error:{code}", "lmkv server: refused a request (%s): %s", code,
+                         reason)
         reply = p.ErrorReply(code=code, reason=reason, req_id=req_id, server_id=self.server_id)
         self._router.send_multipart([*envelope, p.encode(reply)])
 
@@ -262,3 +279,13 @@ class KVServer:
         for fd in (self._wake_r, self._wake_w):
             os.close(fd)
         return flushed
+
+
+class _Traceback:
+    """An exception's traceback, formatted only if a log line prints it."""
+
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+    def __str__(self) -> str:
+        return "".join(traceback.format_exception(self.exc)).rstrip()

@@ -5,14 +5,15 @@ reply, raw data frames to send after it, and the chunks to keep referenced
 until those frames are sent) or a ``Deferred`` (a prefetch still running: the
 loop finishes the request when it resolves, without blocking other clients).
 A refused request raises ProtocolError, which the loop turns into an
-ErrorReply.
+ErrorReply. Every handler gives back what it allocated or took on every path
+that does not end in a handle or a sent reply: a refused or failing request
+never holds arena blocks.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
-import math
 import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -48,6 +49,7 @@ class Deferred:
 class ServerCounters:
     requests: int = 0
     error_replies: int = 0
+    bad_requests: int = 0
     sending_chunks: int = 0
 
 
@@ -70,7 +72,8 @@ class KVService:
         self._handlers: dict[type, Callable[..., Outcome | Deferred]] = {
             p.Ping: self.ping, p.Lookup: self.lookup, p.PrefetchStatus: self.prefetch_status,
             p.Retrieve: self.retrieve, p.Store: self.store, p.StoreCommit: self.store_commit,
-            p.Release: self.release, p.EndSession: self.end_session, p.Stats: self.stats,
+            p.Release: self.release, p.Renew: self.renew, p.EndSession: self.end_session,
+            p.Stats: self.stats,
         }
 
     @property
@@ -80,6 +83,8 @@ class KVService:
     def handle(self, req: p.Request, data: Sequence[memoryview]) -> Outcome | Deferred:
         if data and not isinstance(req, p.StoreCommit):
             raise p.ProtocolError(p.BAD_REQUEST, f"{len(data)} unexpected data frames")
+        if req.abandoned:
+            self.sessions.abandon(self.sessions.touch(req.session), req.abandoned)
         return self._handlers[type(req)](req, data)
 
     # -- handlers ---------------------------------------------------------------
@@ -89,7 +94,7 @@ class KVService:
             protocol=p.PROTOCOL_VERSION, pid=os.getpid(), host_id=host_id(),
             shm_name=self.shm_name, shm_size=self.segment.size if self.segment else 0,
             max_request_bytes=self.max_request_bytes,
-            session_timeout_s=self.sessions.timeout_s))
+            session_timeout_s=self.sessions.timeout_s, handle_ttl_s=self.sessions.handle_ttl_s))
 
     def lookup(self, req: p.Lookup, data: Sequence[memoryview]) -> Outcome | Deferred:
         keys = req.cache_keys()
@@ -106,7 +111,7 @@ class KVService:
             raise p.ProtocolError(p.BAD_REQUEST, "a lookup with prefetch needs a lookup_id")
         key = session.lookup_key(req.lookup_id)
         future = self.storage.lookup_and_prefetch(key, keys, req.chunk_ends, kpc)
-        self.sessions.hold_lookup(session, key)
+        self.sessions.hold_lookup(session, key, req.req_id)
 
         def reply() -> Outcome:
             return Outcome(p.LookupReply(lookup_id=req.lookup_id, hit_tokens=future.result(),
@@ -147,24 +152,33 @@ class KVService:
             key = session.lookup_key(f"\x00retrieve-{next(self._internal_ids)}")
             future = self.storage.lookup_and_prefetch(
                 key, keys, list(range(1, len(keys) // kpc + 1)), kpc)
-            self.sessions.hold_lookup(session, key)
+            self.sessions.hold_lookup(session, key, req.req_id)
+
         def finish() -> Outcome:
             session.lookups.pop(key, None)
             # With keys: only their chunks, and only if the prefetch was for them.
             objs = self.storage.take_prefetched(key, keys) or []
-            if session.ended:
+            try:
+                return self._retrieved(session, req, objs)
+            except BaseException:
                 release(objs)
-                objs = []
-            return self._retrieved(session, req, objs)
+                raise
 
         return finish() if future.done() else Deferred(future, finish)
 
     def _retrieved(self, session: Session, req: p.Retrieve, objs: list[MemoryObj]) -> Outcome:
+        """The reply lending ``objs``; they are released here when nobody may take them
+        (the session ended or the client gave the request up meanwhile)."""
+        if objs and (session.ended or self.sessions.is_abandoned(session, req.req_id)):
+            release(objs)
+            objs = []
         if req.transport == "shm" and self._in_segment(objs):
-            handle = self.sessions.add_handle(session, "lease", objs) if objs else None
+            chunks = [_info(o, o.offset) for o in objs]
+            handle = self.sessions.add_handle(session, "lease", objs, req_id=req.req_id,
+                                              process=req.process) if objs else None
             return Outcome(p.RetrieveReply(
                 handle=handle.id if handle else 0, transport="shm", shm_name=self.shm_name,
-                chunks=[_info(o, o.offset) for o in objs]))
+                chunks=chunks if handle else []))
         return Outcome(p.RetrieveReply(handle=0, transport="frame", shm_name="",
                                        chunks=[_info(o, -1) for o in objs]),
                        frames=[o.byte_view().numpy() for o in objs], hold=objs)
@@ -176,14 +190,13 @@ class KVService:
         dtype = p.dtype_of(req.dtype)
         sizes = []
         for i, shape in enumerate(req.shapes):
-            nbytes = math.prod(shape) * dtype.itemsize
-            if min(shape, default=0) < 0 or nbytes > self.max_chunk_bytes:
-                raise p.ProtocolError(p.BAD_REQUEST, f"chunk {i}: shape {shape} is negative "
-                                      f"or larger than {self.max_chunk_bytes} bytes")
-            sizes.append(nbytes)
+            try:
+                sizes.append(p.check_shape(shape, dtype.itemsize, self.max_chunk_bytes))
+            except p.ProtocolError as exc:
+                raise p.ProtocolError(exc.code, f"chunk {i}: {exc.reason}") from None
         session = self.sessions.touch(req.session)
         if sizes and not self._chunk_bytes_known:
-            self.storage.set_chunk_bytes(max(max(sizes), 1))
+            self.storage.set_chunk_bytes(max(sizes))
             self._chunk_bytes_known = True
         # Pin the stored prefix while allocating: these allocations must not evict it.
         pinned = self.storage.pin_prefix(keys)
@@ -195,19 +208,23 @@ class KVService:
                 if obj is None:
                     break
                 objs.append(obj)
+            transport = "shm" if req.transport == "shm" and self._in_segment(objs) else "frame"
+            offset = transport == "shm"
+            chunks = [_info(o, o.offset if offset else -1) for o in objs]
+        except BaseException:
+            release(objs)
+            raise
         finally:
             self.storage.unpin(pinned)
-        transport = "shm" if req.transport == "shm" and self._in_segment(objs) else "frame"
-        if not objs:
+        handle = self.sessions.add_handle(session, "store", objs, keys[first:first + len(objs)],
+                                          transport, req_id=req.req_id, process=req.process
+                                          ) if objs else None
+        if handle is None:
             return Outcome(p.StoreReply(handle=0, first=first, transport=transport,
                                         shm_name="", chunks=[]))
-        handle = self.sessions.add_handle(session, "store", objs,
-                                          keys[first:first + len(objs)], transport)
-        offset = transport == "shm"
         return Outcome(p.StoreReply(
             handle=handle.id, first=first, transport=transport,
-            shm_name=self.shm_name if offset else "",
-            chunks=[_info(o, o.offset if offset else -1) for o in objs]))
+            shm_name=self.shm_name if offset else "", chunks=chunks))
 
     def store_commit(self, req: p.StoreCommit, data: Sequence[memoryview]) -> Outcome:
         session = self.sessions.touch(req.session)
@@ -215,8 +232,13 @@ class KVService:
         if handle is None or handle.kind != "store":
             if handle is not None:
                 session.handles[handle.id] = handle
+            elif self.sessions.release_handle(session, req.handle):
+                # Quarantined: its time ran out while the client was filling it.
+                raise p.ProtocolError(p.UNKNOWN_HANDLE, f"store handle {req.handle} expired "
+                                      "before its commit; its chunks are not stored")
             raise p.ProtocolError(p.UNKNOWN_HANDLE, f"no store handle {req.handle} in this "
-                                  "session (committed, released, or from an earlier server)")
+                                  "session (committed, released, expired, or from an "
+                                  "earlier server)")
         try:
             if data or handle.transport == "frame":
                 _copy_frames(handle.objs, data)
@@ -230,11 +252,14 @@ class KVService:
         session = self.sessions.touch(req.session)
         released = 0
         if req.handle:
-            handle = self.sessions.pop_handle(session, req.handle)
-            released += handle.release() if handle is not None else 0
+            released += self.sessions.release_handle(session, req.handle)
         if req.lookup_id:
             self.sessions.release_lookup(session, req.lookup_id)
         return Outcome(p.ReleaseReply(released=released))
+
+    def renew(self, req: p.Renew, data: Sequence[memoryview]) -> Outcome:
+        session = self.sessions.touch(req.session)
+        return Outcome(p.RenewReply(renewed=self.sessions.renew(session, req.handles)))
 
     def end_session(self, req: p.EndSession, data: Sequence[memoryview]) -> Outcome:
         lookups, chunks = self.sessions.end(req.session)
@@ -247,9 +272,13 @@ class KVService:
     def server_stats(self) -> p.ServerStats:
         lookups, staged, leased = self.sessions.counts()
         alloc = self.allocator
+        sessions = self.sessions
         return p.ServerStats(
-            sessions=len(self.sessions), requests=self.counters.requests,
-            error_replies=self.counters.error_replies, expired_sessions=self.sessions.expired,
+            sessions=len(sessions), requests=self.counters.requests,
+            error_replies=self.counters.error_replies, bad_requests=self.counters.bad_requests,
+            expired_sessions=sessions.expired, expired_handles=sessions.expired_handles,
+            abandoned_handles=sessions.abandoned_handles,
+            quarantined_chunks=sessions.quarantine.chunks,
             held_lookups=lookups, dropped_lookups=self.sessions.dropped_lookups,
             staged_chunks=staged, leased_chunks=leased,
             sending_chunks=self.counters.sending_chunks,

@@ -5,9 +5,16 @@ while the client talks: every request renews its lease. Ending a session
 (``end_session``, or a lease that ran out because the client was killed)
 releases everything it holds, so a vanished engine never leaks server memory.
 
-Handles are server-wide numbers for chunk buffers lent to one session:
-``store`` handles hold freshly allocated buffers until the commit; ``lease``
-handles hold retrieved chunks until the client has copied them out.
+Handles (lmkv.server.handles) are server-wide numbers for chunk buffers lent
+to one session. Each lives for ``handle_ttl_s`` unless renewed (``renew``, the
+client's heartbeat while it copies). A handle that runs out, or whose session
+does, is released; one on the shared-memory transport is quarantined instead,
+because its client may still be copying.
+
+A client that gave up on a request (its timeout) names its ``req_id`` in
+``abandoned`` later: what that request holds is released at once (the client
+never saw the reply, so it never touches those buffers), or as soon as the
+request produces it.
 """
 
 from __future__ import annotations
@@ -15,12 +22,10 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass, field
-from typing import Literal
 
 from lmkv.logutil import RateLimitedLog
 from lmkv.memory import MemoryObj
-from lmkv.prefetch import release
+from lmkv.server.handles import Handle, HandleKind, Quarantine
 from lmkv.storage import StorageManager
 from lmkv.tokens import CacheKey
 
@@ -28,30 +33,24 @@ logger = logging.getLogger(__name__)
 _log = RateLimitedLog(logger)
 
 MAX_LOOKUPS_PER_SESSION = 1024
-HandleKind = Literal["store", "lease"]
+# Abandoned request ids a session remembers for requests still running.
+MAX_ABANDONED_PER_SESSION = 1024
+DEFAULT_HANDLE_TTL_S = 30.0
+DEFAULT_QUARANTINE_GRACE_S = 600.0
 
 
-@dataclass
-class Handle:
-    id: int
-    kind: HandleKind
-    objs: list[MemoryObj]
-    keys: list[CacheKey] = field(default_factory=list)
-    transport: str = "shm"
-
-    def release(self) -> int:
-        objs, self.objs = self.objs, []
-        release(objs)
-        return len(objs)
-
-
-@dataclass
 class Session:
-    id: str
-    last_seen: float
-    lookups: dict[str, None] = field(default_factory=dict)  # ordered: oldest first
-    handles: dict[int, Handle] = field(default_factory=dict)
-    ended: bool = False
+    __slots__ = ("abandoned", "ended", "handles", "id", "last_seen", "lookups")
+
+    def __init__(self, session_id: str, now: float) -> None:
+        self.id = session_id
+        self.last_seen = now
+        # prefetch key -> the request that made it; ordered: oldest first
+        self.lookups: dict[str, int] = {}
+        self.handles: dict[int, Handle] = {}
+        # req_id -> when the client gave it up, for requests not finished then
+        self.abandoned: dict[int, float] = {}
+        self.ended = False
 
     def lookup_key(self, lookup_id: str) -> str:
         """The storage manager's id for this session's ``lookup_id`` (ids are per client)."""
@@ -62,14 +61,20 @@ class SessionTable:
     """Sessions by id; used from the server's loop thread only."""
 
     def __init__(self, storage: StorageManager, timeout_s: float,
-                 max_lookups: int = MAX_LOOKUPS_PER_SESSION) -> None:
+                 max_lookups: int = MAX_LOOKUPS_PER_SESSION,
+                 handle_ttl_s: float = DEFAULT_HANDLE_TTL_S,
+                 quarantine_grace_s: float = DEFAULT_QUARANTINE_GRACE_S) -> None:
         self.storage = storage
         self.timeout_s = timeout_s
+        self.handle_ttl_s = handle_ttl_s
         self.max_lookups = max_lookups
+        self.quarantine = Quarantine(quarantine_grace_s)
         self.dropped_lookups = 0
+        self.expired = 0
+        self.expired_handles = 0
+        self.abandoned_handles = 0
         self._sessions: dict[str, Session] = {}
         self._handle_ids = itertools.count(1)
-        self.expired = 0
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -84,20 +89,75 @@ class SessionTable:
         session.last_seen = now
         return session
 
+    # -- handles ------------------------------------------------------------------
     def add_handle(self, session: Session, kind: HandleKind, objs: list[MemoryObj],
-                   keys: list[CacheKey] | None = None, transport: str = "shm") -> Handle:
-        handle = Handle(next(self._handle_ids), kind, objs, keys or [], transport)
+                   keys: list[CacheKey] | None = None, transport: str = "shm", *,
+                   req_id: int = 0, process: str = "") -> Handle | None:
+        """A handle on ``objs`` for the session; None (and ``objs`` released) when the
+        session ended or the client abandoned ``req_id`` meanwhile."""
+        handle = Handle(next(self._handle_ids), kind, objs, keys or [], transport, req_id,
+                        process, time.monotonic() + self.handle_ttl_s)
+        if session.ended or (req_id and self.is_abandoned(session, req_id)):
+            self.abandoned_handles += not session.ended
+            handle.release()
+            return None
         session.handles[handle.id] = handle
         return handle
 
     def pop_handle(self, session: Session, handle_id: int) -> Handle | None:
         return session.handles.pop(handle_id, None)
 
-    def hold_lookup(self, session: Session, key: str) -> None:
+    def release_handle(self, session: Session, handle_id: int) -> int:
+        """The client is done with ``handle_id`` (held or quarantined): chunks released."""
+        handle = session.handles.pop(handle_id, None)
+        if handle is not None:
+            return handle.release()
+        return self.quarantine.release(session.id, handle_id) or 0
+
+    def renew(self, session: Session, handle_ids: list[int]) -> int:
+        """Extend the life of the session's ``handle_ids``; how many it holds."""
+        expires = time.monotonic() + self.handle_ttl_s
+        renewed = 0
+        for handle_id in handle_ids:
+            handle = session.handles.get(handle_id)
+            if handle is not None:
+                handle.expires = expires
+                renewed += 1
+        return renewed
+
+    # -- abandoned requests ---------------------------------------------------------
+    def abandon(self, session: Session, req_ids: list[int]) -> int:
+        """Release what the requests ``req_ids`` hold, and remember the ids for those
+        still running; chunks released."""
+        released = 0
+        now = time.monotonic()
+        for req_id in req_ids:
+            for handle in [h for h in session.handles.values() if h.req_id == req_id]:
+                del session.handles[handle.id]
+                released += handle.release()
+                self.abandoned_handles += 1
+            released += self.quarantine.release_request(session.id, req_id)
+            for key in [k for k, r in session.lookups.items() if r == req_id]:
+                del session.lookups[key]
+                self.storage.release_prefetched(key)
+            session.abandoned[req_id] = now
+        while len(session.abandoned) > MAX_ABANDONED_PER_SESSION:
+            del session.abandoned[next(iter(session.abandoned))]
+        return released
+
+    def is_abandoned(self, session: Session, req_id: int) -> bool:
+        return req_id in session.abandoned
+
+    # -- prefetches ------------------------------------------------------------------
+    def hold_lookup(self, session: Session, key: str, req_id: int = 0) -> bool:
         """Remember a prefetch of the session; past ``max_lookups`` the oldest is released
-        (an engine that never retrieves nor releases must not pin the arena for good)."""
+        (an engine that never retrieves nor releases must not pin the arena for good).
+        False (and the prefetch released) when the client abandoned ``req_id``."""
         session.lookups.pop(key, None)
-        session.lookups[key] = None
+        if req_id and self.is_abandoned(session, req_id):
+            self.storage.release_prefetched(key)
+            return False
+        session.lookups[key] = req_id
         while len(session.lookups) > self.max_lookups:
             oldest = next(iter(session.lookups))
             del session.lookups[oldest]
@@ -105,6 +165,7 @@ class SessionTable:
             self.dropped_lookups += 1
             _log.warning("too-many", "lmkv server: session %s holds more than %d prefetches; "
                          "released the oldest", session.id, self.max_lookups)
+        return True
 
     def release_lookup(self, session: Session, lookup_id: str) -> bool:
         key = session.lookup_key(lookup_id)
@@ -114,37 +175,70 @@ class SessionTable:
         self.storage.release_prefetched(key)
         return True
 
-    def end(self, session_id: str) -> tuple[int, int]:
-        """Release all a session holds; (lookups, chunks) released."""
+    # -- ends -------------------------------------------------------------------------
+    def end(self, session_id: str, *, client_done: bool = True) -> tuple[int, int]:
+        """Release all a session holds; (lookups, chunks) released. Without
+        ``client_done`` (the lease ran out), shared handles go to the quarantine."""
+        chunks = self.quarantine.release_session(session_id) if client_done else 0
         session = self._sessions.pop(session_id, None)
         if session is None:
-            return 0, 0
+            return 0, chunks
         session.ended = True
         lookups = len(session.lookups)
         for key in session.lookups:
             self.storage.release_prefetched(key)
         session.lookups.clear()
-        chunks = sum(h.release() for h in session.handles.values())
+        for handle in session.handles.values():
+            if handle.shared and not client_done:
+                self.quarantine.hold(handle, session_id, session.last_seen)
+            else:
+                chunks += handle.release()
         session.handles.clear()
         logger.debug("session %s ended: %d lookups, %d chunks released", session_id, lookups,
                      chunks)
         return lookups, chunks
 
     def expire(self) -> list[str]:
-        """End the sessions whose lease ran out (their client is gone)."""
-        deadline = time.monotonic() - self.timeout_s
+        """End the sessions whose lease ran out (their client is gone), end the handles
+        whose time ran out, and free the quarantined buffers of clients now gone."""
+        now = time.monotonic()
+        deadline = now - self.timeout_s
         gone = [sid for sid, s in self._sessions.items() if s.last_seen < deadline]
         for sid in gone:
-            lookups, chunks = self.end(sid)
+            lookups, chunks = self.end(sid, client_done=False)
             self.expired += 1
             if lookups or chunks:
                 logger.info("lmkv server: session %s expired; released %d lookups and %d "
                             "chunks", sid, lookups, chunks)
+        for session in self._sessions.values():
+            if session.handles:
+                self._expire_handles(session, now)
+            if session.abandoned:
+                old = now - self.handle_ttl_s
+                for req_id in [r for r, t in session.abandoned.items() if t < old]:
+                    del session.abandoned[req_id]
+        self.quarantine.sweep(self._last_seen)
         return gone
+
+    def _expire_handles(self, session: Session, now: float) -> None:
+        for handle in [h for h in session.handles.values() if h.expires < now]:
+            del session.handles[handle.id]
+            self.expired_handles += 1
+            if handle.shared:
+                self.quarantine.hold(handle, session.id, session.last_seen)
+            else:
+                _log.warning("handle-ttl", "lmkv server: handle %d of session %s expired "
+                             "unused; released %d chunks", handle.id, session.id,
+                             handle.release())
+
+    def _last_seen(self, session_id: str) -> float | None:
+        session = self._sessions.get(session_id)
+        return session.last_seen if session is not None else None
 
     def close(self) -> None:
         for sid in list(self._sessions):
             self.end(sid)
+        self.quarantine.close()  # the server exits: nothing can reuse the arena now
 
     def counts(self) -> tuple[int, int, int]:
         """(held lookups, staged store chunks, leased retrieve chunks) over all sessions."""

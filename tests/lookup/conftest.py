@@ -3,8 +3,10 @@ serving the lookup channel over ipc:// and tcp://; clients are made per test."""
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
+import random
 import shutil
 import signal
 import socket
@@ -30,6 +32,23 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def free_ports(count: int) -> int:
+    """The first of ``count`` consecutive free loopback ports (a tcp channel's
+    ``base_port``), below the kernel's ephemeral range so no outgoing connection
+    takes one meanwhile."""
+    rng = random.Random()
+    while True:
+        base = rng.randrange(20000, 32000 - count)
+        with contextlib.ExitStack() as stack:
+            try:
+                for port in range(base, base + count):
+                    sock = stack.enter_context(socket.socket())
+                    sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return base
 
 
 def wait_for(predicate: Callable[[], Any], what: str, timeout: float = 15.0) -> Any:

@@ -18,7 +18,7 @@ from lmkv.lookup import LookupClient, LookupEndpoints, LookupServer
 from lmkv.lookup.messages import LookupRequest, LookupResponse, encode
 from lmkv.lookup.transport import last_endpoint
 from lmkv.tokens import prefix_hashes
-from tests.lookup.conftest import CHUNK, free_port, poll_result, prompt, wait_for
+from tests.lookup.conftest import CHUNK, free_ports, poll_result, prompt, wait_for
 
 pytestmark = pytest.mark.skipif(not zmq.has("curve"), reason="libzmq without CURVE")
 
@@ -49,7 +49,7 @@ class GatedEngine:
 
 
 def curve_config(tmp: Path, secret: str, **lookup) -> dict:
-    return {"chunk_size": CHUNK, "lookup": {"transport": "tcp", "base_port": free_port(), "curve":
+    return {"chunk_size": CHUNK, "lookup": {"transport": "tcp", "base_port": free_ports(2), "curve":
                        {"secret_key": secret}, **lookup}}
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
+import threading
 
 import msgspec
 import pytest
@@ -164,3 +165,131 @@ def test_an_address_in_use_is_one_line_and_exit_code_2(server, tmp_path) -> None
     assert errors == [f"lmkv server: error: cannot listen on {server.address}: "
                       "Address already in use"]
     assert "Traceback" not in result.stderr
+
+
+def pipelined(address: str, requests: list[bytes]) -> list[p.ErrorReply]:
+    """Send every request on one socket, then read every reply."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(address)
+    try:
+        for request in requests:
+            sock.send(request)
+        replies = []
+        for _ in requests:
+            assert sock.poll(10_000), "no reply"
+            replies.append(error_of(sock.recv_multipart()))
+        return replies
+    finally:
+        sock.close()
+
+
+CRAFTED_SHAPES = [[1 << 40, 1 << 40, 0], [0], [4, 0, 4], [-1, 4], [-2, -32768],
+                  [(1 << 64) - 1, 0], [1] * 20, [], [1 << 62, 1 << 62]]
+
+
+def test_crafted_shapes_are_refused_and_leak_nothing(server) -> None:
+    with server.client() as client:
+        base = client.stats().server
+        requests = []
+        for i in range(4000):
+            shape = CRAFTED_SHAPES[i % len(CRAFTED_SHAPES)]
+            hashes = [i.to_bytes(4, "little") + b"a", i.to_bytes(4, "little") + b"b"]
+            # A valid first chunk: the whole request is refused before anything is allocated.
+            requests.append(p.encode(p.Store(meta=KeyMeta("crafted"), chunk_hashes=hashes,
+                                             shapes=[[4, 4], shape], dtype="bfloat16",
+                                             req_id=i + 1)))
+        replies = pipelined(server.address, requests)
+        assert all(r.code == p.BAD_REQUEST and "chunk 1: shape" in r.reason
+                   and "allowed" in r.reason for r in replies)
+        stats = client.stats().server
+        assert stats.bad_requests == base.bad_requests + 4000
+        assert stats.arena_used_bytes <= base.arena_used_bytes  # nothing taken
+        assert stats.staged_chunks == 0
+        # Nothing is stuck in the arena: a chunk as large as all of it still fits.
+        whole = torch.full((64 << 20,), 3, dtype=torch.uint8)
+        assert client.store(prompt_keys(6_000, chunks=1), [whole]) == 1
+
+
+def nested(depth: int) -> bytes:
+    return b"\x91" * depth + b"\x00"  # [[[...0...]]]
+
+
+def map_with(field: bytes, value: bytes) -> bytes:
+    return b"\x83\xa2op\xa5store\xa6req_id\x05" + field + value
+
+
+DECODE_BOMBS = [
+    map_with(b"\xa5extra", nested(200_000)),  # an unknown field, skipped: RecursionError
+    map_with(b"\xa6shapes", nested(200_000)),
+    map_with(b"\xa4keys", b"\xdd\xff\xff\xff\xff"),  # 4 billion keys announced
+    b"\xdf\xff\xff\xff\xff",  # a map of 4 billion entries
+    nested(200_000),
+    map_with(b"\xa6shapes", b"\x91\x91\xcf" + (1 << 64 - 1).to_bytes(8, "big")),
+    b"\x82\xa2op\xa4ping\xa8abandoned" + b"\xdc\x08\x00" + b"\x01" * 2048,  # too many ids
+]
+
+
+def test_decode_failures_of_any_kind_are_counted_bad_requests_logged_at_a_bounded_rate(
+        server) -> None:
+    log_before = server.log()
+    with server.client() as client:
+        base = client.stats().server
+        replies = pipelined(server.address, DECODE_BOMBS * 200)
+        assert all(r.code == p.BAD_REQUEST for r in replies), {r.reason for r in replies}
+        assert {r.reason for r in replies} >= {"undecodable request: nested too deeply"}
+        stats = client.stats().server
+        assert stats.bad_requests == base.bad_requests + len(replies)
+        assert client.ping() is not None
+    new_log = server.log()[len(log_before):]
+    assert "Traceback" not in new_log and "internal" not in new_log
+    assert new_log.count("refused a request") <= 3, new_log
+
+
+def fake_server(answer) -> tuple[str, threading.Event, threading.Thread]:
+    """A ROUTER that answers every request with ``answer(request)`` frames, until the
+    event is set (its thread owns the socket: ZMQ sockets are not thread-safe)."""
+    sock = zmq.Context.instance().socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    stop = threading.Event()
+
+    def serve() -> None:
+        try:
+            while not stop.is_set():
+                if sock.poll(50):
+                    ident, header, *_ = sock.recv_multipart()
+                    sock.send_multipart([ident, *answer(p.decode_request(header))])
+        finally:
+            sock.close()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    return f"tcp://127.0.0.1:{port}", stop, thread
+
+
+def test_hostile_replies_are_misses_on_the_client() -> None:
+    ping = p.PingReply(protocol=1, pid=1, host_id="elsewhere", shm_name="", shm_size=0,
+                       max_request_bytes=1 << 20, session_timeout_s=60, handle_ttl_s=30)
+    chunk = p.ChunkInfo(-1, 131072, [-2, -32768], "bfloat16")  # nbytes matches the product
+
+    def answer(req: p.Request) -> list[bytes]:
+        if isinstance(req, p.Ping):
+            return [p.encode(p.PingReply(**{**msgspec.structs.asdict(ping),
+                                            "req_id": req.req_id}))]
+        if isinstance(req, p.Retrieve):
+            reply = p.RetrieveReply(handle=0, transport="frame", shm_name="", chunks=[chunk],
+                                    req_id=req.req_id)
+            return [p.encode(reply), bytes(131072)]
+        return [nested(200_000)]  # everything else: a decode bomb
+
+    address, stop, thread = fake_server(answer)
+    try:
+        with ServerClient(address, timeout_ms=300) as client:
+            assert client.ping() is not None
+            assert client.retrieve(prompt_keys(70, chunks=1)) == []
+            assert client.lookup(prompt_keys(70), [16, 32, 48, 64]) == 0
+            assert client.counters.timeouts == 1  # the bomb was dropped, not raised
+    finally:
+        stop.set()
+        thread.join(5)

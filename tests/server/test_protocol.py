@@ -12,7 +12,7 @@ from lmkv.server import protocol as p
 from lmkv.tokens import CacheKey, KeyMeta
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "server.md"
-COMMON_FIELDS = {"req_id", "session", "server_id", "keys", "meta", "chunk_hashes"}
+COMMON_FIELDS = {"req_id", "session", "abandoned", "server_id", "keys", "meta", "chunk_hashes"}
 
 
 def sections() -> dict[str, str]:

@@ -99,6 +99,24 @@ def test_prefetched_lookup_is_what_retrieve_loads(server) -> None:
         assert engine.lookup_and_prefetch_hashes("req-3", [], []).result(1) == 0
 
 
+def test_lookup_and_prefetch_by_tokens_as_in_process(server) -> None:
+    tokens = prompt(4, 3 * CHUNK + 5)
+    src, blocks = caches(13), list(range(8))
+    with paged_engine(config(server)) as engine:
+        engine.store(tokens[:2 * CHUNK], kv_caches=src, block_ids=blocks)
+        assert engine.lookup_and_prefetch(tokens, "by-tokens").result(5) == 2 * CHUNK
+        assert engine.client.stats().server.held_lookups == 1
+        dst = caches(None)
+        got = engine.retrieve(tokens, lookup_id="by-tokens", kv_caches=dst, block_ids=blocks)
+        assert got.num_tokens == 2 * CHUNK
+        assert engine.client.stats().server.held_lookups == 0  # the prefetch was taken
+        assert all(torch.equal(a, b) for a, b in zip(tokens_kv(src, blocks, 2 * CHUNK),
+                                                     tokens_kv(dst, blocks, 2 * CHUNK),
+                                                     strict=True))
+        assert engine.lookup_and_prefetch(prompt(5, 2 * CHUNK), "miss").result(5) == 0
+        assert engine.lookup_and_prefetch([], "empty").result(1) == 0
+
+
 def test_prefetch_from_disk_after_a_server_restart(tmp_path) -> None:
     """A restarted server finds the chunks on its disk tier only: the prefetch
     reads them back (asynchronously) and the load is bit-identical."""

@@ -7,6 +7,11 @@ Any exception escapes (non-zero exit): the tests require none.
 
 ``hold ADDRESS``: take a prefetch, a staged store and a retrieve lease, print
 "held", then sleep until killed.
+
+``stall-retrieve ADDRESS PROMPT PAUSE_S`` / ``stall-store ADDRESS PROMPT PAUSE_S``:
+retrieve (store) PROMPT through shared memory; inside the copy callback print
+"copying", sleep PAUSE_S (the test freezes the process there), then check (write)
+the bytes, and print one JSON line with the outcome.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from pathlib import Path
 
 from lmkv.server import protocol as p
 from lmkv.server.client import ServerClient
+from lmkv.server.liveness import process_identity
 from tests.server.procs import chunk_ends, chunk_for, prompt_keys, same_bytes
 
 SHARED_PROMPTS = (900, 901, 902)
@@ -62,17 +68,50 @@ def hold(address: str) -> None:
     assert client.lookup(keys, chunk_ends(keys), lookup_id="held") > 0
     staged = prompt_keys(701)
     store = p.Store(**p.key_fields(staged), shapes=[list(c.shape) for c in chunks],
-                    dtype="bfloat16", transport="shm")
+                    dtype="bfloat16", transport="shm", process=process_identity())
     assert client._call(store, p.StoreReply) is not None
-    assert client._call(p.Retrieve(**p.key_fields(keys), transport="shm"),
+    assert client._call(p.Retrieve(**p.key_fields(keys), transport="shm",
+                                   process=process_identity()),
                         p.RetrieveReply) is not None
     print("held", flush=True)
     time.sleep(600)
 
 
+def stall(mode: str, address: str, prompt: int, pause_s: float) -> None:
+    client = ServerClient(address, timeout_ms=5000)
+    keys = prompt_keys(prompt)
+    outcome: dict[str, int] = {}
+
+    def consume(views) -> None:
+        print("copying", flush=True)
+        time.sleep(pause_s)
+        outcome["got"] = len(views)
+        outcome["bad"] = sum(not same_bytes(v, chunk_for(k))
+                             for v, k in zip(views, keys, strict=False))
+
+    def fill(first: int, buffers) -> None:
+        print("copying", flush=True)
+        time.sleep(pause_s)
+        for buf, key in zip(buffers, keys[first:], strict=False):
+            buf.copy_(chunk_for(key))
+        outcome["filled"] = len(buffers)
+
+    if mode == "stall-retrieve":
+        client.retrieve_into(keys, consume)
+    else:
+        chunk = chunk_for(keys[0])
+        outcome["stored"] = client.store_from(keys, [chunk.shape] * len(keys), chunk.dtype,
+                                              fill)
+    assert client.shared_memory
+    print(json.dumps(outcome), flush=True)
+    client.close()
+
+
 if __name__ == "__main__":
     mode, *args = sys.argv[1:]
-    if mode == "loop":
+    if mode.startswith("stall-"):
+        stall(mode, args[0], int(args[1]), float(args[2]))
+    elif mode == "loop":
         address, transport, worker, out, stop, iterations, timeout_ms = args
         loop(address, transport, int(worker), Path(out), Path(stop), int(iterations),
              int(timeout_ms))
