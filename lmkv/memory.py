@@ -49,6 +49,32 @@ def nbytes_of(shape: Sequence[int], dtype: torch.dtype) -> int:
     return math.prod(shape) * dtype.itemsize
 
 
+MAX_CHUNK_NDIM = 8
+
+
+def shape_problem(shape: Sequence[int], itemsize: int, max_bytes: int) -> str | None:
+    """What is wrong with a chunk ``shape`` that comes from outside (a frame, a
+    request), in one line naming what is allowed; None when it is fine: 1 to
+    MAX_CHUNK_NDIM dimensions, each at least 1, at most ``max_bytes`` bytes.
+
+    Checked before anything is allocated: a zero dimension hides overflowing ones
+    from the product (``[2**40, 2**40, 0]`` is 0 bytes), and torch refuses such a
+    shape only after an arena block was taken.
+    """
+    text = str(list(shape))
+    text = text if len(text) <= 80 else text[:77] + "..."
+    if not 1 <= len(shape) <= MAX_CHUNK_NDIM:
+        return (f"shape {text}: {len(shape)} dimensions; allowed: 1 to {MAX_CHUNK_NDIM}")
+    nbytes = itemsize
+    for dim in shape:
+        if dim < 1:
+            return f"shape {text}: dimension {dim}; allowed: 1 or more"
+        nbytes *= dim
+        if nbytes > max_bytes:  # stops before the product can grow huge
+            return f"shape {text}: larger than {max_bytes} bytes, the most allowed"
+    return None
+
+
 class MemoryObj:
     """One chunk buffer: a typed tensor view with a reference and a pin count.
 

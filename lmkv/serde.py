@@ -22,7 +22,7 @@ import xxhash
 
 from lmkv.backend import Allocate
 from lmkv.errors import CorruptFrameError
-from lmkv.memory import MemoryObj
+from lmkv.memory import MAX_CHUNK_NDIM, MemoryObj, shape_problem
 from lmkv.plugins.base import Plugin
 from lmkv.tokens import CacheKey
 
@@ -42,7 +42,6 @@ CODE_DTYPES = {v: k for k, v in DTYPE_CODES.items()}
 _FIXED = struct.Struct("<4sBBBBQQ16s")
 _DIM = struct.Struct("<Q")
 _HEADER_SUM = struct.Struct("<Q")
-MAX_NDIM = 8
 #: No chunk is larger than this; a header that claims more is corrupt.
 MAX_CHUNK_BYTES = 1 << 36
 
@@ -59,22 +58,6 @@ class FrameHeader:
 
 def payload_checksum(payload: object) -> int:
     return xxhash.xxh3_64_intdigest(payload)
-
-
-def check_shape(shape: Sequence[int], dtype: torch.dtype) -> None:
-    """CorruptFrameError unless ``shape`` is one a chunk can have: 1 to MAX_NDIM
-    dimensions, each positive, at most MAX_CHUNK_BYTES in all."""
-    if not 0 < len(shape) <= MAX_NDIM:
-        raise CorruptFrameError(f"frame claims {len(shape)} dimensions (1 to {MAX_NDIM})")
-    nbytes = dtype.itemsize
-    for dim in shape:
-        if dim <= 0:
-            raise CorruptFrameError(f"frame claims shape {list(shape)}: dimensions must be "
-                                    "positive")
-        nbytes *= dim
-        if nbytes > MAX_CHUNK_BYTES:
-            raise CorruptFrameError(f"frame claims shape {list(shape)}: more than "
-                                    f"{MAX_CHUNK_BYTES} bytes")
 
 
 def write_header(serializer_id: int, dtype: torch.dtype, shape: Sequence[int],
@@ -101,7 +84,7 @@ def read_header(frame: memoryview, key: CacheKey, frame_len: int | None = None) 
         raise CorruptFrameError("not an lmkv frame (bad magic)")
     if version != FORMAT_VERSION:
         raise CorruptFrameError(f"unsupported frame version {version}")
-    if ndim > MAX_NDIM:
+    if ndim > MAX_CHUNK_NDIM:
         raise CorruptFrameError(f"frame claims {ndim} dimensions")
     body_len = _FIXED.size + ndim * _DIM.size
     header_len = body_len + _HEADER_SUM.size
@@ -115,7 +98,9 @@ def read_header(frame: memoryview, key: CacheKey, frame_len: int | None = None) 
     if dcode not in CODE_DTYPES:
         raise CorruptFrameError(f"unknown dtype code {dcode}")
     shape = tuple(_DIM.unpack_from(frame, _FIXED.size + i * _DIM.size)[0] for i in range(ndim))
-    check_shape(shape, CODE_DTYPES[dcode])
+    problem = shape_problem(shape, CODE_DTYPES[dcode].itemsize, MAX_CHUNK_BYTES)
+    if problem is not None:
+        raise CorruptFrameError(f"frame claims {problem}")
     if frame_len != header_len + plen:
         raise CorruptFrameError(f"frame is {frame_len} bytes, header says {header_len + plen}")
     return FrameHeader(sid, CODE_DTYPES[dcode], shape, plen, checksum, header_len)

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from lmkv.errors import CorruptFrameError
-from lmkv.memory import MemoryAllocator, tensor_obj
-from lmkv.serde import DTYPE_CODES, MAX_NDIM, write_header
+from lmkv.memory import MAX_CHUNK_NDIM, MemoryAllocator, tensor_obj
+from lmkv.serde import DTYPE_CODES, write_header
 from lmkv.tokens import CacheKey, KeyMeta
 from lmkv_backends.serde_naive import NaiveSerializer
 
@@ -90,7 +90,7 @@ def crafted(shape: list[int], dtype: torch.dtype = torch.float16, payload: bytes
 
 
 @pytest.mark.parametrize("shape", [
-    [2**40, 2**40, 0], [0], [4, 0, 4], [2**63, 2], [2**33, 2**33], [1] * (MAX_NDIM + 1), [],
+    [2**40, 2**40, 0], [0], [4, 0, 4], [2**63, 2], [2**33, 2**33], [1] * (MAX_CHUNK_NDIM + 1), [],
 ])
 def test_crafted_shapes_are_corrupt_and_allocate_nothing(shape: list[int],
                                                          alloc: MemoryAllocator) -> None:

@@ -35,6 +35,7 @@ import zmq
 
 from lmkv.auth import CurveKeys
 from lmkv.logutil import RateLimitedLog
+from lmkv.memory import shape_problem
 from lmkv.server import protocol as p
 from lmkv.server.channel import Channel, Failure
 from lmkv.server.heartbeat import Heartbeat
@@ -296,7 +297,8 @@ class ServerClient:
         views: list[torch.Tensor] = []
         for i, info in enumerate(reply.chunks):
             dtype = p.DTYPES.get(info.dtype)
-            if dtype is None or info.nbytes <= 0 or not _valid_shape(info.shape) \
+            if dtype is None or info.nbytes <= 0 \
+                    or shape_problem(info.shape, dtype.itemsize, info.nbytes) is not None \
                     or info.nbytes != math.prod(info.shape) * dtype.itemsize:
                 _log.warning("chunk", "lmkv client: chunk %d (%s %s, %d bytes) is malformed; "
                              "keeping the %d before it", i, info.dtype, info.shape,
@@ -472,11 +474,6 @@ class ServerClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _valid_shape(shape: list[int]) -> bool:
-    """What ``view`` takes without raising, as the server checks it (p.check_shape)."""
-    return 1 <= len(shape) <= p.MAX_RANK and all(d >= 1 for d in shape)
 
 
 def _byte_array(tensor: torch.Tensor) -> np.ndarray:

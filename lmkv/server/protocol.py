@@ -11,11 +11,13 @@ in docs/server.md; a test keeps the two in step.
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any, Literal
 
 import msgspec
 import torch
 
+from lmkv.memory import shape_problem
 from lmkv.tokens import CacheKey, KeyMeta
 
 logger = logging.getLogger(__name__)
@@ -32,7 +34,6 @@ INTERNAL = "internal"
 ERROR_CODES = (BAD_REQUEST, TOO_LARGE, UNKNOWN_HANDLE, INTERNAL)
 
 # Bounds of a chunk shape (a KV chunk has at most 6 dimensions; a little room above).
-MAX_RANK = 8
 # Request ids a client may name in one request's ``abandoned``.
 MAX_ABANDONED = 1024
 
@@ -318,31 +319,12 @@ def dtype_of(name: str) -> torch.dtype:
 
 
 def check_shape(shape: list[int], itemsize: int, max_bytes: int) -> int:
-    """The byte size of a chunk of ``shape``; ProtocolError(bad_request) unless it has
-    1 to MAX_RANK dimensions, each at least 1, and at most ``max_bytes`` bytes.
-
-    Checked before anything is allocated: a zero dimension hides overflowing ones
-    from the product (``[2**40, 2**40, 0]`` is 0 bytes), and torch refuses such a
-    shape only after the arena block was taken.
-    """
-    if not 1 <= len(shape) <= MAX_RANK:
-        raise ProtocolError(BAD_REQUEST, f"shape {_short(shape)}: {len(shape)} dimensions; "
-                            f"allowed: 1 to {MAX_RANK}")
-    nbytes = itemsize
-    for dim in shape:
-        if dim < 1:
-            raise ProtocolError(BAD_REQUEST, f"shape {_short(shape)}: dimension {dim}; "
-                                "allowed: 1 or more")
-        nbytes *= dim
-        if nbytes > max_bytes:  # stops before the product can grow huge
-            raise ProtocolError(BAD_REQUEST, f"shape {_short(shape)}: larger than "
-                                f"{max_bytes} bytes; allowed: up to the arena's size")
-    return nbytes
-
-
-def _short(shape: list[int]) -> str:
-    text = str(shape)
-    return text if len(text) <= 80 else text[:77] + "..."
+    """The byte size of a chunk of ``shape``; ProtocolError(bad_request) unless it is
+    one a chunk can have (``lmkv.memory.shape_problem``)."""
+    problem = shape_problem(shape, itemsize, max_bytes)
+    if problem is not None:
+        raise ProtocolError(BAD_REQUEST, problem)
+    return math.prod(shape) * itemsize
 
 
 def dtype_name(dtype: torch.dtype) -> str:
