@@ -85,7 +85,8 @@ class CacheEngine:
 
     def store(self, tokens: Sequence[int] | Any, *, identity: Identity | None = None,
               **kv: Any) -> int:
-        """Store the KV of ``tokens``' chunks that no tier holds yet; returns tokens stored."""
+        """Store the KV of ``tokens``' chunks that the first tier does not hold yet (lower
+        tiers are never asked: a slow one must not stall a store); returns tokens stored."""
         chunks = self.chunker.chunk(tokens, identity=identity)
         # Pin the stored prefix while this store allocates: its own allocations
         # must not evict the chunks it builds on.

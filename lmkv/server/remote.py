@@ -101,12 +101,13 @@ class RemoteCacheEngine:
         chunks = self.chunker.chunk(tokens, identity=identity)
         return self.client.lookup(chunks.keys, chunks.ends) if len(chunks) else 0
 
-    def lookup_and_prefetch(self, tokens: Sequence[int] | Any, lookup_id: str) -> Future:
+    def lookup_and_prefetch(self, tokens: Sequence[int] | Any, lookup_id: str, *,
+                            identity: Identity | None = None) -> Future:
         """Have the server load the stored prefix of ``tokens`` and hold it for
         ``lookup_id``: ``CacheEngine.lookup_and_prefetch`` over the server. Resolves to
         the hit length in tokens (0 when the server fails); ``retrieve(...,
         lookup_id=lookup_id)`` then loads what it holds, ``release_lookup`` drops it."""
-        chunks = self.chunker.chunk(tokens)
+        chunks = self.chunker.chunk(tokens, identity=identity)
         return self.lookup_and_prefetch_hashes(lookup_id, [k.chunk_hash for k in chunks.keys],
                                                chunks.ends)
 

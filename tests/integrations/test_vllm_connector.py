@@ -140,7 +140,8 @@ def _scheduler_and_worker(tmp_path, **keys):  # type: ignore[no-untyped-def]
                          storage=StorageManager.from_config(config))
     server = LookupServer.for_rank(engine, LookupEndpoints.from_config(config.lookup, "e2", 1), 0)
     vllm_config = SimpleNamespace(kv_transfer_config=SimpleNamespace(engine_id="e2"),
-                                  parallel_config=SimpleNamespace(world_size=1))
+                                  parallel_config=SimpleNamespace(world_size=1),
+                                  model_config=SimpleNamespace(max_model_len=2048))
     caches = [torch.randn(8, 2, 16, 16) for _ in range(2)]  # blocks of 16 tokens
     return SchedulerSide(config, vllm_config), engine, server, caches
 
@@ -220,6 +221,40 @@ def test_a_hit_vllm_does_not_load_is_released_once(tmp_path) -> None:
         sched.after_alloc(request, [], 0)  # vLLM loads nothing (e.g. no room)
         sched.finished(request)
         assert sched.client.counters.cancels == 1
+    finally:
+        sched.close()
+        server.close()
+        engine.close()
+
+
+def test_requests_hit_only_their_own_identity_and_plans_carry_it(tmp_path) -> None:
+    """The scheduler looks up under the request's identity (its cache_salt here) and
+    hands it to the workers with the load plan (vLLM-free: requests are plain objects;
+    tests/vllm/test_identity_vllm.py uses vLLM's own)."""
+    from lmkv.tokens import Identity
+
+    sched, engine, server, caches = _scheduler_and_worker(tmp_path)
+    try:
+        prompt = list(range(400, 440))
+        engine.store(prompt[:32], identity=Identity(salt="a"), kv_caches=caches,
+                     block_ids=[0, 1])
+
+        def request(req_id: str, salt: str | None):  # type: ignore[no-untyped-def]
+            return SimpleNamespace(request_id=req_id, prompt_token_ids=prompt, block_hashes=[],
+                                   cache_salt=salt, lora_request=None, mm_features=None,
+                                   prompt_embeds=None)
+
+        assert _ask(sched, request("b", "b"), 0) == 0
+        assert _ask(sched, request("none", None), 0) == 0
+        mine = request("a", "a")
+        assert _ask(sched, mine, 0) == 32
+        sched.after_alloc(mine, [3, 2, 1], 32)
+        new = SimpleNamespace(req_id="a", prompt_token_ids=prompt, block_ids=([3, 2, 1],),
+                              num_computed_tokens=32)
+        out = _no_steps([new])
+        out.num_scheduled_tokens = {"a": 8}
+        (load,) = sched.build_meta(out).loads
+        assert load.identity == Identity(salt="a")
     finally:
         sched.close()
         server.close()

@@ -64,8 +64,9 @@ class SchedulerSide:
         self.lazy = lazy
         engine_id = str(vllm_config.kv_transfer_config.engine_id)
         world_size = vllm_config.parallel_config.world_size
-        self.client = LookupClient.from_config(config, engine_id=engine_id,
-                                               world_size=world_size)
+        self.client = LookupClient.from_config(
+            config, engine_id=engine_id, world_size=world_size,
+            max_tokens=vllm_config.model_config.max_model_len)
         self.counters = SchedulerCounters()
         self._step_wait_s = config.lookup.backoff_ms / 1000
         self._wait_left_s = self._step_wait_s  # of this scheduling step

@@ -57,6 +57,7 @@ class WorkerSide:
         self.config = config
         self.model_name = vllm_config.model_config.model
         self.head_size = vllm_config.model_config.get_head_size()
+        self.max_model_len = vllm_config.model_config.max_model_len
         parallel = vllm_config.parallel_config
         self.world_size = parallel.world_size
         self.rank = getattr(parallel, "rank", 0) % max(self.world_size, 1)
@@ -93,7 +94,8 @@ class WorkerSide:
                                   worker_id=self.rank)
         endpoints = LookupEndpoints.from_config(self.config.lookup, self.engine_id,
                                                 self.world_size)
-        self.server = LookupServer.for_rank(self.engine, endpoints, self.rank)
+        self.server = LookupServer.for_rank(self.engine, endpoints, self.rank,
+                                            max_tokens=self.max_model_len)
         logger.info("lmkv: worker %d/%d registered %d KV caches, layout %s, block size %d, "
                     "%s", self.rank, self.world_size, len(self.kv_caches), layout,
                     self.block_size, f"tiers in the lmkv server at {self.config.server.address}"
