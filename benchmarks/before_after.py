@@ -1,0 +1,98 @@
+"""Before/after: one benchmark script from two revisions, interleaved in one run.
+
+    python benchmarks/before_after.py --base 58ce7e0 benchmarks/bench_core.py --quick
+
+checks ``--base`` out into a temporary git worktree, then runs the benchmark
+from that tree and from this one in turn (A B A B ..., ``--repeats`` times
+each, each run in its own process with ``PYTHONPATH`` pointing at its tree),
+so both sides see the same machine load. Every output line ``label: NUMBER
+UNIT ...`` is a figure (under the latest ``[section]`` heading); the script
+prints the median of each side and the ratio after/before, turned so that
+above 1 means faster now (times in s/ms/us are inverted).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent.parent
+_FIGURE = re.compile(r"^\s*(?P<label>[^:\[]+?)\s*:\s*(?P<value>[-+]?\d+(?:\.\d+)?)\s*"
+                     r"(?P<unit>[A-Za-zµ/%]+)?")
+_SECTION = re.compile(r"^\s*\[(?P<name>[^\]]+)\]")
+_TIMES = {"s", "ms", "us", "µs", "ns"}
+
+
+def figures(output: str) -> dict[str, tuple[float, str]]:
+    """``{"[section] label": (value, unit)}`` of every figure line in ``output``."""
+    found: dict[str, tuple[float, str]] = {}
+    section = ""
+    for line in output.splitlines():
+        head = _SECTION.match(line)
+        if head:
+            section = head["name"].split(" ")[0] if len(head["name"]) > 40 else head["name"]
+            line = line[head.end():]
+        match = _FIGURE.match(line)
+        if match:
+            key = f"[{section}] {match['label']}" if section else match["label"]
+            found.setdefault(key, (float(match["value"]), match["unit"] or ""))
+    return found
+
+
+def run(tree: Path, script: str, args: list[str]) -> str:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(tree), str(tree / "plugins" / "lmkv-redis"), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, str(tree / script), *args], cwd=tree, env=env,
+                          capture_output=True, text=True, timeout=3600)
+    if done.returncode != 0:
+        raise SystemExit(f"{script} failed in {tree}:\n{done.stdout[-2000:]}{done.stderr[-4000:]}")
+    return done.stdout
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--base", required=True, help="the revision to compare against")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each side")
+    parser.add_argument("script", help="the benchmark, relative to the repository root")
+    parser.add_argument("args", nargs=argparse.REMAINDER, help="the benchmark's arguments")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="lmkv-before-") as tmp:
+        base = Path(tmp) / "tree"
+        subprocess.run(["git", "-C", str(HERE), "worktree", "add", "-q", "--detach", str(base),
+                        args.base], check=True)
+        try:
+            for ext in (HERE / "lmkv" / "_ext").glob("*.so"):  # the optional C accelerator
+                shutil.copy(ext, base / "lmkv" / "_ext" / ext.name)
+            sides: dict[str, list[dict[str, tuple[float, str]]]] = {"before": [], "after": []}
+            for i in range(args.repeats):
+                for name, tree in (("before", base), ("after", HERE)):
+                    print(f"run {i + 1}/{args.repeats}: {name}", file=sys.stderr, flush=True)
+                    sides[name].append(figures(run(tree, args.script, args.args)))
+        finally:
+            subprocess.run(["git", "-C", str(HERE), "worktree", "remove", "--force", str(base)],
+                           check=False)
+    print(f"{args.script} {' '.join(args.args)}: {args.base} (before) against the work tree "
+          f"(after), median of {args.repeats} interleaved runs each")
+    print(f"{'figure':58s} {'before':>10s} {'after':>10s}  after/before (>1: faster)")
+    for key, (_, unit) in sides["after"][0].items():
+        before = [run_[key][0] for run_ in sides["before"] if key in run_]
+        after = [run_[key][0] for run_ in sides["after"] if key in run_]
+        if not before or not after:
+            continue
+        b, a = statistics.median(before), statistics.median(after)
+        if not a or not b:
+            continue
+        ratio = b / a if unit in _TIMES else a / b
+        print(f"{key[:58]:58s} {b:10.3f} {a:10.3f}  {ratio:5.2f}  {unit}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
