@@ -18,6 +18,7 @@ chunks.
 from __future__ import annotations
 
 import hashlib
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -56,7 +57,7 @@ class HFCacheEngine:
                  model_name: str | None = None, namespace: str | None = None) -> None:
         self.model = model
         self.namespace = namespace
-        self._adapter_digests: dict[str, str] = {}
+        self._adapter_digests: dict[str, tuple[list[tuple[Any, int]], str]] = {}
         name = model_name or getattr(model.config, "_name_or_path", "") or model.config.model_type
         self.engine = CacheEngine.from_config(config or load_config(), kv_spec_of(model),
                                               model_name=name, default_connector="hf")
@@ -103,15 +104,24 @@ class HFCacheEngine:
         return identity or None
 
     def _adapter_digest(self, name: str) -> str:
-        """sha256 of an adapter's weights, once per adapter name (adapters are served,
-        not trained, between calls)."""
-        digest = self._adapter_digests.get(name)
-        if digest is None:
-            h = hashlib.sha256()
-            for key, tensor in sorted(_adapter_state(self.model, name).items()):
-                h.update(key.encode())
-                h.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy())
-            digest = self._adapter_digests[name] = h.hexdigest()
+        """sha256 of an adapter's weights. Computed again whenever they may have changed:
+        a parameter replaced (the adapter deleted and added again under the same name,
+        say) or changed in place (its version counter moved)."""
+        params = _adapter_params(self.model, name)
+        cached = self._adapter_digests.get(name)
+        if cached is not None:
+            seen, digest = cached
+            if len(seen) == len(params) and all(
+                    ref() is param and version == param._version
+                    for (ref, version), (_, param) in zip(seen, params, strict=True)):
+                return digest
+        h = hashlib.sha256()
+        for key, param in params:
+            h.update(key.encode())
+            h.update(param.detach().cpu().contiguous().view(torch.uint8).numpy())
+        digest = h.hexdigest()
+        self._adapter_digests[name] = ([(weakref.ref(p), p._version) for _, p in params],
+                                       digest)
         return digest
 
     def close(self) -> None:
@@ -134,9 +144,10 @@ def _active_adapters(model: Any) -> list[str]:
     return []
 
 
-def _adapter_state(model: Any, name: str) -> dict[str, torch.Tensor]:
-    from peft import get_peft_model_state_dict  # present whenever an adapter is
-    return get_peft_model_state_dict(model, adapter_name=name)
+def _adapter_params(model: Any, name: str) -> list[tuple[str, torch.nn.Parameter]]:
+    """The parameters of adapter ``name`` (PEFT names them ``...lora_A.<name>.weight``)."""
+    marker = f".{name}."
+    return [(key, param) for key, param in model.named_parameters() if marker in key]
 
 
 def _flat(input_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:

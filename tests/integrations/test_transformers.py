@@ -154,3 +154,32 @@ def test_lora_adapters_share_kv_with_neither_the_base_nor_each_other(model, prom
         assert plain.retrieve(prompt)[0] == hit  # the base model's, stored above
     finally:
         plain.close()
+
+
+def test_an_adapter_reloaded_or_changed_under_its_name_is_another_adapter(model, prompts
+                                                                         ) -> None:
+    import peft
+
+    peft_model = _lora(model, {"sql": 1})
+    config = load_config(env={}, overrides={"lmkv.chunk_size": 64,
+                                            "lmkv.tiers.0.options.max_bytes": "64MiB"})
+    prompt = prompts[0]
+    engine = HFCacheEngine(peft_model, config, model_name="tiny-test")
+    try:
+        engine.prefill(prompt)
+        assert engine.retrieve(prompt)[0] > 0
+        peft_model.delete_adapter("sql")  # same name, other weights
+        torch.manual_seed(99)
+        peft_model.add_adapter("sql", peft.LoraConfig(
+            r=4, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj"],
+            init_lora_weights=False))
+        peft_model.set_adapter("sql")
+        assert engine.retrieve(prompt)[0] == 0
+        engine.prefill(prompt)
+        assert engine.retrieve(prompt)[0] > 0
+        state = peft.get_peft_model_state_dict(peft_model, adapter_name="sql")
+        state = {k: v + 1 for k, v in state.items()}
+        peft.set_peft_model_state_dict(peft_model, state, adapter_name="sql")  # changed in place
+        assert engine.retrieve(prompt)[0] == 0
+    finally:
+        engine.close()
