@@ -32,6 +32,7 @@ from zmq.auth.thread import ThreadAuthenticator
 from lmkv.config import CurveConfig
 from lmkv.errors import ConfigError
 from lmkv.logutil import RateLimitedLog
+from lmkv.private import make_private_dir, ownership_problem
 
 logger = logging.getLogger(__name__)
 _log = RateLimitedLog(logger, interval_s=60.0)
@@ -94,6 +95,10 @@ def load_public_key(path: str | os.PathLike) -> bytes:
     except OSError as exc:
         raise AuthError(f"public key file {path}: cannot read it "
                         f"({exc.strerror or exc})") from None
+    # Whoever can change a public key we trust becomes the peer we trust.
+    problem = ownership_problem(path.stat())
+    if problem:
+        raise AuthError(f"public key file {path} {problem}; fix it with chown/chmod go-w")
     public, _ = _parse(data, path)
     if public is None:
         raise AuthError(f"public key file {path}: no public-key line (write one with "
@@ -160,10 +165,10 @@ def load_authorized_keys(path: str | os.PathLike) -> frozenset[bytes]:
 
 def _check_not_writable_by_others(path: Path, st: os.stat_result) -> None:
     # Whoever can add a key to the allow list can let themselves in.
-    if st.st_mode & 0o022:
-        raise AuthError(f"authorized keys {path}: mode {stat.S_IMODE(st.st_mode):04o} lets "
-                        f"others add keys; allowed: writable by its owner only "
-                        f"(chmod go-w {path})")
+    problem = ownership_problem(st)
+    if problem:
+        raise AuthError(f"authorized keys {path} {problem}: others could add keys; fix it "
+                        f"with chown/chmod go-w")
 
 
 def write_keypair(directory: str | os.PathLike, name: str, *,
@@ -174,11 +179,11 @@ def write_keypair(directory: str | os.PathLike, name: str, *,
     if not _NAME.match(name):
         raise AuthError(f"key name {name!r}: use 1-64 letters, digits, '.', '_' and '-'")
     directory = Path(directory).expanduser()
-    try:
-        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-    except OSError as exc:
-        raise AuthError(f"key directory {directory}: cannot create it "
-                        f"({exc.strerror or exc})") from None
+    # Another user who can write the directory could swap the public key peers trust.
+    problem = make_private_dir(directory) if not directory.exists() else \
+        ownership_problem(os.lstat(directory))
+    if problem:
+        raise AuthError(f"key directory {directory} {problem}")
     public_path = directory / f"{name}{PUBLIC_SUFFIX}"
     secret_path = directory / f"{name}{SECRET_SUFFIX}"
     if not force:
@@ -200,7 +205,10 @@ def write_keypair(directory: str | os.PathLike, name: str, *,
 
 
 def _write_new(path: Path, text: str, mode: int) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    except OSError as exc:
+        raise AuthError(f"cannot write {path}: {exc.strerror or exc}") from None
     try:
         os.fchmod(fd, mode)
         with os.fdopen(fd, "w") as f:

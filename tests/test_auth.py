@@ -125,7 +125,7 @@ def test_an_allow_list_others_can_write_is_refused(tmp_path, target) -> None:
     clients.mkdir(mode=0o755)
     public, _ = write_keypair(clients, "a")
     (clients if target == "dir" else public).chmod(0o777 if target == "dir" else 0o666)
-    with pytest.raises(AuthError, match="lets others add keys"):
+    with pytest.raises(AuthError, match="others could add keys"):
         load_authorized_keys(clients)
 
 
@@ -152,3 +152,42 @@ def test_the_config_refuses_a_non_loopback_tcp_lookup_without_curve(tmp_path) ->
     for extra in ({"insecure": True}, {"curve": {"secret_key": str(secret)}}):
         load_config(overrides={"lookup": {"transport": "tcp", "base_port": 7000,
                                           "host": "10.1.2.3", **extra}})
+
+
+NOBODY = 65534  # another local user (the tests run as root, who may chown)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to hand a file to another user")
+def test_keys_another_user_owns_are_refused(tmp_path) -> None:
+    """Another local user who owns a trusted key file can rewrite it at will."""
+    clients = tmp_path / "clients"
+    clients.mkdir(mode=0o755)
+    public, _ = write_keypair(clients, "a")
+    os.chown(public, NOBODY, NOBODY)
+    public.chmod(0o644)
+    with pytest.raises(AuthError, match="owned by uid 65534.*others could add keys"):
+        load_authorized_keys(clients)
+    with pytest.raises(AuthError, match="public key file .* owned by uid 65534"):
+        load_public_key(public)
+
+
+def test_a_public_key_others_can_change_is_not_trusted(tmp_path) -> None:
+    public, _ = write_keypair(tmp_path / "keys", "server")
+    public.chmod(0o666)
+    with pytest.raises(AuthError, match="public key file .* writable by group or others"):
+        load_public_key(public)
+
+
+def test_keygen_never_writes_into_a_directory_others_can_change(tmp_path) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    with pytest.raises(AuthError, match="key directory .* writable by group or others"):
+        write_keypair(shared, "k")
+    assert list(shared.iterdir()) == []
+
+
+def test_keygen_into_an_unwritable_place_is_one_line(capsys) -> None:
+    assert lmkv_main(["keygen", "--dir", "/proc/self/lmkv-no-such"]) != 0
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "Traceback" not in err and "lmkv-no-such" in err

@@ -37,7 +37,6 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import stat
 import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -48,6 +47,7 @@ import zmq
 from lmkv.auth import CurveKeys, CurveServer, peer_keys, secure_client
 from lmkv.config import LookupConfig
 from lmkv.errors import ConfigError
+from lmkv.private import make_private_dir
 
 # sockaddr_un.sun_path holds 108 bytes on Linux (104 on macOS), NUL included.
 MAX_IPC_PATH_BYTES = 103
@@ -155,25 +155,7 @@ def ensure_private_dir(directory: Path) -> None:
     """Create ``directory`` owner-only (0700), or check that an existing one is
     private: a directory (not a link), owned by this user, not writable by group
     or others. Otherwise ConfigError, one line naming the directory and the problem."""
-    try:
-        directory.mkdir(mode=0o700, parents=True)
-    except FileExistsError:
-        pass
-    except OSError as exc:
-        raise ConfigError(f"lookup runtime_dir {directory}: cannot create it: "
-                          f"{exc.strerror}") from None
-    info = os.lstat(directory)
-    uid = os.geteuid()
-    problem = None
-    if stat.S_ISLNK(info.st_mode):
-        problem = "is a symbolic link; a real directory is required"
-    elif not stat.S_ISDIR(info.st_mode):
-        problem = "is not a directory"
-    elif info.st_uid != uid:
-        problem = f"is owned by uid {info.st_uid}, not by this user (uid {uid})"
-    elif info.st_mode & 0o022:
-        problem = (f"has mode {stat.S_IMODE(info.st_mode):04o}: writable by group or "
-                   "others (allowed: owner-only, e.g. 0700)")
+    problem = make_private_dir(directory)
     if problem:
         raise ConfigError(f"lookup runtime_dir {directory} {problem}; refusing to use it "
                           "for lookup sockets (set lookup.runtime_dir to a private directory)")
