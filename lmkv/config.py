@@ -28,7 +28,7 @@ from pydantic import (
 
 from lmkv.errors import ConfigError, UnknownPluginError
 from lmkv.plugins.base import PluginOptions
-from lmkv.redact import redact_value
+from lmkv.redact import RedactedRepr, redact_value
 
 ENV_PREFIX = "LMKV_"
 # Env vars that are not config keys.
@@ -42,7 +42,7 @@ CONFIG_FILE_KEY = "config_file"
 PositiveInt = Annotated[int, Field(strict=True, gt=0)]
 
 
-class _Model(BaseModel):
+class _Model(RedactedRepr, BaseModel):  # its repr lands in logs: no secret goes with it
     model_config = ConfigDict(extra="forbid", validate_default=True,
                               coerce_numbers_to_str=True)
 

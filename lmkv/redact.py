@@ -141,3 +141,12 @@ def _url_secrets(url: str) -> list[str]:
         return []
     out += [v for k, v in parse_qsl(parts.query) if is_secret_name(k) and v]
     return out
+
+
+class RedactedRepr:
+    """Mixin for pydantic models whose repr (and str) may land in logs and
+    tracebacks: every field goes through ``redact_value``."""
+
+    def __repr_args__(self) -> Iterable[tuple[str | None, Any]]:
+        for name, value in super().__repr_args__():  # type: ignore[misc]
+            yield name, redact_value(value, name)

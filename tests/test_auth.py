@@ -165,16 +165,16 @@ def test_keys_another_user_owns_are_refused(tmp_path) -> None:
     public, _ = write_keypair(clients, "a")
     os.chown(public, NOBODY, NOBODY)
     public.chmod(0o644)
-    with pytest.raises(AuthError, match="owned by uid 65534.*others could add keys"):
+    with pytest.raises(AuthError, match=r"owned by uid 65534.*others could add keys"):
         load_authorized_keys(clients)
-    with pytest.raises(AuthError, match="public key file .* owned by uid 65534"):
+    with pytest.raises(AuthError, match=r"public key file .* owned by uid 65534"):
         load_public_key(public)
 
 
 def test_a_public_key_others_can_change_is_not_trusted(tmp_path) -> None:
     public, _ = write_keypair(tmp_path / "keys", "server")
     public.chmod(0o666)
-    with pytest.raises(AuthError, match="public key file .* writable by group or others"):
+    with pytest.raises(AuthError, match=r"public key file .* writable by group or others"):
         load_public_key(public)
 
 
@@ -182,7 +182,7 @@ def test_keygen_never_writes_into_a_directory_others_can_change(tmp_path) -> Non
     shared = tmp_path / "shared"
     shared.mkdir()
     shared.chmod(0o777)
-    with pytest.raises(AuthError, match="key directory .* writable by group or others"):
+    with pytest.raises(AuthError, match=r"key directory .* writable by group or others"):
         write_keypair(shared, "k")
     assert list(shared.iterdir()) == []
 

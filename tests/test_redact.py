@@ -36,3 +36,17 @@ def test_text_values_and_known_secrets() -> None:
                          "endpoint_url": "http://a:b1234@h", "key_prefix": "lmkv:"}) == {
         "storage_options": {"token": "***", "anon": False},
         "endpoint_url": "http://a:***@h", "key_prefix": "lmkv:"}
+
+
+def test_a_config_repr_never_shows_a_secret() -> None:
+    """A config lands in logs and tracebacks whole (repr and str)."""
+    from lmkv.config import load_config
+
+    config = load_config(env={}, overrides={"lmkv.tiers": [
+        {"type": "cpu", "options": {"max_bytes": "64MiB"}},
+        {"type": "fs", "options": {"url": "s3://b/p", "endpoint_url": "http://AK:SKinURL@m:9",
+                                   "secret": "SKfield", "storage_options": {"token": "TOK1"}}}]})
+    for text in (repr(config), str(config), repr(config.tiers[1])):
+        assert "***" in text
+        for secret in ("SKinURL", "SKfield", "TOK1"):
+            assert secret not in text

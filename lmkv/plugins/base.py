@@ -6,18 +6,14 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict
 
+from lmkv.redact import RedactedRepr
 
-class PluginOptions(BaseModel):
-    """Base of every plugin's options model: unknown keys are an error."""
+
+class PluginOptions(RedactedRepr, BaseModel):
+    """Base of every plugin's options model: unknown keys are an error; its repr
+    never shows a secret."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
-
-    def __repr_args__(self) -> Any:
-        # A repr lands in logs and tracebacks: secrets never go with it.
-        from lmkv.redact import redact_value
-
-        for name, value in super().__repr_args__():
-            yield name, redact_value(value, name)
 
 
 class NoOptions(PluginOptions):

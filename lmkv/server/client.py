@@ -455,7 +455,8 @@ class ServerClient:
         """Drop the connection, leaving the session to another client that shares it."""
         with self._lock:
             self._heartbeat.close()
-            self._heartbeat = Heartbeat(self.address, self.session, self._channel.context)
+            self._heartbeat = Heartbeat(self.address, self.session, self._channel.context,
+                                        self._channel.curve)
             self._channel.close()
             if self.segment is not None:
                 self.segment.close()

@@ -105,6 +105,18 @@ def test_an_authorized_client_stores_and_retrieves(curve_server, keys, transport
     assert "CURVE, 1 authorized client keys" in curve_server.log()
 
 
+def test_a_reconnected_client_keeps_its_keys_for_every_connection(curve_server, keys) -> None:
+    """After close_connection the client reconnects: its requests and its heartbeat
+    (which renews handles during long copies) must both still speak CURVE."""
+    keys_ = prompt_keys(3)
+    chunks = [chunk_for(k) for k in keys_]
+    with curve_server.client(curve=keys.client) as client:
+        client.close_connection()
+        assert client.store(keys_, chunks) == len(keys_)
+        assert all(map(same_bytes, client.retrieve(keys_), chunks))
+        assert client._heartbeat._curve is keys.client
+
+
 def outsiders(keys: Keys) -> dict[str, CurveKeys | None]:
     rogue_public, rogue_secret = keys.rogue
     return {
