@@ -23,14 +23,14 @@ import torch
 
 from lmkv.errors import CorruptFrameError
 from lmkv.logutil import RateLimitedLog
-from lmkv.memory import MemoryAllocator, MemoryObj
+from lmkv.memory import Allocate, MemoryAllocator, MemoryObj
 from lmkv.plugins.base import Plugin, PluginOptions
+from lmkv.serde import read_header
 from lmkv.tokens import CacheKey
 
 logger = logging.getLogger(__name__)
 _corrupt_log = RateLimitedLog(logger)
 
-Allocate = Callable[[Sequence[int], torch.dtype], "MemoryObj | None"]
 
 
 def done_future(value: object) -> Future:
@@ -228,8 +228,15 @@ class StorageBackend(Plugin, ABC):
         """
         taken = TrackedAllocate(self.context.allocate)
         try:
+            # Bound to its key and of a sane shape whatever the serializer checks.
+            header = read_header(memoryview(frame).cast("B"), key)
             obj = self.context.serializer.deserialize(frame, taken, key)
             problem = taken.keep_only(obj)
+            if problem is None and obj is not None and (
+                    obj.dtype != header.dtype or tuple(obj.shape) != header.shape):
+                obj.ref_down()
+                problem = CorruptFrameError(f"decoded to {obj.dtype} {list(obj.shape)}, the "
+                                            f"header says {header.dtype} {list(header.shape)}")
         except Exception as exc:  # a serializer may raise anything on a crafted frame
             taken.release_all()
             problem = exc if isinstance(exc, CorruptFrameError) else \

@@ -20,7 +20,7 @@ import logging
 import math
 import mmap
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -43,6 +43,10 @@ def _refcount_bug(message: str) -> None:
     if strict_refcounts:
         raise RefCountError(message)
     logger.error("lmkv bug: %s", message)
+
+
+#: Where a chunk buffer comes from: ``allocate(shape, dtype)``, None when there is no room.
+Allocate = Callable[[Sequence[int], torch.dtype], "MemoryObj | None"]
 
 
 def nbytes_of(shape: Sequence[int], dtype: torch.dtype) -> int:

@@ -20,9 +20,8 @@ from dataclasses import dataclass
 import torch
 import xxhash
 
-from lmkv.backend import Allocate
 from lmkv.errors import CorruptFrameError
-from lmkv.memory import MAX_CHUNK_NDIM, MemoryObj, shape_problem
+from lmkv.memory import MAX_CHUNK_NDIM, Allocate, MemoryObj, shape_problem
 from lmkv.plugins.base import Plugin
 from lmkv.tokens import CacheKey
 

@@ -26,9 +26,8 @@ import uuid
 from collections.abc import Callable, Sequence
 from functools import partial
 
-from lmkv.backend import Allocate
 from lmkv.errors import CorruptFrameError
-from lmkv.memory import MemoryObj, nbytes_of
+from lmkv.memory import Allocate, MemoryObj, nbytes_of
 from lmkv.serde import read_header, verify_payload
 from lmkv.tokens import CacheKey
 from lmkv_backends.fs_index import NotAnEntry, key_of

@@ -15,9 +15,8 @@ from typing import Literal
 import numpy as np
 import torch
 
-from lmkv.backend import Allocate
 from lmkv.errors import CorruptFrameError
-from lmkv.memory import MemoryObj
+from lmkv.memory import Allocate, MemoryObj
 from lmkv.plugins.base import PluginOptions
 from lmkv.serde import Serializer
 from lmkv.tokens import CacheKey

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from lmkv.backend import Allocate
 from lmkv.errors import CorruptFrameError
-from lmkv.memory import MemoryObj, nbytes_of
+from lmkv.memory import Allocate, MemoryObj, nbytes_of
 from lmkv.serde import Serializer
 from lmkv.tokens import CacheKey
 

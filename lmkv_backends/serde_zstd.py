@@ -15,9 +15,8 @@ import numpy as np
 import zstandard
 from pydantic import Field
 
-from lmkv.backend import Allocate
 from lmkv.errors import CorruptFrameError
-from lmkv.memory import MemoryObj, nbytes_of
+from lmkv.memory import Allocate, MemoryObj, nbytes_of
 from lmkv.plugins.base import PluginOptions
 from lmkv.serde import Serializer
 from lmkv.tokens import CacheKey

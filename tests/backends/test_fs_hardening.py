@@ -291,3 +291,29 @@ def test_config_errors_and_config_check_never_echo_secrets(tmp_path: Path) -> No
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert SECRET not in proc.stdout + proc.stderr and "***" in proc.stdout
+
+
+def test_a_serializer_that_skips_the_key_check_still_never_serves_a_moved_frame(
+        tmp_path: Path, arena: MemoryAllocator, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Frames are bound by the tier (``decode_frame``), not by each serializer's care:
+    a third-party serializer that parses frames its own way is bound all the same."""
+    class Careless(NaiveSerializer):
+        raw_payload = False  # decoded through decode_frame
+
+        def open_frame(self, frame, asked):  # type: ignore[no-untyped-def]
+            return super().open_frame(frame, key(1))  # checks some key, not the one asked
+
+    from lmkv.backend import BackendContext
+    from lmkv_policies.lru import LRUPolicy
+    backend = FSBackend(FSBackend.Options(url=str(tmp_path / "tier"), durable=False),
+                        BackendContext(serializer=Careless(), eviction_policy=LRUPolicy(),
+                                       allocate=arena.allocate))
+    try:
+        assert put(backend, [1, 2]) == 2
+        root = tmp_path / "tier"
+        (root / entry_name(key(2))).write_bytes((root / entry_name(key(1))).read_bytes())
+        assert read(backend, 2) is None
+        assert backend.stats()["corrupt_frames"] == 1
+        assert torch.equal(read(backend, 1), chunk(1))
+    finally:
+        backend.close()
