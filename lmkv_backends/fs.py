@@ -30,7 +30,6 @@ from lmkv_backends.fs_index import EntryIndex, NotAnEntry, entry_name
 from lmkv_backends.fs_local import LocalStore
 from lmkv_backends.fs_options import (
     FSOptions,
-    check_s3_options,
     display_url,
     local_root,
     open_remote,
@@ -62,7 +61,6 @@ class FSBackend(StorageBackend):
         prefix = f"tiers.{context.tier_index}.options"  # for start-up errors
         self.store: LocalStore | RemoteStore
         if options.is_local:
-            check_s3_options(options, prefix)
             try:
                 self.store = LocalStore(local_root(options), options.durable,
                                         options.page_cache, options.file_mode,

@@ -30,6 +30,7 @@ from pydantic import (
     SecretStr,
     field_serializer,
     field_validator,
+    model_validator,
 )
 
 from lmkv.errors import ConfigError
@@ -93,6 +94,13 @@ class FSOptions(PluginOptions):
     @classmethod
     def _check_mode(cls, value: object) -> int:
         return parse_mode(value)
+
+    @model_validator(mode="after")
+    def _settings_fit_the_url(self) -> FSOptions:
+        problem = url_settings_problem(self)
+        if problem:  # config check says so too, not only start-up
+            raise ValueError(problem)
+        return self
 
     @field_serializer("storage_options", when_used="json")
     def _mask_secrets(self, value: dict[str, Any]) -> dict[str, Any]:
@@ -168,20 +176,18 @@ def display_url(url: str) -> str:
                                   parts.fragment)))
 
 
-def check_s3_options(options: FSOptions, prefix: str) -> None:
-    """The S3 settings are for s3:// URLs only; anything else is a config error.
-
-    ``prefix`` is the options' config path, e.g. ``tiers.1.options``."""
+def url_settings_problem(options: FSOptions) -> str | None:
+    """Why a setting does not fit the URL (the S3 settings are for s3:// URLs only,
+    ``mode`` for local directories only); None when all fit."""
     s3_only = [name for name in ("endpoint_url", "region", "key", "secret")
                if getattr(options, name) is not None]
     if s3_only and options.protocol not in S3_PROTOCOLS:
-        raise ConfigError(f"config key '{prefix}.{s3_only[0]}': applies to s3:// URLs only, "
-                          f"not {display_url(options.url)!r}; pass other filesystems' "
-                          "settings in storage_options")
+        return (f"{s3_only[0]} applies to s3:// URLs only, not {display_url(options.url)!r}; "
+                "pass other filesystems' settings in storage_options")
     if not options.is_local and "mode" in options.model_fields_set:
-        raise ConfigError(f"config key '{prefix}.mode': applies to local directories only, "
-                          f"not {display_url(options.url)!r} (object stores keep "
-                          "their own permissions)")
+        return (f"mode applies to local directories only, not {display_url(options.url)!r} "
+                "(object stores keep their own permissions)")
+    return None
 
 
 def local_root(options: FSOptions) -> str:
@@ -199,7 +205,6 @@ def open_remote(options: FSOptions, prefix: str) -> RemoteLocation:
     """The fsspec filesystem for a remote URL; ConfigError when it cannot be made."""
     protocol = options.protocol
     where = f"config key '{prefix}.url' = {display_url(options.url)!r}"
-    check_s3_options(options, prefix)
     try:
         cls = fsspec.get_filesystem_class(protocol)
     except (ImportError, ValueError) as exc:

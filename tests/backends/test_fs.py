@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from lmkv.backend import BackendContext
+from lmkv.config import load_config
 from lmkv.errors import ConfigError
 from lmkv.memory import MemoryAllocator, tensor_obj
 from lmkv.plugins import PluginManager, hookimpl
@@ -463,10 +464,12 @@ def test_secrets_never_show(tmp_path: Path, arena: MemoryAllocator) -> None:
                                 storage_options={"token": "tok3n", "anon": False})
     text = repr(options) + options.model_dump_json()
     assert "hunter22" not in text and "AKIDSECRETID" not in text and "tok3n" not in text
-    with pytest.raises(ConfigError) as info:
-        make_fs(f"file://{tmp_path}", arena, key="AKIDSECRETID")
-    assert "AKIDSECRETID" not in str(info.value)
-    assert str(info.value).startswith("config key 'tiers.0.options.key': applies to s3:// URLs")
+    with pytest.raises(ConfigError) as info:  # what config check says, too
+        load_config(env={}, overrides={"lmkv.tiers": [
+            {"type": "fs", "options": {"url": f"file://{tmp_path}", "key": "AKIDSECRETID"}}]})
+    assert "AKIDSECRETID" not in str(info.value) and "\n" not in str(info.value)
+    assert str(info.value).startswith("config key 'tiers.0.options'")
+    assert "key applies to s3:// URLs only" in str(info.value)
 
 
 # -- the other process ------------------------------------------------------------------

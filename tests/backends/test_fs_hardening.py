@@ -225,9 +225,12 @@ def test_a_bad_mode_is_one_line_naming_the_key(mode: object) -> None:
     assert "\n" not in text and "tiers.1.options.mode" in text and '"0640"' in text
 
 
-def test_mode_applies_to_local_directories_only(arena: MemoryAllocator) -> None:
-    with pytest.raises(ConfigError, match=r"tiers\.0\.options\.mode': applies to local"):
-        make_fs("s3://bucket/p", arena, mode="0640")
+def test_mode_applies_to_local_directories_only() -> None:
+    """Refused by the config itself, so ``lmkv config check`` says so too."""
+    from lmkv.config import load_config
+    with pytest.raises(ConfigError, match=r"tiers\.0\.options'.*mode applies to local"):
+        load_config(env={}, overrides={"lmkv.tiers": [
+            {"type": "fs", "options": {"url": "s3://bucket/p", "mode": "0640"}}]})
 
 
 # -- secrets ---------------------------------------------------------------------------------

@@ -25,6 +25,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _PROBE_END = ENVELOPE.size - 1
+_DELETE_IF_EMPTY = ("if redis.call('EXISTS', KEYS[1]) == 1 and redis.call('STRLEN', KEYS[1]) "
+                    "== 0 then return redis.call('DEL', KEYS[1]) end return 0")
 
 
 @dataclass
@@ -198,14 +200,9 @@ class Reader:
     def drop_if_empty(self, name: str) -> bool:
         """Delete ``name`` when it holds an empty string (no frame is that short);
         True when it did (counted as a corrupt frame)."""
-        client = self.backend.client()
-        pipe = client.pipeline(transaction=False)
-        pipe.execute_command("EXISTS", name)
-        pipe.execute_command("STRLEN", name)
-        exists, length = pipe.execute(raise_on_error=False)
-        if exists != 1 or length != 0:
-            return False
-        if not client.execute_command("DEL", name):
+        # One script: a writer's fresh frame between the check and the delete must
+        # never be deleted.
+        if not self.backend.client().execute_command("EVAL", _DELETE_IF_EMPTY, 1, name):
             return False
         self.backend.counters.corrupt_frames += 1
         self.backend.faults.note("corrupt", "dropping corrupt entry %s: an empty value", name)
