@@ -107,7 +107,9 @@ class CacheKey(msgspec.Struct, frozen=True):
     def digest(self) -> bytes:
         """16 bytes naming the whole key (meta, chunk hash, layer): what a frame is
         bound to, so a frame moved under another key never decodes as that key."""
-        return blake2b(self.to_string().encode(), digest_size=16).digest()
+        # Of the fields themselves (msgpack), not of the text form: a model name may
+        # hold the text form's separator.
+        return blake2b(msgspec.msgpack.encode(self), digest_size=16).digest()
 
 
 def token_bytes(tokens: Any) -> memoryview:

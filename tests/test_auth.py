@@ -154,6 +154,17 @@ def test_the_config_refuses_a_non_loopback_tcp_lookup_without_curve(tmp_path) ->
                                           "host": "10.1.2.3", **extra}})
 
 
+def test_an_insecure_lookup_channel_warns_at_every_start(caplog) -> None:
+    import logging
+
+    from lmkv.lookup.transport import LookupEndpoints
+    config = load_config(overrides={"lookup": {"transport": "tcp", "base_port": 7000,
+                                               "host": "10.1.2.3", "insecure": True}})
+    with caplog.at_level(logging.WARNING, logger="lmkv"):
+        LookupEndpoints.from_config(config.lookup, "e", 1)
+    assert "INSECURE" in caplog.text and "10.1.2.3" in caplog.text
+
+
 NOBODY = 65534  # another local user (the tests run as root, who may chown)
 
 

@@ -139,3 +139,12 @@ def test_the_c_accelerator_is_built_in_development_installs() -> None:
     import lmkv.tokens as tokens_mod
 
     assert tokens_mod._uint32_le is not None
+
+
+def test_key_digests_name_the_fields_not_the_text() -> None:
+    """Two keys whose text forms agree (a model name holding '@') differ in digest."""
+    a = CacheKey(KeyMeta("x@1", 1, 0, "bfloat16", "l2thd"), b"1" * 32)
+    b = CacheKey(KeyMeta("x", 1, 1, "0@bfloat16", "l2thd"), b"1" * 32)
+    assert a.to_string() == b.to_string() and a.digest() != b.digest()
+    assert a.digest() == CacheKey(KeyMeta("x@1", 1, 0, "bfloat16", "l2thd"), b"1" * 32).digest()
+    assert len(a.digest()) == 16

@@ -441,8 +441,9 @@ class LookupClient:
                 if self._closed:
                     break
                 _log.log(logging.ERROR, "recv", "lmkv lookup client: receive failed: %s", exc)
-            except Exception:  # a bug; the thread must keep collecting answers
-                logger.exception("lmkv lookup client: unexpected error")
+            except Exception as exc:  # a bug; the thread must keep collecting answers
+                _log.log(logging.ERROR, "unexpected", "lmkv lookup client: unexpected error "
+                         "in the receive thread: %s: %s", type(exc).__name__, exc)
 
     def _drain(self, sock: zmq.Socket) -> None:
         while True:

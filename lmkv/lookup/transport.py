@@ -35,6 +35,7 @@ Socket files are made owner-only (0600). tcp binds loopback by default.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import re
 import tempfile
@@ -45,11 +46,13 @@ from pathlib import Path
 import zmq
 
 from lmkv.auth import CurveKeys, CurveServer, peer_keys, secure_client
-from lmkv.config import LookupConfig
+from lmkv.config import LookupConfig, is_loopback_host
 from lmkv.errors import ConfigError
 from lmkv.private import make_private_dir
 
 # sockaddr_un.sun_path holds 108 bytes on Linux (104 on macOS), NUL included.
+logger = logging.getLogger(__name__)
+
 MAX_IPC_PATH_BYTES = 103
 _ENGINE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 # Queued messages per peer before a send would block; a send that would block fails instead.
@@ -123,6 +126,11 @@ class LookupEndpoints:
     def secured(self, lookup: LookupConfig) -> LookupEndpoints:
         """These endpoints with the CURVE keys of ``lookup.curve`` (unchanged without)."""
         if lookup.curve is None:
+            if lookup.transport == "tcp" and not is_loopback_host(lookup.host):
+                # lookup.insecure let this through: say so at every start
+                logger.warning("lmkv lookup: INSECURE: tcp on %s without CURVE "
+                               "(lookup.insecure): anyone who reaches these ports can read "
+                               "and answer lookups", lookup.host)
             return self
         return LookupEndpoints(self.requests, self.responses, peer_keys(lookup.curve))
 

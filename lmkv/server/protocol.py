@@ -33,7 +33,6 @@ UNKNOWN_HANDLE = "unknown_handle"
 INTERNAL = "internal"
 ERROR_CODES = (BAD_REQUEST, TOO_LARGE, UNKNOWN_HANDLE, INTERNAL)
 
-# Bounds of a chunk shape (a KV chunk has at most 6 dimensions; a little room above).
 # Request ids a client may name in one request's ``abandoned``.
 MAX_ABANDONED = 1024
 
