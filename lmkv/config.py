@@ -28,6 +28,7 @@ from pydantic import (
 
 from lmkv.errors import ConfigError, UnknownPluginError
 from lmkv.plugins.base import PluginOptions
+from lmkv.private import default_server_address
 from lmkv.redact import RedactedRepr, redact_value
 
 ENV_PREFIX = "LMKV_"
@@ -123,7 +124,9 @@ class LookupConfig(_Model):
 class ServerConnection(_Model):
     """The ``lmkv server`` an engine uses in server mode (docs/server.md)."""
 
-    address: str = Field(default="tcp://127.0.0.1:5555", min_length=1)
+    # Default: an ipc socket in this user's private runtime directory (what ``lmkv
+    # server`` listens on without --host/--port/--socket).
+    address: str = Field(default_factory=default_server_address, min_length=1)
     timeout_ms: PositiveInt = 250
     transport: Literal["auto", "frame"] = "auto"
     # CURVE keys: this process's key pair and the server's public key (docs/security.md).

@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import os
 import stat
+import tempfile
 from pathlib import Path
+
+SERVER_SOCKET = "server.sock"
 
 
 def ownership_problem(info: os.stat_result) -> str | None:
@@ -50,3 +53,34 @@ def make_private_dir(directory: Path) -> str | None:
     except OSError as exc:
         return f"cannot be created: {exc.strerror or exc}"
     return private_dir_problem(directory)
+
+
+def default_runtime_dir() -> Path:
+    """``$XDG_RUNTIME_DIR/lmkv`` when that is set, else ``{tmp}/lmkv-{uid}``: where
+    this user's sockets live (lookup channel, the ``lmkv server``'s default)."""
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    if xdg:
+        return Path(xdg) / "lmkv"
+    return Path(tempfile.gettempdir()) / f"lmkv-{os.getuid()}"
+
+
+def default_server_address() -> str:
+    """The ``lmkv server``'s default address: an ipc socket in this user's private
+    runtime directory (no other local user can connect, or bind it first)."""
+    return f"ipc://{default_runtime_dir() / SERVER_SOCKET}"
+
+
+def ipc_dir_problem(address: str, *, create: bool) -> str | None:
+    """For an ``ipc://`` address: why its directory is not private (created 0700 first
+    when ``create``); None when it is, and for any other address."""
+    if not address.startswith("ipc://"):
+        return None
+    directory = Path(address[len("ipc://"):]).parent
+    if create:
+        problem = make_private_dir(directory)
+    else:
+        try:
+            problem = private_dir_problem(directory)
+        except FileNotFoundError:
+            return None  # nothing there yet: nobody else's socket either
+    return f"socket directory {directory} {problem}" if problem else None

@@ -58,6 +58,12 @@ class LocalStore:
     def __init__(self, root: str, durable: bool = True, page_cache: bool = False,
                  file_mode: int = 0o600, dir_mode: int = 0o700) -> None:
         make_dirs(root, dir_mode)
+        looser = stat.S_IMODE(os.stat(root).st_mode) & ~dir_mode & 0o077
+        if looser:  # an existing directory keeps its mode: say what it exposes
+            logger.warning("lmkv fs tier %s: the directory has mode %04o, more open than "
+                           "the tier's %04o: other users may read or change its entries; "
+                           "chmod %04o %s (and its files) to close it", root,
+                           stat.S_IMODE(os.stat(root).st_mode), dir_mode, dir_mode, root)
         self.root = root
         self.durable = durable
         self.page_cache = page_cache

@@ -38,7 +38,6 @@ import contextlib
 import logging
 import os
 import re
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,7 +47,7 @@ import zmq
 from lmkv.auth import CurveKeys, CurveServer, peer_keys, secure_client
 from lmkv.config import LookupConfig, is_loopback_host
 from lmkv.errors import ConfigError
-from lmkv.private import make_private_dir
+from lmkv.private import default_runtime_dir, make_private_dir
 
 # sockaddr_un.sun_path holds 108 bytes on Linux (104 on macOS), NUL included.
 logger = logging.getLogger(__name__)
@@ -62,14 +61,6 @@ SEND_HWM = 100_000
 MAX_FRAME_BYTES = 64 << 20
 RECONNECT_IVL_MS = 10
 RECONNECT_IVL_MAX_MS = 1000
-
-
-def default_runtime_dir() -> Path:
-    """``$XDG_RUNTIME_DIR/lmkv`` when that is set, else ``{tmp}/lmkv-{uid}``."""
-    xdg = os.environ.get("XDG_RUNTIME_DIR")
-    if xdg:
-        return Path(xdg) / "lmkv"
-    return Path(tempfile.gettempdir()) / f"lmkv-{os.getuid()}"
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ import zmq
 
 from lmkv.auth import CurveKeys, secure_client
 from lmkv.logutil import RateLimitedLog
+from lmkv.private import ipc_dir_problem
 from lmkv.server import protocol as p
 
 logger = logging.getLogger(__name__)
@@ -57,6 +58,9 @@ class Channel:
                 ) -> tuple[p.AnyReply, list[zmq.Frame]] | Failure:
         """Send ``message`` (and raw ``frames``); the reply and its data frames, or a Failure."""
         sock = self._socket if self._socket is not None else self._connect()
+        if sock is None:
+            self.down = True
+            return Failure.UNREACHABLE
         if not sock.poll(0 if self.down else timeout_ms, zmq.POLLOUT):
             self.down = True
             return Failure.UNREACHABLE
@@ -85,7 +89,14 @@ class Channel:
             self.down = False
             return reply, parts[1:]
 
-    def _connect(self) -> zmq.Socket:
+    def _connect(self) -> zmq.Socket | None:
+        # A socket in a directory another user controls may be theirs: whatever
+        # answers there could hand us planted KV. Checked on every (re)connect.
+        problem = ipc_dir_problem(self.address, create=False)
+        if problem:
+            _log.warning("foreign", "lmkv client: not connecting to %s: its %s; misses "
+                         "until it is private", self.address, problem)
+            return None
         sock = self.context.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.IMMEDIATE, 1)

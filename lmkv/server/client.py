@@ -36,6 +36,7 @@ import zmq
 from lmkv.auth import CurveKeys
 from lmkv.logutil import RateLimitedLog
 from lmkv.memory import shape_problem
+from lmkv.private import default_server_address
 from lmkv.server import protocol as p
 from lmkv.server.channel import Channel, Failure
 from lmkv.server.heartbeat import Heartbeat
@@ -46,7 +47,6 @@ from lmkv.tokens import CacheKey, KeyMeta
 logger = logging.getLogger(__name__)
 _log = RateLimitedLog(logger)
 
-DEFAULT_ADDRESS = "tcp://127.0.0.1:5555"
 DEFAULT_TIMEOUT_MS = 250
 # In-frame transfers get this much time per byte on top of the request timeout.
 FRAME_BYTES_PER_MS = 256 << 10
@@ -69,13 +69,14 @@ class ClientCounters:
 class ServerClient:
     """One engine process's connection (one session) to an lmkv server; thread-safe."""
 
-    def __init__(self, address: str = DEFAULT_ADDRESS, *, session: str | None = None,
+    def __init__(self, address: str | None = None, *, session: str | None = None,
                  timeout_ms: int = DEFAULT_TIMEOUT_MS,
                  transport: Literal["auto", "frame"] = "auto",
                  context: zmq.Context | None = None, curve: CurveKeys | None = None
                  ) -> None:
         if transport not in ("auto", "frame"):
             raise ValueError(f"transport {transport!r}: allowed: auto, frame")
+        address = address or default_server_address()
         self.address = address if "://" in address else f"tcp://{address}"
         self.session = session or f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
         self.timeout_ms = timeout_ms

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import ByteSize, TypeAdapter, ValidationError
 
 from lmkv.config import LMKVConfig, is_loopback_host, load_config, resolve_plugin
+from lmkv.private import default_server_address
 from lmkv.server.sessions import DEFAULT_HANDLE_TTL_S, DEFAULT_QUARANTINE_GRACE_S
 from lmkv.storage import StorageManager
 
@@ -69,10 +70,17 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", metavar="FILE",
                         help="lmkv config file with the tiers to serve (default: LMKV_CONFIG, "
                              "else one 4GiB cpu tier)")
-    parser.add_argument("--host", default=DEFAULT_HOST,
-                        help=f"address to listen on (default {DEFAULT_HOST}: this machine only)")
-    parser.add_argument("--port", type=_port, default=DEFAULT_PORT,
-                        help=f"TCP port (default {DEFAULT_PORT}; 0: any free port)")
+    parser.add_argument("--socket", metavar="PATH",
+                        help="listen on this ipc socket (its directory must be private: "
+                             "created 0700); default without --host/--port: server.sock in "
+                             "this user's runtime directory, which no other user can reach")
+    parser.add_argument("--host",
+                        help=f"listen on TCP at this address (default {DEFAULT_HOST} when "
+                             "--port is given); every local user can reach a TCP port: use "
+                             "CURVE where others share the machine")
+    parser.add_argument("--port", type=_port,
+                        help=f"TCP port (default {DEFAULT_PORT} when --host is given; 0: any "
+                             "free port)")
     parser.add_argument("--max-request-bytes", type=_byte_size,
                         default=DEFAULT_MAX_REQUEST_BYTES, metavar="SIZE",
                         help="larger requests get a too_large error reply (default 256MiB)")
@@ -138,6 +146,21 @@ def endpoint_of(host: str, port: int) -> str:
     return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
 
 
+def listen_endpoint(args: argparse.Namespace) -> str:
+    """Where to listen: TCP with --host/--port, else the ipc socket (--socket, or this
+    user's private default)."""
+    from lmkv.server.server import ServerError
+
+    tcp = args.host is not None or args.port is not None
+    if tcp and args.socket:
+        raise ServerError("--socket and --host/--port name two places to listen; give one")
+    if tcp:
+        return endpoint_of(args.host or DEFAULT_HOST,
+                           DEFAULT_PORT if args.port is None else args.port)
+    return f"ipc://{os.path.abspath(args.socket)}" if args.socket else \
+        default_server_address()
+
+
 def server_curve(args: argparse.Namespace, config: LMKVConfig) -> CurveKeys | None:
     """The server's CURVE keys from the flags, else the config's ``server.curve``; None
     without either. Refuses a non-loopback host without CURVE unless ``--insecure``."""
@@ -151,7 +174,7 @@ def server_curve(args: argparse.Namespace, config: LMKVConfig) -> CurveKeys | No
         raise ServerError("--curve-authorized-keys needs --curve-secret-key (the server's "
                           "own key pair)")
     curve = server_keys(secret, authorized) if secret is not None else None
-    if curve is None and not is_loopback_host(args.host):
+    if curve is None and args.host is not None and not is_loopback_host(args.host):
         if not args.insecure:
             raise ServerError(
                 f"--host {args.host} is not loopback and CURVE is off: anyone who reaches "
@@ -161,6 +184,16 @@ def server_curve(args: argparse.Namespace, config: LMKVConfig) -> CurveKeys | No
                        "who reaches this port can read every chunk and plant KV that engines "
                        "will load", args.host)
     return curve
+
+
+def access_line(endpoint: str, curve: CurveKeys | None) -> str:
+    """Who can connect, for the listening log line."""
+    if curve is not None:
+        return f"CURVE, {len(curve.authorized)} authorized client keys"
+    if endpoint.startswith("ipc://"):
+        return "ipc socket in a private directory: this user only"
+    return ("no CURVE: every user who can reach the port, on this machine too, can "
+            "connect (docs/security.md)")
 
 
 def run_server(args: argparse.Namespace) -> int:
@@ -175,7 +208,7 @@ def run_server(args: argparse.Namespace) -> int:
     # lookup for milliseconds.
     gc.freeze()
     try:
-        server = KVServer(storage, endpoint=endpoint_of(args.host, args.port),
+        server = KVServer(storage, endpoint=listen_endpoint(args),
                           max_request_bytes=args.max_request_bytes,
                           session_timeout_s=args.session_timeout, curve=curve,
                           handle_ttl_s=args.handle_ttl,
@@ -194,9 +227,7 @@ def run_server(args: argparse.Namespace) -> int:
             logger.info("lmkv server %s (pid %d) listening on %s; shared memory: %s; %s",
                         server.server_id, os.getpid(), endpoint,
                         server.service.shm_name or "none (in-frame transport only)",
-                        f"CURVE, {len(curve.authorized)} authorized client keys"
-                        if curve is not None else "no CURVE: every user who can reach "
-                        "the port can connect (docs/security.md)")
+                        access_line(endpoint, curve))
             server.serve()
             server.close(args.drain_timeout)
             logger.info("lmkv server: final tier stats: %s",

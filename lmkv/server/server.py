@@ -30,6 +30,7 @@ from lmkv.errors import LMKVError
 from lmkv.logutil import RateLimitedLog
 from lmkv.memory import MemoryObj
 from lmkv.prefetch import release
+from lmkv.private import ipc_dir_problem
 from lmkv.server import protocol as p
 from lmkv.server.service import Deferred, KVService, Outcome
 from lmkv.server.sessions import (
@@ -86,12 +87,20 @@ class KVServer:
         self._closed = False
 
     def bind(self) -> str:
-        """Listen on the endpoint; returns the bound address (the real port for port 0)."""
+        """Listen on the endpoint; returns the bound address (the real port for port 0).
+
+        An ``ipc://`` socket goes into a private directory (created 0700; an existing
+        one must be this user's and writable by nobody else) and is made 0600."""
+        problem = ipc_dir_problem(self.endpoint, create=True)
+        if problem:
+            raise ServerError(f"cannot listen on {self.endpoint}: its {problem}")
         try:
             self._router.bind(self.endpoint)
         except zmq.ZMQError as exc:
             raise ServerError(
                 f"cannot listen on {self.endpoint}: {zmq.strerror(exc.errno)}") from None
+        if self.endpoint.startswith("ipc://"):
+            os.chmod(self.endpoint[len("ipc://"):], 0o600)
         return self._router.getsockopt_string(zmq.LAST_ENDPOINT)
 
     @property

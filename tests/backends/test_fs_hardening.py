@@ -203,6 +203,25 @@ def test_directories_are_0700_and_files_0600_by_default(
     assert stat.S_IMODE((tmp_path / "a").stat().st_mode) == 0o700
 
 
+def test_an_existing_directory_more_open_than_the_tier_is_reported(
+        make: Callable[..., FSBackend], tmp_path: Path,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """An older, looser directory is left as it is (it may be shared on purpose), and
+    the start says what it exposes."""
+    import logging
+
+    root = tmp_path / "tier"
+    root.mkdir(mode=0o755)
+    root.chmod(0o755)
+    with caplog.at_level(logging.WARNING, logger="lmkv_backends"):
+        make(url=str(root))
+    assert "mode 0755, more open than the tier's 0700" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="lmkv_backends"):
+        make(url=str(tmp_path / "fresh"))
+    assert "more open" not in caplog.text
+
+
 @pytest.mark.parametrize(("mode", "expected"), [
     ("0640", (0o750, 0o640)), (0o660, (0o770, 0o660)), ("0o644", (0o755, 0o644)),
 ])

@@ -7,7 +7,13 @@ import argparse
 import pytest
 
 from lmkv.config import load_config
-from lmkv.server.main import _enable_shared_memory, add_server_arguments, endpoint_of
+from lmkv.errors import LMKVError
+from lmkv.server.main import (
+    _enable_shared_memory,
+    add_server_arguments,
+    endpoint_of,
+    listen_endpoint,
+)
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -16,12 +22,19 @@ def parse(*argv: str) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def test_defaults_listen_on_loopback_port_5555() -> None:
+def test_by_default_the_server_listens_where_only_this_user_reaches(monkeypatch,
+                                                                    tmp_path) -> None:
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
     args = parse()
-    assert (args.host, args.port, args.config) == ("127.0.0.1", 5555, None)
-    assert args.max_request_bytes == 256 << 20
-    assert endpoint_of(args.host, args.port) == "tcp://127.0.0.1:5555"
+    assert args.config is None and args.max_request_bytes == 256 << 20
+    assert listen_endpoint(args) == f"ipc://{tmp_path}/lmkv/server.sock"
+    assert load_config(env={}).server.address == listen_endpoint(args)  # clients agree
+    assert listen_endpoint(parse("--socket", "s.sock")).endswith("/s.sock")
+    assert listen_endpoint(parse("--port", "7000")) == "tcp://127.0.0.1:7000"
+    assert listen_endpoint(parse("--host", "127.0.0.2")) == "tcp://127.0.0.2:5555"
     assert endpoint_of("::1", 7) == "tcp://[::1]:7"
+    with pytest.raises(LMKVError, match="two places to listen"):
+        listen_endpoint(parse("--socket", "s.sock", "--port", "7000"))
 
 
 def test_sizes_and_times_are_parsed_and_checked(capsys) -> None:
