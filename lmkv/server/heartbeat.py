@@ -3,11 +3,12 @@ and tells the server which requests the client gave up on.
 
 A client copies chunk bytes in place (``consume`` of a retrieve, ``fill`` of a
 store) between two requests. If that takes longer than the server's session
-timeout or handle time to live (a slow copy, a long GC pause in the caller),
-the server would end the handle and reuse its arena bytes under the copy. A
-thread of the client's own, on a connection of its own (the caller's holds
+timeout or handle time to live (a slow copy), the server would end the handle.
+A thread of the client's own, on a connection of its own (the caller's holds
 the client's lock for the whole transfer), sends ``renew`` for the handles in
-use every quarter of the shorter of the two timeouts.
+use every quarter of the shorter of the two timeouts. A process that stops
+altogether (frozen, or a GC pause that holds this thread too) cannot renew:
+the server's quarantine then keeps the bytes from being reused under it.
 
 The same thread sends the ids of requests the client abandoned (no reply in
 time, or a release that could not be sent) in a ``renew``'s ``abandoned``, at
