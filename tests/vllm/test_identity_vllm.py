@@ -104,12 +104,17 @@ def _config(*kinds: type) -> SimpleNamespace:
 
 
 def test_hybrid_models_are_refused_at_start_with_one_line() -> None:
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
-    check_kv_cache_groups(_config(FullAttentionSpec), "llama")  # the one layout served
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        MambaSpec,
+        MLAAttentionSpec,
+        SlidingWindowSpec,
+    )
+    check_kv_cache_groups(_config(FullAttentionSpec), "llama", FullAttentionSpec)  # served
     for kinds in ((FullAttentionSpec, SlidingWindowSpec), (MambaSpec,),
-                  (FullAttentionSpec, MambaSpec), (SlidingWindowSpec,)):
+                  (FullAttentionSpec, MambaSpec), (SlidingWindowSpec,), (MLAAttentionSpec,)):
         with pytest.raises(ConfigError) as err:
-            check_kv_cache_groups(_config(*kinds), "org/hybrid-7b")
+            check_kv_cache_groups(_config(*kinds), "org/hybrid-7b", FullAttentionSpec)
         message = str(err.value)
         assert "\n" not in message and "org/hybrid-7b" in message
         assert all(kind.__name__ in message for kind in kinds)
