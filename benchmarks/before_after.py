@@ -6,9 +6,11 @@ checks ``--base`` out into a temporary git worktree, then runs the benchmark
 from that tree and from this one in turn (A B A B ..., ``--repeats`` times
 each, each run in its own process with ``PYTHONPATH`` pointing at its tree),
 so both sides see the same machine load. Every output line ``label: NUMBER
-UNIT ...`` is a figure (under the latest ``[section]`` heading); the script
-prints the median of each side and the ratio after/before, turned so that
-above 1 means faster now (times in s/ms/us are inverted).
+UNIT ...`` is a figure (under the latest ``[section]`` heading), and so is a
+``ratio N`` on it (the benchmark's own ratio to a baseline of the same run,
+which cancels most of the machine's drift); the script prints the median of
+each side and the ratio after/before, turned so that above 1 means faster
+now (times in s/ms/us are inverted).
 """
 
 from __future__ import annotations
@@ -24,8 +26,9 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent.parent
-_FIGURE = re.compile(r"^\s*(?P<label>[^:\[]+?)\s*:\s*(?P<value>[-+]?\d+(?:\.\d+)?)\s*"
-                     r"(?P<unit>[A-Za-zµ/%]+)?")
+_FIGURE = re.compile(r"^\s*(?P<label>[^:\[]+?)\s*:\s*(?:[A-Za-z]+\s+)?"
+                     r"(?P<value>[-+]?\d+(?:\.\d+)?)\s*(?P<unit>[A-Za-zµ/%]+)?")
+_RATIO = re.compile(r"\bratio\s+(?P<value>\d+(?:\.\d+)?)")
 _SECTION = re.compile(r"^\s*\[(?P<name>[^\]]+)\]")
 _TIMES = {"s", "ms", "us", "µs", "ns"}
 
@@ -43,6 +46,9 @@ def figures(output: str) -> dict[str, tuple[float, str]]:
         if match:
             key = f"[{section}] {match['label']}" if section else match["label"]
             found.setdefault(key, (float(match["value"]), match["unit"] or ""))
+            ratio = _RATIO.search(line, match.end())
+            if ratio:
+                found.setdefault(f"{key} (ratio)", (float(ratio["value"]), "x"))
     return found
 
 
