@@ -49,6 +49,10 @@ def figures(output: str) -> dict[str, tuple[float, str]]:
             ratio = _RATIO.search(line, match.end())
             if ratio:
                 found.setdefault(f"{key} (ratio)", (float(ratio["value"]), "x"))
+        elif (ratio := _RATIO.search(line)) is not None:  # "what ... ratio N" alone
+            label = " ".join(line[:ratio.start()].split()[:6])
+            key = f"[{section}] {label}" if section else label
+            found.setdefault(f"{key} (ratio)", (float(ratio["value"]), "x"))
     return found
 
 
