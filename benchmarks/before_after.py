@@ -31,6 +31,8 @@ _FIGURE = re.compile(r"^\s*(?P<label>[^:\[]+?)\s*:\s*(?:[A-Za-z]+\s+)?"
 _RATIO = re.compile(r"\bratio\s+(?P<value>\d+(?:\.\d+)?)")
 _SECTION = re.compile(r"^\s*\[(?P<name>[^\]]+)\]")
 _TIMES = {"s", "ms", "us", "µs", "ns"}
+_NUMBER = re.compile(r"[-+]?\d+(?:\.\d+)?")
+_STAT = re.compile(r"p\d+|min|max|mean|median")
 
 
 def figures(output: str) -> dict[str, tuple[float, str]]:
@@ -53,7 +55,28 @@ def figures(output: str) -> dict[str, tuple[float, str]]:
             label = " ".join(line[:ratio.start()].split()[:6])
             key = f"[{section}] {label}" if section else label
             found.setdefault(f"{key} (ratio)", (float(ratio["value"]), "x"))
+        else:  # a table row or "label p50 N ms p99 N ms": each number after the label
+            for key, value, unit in _row(line):
+                found.setdefault(f"[{section}] {key}" if section else key, (value, unit))
     return found
+
+
+def _row(line: str) -> list[tuple[str, float, str]]:
+    words = line.split()
+    first = next((i for i, w in enumerate(words)
+                  if _NUMBER.fullmatch(w) or _STAT.fullmatch(w)), None)
+    if not first:  # no label, or no number
+        return []
+    label, out, name = " ".join(words[:first]), [], ""
+    for i, word in enumerate(words[first:]):
+        if _NUMBER.fullmatch(word):
+            following = words[first + i + 1] if first + i + 1 < len(words) else ""
+            unit = following if following in _TIMES else ""
+            out.append((f"{label} {name or '#' + str(len(out) + 1)}", float(word), unit))
+            name = ""
+        elif _STAT.fullmatch(word):
+            name = word
+    return out
 
 
 def run(tree: Path, script: str, args: list[str]) -> str:
