@@ -374,8 +374,6 @@ def _allowed(err: Mapping[str, Any]) -> str:
         msg = "must be a positive integer"
     elif err["type"] in ("bool_parsing", "bool_type"):
         msg = "must be true or false"
-    elif err["type"].startswith("byte_size"):
-        msg = "must be a byte count or a size such as 512MiB or 4GiB"
     return msg[0].lower() + msg[1:] if msg else msg
 
 

@@ -20,12 +20,13 @@ from lmkv.backend import BackendContext, StorageBackend, done_future
 from lmkv.memory import MemoryAllocator, MemoryObj, nbytes_of
 from lmkv.plugins.base import PluginOptions
 from lmkv.tokens import CacheKey
+from lmkv.units import ByteCount
 
 logger = logging.getLogger(__name__)
 
 
 class CPUOptions(PluginOptions):
-    max_bytes: Annotated[ByteSize, Field(ge=4096)] = ByteSize(4 << 30)
+    max_bytes: Annotated[ByteCount, Field(ge=4096)] = ByteSize(4 << 30)
     """Hard budget of the arena, e.g. ``512MiB`` or ``8GiB``."""
     pin_memory: bool | None = None
     """Page-locked arena for fast GPU copies; default: when CUDA is available."""

@@ -36,6 +36,7 @@ from pydantic import (
 from lmkv.errors import ConfigError
 from lmkv.plugins.base import PluginOptions
 from lmkv.redact import Redactor, redact_url, redact_value, secrets_in
+from lmkv.units import ByteCount
 
 LOCAL_PROTOCOLS = frozenset({None, "file", "local"})
 S3_PROTOCOLS = frozenset({"s3", "s3a"})
@@ -52,7 +53,7 @@ _MODE_HELP = ('must be an octal file mode with owner read and write, no execute 
 class FSOptions(PluginOptions):
     url: str = Field(min_length=1)
     """Where entries live: ``/var/cache/lmkv``, ``file:///...``, ``s3://bucket/prefix``."""
-    max_bytes: ByteSize | None = None
+    max_bytes: ByteCount | None = None
     """The tier's byte budget (LRU-evicted past it); None: unbounded."""
     durable: bool = True
     """Local disk: a put completes only once its data is on disk (fdatasync)."""

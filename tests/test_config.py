@@ -88,7 +88,7 @@ BAD = [
                                       "'nosuch'; available: cpu"),
     ({"lmkv.tiers.0.options.max_bytes": "a lot"},
      "config key 'tiers.0.options.max_bytes' = 'a lot' (from lmkv.tiers.0.options.max_bytes):"
-     " must be a byte count or a size"),
+     " must be a byte count or a number"),
     ({"lmkv.tiers.0.options.max_bytes": 0}, "config key 'tiers.0.options.max_bytes' = 0"),
     ({"lmkv.tiers.0.options.max_byte": 5}, "config key 'tiers.0.options.max_byte' "
                                            "(from lmkv.tiers.0.options.max_byte): unknown key"),

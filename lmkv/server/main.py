@@ -21,12 +21,11 @@ import signal
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from pydantic import ByteSize, TypeAdapter, ValidationError
-
 from lmkv.config import LMKVConfig, is_loopback_host, load_config, resolve_plugin
 from lmkv.private import default_server_address
 from lmkv.server.sessions import DEFAULT_HANDLE_TTL_S, DEFAULT_QUARANTINE_GRACE_S
 from lmkv.storage import StorageManager
+from lmkv.units import ACCEPTED_FORMS, parse_byte_size
 
 if TYPE_CHECKING:
     from lmkv.auth import CurveKeys
@@ -41,10 +40,9 @@ LOG_LEVELS = ["DEBUG", "INFO", "WARNING", "ERROR"]
 
 def _byte_size(text: str) -> int:
     try:
-        value = int(TypeAdapter(ByteSize).validate_python(text))
-    except ValidationError:
-        raise argparse.ArgumentTypeError(
-            f"{text!r}: must be a byte count or a size such as 64MiB") from None
+        value = parse_byte_size(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be {ACCEPTED_FORMS}") from None
     if value < 4096:
         raise argparse.ArgumentTypeError(f"{text!r}: must be at least 4096 bytes")
     return value

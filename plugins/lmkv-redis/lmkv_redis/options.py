@@ -18,6 +18,7 @@ from pydantic import (
 
 from lmkv.plugins.base import PluginOptions
 from lmkv.redact import redact_url
+from lmkv.units import ByteCount
 
 __all__ = ["RedisOptions", "redact_url"]
 
@@ -68,7 +69,7 @@ class RedisOptions(PluginOptions):
     """Namespace: every key this tier writes starts with it."""
     ttl_s: PositiveFloat | None = None
     """Expire entries this long after they were written (None: never)."""
-    part_bytes: ByteSize = Field(default=ByteSize(64 << 20), ge=MIN_PART_BYTES)
+    part_bytes: ByteCount = Field(default=ByteSize(64 << 20), ge=MIN_PART_BYTES)
     """Values larger than this are split into parts of this size (same hash slot)."""
     connect_timeout_s: PositiveFloat = 2.0
     """Give up connecting after this long: a dead server never hangs the engine."""
@@ -81,10 +82,10 @@ class RedisOptions(PluginOptions):
     """``close()`` waits this long for puts in flight, then drops them."""
     max_connections: PositiveInt = 16
     """Connections per pool (per node with ``cluster``)."""
-    pipeline_bytes: ByteSize = Field(default=ByteSize(64 << 20), ge=MIN_PART_BYTES)
+    pipeline_bytes: ByteCount = Field(default=ByteSize(64 << 20), ge=MIN_PART_BYTES)
     """Value bytes one pipeline carries; a larger batch goes in several (the server
     buffers a pipeline's replies whole: huge pipelines cost it page faults)."""
-    max_pending_bytes: ByteSize = Field(default=ByteSize(1 << 30), ge=0)
+    max_pending_bytes: ByteCount = Field(default=ByteSize(1 << 30), ge=0)
     """Bytes of submitted puts not yet written; past it new puts are dropped and
     counted (a slow server must not hold the cpu tier's buffers forever)."""
     tls_ca_file: str | None = None

@@ -1,0 +1,52 @@
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from lmkv.config import load_config
+from lmkv.errors import ConfigError
+from lmkv.server.main import _byte_size
+from lmkv.units import parse_byte_size
+
+
+@pytest.mark.parametrize("text,expected", [
+    (4096, 4096), ("4096", 4096), ("512MiB", 512 << 20), ("1.5 GiB", 3 << 29),
+    ("10GB", 10 * 10**9), ("8kb", 8000), (" 2MiB ", 2 << 20), ("7B", 7),
+])
+def test_accepted_sizes(text: object, expected: int) -> None:
+    assert parse_byte_size(text) == expected
+
+
+@pytest.mark.parametrize("text", [
+    "8GB!", "1,5GiB", "1  GiB", "GiB", "1.GiB", ".5GiB", "-1GiB", "12 parsecs", "", True, 1.5,
+    None, [1],
+])
+def test_loose_sizes_are_refused(text: object) -> None:
+    with pytest.raises(ValueError, match="a unit: B, KB"):
+        parse_byte_size(text)
+
+
+# Every byte-size option of the built-in tiers and the redis plugin uses the strict type.
+@pytest.mark.parametrize("tier,key", [
+    ({"type": "cpu"}, "max_bytes"),
+    ({"type": "fs", "options": {"url": "/tmp/lmkv-units"}}, "max_bytes"),
+    ({"type": "redis"}, "part_bytes"),
+    ({"type": "redis"}, "pipeline_bytes"),
+    ({"type": "redis"}, "max_pending_bytes"),
+])
+@pytest.mark.parametrize("bad", ["8GB!", "1,5GiB"])
+def test_every_byte_size_option_is_strict(tier: dict, key: str, bad: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(env={}, overrides={"lmkv.tiers.0": tier, f"lmkv.tiers.0.options.{key}": bad})
+    message = str(info.value)
+    assert message.splitlines() == [
+        f"config key 'tiers.0.options.{key}' = {bad!r} (from lmkv.tiers.0.options.{key}): "
+        "must be a byte count or a number (decimal point allowed), optional space and a "
+        "unit: B, KB, MB, GB, TB, PB, KiB, MiB, GiB, TiB, PiB (e.g. 4096, 512MiB, 1.5 GiB)"]
+
+
+def test_server_flag_is_strict() -> None:
+    assert _byte_size("64MiB") == 64 << 20
+    with pytest.raises(argparse.ArgumentTypeError, match="'8GB!': must be a byte count"):
+        _byte_size("8GB!")
