@@ -16,7 +16,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-import yaml
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -30,6 +29,7 @@ from lmkv.errors import ConfigError, UnknownPluginError
 from lmkv.plugins.base import PluginOptions
 from lmkv.private import default_server_address
 from lmkv.redact import RedactedRepr, redact_value
+from lmkv.strict_yaml import StrictYAMLError, load_strict_yaml
 
 ENV_PREFIX = "LMKV_"
 # Env vars that are not config keys.
@@ -260,27 +260,45 @@ def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
     suffix = p.suffix.lower()
     try:
         if suffix in (".yaml", ".yml"):
-            data = yaml.safe_load(text)
+            data = load_strict_yaml(text)
         elif suffix == ".toml":
-            data = _toml_loads(text)
+            data = _toml_loads(text)  # TOML itself forbids duplicate keys
         elif suffix == ".json":
-            data = json.loads(text)
+            data = json.loads(text, object_pairs_hook=_no_duplicate_keys)
         else:
             raise ConfigError(
                 f"config file {p}: unknown format {suffix or '(none)'!r}; "
                 "allowed: .yaml, .yml, .toml, .json")
     except ConfigError:
         raise
+    except (StrictYAMLError, _DuplicateKeyError) as exc:
+        raise ConfigError(f"config file {p}: {exc}") from None
     except Exception as exc:  # each parser has its own error type
         detail = " ".join(str(exc).split())
         raise ConfigError(f"config file {p}: not valid {suffix[1:].upper()}: {detail}") from None
-    if data is None:
-        return {}
+    if data is None or data == {}:
+        raise ConfigError(f"config file {p}: empty (it sets no keys); write at least one key, "
+                          "or leave the file out to use the defaults")
     if not isinstance(data, dict):
         raise ConfigError(f"config file {p}: top level must be a mapping of keys, "
                           f"got {type(data).__name__}")
-    if set(data) == {"lmkv"} and isinstance(data["lmkv"], dict):
+    if set(data) == {"lmkv"} and isinstance(data["lmkv"], (dict, type(None))):
         data = data["lmkv"]  # an [lmkv] table / lmkv: section is accepted too
+        if not data:
+            raise ConfigError(f"config file {p}: its lmkv section is empty (it sets no keys)")
+    return data
+
+
+class _DuplicateKeyError(ValueError):
+    pass
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    data: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in data:
+            raise _DuplicateKeyError(f"duplicate key {key!r}")
+        data[key] = value
     return data
 
 

@@ -203,3 +203,59 @@ def test_lookup_section() -> None:
         load_config(env={}, overrides={"lmkv.lookup.timeout_ms": 0})
     with pytest.raises(ConfigError, match=r"config key 'lookup\.transport' = 'udp'"):
         load_config(env={}, overrides={"lmkv.lookup.transport": "udp"})
+
+
+LAUGHS = """\
+tiers:
+  - type: fs
+    options:
+      url: /tmp/lmkv-laughs
+      storage_options:
+        a: &a ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]
+        b: &b [*a,*a,*a,*a,*a,*a,*a,*a,*a]
+        c: &c [*b,*b,*b,*b,*b,*b,*b,*b,*b]
+        d: &d [*c,*c,*c,*c,*c,*c,*c,*c,*c]
+        e: &e [*d,*d,*d,*d,*d,*d,*d,*d,*d]
+        f: [*e,*e,*e,*e,*e,*e,*e,*e,*e]
+"""
+
+
+def test_yaml_anchors_are_refused_with_file_and_line(tmp_path: Path) -> None:
+    path = write(tmp_path, "laughs.yaml", LAUGHS)
+    result = run_cli("config", "check", str(path))
+    assert result.returncode == 2
+    assert result.stdout == ""
+    assert result.stderr.splitlines() == [
+        f"lmkv: error: config file {path}: line 6: anchors and aliases (&a, *a) are not "
+        "allowed; write the value out"]
+
+
+@pytest.mark.parametrize("name,text,expected", [
+    ("c.yaml", "chunk_size: 128\nchunk_size: 256\n", "line 2: duplicate key 'chunk_size'"),
+    ("c.yaml", "tiers:\n  - type: cpu\n    options: {max_bytes: 1GiB, max_bytes: 2GiB}\n",
+     "line 3: duplicate key 'max_bytes'"),
+    ("c.json", '{"chunk_size": 128, "chunk_size": 256}', "duplicate key 'chunk_size'"),
+    ("c.toml", "chunk_size = 1\nchunk_size = 2\n", "not valid TOML"),
+    ("c.yaml", "x: *nowhere\n", "line 1: anchors and aliases"),
+])
+def test_duplicate_keys_are_refused(tmp_path: Path, name: str, text: str,
+                                    expected: str) -> None:
+    path = write(tmp_path, name, text)
+    with pytest.raises(ConfigError) as info:
+        load_config(path, env={})
+    assert str(info.value).startswith(f"config file {path}: ")
+    assert expected in str(info.value)
+    assert len(str(info.value).splitlines()) == 1
+
+
+@pytest.mark.parametrize("name,text", [
+    ("c.yaml", ""), ("c.yaml", "# only a comment\n"), ("c.yaml", "lmkv:\n"),
+    ("c.toml", ""), ("c.json", "{}"), ("c.yml", "{}\n"),
+])
+def test_empty_config_file_is_refused(tmp_path: Path, name: str, text: str) -> None:
+    path = write(tmp_path, name, text)
+    with pytest.raises(ConfigError) as info:
+        load_config(path, env={})
+    message = str(info.value)
+    assert message.startswith(f"config file {path}: ") and "empty" in message
+    assert len(message.splitlines()) == 1
