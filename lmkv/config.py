@@ -25,6 +25,7 @@ from pydantic import (
     model_validator,
 )
 
+from lmkv.config_keys import model_at, unknown_key_hint
 from lmkv.errors import ConfigError, UnknownPluginError
 from lmkv.plugins.base import PluginOptions
 from lmkv.private import default_server_address
@@ -192,7 +193,8 @@ def resolve_plugin(kind: str, ref: PluginRef, path: str, manager: Any = None,
     try:
         options = cls.Options.model_validate(ref.options)
     except ValidationError as exc:
-        raise ConfigError(_format_errors(exc, f"{path}.options", sources or {})) from None
+        raise ConfigError(_format_errors(exc, f"{path}.options", sources or {},
+                                         cls.Options)) from None
     return cls, options
 
 
@@ -242,7 +244,7 @@ def load_config(path: str | os.PathLike | None = None, *,
     try:
         config = LMKVConfig.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(_format_errors(exc, "", sources)) from None
+        raise ConfigError(_format_errors(exc, "", sources, LMKVConfig)) from None
     config._sources = sources
     if check_plugins:
         validate_plugins(config)
@@ -364,14 +366,16 @@ def _set_path(data: Any, key_path: list[str], value: Any) -> None:
             raise TypeError(f"cannot set {part!r} inside a {type(node).__name__}")
 
 
-def _format_errors(exc: ValidationError, prefix: str, sources: Mapping[str, str]) -> str:
+def _format_errors(exc: ValidationError, prefix: str, sources: Mapping[str, str],
+                   model: type[BaseModel]) -> str:
     lines = []
     for err in exc.errors(include_url=False):
         loc = [str(p) for p in err["loc"]]
         key = ".".join(filter(None, [prefix, *loc])) or "(top level)"
         where = _source_for(key, sources)
         if err["type"] == "extra_forbidden":
-            lines.append(f"config key {key!r}{where}: unknown key")
+            lines.append(f"config key {key!r}{where}: unknown key"
+                         f"{_unknown_key_hint(model, loc, key, where)}")
             continue
         if err["type"] == "missing":
             lines.append(f"config key {key!r}{where}: required")
@@ -381,6 +385,21 @@ def _format_errors(exc: ValidationError, prefix: str, sources: Mapping[str, str]
         value = _short(redact_value(err.get("input"), loc[-1] if loc else None))
         lines.append(f"config key {key!r} = {value}{where}: {_allowed(err)}")
     return "\n".join(lines)
+
+
+def _unknown_key_hint(model: type[BaseModel], loc: list[str], key: str, where: str) -> str:
+    parent = model_at(model, loc[:-1])
+    if parent is None:
+        return ""
+    env_stem = None
+    if where.startswith(" (from env "):
+        # Suggest a variable only when this variable spelled the key out.
+        env_path = where[len(" (from env "):-1][len(ENV_PREFIX):].lower().split("__")
+        key_path = key.split(".")
+        if env_path[:len(key_path)] == key_path:
+            env_stem = ENV_PREFIX + "".join(f"{p.upper()}__" for p in key_path[:-1])
+    allowed = parent.model_fields
+    return "; " + unknown_key_hint(loc[-1], allowed, env_stem=env_stem, env_only=RESERVED_ENV)
 
 
 def _allowed(err: Mapping[str, Any]) -> str:
@@ -401,7 +420,10 @@ def _source_for(key: str, sources: Mapping[str, str]) -> str:
         source = sources.get(".".join(parts[:n]))
         if source:
             return f" ({source})"
-    return ""
+    # An unknown key can come from a variable or dotted key that goes deeper
+    # (LMKV_HELLO__X makes 'hello'): name that one.
+    below = sorted(k for k in sources if k.startswith(key + "."))
+    return f" ({sources[below[0]]})" if below else ""
 
 
 def _short(value: Any) -> str:

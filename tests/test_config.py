@@ -259,3 +259,59 @@ def test_empty_config_file_is_refused(tmp_path: Path, name: str, text: str) -> N
     message = str(info.value)
     assert message.startswith(f"config file {path}: ") and "empty" in message
     assert len(message.splitlines()) == 1
+
+
+@pytest.mark.parametrize("overrides,expected", [
+    ({"lmkv.chunksize": 1}, "config key 'chunksize' (from lmkv.chunksize): unknown key; did you "
+                            "mean 'chunk_size'? allowed: async_load, chunk_size, gpu_connector,"),
+    ({"lmkv.lookup.timeout": 1}, "config key 'lookup.timeout' (from lmkv.lookup.timeout): "
+                                 "unknown key; did you mean 'timeout_ms'? allowed: backoff_ms, "
+                                 "base_port, curve, host, insecure, max_tokens, runtime_dir, "
+                                 "timeout_ms, transport"),
+    ({"lmkv.tiers.0.eviction.opts": 1}, "unknown key; did you mean 'options'? allowed: "
+                                        "options, type"),
+    ({"lmkv.tiers.0.options.max_byte": 1}, "config key 'tiers.0.options.max_byte' (from "
+                                           "lmkv.tiers.0.options.max_byte): unknown key; did "
+                                           "you mean 'max_bytes'? allowed: huge_pages, "
+                                           "max_bytes, pin_memory, shared_memory"),
+    ({"lmkv.tiers.0": {"type": "redis", "options": {"part_byte": 1}}},
+     "did you mean 'part_bytes'? allowed: close_timeout_s, cluster,"),
+    ({"lmkv.zzz": 1}, "config key 'zzz' (from lmkv.zzz): unknown key; allowed: async_load,"),
+])
+def test_unknown_keys_list_the_allowed_ones(overrides: dict, expected: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(env={}, overrides=overrides)
+    assert len(str(info.value).splitlines()) == 1
+    assert expected in str(info.value)
+
+
+RESERVED = ("the LMKV_ prefix is reserved for lmkv: every LMKV_* variable is a config key or "
+            "one of LMKV_CONFIG, LMKV_DISABLE_PLUGINS, LMKV_LOAD_PLUGINS, LMKV_LOG_LEVEL")
+
+
+@pytest.mark.parametrize("env,expected", [
+    ({"LMKV_CHUNKSIZE": "1"}, "(from env LMKV_CHUNKSIZE): unknown key; did you mean "
+                              "LMKV_CHUNK_SIZE?"),
+    ({"LMKV_CONFIGG": "c.yaml"}, "did you mean LMKV_CONFIG?"),
+    # A plugin's own variable under lmkv's prefix: named, and the reservation said.
+    ({"LMKV_HELLO_GREETING": "hi"}, "config key 'hello_greeting' (from env "
+                                    "LMKV_HELLO_GREETING): unknown key; allowed: async_load,"),
+    ({"LMKV_HELLO__GREETING": "hi"}, "config key 'hello' (from env LMKV_HELLO__GREETING): "
+                                     "unknown key; allowed: async_load,"),
+])
+def test_unknown_env_var_is_named_with_the_reservation(env: dict, expected: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(env=env)
+    message = str(info.value)
+    assert len(message.splitlines()) == 1
+    assert expected in message
+    assert message.endswith(RESERVED)
+
+
+def test_unknown_nested_env_var_suggests_a_variable() -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(env={"LMKV_TIERS__0__OPTIONS__MAX_BYTEZ": "1GiB"})
+    assert str(info.value) == (
+        "config key 'tiers.0.options.max_bytez' (from env LMKV_TIERS__0__OPTIONS__MAX_BYTEZ): "
+        "unknown key; did you mean LMKV_TIERS__0__OPTIONS__MAX_BYTES? allowed: huge_pages, "
+        "max_bytes, pin_memory, shared_memory")

@@ -166,7 +166,7 @@ def test_third_party_plugin_selected_by_config(third_party: Path, tmp_path: Path
     assert result.returncode == 2
     errors = [line for line in result.stderr.splitlines() if line.startswith("lmkv: error")]
     assert errors == [f"lmkv: error: config key 'tiers.0.options.colour' (from {cfg}): "
-                      "unknown key"]
+                      "unknown key; allowed: greeting, max_bytes"]
     assert "Traceback" not in result.stderr
 
 
