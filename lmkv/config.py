@@ -12,7 +12,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -331,16 +331,29 @@ def _apply(data: dict[str, Any], key_path: list[str], value: Any, source: str,
     if not all(key_path):
         raise ConfigError(f"config key {dotted!r} ({source}): empty key segment")
     try:
-        _set_path(data, key_path, value)
+        _set_path(data, key_path, value, _is_plugin_ref)
     except (KeyError, IndexError, TypeError) as exc:
         raise ConfigError(f"config key {dotted!r} ({source}): {exc.args[0]}") from None
     sources[dotted] = source
 
 
-def _set_path(data: Any, key_path: list[str], value: Any) -> None:
+def _is_plugin_ref(key_path: list[str]) -> bool:
+    model = model_at(LMKVConfig, key_path)
+    return model is not None and issubclass(model, PluginRef)
+
+
+def _set_path(data: Any, key_path: list[str], value: Any,
+              is_plugin_ref: Callable[[list[str]], bool] | None = None) -> None:
+    """Set ``value`` at ``key_path``, creating mappings (and appending a list item) on
+    the way. With ``is_plugin_ref``, a bare plugin name on the way (``serializer:
+    naive``) becomes ``{type: naive}`` so ``serializer.type`` can be set beneath it."""
     node = data
     for i, part in enumerate(key_path):
         last = i == len(key_path) - 1
+        if (not last and is_plugin_ref is not None and isinstance(node, (dict, list))
+                and _child(node, part) is not None and isinstance(_child(node, part), str)
+                and is_plugin_ref(key_path[:i + 1])):
+            node[int(part) if isinstance(node, list) else part] = {"type": _child(node, part)}
         if isinstance(node, list):
             if not part.isdigit():
                 raise KeyError(f"{part!r} is not a list index")
@@ -363,7 +376,13 @@ def _set_path(data: Any, key_path: list[str], value: Any) -> None:
                     node[part] = {}
                 node = node[part]
         else:
-            raise TypeError(f"cannot set {part!r} inside a {type(node).__name__}")
+            raise TypeError(f"cannot set {part!r} inside a value of type {type(node).__name__}")
+
+
+def _child(node: dict[str, Any] | list[Any], part: str) -> Any:
+    if isinstance(node, list):
+        return node[int(part)] if part.isdigit() and int(part) < len(node) else None
+    return node.get(part)
 
 
 def _format_errors(exc: ValidationError, prefix: str, sources: Mapping[str, str],

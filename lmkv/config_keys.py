@@ -54,6 +54,8 @@ def unknown_key_hint(name: str, allowed: Iterable[str], *, env_stem: str | None 
     the variables that are not keys.
     """
     allowed = sorted(allowed)
+    if not allowed:
+        return "this takes no keys (allowed: none)"
     if env_stem is None:
         close = difflib.get_close_matches(name, allowed, n=1)
         hint = f"did you mean {close[0]!r}? " if close else ""

@@ -315,3 +315,44 @@ def test_unknown_nested_env_var_suggests_a_variable() -> None:
         "config key 'tiers.0.options.max_bytez' (from env LMKV_TIERS__0__OPTIONS__MAX_BYTEZ): "
         "unknown key; did you mean LMKV_TIERS__0__OPTIONS__MAX_BYTES? allowed: huge_pages, "
         "max_bytes, pin_memory, shared_memory")
+
+
+README_STYLE = """\
+serializer: naive
+tiers:
+  - cpu
+  - type: fs
+    options: {url: /tmp/lmkv-env-bare}
+    eviction: lru
+lazy_offload_policy: FIFO
+"""
+
+
+@pytest.mark.parametrize("env,overrides,check", [
+    ({"LMKV_SERIALIZER__TYPE": "zstd"}, {}, lambda c: c.serializer.type == "zstd"),
+    ({"LMKV_SERIALIZER__TYPE": "zstd", "LMKV_SERIALIZER__OPTIONS__LEVEL": "3"}, {},
+     lambda c: (c.serializer.type, c.serializer.options) == ("zstd", {"level": 3})),
+    ({"LMKV_TIERS__1__EVICTION__TYPE": "LRU"}, {}, lambda c: c.tiers[1].eviction.type == "LRU"),
+    ({"LMKV_TIERS__0__OPTIONS__MAX_BYTES": "1GiB"}, {},
+     lambda c: (c.tiers[0].type, c.tiers[0].options) == ("cpu", {"max_bytes": "1GiB"})),
+    ({}, {"lmkv.serializer.type": "zstd"}, lambda c: c.serializer.type == "zstd"),
+    ({}, {"lmkv.lazy_offload_policy.type": "FIFO_MAX_AGE"},
+     lambda c: c.lazy_offload_policy.type == "FIFO_MAX_AGE"),
+])
+def test_nested_overrides_reach_into_bare_plugin_names(tmp_path: Path, env: dict,
+                                                       overrides: dict, check) -> None:
+    config = load_config(write(tmp_path, "c.yaml", README_STYLE), env=env, overrides=overrides)
+    assert check(config)
+
+
+def test_nested_override_inside_a_plain_value_is_one_line() -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(env={"LMKV_CHUNK_SIZE__X": "1"})
+    assert str(info.value) == ("config key 'chunk_size.x' (from env LMKV_CHUNK_SIZE__X): "
+                               "cannot set 'x' inside a value of type int")
+
+
+def test_plugin_without_options_says_so() -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(env={"LMKV_SERIALIZER__OPTIONS__LEVEL": "3"})
+    assert str(info.value).endswith("unknown key; this takes no keys (allowed: none)")
