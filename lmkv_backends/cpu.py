@@ -8,13 +8,15 @@ entries in the order of the tier's eviction policy and never allocates past
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Annotated
 
 import torch
-from pydantic import ByteSize, Field
+from pydantic import ByteSize, Field, model_validator
+from pydantic_core import PydanticCustomError
 
 from lmkv.backend import BackendContext, StorageBackend, done_future
 from lmkv.memory import MemoryAllocator, MemoryObj, nbytes_of
@@ -37,6 +39,43 @@ class CPUOptions(PluginOptions):
     """Advise transparent huge pages for the arena (not page-locked, not shared):
     copies of large chunks out of it run faster (fewer TLB misses), first touches
     of its pages cost more."""
+    allow_overcommit: bool = False
+    """Accept a ``max_bytes`` larger than the memory this machine has available when
+    the config is validated; off: that is an error (the arena would fail, or swap,
+    once it fills)."""
+
+    @model_validator(mode="after")
+    def _fits_in_memory(self) -> CPUOptions:
+        # Checked where every start-up validates options (config check, engines,
+        # the server), so a budget the machine cannot hold is one line, not a
+        # failed allocation deep inside the first command that opens the tier.
+        if self.allow_overcommit:
+            return self
+        available = available_memory_bytes()
+        if available is not None and self.max_bytes > available:
+            raise PydanticCustomError(
+                "memory_overcommit",
+                "max_bytes {budget} is more than the memory this machine has available "
+                "({available}): lower it, or set allow_overcommit: true",
+                {"budget": self.max_bytes.human_readable(),
+                 "available": ByteSize(available).human_readable()})
+        return self
+
+
+def available_memory_bytes() -> int | None:
+    """Memory the kernel can give without swapping (Linux ``MemAvailable``); elsewhere
+    the free physical pages; None when neither is known (then nothing is checked)."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, OSError, ValueError):
+        return None
 
 
 class CPUBackend(StorageBackend):

@@ -213,3 +213,42 @@ def test_concurrent_clients_keep_counts_and_budget() -> None:
         assert (obj.ref_count, obj.pin_count) == (1, 0)
     tier.clear()
     assert tier.allocator.used_bytes == 0 and tier.allocator.live_objects == 0
+
+
+# -- a budget larger than the machine ------------------------------------------
+
+def test_budget_beyond_available_memory_is_refused() -> None:
+    from lmkv.config import load_config
+    from lmkv.errors import ConfigError
+    from lmkv_backends.cpu import available_memory_bytes
+
+    available = available_memory_bytes()
+    assert available is not None  # Linux: MemAvailable
+    too_big = available + (1 << 30)
+    with pytest.raises(ConfigError) as info:
+        load_config(env={}, overrides={"lmkv.tiers.0.options.max_bytes": too_big})
+    message = str(info.value)
+    assert len(message.splitlines()) == 1
+    assert "max_bytes" in message
+    assert "is more than the memory this machine has available" in message
+    assert message.endswith("lower it, or set allow_overcommit: true")
+    # The explicit option accepts it (validated only: nothing is allocated here).
+    config = load_config(env={}, overrides={"lmkv.tiers.0.options": {
+        "max_bytes": too_big, "allow_overcommit": True}})
+    assert config.tiers[0].options["allow_overcommit"] is True
+
+
+@pytest.mark.parametrize("command", [["config", "check"], ["stats", "--config"],
+                                     ["server", "--config"]])
+def test_oversized_tier_is_one_line_for_every_command(tmp_path, command) -> None:
+    from tests.conftest import run_cli
+
+    config = tmp_path / "big.yaml"
+    config.write_text("tiers:\n  - type: cpu\n    options: {max_bytes: 1PiB}\n")
+    result = run_cli(*command, str(config))
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    errors = result.stderr.splitlines()
+    assert len(errors) == 1, result.stderr
+    assert errors[0].startswith("lmkv: error: config key 'tiers.0.options' = ")
+    assert "max_bytes 1.0PiB is more than the memory this machine has available" in errors[0]
