@@ -50,3 +50,43 @@ def test_server_flag_is_strict() -> None:
     assert _byte_size("64MiB") == 64 << 20
     with pytest.raises(argparse.ArgumentTypeError, match="'8GB!': must be a byte count"):
         _byte_size("8GB!")
+
+
+def _byte_size_fields() -> list[tuple[str, str]]:
+    from pydantic import ByteSize
+
+    from lmkv.plugins.manager import get_plugin_manager
+
+    found = []
+    for entry in get_plugin_manager().registry.entries():
+        for field_name, field in entry.cls.Options.model_fields.items():
+            if "ByteSize" in repr(field.annotation) or isinstance(field.default, ByteSize):
+                found.append((f"{entry.kind}:{entry.name}", field_name))
+    return found
+
+
+def test_every_installed_plugins_byte_sizes_are_strict() -> None:
+    """No plugin option declared with pydantic's prefix-matching ByteSize slips through."""
+    from lmkv.plugins.manager import get_plugin_manager
+
+    fields = _byte_size_fields()
+    assert ("storage_backend:cpu", "max_bytes") in fields
+    assert ("storage_backend:redis", "part_bytes") in fields
+    manager = get_plugin_manager()
+    for plugin, field_name in fields:
+        kind, name = plugin.split(":")
+        options = manager.get(kind, name).Options
+        for bad in ("8GB!", "1,5GiB"):
+            errors = _errors_for(options, field_name, bad)
+            assert [e["type"] for e in errors if e["loc"] == (field_name,)] == ["byte_size"], (
+                plugin, field_name, bad)
+
+
+def _errors_for(options: type, field_name: str, value: str) -> list[dict]:
+    from pydantic import ValidationError
+
+    try:
+        options.model_validate({field_name: value})
+    except ValidationError as exc:
+        return exc.errors()
+    return []
