@@ -49,7 +49,9 @@ class CPUOptions(PluginOptions):
         # Checked where every start-up validates options (config check, engines,
         # the server), so a budget the machine cannot hold is one line, not a
         # failed allocation deep inside the first command that opens the tier.
-        if self.allow_overcommit:
+        # The default budget is lmkv's choice, not the user's: an error about a key
+        # nobody wrote would only confuse (the arena's pages are taken as it fills).
+        if self.allow_overcommit or "max_bytes" not in self.model_fields_set:
             return self
         available = available_memory_bytes()
         if available is not None and self.max_bytes > available:

@@ -252,3 +252,12 @@ def test_oversized_tier_is_one_line_for_every_command(tmp_path, command) -> None
     assert len(errors) == 1, result.stderr
     assert errors[0].startswith("lmkv: error: config key 'tiers.0.options' = ")
     assert "max_bytes 1.0PiB is more than the memory this machine has available" in errors[0]
+
+
+def test_default_budget_is_not_held_against_a_small_machine(monkeypatch) -> None:
+    import lmkv_backends.cpu as cpu
+
+    monkeypatch.setattr(cpu, "available_memory_bytes", lambda: 1 << 30)
+    assert cpu.CPUOptions().max_bytes == 4 << 30
+    with pytest.raises(ValueError, match="more than the memory this machine has available"):
+        cpu.CPUOptions(max_bytes="2GiB")
