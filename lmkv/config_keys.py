@@ -18,19 +18,34 @@ ENV_PREFIX = "LMKV_"
 
 
 def model_at(model: type[BaseModel], loc: Sequence[str | int]) -> type[BaseModel] | None:
-    """The model whose fields sit at ``loc`` below ``model`` (list indices skipped),
-    or None when ``loc`` leads into free-form data."""
+    """The model whose fields sit at ``loc`` below ``model``, or None when ``loc``
+    leads into free-form data or stops at a list (``tiers``, not ``tiers.0``)."""
     current: type[BaseModel] | None = model
+    awaiting_index = False
     for part in loc:
         if current is None:
             return None
         if isinstance(part, int) or str(part).isdigit():
+            if not awaiting_index:
+                return None
+            awaiting_index = False
             continue
+        if awaiting_index:
+            return None
         field = current.model_fields.get(str(part))
         if field is None:
             return None
+        awaiting_index = typing.get_origin(_unwrap_optional(field.annotation)) is list
         current = _model_in(field.annotation)
-    return current
+    return None if awaiting_index else current
+
+
+def _unwrap_optional(annotation: Any) -> Any:
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if len(args) == 1:
+            return args[0]
+    return annotation
 
 
 def _model_in(annotation: Any) -> type[BaseModel] | None:

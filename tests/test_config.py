@@ -356,3 +356,15 @@ def test_plugin_without_options_says_so() -> None:
     with pytest.raises(ConfigError) as info:
         load_config(env={"LMKV_SERIALIZER__OPTIONS__LEVEL": "3"})
     assert str(info.value).endswith("unknown key; this takes no keys (allowed: none)")
+
+
+def test_model_at_follows_sections_and_list_items() -> None:
+    from lmkv.config import LookupConfig, PluginRef, TierConfig
+    from lmkv.config_keys import model_at
+
+    assert model_at(LMKVConfig, ["tiers", "0"]) is TierConfig
+    assert model_at(LMKVConfig, ["tiers"]) is None  # a list, not one tier
+    assert model_at(LMKVConfig, ["tiers", "0", "eviction"]) is PluginRef
+    assert model_at(LMKVConfig, ["lookup"]) is LookupConfig
+    assert model_at(LMKVConfig, ["lookup", "0"]) is None
+    assert model_at(LMKVConfig, ["tiers", "0", "options"]) is None  # free-form until resolved
