@@ -9,9 +9,11 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
-import yaml
-
+from lmkv import __version__
 from lmkv.errors import LMKVError
+
+# Everything else is imported inside the command that needs it: `lmkv --help` and
+# `lmkv --version` must not pay for torch (lmkv/__init__ imports lazily too).
 
 LOG_LEVELS = ["DEBUG", "INFO", "WARNING", "ERROR"]
 
@@ -49,6 +51,8 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
 
 
 def _cmd_config_check(args: argparse.Namespace) -> int:
+    import yaml
+
     from lmkv.config import load_config
 
     config = load_config(args.file)
@@ -91,8 +95,10 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lmkv", description="lmkv: a tiered KV-cache layer")
+    parser.add_argument("--version", action="version", version=f"lmkv {__version__}")
     parser.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS,
-                        help="logging level (default WARNING; env LMKV_LOG_LEVEL)")
+                        help="logging level (default WARNING, INFO for `lmkv server`; "
+                             "env LMKV_LOG_LEVEL)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     plugins = sub.add_parser("plugins", help="list installed plugins and load errors")
@@ -125,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     server = sub.add_parser("server",
                             help="serve the tiers of a config to several engine processes")
     add_server_arguments(server)
-    server.set_defaults(func=run_server)
+    server.set_defaults(func=run_server, default_log_level="INFO")
 
     from lmkv.demo import add_demo_arguments
 
@@ -138,7 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    level = args.log_level or os.environ.get("LMKV_LOG_LEVEL", "WARNING").upper()
+    level = (getattr(args, "log_level", None) or os.environ.get("LMKV_LOG_LEVEL")
+             or getattr(args, "default_log_level", "WARNING")).upper()
     if level not in LOG_LEVELS:
         print(f"lmkv: error: LMKV_LOG_LEVEL = {level!r}: allowed: {', '.join(LOG_LEVELS)}",
               file=sys.stderr)

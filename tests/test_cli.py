@@ -57,3 +57,37 @@ def test_stats_prints_every_counter_of_every_tier(tmp_path) -> None:
         assert f"{counter}=0" in line
     as_json = run_cli("stats", "--config", str(cfg), "--json")
     assert '"capacity_bytes": 67108864' in as_json.stdout
+
+
+def test_version() -> None:
+    import lmkv
+
+    result = run_cli("--version")
+    assert result.returncode == 0
+    assert result.stdout.strip() == f"lmkv {lmkv.__version__}"
+
+
+def test_help_and_the_parser_import_no_torch() -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys, lmkv.cli; lmkv.cli.build_parser(); "
+            "heavy = [m for m in ('torch', 'transformers', 'numpy', 'zmq') if m in sys.modules]; "
+            "print(heavy)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+    assert run_cli("--help").returncode == 0
+
+
+def test_public_names_still_import_from_lmkv() -> None:
+    import lmkv
+    from lmkv import CacheEngine, StorageManager, load_config  # noqa: F401
+    from lmkv.engine import CacheEngine as Engine
+
+    assert CacheEngine is Engine
+    for name in lmkv.__all__:
+        assert getattr(lmkv, name) is not None, name
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        _ = lmkv.nope
