@@ -48,14 +48,14 @@ def test_bad_config_file_for_the_demo(tmp_path) -> None:
 def test_stats_prints_every_counter_of_every_tier(tmp_path) -> None:
     cfg = tmp_path / "c.yaml"
     cfg.write_text("tiers: [{type: cpu, options: {max_bytes: 64MiB}}]\n")
-    result = run_cli("stats", "--config", str(cfg))
+    result = run_cli("stats", "--config", str(cfg), "--server", "tcp://127.0.0.1:1")
     assert result.returncode == 0, result.stderr
     line = result.stdout.strip()
     assert line.startswith("tier 0 (cpu): usage 0.0 MiB of 64.0 MiB, 0 entries;")
     for counter in ("hits", "misses", "puts", "bytes_in", "bytes_out", "evictions", "errors",
                     "dropped_writes", "corrupt_frames"):
         assert f"{counter}=0" in line
-    as_json = run_cli("stats", "--config", str(cfg), "--json")
+    as_json = run_cli("stats", "--config", str(cfg), "--server", "tcp://127.0.0.1:1", "--json")
     assert '"capacity_bytes": 67108864' in as_json.stdout
 
 
@@ -91,3 +91,47 @@ def test_public_names_still_import_from_lmkv() -> None:
         assert getattr(lmkv, name) is not None, name
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         _ = lmkv.nope
+
+
+def test_stats_asks_a_running_server_for_live_figures(tmp_path) -> None:
+    import json
+    import signal
+
+    from tests.server.procs import chunk_for, prompt_keys, start_server
+
+    srv = start_server(tmp_path)
+    try:
+        keys = prompt_keys(7, chunks=3)
+        with srv.client() as client:
+            assert client.store(keys, [chunk_for(k) for k in keys]) == 3
+        result = run_cli("stats", "--server", srv.address, "--json")
+        assert result.returncode == 0, result.stderr
+        data = json.loads(result.stdout)
+        assert data["live"] is True and data["server"] == srv.address
+        (tier,) = data["tiers"]
+        assert (tier["type"], tier["entries"], tier["puts"]) == ("cpu", 3, 3)
+        assert data["server_stats"]["requests"] >= 1
+
+        cfg = tmp_path / "points-at-it.yaml"  # the default address is the config's
+        cfg.write_text(f"server: {{address: '{srv.address}'}}\n")
+        table = run_cli("stats", "--config", str(cfg))
+        assert table.returncode == 0, table.stderr
+        assert table.stdout.startswith(f"server {srv.address}: sessions=")
+        assert "tier 0 (cpu):" in table.stdout and "3 entries" in table.stdout
+        assert table.stderr == ""
+    finally:
+        assert srv.stop(signal.SIGTERM) == 0
+
+
+def test_stats_says_in_one_line_when_nothing_live_answers(tmp_path) -> None:
+    from tests.server.procs import free_port
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("tiers: [{type: cpu, options: {max_bytes: 64MiB}}]\n")
+    address = f"tcp://127.0.0.1:{free_port()}"
+    result = run_cli("stats", "--config", str(cfg), "--server", address)
+    assert result.returncode == 0, result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith(f"lmkv stats: no lmkv server answers at {address}: "
+                           "nothing live to show")
+    assert result.stdout.startswith("tier 0 (cpu): usage 0.0 MiB of 64.0 MiB, 0 entries;")
