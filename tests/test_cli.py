@@ -20,6 +20,11 @@ def test_demo_runs_and_reports_identical_output() -> None:
 @pytest.mark.parametrize("args,expected", [
     (["demo", "--prompts", "0"], "--prompts = 0: must be a positive integer"),
     (["demo", "--preset", "tiny", "--heads", "3"], "--heads = 3 must be a multiple of"),
+    (["demo", "--preset", "tiny", "--kv-heads", "0"], "--kv-heads = 0: must be a positive"),
+    (["demo", "--preset", "tiny", "--layers", "-1"], "--layers = -1: must be a positive"),
+    (["demo", "--preset", "tiny", "--hidden-size", "7"],
+     "--hidden-size = 7 must be a multiple of --heads = 4"),
+    (["demo", "--preset", "tiny", "--head-dim", "3"], "--head-dim = 3: must be even"),
 ])
 def test_bad_demo_arguments_are_one_line(args: list[str], expected: str) -> None:
     result = run_cli(*args)
@@ -27,6 +32,17 @@ def test_bad_demo_arguments_are_one_line(args: list[str], expected: str) -> None
     assert result.stderr.strip().startswith("lmkv: error: ")
     assert expected in result.stderr and len(result.stderr.strip().splitlines()) == 1
     assert "Traceback" not in result.stderr
+
+
+def test_demo_with_prompts_shorter_than_a_chunk_runs_and_says_so() -> None:
+    pytest.importorskip("transformers")
+    result = run_cli("demo", "--preset", "tiny", "--prompts", "1", "--prefix-tokens", "200",
+                     "--suffix-tokens", "8", "--new-tokens", "2")
+    assert result.returncode == 0, result.stderr
+    assert "Traceback" not in result.stderr
+    assert "prompts of 208 tokens are shorter than chunk_size = 256" in result.stdout
+    assert "[warm 1/1]" in result.stdout and "reused 0 tokens" in result.stdout
+    assert "generated tokens identical    : yes" in result.stdout
 
 
 def test_bad_log_level_env_is_one_line() -> None:
