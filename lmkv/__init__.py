@@ -1,8 +1,15 @@
-"""lmkv: a tiered, pluggable KV-cache layer for LLM serving engines."""
+"""lmkv: a tiered, pluggable KV-cache layer for LLM serving engines.
 
-from lmkv.backend import BackendContext, StorageBackend
-from lmkv.config import LMKVConfig, load_config
-from lmkv.engine import CacheEngine, RetrieveResult
+The public names below are imported on first use (a module ``__getattr__``),
+so ``import lmkv`` and the ``lmkv`` command stay fast: most of them pull in
+torch, which a command such as ``lmkv --help`` never needs.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from lmkv.errors import (
     ConfigError,
     CorruptFrameError,
@@ -11,15 +18,61 @@ from lmkv.errors import (
     PluginError,
     UnknownPluginError,
 )
-from lmkv.gpu import ChunkSpan, GPUConnector, KVSpec
-from lmkv.memory import MemoryAllocator, MemoryObj
-from lmkv.plugins import NoOptions, PluginOptions, hookimpl
-from lmkv.policy import EvictionPolicy, OffloadItem, OffloadPolicy
-from lmkv.serde import Serializer
-from lmkv.storage import StorageManager
-from lmkv.tokens import CacheKey, KeyMeta, TokenChunker, prefix_hashes
 
 __version__ = "0.1.0"
+
+# public name -> the module that defines it
+_LAZY: dict[str, str] = {
+    "BackendContext": "lmkv.backend",
+    "StorageBackend": "lmkv.backend",
+    "LMKVConfig": "lmkv.config",
+    "load_config": "lmkv.config",
+    "CacheEngine": "lmkv.engine",
+    "RetrieveResult": "lmkv.engine",
+    "ChunkSpan": "lmkv.gpu",
+    "GPUConnector": "lmkv.gpu",
+    "KVSpec": "lmkv.gpu",
+    "MemoryAllocator": "lmkv.memory",
+    "MemoryObj": "lmkv.memory",
+    "NoOptions": "lmkv.plugins",
+    "PluginOptions": "lmkv.plugins",
+    "hookimpl": "lmkv.plugins",
+    "EvictionPolicy": "lmkv.policy",
+    "OffloadItem": "lmkv.policy",
+    "OffloadPolicy": "lmkv.policy",
+    "Serializer": "lmkv.serde",
+    "StorageManager": "lmkv.storage",
+    "CacheKey": "lmkv.tokens",
+    "KeyMeta": "lmkv.tokens",
+    "TokenChunker": "lmkv.tokens",
+    "prefix_hashes": "lmkv.tokens",
+}
+
+if TYPE_CHECKING:
+    from lmkv.backend import BackendContext, StorageBackend
+    from lmkv.config import LMKVConfig, load_config
+    from lmkv.engine import CacheEngine, RetrieveResult
+    from lmkv.gpu import ChunkSpan, GPUConnector, KVSpec
+    from lmkv.memory import MemoryAllocator, MemoryObj
+    from lmkv.plugins import NoOptions, PluginOptions, hookimpl
+    from lmkv.policy import EvictionPolicy, OffloadItem, OffloadPolicy
+    from lmkv.serde import Serializer
+    from lmkv.storage import StorageManager
+    from lmkv.tokens import CacheKey, KeyMeta, TokenChunker, prefix_hashes
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'lmkv' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later look-ups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __all__ = [
     "BackendContext",

@@ -8,10 +8,17 @@ import logging
 import os
 import sys
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
-import yaml
-
+from lmkv import __version__
 from lmkv.errors import LMKVError
+
+if TYPE_CHECKING:
+    from lmkv.config import LMKVConfig
+    from lmkv.server.protocol import StatsReply
+
+# Everything else is imported inside the command that needs it: `lmkv --help` and
+# `lmkv --version` must not pay for torch (lmkv/__init__ imports lazily too).
 
 LOG_LEVELS = ["DEBUG", "INFO", "WARNING", "ERROR"]
 
@@ -49,6 +56,8 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
 
 
 def _cmd_config_check(args: argparse.Namespace) -> int:
+    import yaml
+
     from lmkv.config import load_config
 
     config = load_config(args.file)
@@ -60,18 +69,59 @@ def _cmd_config_check(args: argparse.Namespace) -> int:
 def _cmd_stats(args: argparse.Namespace) -> int:
     from lmkv.config import load_config
     from lmkv.stats import format_tier_stats
+
+    config = load_config(args.config)
+    address = args.server or config.server.address
+    reply = _live_stats(address, config)
+    if reply is None:
+        # A fresh copy of the tiers would show every memory tier empty: say so in
+        # one line, then show what a fresh open does see (fs and redis keep entries).
+        print(f"lmkv stats: no lmkv server answers at {address}: nothing live to show; "
+              "the figures below are of the config's tiers opened now (memory tiers "
+              "start empty); give --server ADDRESS for a running server",
+              file=sys.stderr)
+        tiers = _fresh_tier_stats(config)
+        server: dict[str, object] | None = None
+    else:
+        import msgspec
+
+        tiers, server = reply.tiers, msgspec.to_builtins(reply.server)
+    if args.json:
+        print(json.dumps({"server": address, "live": reply is not None,
+                          "server_stats": server, "tiers": tiers}, indent=2, default=str))
+        return 0
+    if server is not None:
+        print(f"server {address}: " + ", ".join(f"{k}={v}" for k, v in server.items()))
+    print("\n".join(format_tier_stats(tiers, indent="")))
+    return 0
+
+
+def _live_stats(address: str, config: LMKVConfig) -> StatsReply | None:
+    """The running server's StatsReply, or None when none answers at ``address``."""
+    from lmkv.auth import client_keys
+    from lmkv.server.client import ServerClient
+
+    section = config.server
+    curve = client_keys(section.curve) if section.curve is not None else None
+    client_log = logging.getLogger("lmkv.server.client")
+    level = client_log.level
+    client_log.setLevel(logging.ERROR)  # "no server" is said once, by the caller
+    try:
+        with ServerClient(address, timeout_ms=section.timeout_ms, transport="frame",
+                          curve=curve) as client:
+            return client.stats()
+    finally:
+        client_log.setLevel(level)
+
+
+def _fresh_tier_stats(config: LMKVConfig) -> list[dict[str, object]]:
     from lmkv.storage import StorageManager
 
-    storage = StorageManager.from_config(load_config(args.config))
+    storage = StorageManager.from_config(config)
     try:
-        stats = storage.stats()
+        return storage.stats()
     finally:
         storage.close()
-    if args.json:
-        print(json.dumps(stats, indent=2))
-    else:
-        print("\n".join(format_tier_stats(stats, indent="")))
-    return 0
 
 
 def _cmd_keygen(args: argparse.Namespace) -> int:
@@ -91,8 +141,10 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lmkv", description="lmkv: a tiered KV-cache layer")
+    parser.add_argument("--version", action="version", version=f"lmkv {__version__}")
     parser.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS,
-                        help="logging level (default WARNING; env LMKV_LOG_LEVEL)")
+                        help="logging level (default WARNING, INFO for `lmkv server`; "
+                             "env LMKV_LOG_LEVEL)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     plugins = sub.add_parser("plugins", help="list installed plugins and load errors")
@@ -105,8 +157,14 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("file")
     check.set_defaults(func=_cmd_config_check)
 
-    stats = sub.add_parser("stats", help="open the tiers of a config and print their figures")
+    stats = sub.add_parser(
+        "stats", help="live figures of a running lmkv server's tiers",
+        description="Ask the lmkv server at ADDRESS for the live figures of its tiers. "
+                    "When none answers, say so in one line (stderr) and show the "
+                    "config's tiers opened now (memory tiers start empty).")
     stats.add_argument("--config", help="config file (default: LMKV_CONFIG / defaults)")
+    stats.add_argument("--server", metavar="ADDRESS",
+                       help="the lmkv server to ask (default: the config's server.address)")
     stats.add_argument("--json", action="store_true", help="machine-readable output")
     stats.set_defaults(func=_cmd_stats)
 
@@ -125,7 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
     server = sub.add_parser("server",
                             help="serve the tiers of a config to several engine processes")
     add_server_arguments(server)
-    server.set_defaults(func=run_server)
+    server.set_defaults(func=run_server, default_log_level="INFO")
 
     from lmkv.demo import add_demo_arguments
 
@@ -138,7 +196,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    level = args.log_level or os.environ.get("LMKV_LOG_LEVEL", "WARNING").upper()
+    level = (getattr(args, "log_level", None) or os.environ.get("LMKV_LOG_LEVEL")
+             or getattr(args, "default_log_level", "WARNING")).upper()
     if level not in LOG_LEVELS:
         print(f"lmkv: error: LMKV_LOG_LEVEL = {level!r}: allowed: {', '.join(LOG_LEVELS)}",
               file=sys.stderr)

@@ -49,6 +49,12 @@ class PromptRun:
     kv: list  # the prompt's KV as computed (cold) or as loaded from lmkv (warm)
 
 
+# argparse dest -> the flag a user typed, for messages.
+_SIZE_FLAGS = {"hidden_size": "--hidden-size", "num_layers": "--layers", "num_heads": "--heads",
+               "num_kv_heads": "--kv-heads", "head_dim": "--head-dim",
+               "intermediate_size": "--intermediate-size"}
+
+
 def _validate(args: argparse.Namespace) -> None:
     for name in ("prompts", "prefix_tokens", "new_tokens"):
         if getattr(args, name) <= 0:
@@ -56,11 +62,24 @@ def _validate(args: argparse.Namespace) -> None:
                               "must be a positive integer")
     if args.suffix_tokens < 1:
         raise ConfigError(f"--suffix-tokens = {args.suffix_tokens}: must be at least 1")
-    for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
-                 "intermediate_size", "threads"):
+    for name, flag in {**_SIZE_FLAGS, "threads": "--threads"}.items():
         value = getattr(args, name)
         if value is not None and value <= 0:
-            raise ConfigError(f"--{name.replace('_', '-')} = {value}: must be a positive integer")
+            raise ConfigError(f"{flag} = {value}: must be a positive integer")
+
+
+def _validate_size(size: dict[str, int]) -> None:
+    """The shape rules a Llama has, checked before transformers sees them (its own
+    errors are long tracebacks that name its config fields, not our flags)."""
+    heads, kv_heads = size["num_heads"], size["num_kv_heads"]
+    if heads % kv_heads:
+        raise ConfigError(f"--heads = {heads} must be a multiple of --kv-heads = {kv_heads}")
+    if size["hidden_size"] % heads:
+        raise ConfigError(f"--hidden-size = {size['hidden_size']} must be a multiple of "
+                          f"--heads = {heads}")
+    if size["head_dim"] % 2:
+        raise ConfigError(f"--head-dim = {size['head_dim']}: must be even (rotary "
+                          "embeddings rotate pairs of dimensions)")
 
 
 def _step(message: str) -> float:
@@ -93,9 +112,7 @@ def run_demo(args: argparse.Namespace) -> int:
     total = args.prefix_tokens + args.suffix_tokens
     if total + args.new_tokens > size["max_position_embeddings"]:
         size["max_position_embeddings"] = total + args.new_tokens
-    if size["head_dim"] * size["num_heads"] <= 0 or size["num_heads"] % size["num_kv_heads"]:
-        raise ConfigError(f"--heads = {size['num_heads']} must be a multiple of "
-                          f"--kv-heads = {size['num_kv_heads']}")
+    _validate_size(size)
     config = load_config(args.config,
                          overrides={} if args.config else {"tiers.0.options.max_bytes": "2GiB"})
 
@@ -107,12 +124,23 @@ def run_demo(args: argparse.Namespace) -> int:
     t0 = _step(f"building a random-weight Llama ({size['num_layers']} layers, "
                f"hidden {size['hidden_size']}, {size['num_heads']} heads / "
                f"{size['num_kv_heads']} KV heads)")
-    model = hf_model.build_model(seed=args.seed, **size)
-    params = sum(p.numel() for p in model.parameters())
-    _done(t0, f" ({params / 1e6:.1f}M parameters)")
     prompts = hf_model.synthetic_prompts(tokenizer, args.prompts, args.prefix_tokens,
                                          args.suffix_tokens, seed=args.seed)
-    hf_model.prefill(model, prompts[0][:64])  # warm up kernels, not part of any timing
+    try:
+        model = hf_model.build_model(seed=args.seed, **size)
+        hf_model.prefill(model, prompts[0][:64])  # warm up kernels, not part of any timing
+    except (ValueError, RuntimeError, TypeError) as exc:
+        # Any shape rule _validate_size does not know yet: still one line, naming flags.
+        flags = ", ".join(f"{f} = {size[k]}" for k, f in _SIZE_FLAGS.items())
+        reason = " ".join(str(exc).split())
+        raise ConfigError(f"the model flags ({flags}) do not make a valid Llama: "
+                          f"{reason}") from None
+    params = sum(p.numel() for p in model.parameters())
+    _done(t0, f" ({params / 1e6:.1f}M parameters)")
+    if total < config.chunk_size:
+        print(f"  note: prompts of {total} tokens are shorter than chunk_size = "
+              f"{config.chunk_size}: lmkv stores and reuses whole chunks only, so nothing "
+              "is reused", flush=True)
 
     engine = HFCacheEngine(model, config, model_name=f"lmkv-demo-{args.preset}-{args.seed}")
     try:
@@ -123,10 +151,11 @@ def run_demo(args: argparse.Namespace) -> int:
         stats = engine.engine.stats()
     finally:
         engine.close()
-    # The KV lmkv handed back must be, bit for bit, the KV the cold pass computed.
+    # The KV lmkv handed back must be, bit for bit, the KV the cold pass computed
+    # (a warm run that reused nothing recomputed its KV: nothing to compare).
     lossless = all(
         torch.equal(w_t, c_t[:, :, :w.hit_tokens])
-        for c, w in zip(cold, warm, strict=True)
+        for c, w in zip(cold, warm, strict=True) if w.hit_tokens
         for c_layer, w_layer in zip(c.kv, w.kv, strict=True)
         for c_t, w_t in zip(c_layer, w_layer, strict=True))
     return _report(cold, warm, stats, lossless)
@@ -135,12 +164,11 @@ def run_demo(args: argparse.Namespace) -> int:
 def _run(engine, hf_model, prompt: list[int], args: argparse.Namespace, i: int, label: str,
          *, reuse: bool) -> PromptRun:
     t0 = time.perf_counter()
-    if reuse:
-        hit, cache = engine.retrieve(prompt)
+    hit, cache = engine.retrieve(prompt) if reuse else (0, None)
+    if hit:
         kv = hf_model.cache_to_kv(cache)  # appends replace these tensors, never write them
         logits, cache = hf_model.prefill(engine.model, prompt[hit:], cache)
-    else:
-        hit = 0
+    else:  # cold, or nothing to reuse (a prompt shorter than one chunk): full prefill
         logits, cache = hf_model.prefill(engine.model, prompt)
         kv = hf_model.cache_to_kv(cache)
     ttft = time.perf_counter() - t0
@@ -169,8 +197,11 @@ def _report(cold: list[PromptRun], warm: list[PromptRun], stats: list[dict],
     verdict = "bit-identical" if exact else (
         "equal within float32 rounding" if close else "DIFFERENT")
     print(f"  logits vs full recompute      : max |diff| = {max_diff:.3g} ({verdict})")
-    print(f"  reused KV vs computed KV      : {'bit-identical' if lossless else 'DIFFERENT'} "
-          "(lmkv adds no error)")
+    if not any(w.hit_tokens for w in warm):
+        print("  reused KV vs computed KV      : nothing reused (prompts shorter than a chunk?)")
+    else:
+        print(f"  reused KV vs computed KV      : "
+              f"{'bit-identical' if lossless else 'DIFFERENT'} (lmkv adds no error)")
     print("lmkv tiers")
     for line in format_tier_stats(stats):
         print(line)

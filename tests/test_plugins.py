@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 from importlib.metadata import entry_points
 from pathlib import Path
@@ -10,7 +11,7 @@ import pytest
 from lmkv.errors import DuplicatePluginError, PluginError, UnknownPluginError
 from lmkv.plugins import hookimpl
 from lmkv.plugins.manager import PluginManager
-from lmkv.plugins.registry import KINDS
+from lmkv.plugins.registry import KINDS, PluginSource, Registry
 from lmkv.testing import registered_plugin
 from lmkv_backends.cpu import CPUBackend
 from lmkv_policies.lru import LRUPolicy
@@ -53,10 +54,12 @@ def test_lookup_is_case_insensitive() -> None:
     assert manager.offload_policy("fifo") is manager.offload_policy("FIFO")
 
 
-def test_duplicate_name_is_an_error() -> None:
-    with registered_plugin(DuplicatePlugin(), name="dup") as manager, \
-            pytest.raises(DuplicatePluginError, match="registered twice"):
-        _ = manager.registry
+def test_a_name_clash_with_a_builtin_is_recorded_and_the_builtin_wins() -> None:
+    with registered_plugin(DuplicatePlugin(), name="dup") as manager:
+        assert manager.storage_backend("cpu") is CPUBackend
+        (failure,) = [f for f in manager.registry.failures if f.source.plugin == "dup"]
+        assert "DuplicatePluginError" in failure.error and "registered twice" in failure.error
+        assert "the built-in wins" in failure.error
 
 
 def test_unknown_name_lists_available_and_pip_command(monkeypatch) -> None:
@@ -79,9 +82,10 @@ def test_hook_must_return_plugin_classes() -> None:
         def lmkv_eviction_policies(self):
             return [object]
 
-    with registered_plugin(Bad(), name="bad") as manager, \
-            pytest.raises(PluginError, match="expected a subclass"):
-        _ = manager.registry
+    with registered_plugin(Bad(), name="bad") as manager:
+        (failure,) = [f for f in manager.registry.failures if f.source.plugin == "bad"]
+        assert "expected a subclass" in failure.error
+        assert manager.eviction_policy("lru") is LRUPolicy
 
 
 def test_every_kind_has_a_hook() -> None:
@@ -222,9 +226,18 @@ def test_skipped_plugins_are_named_in_unknown_name_errors(monkeypatch) -> None:
 
 
 def test_duplicate_message_names_the_first_registration_first() -> None:
-    with registered_plugin(DuplicatePlugin(), name="dup") as manager, \
-            pytest.raises(DuplicatePluginError, match=r"by lmkv_backends .* and by dup"):
-        _ = manager.registry
+    with registered_plugin(DuplicatePlugin(), name="dup") as manager:
+        (failure,) = [f for f in manager.registry.failures if f.source.plugin == "dup"]
+        assert re.search(r"by lmkv_backends .* and by dup", failure.error)
+
+
+def test_registry_add_still_raises_for_direct_callers() -> None:
+    registry = Registry()
+    registry.add("storage_backend", CPUBackend, PluginSource("a"))
+    with pytest.raises(DuplicatePluginError, match="registered twice"):
+        registry.add("storage_backend", Shadow, PluginSource("b"))
+    with pytest.raises(PluginError, match="expected a subclass"):
+        registry.add("storage_backend", "cpu", PluginSource("b"))
 
 
 def test_a_known_plugin_that_is_disabled_says_so(monkeypatch) -> None:
@@ -234,3 +247,116 @@ def test_a_known_plugin_that_is_disabled_says_so(monkeypatch) -> None:
     manager.load_entry_points()
     with pytest.raises(UnknownPluginError, match="lmkv-redis, which is installed but skipped"):
         manager.storage_backend("redis")
+
+
+BAD_PLUGINS = {
+    # dist: (module source, the problem `lmkv plugins` must show)
+    "lmkv-shadow": ("""
+from lmkv.plugins import hookimpl
+from lmkv_backends.cpu import CPUBackend
+
+class Shadow(CPUBackend):
+    name = "CPU"
+
+@hookimpl
+def lmkv_storage_backends():
+    return Shadow
+""", "the built-in wins"),
+    "lmkv-nameless": ("""
+from lmkv.plugins import hookimpl
+from lmkv.policy import EvictionPolicy
+
+class Nameless(EvictionPolicy):
+    pass
+
+@hookimpl
+def lmkv_eviction_policies():
+    return [Nameless]
+""", "has no `name`"),
+    "lmkv-notaclass": ("""
+from lmkv.plugins import hookimpl
+
+@hookimpl
+def lmkv_storage_backends():
+    return "not a class"
+""", "expected a subclass"),
+    "lmkv-bigid": ("""
+from lmkv.plugins import hookimpl
+from lmkv_backends.serde_naive import NaiveSerializer
+
+class Big(NaiveSerializer):
+    name = "big"
+    serializer_id = 300
+
+@hookimpl
+def lmkv_serializers():
+    return Big
+""", "serializer_id = 300; allowed: an integer from 1 to 255"),
+    "lmkv-dupid": ("""
+from lmkv.plugins import hookimpl
+from lmkv_backends.serde_naive import NaiveSerializer
+
+class Twin(NaiveSerializer):
+    name = "twin"
+    serializer_id = 1
+
+@hookimpl
+def lmkv_serializers():
+    return Twin
+""", "serializer_id 1 is used twice"),
+}
+
+
+@pytest.fixture
+def bad_plugins(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    from tests.plugin_fixtures import write_dist
+
+    root = tmp_path / "site"
+    for dist, (source, _) in BAD_PLUGINS.items():
+        write_dist(root, dist, dist.replace("-", "_"), source)
+    write_hello_plugin(root)
+    monkeypatch.syspath_prepend(str(root))
+    yield root
+    for mod in [m for m in sys.modules if m.startswith(("lmkv_hello", "lmkv_shadow",
+                                                        "lmkv_nameless", "lmkv_notaclass",
+                                                        "lmkv_bigid", "lmkv_dupid"))]:
+        del sys.modules[mod]
+
+
+def test_bad_plugins_are_recorded_and_never_fatal(bad_plugins: Path) -> None:
+    from lmkv_backends.serde_naive import NaiveSerializer
+
+    manager = PluginManager()
+    manager.load_entry_points()
+    assert manager.storage_backend("cpu") is CPUBackend
+    assert manager.serializer("naive") is NaiveSerializer
+    assert manager.storage_backend("hello")  # a good third-party plugin still works
+    assert "big" not in manager.registry.names("serializer")
+    assert "twin" not in manager.registry.names("serializer")
+    errors = {f.source.distribution: f.error for f in manager.registry.failures}
+    for dist, (_, problem) in BAD_PLUGINS.items():
+        assert problem in errors[dist], (dist, errors.get(dist))
+        assert "\n" not in errors[dist]
+
+
+def test_cli_lists_bad_plugins_and_a_cpu_config_still_works(bad_plugins: Path,
+                                                            tmp_path: Path) -> None:
+    env = {"PYTHONPATH": str(bad_plugins)}
+    table = run_cli("plugins", env=env)
+    assert table.returncode == 0, table.stderr
+    assert "Traceback" not in table.stderr
+    listed = {tuple(line.split()[:3]) for line in table.stdout.splitlines()}
+    assert ("storage_backend", "cpu", "lmkv") in listed
+    assert ("storage_backend", "hello", "lmkv-hello") in listed
+    failed = table.stdout.split("plugins that failed to load:")[1]
+    for dist, (_, problem) in BAD_PLUGINS.items():
+        (line,) = [x for x in failed.splitlines() if f"({dist} 1.0)" in x]
+        assert problem in line
+    # the clash warning names both distributions, on one line
+    (warning,) = [x for x in table.stderr.splitlines() if "registered twice" in x]
+    assert "(lmkv " in warning and "(lmkv-shadow 1.0)" in warning
+
+    cfg = tmp_path / "cpu.yaml"
+    cfg.write_text("tiers: [{type: cpu, options: {max_bytes: 1MiB}}]\n")
+    check = run_cli("config", "check", str(cfg), env=env)
+    assert check.returncode == 0, check.stderr

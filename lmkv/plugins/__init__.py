@@ -25,7 +25,8 @@ pydantic model (subclass ``lmkv.PluginOptions``; unknown keys are errors).
 
 ``LMKV_LOAD_PLUGINS=a,b`` loads only the named entry points (or
 distributions); ``LMKV_DISABLE_PLUGINS=a,b`` skips them. A plugin that fails
-to import is recorded (``lmkv plugins`` shows the error) and becomes an error
+to import, or returns a class that breaks the rules, is recorded (``lmkv plugins``
+shows the error; never fatal to other plugins) and becomes an error
 only when a config selects a name it would have provided.
 """
 

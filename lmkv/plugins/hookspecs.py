@@ -2,7 +2,8 @@
 
 Every hook takes no arguments and returns one plugin class or a list of them
 (hatch style). The class carries its own ``name`` and ``Options`` model; the
-registry rejects duplicate names. Built-in plugins use these very hooks.
+registry records a duplicate or broken class as a failure of its plugin and
+leaves it out. Built-in plugins use these very hooks.
 """
 
 from __future__ import annotations

@@ -1,19 +1,30 @@
 """Name -> class registry for every plugin kind.
 
-Names are matched case-insensitively. A duplicate name is an error; an unknown
-name is an error that lists what is available, says how to install a known
-plugin that is missing, and reports plugins that failed to load.
+Names are matched case-insensitively. A class that breaks the contract (not a
+subclass of its kind's ABC, no ``name``, a bad ``Options``, a serializer id
+outside 1..255 or taken, a name already taken) is recorded as a load failure
+of its plugin and left out: one bad plugin never disables the others. In a name
+clash a built-in (distribution ``lmkv``) wins, else the first registration.
+An unknown name is an error that lists what is available, says how to install a
+known plugin that is missing, and reports plugins that failed to load.
 """
 
 from __future__ import annotations
 
 import importlib
+import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from pydantic import BaseModel
 
 from lmkv.errors import DuplicatePluginError, PluginError, UnknownPluginError
+
+logger = logging.getLogger(__name__)
+
+BUILTIN_DISTRIBUTION = "lmkv"
+#: A frame stores the serializer id in one byte; 0 means "not set".
+SERIALIZER_IDS = range(1, 256)
 
 
 @dataclass(frozen=True)
@@ -57,6 +68,10 @@ class PluginSource:
     distribution: str | None = None
     version: str | None = None
 
+    @property
+    def builtin(self) -> bool:
+        return self.distribution == BUILTIN_DISTRIBUTION
+
     def describe(self) -> str:
         if self.distribution:
             return f"{self.plugin} ({self.distribution} {self.version})"
@@ -86,6 +101,8 @@ class Registry:
     )
 
     def add(self, kind: str, cls: object, source: PluginSource) -> None:
+        """Add one class; raises PluginError (DuplicatePluginError on a clash)
+        if it breaks the contract. ``add_all`` records instead of raising."""
         spec = KINDS[kind]
         base = spec.base_class()
         if not (isinstance(cls, type) and issubclass(cls, base)):
@@ -106,21 +123,57 @@ class Registry:
                 f"{spec.title} '{name}' from {source.describe()}: `Options` must be a "
                 "pydantic model with extra='forbid' (subclass lmkv.PluginOptions)"
             )
+        entry = PluginEntry(kind, name, cls, source)
+        if kind == "serializer":
+            self._check_serializer_id(entry)
         table = self._entries[kind]
         existing = table.get(name.lower())
         if existing is not None:
-            raise DuplicatePluginError(
-                f"{spec.title} '{name}' is registered twice: by "
-                f"{existing.source.describe()} and by {source.describe()}"
+            self._resolve_clash(existing, entry,
+                                f"{spec.title} '{name}' is registered twice: by "
+                                f"{existing.source.describe()} and by {source.describe()}")
+        table[name.lower()] = entry
+
+    def _check_serializer_id(self, entry: PluginEntry) -> None:
+        sid = getattr(entry.cls, "serializer_id", None)
+        if isinstance(sid, bool) or not isinstance(sid, int) or sid not in SERIALIZER_IDS:
+            raise PluginError(
+                f"serializer '{entry.name}' from {entry.source.describe()}: serializer_id = "
+                f"{sid!r}; allowed: an integer from 1 to 255 (one byte in every frame)"
             )
-        table[name.lower()] = PluginEntry(kind, name, cls, source)
+        for other in list(self._entries["serializer"].values()):
+            if other.cls.serializer_id == sid and other.name.lower() != entry.name.lower():
+                self._resolve_clash(other, entry,
+                                    f"serializer_id {sid} is used twice: by serializer "
+                                    f"'{other.name}' of {other.source.describe()} and by "
+                                    f"'{entry.name}' of {entry.source.describe()}")
+
+    def _resolve_clash(self, existing: PluginEntry, new: PluginEntry, message: str) -> None:
+        """Keep ``existing`` by raising, unless ``new`` is a built-in replacing a
+        plugin's entry: then the plugin's entry becomes the recorded failure."""
+        if new.source.builtin and not existing.source.builtin:
+            self._entries[existing.kind].pop(existing.name.lower(), None)
+            self._record(existing.source, DuplicatePluginError(message + "; the built-in wins"))
+            return
+        if existing.source.builtin:
+            message += "; the built-in wins"
+        raise DuplicatePluginError(message)
 
     def add_all(self, kind: str, classes: object, source: PluginSource) -> None:
+        """Add what a hook returned; each bad class is recorded, never fatal to others."""
         if classes is None:
             return
         items = classes if isinstance(classes, (list, tuple)) else [classes]
         for cls in items:
-            self.add(kind, cls, source)
+            try:
+                self.add(kind, cls, source)
+            except PluginError as exc:
+                self._record(source, exc)
+
+    def _record(self, source: PluginSource, exc: BaseException) -> None:
+        error = " ".join(f"{type(exc).__name__}: {exc}".split())  # always one line
+        logger.warning("lmkv plugin %s: %s", source.describe(), error)
+        self.failures.append(LoadFailure(source, error))
 
     def names(self, kind: str) -> list[str]:
         return sorted(e.name for e in self._entries[kind].values())

@@ -21,14 +21,14 @@ import signal
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from lmkv.config import LMKVConfig, is_loopback_host, load_config, resolve_plugin
-from lmkv.private import default_server_address
-from lmkv.server.sessions import DEFAULT_HANDLE_TTL_S, DEFAULT_QUARANTINE_GRACE_S
-from lmkv.storage import StorageManager
-from lmkv.units import ACCEPTED_FORMS, parse_byte_size
+from lmkv.server.defaults import DEFAULT_HANDLE_TTL_S, DEFAULT_QUARANTINE_GRACE_S
 
+# Config, storage and pydantic are imported where used: `lmkv --help` builds this
+# parser and must not pay for torch.
 if TYPE_CHECKING:
     from lmkv.auth import CurveKeys
+    from lmkv.config import LMKVConfig
+    from lmkv.storage import StorageManager
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +39,8 @@ LOG_LEVELS = ["DEBUG", "INFO", "WARNING", "ERROR"]
 
 
 def _byte_size(text: str) -> int:
+    from lmkv.units import ACCEPTED_FORMS, parse_byte_size  # pydantic: not for --help
+
     try:
         value = parse_byte_size(text)
     except ValueError:
@@ -106,6 +108,11 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--curve-authorized-keys", metavar="PATH",
                         help="CURVE: the public keys allowed to connect (a .key file or a "
                              "directory of them); default: server.curve.authorized_keys")
+    # SUPPRESS: `lmkv --log-level X server` and `lmkv server --log-level X` both work,
+    # and an absent flag does not hide the top-level one.
+    parser.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS,
+                        default=argparse.SUPPRESS,
+                        help="logging level (default INFO; env LMKV_LOG_LEVEL)")
     parser.add_argument("--insecure", action="store_true",
                         help="serve a non-loopback address without CURVE: anyone who reaches "
                              "the port can read and plant KV (warned at each start)")
@@ -114,6 +121,7 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
 def build_storage(config: LMKVConfig) -> StorageManager:
     """The config's tiers, with the memory tier's arena in shared memory when possible."""
     from lmkv.server.shm import SharedMemoryUnavailable
+    from lmkv.storage import StorageManager
 
     auto = _enable_shared_memory(config)
     try:
@@ -129,6 +137,8 @@ def build_storage(config: LMKVConfig) -> StorageManager:
 def _enable_shared_memory(config: LMKVConfig) -> dict[str, Any] | None:
     """Turn on ``shared_memory`` for the first memory tier when its options have it
     and the config leaves it unset; returns that tier's options when it did."""
+    from lmkv.config import resolve_plugin
+
     for i, tier in enumerate(config.tiers):
         cls, _ = resolve_plugin("storage_backend", tier, f"tiers.{i}")
         if cls.holds_memory_objs:
@@ -147,6 +157,7 @@ def endpoint_of(host: str, port: int) -> str:
 def listen_endpoint(args: argparse.Namespace) -> str:
     """Where to listen: TCP with --host/--port, else the ipc socket (--socket, or this
     user's private default)."""
+    from lmkv.private import default_server_address
     from lmkv.server.server import ServerError
 
     tcp = args.host is not None or args.port is not None
@@ -163,6 +174,7 @@ def server_curve(args: argparse.Namespace, config: LMKVConfig) -> CurveKeys | No
     """The server's CURVE keys from the flags, else the config's ``server.curve``; None
     without either. Refuses a non-loopback host without CURVE unless ``--insecure``."""
     from lmkv.auth import server_keys
+    from lmkv.config import is_loopback_host
     from lmkv.server.server import ServerError
 
     section = config.server.curve
@@ -184,6 +196,26 @@ def server_curve(args: argparse.Namespace, config: LMKVConfig) -> CurveKeys | No
     return curve
 
 
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.1f} MiB"
+
+
+def tiers_line(storage: StorageManager) -> str:
+    """The tiers served and the arena chunks live in, for the listening log line."""
+    tiers = ", ".join(
+        f"{t.name} ({_mib(t.capacity_bytes)})" if t.capacity_bytes else t.name
+        for t in storage.tiers)
+    memory = next((t for t in storage.tiers if t.holds_memory_objs), None)
+    segment = getattr(memory, "shared_segment", None)
+    if memory is None or not memory.capacity_bytes:
+        arena = "no memory tier"
+    elif segment is not None:
+        arena = f"{_mib(memory.capacity_bytes)} in shared memory {segment.name}"
+    else:
+        arena = f"{_mib(memory.capacity_bytes)}, in-frame transport only"
+    return f"tiers: {tiers or 'none'}; arena: {arena}"
+
+
 def access_line(endpoint: str, curve: CurveKeys | None) -> str:
     """Who can connect, for the listening log line."""
     if curve is not None:
@@ -196,6 +228,7 @@ def access_line(endpoint: str, curve: CurveKeys | None) -> str:
 
 def run_server(args: argparse.Namespace) -> int:
     """Serve until SIGTERM or SIGINT; LMKVError (bad config, port in use) propagates."""
+    from lmkv.config import load_config
     from lmkv.server.server import KVServer
 
     config = load_config(args.config)
@@ -222,9 +255,8 @@ def run_server(args: argparse.Namespace) -> int:
 
         previous = {s: signal.signal(s, on_signal) for s in signals}
         try:
-            logger.info("lmkv server %s (pid %d) listening on %s; shared memory: %s; %s",
-                        server.server_id, os.getpid(), endpoint,
-                        server.service.shm_name or "none (in-frame transport only)",
+            logger.info("lmkv server %s (pid %d) listening on %s; %s; %s",
+                        server.server_id, os.getpid(), endpoint, tiers_line(storage),
                         access_line(endpoint, curve))
             server.serve()
             server.close(args.drain_timeout)
@@ -236,7 +268,7 @@ def run_server(args: argparse.Namespace) -> int:
             server.close(0.0)
     finally:
         storage.close(timeout=1.0)
-    logger.info("lmkv server: stopped")
+    logger.info("lmkv server %s: stopped", endpoint)
     return 0
 
 
@@ -245,10 +277,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="python -m lmkv.server",
         description="Serve lmkv's storage tiers to several engine processes.")
     add_server_arguments(parser)
-    parser.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS, default="INFO",
-                        help="logging level (default INFO)")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level, format="%(levelname)s %(name)s: %(message)s")
+    level = (getattr(args, "log_level", None) or os.environ.get("LMKV_LOG_LEVEL")
+             or "INFO").upper()
+    if level not in LOG_LEVELS:
+        parser.error(f"LMKV_LOG_LEVEL = {level!r}: allowed: {', '.join(LOG_LEVELS)}")
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     from lmkv.cli import run_reporting_errors
 
     return run_reporting_errors(run_server, args, "lmkv server")

@@ -25,6 +25,7 @@ import time
 
 from lmkv.logutil import RateLimitedLog
 from lmkv.memory import MemoryObj
+from lmkv.server.defaults import DEFAULT_HANDLE_TTL_S, DEFAULT_QUARANTINE_GRACE_S
 from lmkv.server.handles import Handle, HandleKind, Quarantine
 from lmkv.storage import StorageManager
 from lmkv.tokens import CacheKey
@@ -35,8 +36,6 @@ _log = RateLimitedLog(logger)
 MAX_LOOKUPS_PER_SESSION = 1024
 # Abandoned request ids a session remembers for requests still running.
 MAX_ABANDONED_PER_SESSION = 1024
-DEFAULT_HANDLE_TTL_S = 30.0
-DEFAULT_QUARANTINE_GRACE_S = 600.0
 
 
 class Session:

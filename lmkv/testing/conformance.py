@@ -43,6 +43,16 @@ class StorageBackendConformance:
         store bytes implement it; the default returns False and the test is skipped."""
         return False
 
+    def make_bounded_backend(self, max_bytes: int) -> StorageBackend | None:
+        """A fresh backend with a byte budget of about ``max_bytes``, for the
+        eviction tests. Only asked when ``make_backend``'s has no budget
+        (``capacity_bytes`` None); tiers that can have one return it, the default
+        returns None and those tests are skipped."""
+        return None
+
+    #: Upper bound on the chunks the eviction tests write.
+    max_pressure_chunks: int = 2048
+
     # -- helpers -------------------------------------------------------------
     @pytest.fixture
     def backend(self) -> Iterator[StorageBackend]:
@@ -63,6 +73,9 @@ class StorageBackendConformance:
             return tensor_obj(data)
         obj.tensor.copy_(data)
         return obj
+
+    def chunk_bytes(self) -> int:
+        return torch.Size(self.chunk_shape).numel() * self.dtype.itemsize
 
     def put(self, backend: StorageBackend, ids: list[int]) -> list[torch.Tensor]:
         objs = [self.make_obj(backend, i) for i in ids]
@@ -189,3 +202,39 @@ class StorageBackendConformance:
         obj = backend.get_blocking(self.key(4))  # the original still reads as itself
         assert obj is not None and torch.equal(obj.tensor, expected[0])
         obj.ref_down()
+
+    def test_a_pinned_entry_survives_eviction_pressure(self, backend: StorageBackend) -> None:
+        """Pins (``pin`` and ``batched_async_contains(pin=True)``) protect against
+        eviction: a lookup's hits must still be there when it reads them."""
+        if backend.capacity_bytes is None:
+            bounded = self.make_bounded_backend(16 * self.chunk_bytes())
+            if bounded is None:
+                pytest.skip("this backend has no byte budget (make_bounded_backend)")
+            backend.close()
+            backend = bounded
+        try:
+            self._check_pins_survive(backend)
+        finally:
+            backend.close()
+
+    def _check_pins_survive(self, backend: StorageBackend) -> None:
+        capacity = backend.capacity_bytes
+        assert capacity, "make_bounded_backend returned a backend without a budget"
+        pressure = 3 * capacity // self.chunk_bytes() + 8
+        if pressure > self.max_pressure_chunks:
+            pytest.skip(f"a budget of {capacity} bytes needs {pressure} chunks of pressure; "
+                        "make_backend or make_bounded_backend should give a smaller one")
+        expected = self.put(backend, [0, 1])
+        assert backend.pin(self.key(0))
+        assert backend.batched_async_contains("pinned", [self.key(1)], pin=True) == 1
+        first = 1000
+        for start in range(first, first + pressure, 8):
+            self.put(backend, list(range(start, start + 8)))
+        survivors = sum(backend.contains(self.key(i)) for i in range(first, first + pressure))
+        assert survivors < pressure, "no entry was evicted: the pressure test proves nothing"
+        for i, data in enumerate(expected):
+            assert backend.contains(self.key(i)), f"pinned key {i} was evicted"
+            obj = backend.get_blocking(self.key(i))
+            assert obj is not None and torch.equal(obj.tensor, data)
+            obj.ref_down()
+        assert backend.unpin(self.key(0)) and backend.unpin(self.key(1))

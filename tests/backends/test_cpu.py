@@ -25,6 +25,26 @@ class TestCPUConformance(StorageBackendConformance):
         return make_cpu()
 
 
+class PinIgnoringCPU(CPUBackend):
+    """Says it pins, and pins nothing: the conformance suite must catch it."""
+
+    def contains(self, key: CacheKey, pin: bool = False) -> bool:
+        return super().contains(key)
+
+    def batched_async_contains(self, lookup_id: str, keys, pin: bool = False) -> int:
+        return super().batched_async_contains(lookup_id, keys)
+
+    def unpin(self, key: CacheKey) -> bool:
+        return self.contains(key)
+
+
+def test_the_conformance_suite_catches_a_backend_that_ignores_pins() -> None:
+    backend = PinIgnoringCPU(CPUBackend.Options(max_bytes=1 << 20),
+                             BackendContext(eviction_policy=LRUPolicy()))
+    with pytest.raises(AssertionError, match="pinned key 0 was evicted"):
+        TestCPUConformance().test_a_pinned_entry_survives_eviction_pressure(backend)
+
+
 def key(i: int) -> CacheKey:
     return CacheKey(KeyMeta("m"), i.to_bytes(32, "little"))
 

@@ -111,6 +111,9 @@ class TestLocalConformance(StorageBackendConformance):
     def make_backend(self) -> FSBackend:
         return make_fs(f"file://{self.root}", self.arena, durable=False)
 
+    def make_bounded_backend(self, max_bytes: int) -> FSBackend:
+        return make_fs(f"file://{self.root}", self.arena, durable=False, max_bytes=max_bytes)
+
     def corrupt_entry(self, backend: FSBackend, key: CacheKey) -> bool:
         path = self.root / entry_name(key)
         path.write_bytes(CORRUPTIONS["payload bit flip"](path.read_bytes()))

@@ -120,6 +120,10 @@ class TestS3Conformance(StorageBackendConformance):
         return make_fs(self.url, self.arena, endpoint_url=self.s3.url, key="testing",
                        secret="testing", **FAST)
 
+    def make_bounded_backend(self, max_bytes: int) -> FSBackend:
+        return make_fs(self.url, self.arena, endpoint_url=self.s3.url, key="testing",
+                       secret="testing", max_bytes=max_bytes, **FAST)
+
     def corrupt_entry(self, backend: FSBackend, key: CacheKey) -> bool:
         rewrite_object(self.s3, self.url, key, CORRUPTIONS["payload bit flip"])
         return True

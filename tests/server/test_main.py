@@ -57,3 +57,51 @@ def test_the_memory_tier_gets_shared_memory_unless_the_config_says_otherwise(tmp
                                                   "options": {"shared_memory": False}}]})
     assert _enable_shared_memory(explicit) is None
     assert explicit.tiers[0].options == {"shared_memory": False}
+
+
+def _wait_for(path, text: str, proc, timeout_s: float = 90.0) -> str:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        log = path.read_text()
+        if text in log or proc.poll() is not None:
+            return log
+        time.sleep(0.1)
+    return path.read_text()
+
+
+@pytest.mark.parametrize("command", [["-m", "lmkv", "server"], ["-m", "lmkv.server"]])
+def test_server_takes_log_level_and_logs_listening_and_stopped(tmp_path, command) -> None:
+    import os
+    import subprocess
+    import sys
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("tiers: [{type: cpu, options: {max_bytes: 16MiB, shared_memory: false}}]\n")
+    sock = tmp_path / "run" / "s.sock"
+    log = tmp_path / "server.log"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LMKV_")}
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, *command, "--log-level", "DEBUG",
+                                 "--config", str(cfg), "--socket", str(sock)],
+                                stdout=out, stderr=subprocess.STDOUT, env=env)
+    try:
+        text = _wait_for(log, "listening on", proc)
+        (line,) = [x for x in text.splitlines() if "listening on" in x]
+        assert f"listening on ipc://{sock}" in line
+        assert "tiers: cpu (16.0 MiB); arena: 16.0 MiB, in-frame transport only" in line
+        proc.terminate()
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    lines = log.read_text().splitlines()
+    assert "Traceback" not in log.read_text()
+    assert f"INFO lmkv.server.main: lmkv server ipc://{sock}: stopped" in lines
+
+
+def test_server_log_level_defaults_to_info_and_rejects_nonsense() -> None:
+    args = parse("--log-level", "debug")
+    assert args.log_level == "DEBUG"
+    assert not hasattr(parse(), "log_level")  # never hides `lmkv --log-level X server`
