@@ -32,8 +32,8 @@ import torch
 from lmkv.backend import BackendContext
 from lmkv.memory import MemoryAllocator, MemoryObj
 from lmkv.tokens import CacheKey, KeyMeta
-from lmkv_backends.fs import FSBackend
-from lmkv_backends.serde_naive import NaiveSerializer
+from lmkv_backends.serde.naive import NaiveSerializer
+from lmkv_backends.tiers.fs import FSBackend
 from lmkv_policies.lru import LRUPolicy
 
 SHAPE = (32, 2, 256, 8, 128)  # Llama-3-8B KV of 256 tokens: 32 layers, K and V, 8 heads

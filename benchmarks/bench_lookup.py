@@ -26,8 +26,8 @@ from multiprocessing.connection import Connection
 
 import torch
 
-from lmkv import CacheEngine, KVSpec, load_config
-from lmkv.lookup import LookupClient, LookupEndpoints, LookupServer
+from lmkv import KVSpec, LocalEngine, load_config
+from lmkv.lookup import LookupClient, LookupEndpoints, LookupResponder
 from lmkv.tokens import prefix_hashes
 
 CHUNK = 256
@@ -41,10 +41,10 @@ def prompts() -> list[list[int]]:
     return [[p * 1_000_000 + t for t in range(PROMPT_TOKENS)] for p in range(PROMPTS)]
 
 
-def engine_holding_prompts() -> CacheEngine:
+def engine_holding_prompts() -> LocalEngine:
     config = load_config(env={}, overrides={"lmkv.chunk_size": CHUNK,
                                             "lmkv.tiers.0.options.max_bytes": "128MiB"})
-    engine = CacheEngine.from_config(config, SPEC, model_name="bench-lookup")
+    engine = LocalEngine.from_config(config, SPEC, model_name="bench-lookup")
     shape = (1, SPEC.num_kv_heads, PROMPT_TOKENS, SPEC.head_dim)
     kv = [(torch.randn(shape).half(), torch.randn(shape).half())
           for _ in range(SPEC.num_layers)]
@@ -55,7 +55,7 @@ def engine_holding_prompts() -> CacheEngine:
 
 def worker(conn: Connection, endpoints: list[tuple[str, str]]) -> None:
     engine = engine_holding_prompts()
-    servers = [LookupServer(engine, req, resp, rank=0) for req, resp in endpoints]
+    servers = [LookupResponder(engine, req, resp, rank=0) for req, resp in endpoints]
     conn.send([s.request_endpoint for s in servers])
     conn.recv()  # until told to stop
     for server in servers:

@@ -26,7 +26,7 @@ import torch
 from _timing import best_of
 
 from lmkv.gpu import ChunkSpan, KVSpec
-from lmkv_backends.gpu_torch import PagedConnector
+from lmkv_backends.connectors.gpu_torch import PagedConnector
 
 SPEC = KVSpec(num_layers=8, num_kv_heads=4, head_dim=64, dtype=torch.bfloat16)
 CHUNK = 256

@@ -34,7 +34,7 @@ import zmq
 
 from lmkv.auth import CurveKeys, load_keypair, load_public_key, write_keypair
 from lmkv.config import load_config
-from lmkv.server.client import ServerClient
+from lmkv.rpc.client import ServerClient
 from lmkv.storage import StorageManager
 from lmkv.tokens import CacheKey, KeyMeta, prefix_hashes
 
@@ -59,7 +59,7 @@ def start_server(config: Path, port: int, log: Path, *args: str,
              "--log-level", "WARNING", *args],
             stdout=out, stderr=subprocess.STDOUT)
     client = ServerClient(f"tcp://127.0.0.1:{port}", timeout_ms=500, curve=curve)
-    client_log = logging.getLogger("lmkv.server.client")
+    client_log = logging.getLogger("lmkv.rpc.client")
     client_log.setLevel(logging.ERROR)  # "no server yet" while it starts
     deadline = time.monotonic() + 60
     while client.ping() is None:

@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from lmkv import CacheEngine, KVSpec, StorageManager, load_config
+from lmkv import KVSpec, LocalEngine, StorageManager, load_config
 from lmkv.gpu import ChunkSpan
 from lmkv.plugins import get_plugin_manager
 from lmkv.prefetch import release
@@ -53,7 +53,7 @@ def main() -> None:
     cpu, fs = storage.tiers
     connector_cls = get_plugin_manager().gpu_connector("paged")
     connector = connector_cls(connector_cls.Options(layout="cpu"), SPEC)
-    engine = CacheEngine(config, SPEC, model_name="bench", connector=connector, storage=storage)
+    engine = LocalEngine(config, SPEC, model_name="bench", connector=connector, storage=storage)
 
     tokens = list(range(CHUNKS * CHUNK))
     blocks = CHUNKS * CHUNK // BLOCK
@@ -64,7 +64,7 @@ def main() -> None:
     assert storage.flush(120), "fs writes did not finish"
     chunks = engine.chunker.chunk(tokens)
     half = CHUNKS // 2
-    cpu_only = CacheEngine(config, SPEC, model_name="bench", connector=connector,
+    cpu_only = LocalEngine(config, SPEC, model_name="bench", connector=connector,
                            storage=StorageManager([cpu]))
     fs_only = StorageManager([fs])
 

@@ -188,7 +188,7 @@ def sub(mode: str, model_dir: str, tmp: str, env: dict) -> dict:
 def main() -> int:
     import argparse
 
-    from lmkv.server.spawn import spawn_server
+    from lmkv.testing.server import spawn_server
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--configs", default=",".join(CONFIGS))
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")

@@ -27,8 +27,8 @@ _LAZY: dict[str, str] = {
     "StorageBackend": "lmkv.backend",
     "LMKVConfig": "lmkv.config",
     "load_config": "lmkv.config",
-    "CacheEngine": "lmkv.engine",
-    "RetrieveResult": "lmkv.engine",
+    "LocalEngine": "lmkv.engines.local",
+    "RetrieveResult": "lmkv.engines.local",
     "ChunkSpan": "lmkv.gpu",
     "GPUConnector": "lmkv.gpu",
     "KVSpec": "lmkv.gpu",
@@ -51,7 +51,7 @@ _LAZY: dict[str, str] = {
 if TYPE_CHECKING:
     from lmkv.backend import BackendContext, StorageBackend
     from lmkv.config import LMKVConfig, load_config
-    from lmkv.engine import CacheEngine, RetrieveResult
+    from lmkv.engines.local import LocalEngine, RetrieveResult
     from lmkv.gpu import ChunkSpan, GPUConnector, KVSpec
     from lmkv.memory import MemoryAllocator, MemoryObj
     from lmkv.plugins import NoOptions, PluginOptions, hookimpl
@@ -76,7 +76,6 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "BackendContext",
-    "CacheEngine",
     "CacheKey",
     "ChunkSpan",
     "ConfigError",
@@ -88,6 +87,7 @@ __all__ = [
     "KeyMeta",
     "LMKVConfig",
     "LMKVError",
+    "LocalEngine",
     "MemoryAllocator",
     "MemoryObj",
     "NoOptions",

@@ -15,7 +15,7 @@ from lmkv.errors import LMKVError
 
 if TYPE_CHECKING:
     from lmkv.config import LMKVConfig
-    from lmkv.server.protocol import StatsReply
+    from lmkv.rpc.protocol import StatsReply
 
 # Everything else is imported inside the command that needs it: `lmkv --help` and
 # `lmkv --version` must not pay for torch (lmkv/__init__ imports lazily too).
@@ -99,11 +99,11 @@ def _cmd_stats(args: argparse.Namespace) -> int:
 def _live_stats(address: str, config: LMKVConfig) -> StatsReply | None:
     """The running server's StatsReply, or None when none answers at ``address``."""
     from lmkv.auth import client_keys
-    from lmkv.server.client import ServerClient
+    from lmkv.rpc.client import ServerClient
 
     section = config.server
     curve = client_keys(section.curve) if section.curve is not None else None
-    client_log = logging.getLogger("lmkv.server.client")
+    client_log = logging.getLogger("lmkv.rpc.client")
     level = client_log.level
     client_log.setLevel(logging.ERROR)  # "no server" is said once, by the caller
     try:

@@ -4,12 +4,12 @@
 from __future__ import annotations
 
 from lmkv.plugins import hookimpl
-from lmkv_backends.cpu import CPUBackend
-from lmkv_backends.fs import FSBackend
-from lmkv_backends.gpu_torch import HFConnector, PagedConnector
-from lmkv_backends.serde_int8 import Int8Serializer
-from lmkv_backends.serde_naive import NaiveSerializer
-from lmkv_backends.serde_zstd import ZstdSerializer
+from lmkv_backends.connectors.gpu_torch import HFConnector, PagedConnector
+from lmkv_backends.serde.int8 import Int8Serializer
+from lmkv_backends.serde.naive import NaiveSerializer
+from lmkv_backends.serde.zstd import ZstdSerializer
+from lmkv_backends.tiers.cpu import CPUBackend
+from lmkv_backends.tiers.fs import FSBackend
 
 
 @hookimpl

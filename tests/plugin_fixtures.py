@@ -13,7 +13,7 @@ PLUGIN_SOURCE = '''
 from lmkv.plugins import hookimpl
 from lmkv.policy import EvictionPolicy
 from lmkv.plugins.base import PluginOptions
-from lmkv_backends.cpu import CPUBackend
+from lmkv_backends.tiers.cpu import CPUBackend
 
 
 class HelloOptions(PluginOptions):

@@ -157,7 +157,7 @@ def test_the_config_refuses_a_non_loopback_tcp_lookup_without_curve(tmp_path) ->
 def test_an_insecure_lookup_channel_warns_at_every_start(caplog) -> None:
     import logging
 
-    from lmkv.lookup.transport import LookupEndpoints
+    from lmkv.lookup.sockets import LookupEndpoints
     config = load_config(overrides={"lookup": {"transport": "tcp", "base_port": 7000,
                                                "host": "10.1.2.3", "insecure": True}})
     with caplog.at_level(logging.WARNING, logger="lmkv"):

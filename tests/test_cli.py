@@ -99,10 +99,10 @@ def test_help_and_the_parser_import_no_torch() -> None:
 
 def test_public_names_still_import_from_lmkv() -> None:
     import lmkv
-    from lmkv import CacheEngine, StorageManager, load_config  # noqa: F401
-    from lmkv.engine import CacheEngine as Engine
+    from lmkv import LocalEngine, StorageManager, load_config  # noqa: F401
+    from lmkv.engines.local import LocalEngine as Engine
 
-    assert CacheEngine is Engine
+    assert LocalEngine is Engine
     for name in lmkv.__all__:
         assert getattr(lmkv, name) is not None, name
     with pytest.raises(AttributeError, match="no attribute 'nope'"):

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from lmkv.gpu import ChunkSpan, KVSpec
-from lmkv_backends.gpu_torch import HFConnector, PagedConnector, _pieces, _scatter
+from lmkv_backends.connectors.gpu_torch import HFConnector, PagedConnector, _pieces, _scatter
 
 L, H, D = 3, 2, 8
 SPEC = KVSpec(L, H, D, torch.float32)

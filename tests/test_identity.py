@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lmkv import CacheEngine, KVSpec, load_config
+from lmkv import KVSpec, LocalEngine, load_config
 from lmkv.memory import tensor_obj
 from lmkv.tokens import Identity, MMInput, prefix_hashes
 from tests.test_tokens import reference_hashes
@@ -27,9 +27,9 @@ def hf_kv(total: int, spec: KVSpec = SPEC, seed: int = 0):
              torch.randn(shape, generator=gen).to(spec.dtype)) for _ in range(spec.num_layers)]
 
 
-def engine(spec: KVSpec = SPEC, **overrides) -> CacheEngine:
+def engine(spec: KVSpec = SPEC, **overrides) -> LocalEngine:
     config = load_config(env={}, overrides={"lmkv.chunk_size": CHUNK, **overrides})
-    return CacheEngine.from_config(config, spec, model_name="identity-test")
+    return LocalEngine.from_config(config, spec, model_name="identity-test")
 
 
 IDENTITIES = {

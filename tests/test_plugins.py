@@ -13,7 +13,7 @@ from lmkv.plugins import hookimpl
 from lmkv.plugins.manager import PluginManager
 from lmkv.plugins.registry import KINDS, PluginSource, Registry
 from lmkv.testing import registered_plugin
-from lmkv_backends.cpu import CPUBackend
+from lmkv_backends.tiers.cpu import CPUBackend
 from lmkv_policies.lru import LRUPolicy
 from tests.conftest import run_cli
 from tests.plugin_fixtures import write_broken_plugin, write_hello_plugin
@@ -253,7 +253,7 @@ BAD_PLUGINS = {
     # dist: (module source, the problem `lmkv plugins` must show)
     "lmkv-shadow": ("""
 from lmkv.plugins import hookimpl
-from lmkv_backends.cpu import CPUBackend
+from lmkv_backends.tiers.cpu import CPUBackend
 
 class Shadow(CPUBackend):
     name = "CPU"
@@ -282,7 +282,7 @@ def lmkv_storage_backends():
 """, "expected a subclass"),
     "lmkv-bigid": ("""
 from lmkv.plugins import hookimpl
-from lmkv_backends.serde_naive import NaiveSerializer
+from lmkv_backends.serde.naive import NaiveSerializer
 
 class Big(NaiveSerializer):
     name = "big"
@@ -294,7 +294,7 @@ def lmkv_serializers():
 """, "serializer_id = 300; allowed: an integer from 1 to 255"),
     "lmkv-dupid": ("""
 from lmkv.plugins import hookimpl
-from lmkv_backends.serde_naive import NaiveSerializer
+from lmkv_backends.serde.naive import NaiveSerializer
 
 class Twin(NaiveSerializer):
     name = "twin"
@@ -324,7 +324,7 @@ def bad_plugins(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def test_bad_plugins_are_recorded_and_never_fatal(bad_plugins: Path) -> None:
-    from lmkv_backends.serde_naive import NaiveSerializer
+    from lmkv_backends.serde.naive import NaiveSerializer
 
     manager = PluginManager()
     manager.load_entry_points()

@@ -15,7 +15,7 @@ from lmkv.memory import MemoryAllocator
 from lmkv.plugins import hookspecs
 from lmkv.plugins.registry import KINDS
 from lmkv.testing import StorageBackendConformance
-from lmkv_backends.serde_naive import NaiveSerializer
+from lmkv_backends.serde.naive import NaiveSerializer
 
 DOC = (Path(__file__).resolve().parents[1] / "plugins.md").read_text()
 

@@ -12,7 +12,7 @@ from lmkv.backend import BackendContext
 from lmkv.prefetch import EventManager, WeightedSemaphore
 from lmkv.storage import StorageManager
 from lmkv.tokens import CacheKey, KeyMeta
-from lmkv_backends.cpu import CPUBackend
+from lmkv_backends.tiers.cpu import CPUBackend
 from lmkv_policies.lru import LRUPolicy
 
 SHAPE = (2, 2, 8, 2, 8)

@@ -7,7 +7,7 @@ from lmkv.errors import CorruptFrameError
 from lmkv.memory import MAX_CHUNK_NDIM, MemoryAllocator, tensor_obj
 from lmkv.serde import DTYPE_CODES, write_header
 from lmkv.tokens import CacheKey, KeyMeta
-from lmkv_backends.serde_naive import NaiveSerializer
+from lmkv_backends.serde.naive import NaiveSerializer
 
 KEY = CacheKey(KeyMeta("m", geometry="2x2x4"), b"\x07" * 32)
 

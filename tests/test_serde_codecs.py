@@ -7,9 +7,9 @@ import torch
 
 from lmkv.errors import CorruptFrameError
 from lmkv.memory import MemoryAllocator, tensor_obj
-from lmkv_backends.serde_int8 import Int8Serializer
-from lmkv_backends.serde_naive import NaiveSerializer
-from lmkv_backends.serde_zstd import ZstdSerializer
+from lmkv_backends.serde.int8 import Int8Serializer
+from lmkv_backends.serde.naive import NaiveSerializer
+from lmkv_backends.serde.zstd import ZstdSerializer
 from tests.test_serde import KEY, corruptions
 
 SHAPE = (2, 2, 32, 2, 16)

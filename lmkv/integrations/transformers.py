@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from lmkv.config import LMKVConfig, load_config
-from lmkv.engine import CacheEngine
+from lmkv.engines.local import LocalEngine
 from lmkv.errors import ConfigError
 from lmkv.gpu import KVSpec
 from lmkv.integrations.hf_model import cache_to_kv, kv_to_cache, prefill
@@ -59,7 +59,7 @@ class HFCacheEngine:
         self.namespace = namespace
         self._adapter_digests: dict[str, tuple[list[tuple[Any, int]], str]] = {}
         name = model_name or getattr(model.config, "_name_or_path", "") or model.config.model_type
-        self.engine = CacheEngine.from_config(config or load_config(), kv_spec_of(model),
+        self.engine = LocalEngine.from_config(config or load_config(), kv_spec_of(model),
                                               model_name=name, default_connector="hf")
         connector = self.engine.connector
         if connector.engine_kind != "hf":

@@ -1,7 +1,7 @@
 """The async lookup channel between an engine's scheduler and its workers.
 
 The scheduler's ``LookupClient`` hashes a prompt once and asks every worker's
-``LookupServer`` how much of it is stored; each worker starts prefetching the
+``LookupResponder`` how much of it is stored; each worker starts prefetching the
 hit chunks (pinned while planned, then held for the engine's retrieve) and
 answers with its hit tokens; the client keeps the minimum. ZMQ PUSH/PULL
 carries msgspec msgpack messages (``messages``) over ``ipc://`` sockets under a
@@ -10,15 +10,15 @@ runtime directory or ``tcp://`` (``transport``). Guide: docs/lookup.md.
 
 from lmkv.lookup.client import LookupClient
 from lmkv.lookup.messages import LookupCleanup, LookupRequest, LookupResponse
-from lmkv.lookup.server import LookupServer
-from lmkv.lookup.transport import LookupEndpoints, default_runtime_dir
+from lmkv.lookup.responder import LookupResponder
+from lmkv.lookup.sockets import LookupEndpoints, default_runtime_dir
 
 __all__ = [
     "LookupCleanup",
     "LookupClient",
     "LookupEndpoints",
     "LookupRequest",
+    "LookupResponder",
     "LookupResponse",
-    "LookupServer",
     "default_runtime_dir",
 ]

@@ -60,7 +60,7 @@ from lmkv.lookup.messages import (
     encode,
     max_chunks_for,
 )
-from lmkv.lookup.transport import (
+from lmkv.lookup.sockets import (
     LookupEndpoints,
     Waker,
     close_all,
@@ -184,7 +184,7 @@ class LookupClient:
                     **settings: Any) -> LookupClient:
         """A client for the ``world_size`` workers of ``engine_id``, addressed by
         ``transport`` ("ipc" under ``runtime_dir``, or "tcp" on ``host`` from
-        ``base_port``): see ``lmkv.lookup.transport`` for the scheme. Arguments
+        ``base_port``): see ``lmkv.lookup.sockets`` for the scheme. Arguments
         left out come from the config's ``lookup`` section (``max_tokens``: pass
         the model's maximum length when known)."""
         given = {"transport": transport, "runtime_dir": runtime_dir, "host": host,

@@ -16,7 +16,7 @@ is known gone:
 
 - it says it is done: it releases the handle, commits it, names its
   request as abandoned, or ends its session;
-- its process has exited (``lmkv.server.liveness``: same host and pid
+- its process has exited (``lmkv.rpc.liveness``: same host and pid
   namespace, and the pid is gone, a zombie, or reused);
 - when its process cannot be checked (another pid namespace, a client that
   named none): its session has been silent for the quarantine grace period.
@@ -36,7 +36,7 @@ from typing import Literal
 from lmkv.logutil import RateLimitedLog
 from lmkv.memory import MemoryObj
 from lmkv.prefetch import release
-from lmkv.server.liveness import process_state
+from lmkv.rpc.liveness import process_state
 from lmkv.tokens import CacheKey
 
 logger = logging.getLogger(__name__)

@@ -120,7 +120,7 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
 
 def build_storage(config: LMKVConfig) -> StorageManager:
     """The config's tiers, with the memory tier's arena in shared memory when possible."""
-    from lmkv.server.shm import SharedMemoryUnavailable
+    from lmkv.memory.shm import SharedMemoryUnavailable
     from lmkv.storage import StorageManager
 
     auto = _enable_shared_memory(config)

@@ -31,7 +31,7 @@ from lmkv.logutil import RateLimitedLog
 from lmkv.memory import MemoryObj
 from lmkv.prefetch import release
 from lmkv.private import ipc_dir_problem
-from lmkv.server import protocol as p
+from lmkv.rpc import protocol as p
 from lmkv.server.service import Deferred, KVService, Outcome
 from lmkv.server.sessions import (
     DEFAULT_HANDLE_TTL_S,

@@ -23,10 +23,10 @@ from typing import Any
 import numpy as np
 
 from lmkv.memory import MemoryAllocator, MemoryObj
+from lmkv.memory.shm import SharedSegment, host_id
 from lmkv.prefetch import release
-from lmkv.server import protocol as p
+from lmkv.rpc import protocol as p
 from lmkv.server.sessions import Session, SessionTable
-from lmkv.server.shm import SharedSegment, host_id
 from lmkv.storage import StorageManager
 
 logger = logging.getLogger(__name__)

@@ -4,7 +4,7 @@
   ``make_backend``, and pytest runs the storage contract against your tier.
 * ``registered_plugin(obj)``: a context manager that registers a plugin in a
   fresh plugin manager for the length of a block.
-* ``lmkv.server.spawn.spawn_server(directory, tiers_yaml)``: a real ``lmkv
+* ``lmkv.testing.server.spawn_server(directory, tiers_yaml)``: a real ``lmkv
   server`` process on a free loopback port, for tests of server mode.
 * pytest fixtures (loaded automatically through the ``pytest11`` entry point):
   ``lmkv_plugin_manager`` (a fresh manager for one test) and

@@ -8,7 +8,7 @@ import torch
 from lmkv.backend import BackendContext
 from lmkv.testing import StorageBackendConformance
 from lmkv.tokens import CacheKey, KeyMeta
-from lmkv_backends.cpu import CPUBackend
+from lmkv_backends.tiers.cpu import CPUBackend
 from lmkv_policies.lru import LRUPolicy
 
 SHAPE = (2, 2, 16, 2, 32)
@@ -240,7 +240,7 @@ def test_concurrent_clients_keep_counts_and_budget() -> None:
 def test_budget_beyond_available_memory_is_refused() -> None:
     from lmkv.config import load_config
     from lmkv.errors import ConfigError
-    from lmkv_backends.cpu import available_memory_bytes
+    from lmkv_backends.tiers.cpu import available_memory_bytes
 
     available = available_memory_bytes()
     assert available is not None  # Linux: MemAvailable
@@ -275,7 +275,7 @@ def test_oversized_tier_is_one_line_for_every_command(tmp_path, command) -> None
 
 
 def test_default_budget_is_not_held_against_a_small_machine(monkeypatch) -> None:
-    import lmkv_backends.cpu as cpu
+    import lmkv_backends.tiers.cpu as cpu
 
     monkeypatch.setattr(cpu, "available_memory_bytes", lambda: 1 << 30)
     assert cpu.CPUOptions().max_bytes == 4 << 30

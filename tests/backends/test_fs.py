@@ -27,10 +27,10 @@ from lmkv.memory import MemoryAllocator, tensor_obj
 from lmkv.plugins import PluginManager, hookimpl
 from lmkv.testing import StorageBackendConformance
 from lmkv.tokens import CacheKey, KeyMeta
-from lmkv_backends.fs import FSBackend
-from lmkv_backends.fs_index import entry_name
-from lmkv_backends.fs_local import TMP_PREFIX
-from lmkv_backends.serde_naive import NaiveSerializer
+from lmkv_backends.serde.naive import NaiveSerializer
+from lmkv_backends.tiers.fs import FSBackend
+from lmkv_backends.tiers.fs_index import entry_name
+from lmkv_backends.tiers.fs_local import TMP_PREFIX
 from lmkv_policies.lru import LRUPolicy
 
 SHAPE = (2, 2, 16, 2, 32)
@@ -491,7 +491,7 @@ def run_worker(role: str, url: str, endpoint: str = "", check: bool = True) -> d
 
 def _worker_tiers(url: str, endpoint: str) -> tuple[object, FSBackend]:
     from lmkv import StorageManager
-    from lmkv_backends.cpu import CPUBackend
+    from lmkv_backends.tiers.cpu import CPUBackend
 
     cpu = CPUBackend(CPUBackend.Options(max_bytes=4 << 20),
                      BackendContext(eviction_policy=LRUPolicy()))

@@ -15,10 +15,10 @@ from lmkv.errors import ConfigError
 from lmkv.memory import MemoryAllocator, tensor_obj
 from lmkv.serde import write_header
 from lmkv.tokens import CacheKey
-from lmkv_backends.fs import FSBackend
-from lmkv_backends.fs_index import entry_name
-from lmkv_backends.serde_naive import NaiveSerializer
-from lmkv_backends.serde_zstd import ZstdSerializer
+from lmkv_backends.serde.naive import NaiveSerializer
+from lmkv_backends.serde.zstd import ZstdSerializer
+from lmkv_backends.tiers.fs import FSBackend
+from lmkv_backends.tiers.fs_index import entry_name
 from tests.backends.test_fs import chunk, key, make_fs, put, read
 
 # Bounds a read that a FIFO would block: liveness, not timing.

@@ -14,8 +14,8 @@ from botocore.exceptions import ClientError
 from lmkv.memory import MemoryAllocator
 from lmkv.testing import StorageBackendConformance
 from lmkv.tokens import CacheKey
-from lmkv_backends.fs import FSBackend
-from lmkv_backends.fs_index import entry_name
+from lmkv_backends.tiers.fs import FSBackend
+from lmkv_backends.tiers.fs_index import entry_name
 from tests.backends.test_fs import (
     CORRUPTIONS,
     FRAME_BYTES,

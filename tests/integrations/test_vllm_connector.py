@@ -124,21 +124,22 @@ def test_connector_loads_where_vllm_is_installed() -> None:
 def _scheduler_and_worker(tmp_path, **keys):  # type: ignore[no-untyped-def]
     import torch
 
-    from lmkv.engine import CacheEngine
+    from lmkv.engines.local import LocalEngine
     from lmkv.gpu import KVSpec
     from lmkv.integrations.vllm.scheduler import SchedulerSide
-    from lmkv.lookup.server import LookupServer
-    from lmkv.lookup.transport import LookupEndpoints
+    from lmkv.lookup.responder import LookupResponder
+    from lmkv.lookup.sockets import LookupEndpoints
     from lmkv.storage import StorageManager
-    from lmkv_backends.gpu_torch import PagedConnector, PagedOptions
+    from lmkv_backends.connectors.gpu_torch import PagedConnector, PagedOptions
 
     config = load_config(overrides={"lmkv.chunk_size": 16,
                                     "lmkv.lookup.runtime_dir": str(tmp_path), **keys})
     spec = KVSpec(2, 2, 8, torch.float32)
-    engine = CacheEngine(config, spec, model_name="m",
+    engine = LocalEngine(config, spec, model_name="m",
                          connector=PagedConnector(PagedOptions(layout="cpu"), spec),
                          storage=StorageManager.from_config(config))
-    server = LookupServer.for_rank(engine, LookupEndpoints.from_config(config.lookup, "e2", 1), 0)
+    server = LookupResponder.for_rank(
+        engine, LookupEndpoints.from_config(config.lookup, "e2", 1), 0)
     vllm_config = SimpleNamespace(kv_transfer_config=SimpleNamespace(engine_id="e2"),
                                   parallel_config=SimpleNamespace(world_size=1),
                                   model_config=SimpleNamespace(max_model_len=2048))

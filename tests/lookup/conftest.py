@@ -1,4 +1,4 @@
-"""Two real worker processes (spawned), each with its own CacheEngine and cpu tier,
+"""Two real worker processes (spawned), each with its own LocalEngine and cpu tier,
 serving the lookup channel over ipc:// and tcp://; clients are made per test."""
 
 from __future__ import annotations

@@ -12,13 +12,13 @@ from typing import Any
 import pytest
 import zmq
 
-from lmkv import CacheEngine
+from lmkv import LocalEngine
 from lmkv.lookup import (
     LookupCleanup,
     LookupEndpoints,
     LookupRequest,
+    LookupResponder,
     LookupResponse,
-    LookupServer,
 )
 from lmkv.lookup.messages import decode, encode, max_request_bytes
 from lmkv.tokens import prefix_hashes
@@ -70,7 +70,7 @@ def misses(n: int, seed: int = 7) -> list[bytes]:
 
 
 @pytest.fixture
-def engine() -> Iterator[CacheEngine]:
+def engine() -> Iterator[LocalEngine]:
     engine = make_engine(CHUNK, 1 << 22, rank=0)
     yield engine
     engine.close()
@@ -89,7 +89,7 @@ def peer(endpoints: LookupEndpoints) -> Iterator[Peer]:
     peer.close()
 
 
-def held_refs(engine: CacheEngine) -> int:
+def held_refs(engine: LocalEngine) -> int:
     tier = engine.storage.tiers[0]
     return sum(o.ref_count - 1 for o in tier._entries.values())
 
@@ -100,7 +100,7 @@ def test_a_burst_of_large_lookups_gives_its_memory_back_while_idle(engine, endpo
     tokens = prompt(1, 8)
     engine.store(tokens, kv=hf_kv(len(tokens)))
     hashes = prefix_hashes(tokens, CHUNK) + misses(BIG, seed=2)[8:]  # 8 hits, then misses
-    with LookupServer(engine, endpoints.requests[0], endpoints.responses, rank=0,
+    with LookupResponder(engine, endpoints.requests[0], endpoints.responses, rank=0,
                       max_chunks=MAX_CHUNKS) as server:
         for i in range(20):  # nobody retrieves or cleans up: a crashed scheduler, a peer
             peer.ask(f"burst-{i}", hashes)
@@ -123,7 +123,7 @@ def test_an_oversize_request_is_answered_zero_without_being_read(engine, endpoin
     engine.store(tokens, kv=hf_kv(len(tokens)))
     stored = prefix_hashes(tokens, CHUNK)
     max_chunks = 64
-    with LookupServer(engine, endpoints.requests[0], endpoints.responses, rank=0,
+    with LookupResponder(engine, endpoints.requests[0], endpoints.responses, rank=0,
                       max_chunks=max_chunks) as server:
         hits = engine.storage.tiers[0].counters.hits
         # Too many chunks in a frame that could hold max_chunks: decoded, then refused.
@@ -158,7 +158,7 @@ def test_a_request_of_the_model_length_is_served(engine, endpoints, peer) -> Non
         def __getattr__(self, name: str) -> Any:
             return getattr(engine, name)
 
-    with LookupServer.for_rank(Configured(), endpoints, 0) as server:
+    with LookupResponder.for_rank(Configured(), endpoints, 0) as server:
         assert server.max_chunks == 100
         peer.ask("at-limit", prefix_hashes(tokens, CHUNK))
         peer.ask("over", prefix_hashes(tokens + [1] * CHUNK, CHUNK))
@@ -170,7 +170,7 @@ class GatedEngine:
     """The real engine; starting the big lookup blocks until the test opens the gate
     (a long prompt whose keys take a while to build, on a loaded machine)."""
 
-    def __init__(self, engine: CacheEngine) -> None:
+    def __init__(self, engine: LocalEngine) -> None:
         self.engine = engine
         self.config = engine.config
         self.gate = threading.Event()
@@ -193,7 +193,7 @@ def test_small_lookups_are_answered_while_a_big_one_is_in_progress(engine, endpo
     engine.store(tokens, kv=hf_kv(len(tokens)))
     stored = prefix_hashes(tokens, CHUNK)
     gated = GatedEngine(engine)
-    with LookupServer(gated, endpoints.requests[0], endpoints.responses, rank=0,
+    with LookupResponder(gated, endpoints.requests[0], endpoints.responses, rank=0,
                       max_chunks=MAX_CHUNKS) as server:
         try:
             peer.ask("big", stored + misses(BIG)[2:])
@@ -216,7 +216,7 @@ def test_a_cleanup_reaching_a_queued_bulk_request_drops_it(engine, endpoints, pe
     engine.store(tokens, kv=hf_kv(len(tokens)))
     stored = prefix_hashes(tokens, CHUNK)
     gated = GatedEngine(engine)
-    with LookupServer(gated, endpoints.requests[0], endpoints.responses, rank=0,
+    with LookupResponder(gated, endpoints.requests[0], endpoints.responses, rank=0,
                       max_chunks=MAX_CHUNKS) as server:
         try:
             peer.ask("first", stored + misses(BIG)[2:])  # holds the bulk lane

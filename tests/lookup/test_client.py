@@ -9,15 +9,15 @@ from collections.abc import Iterator
 import pytest
 import zmq
 
-import lmkv.lookup.transport
-from lmkv import CacheEngine
-from lmkv.lookup import LookupClient, LookupEndpoints, LookupServer
+import lmkv.lookup.sockets
+from lmkv import LocalEngine
+from lmkv.lookup import LookupClient, LookupEndpoints, LookupResponder
 from tests.lookup.conftest import CHUNK, poll_result, prompt, wait_for
 from tests.lookup.worker_proc import hf_kv, make_engine
 
 
 @pytest.fixture
-def engine() -> Iterator[CacheEngine]:
+def engine() -> Iterator[LocalEngine]:
     engine = make_engine(CHUNK, 1 << 22, rank=0)
     yield engine
     engine.close()
@@ -30,8 +30,8 @@ def endpoints() -> Iterator[LookupEndpoints]:
 
 
 @pytest.fixture
-def server(engine: CacheEngine, endpoints: LookupEndpoints) -> Iterator[LookupServer]:
-    with LookupServer.for_rank(engine, endpoints, 0) as server:
+def server(engine: LocalEngine, endpoints: LookupEndpoints) -> Iterator[LookupResponder]:
+    with LookupResponder.for_rank(engine, endpoints, 0) as server:
         yield server
 
 
@@ -85,7 +85,7 @@ def test_cancel_of_an_unknown_id_and_polls_after_close_never_raise(endpoints) ->
 
 def test_a_worker_whose_queue_is_full_makes_the_lookup_a_miss(
         monkeypatch: pytest.MonkeyPatch, endpoints) -> None:
-    monkeypatch.setattr(lmkv.lookup.transport, "SEND_HWM", 1)
+    monkeypatch.setattr(lmkv.lookup.sockets, "SEND_HWM", 1)
     with LookupClient(endpoints, chunk_size=CHUNK) as client:  # no worker serves
         results = []
         for i in range(8):

@@ -14,9 +14,9 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from lmkv.config import load_config
-from lmkv.lookup import LookupClient, LookupEndpoints, LookupServer
+from lmkv.lookup import LookupClient, LookupEndpoints, LookupResponder
 from lmkv.lookup.messages import LookupRequest, LookupResponse, encode
-from lmkv.lookup.transport import last_endpoint
+from lmkv.lookup.sockets import last_endpoint
 from lmkv.tokens import prefix_hashes
 from tests.lookup.conftest import CHUNK, free_ports, poll_result, prompt, wait_for
 
@@ -54,7 +54,7 @@ def curve_config(tmp: Path, secret: str, **lookup) -> dict:
 
 
 @pytest.fixture
-def channel(tmp_path) -> Iterator[tuple[LookupClient, LookupServer, GatedEngine]]:
+def channel(tmp_path) -> Iterator[tuple[LookupClient, LookupResponder, GatedEngine]]:
     from lmkv.auth import write_keypair
 
     _, secret = write_keypair(tmp_path / "keys", "engine")
@@ -62,7 +62,7 @@ def channel(tmp_path) -> Iterator[tuple[LookupClient, LookupServer, GatedEngine]
     endpoints = LookupEndpoints.from_config(config.lookup, "curve", 1)
     assert endpoints.curve is not None
     engine = GatedEngine()
-    server = LookupServer.for_rank(engine, endpoints, 0)
+    server = LookupResponder.for_rank(engine, endpoints, 0)
     client = LookupClient.from_config(config, engine_id="curve", world_size=1,
                                       timeout_ms=30_000)
     yield client, server, engine

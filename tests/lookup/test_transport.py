@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from lmkv import CacheEngine
+from lmkv import LocalEngine
 from lmkv.config import LookupConfig
 from lmkv.errors import ConfigError
-from lmkv.lookup import LookupClient, LookupEndpoints, LookupServer, default_runtime_dir
+from lmkv.lookup import LookupClient, LookupEndpoints, LookupResponder, default_runtime_dir
 from tests.lookup.conftest import CHUNK
 from tests.lookup.worker_proc import make_engine
 
@@ -73,7 +73,7 @@ def short_dir() -> Iterator[Path]:
 
 
 @pytest.fixture
-def engine() -> Iterator[CacheEngine]:
+def engine() -> Iterator[LocalEngine]:
     engine = make_engine(CHUNK, 1 << 20, rank=0)
     yield engine
     engine.close()
@@ -83,7 +83,7 @@ def test_a_new_runtime_dir_is_owner_only_and_so_are_the_sockets(short_dir: Path,
                                                                  engine) -> None:
     runtime_dir = short_dir / "new" / "lmkv"
     endpoints = LookupEndpoints.ipc("closed", 1, runtime_dir)
-    with LookupServer.for_rank(engine, endpoints, 0), LookupClient(endpoints):
+    with LookupResponder.for_rank(engine, endpoints, 0), LookupClient(endpoints):
         assert stat.S_IMODE(runtime_dir.stat().st_mode) == 0o700
         sockets = sorted(runtime_dir.iterdir())
         assert [p.name for p in sockets] == ["lmkv-lookup-closed-0.sock",
@@ -103,7 +103,7 @@ def test_a_runtime_dir_someone_else_could_control_is_refused(short_dir: Path, en
     runtime_dir.mkdir(mode=0o700)
     setup(runtime_dir)  # as a second local user would have made it, first
     endpoints = LookupEndpoints.ipc("victim", 1, runtime_dir)
-    for start in (lambda: LookupServer.for_rank(engine, endpoints, 0),
+    for start in (lambda: LookupResponder.for_rank(engine, endpoints, 0),
                   lambda: LookupClient(endpoints)):
         with pytest.raises(ConfigError, match=problem) as refused:
             start()

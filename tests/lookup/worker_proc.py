@@ -1,5 +1,5 @@
-"""A worker process for the lookup tests: its own CacheEngine with a cpu tier,
-served by one LookupServer per endpoint, driven over a multiprocessing pipe."""
+"""A worker process for the lookup tests: its own LocalEngine with a cpu tier,
+served by one LookupResponder per endpoint, driven over a multiprocessing pipe."""
 
 from __future__ import annotations
 
@@ -9,16 +9,16 @@ from typing import Any
 import torch
 
 import lmkv.memory
-from lmkv import CacheEngine, KVSpec, load_config
-from lmkv.lookup import LookupServer
+from lmkv import KVSpec, LocalEngine, load_config
+from lmkv.lookup import LookupResponder
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=16, dtype=torch.float16)
 
 
-def make_engine(chunk_size: int, max_bytes: int, rank: int) -> CacheEngine:
+def make_engine(chunk_size: int, max_bytes: int, rank: int) -> LocalEngine:
     config = load_config(env={}, overrides={"lmkv.chunk_size": chunk_size,
                                             "lmkv.tiers.0.options.max_bytes": max_bytes})
-    return CacheEngine.from_config(config, SPEC, model_name="lookup-test", world_size=2,
+    return LocalEngine.from_config(config, SPEC, model_name="lookup-test", world_size=2,
                                    worker_id=rank)
 
 
@@ -28,7 +28,7 @@ def hf_kv(total: int, spec: KVSpec = SPEC) -> list[tuple[torch.Tensor, torch.Ten
             for _ in range(spec.num_layers)]
 
 
-def state(engine: CacheEngine, servers: list[LookupServer]) -> dict[str, Any]:
+def state(engine: LocalEngine, servers: list[LookupResponder]) -> dict[str, Any]:
     """Pins and references held on the cpu tier's entries beyond the tier's own."""
     tier = engine.storage.tiers[0]
     entries = list(tier._entries.values())
@@ -48,7 +48,7 @@ def serve(conn: Connection, rank: int, endpoints: list[tuple[str, str]], chunk_s
     """``endpoints``: (request endpoint to bind, response endpoint to connect) per server."""
     lmkv.memory.strict_refcounts = True  # a double release is a bug: crash the worker
     engine = make_engine(chunk_size, max_bytes, rank)
-    servers = [LookupServer(engine, req, resp, rank=rank) for req, resp in endpoints]
+    servers = [LookupResponder(engine, req, resp, rank=rank) for req, resp in endpoints]
     conn.send([s.request_endpoint for s in servers])
     while True:
         command, *args = conn.recv()

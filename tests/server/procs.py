@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from lmkv.server.client import ServerClient
+from lmkv.rpc.client import ServerClient
 from lmkv.tokens import CacheKey, KeyMeta, prefix_hashes
 
 REPO = Path(__file__).resolve().parents[2]

@@ -16,7 +16,7 @@ import pytest
 import zmq
 
 from lmkv.auth import CurveKeys, load_keypair, load_public_key, write_keypair
-from lmkv.server.client import ServerClient
+from lmkv.rpc.client import ServerClient
 from tests.server.procs import (
     REPO,
     ServerProcess,

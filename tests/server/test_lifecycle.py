@@ -26,7 +26,7 @@ SLOW_TIER = '''
 import time
 
 from lmkv.plugins import hookimpl
-from lmkv_backends.cpu import CPUBackend, CPUOptions
+from lmkv_backends.tiers.cpu import CPUBackend, CPUOptions
 
 
 class SlowOptions(CPUOptions):

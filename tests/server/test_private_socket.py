@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from lmkv.server.client import ServerClient
+from lmkv.rpc.client import ServerClient
 from tests.server.procs import (
     REPO,
     child_env,

@@ -8,7 +8,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from lmkv.server import protocol as p
+from lmkv.rpc import protocol as p
 from lmkv.tokens import CacheKey, KeyMeta
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "server.md"

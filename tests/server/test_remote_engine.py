@@ -1,4 +1,4 @@
-"""``RemoteCacheEngine`` (server mode) against a real ``lmkv server`` on loopback."""
+"""``RemoteEngine`` (server mode) against a real ``lmkv server`` on loopback."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from lmkv.config import load_config
-from lmkv.engine import CacheEngine, open_engine
+from lmkv.engines.local import LocalEngine, open_engine
+from lmkv.engines.remote import RemoteEngine
 from lmkv.gpu import KVSpec
-from lmkv.server.remote import RemoteCacheEngine
 from lmkv.tokens import prefix_hashes
-from lmkv_backends.gpu_torch import HFConnector, PagedConnector, PagedOptions
+from lmkv_backends.connectors.gpu_torch import HFConnector, PagedConnector, PagedOptions
 from tests.server.procs import free_port, start_server
 
 L, H, D, BLOCK, CHUNK = 2, 2, 32, 8, 16
@@ -27,10 +27,10 @@ def config(server, transport: str = "auto", **extra):
                                   "lmkv.server.transport": transport, **extra})
 
 
-def paged_engine(cfg) -> RemoteCacheEngine:
+def paged_engine(cfg) -> RemoteEngine:
     engine = open_engine(cfg, SPEC, model_name="remote-test",
                          connector=PagedConnector(PagedOptions(layout="cpu"), SPEC))
-    assert isinstance(engine, RemoteCacheEngine)
+    assert isinstance(engine, RemoteEngine)
     return engine
 
 
@@ -149,10 +149,10 @@ def test_prefetch_from_disk_after_a_server_restart(tmp_path) -> None:
 
 
 def test_transformers_style_engine_in_server_mode(server) -> None:
-    """``CacheEngine.from_config`` honours ``mode: server`` (the hf connector builds
+    """``LocalEngine.from_config`` honours ``mode: server`` (the hf connector builds
     its KV from the server's chunks before they are released)."""
-    engine = CacheEngine.from_config(config(server), SPEC, model_name="remote-hf")
-    assert isinstance(engine, RemoteCacheEngine) and isinstance(engine.connector, HFConnector)
+    engine = LocalEngine.from_config(config(server), SPEC, model_name="remote-hf")
+    assert isinstance(engine, RemoteEngine) and isinstance(engine.connector, HFConnector)
     tokens = prompt(5, 2 * CHUNK)
     gen = torch.Generator().manual_seed(3)
     kv = [(torch.randn(1, H, 2 * CHUNK, D, generator=gen).to(torch.bfloat16),
@@ -184,8 +184,8 @@ def test_no_server_is_a_miss_not_an_error() -> None:
 
 
 def test_spawn_server_starts_a_server_that_drains_on_terminate(tmp_path) -> None:
-    from lmkv.server.client import ServerClient
-    from lmkv.server.spawn import spawn_server
+    from lmkv.rpc.client import ServerClient
+    from lmkv.testing.server import spawn_server
 
     tiers = "tiers:\n  - type: cpu\n    options: {max_bytes: 8MiB}\n"
     proc, address = spawn_server(tmp_path, tiers)

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from lmkv.server import protocol as p
+from lmkv.rpc import protocol as p
 from lmkv.server.sessions import MAX_LOOKUPS_PER_SESSION
 from tests.server.procs import (
     REPO,

@@ -10,8 +10,8 @@ import torch
 
 from lmkv.backend import BackendContext
 from lmkv.memory import MemoryAllocator
-from lmkv.server.shm import SharedMemoryUnavailable, SharedSegment
-from lmkv_backends.cpu import CPUBackend
+from lmkv.memory.shm import SharedMemoryUnavailable, SharedSegment
+from lmkv_backends.tiers.cpu import CPUBackend
 from lmkv_policies.lru import LRUPolicy
 from tests.server.procs import REPO, child_env, lmkv_segments
 
@@ -55,7 +55,7 @@ def test_the_allocator_uses_a_given_buffer_and_checks_it() -> None:
 def test_a_process_that_attaches_and_exits_leaves_the_segment_alone() -> None:
     segment = SharedSegment.create(1 << 16)
     try:
-        code = ("from lmkv.server.shm import SharedSegment; "
+        code = ("from lmkv.memory.shm import SharedSegment; "
                 f"s = SharedSegment.attach({segment.name!r}); s.tensor[0] = 42; s.close()")
         subprocess.run([sys.executable, "-c", code], check=True, env=child_env(), cwd=REPO,
                        timeout=60)

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from lmkv.server import protocol as p
+from lmkv.rpc import protocol as p
 from tests.server.procs import (
     REPO,
     ServerProcess,

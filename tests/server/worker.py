@@ -23,9 +23,9 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from lmkv.server import protocol as p
-from lmkv.server.client import ServerClient
-from lmkv.server.liveness import process_identity
+from lmkv.rpc import protocol as p
+from lmkv.rpc.client import ServerClient
+from lmkv.rpc.liveness import process_identity
 from tests.server.procs import chunk_ends, chunk_for, prompt_keys, same_bytes
 
 SHARED_PROMPTS = (900, 901, 902)

@@ -185,7 +185,7 @@ def run(model_dir: str, mode: str) -> dict:
 def _corrupt_loads() -> None:
     import torch
 
-    from lmkv_backends.gpu_torch import PagedConnector
+    from lmkv_backends.connectors.gpu_torch import PagedConnector
     original = PagedConnector.from_chunks
 
     def noisy(self, spans, **kv):  # type: ignore[no-untyped-def]
@@ -197,12 +197,12 @@ def _corrupt_loads() -> None:
 
 
 def _failing_loads() -> None:
-    from lmkv.engine import CacheEngine
+    from lmkv.engines.local import LocalEngine
 
     def fail(self, *args, **kwargs):  # type: ignore[no-untyped-def]
         raise RuntimeError("simulated: the chunks vanished between lookup and load")
 
-    CacheEngine.retrieve = fail  # type: ignore[method-assign]
+    LocalEngine.retrieve = fail  # type: ignore[method-assign]
 
 
 def _metrics(llm: object) -> dict:
@@ -234,7 +234,7 @@ def main() -> int:
         results = {}
         env["E2E_DISK_TIER_DIR"] = os.path.join(tmp, "disk")
         env["E2E_LORA_ADAPTERS"] = json.dumps(build_adapters(model_dir, tmp))
-        from lmkv.server.spawn import spawn_server
+        from lmkv.testing.server import spawn_server
         server, env["E2E_SERVER_ADDRESS"] = spawn_server(
             tmp, "tiers:\n  - type: cpu\n    options: {max_bytes: 256MiB}\n", env=env)
         try:

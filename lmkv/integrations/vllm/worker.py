@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lmkv.config import LMKVConfig, PluginRef, resolve_plugin
-from lmkv.engine import CacheEngine, open_engine
+from lmkv.engines.local import LocalEngine, open_engine
 from lmkv.errors import ConfigError
 from lmkv.gpu import KVSpec
 from lmkv.integrations.vllm.metadata import (
@@ -20,11 +20,11 @@ from lmkv.integrations.vllm.metadata import (
     LoadSpec,
     StoreSpec,
 )
-from lmkv.lookup.server import LookupServer
-from lmkv.lookup.transport import LookupEndpoints
+from lmkv.lookup.responder import LookupResponder
+from lmkv.lookup.sockets import LookupEndpoints
 
 if TYPE_CHECKING:
-    from lmkv.server.remote import RemoteCacheEngine
+    from lmkv.engines.remote import RemoteEngine
 
 logger = logging.getLogger(__name__)
 
@@ -63,8 +63,8 @@ class WorkerSide:
         self.rank = getattr(parallel, "rank", 0) % max(self.world_size, 1)
         self.engine_id = str(vllm_config.kv_transfer_config.engine_id)
         self.counters = WorkerCounters()
-        self.engine: CacheEngine | RemoteCacheEngine | None = None
-        self.server: LookupServer | None = None
+        self.engine: LocalEngine | RemoteEngine | None = None
+        self.server: LookupResponder | None = None
         self.kv_caches: list[torch.Tensor] = []
         self.block_size = 0
         self._failed: set[int] = set()
@@ -94,7 +94,7 @@ class WorkerSide:
                                   worker_id=self.rank)
         endpoints = LookupEndpoints.from_config(self.config.lookup, self.engine_id,
                                                 self.world_size)
-        self.server = LookupServer.for_rank(self.engine, endpoints, self.rank,
+        self.server = LookupResponder.for_rank(self.engine, endpoints, self.rank,
                                             max_tokens=self.max_model_len)
         logger.info("lmkv: worker %d/%d registered %d KV caches, layout %s, block size %d, "
                     "%s", self.rank, self.world_size, len(self.kv_caches), layout,

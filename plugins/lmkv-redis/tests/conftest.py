@@ -13,7 +13,7 @@ from redis_servers import REDIS_CLI, REDIS_SERVER, RedisCluster, RedisServer, ma
 import lmkv.memory
 from lmkv import BackendContext
 from lmkv.memory import MemoryAllocator
-from lmkv_backends.serde_naive import NaiveSerializer
+from lmkv_backends.serde.naive import NaiveSerializer
 from lmkv_redis import RedisBackend, RedisOptions
 
 

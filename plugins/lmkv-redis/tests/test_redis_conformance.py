@@ -9,7 +9,7 @@ from lmkv import BackendContext, StorageBackend
 from lmkv.memory import MemoryAllocator
 from lmkv.testing import StorageBackendConformance
 from lmkv.tokens import CacheKey
-from lmkv_backends.serde_naive import NaiveSerializer
+from lmkv_backends.serde.naive import NaiveSerializer
 from lmkv_redis import RedisBackend, RedisOptions
 
 

@@ -105,7 +105,7 @@ class Retrieve(KeyedRequest, tag="retrieve", kw_only=True):
     lookup_id: str = ""
     keys_per_chunk: int = 1
     transport: Transport = "shm"
-    process: str = ""  # the client's process (lmkv.server.liveness), for shared memory
+    process: str = ""  # the client's process (lmkv.rpc.liveness), for shared memory
 
 
 class Store(KeyedRequest, tag="store", kw_only=True):

@@ -10,7 +10,7 @@ import sys
 import time
 from collections.abc import Mapping
 
-from lmkv.server.client import ServerClient
+from lmkv.rpc.client import ServerClient
 
 
 def spawn_server(directory: str | os.PathLike, tiers_yaml: str, *,
@@ -31,7 +31,7 @@ def spawn_server(directory: str | os.PathLike, tiers_yaml: str, *,
                                  "--port", str(port)], stdout=log, stderr=subprocess.STDOUT,
                                 env=dict(env) if env is not None else None)
     address = f"tcp://127.0.0.1:{port}"
-    client_log = logging.getLogger("lmkv.server.client")
+    client_log = logging.getLogger("lmkv.rpc.client")
     level = client_log.level
     client_log.setLevel(logging.ERROR)  # "no server" misses until it is up
     try:

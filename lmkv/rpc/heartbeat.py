@@ -28,8 +28,8 @@ import zmq
 
 from lmkv.auth import CurveKeys
 from lmkv.logutil import RateLimitedLog
-from lmkv.server import protocol as p
-from lmkv.server.channel import Channel
+from lmkv.rpc import protocol as p
+from lmkv.rpc.channel import Channel
 
 logger = logging.getLogger(__name__)
 _log = RateLimitedLog(logger)

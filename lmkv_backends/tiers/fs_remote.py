@@ -17,8 +17,8 @@ from datetime import datetime
 from typing import Any, TypeVar
 
 from lmkv.tokens import CacheKey
-from lmkv_backends.fs_index import NotAnEntry, key_of
-from lmkv_backends.fs_options import RemoteLocation
+from lmkv_backends.tiers.fs_index import NotAnEntry, key_of
+from lmkv_backends.tiers.fs_options import RemoteLocation
 
 logger = logging.getLogger(__name__)
 

@@ -30,7 +30,7 @@ from lmkv.storage import StorageManager
 from lmkv.tokens import CacheKey, ChunkKeys, Identity, KeyMeta, TokenChunker, kv_geometry
 
 if TYPE_CHECKING:
-    from lmkv.server.remote import RemoteCacheEngine
+    from lmkv.engines.remote import RemoteEngine
 
 logger = logging.getLogger(__name__)
 _store_log = RateLimitedLog(logger)
@@ -54,7 +54,7 @@ def dtype_name(dtype: Any) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-class CacheEngine:
+class LocalEngine:
     def __init__(self, config: LMKVConfig, spec: KVSpec, *, model_name: str,
                  connector: GPUConnector, storage: StorageManager,
                  world_size: int = 1, worker_id: int = 0) -> None:
@@ -70,7 +70,7 @@ class CacheEngine:
     @classmethod
     def from_config(cls, config: LMKVConfig, spec: KVSpec, *, model_name: str,
                     default_connector: str = "hf", world_size: int = 1,
-                    worker_id: int = 0) -> CacheEngine | RemoteCacheEngine:
+                    worker_id: int = 0) -> LocalEngine | RemoteEngine:
         """The engine ``config.mode`` asks for (the tiers here, or an lmkv server's),
         with ``config.gpu_connector`` or else ``default_connector``."""
         ref = config.gpu_connector or PluginRef(type=default_connector)
@@ -208,7 +208,7 @@ class CacheEngine:
     def close(self) -> None:
         self.storage.close()
 
-    def __enter__(self) -> CacheEngine:
+    def __enter__(self) -> LocalEngine:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -240,13 +240,13 @@ def engine_chunker(config: LMKVConfig, spec: KVSpec, model_name: str, connector:
 
 
 def open_engine(config: LMKVConfig, spec: KVSpec, *, model_name: str, connector: GPUConnector,
-                world_size: int = 1, worker_id: int = 0) -> CacheEngine | RemoteCacheEngine:
-    """A ``CacheEngine`` over the config's tiers (``mode: in_process``) or a
-    ``RemoteCacheEngine`` over the lmkv server at ``server.address`` (``mode: server``)."""
+                world_size: int = 1, worker_id: int = 0) -> LocalEngine | RemoteEngine:
+    """A ``LocalEngine`` over the config's tiers (``mode: in_process``) or a
+    ``RemoteEngine`` over the lmkv server at ``server.address`` (``mode: server``)."""
     if config.mode == "server":
-        from lmkv.server.remote import RemoteCacheEngine
-        return RemoteCacheEngine(config, spec, model_name=model_name, connector=connector,
+        from lmkv.engines.remote import RemoteEngine
+        return RemoteEngine(config, spec, model_name=model_name, connector=connector,
                                  world_size=world_size, worker_id=worker_id)
-    return CacheEngine(config, spec, model_name=model_name, connector=connector,
+    return LocalEngine(config, spec, model_name=model_name, connector=connector,
                        storage=StorageManager.from_config(config), world_size=world_size,
                        worker_id=worker_id)

@@ -29,7 +29,7 @@ import zmq
 from lmkv.auth import CurveKeys, secure_client
 from lmkv.logutil import RateLimitedLog
 from lmkv.private import ipc_dir_problem
-from lmkv.server import protocol as p
+from lmkv.rpc import protocol as p
 
 logger = logging.getLogger(__name__)
 _log = RateLimitedLog(logger)

@@ -1,10 +1,10 @@
-"""``RemoteCacheEngine``: ``CacheEngine``'s interface over an ``lmkv server`` (server mode).
+"""``RemoteEngine``: ``LocalEngine``'s interface over an ``lmkv server`` (server mode).
 
 The engine process keeps only its GPU connector; the tiers live in the
 server. Chunks move without a staging copy: a store gathers the KV straight
 into buffers the server lends (views of its shared-memory arena on this
 machine), a retrieve scatters straight out of the arena into the engine's
-KV. Keys are built here exactly as ``CacheEngine`` builds them, so both modes
+KV. Keys are built here exactly as ``LocalEngine`` builds them, so both modes
 name the same chunk the same way.
 
 Lookups for the async lookup channel (``lookup_and_prefetch_hashes``, and
@@ -30,9 +30,9 @@ import torch
 
 from lmkv.auth import client_keys
 from lmkv.config import LMKVConfig
-from lmkv.engine import EngineCounters, RetrieveResult, engine_chunker, fits_spec
+from lmkv.engines.local import EngineCounters, RetrieveResult, engine_chunker, fits_spec
 from lmkv.gpu import ChunkSpan, GPUConnector, KVSpec
-from lmkv.server.client import ServerClient
+from lmkv.rpc.client import ServerClient
 from lmkv.tokens import Identity, KeyMeta
 
 logger = logging.getLogger(__name__)
@@ -40,7 +40,7 @@ logger = logging.getLogger(__name__)
 POLL_INTERVAL_S = 0.0005
 
 
-class RemoteCacheEngine:
+class RemoteEngine:
     def __init__(self, config: LMKVConfig, spec: KVSpec, *, model_name: str,
                  connector: GPUConnector, world_size: int = 1, worker_id: int = 0) -> None:
         self.config = config
@@ -104,7 +104,7 @@ class RemoteCacheEngine:
     def lookup_and_prefetch(self, tokens: Sequence[int] | Any, lookup_id: str, *,
                             identity: Identity | None = None) -> Future:
         """Have the server load the stored prefix of ``tokens`` and hold it for
-        ``lookup_id``: ``CacheEngine.lookup_and_prefetch`` over the server. Resolves to
+        ``lookup_id``: ``LocalEngine.lookup_and_prefetch`` over the server. Resolves to
         the hit length in tokens (0 when the server fails); ``retrieve(...,
         lookup_id=lookup_id)`` then loads what it holds, ``release_lookup`` drops it."""
         chunks = self.chunker.chunk(tokens, identity=identity)
@@ -206,7 +206,7 @@ class RemoteCacheEngine:
         self._lookups.close_connection()
         self.client.close()
 
-    def __enter__(self) -> RemoteCacheEngine:
+    def __enter__(self) -> RemoteEngine:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -92,7 +92,7 @@ class CPUBackend(StorageBackend):
         self.policy = context.eviction_policy
         self.shared_segment = None
         if options.shared_memory:
-            from lmkv.server.shm import SharedSegment
+            from lmkv.memory.shm import SharedSegment
 
             self.shared_segment = SharedSegment.create(int(options.max_bytes))
         self.allocator = MemoryAllocator(

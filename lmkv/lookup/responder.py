@@ -53,7 +53,7 @@ from lmkv.lookup.messages import (
     max_chunks_for,
     max_request_bytes,
 )
-from lmkv.lookup.transport import (
+from lmkv.lookup.sockets import (
     LookupEndpoints,
     Waker,
     close_all,
@@ -84,7 +84,7 @@ def _unexpected(exc: Exception) -> None:
 
 
 class PrefetchingEngine(Protocol):
-    """What the server needs of an engine (``lmkv.CacheEngine`` has it)."""
+    """What the server needs of an engine (``lmkv.LocalEngine`` has it)."""
 
     config: LMKVConfig
 
@@ -112,7 +112,7 @@ class _Queued:
     cancelled: bool = False
 
 
-class LookupServer:
+class LookupResponder:
     """Serves one worker's engine on ``request_endpoint``; answers to ``response_endpoint``.
 
     ``request_endpoint`` is bound (``tcp://host:*`` picks a free port; see
@@ -165,7 +165,7 @@ class LookupServer:
 
     @classmethod
     def for_rank(cls, engine: PrefetchingEngine, endpoints: LookupEndpoints, rank: int,
-                 *, max_tokens: int | None = None) -> LookupServer:
+                 *, max_tokens: int | None = None) -> LookupResponder:
         """The server of ``rank``; requests are bounded by ``max_tokens`` (the
         model's maximum length when the caller knows it, else the config's
         ``lookup.max_tokens``) in the engine's chunks."""
@@ -375,7 +375,7 @@ class LookupServer:
             self._auth.stop()
         self._context.term()
 
-    def __enter__(self) -> LookupServer:
+    def __enter__(self) -> LookupResponder:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -30,7 +30,7 @@ from lmkv.errors import CorruptFrameError
 from lmkv.memory import Allocate, MemoryObj, nbytes_of
 from lmkv.serde import read_header, verify_payload
 from lmkv.tokens import CacheKey
-from lmkv_backends.fs_index import NotAnEntry, key_of
+from lmkv_backends.tiers.fs_index import NotAnEntry, key_of
 
 logger = logging.getLogger(__name__)
 

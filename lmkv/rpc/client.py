@@ -11,7 +11,7 @@ Otherwise (another machine, a failed mapping, ``transport="frame"``) they
 travel inside the ZMQ messages, sent without copying.
 
 While the caller copies (``consume``, ``fill``) a heartbeat thread keeps the
-buffers lent by the server alive (lmkv.server.heartbeat); a request that got
+buffers lent by the server alive (lmkv.rpc.heartbeat); a request that got
 no reply in time, or a lease that could not be released, is named to the
 server as abandoned, so what it holds there is released.
 """
@@ -36,12 +36,12 @@ import zmq
 from lmkv.auth import CurveKeys
 from lmkv.logutil import RateLimitedLog
 from lmkv.memory import shape_problem
+from lmkv.memory.shm import SharedMemoryUnavailable, SharedSegment, host_id
 from lmkv.private import default_server_address
-from lmkv.server import protocol as p
-from lmkv.server.channel import Channel, Failure
-from lmkv.server.heartbeat import Heartbeat
-from lmkv.server.liveness import process_identity
-from lmkv.server.shm import SharedMemoryUnavailable, SharedSegment, host_id
+from lmkv.rpc import protocol as p
+from lmkv.rpc.channel import Channel, Failure
+from lmkv.rpc.heartbeat import Heartbeat
+from lmkv.rpc.liveness import process_identity
 from lmkv.tokens import CacheKey, KeyMeta
 
 logger = logging.getLogger(__name__)

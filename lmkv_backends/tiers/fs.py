@@ -25,16 +25,16 @@ from lmkv.errors import ConfigError, CorruptFrameError
 from lmkv.logutil import RateLimitedLog
 from lmkv.memory import MemoryObj
 from lmkv.tokens import CacheKey
-from lmkv_backends.fs_futures import count_true, gather, leading_objects, outcome
-from lmkv_backends.fs_index import EntryIndex, NotAnEntry, entry_name
-from lmkv_backends.fs_local import LocalStore
-from lmkv_backends.fs_options import (
+from lmkv_backends.tiers.fs_futures import count_true, gather, leading_objects, outcome
+from lmkv_backends.tiers.fs_index import EntryIndex, NotAnEntry, entry_name
+from lmkv_backends.tiers.fs_local import LocalStore
+from lmkv_backends.tiers.fs_options import (
     FSOptions,
     display_url,
     local_root,
     open_remote,
 )
-from lmkv_backends.fs_remote import RemoteStore
+from lmkv_backends.tiers.fs_remote import RemoteStore
 
 logger = logging.getLogger(__name__)
 _log = RateLimitedLog(logger)

@@ -17,7 +17,7 @@ import os
 from functools import cache
 from typing import Literal
 
-from lmkv.server.shm import host_id
+from lmkv.memory.shm import host_id
 
 logger = logging.getLogger(__name__)
 
