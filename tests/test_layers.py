@@ -1,0 +1,213 @@
+"""lmkv's import graph: no cycles, no upward imports, every module placed.
+
+The layers are read from the table in docs/architecture.md, so the page and
+this test cannot drift apart. Every import counts: module level, inside
+functions, under ``TYPE_CHECKING``, and the ``__init__`` of each package a
+module imports from (Python runs it first).
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = {"lmkv": ROOT, "lmkv_backends": ROOT, "lmkv_policies": ROOT,
+            "lmkv_kernels": ROOT / "kernels"}
+DOC = ROOT / "docs" / "architecture.md"
+
+
+def _layers() -> dict[str, tuple[int, str]]:
+    """``{module prefix: (layer number, layer name)}`` from the page's table."""
+    table: dict[str, tuple[int, str]] = {}
+    for line in DOC.read_text().splitlines():
+        m = re.match(r"\|\s*(\d+) ([\w -]+?)\s*\|([^|]*)\|", line)
+        if m:
+            for name in re.findall(r"`([\w.]+)`", m.group(3)):
+                table[name] = (int(m.group(1)), m.group(2))
+    return table
+
+
+def _modules() -> dict[str, Path]:
+    found: dict[str, Path] = {}
+    for package, base in PACKAGES.items():
+        if not (base / package).is_dir():
+            continue
+        for path in (base / package).rglob("*.py"):
+            parts = list(path.relative_to(base).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            found[".".join(parts)] = path
+    return found
+
+
+MODULES = _modules()
+LAYERS = _layers()
+
+
+def _known(name: str) -> str | None:
+    """The deepest module of ours that ``name`` names or lies in, if any."""
+    while name and name not in MODULES:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def _with_parents(module: str) -> Iterator[str]:
+    """``module`` and every package above it, whose ``__init__`` runs first."""
+    parts = module.split(".")
+    for i in range(1, len(parts) + 1):
+        yield ".".join(parts[:i])
+
+
+def _imports(module: str) -> set[str]:
+    path = MODULES[module]
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    targets: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*up, base] if base else up)
+            names = [f"{base}.{a.name}" for a in node.names]
+        else:
+            continue
+        for name in names:
+            target = _known(name)
+            if target:
+                # The top-level packages' __init__ files only re-export lazily
+                # (test_importing_a_module_runs_no_facade checks it).
+                targets.update(list(_with_parents(target))[1:] or [target])
+    # Running a module runs its own packages first: those are not imports of it.
+    return targets - set(_with_parents(module))
+
+
+GRAPH = {module: _imports(module) for module in MODULES}
+
+
+def _layer(module: str) -> tuple[int, str] | None:
+    for prefix in reversed(list(_with_parents(module))):
+        if prefix in LAYERS and (prefix != "lmkv" or module == "lmkv"):
+            return LAYERS[prefix]
+    return None
+
+
+def test_importing_a_module_runs_no_facade() -> None:
+    """``import lmkv.errors`` loads lmkv's package __init__ (lazy re-exports) and
+    the module itself, nothing else of lmkv: that is why the graph may leave the
+    top-level packages' __init__ out of every module's imports."""
+    import subprocess
+    import sys
+
+    code = ("import sys, lmkv.errors, lmkv_backends, lmkv_policies; "
+            "print(sorted(m for m in sys.modules if m.startswith('lmkv')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.strip() == "['lmkv', 'lmkv.errors', 'lmkv_backends', 'lmkv_policies']"
+
+
+def test_the_table_names_real_modules() -> None:
+    assert LAYERS, f"no layer table found in {DOC}"
+    missing = sorted(name for name in LAYERS if name not in MODULES)
+    assert not missing, f"docs/architecture.md names modules that do not exist: {missing}"
+
+
+def test_every_module_has_a_layer() -> None:
+    unplaced = sorted(m for m in MODULES if _layer(m) is None)
+    assert not unplaced, (f"modules with no layer (add them to the table in "
+                          f"docs/architecture.md): {unplaced}")
+
+
+def test_no_module_imports_a_higher_layer() -> None:
+    upward = []
+    for module, targets in GRAPH.items():
+        mine = _layer(module)
+        for target in targets:
+            theirs = _layer(target)
+            if mine and theirs and theirs[0] > mine[0]:
+                upward.append(f"{module} ({mine[1]}) imports {target} ({theirs[1]})")
+    assert not upward, "upward imports:\n" + "\n".join(sorted(upward))
+
+
+def test_the_core_never_imports_a_plugin() -> None:
+    plugins = ("lmkv_backends", "lmkv_policies", "lmkv_kernels", "lmkv_redis")
+    offenders = sorted(f"{m} imports {t}" for m, ts in GRAPH.items() for t in ts
+                       if m.split(".")[0] == "lmkv" and not m.startswith("lmkv.testing")
+                       and t.split(".")[0] in plugins)
+    assert not offenders, "\n".join(offenders)
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_cycles() -> None:
+    cycles = _cycles(GRAPH)
+    assert not cycles, "import cycles:\n" + "\n".join(" <-> ".join(c) for c in cycles)
+
+
+def test_the_cycle_finder_finds_cycles() -> None:
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+@pytest.mark.parametrize("plugin", ["lmkv-redis"])
+def test_plugin_packages_have_no_cycles_and_stay_at_their_layer(plugin: str) -> None:
+    base = ROOT / "plugins" / plugin
+    package = plugin.replace("-", "_")
+    graph: dict[str, set[str]] = {}
+    for path in (base / package).rglob("*.py"):
+        parts = list(path.relative_to(base).with_suffix("").parts)
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        targets: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                targets.add(f"{package}.{node.module}")
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                targets.add(node.module)
+            elif isinstance(node, ast.Import):
+                targets.update(a.name for a in node.names)
+        graph[name] = targets
+    internal = {m: {t for t in ts if t in graph} for m, ts in graph.items()}
+    assert not _cycles(internal)
+    too_high = sorted(f"{m} imports {t}" for m, ts in graph.items() for t in ts
+                      if _known(t) and (_layer(_known(t)) or (99, ""))[0] > 5
+                      and not _known(t).startswith("lmkv.testing"))
+    assert not too_high, "\n".join(too_high)
