@@ -30,7 +30,8 @@ import torch
 
 from lmkv.auth import client_keys
 from lmkv.config import LMKVConfig
-from lmkv.engines.local import EngineCounters, RetrieveResult, engine_chunker, fits_spec
+from lmkv.engines.keys import engine_chunker, fits_spec
+from lmkv.engines.protocol import EngineCounters, RetrieveResult
 from lmkv.gpu import ChunkSpan, GPUConnector, KVSpec
 from lmkv.rpc.client import ServerClient
 from lmkv.tokens import Identity, KeyMeta

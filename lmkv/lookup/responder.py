@@ -36,12 +36,11 @@ from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
 from functools import partial
-from typing import Protocol
 
 import zmq
 
 from lmkv.auth import CurveKeys, CurveServer
-from lmkv.config import LMKVConfig
+from lmkv.engines.protocol import Engine
 from lmkv.logutil import RateLimitedLog
 from lmkv.lookup.messages import (
     LookupCleanup,
@@ -83,17 +82,6 @@ def _unexpected(exc: Exception) -> None:
     logger.debug("lmkv lookup server: unexpected error", exc_info=exc)
 
 
-class PrefetchingEngine(Protocol):
-    """What the server needs of an engine (``lmkv.LocalEngine`` has it)."""
-
-    config: LMKVConfig
-
-    def lookup_and_prefetch_hashes(self, lookup_id: str, chunk_hashes: list[bytes],
-                                   chunk_ends: list[int]) -> Future: ...
-
-    def release_lookup(self, lookup_id: str) -> None: ...
-
-
 @dataclass
 class ServerCounters:
     requests: int = 0
@@ -123,7 +111,7 @@ class LookupResponder:
     start at construction.
     """
 
-    def __init__(self, engine: PrefetchingEngine, request_endpoint: str,
+    def __init__(self, engine: Engine, request_endpoint: str,
                  response_endpoint: str, curve: CurveKeys | None = None, *, rank: int,
                  max_chunks: int = DEFAULT_MAX_CHUNKS) -> None:
         if rank < 0:
@@ -164,7 +152,7 @@ class LookupResponder:
         self._bulk_thread.start()
 
     @classmethod
-    def for_rank(cls, engine: PrefetchingEngine, endpoints: LookupEndpoints, rank: int,
+    def for_rank(cls, engine: Engine, endpoints: LookupEndpoints, rank: int,
                  *, max_tokens: int | None = None) -> LookupResponder:
         """The server of ``rank``; requests are bounded by ``max_tokens`` (the
         model's maximum length when the caller knows it, else the config's

@@ -161,6 +161,12 @@ class MemoryObj:
                 f"offset={self.offset}, ref={self.ref_count}, pin={self.pin_count})")
 
 
+def release(objs: Sequence[MemoryObj]) -> None:
+    """Drop one reference on each of ``objs`` (what a reader took from a tier)."""
+    for obj in objs:
+        obj.ref_down()
+
+
 _detached_lock = threading.Lock()
 
 

@@ -34,8 +34,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from lmkv.logutil import RateLimitedLog
-from lmkv.memory import MemoryObj
-from lmkv.prefetch import release
+from lmkv.memory import MemoryObj, release
 from lmkv.rpc.liveness import process_state
 from lmkv.tokens import CacheKey
 

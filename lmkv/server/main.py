@@ -21,6 +21,8 @@ import signal
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from lmkv.errors import run_reporting_errors
+from lmkv.logutil import LOG_LEVELS
 from lmkv.server.defaults import DEFAULT_HANDLE_TTL_S, DEFAULT_QUARANTINE_GRACE_S
 
 # Config, storage and pydantic are imported where used: `lmkv --help` builds this
@@ -35,7 +37,6 @@ logger = logging.getLogger(__name__)
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 5555
 DEFAULT_MAX_REQUEST_BYTES = 256 << 20
-LOG_LEVELS = ["DEBUG", "INFO", "WARNING", "ERROR"]
 
 
 def _byte_size(text: str) -> int:
@@ -283,6 +284,4 @@ def main(argv: Sequence[str] | None = None) -> int:
     if level not in LOG_LEVELS:
         parser.error(f"LMKV_LOG_LEVEL = {level!r}: allowed: {', '.join(LOG_LEVELS)}")
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
-    from lmkv.cli import run_reporting_errors
-
     return run_reporting_errors(run_server, args, "lmkv server")

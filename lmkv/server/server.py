@@ -28,8 +28,7 @@ import zmq
 from lmkv.auth import CurveKeys, CurveServer
 from lmkv.errors import LMKVError
 from lmkv.logutil import RateLimitedLog
-from lmkv.memory import MemoryObj
-from lmkv.prefetch import release
+from lmkv.memory import MemoryObj, release
 from lmkv.private import ipc_dir_problem
 from lmkv.rpc import protocol as p
 from lmkv.server.service import Deferred, KVService, Outcome

@@ -22,9 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from lmkv.memory import MemoryAllocator, MemoryObj
+from lmkv.memory import MemoryAllocator, MemoryObj, release
 from lmkv.memory.shm import SharedSegment, host_id
-from lmkv.prefetch import release
 from lmkv.rpc import protocol as p
 from lmkv.server.sessions import Session, SessionTable
 from lmkv.storage import StorageManager

@@ -6,13 +6,12 @@ import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from lmkv.config import LMKVConfig, PluginRef, resolve_plugin
-from lmkv.engines.local import LocalEngine, open_engine
-from lmkv.errors import ConfigError
+from lmkv.config import LMKVConfig, PluginRef
+from lmkv.engines import Engine, open_engine
 from lmkv.gpu import KVSpec
 from lmkv.integrations.vllm.metadata import (
     LMKVConnectorMetadata,
@@ -22,9 +21,6 @@ from lmkv.integrations.vllm.metadata import (
 )
 from lmkv.lookup.responder import LookupResponder
 from lmkv.lookup.sockets import LookupEndpoints
-
-if TYPE_CHECKING:
-    from lmkv.engines.remote import RemoteEngine
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +59,7 @@ class WorkerSide:
         self.rank = getattr(parallel, "rank", 0) % max(self.world_size, 1)
         self.engine_id = str(vllm_config.kv_transfer_config.engine_id)
         self.counters = WorkerCounters()
-        self.engine: LocalEngine | RemoteEngine | None = None
+        self.engine: Engine | None = None
         self.server: LookupResponder | None = None
         self.kv_caches: list[torch.Tensor] = []
         self.block_size = 0
@@ -82,16 +78,10 @@ class WorkerSide:
         spec = KVSpec(len(self.kv_caches), kv_heads, head_dim, first.dtype)
         # lmkv.gpu_connector picks another connector for vLLM's paged caches (a
         # plugin's kernels, say); by default the built-in one, layout detected.
-        ref = self.config.gpu_connector or PluginRef(type="paged", options={"layout": layout})
-        connector_cls, options = resolve_plugin("gpu_connector", ref, "gpu_connector")
-        connector = connector_cls(options, spec)
-        if connector.engine_kind != "paged":
-            raise ConfigError(f"gpu_connector = {connector.name!r}: cannot serve vLLM's paged "
-                              f"KV caches (it takes {connector.engine_kind or 'unknown'} KV); "
-                              "use 'paged' or another connector for paged caches")
-        self.engine = open_engine(self.config, spec, model_name=self.model_name,
-                                  connector=connector, world_size=self.world_size,
-                                  worker_id=self.rank)
+        self.engine = open_engine(
+            self.config, spec, model_name=self.model_name,
+            default_connector=PluginRef(type="paged", options={"layout": layout}),
+            engine_kind="paged", world_size=self.world_size, worker_id=self.rank)
         endpoints = LookupEndpoints.from_config(self.config.lookup, self.engine_id,
                                                 self.world_size)
         self.server = LookupResponder.for_rank(self.engine, endpoints, self.rank,
