@@ -20,7 +20,8 @@ import time
 
 import torch
 
-from lmkv import KVSpec, LocalEngine, StorageManager, load_config
+from lmkv import KVSpec, StorageManager, load_config
+from lmkv.engines.local import LocalEngine
 from lmkv.gpu import ChunkSpan
 from lmkv.memory import release
 from lmkv.plugins import get_plugin_manager

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import zmq
 
-from lmkv import LocalEngine
+from lmkv.engines.local import LocalEngine
 from lmkv.lookup import (
     LookupCleanup,
     LookupEndpoints,

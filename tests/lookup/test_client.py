@@ -10,7 +10,7 @@ import pytest
 import zmq
 
 import lmkv.lookup.sockets
-from lmkv import LocalEngine
+from lmkv.engines.local import LocalEngine
 from lmkv.lookup import LookupClient, LookupEndpoints, LookupResponder
 from tests.lookup.conftest import CHUNK, poll_result, prompt, wait_for
 from tests.lookup.worker_proc import hf_kv, make_engine

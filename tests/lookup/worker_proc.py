@@ -9,8 +9,10 @@ from typing import Any
 import torch
 
 import lmkv.memory
-from lmkv import KVSpec, LocalEngine, load_config
+from lmkv import KVSpec, load_config
+from lmkv.engines.local import LocalEngine
 from lmkv.lookup import LookupResponder
+from lmkv.testing.engines import open_local_engine
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=16, dtype=torch.float16)
 
@@ -18,7 +20,7 @@ SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=16, dtype=torch.float16)
 def make_engine(chunk_size: int, max_bytes: int, rank: int) -> LocalEngine:
     config = load_config(env={}, overrides={"lmkv.chunk_size": chunk_size,
                                             "lmkv.tiers.0.options.max_bytes": max_bytes})
-    return LocalEngine.from_config(config, SPEC, model_name="lookup-test", world_size=2,
+    return open_local_engine(config, SPEC, model_name="lookup-test", world_size=2,
                                    worker_id=rank)
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lmkv.config import load_config
-from lmkv.engines.local import LocalEngine, open_engine
+from lmkv.engines import open_engine
 from lmkv.engines.remote import RemoteEngine
 from lmkv.gpu import KVSpec
 from lmkv.tokens import prefix_hashes
@@ -149,9 +149,9 @@ def test_prefetch_from_disk_after_a_server_restart(tmp_path) -> None:
 
 
 def test_transformers_style_engine_in_server_mode(server) -> None:
-    """``LocalEngine.from_config`` honours ``mode: server`` (the hf connector builds
-    its KV from the server's chunks before they are released)."""
-    engine = LocalEngine.from_config(config(server), SPEC, model_name="remote-hf")
+    """``open_engine`` honours ``mode: server`` with the connector it resolves (the hf
+    connector builds its KV from the server's chunks before they are released)."""
+    engine = open_engine(config(server), SPEC, model_name="remote-hf")
     assert isinstance(engine, RemoteEngine) and isinstance(engine.connector, HFConnector)
     tokens = prompt(5, 2 * CHUNK)
     gen = torch.Generator().manual_seed(3)
