@@ -105,7 +105,7 @@ def _live_stats(address: str, config: LMKVConfig) -> StatsReply | None:
     level = client_log.level
     client_log.setLevel(logging.ERROR)  # "no server" is said once, by the caller
     try:
-        with ServerClient(address, timeout_ms=section.timeout_ms, transport="frame",
+        with ServerClient(address, timeout_ms=section.timeout_ms, data_path="inline",
                           curve=curve) as client:
             return client.stats()
     finally:

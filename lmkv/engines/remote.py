@@ -53,11 +53,11 @@ class RemoteEngine:
         server = config.server
         curve = client_keys(server.curve) if server.curve is not None else None
         self.client = ServerClient(server.address, timeout_ms=server.timeout_ms,
-                                   transport=server.transport, curve=curve)
+                                   data_path=server.data_path, curve=curve)
         # Lookups and their polls use their own connection (same session, so the
         # prefetches are this engine's): a retrieve never queues behind a poll.
         self._lookups = ServerClient(server.address, session=self.client.session,
-                                     timeout_ms=server.timeout_ms, transport="frame",
+                                     timeout_ms=server.timeout_ms, data_path="inline",
                                      curve=curve)
         if self.client.ping() is None:  # maps the arena now, not on the first load
             logger.warning("lmkv: no lmkv server answers at %s yet; misses until one does",

@@ -4,7 +4,7 @@ Start-up opens the tiers of the config. The first tier that holds memory (the
 cpu tier) gets ``shared_memory: true`` unless the config says otherwise, so
 clients on this machine copy chunks straight into and out of its arena; when
 no segment can be made (no room in /dev/shm) the server warns and serves the
-in-frame transport only. SIGTERM or SIGINT stops serving, releases what
+inline data path only. SIGTERM or SIGINT stops serving, releases what
 clients held, waits for queued lower-tier stores, logs the final tier figures,
 closes the tiers (unlinking the segment) and exits 0. A second signal cuts the
 wait short.
@@ -130,7 +130,7 @@ def build_storage(config: LMKVConfig) -> StorageManager:
     except SharedMemoryUnavailable as exc:
         if auto is None:
             raise
-        logger.warning("lmkv server: %s; clients use the in-frame transport", exc)
+        logger.warning("lmkv server: %s; clients use the inline data path", exc)
         auto["shared_memory"] = False
         return StorageManager.from_config(config)
 
@@ -213,7 +213,7 @@ def tiers_line(storage: StorageManager) -> str:
     elif segment is not None:
         arena = f"{_mib(memory.capacity_bytes)} in shared memory {segment.name}"
     else:
-        arena = f"{_mib(memory.capacity_bytes)}, in-frame transport only"
+        arena = f"{_mib(memory.capacity_bytes)}, inline data path only"
     return f"tiers: {tiers or 'none'}; arena: {arena}"
 
 
