@@ -55,11 +55,11 @@ def engine_holding_prompts() -> Engine:
 
 def worker(conn: Connection, endpoints: list[tuple[str, str]]) -> None:
     engine = engine_holding_prompts()
-    servers = [LookupResponder(engine, req, resp, rank=0) for req, resp in endpoints]
-    conn.send([s.request_endpoint for s in servers])
+    responders = [LookupResponder(engine, req, resp, rank=0) for req, resp in endpoints]
+    conn.send([s.request_endpoint for s in responders])
     conn.recv()  # until told to stop
-    for server in servers:
-        server.close()
+    for responder in responders:
+        responder.close()
     engine.close()
 
 

@@ -60,7 +60,7 @@ class WorkerSide:
         self.engine_id = str(vllm_config.kv_transfer_config.engine_id)
         self.counters = WorkerCounters()
         self.engine: Engine | None = None
-        self.server: LookupResponder | None = None
+        self.responder: LookupResponder | None = None
         self.kv_caches: list[torch.Tensor] = []
         self.block_size = 0
         self._failed: set[int] = set()
@@ -84,8 +84,8 @@ class WorkerSide:
             engine_kind="paged", world_size=self.world_size, worker_id=self.rank)
         endpoints = LookupEndpoints.from_config(self.config.lookup, self.engine_id,
                                                 self.world_size)
-        self.server = LookupResponder.for_rank(self.engine, endpoints, self.rank,
-                                            max_tokens=self.max_model_len)
+        self.responder = LookupResponder.for_rank(self.engine, endpoints, self.rank,
+                                                  max_tokens=self.max_model_len)
         logger.info("lmkv: worker %d/%d registered %d KV caches, layout %s, block size %d, "
                     "%s", self.rank, self.world_size, len(self.kv_caches), layout,
                     self.block_size, f"tiers in the lmkv server at {self.config.server.address}"
@@ -187,7 +187,7 @@ class WorkerSide:
         self._loader.shutdown(wait=True)
         self._saver.shutdown(wait=True)  # lazy stores in flight finish first
         logger.info("lmkv worker counters: %s", vars(self.counters))
-        if self.server is not None:
-            self.server.close()
+        if self.responder is not None:
+            self.responder.close()
         if self.engine is not None:
             self.engine.close()
