@@ -25,14 +25,13 @@ from pydantic import (
     model_validator,
 )
 
-from lmkv.config_keys import model_at, renamed_key, renamed_key_line, unknown_key_hint
+from lmkv.config_keys import ENV_PREFIX, model_at, renamed_key, renamed_key_line, unknown_key_hint
 from lmkv.errors import ConfigError, UnknownPluginError
 from lmkv.plugins.base import PluginOptions
 from lmkv.private import default_server_address
 from lmkv.redact import RedactedRepr, redact_value
 from lmkv.strict_yaml import StrictYAMLError, load_strict_yaml
 
-ENV_PREFIX = "LMKV_"
 # Env vars that are not config keys.
 RESERVED_ENV = frozenset(
     {"LMKV_CONFIG", "LMKV_LOAD_PLUGINS", "LMKV_DISABLE_PLUGINS", "LMKV_LOG_LEVEL"})

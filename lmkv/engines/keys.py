@@ -11,14 +11,11 @@ from lmkv.config import LMKVConfig
 from lmkv.engines.protocol import EngineCounters
 from lmkv.gpu import GPUConnector, KVSpec
 from lmkv.logutil import RateLimitedLog
+from lmkv.memory import dtype_name
 from lmkv.tokens import CacheKey, KeyMeta, TokenChunker, kv_geometry
 
 logger = logging.getLogger(__name__)
 _spec_log = RateLimitedLog(logger)
-
-
-def dtype_name(dtype: Any) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def fits_spec(spec: KVSpec, counters: EngineCounters, key: CacheKey, chunk: Any,

@@ -49,6 +49,11 @@ def _refcount_bug(message: str) -> None:
 Allocate = Callable[[Sequence[int], torch.dtype], "MemoryObj | None"]
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """``bfloat16`` for ``torch.bfloat16``: how keys, messages and logs name a dtype."""
+    return str(dtype).removeprefix("torch.")
+
+
 def nbytes_of(shape: Sequence[int], dtype: torch.dtype) -> int:
     return math.prod(shape) * dtype.itemsize
 

@@ -35,7 +35,7 @@ import zmq
 
 from lmkv.auth import CurveKeys
 from lmkv.logutil import RateLimitedLog
-from lmkv.memory import shape_problem
+from lmkv.memory import dtype_name, shape_problem
 from lmkv.memory.shm import SharedMemoryUnavailable, SharedSegment, host_id
 from lmkv.private import default_server_address
 from lmkv.rpc import protocol as p
@@ -387,7 +387,7 @@ class ServerClient:
         """(chunks stored, whether every chunk of the batch is now on the server)."""
         inline = self.segment is None
         message = p.Store(**p.key_fields(keys), shapes=[list(s) for s in shapes],
-                          dtype=p.dtype_name(dtype), data_path="inline" if inline else "shm",
+                          dtype=dtype_name(dtype), data_path="inline" if inline else "shm",
                           process="" if inline else process_identity())
         got = self._call(message, p.StoreReply, timeout_ms=timeout_ms)
         if got is None:

@@ -328,10 +328,6 @@ def check_shape(shape: list[int], itemsize: int, max_bytes: int) -> int:
     return math.prod(shape) * itemsize
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 def key_fields(keys: list[CacheKey]) -> dict[str, Any]:
     """The compact wire form of ``keys``: meta and hashes when they share one meta."""
     if keys:

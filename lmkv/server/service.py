@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from lmkv.memory import MemoryAllocator, MemoryObj, release
+from lmkv.memory import MemoryAllocator, MemoryObj, dtype_name, release
 from lmkv.memory.shm import SharedSegment, host_id
 from lmkv.rpc import protocol as p
 from lmkv.server.sessions import Session, SessionTable
@@ -293,7 +293,7 @@ class KVService:
 def _info(obj: MemoryObj, offset: int) -> p.ChunkInfo:
     tensor = obj.tensor
     return p.ChunkInfo(offset, tensor.numel() * tensor.element_size(), list(tensor.shape),
-                       p.dtype_name(tensor.dtype))
+                       dtype_name(tensor.dtype))
 
 
 def _copy_parts(objs: Sequence[MemoryObj], data: Sequence[memoryview]) -> None:
