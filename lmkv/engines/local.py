@@ -1,4 +1,5 @@
-"""The cache engine: tokens in, KV out.
+"""``LocalEngine``: the ``Engine`` over tiers in this process (``mode: in_process``;
+opened by ``lmkv.engines.open_engine``).
 
 ``store(tokens, **kv)`` copies the KV of every whole chunk not yet stored into
 chunk buffers (through the GPU connector) and hands them to the storage

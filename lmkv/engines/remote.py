@@ -1,4 +1,5 @@
-"""``RemoteEngine``: ``LocalEngine``'s interface over an ``lmkv server`` (server mode).
+"""``RemoteEngine``: the ``Engine`` over an ``lmkv server``'s tiers (``mode: server``;
+opened by ``lmkv.engines.open_engine``).
 
 The engine process keeps only its GPU connector; the tiers live in the
 server. Chunks move without a staging copy: a store gathers the KV straight
@@ -105,7 +106,7 @@ class RemoteEngine:
     def lookup_and_prefetch(self, tokens: Sequence[int] | Any, lookup_id: str, *,
                             identity: Identity | None = None) -> Future:
         """Have the server load the stored prefix of ``tokens`` and hold it for
-        ``lookup_id``: ``LocalEngine.lookup_and_prefetch`` over the server. Resolves to
+        ``lookup_id``: ``Engine.lookup_and_prefetch`` over the server. Resolves to
         the hit length in tokens (0 when the server fails); ``retrieve(...,
         lookup_id=lookup_id)`` then loads what it holds, ``release_lookup`` drops it."""
         chunks = self.chunker.chunk(tokens, identity=identity)
