@@ -1,16 +1,20 @@
 """The vLLM worker opens its engine through ``open_engine``: the connector is
-resolved once, in ``lmkv.engines.connector``."""
+resolved once, in ``lmkv.engines.connector``. Skipped where vLLM is not installed
+(the worker module imports vLLM's metadata classes)."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 import lmkv.engines.connector as connector_module
 from lmkv import load_config
 from lmkv.engines import Engine
 from lmkv_backends.connectors.gpu_torch import PagedConnector
+
+pytest.importorskip("vllm")
 
 
 def test_the_vllm_worker_opens_its_engine_through_open_engine(tmp_path, monkeypatch) -> None:
