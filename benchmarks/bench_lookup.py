@@ -26,7 +26,7 @@ from multiprocessing.connection import Connection
 
 import torch
 
-from lmkv import KVSpec, LocalEngine, load_config
+from lmkv import Engine, KVSpec, load_config, open_engine
 from lmkv.lookup import LookupClient, LookupEndpoints, LookupResponder
 from lmkv.tokens import prefix_hashes
 
@@ -41,10 +41,10 @@ def prompts() -> list[list[int]]:
     return [[p * 1_000_000 + t for t in range(PROMPT_TOKENS)] for p in range(PROMPTS)]
 
 
-def engine_holding_prompts() -> LocalEngine:
+def engine_holding_prompts() -> Engine:
     config = load_config(env={}, overrides={"lmkv.chunk_size": CHUNK,
                                             "lmkv.tiers.0.options.max_bytes": "128MiB"})
-    engine = LocalEngine.from_config(config, SPEC, model_name="bench-lookup")
+    engine = open_engine(config, SPEC, model_name="bench-lookup")
     shape = (1, SPEC.num_kv_heads, PROMPT_TOKENS, SPEC.head_dim)
     kv = [(torch.randn(shape).half(), torch.randn(shape).half())
           for _ in range(SPEC.num_layers)]
@@ -55,11 +55,11 @@ def engine_holding_prompts() -> LocalEngine:
 
 def worker(conn: Connection, endpoints: list[tuple[str, str]]) -> None:
     engine = engine_holding_prompts()
-    servers = [LookupResponder(engine, req, resp, rank=0) for req, resp in endpoints]
-    conn.send([s.request_endpoint for s in servers])
+    responders = [LookupResponder(engine, req, resp, rank=0) for req, resp in endpoints]
+    conn.send([s.request_endpoint for s in responders])
     conn.recv()  # until told to stop
-    for server in servers:
-        server.close()
+    for responder in responders:
+        responder.close()
     engine.close()
 
 

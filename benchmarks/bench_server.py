@@ -9,7 +9,7 @@ round trip p99 < 2 ms. The server runs as its own process (``python -m
 lmkv.server``) on loopback, as in production.
 
 CURVE: a second server with CURVE keys (``lmkv keygen``; docs/security.md) in
-the same run: in-frame store and retrieve with CURVE against without (ratios),
+the same run: inline store and retrieve with CURVE against without (ratios),
 and the lookup round trip with CURVE (target p99 < 2 ms).
 """
 
@@ -52,7 +52,7 @@ def free_port() -> int:
 
 def start_server(config: Path, port: int, log: Path, *args: str,
                  curve: CurveKeys | None = None) -> subprocess.Popen:
-    """The server with its default options (in-frame stores go in 256 MiB requests)."""
+    """The server with its default options (inline stores go in 256 MiB requests)."""
     with log.open("w") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "lmkv.server", "--config", str(config), "--port", str(port),
@@ -119,7 +119,7 @@ def throughput(label: str, store: Callable[[list[CacheKey]], int],
 
 
 def zmq_loopback_gbs(n: int, rounds: int) -> float:
-    """The in-frame path's ceiling: n chunks sent as one multipart message over TCP
+    """The inline path's ceiling: n chunks sent as one multipart message over TCP
     loopback to an echoing ROUTER (one short reply), nothing else."""
     ctx = zmq.Context()
     router = ctx.socket(zmq.ROUTER)
@@ -183,10 +183,10 @@ def bench_throughput(address: str, config: Path, n: int, rounds: int) -> None:
     results = {"in-process cpu tier": throughput("local", local_store, local_retrieve, n,
                                                  rounds, gen)}
     storage.close()
-    for transport, label in (("auto", "server, shared memory"), ("frame", "server, in-frame")):
-        client = ServerClient(address, transport=transport, timeout_ms=30_000)
+    for data_path, label in (("auto", "server, shared memory"), ("inline", "server, inline")):
+        client = ServerClient(address, data_path=data_path, timeout_ms=30_000)
         client.ping()
-        assert client.shared_memory == (transport == "auto")
+        assert client.shared_memory == (data_path == "auto")
         results[label] = throughput(
             label, lambda keys, c=client: c.store(keys, srcs),
             lambda keys, c=client: len(c.retrieve(keys, out=dsts)), n, rounds, gen)
@@ -198,28 +198,28 @@ def bench_throughput(address: str, config: Path, n: int, rounds: int) -> None:
     for label, (st, rt) in results.items():
         print(f"  {label:<24} {st:>10.2f} {st / base_store:>6.2f} {rt:>14.2f} "
               f"{rt / base_retrieve:>6.2f}")
-    st, rt = results["server, in-frame"]
-    print(f"  raw ZMQ over TCP loopback (the in-frame ceiling): {ceiling:.2f} GB/s; "
-          f"in-frame reaches {st / ceiling:.2f} (store) / {rt / ceiling:.2f} (retrieve) of it")
+    st, rt = results["server, inline"]
+    print(f"  raw ZMQ over TCP loopback (the inline ceiling): {ceiling:.2f} GB/s; "
+          f"inline reaches {st / ceiling:.2f} (store) / {rt / ceiling:.2f} (retrieve) of it")
 
 
 def bench_curve_throughput(plain: str, secured: str, curve: CurveKeys, n: int,
                            rounds: int) -> None:
-    """The in-frame path (the one that crosses machines) with and without CURVE."""
+    """The inline path (the one that crosses machines) with and without CURVE."""
     srcs = [torch.randn(SHAPE).to(torch.bfloat16) for _ in range(n)]
     dsts = [torch.empty(SHAPE, dtype=torch.bfloat16) for _ in range(n)]
     gen = Round()
     results = {}
-    for label, address, keys in (("in-frame", plain, None),
-                                  ("in-frame, CURVE", secured, curve)):
-        client = ServerClient(address, transport="frame", timeout_ms=60_000, curve=keys)
+    for label, address, keys in (("inline", plain, None),
+                                  ("inline, CURVE", secured, curve)):
+        client = ServerClient(address, data_path="inline", timeout_ms=60_000, curve=keys)
         assert client.ping() is not None, label
         results[label] = throughput(
             label, lambda keys_, c=client: c.store(keys_, srcs),
             lambda keys_, c=client: len(c.retrieve(keys_, out=dsts)), n, rounds, gen)
         client.close()
-    base_store, base_retrieve = results["in-frame"]
-    print(f"\nCURVE: {n} chunks of 32 MiB through the in-frame transport, best of {rounds}:")
+    base_store, base_retrieve = results["inline"]
+    print(f"\nCURVE: {n} chunks of 32 MiB through the inline data path, best of {rounds}:")
     print(f"  {'path':<24} {'store GB/s':>10} {'ratio':>6} {'retrieve GB/s':>14} {'ratio':>6}")
     for label, (st, rt) in results.items():
         print(f"  {label:<24} {st:>10.2f} {st / base_store:>6.2f} {rt:>14.2f} "

@@ -20,10 +20,11 @@ import time
 
 import torch
 
-from lmkv import KVSpec, LocalEngine, StorageManager, load_config
+from lmkv import KVSpec, StorageManager, load_config
+from lmkv.engines.local import LocalEngine
 from lmkv.gpu import ChunkSpan
+from lmkv.memory import release
 from lmkv.plugins import get_plugin_manager
-from lmkv.prefetch import release
 
 CHUNK, CHUNKS, BLOCK = 256, 128, 128
 SPEC = KVSpec(num_layers=4, num_kv_heads=4, head_dim=64, dtype=torch.bfloat16)  # 1 MiB a chunk

@@ -27,8 +27,9 @@ _LAZY: dict[str, str] = {
     "StorageBackend": "lmkv.backend",
     "LMKVConfig": "lmkv.config",
     "load_config": "lmkv.config",
-    "LocalEngine": "lmkv.engines.local",
-    "RetrieveResult": "lmkv.engines.local",
+    "Engine": "lmkv.engines.protocol",
+    "RetrieveResult": "lmkv.engines.protocol",
+    "open_engine": "lmkv.engines.open",
     "ChunkSpan": "lmkv.gpu",
     "GPUConnector": "lmkv.gpu",
     "KVSpec": "lmkv.gpu",
@@ -51,7 +52,8 @@ _LAZY: dict[str, str] = {
 if TYPE_CHECKING:
     from lmkv.backend import BackendContext, StorageBackend
     from lmkv.config import LMKVConfig, load_config
-    from lmkv.engines.local import LocalEngine, RetrieveResult
+    from lmkv.engines.open import open_engine
+    from lmkv.engines.protocol import Engine, RetrieveResult
     from lmkv.gpu import ChunkSpan, GPUConnector, KVSpec
     from lmkv.memory import MemoryAllocator, MemoryObj
     from lmkv.plugins import NoOptions, PluginOptions, hookimpl
@@ -81,13 +83,13 @@ __all__ = [
     "ConfigError",
     "CorruptFrameError",
     "DuplicatePluginError",
+    "Engine",
     "EvictionPolicy",
     "GPUConnector",
     "KVSpec",
     "KeyMeta",
     "LMKVConfig",
     "LMKVError",
-    "LocalEngine",
     "MemoryAllocator",
     "MemoryObj",
     "NoOptions",
@@ -104,5 +106,6 @@ __all__ = [
     "__version__",
     "hookimpl",
     "load_config",
+    "open_engine",
     "prefix_hashes",
 ]

@@ -7,11 +7,12 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from lmkv import __version__
-from lmkv.errors import LMKVError
+from lmkv.errors import run_reporting_errors
+from lmkv.logutil import LOG_LEVELS
 
 if TYPE_CHECKING:
     from lmkv.config import LMKVConfig
@@ -19,9 +20,6 @@ if TYPE_CHECKING:
 
 # Everything else is imported inside the command that needs it: `lmkv --help` and
 # `lmkv --version` must not pay for torch (lmkv/__init__ imports lazily too).
-
-LOG_LEVELS = ["DEBUG", "INFO", "WARNING", "ERROR"]
-
 
 def _cmd_plugins(args: argparse.Namespace) -> int:
     from lmkv.plugins.manager import get_plugin_manager
@@ -107,7 +105,7 @@ def _live_stats(address: str, config: LMKVConfig) -> StatsReply | None:
     level = client_log.level
     client_log.setLevel(logging.ERROR)  # "no server" is said once, by the caller
     try:
-        with ServerClient(address, timeout_ms=section.timeout_ms, transport="frame",
+        with ServerClient(address, timeout_ms=section.timeout_ms, data_path="inline",
                           curve=curve) as client:
             return client.stats()
     finally:
@@ -204,17 +202,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     return run_reporting_errors(args.func, args, "lmkv")
-
-
-def run_reporting_errors(func: Callable[[argparse.Namespace], int],
-                         args: argparse.Namespace, prog: str) -> int:
-    """Run a command; an LMKVError is one line per message line on stderr and exit 2."""
-    try:
-        return func(args)
-    except LMKVError as exc:
-        for line in str(exc).splitlines() or [type(exc).__name__]:
-            print(f"{prog}: error: {line}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print(f"{prog}: interrupted", file=sys.stderr)
-        return 130

@@ -14,7 +14,7 @@ import json
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
     BaseModel,
@@ -25,14 +25,13 @@ from pydantic import (
     model_validator,
 )
 
-from lmkv.config_keys import model_at, unknown_key_hint
+from lmkv.config_keys import ENV_PREFIX, model_at, renamed_key, renamed_key_line, unknown_key_hint
 from lmkv.errors import ConfigError, UnknownPluginError
 from lmkv.plugins.base import PluginOptions
 from lmkv.private import default_server_address
 from lmkv.redact import RedactedRepr, redact_value
 from lmkv.strict_yaml import StrictYAMLError, load_strict_yaml
 
-ENV_PREFIX = "LMKV_"
 # Env vars that are not config keys.
 RESERVED_ENV = frozenset(
     {"LMKV_CONFIG", "LMKV_LOAD_PLUGINS", "LMKV_DISABLE_PLUGINS", "LMKV_LOG_LEVEL"})
@@ -125,11 +124,14 @@ class LookupConfig(_Model):
 class ServerConnection(_Model):
     """The ``lmkv server`` an engine uses in server mode (docs/server.md)."""
 
+    # Old key -> new key: a config that still says the old one is told the new name.
+    renamed_keys: ClassVar[dict[str, str]] = {"transport": "data_path"}
+
     # Default: an ipc socket in this user's private runtime directory (what ``lmkv
     # server`` listens on without --host/--port/--socket).
     address: str = Field(default_factory=default_server_address, min_length=1)
     timeout_ms: PositiveInt = 250
-    transport: Literal["auto", "frame"] = "auto"
+    data_path: Literal["auto", "inline"] = "auto"
     # CURVE keys: this process's key pair and the server's public key (docs/security.md).
     # ``lmkv server`` reads its own key pair and ``authorized_keys`` from here too.
     curve: CurveConfig | None = None
@@ -393,6 +395,11 @@ def _format_errors(exc: ValidationError, prefix: str, sources: Mapping[str, str]
         key = ".".join(filter(None, [prefix, *loc])) or "(top level)"
         where = _source_for(key, sources)
         if err["type"] == "extra_forbidden":
+            parent = model_at(model, loc[:-1])
+            new = renamed_key(parent, loc[-1]) if parent is not None else None
+            if new is not None:
+                lines.append(renamed_key_line(parent, key, key[:-len(loc[-1])] + new, where))
+                continue
             lines.append(f"config key {key!r}{where}: unknown key"
                          f"{_unknown_key_hint(model, loc, key, where)}")
             continue

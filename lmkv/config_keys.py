@@ -60,6 +60,22 @@ def _model_in(annotation: Any) -> type[BaseModel] | None:
     return None
 
 
+def renamed_key(model: type[BaseModel] | None, name: str) -> str | None:
+    """The key ``name`` became, when ``model`` lists it in ``renamed_keys``."""
+    renamed: dict[str, str] = getattr(model, "renamed_keys", None) or {}
+    return renamed.get(name)
+
+
+def renamed_key_line(model: type[BaseModel], old: str, new: str, where: str) -> str:
+    """``config key 'server.transport' was renamed 'server.data_path'; allowed: ...``
+    (``old``, ``new``: full dotted keys; the values the new key takes, when fixed)."""
+    field = model.model_fields.get(new.rsplit(".", 1)[-1])
+    values = typing.get_args(field.annotation) if field is not None else ()
+    allowed = (f"; allowed values: {', '.join(map(str, values))}"
+               if values and typing.get_origin(field.annotation) is typing.Literal else "")
+    return f"config key {old!r}{where} was renamed {new!r}{allowed}"
+
+
 def unknown_key_hint(name: str, allowed: Iterable[str], *, env_stem: str | None = None,
                      env_only: Iterable[str] = ()) -> str:
     """``did you mean ...? allowed: ...`` for an unknown key ``name``.

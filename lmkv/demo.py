@@ -55,7 +55,7 @@ _SIZE_FLAGS = {"hidden_size": "--hidden-size", "num_layers": "--layers", "num_he
                "intermediate_size": "--intermediate-size"}
 
 
-def _validate(args: argparse.Namespace) -> None:
+def _validate_args(args: argparse.Namespace) -> None:
     for name in ("prompts", "prefix_tokens", "new_tokens"):
         if getattr(args, name) <= 0:
             raise ConfigError(f"--{name.replace('_', '-')} = {getattr(args, name)}: "
@@ -92,7 +92,7 @@ def _done(t0: float, extra: str = "") -> None:
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    _validate(args)
+    _validate_args(args)
     try:
         import torch
 

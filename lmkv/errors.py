@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Callable
+from typing import TypeVar
+
+_Args = TypeVar("_Args")
+
 
 class LMKVError(Exception):
     """Base class of every error lmkv raises on purpose."""
@@ -29,3 +35,17 @@ class CorruptFrameError(LMKVError):
 
 class RefCountError(LMKVError, RuntimeError):
     """A reference or pin count went below zero: a double release."""
+
+
+def run_reporting_errors(func: Callable[[_Args], int], args: _Args, prog: str) -> int:
+    """Run a command (``lmkv ...``, ``python -m lmkv.server``): an LMKVError is one
+    line per message line on stderr and exit 2; Ctrl-C is one line and exit 130."""
+    try:
+        return func(args)
+    except LMKVError as exc:
+        for line in str(exc).splitlines() or [type(exc).__name__]:
+            print(f"{prog}: error: {line}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130

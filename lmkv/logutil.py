@@ -6,6 +6,9 @@ import logging
 import threading
 import time
 
+# The levels `lmkv --log-level` and `python -m lmkv.server --log-level` take.
+LOG_LEVELS = ["DEBUG", "INFO", "WARNING", "ERROR"]
+
 
 class RateLimitedLog:
     """Logs each distinct ``key`` at most once per ``interval_s``, counting the rest."""

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from lmkv.memory import MemoryObj
+from lmkv.memory import MemoryObj, release
 
 logger = logging.getLogger(__name__)
 
@@ -203,8 +203,3 @@ class EventManager:
             self._discard(task)
             if not task.future.done():  # queued, never run: answer a miss
                 task.future.set_result(0)
-
-
-def release(objs: Sequence[MemoryObj]) -> None:
-    for obj in objs:
-        obj.ref_down()

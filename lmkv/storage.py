@@ -21,8 +21,8 @@ import torch
 from lmkv.backend import BackendContext, StorageBackend, done_future
 from lmkv.config import LMKVConfig, resolve_plugin
 from lmkv.logutil import RateLimitedLog
-from lmkv.memory import MemoryObj, tensor_obj
-from lmkv.prefetch import EventManager, PrefetchTask, WeightedSemaphore, release
+from lmkv.memory import MemoryObj, release, tensor_obj
+from lmkv.prefetch import EventManager, PrefetchTask, WeightedSemaphore
 from lmkv.tokens import CacheKey
 from lmkv.writethrough import WriteThrough
 

@@ -42,7 +42,7 @@ def parse_byte_size(value: Any) -> int:
     raise ValueError(ACCEPTED_FORMS)
 
 
-def _validate(value: Any) -> int:
+def _validate_byte_size(value: Any) -> int:
     try:
         return parse_byte_size(value)
     except ValueError:
@@ -50,4 +50,4 @@ def _validate(value: Any) -> int:
 
 
 # A ByteSize (an int, with human_readable()) parsed strictly; bounds go in Field().
-ByteCount = Annotated[ByteSize, BeforeValidator(_validate)]
+ByteCount = Annotated[ByteSize, BeforeValidator(_validate_byte_size)]

@@ -99,10 +99,11 @@ def test_help_and_the_parser_import_no_torch() -> None:
 
 def test_public_names_still_import_from_lmkv() -> None:
     import lmkv
-    from lmkv import LocalEngine, StorageManager, load_config  # noqa: F401
-    from lmkv.engines.local import LocalEngine as Engine
+    from lmkv import Engine, StorageManager, load_config, open_engine  # noqa: F401
+    from lmkv.engines import Engine as EngineProtocol
+    from lmkv.engines import open_engine as open_engine_here
 
-    assert LocalEngine is Engine
+    assert Engine is EngineProtocol and open_engine is open_engine_here
     for name in lmkv.__all__:
         assert getattr(lmkv, name) is not None, name
     with pytest.raises(AttributeError, match="no attribute 'nope'"):

@@ -368,3 +368,32 @@ def test_model_at_follows_sections_and_list_items() -> None:
     assert model_at(LMKVConfig, ["lookup"]) is LookupConfig
     assert model_at(LMKVConfig, ["lookup", "0"]) is None
     assert model_at(LMKVConfig, ["tiers", "0", "options"]) is None  # free-form until resolved
+
+
+@pytest.mark.parametrize("source,where", [
+    ("file", "c.yaml"), ("env", "from env LMKV_SERVER__TRANSPORT"),
+    ("dotted", "from lmkv.server.transport")])
+def test_the_old_server_transport_key_names_its_new_name(tmp_path: Path, source: str,
+                                                         where: str) -> None:
+    """``server.transport`` became ``server.data_path`` (``frame`` became ``inline``):
+    one line that says so and lists the values, wherever the old key comes from."""
+    kwargs: dict = {"env": {}}
+    if source == "file":
+        kwargs["path"] = write(tmp_path, "c.yaml", "server:\n  transport: frame\n")
+    elif source == "env":
+        kwargs["env"] = {"LMKV_SERVER__TRANSPORT": "frame"}
+    else:
+        kwargs["overrides"] = {"lmkv.server.transport": "frame"}
+    with pytest.raises(ConfigError) as exc:
+        load_config(**kwargs)
+    message = str(exc.value)
+    assert len(message.splitlines()) == 1, message
+    assert message.startswith("config key 'server.transport'") and where in message
+    assert message.endswith("was renamed 'server.data_path'; allowed values: auto, inline")
+
+
+def test_the_data_path_takes_auto_and_inline() -> None:
+    assert load_config(env={}).server.data_path == "auto"
+    assert load_config(env={"LMKV_SERVER__DATA_PATH": "inline"}).server.data_path == "inline"
+    with pytest.raises(ConfigError, match=r"'server\.data_path' = 'frame'"):
+        load_config(env={"LMKV_SERVER__DATA_PATH": "frame"})

@@ -5,7 +5,9 @@ import re
 import pytest
 import torch
 
-from lmkv import KVSpec, LocalEngine, load_config
+from lmkv import KVSpec, load_config
+from lmkv.engines.local import LocalEngine
+from lmkv.testing.engines import open_local_engine
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=16, dtype=torch.float16)
 CHUNK = 32
@@ -16,7 +18,7 @@ def make_engine(max_bytes: int = 1 << 22, **overrides) -> LocalEngine:
     config = load_config(env={}, overrides={"lmkv.chunk_size": CHUNK,
                                             "lmkv.tiers.0.options.max_bytes": max_bytes,
                                             **overrides})
-    return LocalEngine.from_config(config, SPEC, model_name="engine-test")
+    return open_local_engine(config, SPEC, model_name="engine-test")
 
 
 def hf_kv(total: int, seed: int = 0):
@@ -65,7 +67,7 @@ def test_paged_engine_round_trip_through_cpu_layout() -> None:
                                                          "options": {"layout": "cpu"}}})
     block = 16
     caches = [torch.randn(8, 2, block, 32).half() for _ in range(2)]
-    with LocalEngine.from_config(config, SPEC, model_name="paged") as engine:
+    with open_local_engine(config, SPEC, model_name="paged") as engine:
         tokens = list(range(64))
         assert engine.store(tokens, kv_caches=caches, block_ids=[3, 1, 6, 0]) == 64
         target = [torch.zeros_like(c) for c in caches]
@@ -92,8 +94,8 @@ def test_store_under_memory_pressure_evicts_and_keeps_the_budget() -> None:
 
 def test_keys_of_different_ranks_do_not_mix() -> None:
     config = load_config(env={})
-    a = LocalEngine.from_config(config, SPEC, model_name="m", worker_id=0)
-    b = LocalEngine.from_config(config, SPEC, model_name="m", worker_id=1)
+    a = open_local_engine(config, SPEC, model_name="m", worker_id=0)
+    b = open_local_engine(config, SPEC, model_name="m", worker_id=1)
     b.storage = a.storage  # one shared tier
     tokens = list(range(512))
     a.store(tokens, kv=hf_kv(512))
@@ -134,7 +136,7 @@ def test_mismatched_kv_is_refused_and_nothing_is_stored(bad_kv, message: str) ->
 def test_mismatched_paged_caches_are_refused() -> None:
     config = load_config(env={}, overrides={"lmkv.chunk_size": CHUNK,
                                             "lmkv.gpu_connector": "paged"})
-    with LocalEngine.from_config(config, SPEC, model_name="paged") as engine:
+    with open_local_engine(config, SPEC, model_name="paged") as engine:
         caches = [torch.randn(2, 8, 16, 2, 16).half()]  # one layer instead of two
         with pytest.raises(ValueError, match="1 KV caches; this engine stores 2"):
             engine.store(list(range(32)), kv_caches=caches, block_ids=[0, 1])
@@ -177,7 +179,7 @@ def test_paged_retrieve_streams_across_tiers() -> None:
         "lmkv.tiers": [{"type": "cpu", "options": {"max_bytes": "1MiB"}},
                        {"type": "cpu", "options": {"max_bytes": "1MiB"}}]})
     caches = [torch.randn(8, 2, 16, 32).half() for _ in range(2)]
-    with LocalEngine.from_config(config, SPEC, model_name="paged") as engine:
+    with open_local_engine(config, SPEC, model_name="paged") as engine:
         tokens = list(range(64))
         engine.store(tokens, kv_caches=caches, block_ids=[0, 1, 2, 3])
         assert engine.storage.flush(5)

@@ -10,8 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from lmkv import KVSpec, LocalEngine, load_config
+from lmkv import KVSpec, load_config
+from lmkv.engines.local import LocalEngine
 from lmkv.memory import tensor_obj
+from lmkv.testing.engines import open_local_engine
 from lmkv.tokens import Identity, MMInput, prefix_hashes
 from tests.test_tokens import reference_hashes
 
@@ -29,7 +31,7 @@ def hf_kv(total: int, spec: KVSpec = SPEC, seed: int = 0):
 
 def engine(spec: KVSpec = SPEC, **overrides) -> LocalEngine:
     config = load_config(env={}, overrides={"lmkv.chunk_size": CHUNK, **overrides})
-    return LocalEngine.from_config(config, spec, model_name="identity-test")
+    return open_local_engine(config, spec, model_name="identity-test")
 
 
 IDENTITIES = {

@@ -110,7 +110,8 @@ def test_a_store_never_waits_on_a_hung_lower_tier() -> None:
     import threading
     import uuid
 
-    from lmkv import KVSpec, LocalEngine, load_config
+    from lmkv import KVSpec, load_config
+    from lmkv.testing.engines import open_local_engine
     from tests.services import S3Endpoint
 
     endpoint = S3Endpoint()
@@ -124,7 +125,7 @@ def test_a_store_never_waits_on_a_hung_lower_tier() -> None:
             "key": "testing", "secret": "testing", "connect_timeout_s": 30,
             "read_timeout_s": 30, "retries": 0, "close_timeout_s": 0}}]})
     spec = KVSpec(num_layers=2, num_kv_heads=2, head_dim=16, dtype=torch.float16)
-    engine = LocalEngine.from_config(config, spec, model_name="hang-test")
+    engine = open_local_engine(config, spec, model_name="hang-test")
     kv = [(torch.randn(1, 2, 64, 16).half(), torch.randn(1, 2, 64, 16).half())
           for _ in range(2)]
     stored: list[int] = []

@@ -1,4 +1,5 @@
-"""The cache engine: tokens in, KV out.
+"""``LocalEngine``: the ``Engine`` over tiers in this process (``mode: in_process``;
+opened by ``lmkv.engines.open_engine``).
 
 ``store(tokens, **kv)`` copies the KV of every whole chunk not yet stored into
 chunk buffers (through the GPU connector) and hands them to the storage
@@ -18,40 +19,19 @@ import contextlib
 import logging
 from collections.abc import Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from lmkv.config import LMKVConfig, PluginRef, resolve_plugin
+from lmkv.config import LMKVConfig
+from lmkv.engines.keys import engine_chunker, fits_spec
+from lmkv.engines.protocol import EngineCounters, RetrieveResult
 from lmkv.gpu import ChunkSpan, GPUConnector, KVSpec
 from lmkv.logutil import RateLimitedLog
-from lmkv.memory import MemoryObj
-from lmkv.prefetch import release
+from lmkv.memory import MemoryObj, release
 from lmkv.storage import StorageManager
-from lmkv.tokens import CacheKey, ChunkKeys, Identity, KeyMeta, TokenChunker, kv_geometry
-
-if TYPE_CHECKING:
-    from lmkv.engines.remote import RemoteEngine
+from lmkv.tokens import CacheKey, ChunkKeys, Identity, KeyMeta
 
 logger = logging.getLogger(__name__)
 _store_log = RateLimitedLog(logger)
-_spec_log = RateLimitedLog(logger)
-
-
-@dataclass
-class EngineCounters:
-    spec_mismatches: int = 0  # chunks whose shape or dtype did not fit the engine: misses
-
-
-@dataclass(frozen=True)
-class RetrieveResult:
-    num_tokens: int
-    """Hit prefix length in tokens (whole chunks)."""
-    kv: Any
-    """What the connector returned: the KV it built, or None when it wrote in place."""
-
-
-def dtype_name(dtype: Any) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 class LocalEngine:
@@ -66,18 +46,6 @@ class LocalEngine:
                                       worker_id)
         self.counters = EngineCounters()
         storage.set_chunk_bytes(spec.chunk_nbytes(config.chunk_size))
-
-    @classmethod
-    def from_config(cls, config: LMKVConfig, spec: KVSpec, *, model_name: str,
-                    default_connector: str = "hf", world_size: int = 1,
-                    worker_id: int = 0) -> LocalEngine | RemoteEngine:
-        """The engine ``config.mode`` asks for (the tiers here, or an lmkv server's),
-        with ``config.gpu_connector`` or else ``default_connector``."""
-        ref = config.gpu_connector or PluginRef(type=default_connector)
-        connector_cls, options = resolve_plugin("gpu_connector", ref, "gpu_connector")
-        return open_engine(config, spec, model_name=model_name,
-                           connector=connector_cls(options, spec), world_size=world_size,
-                           worker_id=worker_id)
 
     @property
     def meta(self) -> KeyMeta:
@@ -213,40 +181,3 @@ class LocalEngine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def fits_spec(spec: KVSpec, counters: EngineCounters, key: CacheKey, chunk: Any,
-              num_tokens: int) -> bool:
-    """Whether ``chunk`` (a tensor) has the shape and dtype ``spec`` gives ``num_tokens``
-    tokens; a chunk that does not is counted and logged (a miss for the caller)."""
-    expected = spec.chunk_shape(num_tokens)
-    if chunk.dtype == spec.dtype and tuple(chunk.shape) == expected:
-        return True
-    counters.spec_mismatches += 1
-    _spec_log.warning("spec", "lmkv: chunk %s is %s %s, this engine's KV is %s %s; a miss "
-                      "from there", key.to_string(), dtype_name(chunk.dtype), list(chunk.shape),
-                      dtype_name(spec.dtype), list(expected))
-    return False
-
-
-def engine_chunker(config: LMKVConfig, spec: KVSpec, model_name: str, connector: GPUConnector,
-                   world_size: int, worker_id: int) -> TokenChunker:
-    """The chunker (keys) of an engine: the same in every mode, so that engines in
-    either mode name a chunk the same way."""
-    meta = KeyMeta(config.model_name or model_name, world_size, worker_id,
-                   dtype_name(spec.dtype), connector.chunk_layout,
-                   kv_geometry(spec.num_layers, spec.num_kv_heads, spec.head_dim))
-    return TokenChunker(meta, config.chunk_size, config.save_partial_chunk)
-
-
-def open_engine(config: LMKVConfig, spec: KVSpec, *, model_name: str, connector: GPUConnector,
-                world_size: int = 1, worker_id: int = 0) -> LocalEngine | RemoteEngine:
-    """A ``LocalEngine`` over the config's tiers (``mode: in_process``) or a
-    ``RemoteEngine`` over the lmkv server at ``server.address`` (``mode: server``)."""
-    if config.mode == "server":
-        from lmkv.engines.remote import RemoteEngine
-        return RemoteEngine(config, spec, model_name=model_name, connector=connector,
-                                 world_size=world_size, worker_id=worker_id)
-    return LocalEngine(config, spec, model_name=model_name, connector=connector,
-                       storage=StorageManager.from_config(config), world_size=world_size,
-                       worker_id=worker_id)

@@ -1,4 +1,5 @@
-"""``RemoteEngine``: ``LocalEngine``'s interface over an ``lmkv server`` (server mode).
+"""``RemoteEngine``: the ``Engine`` over an ``lmkv server``'s tiers (``mode: server``;
+opened by ``lmkv.engines.open_engine``).
 
 The engine process keeps only its GPU connector; the tiers live in the
 server. Chunks move without a staging copy: a store gathers the KV straight
@@ -30,7 +31,8 @@ import torch
 
 from lmkv.auth import client_keys
 from lmkv.config import LMKVConfig
-from lmkv.engines.local import EngineCounters, RetrieveResult, engine_chunker, fits_spec
+from lmkv.engines.keys import engine_chunker, fits_spec
+from lmkv.engines.protocol import EngineCounters, RetrieveResult
 from lmkv.gpu import ChunkSpan, GPUConnector, KVSpec
 from lmkv.rpc.client import ServerClient
 from lmkv.tokens import Identity, KeyMeta
@@ -52,11 +54,11 @@ class RemoteEngine:
         server = config.server
         curve = client_keys(server.curve) if server.curve is not None else None
         self.client = ServerClient(server.address, timeout_ms=server.timeout_ms,
-                                   transport=server.transport, curve=curve)
+                                   data_path=server.data_path, curve=curve)
         # Lookups and their polls use their own connection (same session, so the
         # prefetches are this engine's): a retrieve never queues behind a poll.
         self._lookups = ServerClient(server.address, session=self.client.session,
-                                     timeout_ms=server.timeout_ms, transport="frame",
+                                     timeout_ms=server.timeout_ms, data_path="inline",
                                      curve=curve)
         if self.client.ping() is None:  # maps the arena now, not on the first load
             logger.warning("lmkv: no lmkv server answers at %s yet; misses until one does",
@@ -104,7 +106,7 @@ class RemoteEngine:
     def lookup_and_prefetch(self, tokens: Sequence[int] | Any, lookup_id: str, *,
                             identity: Identity | None = None) -> Future:
         """Have the server load the stored prefix of ``tokens`` and hold it for
-        ``lookup_id``: ``LocalEngine.lookup_and_prefetch`` over the server. Resolves to
+        ``lookup_id``: ``Engine.lookup_and_prefetch`` over the server. Resolves to
         the hit length in tokens (0 when the server fails); ``retrieve(...,
         lookup_id=lookup_id)`` then loads what it holds, ``release_lookup`` drops it."""
         chunks = self.chunker.chunk(tokens, identity=identity)

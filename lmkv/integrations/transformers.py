@@ -26,8 +26,7 @@ from typing import Any
 import torch
 
 from lmkv.config import LMKVConfig, load_config
-from lmkv.engines.local import LocalEngine
-from lmkv.errors import ConfigError
+from lmkv.engines import Engine, open_engine
 from lmkv.gpu import KVSpec
 from lmkv.integrations.hf_model import cache_to_kv, kv_to_cache, prefill
 from lmkv.tokens import Identity
@@ -59,15 +58,9 @@ class HFCacheEngine:
         self.namespace = namespace
         self._adapter_digests: dict[str, tuple[list[tuple[Any, int]], str]] = {}
         name = model_name or getattr(model.config, "_name_or_path", "") or model.config.model_type
-        self.engine = LocalEngine.from_config(config or load_config(), kv_spec_of(model),
-                                              model_name=name, default_connector="hf")
-        connector = self.engine.connector
-        if connector.engine_kind != "hf":
-            self.engine.close()
-            raise ConfigError(
-                f"gpu_connector = {connector.name!r}: cannot serve a transformers model "
-                f"(it takes {connector.engine_kind or 'unknown'} KV); use a connector for "
-                "per-layer K/V tensors, such as 'hf'")
+        self.engine: Engine = open_engine(config or load_config(), kv_spec_of(model),
+                                          model_name=name, default_connector="hf",
+                                          engine_kind="hf")
 
     def store(self, input_ids: Sequence[int] | torch.Tensor, cache: Any) -> int:
         """Store the KV of ``input_ids``' whole chunks found in ``cache``; returns tokens stored."""

@@ -5,7 +5,8 @@ The scheduler's ``LookupClient`` hashes a prompt once and asks every worker's
 hit chunks (pinned while planned, then held for the engine's retrieve) and
 answers with its hit tokens; the client keeps the minimum. ZMQ PUSH/PULL
 carries msgspec msgpack messages (``messages``) over ``ipc://`` sockets under a
-runtime directory or ``tcp://`` (``transport``). Guide: docs/lookup.md.
+runtime directory or ``tcp://`` (``sockets``; the ZMQ transport is config
+``lookup.transport``). Guide: docs/lookup.md.
 """
 
 from lmkv.lookup.client import LookupClient

@@ -3,7 +3,7 @@
 ``lookup(lookup_id, tokens)`` hashes the prompt (``lmkv.tokens.prefix_hashes``
 with the engine's chunk size), pushes one ``LookupRequest`` to every worker
 and returns at once. A background thread collects the ``LookupResponse``
-frames; the result is the MINIMUM over the workers (ranks may hold different
+messages; the result is the MINIMUM over the workers (ranks may hold different
 prefixes; the minimum is the prefix every rank can load).
 
 ``poll(lookup_id)``:
@@ -56,7 +56,7 @@ from lmkv.lookup.messages import (
     LookupCleanup,
     LookupRequest,
     LookupResponse,
-    decode_frame,
+    decode_message,
     encode,
     max_chunks_for,
 )
@@ -82,8 +82,8 @@ SWEEP_INTERVAL_MS = 100
 CLOSE_TIMEOUT_S = 2.0
 DEFAULT_MAX_TOKENS = 1 << 20
 # A response is an id of at most 1024 characters and two integers: a larger
-# frame is no answer, and ZMQ drops it (and its sender) unread.
-MAX_RESPONSE_FRAME_BYTES = 8 << 10
+# message is no answer, and ZMQ drops it (and its sender) unread.
+MAX_RESPONSE_BYTES = 8 << 10
 
 
 @dataclass
@@ -104,7 +104,7 @@ class _Owed:
 
 
 @dataclass
-class ClientCounters:
+class LookupClientCounters:
     lookups: int = 0
     completed: int = 0
     timeouts: int = 0
@@ -116,7 +116,7 @@ class ClientCounters:
     oversize: int = 0  # lookups over max_chunks, answered 0 without asking
     reused_while_owed: int = 0  # lookups answered 0 because their id still had answers owed
     failed_sends: int = 0
-    rejected_frames: int = 0
+    rejected_messages: int = 0  # malformed, foreign or unexpected messages
 
 
 class LookupClient:
@@ -153,7 +153,7 @@ class LookupClient:
         self.backoff_s = backoff_ms / 1000
         self.results_kept = results_kept
         self.max_chunks = max_chunks_for(max_tokens, chunk_size)
-        self.counters = ClientCounters()
+        self.counters = LookupClientCounters()
 
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
@@ -168,7 +168,7 @@ class LookupClient:
         self._context = zmq.Context()
         self._auth = CurveServer(self._context, endpoints.curve) if endpoints.curve else None
         self._responses = pull_socket(self._context, endpoints.responses,
-                                      MAX_RESPONSE_FRAME_BYTES, curve=self._auth)
+                                      MAX_RESPONSE_BYTES, curve=self._auth)
         self.response_endpoint = last_endpoint(self._responses)
         self._workers = [push_socket(self._context, e, curve=endpoints.curve)
                          for e in endpoints.requests]
@@ -215,7 +215,7 @@ class LookupClient:
                       request_configs: dict[str, Any] | None = None) -> None:
         """``lookup`` for chunk hashes already computed (``offsets``: cumulative ends)."""
         request = LookupRequest(lookup_id, hashes, offsets, request_configs or {})
-        frame = encode(request)
+        message = encode(request)
         with self._lock:
             if self._closed:
                 raise RuntimeError("the lookup client is closed")
@@ -241,7 +241,7 @@ class LookupClient:
             self._results.pop(lookup_id, None)
             pending = _Pending(time.monotonic() + self.timeout_s, request.offsets)
             self._pending[lookup_id] = pending
-            sent = self._send_locked(frame, lookup_id)
+            sent = self._send_locked(message, lookup_id)
             if sent != self._all_ranks:  # a worker cannot answer: the lookup is a miss
                 del self._pending[lookup_id]
                 self._finish(lookup_id, 0)
@@ -342,12 +342,12 @@ class LookupClient:
         self._send_locked(encode(LookupCleanup(lookup_id)), lookup_id)
         self.counters.cleanups_sent += 1
 
-    def _send_locked(self, frame: bytes, lookup_id: str) -> int:
-        """Send ``frame`` to every worker; returns the ranks that took it (bit r: rank r)."""
+    def _send_locked(self, message: bytes, lookup_id: str) -> int:
+        """Send ``message`` to every worker; returns the ranks that took it (bit r: rank r)."""
         sent = 0
         for rank, sock in enumerate(self._workers):
             try:
-                sock.send(frame, zmq.NOBLOCK)
+                sock.send(message, zmq.NOBLOCK)
                 sent |= 1 << rank
             except zmq.ZMQError as exc:  # Again: the worker's queue is full (stalled worker)
                 self.counters.failed_sends += 1
@@ -451,11 +451,11 @@ class LookupClient:
                 parts = sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            message = decode_frame(parts[0], "client") if len(parts) == 1 else None
+            message = decode_message(parts[0], "client") if len(parts) == 1 else None
             if isinstance(message, LookupResponse):
                 self._answered(message)
                 continue
-            self.counters.rejected_frames += 1
+            self.counters.rejected_messages += 1
             if message is not None or len(parts) != 1:
                 _log.log(logging.ERROR, "reject", "lmkv lookup client: rejected a %s",
                          type(message).__name__ if message else f"{len(parts)}-part message")

@@ -1,10 +1,10 @@
-"""The lookup channel's messages: msgspec Structs, one msgpack frame each.
+"""The lookup channel's messages: msgspec Structs, one msgpack-encoded ZMQ message each.
 
 Every message is tagged with its class name (a ``"type"`` field in the msgpack
-map), so one decoder tells them apart. A frame that does not decode into one
+map), so one decoder tells them apart. Bytes that do not decode into one
 of them (garbage, truncated, a foreign message, fields of the wrong type or
 inconsistent values) raises ``msgspec.DecodeError`` / ``ValidationError``;
-``decode_frame`` turns that into ``None`` and a rate-limited error log.
+``decode_message`` turns that into ``None`` and a rate-limited error log.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ TokenCount = Annotated[int, msgspec.Meta(ge=0)]
 MAX_HASH_BYTES = 64
 ChunkHash = Annotated[bytes, msgspec.Meta(min_length=1, max_length=MAX_HASH_BYTES)]
 # What one chunk costs in an encoded request at most: its hash (bin8 header +
-# bytes) and its offset (a uint64 at most): used to bound frames before decoding.
+# bytes) and its offset (a uint64 at most): used to bound messages before decoding.
 MAX_ENCODED_CHUNK_BYTES = 2 + MAX_HASH_BYTES + 9
 
 
@@ -42,7 +42,7 @@ def max_request_bytes(max_chunks: int) -> int:
     return max_chunks * MAX_ENCODED_CHUNK_BYTES + REQUEST_SLACK_BYTES
 
 
-# Room in a request frame for everything but the chunks (id, tags, request_configs).
+# Room in a request message for everything but the chunks (id, tags, request_configs).
 REQUEST_SLACK_BYTES = 64 << 10
 
 
@@ -102,27 +102,28 @@ def encode(message: Message) -> bytes:
     return _encoder.encode(message)
 
 
-def decode(frame: bytes | memoryview) -> Message:
-    """The message in ``frame``; raises ``msgspec.DecodeError`` (or ValidationError)."""
-    return _decoder.decode(frame)
+def decode(data: bytes | memoryview) -> Message:
+    """The message in ``data``; raises ``msgspec.DecodeError`` (or ValidationError)."""
+    return _decoder.decode(data)
 
 
-def decode_frame(frame: bytes | memoryview, where: str) -> Message | None:
-    """``decode`` for a receiving thread: a bad frame is logged (rate-limited), never raised."""
+def decode_message(data: bytes | memoryview, where: str) -> Message | None:
+    """``decode`` for a receiving thread: a bad message is logged (rate-limited), never
+    raised."""
     try:
-        return _decoder.decode(frame)
+        return _decoder.decode(data)
     # ValidationError is a DecodeError; deep nesting (in request_configs) raises
-    # RecursionError, which must be a rejected frame like any other.
+    # RecursionError, which must be a rejected message like any other.
     except (msgspec.DecodeError, RecursionError) as exc:
-        _log.log(logging.ERROR, f"bad-frame:{where}",
-                 "lmkv lookup %s: rejected a malformed frame (%d bytes): %s",
-                 where, len(frame), exc)
+        _log.log(logging.ERROR, f"bad-message:{where}",
+                 "lmkv lookup %s: rejected a malformed message (%d bytes): %s",
+                 where, len(data), exc)
         return None
 
 
-def decode_request_head(frame: bytes | memoryview) -> str | None:
-    """The ``lookup_id`` of a frame that holds a ``LookupRequest``, else None."""
+def decode_request_head(data: bytes | memoryview) -> str | None:
+    """The ``lookup_id`` of a message that holds a ``LookupRequest``, else None."""
     try:
-        return _head_decoder.decode(frame).lookup_id
+        return _head_decoder.decode(data).lookup_id
     except (msgspec.DecodeError, RecursionError):
         return None

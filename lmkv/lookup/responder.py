@@ -1,6 +1,6 @@
 """Worker side of the lookup channel: requests in, prefetches started, hit counts out.
 
-A background thread receives ``LookupRequest`` and ``LookupCleanup`` frames.
+A background thread receives ``LookupRequest`` and ``LookupCleanup`` messages.
 A request starts ``engine.lookup_and_prefetch_hashes`` (the storage manager
 pins, fetches and holds the chunks under the lookup id) and returns at once:
 the answer is sent from the prefetch future's done-callback, so a slow
@@ -11,8 +11,8 @@ served), which lets the client account for answers to cancelled lookups.
 Bounds (a peer must not make a worker allocate or stall):
 
 * a request of more than ``max_chunks`` chunks is answered 0 without being
-  decoded beyond its id (a frame too long to hold ``max_chunks`` chunks is not
-  decoded at all); a frame over four times that disconnects its sender;
+  decoded beyond its id (a message too long to hold ``max_chunks`` chunks is not
+  decoded at all); a message over four times that disconnects its sender;
 * requests of more than ``BULK_CHUNKS`` chunks are started by a second thread
   (the bulk lane), so building the keys of a long prompt never delays the
   short ones behind it; at most ``BULK_QUEUE_CHUNKS_FACTOR * max_chunks``
@@ -36,18 +36,17 @@ from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
 from functools import partial
-from typing import Protocol
 
 import zmq
 
 from lmkv.auth import CurveKeys, CurveServer
-from lmkv.config import LMKVConfig
+from lmkv.engines.protocol import Engine
 from lmkv.logutil import RateLimitedLog
 from lmkv.lookup.messages import (
     LookupCleanup,
     LookupRequest,
     LookupResponse,
-    decode_frame,
+    decode_message,
     decode_request_head,
     encode,
     max_chunks_for,
@@ -72,34 +71,23 @@ CLOSE_TIMEOUT_S = 2.0
 BULK_CHUNKS = 512
 BULK_QUEUE_CHUNKS_FACTOR = 4
 INFLIGHT_CHUNKS_FACTOR = 8
-# Frames between the largest valid request and this many times it are answered
-# 0 from their id; larger ones never reach the server (ZMQ MAXMSGSIZE).
-FRAME_LIMIT_FACTOR = 4
+# Messages between the largest valid request and this many times it are answered
+# 0 from their id; larger ones never reach the responder (ZMQ MAXMSGSIZE).
+MESSAGE_LIMIT_FACTOR = 4
 DEFAULT_MAX_CHUNKS = max_chunks_for(1 << 20, 256)
 
 
 def _unexpected(exc: Exception) -> None:
-    _log.log(logging.ERROR, "bug", "lmkv lookup server: unexpected error: %r", exc)
-    logger.debug("lmkv lookup server: unexpected error", exc_info=exc)
-
-
-class PrefetchingEngine(Protocol):
-    """What the server needs of an engine (``lmkv.LocalEngine`` has it)."""
-
-    config: LMKVConfig
-
-    def lookup_and_prefetch_hashes(self, lookup_id: str, chunk_hashes: list[bytes],
-                                   chunk_ends: list[int]) -> Future: ...
-
-    def release_lookup(self, lookup_id: str) -> None: ...
+    _log.log(logging.ERROR, "bug", "lmkv lookup responder: unexpected error: %r", exc)
+    logger.debug("lmkv lookup responder: unexpected error", exc_info=exc)
 
 
 @dataclass
-class ServerCounters:
+class ResponderCounters:
     requests: int = 0
     answers: int = 0
     cleanups: int = 0
-    rejected_frames: int = 0  # malformed, foreign or unexpected messages
+    rejected_messages: int = 0  # malformed, foreign or unexpected messages
     failed_sends: int = 0  # answers the response socket refused (client gone, queue full)
     oversize: int = 0  # requests over max_chunks, answered 0 unread
     shed: int = 0  # requests answered 0 because the bulk lane or the prefetches were full
@@ -123,7 +111,7 @@ class LookupResponder:
     start at construction.
     """
 
-    def __init__(self, engine: PrefetchingEngine, request_endpoint: str,
+    def __init__(self, engine: Engine, request_endpoint: str,
                  response_endpoint: str, curve: CurveKeys | None = None, *, rank: int,
                  max_chunks: int = DEFAULT_MAX_CHUNKS) -> None:
         if rank < 0:
@@ -136,13 +124,13 @@ class LookupResponder:
         self.max_request_bytes = max_request_bytes(max_chunks)
         self.max_queued_chunks = BULK_QUEUE_CHUNKS_FACTOR * max_chunks
         self.max_inflight_chunks = INFLIGHT_CHUNKS_FACTOR * max_chunks
-        self.counters = ServerCounters()
+        self.counters = ResponderCounters()
         for endpoint in (request_endpoint, response_endpoint):
             prepare_bind(endpoint)  # refuse a foreign runtime dir before opening anything
         self._context = zmq.Context()
         self._auth = CurveServer(self._context, curve) if curve is not None else None
         self._requests = pull_socket(self._context, request_endpoint,
-                                     FRAME_LIMIT_FACTOR * self.max_request_bytes,
+                                     MESSAGE_LIMIT_FACTOR * self.max_request_bytes,
                                      curve=self._auth)
         self._responses = push_socket(self._context, response_endpoint, curve=curve)
         self.request_endpoint = last_endpoint(self._requests)
@@ -156,17 +144,17 @@ class LookupResponder:
         self._queued_chunks = 0
         self._inflight_chunks = 0
         self._waker = Waker(self._context)
-        self._thread = threading.Thread(target=self._run, name="lmkv-lookup-server",
+        self._thread = threading.Thread(target=self._run, name="lmkv-lookup-responder",
                                         daemon=True)
         self._bulk_thread = threading.Thread(target=self._run_bulk,
-                                             name="lmkv-lookup-server-bulk", daemon=True)
+                                             name="lmkv-lookup-responder-bulk", daemon=True)
         self._thread.start()
         self._bulk_thread.start()
 
     @classmethod
-    def for_rank(cls, engine: PrefetchingEngine, endpoints: LookupEndpoints, rank: int,
+    def for_rank(cls, engine: Engine, endpoints: LookupEndpoints, rank: int,
                  *, max_tokens: int | None = None) -> LookupResponder:
-        """The server of ``rank``; requests are bounded by ``max_tokens`` (the
+        """The responder of ``rank``; requests are bounded by ``max_tokens`` (the
         model's maximum length when the caller knows it, else the config's
         ``lookup.max_tokens``) in the engine's chunks."""
         if not 0 <= rank < endpoints.world_size:
@@ -195,7 +183,7 @@ class LookupResponder:
             except zmq.ZMQError as exc:
                 if self._stop.is_set():
                     break
-                _log.log(logging.ERROR, "recv", "lmkv lookup server: receive failed: %s", exc)
+                _log.log(logging.ERROR, "recv", "lmkv lookup responder: receive failed: %s", exc)
             except Exception as exc:  # a bug; the thread must keep serving
                 _unexpected(exc)
 
@@ -203,28 +191,28 @@ class LookupResponder:
         if len(parts) != 1:
             self._reject("multipart", "a %d-part message", len(parts))
             return
-        frame = parts[0]
-        if len(frame) > self.max_request_bytes:  # too long for max_chunks: never decoded
-            lookup_id = decode_request_head(frame)
+        data = parts[0]
+        if len(data) > self.max_request_bytes:  # too long for max_chunks: never decoded
+            lookup_id = decode_request_head(data)
             if lookup_id is None:
-                self._reject("oversize-frame", "a %d-byte frame that is no request", len(frame))
+                self._reject("oversize", "a %d-byte message that is no request", len(data))
             else:
-                self._refuse_oversize(lookup_id, f"a {len(frame)}-byte frame")
+                self._refuse_oversize(lookup_id, f"a {len(data)}-byte message")
             return
-        message = decode_frame(frame, "server")
+        message = decode_message(data, "responder")
         if isinstance(message, LookupRequest):
             self._start(message)
         elif isinstance(message, LookupCleanup):
             self._cleanup(message.lookup_id)
         elif message is None:
-            self.counters.rejected_frames += 1
+            self.counters.rejected_messages += 1
         else:
             self._reject("unexpected", "a %s (workers take requests and cleanups)",
                          type(message).__name__)
 
     def _reject(self, key: str, what: str, *args: object) -> None:
-        self.counters.rejected_frames += 1
-        _log.log(logging.ERROR, f"reject:{key}", "lmkv lookup server: rejected " + what, *args)
+        self.counters.rejected_messages += 1
+        _log.log(logging.ERROR, f"reject:{key}", "lmkv lookup responder: rejected " + what, *args)
 
     def _refuse_oversize(self, lookup_id: str, what: str) -> None:
         self.counters.requests += 1
@@ -332,16 +320,16 @@ class LookupResponder:
         self._answer(lookup_id, max(hits, 0))
 
     def _answer(self, lookup_id: str, hits: int) -> None:
-        frame = encode(LookupResponse(lookup_id, hits, self.rank))
+        answer = encode(LookupResponse(lookup_id, hits, self.rank))
         with self._send_lock:
             if self._closed:
                 return
             try:
-                self._responses.send(frame, zmq.NOBLOCK)
+                self._responses.send(answer, zmq.NOBLOCK)
             except zmq.ZMQError as exc:
                 self.counters.failed_sends += 1
                 _log.log(logging.ERROR, "send",
-                         "lmkv lookup server: could not answer %s: %s", lookup_id, exc)
+                         "lmkv lookup responder: could not answer %s: %s", lookup_id, exc)
                 return
             self.counters.answers += 1
 
@@ -367,7 +355,7 @@ class LookupResponder:
         with self._send_lock:
             self._closed = True
             if self._thread.is_alive():  # never close a socket a live thread uses
-                logger.warning("lmkv lookup server: receive thread did not stop; leaving it")
+                logger.warning("lmkv lookup responder: receive thread did not stop; leaving it")
                 return
             close_all([self._requests, self._responses])
         self._waker.close()

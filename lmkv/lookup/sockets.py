@@ -56,9 +56,9 @@ MAX_IPC_PATH_BYTES = 103
 _ENGINE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 # Queued messages per peer before a send would block; a send that would block fails instead.
 SEND_HWM = 100_000
-# A larger frame disconnects its sender (ZMQ MAXMSGSIZE); servers and clients
-# pass a tighter bound derived from what they accept (see server.py, client.py).
-MAX_FRAME_BYTES = 64 << 20
+# A larger message disconnects its sender (ZMQ MAXMSGSIZE); responders and clients
+# pass a tighter bound derived from what they accept (see responder.py, client.py).
+MAX_MESSAGE_BYTES = 64 << 20
 RECONNECT_IVL_MS = 10
 RECONNECT_IVL_MAX_MS = 1000
 
@@ -189,17 +189,17 @@ def push_socket(context: zmq.Context, endpoint: str, *,
 
 
 def pull_socket(context: zmq.Context, endpoint: str,
-                max_frame_bytes: int = MAX_FRAME_BYTES, *,
+                max_message_bytes: int = MAX_MESSAGE_BYTES, *,
                 curve: CurveServer | None = None) -> zmq.Socket:
     """A bound PULL socket; ``last_endpoint(sock)`` tells the port of ``tcp://host:*``.
-    A frame over ``max_frame_bytes`` disconnects its sender (it is never received)."""
+    A message over ``max_message_bytes`` disconnects its sender (it is never received)."""
     prepare_bind(endpoint)
     sock = context.socket(zmq.PULL)
     if curve is not None:
         curve.secure(sock)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.RCVHWM, 0)  # never drop: the peers' HWM bounds the queue
-    sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
+    sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
     sock.bind(endpoint)
     path = _ipc_path(endpoint)
     if path is not None:  # the directory is private already; the file is too

@@ -49,6 +49,11 @@ def _refcount_bug(message: str) -> None:
 Allocate = Callable[[Sequence[int], torch.dtype], "MemoryObj | None"]
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """``bfloat16`` for ``torch.bfloat16``: how keys, messages and logs name a dtype."""
+    return str(dtype).removeprefix("torch.")
+
+
 def nbytes_of(shape: Sequence[int], dtype: torch.dtype) -> int:
     return math.prod(shape) * dtype.itemsize
 
@@ -159,6 +164,12 @@ class MemoryObj:
     def __repr__(self) -> str:
         return (f"MemoryObj(shape={tuple(self.shape)}, dtype={self.dtype}, "
                 f"offset={self.offset}, ref={self.ref_count}, pin={self.pin_count})")
+
+
+def release(objs: Sequence[MemoryObj]) -> None:
+    """Drop one reference on each of ``objs`` (what a reader took from a tier)."""
+    for obj in objs:
+        obj.ref_down()
 
 
 _detached_lock = threading.Lock()

@@ -54,9 +54,10 @@ class Channel:
         self.down = False
         self.resets = 0
 
-    def request(self, message: p.Request, frames: Sequence[Any] = (), timeout_ms: int = 500
+    def request(self, message: p.Request, parts: Sequence[Any] = (), timeout_ms: int = 500
                 ) -> tuple[p.AnyReply, list[zmq.Frame]] | Failure:
-        """Send ``message`` (and raw ``frames``); the reply and its data frames, or a Failure."""
+        """Send ``message`` (and raw data ``parts``); the reply and its data parts, or a
+        Failure."""
         sock = self._socket if self._socket is not None else self._connect()
         if sock is None:
             self.down = True
@@ -66,7 +67,7 @@ class Channel:
             return Failure.UNREACHABLE
         message.req_id = next(_req_ids)
         try:
-            sock.send_multipart([p.encode(message), *frames], zmq.NOBLOCK, copy=False)
+            sock.send_multipart([p.encode(message), *parts], zmq.NOBLOCK, copy=False)
         except zmq.Again:
             self.down = True
             return Failure.UNREACHABLE

@@ -5,10 +5,10 @@ or refusing server is a miss (lookup 0, retrieve nothing, store dropped and
 counted in ``counters``), and the client reconnects by itself.
 
 Chunk bytes move through the server's shared-memory arena when the server
-runs on this machine and its segment maps (``transport="auto"``): the client
+runs on this machine and its segment maps (``data_path="auto"``): the client
 copies straight into (store) or out of (retrieve) arena buffers with torch.
-Otherwise (another machine, a failed mapping, ``transport="frame"``) they
-travel inside the ZMQ messages, sent without copying.
+Otherwise (another machine, a failed mapping, ``data_path="inline"``) they
+travel inside the ZMQ messages, sent without copying (the inline data path).
 
 While the caller copies (``consume``, ``fill``) a heartbeat thread keeps the
 buffers lent by the server alive (lmkv.rpc.heartbeat); a request that got
@@ -35,7 +35,7 @@ import zmq
 
 from lmkv.auth import CurveKeys
 from lmkv.logutil import RateLimitedLog
-from lmkv.memory import shape_problem
+from lmkv.memory import dtype_name, shape_problem
 from lmkv.memory.shm import SharedMemoryUnavailable, SharedSegment, host_id
 from lmkv.private import default_server_address
 from lmkv.rpc import protocol as p
@@ -48,8 +48,8 @@ logger = logging.getLogger(__name__)
 _log = RateLimitedLog(logger)
 
 DEFAULT_TIMEOUT_MS = 250
-# In-frame transfers get this much time per byte on top of the request timeout.
-FRAME_BYTES_PER_MS = 256 << 10
+# Inline transfers get this much time per byte on top of the request timeout.
+INLINE_BYTES_PER_MS = 256 << 10
 HEADER_ROOM = 1 << 16
 R = TypeVar("R", bound=p.Reply)
 # Requests whose reply lends something the server holds until it is released.
@@ -71,16 +71,16 @@ class ServerClient:
 
     def __init__(self, address: str | None = None, *, session: str | None = None,
                  timeout_ms: int = DEFAULT_TIMEOUT_MS,
-                 transport: Literal["auto", "frame"] = "auto",
+                 data_path: Literal["auto", "inline"] = "auto",
                  context: zmq.Context | None = None, curve: CurveKeys | None = None
                  ) -> None:
-        if transport not in ("auto", "frame"):
-            raise ValueError(f"transport {transport!r}: allowed: auto, frame")
+        if data_path not in ("auto", "inline"):
+            raise ValueError(f"data_path {data_path!r}: allowed: auto, inline")
         address = address or default_server_address()
         self.address = address if "://" in address else f"tcp://{address}"
         self.session = session or f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
         self.timeout_ms = timeout_ms
-        self.transport = transport
+        self.data_path = data_path
         self.counters = ClientCounters()
         self.info: p.PingReply | None = None
         self.segment: SharedSegment | None = None
@@ -115,11 +115,11 @@ class ServerClient:
         if self.segment is not None:
             self.segment.close()
             self.segment = None
-        if self.transport == "auto" and info.shm_name and info.host_id == host_id():
+        if self.data_path == "auto" and info.shm_name and info.host_id == host_id():
             try:
                 self.segment = SharedSegment.attach(info.shm_name, info.shm_size)
             except SharedMemoryUnavailable as exc:
-                _log.warning("shm", "lmkv client: %s; using the in-frame transport", exc)
+                _log.warning("shm", "lmkv client: %s; using the inline data path", exc)
 
     def _segment_named(self, name: str) -> SharedSegment | None:
         """The mapped segment called ``name``, re-asking the server once if it changed."""
@@ -131,11 +131,11 @@ class ServerClient:
                      "mapped here", name)
         return None
 
-    def _call(self, message: p.Request, expect: type[R], frames: Sequence[Any] = (),
+    def _call(self, message: p.Request, expect: type[R], parts: Sequence[Any] = (),
               timeout_ms: int | None = None) -> tuple[R, list[zmq.Frame]] | None:
         message.session = self.session
         self.counters.requests += 1
-        result = self._channel.request(message, frames, timeout_ms or self.timeout_ms)
+        result = self._channel.request(message, parts, timeout_ms or self.timeout_ms)
         if result is Failure.UNREACHABLE:
             self.counters.unreachable += 1
             _log.warning("unreachable", "lmkv client: no lmkv server at %s%s; a miss",
@@ -250,20 +250,20 @@ class ServerClient:
                       expected_bytes: int | None = None) -> int:
         """Call ``consume`` with the stored prefix of ``keys`` (or what ``lookup_id``
         prefetched): one read-only tensor per chunk, valid only during the call (views
-        of the server's arena, or of the reply's frames: no copy is made). Returns the
+        of the server's arena, or of the reply's data parts: no copy is made). Returns the
         number of chunks handed over; 0, without calling ``consume``, on any failure."""
         fields = p.key_fields(list(keys)) if keys is not None else {}
         with self._lock:
             if self._server() is None:
                 return 0
-            frame = self.segment is None
+            inline = self.segment is None
             if expected_bytes is None:
                 expected_bytes = len(keys or ()) * self._chunk_bytes_hint
             message = p.Retrieve(**fields, lookup_id=lookup_id, keys_per_chunk=keys_per_chunk,
-                                 transport="frame" if frame else "shm",
-                                 process="" if frame else process_identity())
+                                 data_path="inline" if inline else "shm",
+                                 process="" if inline else process_identity())
             got = self._call(message, p.RetrieveReply,
-                             timeout_ms=self._timeout(timeout_ms, expected_bytes if frame else 0))
+                             timeout_ms=self._timeout(timeout_ms, expected_bytes if inline else 0))
             if got is None:
                 return 0
             reply, data = got
@@ -288,11 +288,11 @@ class ServerClient:
 
     def _views(self, reply: p.RetrieveReply, data: list[zmq.Frame]) -> list[torch.Tensor]:
         """Typed views of the reply's chunks (the valid prefix of them)."""
-        segment = self._segment_named(reply.shm_name) if reply.transport == "shm" else None
-        if reply.transport == "shm" and segment is None:
+        segment = self._segment_named(reply.shm_name) if reply.data_path == "shm" else None
+        if reply.data_path == "shm" and segment is None:
             return []
-        if reply.transport == "frame" and len(data) != len(reply.chunks):
-            _log.warning("frames", "lmkv client: %d data frames for %d chunks", len(data),
+        if reply.data_path == "inline" and len(data) != len(reply.chunks):
+            _log.warning("parts", "lmkv client: %d data parts for %d chunks", len(data),
                          len(reply.chunks))
             return []
         views: list[torch.Tensor] = []
@@ -312,7 +312,7 @@ class ServerClient:
             else:
                 if len(data[i].buffer) != info.nbytes:
                     break
-                raw = _frame_tensor(data[i])
+                raw = _part_tensor(data[i])
             views.append(raw.view(dtype).view(info.shape))
             self._chunk_bytes_hint = max(self._chunk_bytes_hint, info.nbytes)
         return views
@@ -346,7 +346,7 @@ class ServerClient:
         """``store`` without a staging copy: the server lends buffers for the chunks it
         lacks and ``fill(first, buffers)`` writes chunk ``first + i`` into
         ``buffers[i]`` (arena views when shared memory works, else tensors sent as the
-        request's frames). Returns the chunks newly stored."""
+        request's data parts). Returns the chunks newly stored."""
         if len(keys) != len(shapes):
             raise ValueError(f"{len(keys)} keys for {len(shapes)} shapes")
         if not keys:
@@ -385,10 +385,10 @@ class ServerClient:
                      dtype: torch.dtype, fill: Callable[[int, list[torch.Tensor]], Any],
                      timeout_ms: int | None) -> tuple[int, bool]:
         """(chunks stored, whether every chunk of the batch is now on the server)."""
-        frame = self.segment is None
+        inline = self.segment is None
         message = p.Store(**p.key_fields(keys), shapes=[list(s) for s in shapes],
-                          dtype=p.dtype_name(dtype), transport="frame" if frame else "shm",
-                          process="" if frame else process_identity())
+                          dtype=dtype_name(dtype), data_path="inline" if inline else "shm",
+                          process="" if inline else process_identity())
         got = self._call(message, p.StoreReply, timeout_ms=timeout_ms)
         if got is None:
             self.counters.dropped_chunks += len(keys)
@@ -405,30 +405,30 @@ class ServerClient:
             self._release(reply)
             self.counters.dropped_chunks += count
             return 0, False
-        segment = self._segment_named(reply.shm_name) if reply.transport == "shm" else None
-        if reply.transport == "shm" and (segment is None or any(
+        segment = self._segment_named(reply.shm_name) if reply.data_path == "shm" else None
+        if reply.data_path == "shm" and (segment is None or any(
                 i.offset < 0 or i.offset + i.nbytes > segment.size for i in reply.chunks)):
             self._release(reply)
             self.counters.dropped_chunks += count
             return 0, False
-        frames: list[Any] = []
+        parts: list[Any] = []
         self._heartbeat.begin(reply.handle)
         try:
-            if reply.transport == "shm":
+            if reply.data_path == "shm":
                 buffers = [segment.tensor[i.offset:i.offset + i.nbytes].view(dtype).view(s)
                            for i, s in zip(reply.chunks, todo, strict=True)]
             else:
                 buffers = [torch.empty(tuple(s), dtype=dtype) for s in todo]
             fill(first, buffers)
-            if reply.transport != "shm":
-                frames = [_byte_array(b) for b in buffers]
+            if reply.data_path != "shm":
+                parts = [_byte_array(b) for b in buffers]
         except BaseException:  # the caller's tensors failed to copy: free the buffers
             self._release(reply)
             raise
         finally:
             self._heartbeat.end(reply.handle)
-        nbytes = sum(f.nbytes for f in frames)
-        committed = self._call(p.StoreCommit(handle=reply.handle), p.StoreCommitReply, frames,
+        nbytes = sum(part.nbytes for part in parts)
+        committed = self._call(p.StoreCommit(handle=reply.handle), p.StoreCommitReply, parts,
                                timeout_ms=self._timeout(timeout_ms, nbytes))
         if committed is None:
             # Refused (the buffers are still staged) or lost: give them back either way.
@@ -437,8 +437,8 @@ class ServerClient:
             return 0, False
         return committed[0].stored, no_room == 0
 
-    def _timeout(self, timeout_ms: int | None, frame_bytes: int) -> int:
-        return (timeout_ms or self.timeout_ms) + frame_bytes // FRAME_BYTES_PER_MS
+    def _timeout(self, timeout_ms: int | None, inline_bytes: int) -> int:
+        return (timeout_ms or self.timeout_ms) + inline_bytes // INLINE_BYTES_PER_MS
 
     # -- the rest ---------------------------------------------------------------------
     def stats(self) -> p.StatsReply | None:
@@ -483,8 +483,8 @@ def _byte_array(tensor: torch.Tensor) -> np.ndarray:
     return tensor.reshape(-1).view(torch.uint8).numpy()
 
 
-def _frame_tensor(frame: zmq.Frame) -> torch.Tensor:
-    """A received frame's bytes as a uint8 tensor sharing its memory (read it only)."""
+def _part_tensor(part: zmq.Frame) -> torch.Tensor:
+    """A received message part's bytes as a uint8 tensor sharing its memory (read it only)."""
     with warnings.catch_warnings():  # torch warns that the buffer is read-only
         warnings.simplefilter("ignore", UserWarning)
-        return torch.frombuffer(frame.buffer, dtype=torch.uint8)
+        return torch.frombuffer(part.buffer, dtype=torch.uint8)

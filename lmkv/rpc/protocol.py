@@ -1,11 +1,13 @@
 """The lmkv server protocol: msgspec Structs, msgpack-encoded, one tagged union each way.
 
 A request is one ZMQ multipart message ``[header, *data]``: ``header`` is a
-msgpack map whose ``op`` field names the message; ``data`` frames carry raw
-chunk bytes (only ``store_commit`` on the in-frame transport). A reply is
-``[header, *data]`` too (``retrieve_reply`` on the in-frame transport carries
-one data frame per chunk). Every message, field and error code is documented
-in docs/server.md; a test keeps the two in step.
+msgpack map whose ``op`` field names the message; ``data`` parts carry raw
+chunk bytes (only ``store_commit`` on the inline data path). A reply is
+``[header, *data]`` too (``retrieve_reply`` on the inline data path carries
+one data part per chunk). The *data path* says how chunk bytes move: ``shm``
+(through the server's shared-memory arena) or ``inline`` (inside the message).
+Every message, field and error code is documented in docs/server.md; a test
+keeps the two in step.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ logger = logging.getLogger(__name__)
 
 PROTOCOL_VERSION = 1
 
-Transport = Literal["shm", "frame"]
+DataPath = Literal["shm", "inline"]
 
 # Error codes of ErrorReply.
 BAD_REQUEST = "bad_request"
@@ -104,14 +106,14 @@ class PrefetchStatus(Request, tag="prefetch_status", kw_only=True):
 class Retrieve(KeyedRequest, tag="retrieve", kw_only=True):
     lookup_id: str = ""
     keys_per_chunk: int = 1
-    transport: Transport = "shm"
+    data_path: DataPath = "shm"
     process: str = ""  # the client's process (lmkv.rpc.liveness), for shared memory
 
 
 class Store(KeyedRequest, tag="store", kw_only=True):
     shapes: list[list[int]]
     dtype: str
-    transport: Transport = "shm"
+    data_path: DataPath = "shm"
     process: str = ""
 
 
@@ -185,7 +187,7 @@ class PrefetchStatusReply(Reply, tag="prefetch_status_reply", kw_only=True):
 
 class RetrieveReply(Reply, tag="retrieve_reply", kw_only=True):
     handle: int
-    transport: Transport
+    data_path: DataPath
     shm_name: str
     chunks: list[ChunkInfo]
 
@@ -193,7 +195,7 @@ class RetrieveReply(Reply, tag="retrieve_reply", kw_only=True):
 class StoreReply(Reply, tag="store_reply", kw_only=True):
     handle: int
     first: int
-    transport: Transport
+    data_path: DataPath
     shm_name: str
     chunks: list[ChunkInfo]
 
@@ -268,7 +270,7 @@ def decode_request(data: bytes | memoryview) -> AnyRequest:
     """The request in ``data``; ProtocolError(bad_request) when it is not one.
 
     Any failure is the sender's: msgspec's errors, but also RecursionError (deep
-    nesting), MemoryError (absurd lengths) and whatever else a crafted frame can
+    nesting), MemoryError (absurd lengths) and whatever else a crafted message can
     provoke, so every one of them is a ``bad_request``, never ``internal``.
     """
     try:
@@ -324,10 +326,6 @@ def check_shape(shape: list[int], itemsize: int, max_bytes: int) -> int:
     if problem is not None:
         raise ProtocolError(BAD_REQUEST, problem)
     return math.prod(shape) * itemsize
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def key_fields(keys: list[CacheKey]) -> dict[str, Any]:

@@ -1,10 +1,12 @@
-"""The lmkv server: one process that owns the tiers and serves several engine processes.
+"""The lmkv server process: one process that owns the tiers and serves several
+engine processes.
 
-Modules: ``protocol`` (the messages), ``server`` (the ZMQ loop), ``service``
-(the request handlers), ``sessions`` (what each client holds), ``shm`` (the
-shared-memory arena), ``client`` (``ServerClient``, used by engines),
-``channel`` (the client's socket) and ``main`` (``python -m lmkv.server``).
+Modules: ``server`` (the ZMQ loop), ``service`` (the request handlers),
+``sessions`` (what each client holds), ``handles`` (chunk buffers lent to
+clients), ``defaults`` and ``main`` (``python -m lmkv.server``, ``lmkv server``).
+The protocol and the client side (``ServerClient``, its channel, heartbeat and
+liveness) are in ``lmkv.rpc``; the shared-memory arena is ``lmkv.memory.shm``.
 The protocol is documented in docs/server.md.
 
-Importing this package imports nothing else: the cpu tier imports ``shm``.
+Importing this package imports nothing else.
 """

@@ -5,7 +5,7 @@ allocated buffers until the commit; ``lease`` handles hold retrieved chunks
 until the client has copied them out. Every handle has a time to live that
 the client's heartbeat renews while it copies.
 
-A handle on the shared-memory transport lends bytes the client reads or
+A handle on the shared-memory data path lends bytes the client reads or
 writes in place. When it ends without the client saying it is done (its time
 to live or its session ran out: a frozen process, a GC pause longer than the
 timeouts), the client may still be inside its copy: freeing the buffers would
@@ -34,8 +34,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from lmkv.logutil import RateLimitedLog
-from lmkv.memory import MemoryObj
-from lmkv.prefetch import release
+from lmkv.memory import MemoryObj, release
 from lmkv.rpc.liveness import process_state
 from lmkv.tokens import CacheKey
 
@@ -51,7 +50,7 @@ class Handle:
     kind: HandleKind
     objs: list[MemoryObj]
     keys: list[CacheKey] = field(default_factory=list)
-    transport: str = "shm"
+    data_path: str = "shm"  # or "inline" (lmkv.rpc.protocol.DataPath)
     req_id: int = 0  # the request that made it (for ``abandoned``)
     process: str = ""  # the client process that maps the arena (liveness)
     expires: float = 0.0  # monotonic; renewed by the client's heartbeat
@@ -59,7 +58,7 @@ class Handle:
     @property
     def shared(self) -> bool:
         """Whether the client reads or writes these buffers in place."""
-        return self.transport == "shm" and bool(self.objs)
+        return self.data_path == "shm" and bool(self.objs)
 
     def release(self) -> int:
         objs, self.objs = self.objs, []

@@ -4,7 +4,7 @@ Start-up opens the tiers of the config. The first tier that holds memory (the
 cpu tier) gets ``shared_memory: true`` unless the config says otherwise, so
 clients on this machine copy chunks straight into and out of its arena; when
 no segment can be made (no room in /dev/shm) the server warns and serves the
-in-frame transport only. SIGTERM or SIGINT stops serving, releases what
+inline data path only. SIGTERM or SIGINT stops serving, releases what
 clients held, waits for queued lower-tier stores, logs the final tier figures,
 closes the tiers (unlinking the segment) and exits 0. A second signal cuts the
 wait short.
@@ -21,6 +21,8 @@ import signal
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from lmkv.errors import run_reporting_errors
+from lmkv.logutil import LOG_LEVELS
 from lmkv.server.defaults import DEFAULT_HANDLE_TTL_S, DEFAULT_QUARANTINE_GRACE_S
 
 # Config, storage and pydantic are imported where used: `lmkv --help` builds this
@@ -35,7 +37,6 @@ logger = logging.getLogger(__name__)
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 5555
 DEFAULT_MAX_REQUEST_BYTES = 256 << 20
-LOG_LEVELS = ["DEBUG", "INFO", "WARNING", "ERROR"]
 
 
 def _byte_size(text: str) -> int:
@@ -129,7 +130,7 @@ def build_storage(config: LMKVConfig) -> StorageManager:
     except SharedMemoryUnavailable as exc:
         if auto is None:
             raise
-        logger.warning("lmkv server: %s; clients use the in-frame transport", exc)
+        logger.warning("lmkv server: %s; clients use the inline data path", exc)
         auto["shared_memory"] = False
         return StorageManager.from_config(config)
 
@@ -212,7 +213,7 @@ def tiers_line(storage: StorageManager) -> str:
     elif segment is not None:
         arena = f"{_mib(memory.capacity_bytes)} in shared memory {segment.name}"
     else:
-        arena = f"{_mib(memory.capacity_bytes)}, in-frame transport only"
+        arena = f"{_mib(memory.capacity_bytes)}, inline data path only"
     return f"tiers: {tiers or 'none'}; arena: {arena}"
 
 
@@ -283,6 +284,4 @@ def main(argv: Sequence[str] | None = None) -> int:
     if level not in LOG_LEVELS:
         parser.error(f"LMKV_LOG_LEVEL = {level!r}: allowed: {', '.join(LOG_LEVELS)}")
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
-    from lmkv.cli import run_reporting_errors
-
     return run_reporting_errors(run_server, args, "lmkv server")

@@ -4,11 +4,11 @@ Requests are decoded and handled on the loop thread; a request that waits for
 a prefetch is finished when the prefetch resolves (the storage thread queues
 the completion and wakes the loop through a pipe), so one slow lookup never
 holds up the other clients. Whatever a request does wrong (garbage, a
-truncated frame, an oversized message, a failing handler) gets an ErrorReply
+truncated message, an oversized message, a failing handler) gets an ErrorReply
 with a reason, and the loop goes on; its log lines are rate-limited, so a
 flood of bad requests cannot flood the log either.
 
-In-frame chunk data is sent without copying (``copy=False``): the frames are
+Inline chunk data is sent without copying (``copy=False``): the data parts are
 views of arena buffers, which stay referenced until ZMQ reports them sent.
 """
 
@@ -28,8 +28,7 @@ import zmq
 from lmkv.auth import CurveKeys, CurveServer
 from lmkv.errors import LMKVError
 from lmkv.logutil import RateLimitedLog
-from lmkv.memory import MemoryObj
-from lmkv.prefetch import release
+from lmkv.memory import MemoryObj, release
 from lmkv.private import ipc_dir_problem
 from lmkv.rpc import protocol as p
 from lmkv.server.service import Deferred, KVService, Outcome
@@ -45,7 +44,7 @@ _log = RateLimitedLog(logger)
 
 RECV_BATCH = 64
 EXPIRY_CHECK_S = 1.0
-# A frame past this many times --max-request-bytes is cut off by ZMQ itself (the
+# A message past this many times --max-request-bytes is cut off by ZMQ itself (the
 # peer is disconnected, no reply): it bounds what a runaway client makes us buffer.
 HARD_LIMIT_FACTOR = 4
 
@@ -150,22 +149,22 @@ class KVServer:
     def _receive(self) -> None:
         for _ in range(RECV_BATCH):
             try:
-                frames = self._router.recv_multipart(zmq.NOBLOCK, copy=False)
+                parts = self._router.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            self._on_message(frames)
+            self._on_message(parts)
 
-    def _on_message(self, frames: list[zmq.Frame]) -> None:
+    def _on_message(self, parts: list[zmq.Frame]) -> None:
         self.service.counters.requests += 1
-        envelope = [frames[0].bytes]
-        body = frames[1:]
+        envelope = [parts[0].bytes]
+        body = parts[1:]
         if body and len(body[0]) == 0:  # a REQ client's empty delimiter: echo it back
             envelope.append(b"")
             body = body[1:]
         req_id = 0
         try:
             if not body:
-                raise p.ProtocolError(p.BAD_REQUEST, "empty message: no header frame")
+                raise p.ProtocolError(p.BAD_REQUEST, "empty message: no header part")
             header = body[0].buffer
             size = sum(len(f) for f in body)
             if size > self.max_request_bytes:
@@ -219,15 +218,15 @@ class KVServer:
         reply.req_id = req_id
         reply.server_id = self.server_id
         head = [*envelope, p.encode(reply)]
-        if not outcome.frames:
+        if not outcome.parts:
             self._router.send_multipart(head)
             return
         trackers = []
         try:
             self._router.send_multipart(head, zmq.SNDMORE)
-            last = len(outcome.frames) - 1
-            for i, frame in enumerate(outcome.frames):
-                trackers.append(self._router.send(frame, zmq.SNDMORE if i < last else 0,
+            last = len(outcome.parts) - 1
+            for i, part in enumerate(outcome.parts):
+                trackers.append(self._router.send(part, zmq.SNDMORE if i < last else 0,
                                                   copy=False, track=True))
         except zmq.ZMQError as exc:
             _log.warning("send", "lmkv server: a reply could not be sent: %s", exc)
@@ -270,7 +269,7 @@ class KVServer:
         self._router.close(linger=0)
         if self._auth is not None:
             self._auth.stop()  # its sockets would keep the context from terminating
-        self._ctx.term()  # ZMQ is done with every frame it was sending
+        self._ctx.term()  # ZMQ is done with every message part it was sending
         for _, hold in self._sending:
             release(hold)
         self._sending.clear()

@@ -1,8 +1,8 @@
 """The server's request handlers: protocol messages in, storage-manager calls out.
 
 Handlers run on the server's loop thread. Each returns an ``Outcome`` (the
-reply, raw data frames to send after it, and the chunks to keep referenced
-until those frames are sent) or a ``Deferred`` (a prefetch still running: the
+reply, raw data parts to send after it, and the chunks to keep referenced
+until those parts are sent) or a ``Deferred`` (a prefetch still running: the
 loop finishes the request when it resolves, without blocking other clients).
 A refused request raises ProtocolError, which the loop turns into an
 ErrorReply. Every handler gives back what it allocated or took on every path
@@ -22,9 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from lmkv.memory import MemoryAllocator, MemoryObj
+from lmkv.memory import MemoryAllocator, MemoryObj, dtype_name, release
 from lmkv.memory.shm import SharedSegment, host_id
-from lmkv.prefetch import release
 from lmkv.rpc import protocol as p
 from lmkv.server.sessions import Session, SessionTable
 from lmkv.storage import StorageManager
@@ -35,7 +34,7 @@ logger = logging.getLogger(__name__)
 @dataclass
 class Outcome:
     reply: p.Reply
-    frames: list[Any] = field(default_factory=list)
+    parts: list[Any] = field(default_factory=list)
     hold: list[MemoryObj] = field(default_factory=list)
 
 
@@ -82,7 +81,7 @@ class KVService:
 
     def handle(self, req: p.Request, data: Sequence[memoryview]) -> Outcome | Deferred:
         if data and not isinstance(req, p.StoreCommit):
-            raise p.ProtocolError(p.BAD_REQUEST, f"{len(data)} unexpected data frames")
+            raise p.ProtocolError(p.BAD_REQUEST, f"{len(data)} unexpected data parts")
         if req.abandoned:
             self.sessions.abandon(self.sessions.touch(req.session), req.abandoned)
         return self._handlers[type(req)](req, data)
@@ -172,16 +171,16 @@ class KVService:
         if objs and (session.ended or self.sessions.is_abandoned(session, req.req_id)):
             release(objs)
             objs = []
-        if req.transport == "shm" and self._in_segment(objs):
+        if req.data_path == "shm" and self._in_segment(objs):
             chunks = [_info(o, o.offset) for o in objs]
             handle = self.sessions.add_handle(session, "lease", objs, req_id=req.req_id,
                                               process=req.process) if objs else None
             return Outcome(p.RetrieveReply(
-                handle=handle.id if handle else 0, transport="shm", shm_name=self.shm_name,
+                handle=handle.id if handle else 0, data_path="shm", shm_name=self.shm_name,
                 chunks=chunks if handle else []))
-        return Outcome(p.RetrieveReply(handle=0, transport="frame", shm_name="",
+        return Outcome(p.RetrieveReply(handle=0, data_path="inline", shm_name="",
                                        chunks=[_info(o, -1) for o in objs]),
-                       frames=[o.byte_view().numpy() for o in objs], hold=objs)
+                       parts=[o.byte_view().numpy() for o in objs], hold=objs)
 
     def store(self, req: p.Store, data: Sequence[memoryview]) -> Outcome:
         keys = req.cache_keys()
@@ -208,8 +207,9 @@ class KVService:
                 if obj is None:
                     break
                 objs.append(obj)
-            transport = "shm" if req.transport == "shm" and self._in_segment(objs) else "frame"
-            offset = transport == "shm"
+            data_path = ("shm" if req.data_path == "shm" and self._in_segment(objs)
+                         else "inline")
+            offset = data_path == "shm"
             chunks = [_info(o, o.offset if offset else -1) for o in objs]
         except BaseException:
             release(objs)
@@ -217,13 +217,13 @@ class KVService:
         finally:
             self.storage.unpin(pinned)
         handle = self.sessions.add_handle(session, "store", objs, keys[first:first + len(objs)],
-                                          transport, req_id=req.req_id, process=req.process
+                                          data_path, req_id=req.req_id, process=req.process
                                           ) if objs else None
         if handle is None:
-            return Outcome(p.StoreReply(handle=0, first=first, transport=transport,
+            return Outcome(p.StoreReply(handle=0, first=first, data_path=data_path,
                                         shm_name="", chunks=[]))
         return Outcome(p.StoreReply(
-            handle=handle.id, first=first, transport=transport,
+            handle=handle.id, first=first, data_path=data_path,
             shm_name=self.shm_name if offset else "", chunks=chunks))
 
     def store_commit(self, req: p.StoreCommit, data: Sequence[memoryview]) -> Outcome:
@@ -240,8 +240,8 @@ class KVService:
                                   "session (committed, released, expired, or from an "
                                   "earlier server)")
         try:
-            if data or handle.transport == "frame":
-                _copy_frames(handle.objs, data)
+            if data or handle.data_path == "inline":
+                _copy_parts(handle.objs, data)
             future = self.storage.put(handle.keys, handle.objs)
             stored = future.result() if future.done() else len(handle.objs)
         finally:
@@ -293,16 +293,16 @@ class KVService:
 def _info(obj: MemoryObj, offset: int) -> p.ChunkInfo:
     tensor = obj.tensor
     return p.ChunkInfo(offset, tensor.numel() * tensor.element_size(), list(tensor.shape),
-                       p.dtype_name(tensor.dtype))
+                       dtype_name(tensor.dtype))
 
 
-def _copy_frames(objs: Sequence[MemoryObj], data: Sequence[memoryview]) -> None:
-    """Copy in-frame chunk bytes into the staged buffers (one bulk copy per chunk)."""
+def _copy_parts(objs: Sequence[MemoryObj], data: Sequence[memoryview]) -> None:
+    """Copy inline chunk bytes into the staged buffers (one bulk copy per chunk)."""
     if len(data) != len(objs):
-        raise p.ProtocolError(p.BAD_REQUEST, f"expected {len(objs)} data frames, got {len(data)}")
-    for i, (obj, frame) in enumerate(zip(objs, data, strict=True)):
+        raise p.ProtocolError(p.BAD_REQUEST, f"expected {len(objs)} data parts, got {len(data)}")
+    for i, (obj, part) in enumerate(zip(objs, data, strict=True)):
         dest = obj.byte_view().numpy()
-        if len(frame) != dest.nbytes:
-            raise p.ProtocolError(p.BAD_REQUEST, f"data frame {i}: {len(frame)} bytes, "
+        if len(part) != dest.nbytes:
+            raise p.ProtocolError(p.BAD_REQUEST, f"data part {i}: {len(part)} bytes, "
                                   f"expected {dest.nbytes}")
-        np.copyto(dest, np.frombuffer(frame, dtype=np.uint8))
+        np.copyto(dest, np.frombuffer(part, dtype=np.uint8))

@@ -8,7 +8,7 @@ releases everything it holds, so a vanished engine never leaks server memory.
 Handles (lmkv.server.handles) are server-wide numbers for chunk buffers lent
 to one session. Each lives for ``handle_ttl_s`` unless renewed (``renew``, the
 client's heartbeat while it copies). A handle that runs out, or whose session
-does, is released; one on the shared-memory transport is quarantined instead,
+does, is released; one on the shared-memory data path is quarantined instead,
 because its client may still be copying.
 
 A client that gave up on a request (its timeout) names its ``req_id`` in
@@ -90,11 +90,11 @@ class SessionTable:
 
     # -- handles ------------------------------------------------------------------
     def add_handle(self, session: Session, kind: HandleKind, objs: list[MemoryObj],
-                   keys: list[CacheKey] | None = None, transport: str = "shm", *,
+                   keys: list[CacheKey] | None = None, data_path: str = "shm", *,
                    req_id: int = 0, process: str = "") -> Handle | None:
         """A handle on ``objs`` for the session; None (and ``objs`` released) when the
         session ended or the client abandoned ``req_id`` meanwhile."""
-        handle = Handle(next(self._handle_ids), kind, objs, keys or [], transport, req_id,
+        handle = Handle(next(self._handle_ids), kind, objs, keys or [], data_path, req_id,
                         process, time.monotonic() + self.handle_ttl_s)
         if session.ended or (req_id and self.is_abandoned(session, req_id)):
             self.abandoned_handles += not session.ended

@@ -6,6 +6,8 @@
   fresh plugin manager for the length of a block.
 * ``lmkv.testing.server.spawn_server(directory, tiers_yaml)``: a real ``lmkv
   server`` process on a free loopback port, for tests of server mode.
+* ``lmkv.testing.engines.open_local_engine(config, spec, model_name=...)``:
+  ``open_engine`` for a test that looks inside the in-process engine.
 * pytest fixtures (loaded automatically through the ``pytest11`` entry point):
   ``lmkv_plugin_manager`` (a fresh manager for one test) and
   ``register_lmkv_plugin`` (register a plugin for one test).

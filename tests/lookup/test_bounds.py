@@ -1,5 +1,5 @@
-"""A worker's lookup server under requests that would make it allocate or stall
-(issue 9, item 8): one server in this process, a real engine, raw ZMQ peers."""
+"""A worker's lookup responder under requests that would make it allocate or stall
+(issue 9, item 8): one responder in this process, a real engine, raw ZMQ peers."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import zmq
 
-from lmkv import LocalEngine
+from lmkv.engines.local import LocalEngine
 from lmkv.lookup import (
     LookupCleanup,
     LookupEndpoints,
@@ -26,7 +26,7 @@ from tests.lookup.conftest import CHUNK, prompt, wait_for
 from tests.lookup.worker_proc import hf_kv, make_engine
 
 MAX_CHUNKS = 1024
-BIG = 600  # chunks: over the server's BULK_CHUNKS, so it takes the bulk lane
+BIG = 600  # chunks: over the responder's BULK_CHUNKS, so it takes the bulk lane
 
 
 class Peer:
@@ -101,11 +101,11 @@ def test_a_burst_of_large_lookups_gives_its_memory_back_while_idle(engine, endpo
     engine.store(tokens, kv=hf_kv(len(tokens)))
     hashes = prefix_hashes(tokens, CHUNK) + misses(BIG, seed=2)[8:]  # 8 hits, then misses
     with LookupResponder(engine, endpoints.requests[0], endpoints.responses, rank=0,
-                      max_chunks=MAX_CHUNKS) as server:
+                      max_chunks=MAX_CHUNKS) as responder:
         for i in range(20):  # nobody retrieves or cleans up: a crashed scheduler, a peer
             peer.ask(f"burst-{i}", hashes)
         answers = peer.receive(20)
-        stats = server.stats()
+        stats = responder.stats()
         # Shed requests answer 0; every other one found the 8 stored chunks.
         assert sorted(set(answers.values())) in ([8 * CHUNK], [0, 8 * CHUNK])
         assert list(answers.values()).count(0) == stats["shed"]
@@ -124,20 +124,20 @@ def test_an_oversize_request_is_answered_zero_without_being_read(engine, endpoin
     stored = prefix_hashes(tokens, CHUNK)
     max_chunks = 64
     with LookupResponder(engine, endpoints.requests[0], endpoints.responses, rank=0,
-                      max_chunks=max_chunks) as server:
+                      max_chunks=max_chunks) as responder:
         hits = engine.storage.tiers[0].counters.hits
-        # Too many chunks in a frame that could hold max_chunks: decoded, then refused.
+        # Too many chunks in a message that could hold max_chunks: decoded, then refused.
         peer.ask("too-many", stored + misses(max_chunks + 1)[2:])
-        # A frame too long for any valid request: only its id is read.
+        # A message too long for any valid request: only its id is read.
         huge = stored + misses(5000)[2:]
-        frame = encode(LookupRequest("too-long", huge, chunk_ends(len(huge))))
-        assert max_request_bytes(max_chunks) < len(frame) < 4 * max_request_bytes(max_chunks)
-        peer.requests.send(frame)
+        message = encode(LookupRequest("too-long", huge, chunk_ends(len(huge))))
+        assert max_request_bytes(max_chunks) < len(message) < 4 * max_request_bytes(max_chunks)
+        peer.requests.send(message)
         assert peer.receive(2) == {"too-many": 0, "too-long": 0}
-        assert server.stats()["oversize"] == 2
+        assert responder.stats()["oversize"] == 2
         assert len(engine.storage.events) == 0  # the engine never saw them
         assert engine.storage.tiers[0].counters.hits == hits
-        # A frame over the socket's limit never arrives; the worker serves on.
+        # A message over the socket's limit never arrives; the worker serves on.
         bigger = misses(20_000)
         peer.requests.send(encode(LookupRequest("dropped", bigger, chunk_ends(len(bigger)))))
         peer.ask("within", stored)
@@ -158,8 +158,8 @@ def test_a_request_of_the_model_length_is_served(engine, endpoints, peer) -> Non
         def __getattr__(self, name: str) -> Any:
             return getattr(engine, name)
 
-    with LookupResponder.for_rank(Configured(), endpoints, 0) as server:
-        assert server.max_chunks == 100
+    with LookupResponder.for_rank(Configured(), endpoints, 0) as responder:
+        assert responder.max_chunks == 100
         peer.ask("at-limit", prefix_hashes(tokens, CHUNK))
         peer.ask("over", prefix_hashes(tokens + [1] * CHUNK, CHUNK))
         assert peer.receive(2) == {"at-limit": 100 * CHUNK, "over": 0}
@@ -194,7 +194,7 @@ def test_small_lookups_are_answered_while_a_big_one_is_in_progress(engine, endpo
     stored = prefix_hashes(tokens, CHUNK)
     gated = GatedEngine(engine)
     with LookupResponder(gated, endpoints.requests[0], endpoints.responses, rank=0,
-                      max_chunks=MAX_CHUNKS) as server:
+                      max_chunks=MAX_CHUNKS) as responder:
         try:
             peer.ask("big", stored + misses(BIG)[2:])
             assert gated.entered.wait(15), "the big lookup never started"
@@ -205,7 +205,7 @@ def test_small_lookups_are_answered_while_a_big_one_is_in_progress(engine, endpo
             gated.gate.set()
         assert peer.receive(1) == {"big": 2 * CHUNK}
         # (the count follows the send: the peer may read the answer first)
-        wait_for(lambda: server.stats()["answers"] == 6, "every answer to be counted")
+        wait_for(lambda: responder.stats()["answers"] == 6, "every answer to be counted")
     for lookup_id in ("big", *(f"small-{i}" for i in range(5))):
         engine.release_lookup(lookup_id)
     assert held_refs(engine) == 0
@@ -217,19 +217,19 @@ def test_a_cleanup_reaching_a_queued_bulk_request_drops_it(engine, endpoints, pe
     stored = prefix_hashes(tokens, CHUNK)
     gated = GatedEngine(engine)
     with LookupResponder(gated, endpoints.requests[0], endpoints.responses, rank=0,
-                      max_chunks=MAX_CHUNKS) as server:
+                      max_chunks=MAX_CHUNKS) as responder:
         try:
             peer.ask("first", stored + misses(BIG)[2:])  # holds the bulk lane
             assert gated.entered.wait(15)
             peer.ask("queued", stored + misses(BIG, seed=8)[2:])
-            wait_for(lambda: server.stats()["queued_requests"] == 1, "the queued request")
+            wait_for(lambda: responder.stats()["queued_requests"] == 1, "the queued request")
             peer.requests.send(encode(LookupCleanup("queued")))
-            wait_for(lambda: server.stats()["cleanups"] == 1, "the cleanup")
+            wait_for(lambda: responder.stats()["cleanups"] == 1, "the cleanup")
         finally:
             gated.gate.set()
         answers = peer.receive(2)
         assert answers == {"first": 2 * CHUNK, "queued": 0}  # answered once, never started
-        assert server.stats()["dropped_queued"] == 1
+        assert responder.stats()["dropped_queued"] == 1
     assert len(engine.storage.events) == 1  # "first" only
     engine.release_lookup("first")
     assert held_refs(engine) == 0

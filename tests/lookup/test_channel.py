@@ -29,12 +29,12 @@ def test_the_minimum_over_the_workers_wins(workers, make_client) -> None:
 
 def test_a_full_miss_answers_zero_from_the_workers(workers, make_client) -> None:
     client = make_client()
-    served = [w.state()["servers"][0]["requests"] for w in workers]
+    served = [w.state()["responders"][0]["requests"] for w in workers]
     client.lookup("miss", prompt(2, 3))
     assert poll_result(client, "miss") == 0
     stats = client.stats()
     assert stats["completed"] == 1 and stats["timeouts"] == 0  # answered, not timed out
-    assert [w.state()["servers"][0]["requests"] for w in workers] == [n + 1 for n in served]
+    assert [w.state()["responders"][0]["requests"] for w in workers] == [n + 1 for n in served]
 
 
 def test_a_prompt_shorter_than_a_chunk_is_answered_without_asking(workers, make_client) -> None:
@@ -81,7 +81,7 @@ def test_a_timed_out_lookup_answers_zero_and_its_cleanup_releases_everything(
         wait_for(worker.is_clean, f"rank {worker.rank} to release the lookup")
         state = worker.state()
         assert state["tier_hits"] == before + 4  # it did prefetch all 4 chunks ...
-        assert state["servers"][0]["cleanups"] >= 1  # ... and released them on a cleanup
+        assert state["responders"][0]["cleanups"] >= 1  # ... and released them on a cleanup
         assert state["pins"] == 0 and state["extra_refs"] == 0
     assert client.poll("slow") == 0
     client.lookup("slow", tokens)  # nothing owed any more: the id works again
@@ -124,11 +124,11 @@ def test_the_tcp_transport(workers, make_client) -> None:
     client.cancel("tcp")
 
 
-def test_garbage_frames_are_rejected_and_the_worker_keeps_serving(workers, make_client) -> None:
+def test_garbage_messages_are_rejected_and_the_worker_keeps_serving(workers, make_client) -> None:
     tokens = prompt(8, 2)
     store(workers, [tokens, tokens])
     request = encode(LookupRequest("g", prefix_hashes(tokens, CHUNK), [CHUNK, 2 * CHUNK]))
-    frames = [
+    messages = [
         [b""],
         [b"\xc1 not msgpack"],
         [request[:len(request) // 2]],  # truncated
@@ -140,16 +140,17 @@ def test_garbage_frames_are_rejected_and_the_worker_keeps_serving(workers, make_
         [request, request],  # two parts
     ]
     rank0 = workers[0]
-    rejected = rank0.state()["servers"][0]["rejected_frames"]
+    rejected = rank0.state()["responders"][0]["rejected_messages"]
     context = zmq.Context()
     sock = context.socket(zmq.PUSH)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(rank0.ipc)
     try:
-        for frame in frames:
-            sock.send_multipart(frame)
-        wait_for(lambda: rank0.state()["servers"][0]["rejected_frames"] == rejected + len(frames),
-                 "the worker to reject every bad frame")
+        for message in messages:
+            sock.send_multipart(message)
+        wait_for(lambda: rank0.state()["responders"][0]["rejected_messages"]
+                 == rejected + len(messages),
+                 "the worker to reject every bad message")
     finally:
         sock.close()
         context.term()
@@ -171,7 +172,7 @@ def test_garbage_and_stray_answers_do_not_disturb_the_client(workers, make_clien
     try:
         sock.send(b"\x93garbage")
         sock.send(encode(LookupResponse("nobody-asked", 7, 0)))
-        wait_for(lambda: client.stats()["rejected_frames"] == 1
+        wait_for(lambda: client.stats()["rejected_messages"] == 1
                  and client.stats()["unexpected_answers"] == 1, "the client to drop both")
     finally:
         sock.close()

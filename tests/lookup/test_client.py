@@ -10,7 +10,7 @@ import pytest
 import zmq
 
 import lmkv.lookup.sockets
-from lmkv import LocalEngine
+from lmkv.engines.local import LocalEngine
 from lmkv.lookup import LookupClient, LookupEndpoints, LookupResponder
 from tests.lookup.conftest import CHUNK, poll_result, prompt, wait_for
 from tests.lookup.worker_proc import hf_kv, make_engine
@@ -30,20 +30,20 @@ def endpoints() -> Iterator[LookupEndpoints]:
 
 
 @pytest.fixture
-def server(engine: LocalEngine, endpoints: LookupEndpoints) -> Iterator[LookupResponder]:
-    with LookupResponder.for_rank(engine, endpoints, 0) as server:
-        yield server
+def responder(engine: LocalEngine, endpoints: LookupEndpoints) -> Iterator[LookupResponder]:
+    with LookupResponder.for_rank(engine, endpoints, 0) as responder:
+        yield responder
 
 
 def test_a_pending_id_is_not_asked_twice_and_results_are_kept_up_to_a_bound(
-        engine, endpoints, server) -> None:
+        engine, endpoints, responder) -> None:
     tokens = prompt(1, 2)
     engine.store(tokens, kv=hf_kv(len(tokens)))
     with LookupClient(endpoints, chunk_size=CHUNK, results_kept=2) as client:
         client.lookup("a", tokens)
         client.lookup("a", tokens)
         assert poll_result(client, "a") == 2 * CHUNK
-        assert server.stats()["requests"] == 1
+        assert responder.stats()["requests"] == 1
         for lookup_id in ("b", "c"):
             client.lookup(lookup_id, tokens[:CHUNK])
             assert poll_result(client, lookup_id) == CHUNK

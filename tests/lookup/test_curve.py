@@ -62,22 +62,22 @@ def channel(tmp_path) -> Iterator[tuple[LookupClient, LookupResponder, GatedEngi
     endpoints = LookupEndpoints.from_config(config.lookup, "curve", 1)
     assert endpoints.curve is not None
     engine = GatedEngine()
-    server = LookupResponder.for_rank(engine, endpoints, 0)
+    responder = LookupResponder.for_rank(engine, endpoints, 0)
     client = LookupClient.from_config(config, engine_id="curve", world_size=1,
                                       timeout_ms=30_000)
-    yield client, server, engine
+    yield client, responder, engine
     client.close()
-    server.close()
+    responder.close()
 
 
-def rogue_push(endpoint: str, keys: tuple[bytes, bytes] | None, server_key: bytes | None
+def rogue_push(endpoint: str, keys: tuple[bytes, bytes] | None, responder_key: bytes | None
                ) -> tuple[zmq.Context, zmq.Socket, zmq.Socket]:
     ctx = zmq.Context()
     sock = ctx.socket(zmq.PUSH)
     sock.setsockopt(zmq.LINGER, 0)
     if keys is not None:
         sock.curve_publickey, sock.curve_secretkey = keys
-        sock.curve_serverkey = server_key
+        sock.curve_serverkey = responder_key
     monitor = sock.get_monitor_socket(HANDSHAKE_FAILED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
     sock.connect(endpoint)
     return ctx, sock, monitor
@@ -103,8 +103,8 @@ def test_an_outsider_cannot_answer_a_lookup(channel, who) -> None:
     client.lookup("victim", tokens)
     wait_for(lambda: "victim" in engine.futures, "the worker to be asked")
     keys = None if who == "no keys" else zmq.curve_keypair()
-    server_key = client.endpoints.curve.public  # the real server key: only ours is wrong
-    ctx, sock, monitor = rogue_push(client.response_endpoint, keys, server_key)
+    responder_key = client.endpoints.curve.public  # the real responder key: only ours is wrong
+    ctx, sock, monitor = rogue_push(client.response_endpoint, keys, responder_key)
     try:
         assert handshake_failed(monitor)
         forged = encode(LookupResponse("victim", 4 * CHUNK, rank=0))
@@ -121,8 +121,8 @@ def test_an_outsider_cannot_answer_a_lookup(channel, who) -> None:
 
 
 def test_an_outsider_cannot_ask_a_worker(channel) -> None:
-    client, server, engine = channel
-    ctx, sock, monitor = rogue_push(last_endpoint(server._requests), zmq.curve_keypair(),
+    client, responder, engine = channel
+    ctx, sock, monitor = rogue_push(last_endpoint(responder._requests), zmq.curve_keypair(),
                                     client.endpoints.curve.public)
     try:
         assert handshake_failed(monitor)

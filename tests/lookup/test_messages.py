@@ -10,7 +10,7 @@ from lmkv.lookup.messages import (
     LookupRequest,
     LookupResponse,
     decode,
-    decode_frame,
+    decode_message,
     decode_request_head,
     encode,
 )
@@ -41,43 +41,43 @@ def test_request_configs_default_to_empty() -> None:
     {"lookup_id": "r", "hashes": [b"h" * 65], "offsets": [1]},  # a "hash" of any size
 ])
 def test_inconsistent_requests_do_not_decode(fields) -> None:
-    frame = msgspec.msgpack.encode({"type": "LookupRequest", **fields})
+    message = msgspec.msgpack.encode({"type": "LookupRequest", **fields})
     with pytest.raises(msgspec.DecodeError):
-        decode(frame)
+        decode(message)
 
 
 @pytest.mark.parametrize("hits,rank", [(-1, 0), (1, -1)])
 def test_negative_hit_counts_and_ranks_do_not_decode(hits, rank) -> None:
-    frame = msgspec.msgpack.encode({"type": "LookupResponse", "lookup_id": "r",
+    message = msgspec.msgpack.encode({"type": "LookupResponse", "lookup_id": "r",
                                     "num_hit_tokens": hits, "rank": rank})
     with pytest.raises(msgspec.ValidationError):
-        decode(frame)
+        decode(message)
 
 
 def test_an_answer_without_a_rank_does_not_decode() -> None:
-    frame = msgspec.msgpack.encode({"type": "LookupResponse", "lookup_id": "r",
+    message = msgspec.msgpack.encode({"type": "LookupResponse", "lookup_id": "r",
                                     "num_hit_tokens": 1})
     with pytest.raises(msgspec.ValidationError):
-        decode(frame)
+        decode(message)
 
 
-def test_deep_nesting_is_a_rejected_frame_not_a_recursion_error() -> None:
+def test_deep_nesting_is_a_rejected_message_not_a_recursion_error() -> None:
     inner = b"\x91" * 200_000 + b"\xc0"  # [[[[...]]]] in request_configs
-    frame = (msgspec.msgpack.encode({"type": "LookupRequest", "lookup_id": "r", "hashes": [],
+    message = (msgspec.msgpack.encode({"type": "LookupRequest", "lookup_id": "r", "hashes": [],
                                      "offsets": [], "request_configs": {"k": 1}})[:-1] + inner)
-    assert decode_frame(frame, "nesting-test") is None
+    assert decode_message(message, "nesting-test") is None
 
 
 def test_the_head_of_a_request_is_its_id_alone() -> None:
-    frame = encode(LookupRequest("big", [b"\x01" * 32] * 1000, list(range(1, 1001))))
-    assert decode_request_head(frame) == "big"
+    message = encode(LookupRequest("big", [b"\x01" * 32] * 1000, list(range(1, 1001))))
+    assert decode_request_head(message) == "big"
     assert decode_request_head(encode(LookupCleanup("big"))) is None
     assert decode_request_head(b"\xc1") is None
 
 
-def test_bad_frames_are_logged_at_a_bounded_rate(caplog: pytest.LogCaptureFixture) -> None:
+def test_bad_messages_are_logged_at_a_bounded_rate(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.ERROR, logger="lmkv.lookup.messages"):
-        for frame in (b"", b"\xc1", encode(LookupCleanup("x"))[:-1]):
-            assert decode_frame(frame, "rate-test") is None
+        for message in (b"", b"\xc1", encode(LookupCleanup("x"))[:-1]):
+            assert decode_message(message, "rate-test") is None
     errors = [r for r in caplog.records if "rate-test" in r.getMessage()]
-    assert len(errors) == 1 and "rejected a malformed frame" in errors[0].getMessage()
+    assert len(errors) == 1 and "rejected a malformed message" in errors[0].getMessage()

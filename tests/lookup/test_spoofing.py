@@ -120,5 +120,5 @@ def test_a_frame_too_large_for_an_answer_never_reaches_the_client(client, worker
     workers.answer("f", CHUNK, 0)
     workers.answer("f", CHUNK, 1)
     assert poll_result(client, "f") == CHUNK
-    assert client.stats()["rejected_frames"] == 0  # dropped by ZMQ, never decoded
+    assert client.stats()["rejected_messages"] == 0  # dropped by ZMQ, never decoded
     flooder.close()

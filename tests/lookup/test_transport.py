@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from lmkv import LocalEngine
 from lmkv.config import LookupConfig
+from lmkv.engines.local import LocalEngine
 from lmkv.errors import ConfigError
 from lmkv.lookup import LookupClient, LookupEndpoints, LookupResponder, default_runtime_dir
 from tests.lookup.conftest import CHUNK

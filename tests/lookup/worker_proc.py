@@ -9,8 +9,10 @@ from typing import Any
 import torch
 
 import lmkv.memory
-from lmkv import KVSpec, LocalEngine, load_config
+from lmkv import KVSpec, load_config
+from lmkv.engines.local import LocalEngine
 from lmkv.lookup import LookupResponder
+from lmkv.testing.engines import open_local_engine
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=16, dtype=torch.float16)
 
@@ -18,7 +20,7 @@ SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=16, dtype=torch.float16)
 def make_engine(chunk_size: int, max_bytes: int, rank: int) -> LocalEngine:
     config = load_config(env={}, overrides={"lmkv.chunk_size": chunk_size,
                                             "lmkv.tiers.0.options.max_bytes": max_bytes})
-    return LocalEngine.from_config(config, SPEC, model_name="lookup-test", world_size=2,
+    return open_local_engine(config, SPEC, model_name="lookup-test", world_size=2,
                                    worker_id=rank)
 
 
@@ -28,7 +30,7 @@ def hf_kv(total: int, spec: KVSpec = SPEC) -> list[tuple[torch.Tensor, torch.Ten
             for _ in range(spec.num_layers)]
 
 
-def state(engine: LocalEngine, servers: list[LookupResponder]) -> dict[str, Any]:
+def state(engine: LocalEngine, responders: list[LookupResponder]) -> dict[str, Any]:
     """Pins and references held on the cpu tier's entries beyond the tier's own."""
     tier = engine.storage.tiers[0]
     entries = list(tier._entries.values())
@@ -39,30 +41,30 @@ def state(engine: LocalEngine, servers: list[LookupResponder]) -> dict[str, Any]
         "live_objects": tier.allocator.live_objects,
         "lookups_held": len(engine.storage.events),
         "tier_hits": tier.counters.hits,
-        "servers": [s.stats() for s in servers],
+        "responders": [s.stats() for s in responders],
     }
 
 
 def serve(conn: Connection, rank: int, endpoints: list[tuple[str, str]], chunk_size: int,
           max_bytes: int = 1 << 24) -> None:
-    """``endpoints``: (request endpoint to bind, response endpoint to connect) per server."""
+    """``endpoints``: (request endpoint to bind, response endpoint to connect) per responder."""
     lmkv.memory.strict_refcounts = True  # a double release is a bug: crash the worker
     engine = make_engine(chunk_size, max_bytes, rank)
-    servers = [LookupResponder(engine, req, resp, rank=rank) for req, resp in endpoints]
-    conn.send([s.request_endpoint for s in servers])
+    responders = [LookupResponder(engine, req, resp, rank=rank) for req, resp in endpoints]
+    conn.send([s.request_endpoint for s in responders])
     while True:
         command, *args = conn.recv()
         if command == "store":
             (tokens,) = args
             conn.send(engine.store(tokens, kv=hf_kv(len(tokens))))
         elif command == "state":
-            conn.send(state(engine, servers))
+            conn.send(state(engine, responders))
         elif command == "retrieve":
             tokens, lookup_id = args
             conn.send(engine.retrieve(tokens, lookup_id=lookup_id).num_tokens)
         elif command == "stop":
-            for server in servers:
-                server.close()
+            for responder in responders:
+                responder.close()
             engine.close()
             conn.send("stopped")
             return

@@ -13,13 +13,13 @@ ITERATIONS = 40
 
 
 def test_concurrent_engines_get_byte_identical_chunks(server, tmp_path) -> None:
-    transports = ["auto", "frame", "auto"]
+    data_paths = ["auto", "inline", "auto"]
     never = tmp_path / "never-created"
     procs = []
-    for worker, transport in enumerate(transports):
+    for worker, data_path in enumerate(data_paths):
         out = tmp_path / f"w{worker}.jsonl"
         procs.append((subprocess.Popen(
-            [sys.executable, "-m", "tests.server.worker", "loop", server.address, transport,
+            [sys.executable, "-m", "tests.server.worker", "loop", server.address, data_path,
              str(worker), str(out), str(never), str(ITERATIONS), "5000"],
             env=child_env(), cwd=REPO, stderr=subprocess.PIPE, text=True), out))
     results = []
@@ -34,11 +34,11 @@ def test_concurrent_engines_get_byte_identical_chunks(server, tmp_path) -> None:
         counters = summary["counters"]
         assert counters["dropped_chunks"] == counters["error_replies"] == 0
         assert counters["timeouts"] == counters["unreachable"] == 0
-    # Everything any of them stored reads back intact, through either transport.
+    # Everything any of them stored reads back intact, through either data path.
     prompts = {r["prompt"] for rows in results for r in rows[:-1]}
     assert set(SHARED_PROMPTS) <= prompts
-    for transport in ("auto", "frame"):
-        with server.client(transport=transport) as client:
+    for data_path in ("auto", "inline"):
+        with server.client(data_path=data_path) as client:
             for prompt in sorted(prompts):
                 keys = prompt_keys(prompt)
                 got = client.retrieve(keys)

@@ -91,16 +91,16 @@ def curve_server(tmp_path_factory: pytest.TempPathFactory, keys: Keys
     assert server.stop(signal.SIGTERM) == 0, server.log()
 
 
-@pytest.mark.parametrize("transport", ["auto", "frame"])
-def test_an_authorized_client_stores_and_retrieves(curve_server, keys, transport) -> None:
-    prompt = 1 if transport == "auto" else 2
+@pytest.mark.parametrize("data_path", ["auto", "inline"])
+def test_an_authorized_client_stores_and_retrieves(curve_server, keys, data_path) -> None:
+    prompt = 1 if data_path == "auto" else 2
     keys_ = prompt_keys(prompt)
     chunks = [chunk_for(k) for k in keys_]
-    with curve_server.client(curve=keys.client, transport=transport) as client:
+    with curve_server.client(curve=keys.client, data_path=data_path) as client:
         assert client.store(keys_, chunks) == len(keys_)
         assert client.lookup(keys_, chunk_ends(keys_)) == chunk_ends(keys_)[-1]
         got = client.retrieve(keys_)
-        assert client.shared_memory == (transport == "auto")
+        assert client.shared_memory == (data_path == "auto")
     assert len(got) == len(chunks) and all(map(same_bytes, got, chunks))
     assert "CURVE, 1 authorized client keys" in curve_server.log()
 
@@ -135,7 +135,7 @@ def test_outsiders_get_misses_and_the_server_keeps_serving(curve_server, keys, w
     with curve_server.client(curve=keys.client) as owner:
         assert owner.store(stored, chunks) == len(stored)
     planted = prompt_keys(base + 1)
-    with ServerClient(curve_server.address, timeout_ms=300, transport="frame",
+    with ServerClient(curve_server.address, timeout_ms=300, data_path="inline",
                       curve=outsiders(keys)[who]) as outsider:
         assert outsider.ping() is None
         assert outsider.lookup(stored, chunk_ends(stored)) == 0

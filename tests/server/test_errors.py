@@ -49,7 +49,7 @@ def still_serving(server) -> None:
     ([msgspec.msgpack.encode({"op": "nope", "req_id": 3})], "undecodable"),
     ([msgspec.msgpack.encode({"op": "lookup", "chunk_ends": "x"})], "undecodable"),
     ([b""], "empty message"),
-    ([p.encode(p.Ping()), b"an unexpected data frame"], "unexpected data frames"),
+    ([p.encode(p.Ping()), b"an unexpected data frame"], "unexpected data parts"),
     ([p.encode(p.Lookup(meta=KeyMeta("m"), chunk_hashes=[b"a"], chunk_ends=[1, 2]))],
      "do not make"),
     ([p.encode(p.Store(keys=[], meta=KeyMeta("m"), chunk_hashes=[], shapes=[],
@@ -86,7 +86,7 @@ def test_oversized_requests_are_refused_with_a_reply(server) -> None:
 def test_a_chunk_too_large_for_a_request_is_dropped_and_its_buffer_released(server) -> None:
     keys = prompt_keys(200, chunks=1)
     big = [torch.zeros(MAX_REQUEST_BYTES, dtype=torch.uint8)]
-    with server.client(transport="frame") as client:
+    with server.client(data_path="inline") as client:
         assert client.store(keys, big) == 0
         assert client.counters.dropped_chunks == 1 and client.counters.error_replies == 1
         assert client.stats().server.staged_chunks == 0
@@ -96,10 +96,10 @@ def test_a_chunk_too_large_for_a_request_is_dropped_and_its_buffer_released(serv
 def test_truncated_data_frames_are_refused_and_release_the_buffers(server) -> None:
     keys = prompt_keys(210, chunks=2)
     chunks = [chunk_for(k) for k in keys]
-    with server.client(transport="frame") as client:
+    with server.client(data_path="inline") as client:
         client.ping()
         store = p.Store(**p.key_fields(keys), shapes=[list(c.shape) for c in chunks],
-                        dtype="bfloat16", transport="frame")
+                        dtype="bfloat16", data_path="inline")
         reply, _ = client._call(store, p.StoreReply)
         assert client.stats().server.staged_chunks == 2
         data = [c.reshape(-1).view(torch.uint8).numpy() for c in chunks]
@@ -278,7 +278,7 @@ def test_hostile_replies_are_misses_on_the_client() -> None:
             return [p.encode(p.PingReply(**{**msgspec.structs.asdict(ping),
                                             "req_id": req.req_id}))]
         if isinstance(req, p.Retrieve):
-            reply = p.RetrieveReply(handle=0, transport="frame", shm_name="", chunks=[chunk],
+            reply = p.RetrieveReply(handle=0, data_path="inline", shm_name="", chunks=[chunk],
                                     req_id=req.req_id)
             return [p.encode(reply), bytes(131072)]
         return [nested(200_000)]  # everything else: a decode bomb

@@ -83,10 +83,10 @@ def test_sigint_stops_the_server_cleanly(tmp_path) -> None:
     assert srv.shm_name not in lmkv_segments()
 
 
-def start_worker(srv, tmp: Path, worker: int, transport: str, stop: Path) -> tuple:
+def start_worker(srv, tmp: Path, worker: int, data_path: str, stop: Path) -> tuple:
     out = tmp / f"worker-{worker}.jsonl"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.server.worker", "loop", srv.address, transport,
+        [sys.executable, "-m", "tests.server.worker", "loop", srv.address, data_path,
          str(worker), str(out), str(stop), "100000", "300"],
         env=child_env(), cwd=REPO, stderr=subprocess.PIPE, text=True)
     return proc, out
@@ -103,7 +103,7 @@ def test_clients_recover_by_themselves_after_a_sigkill_and_restart(tmp_path) -> 
     port = free_port()
     srv = start_server(tmp_path, None, port=port, name="first")
     stop = tmp_path / "stop"
-    workers = [start_worker(srv, tmp_path, i, t, stop) for i, t in enumerate(["auto", "frame"])]
+    workers = [start_worker(srv, tmp_path, i, t, stop) for i, t in enumerate(["auto", "inline"])]
     try:
         # Both engines are running and hitting.
         assert wait_for(lambda: all(sum(r.get("got", 0) for r in records(out)) > 0

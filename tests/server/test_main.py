@@ -90,7 +90,7 @@ def test_server_takes_log_level_and_logs_listening_and_stopped(tmp_path, command
         text = _wait_for(log, "listening on", proc)
         (line,) = [x for x in text.splitlines() if "listening on" in x]
         assert f"listening on ipc://{sock}" in line
-        assert "tiers: cpu (16.0 MiB); arena: 16.0 MiB, in-frame transport only" in line
+        assert "tiers: cpu (16.0 MiB); arena: 16.0 MiB, inline data path only" in line
         proc.terminate()
         assert proc.wait(timeout=60) == 0
     finally:

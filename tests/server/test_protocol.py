@@ -51,7 +51,7 @@ def test_requests_round_trip_in_both_key_forms() -> None:
 
 
 def test_replies_round_trip() -> None:
-    reply = p.RetrieveReply(handle=3, transport="shm", shm_name="lmkv-1",
+    reply = p.RetrieveReply(handle=3, data_path="shm", shm_name="lmkv-1",
                             chunks=[p.ChunkInfo(256, 64, [2, 16], "bfloat16")],
                             req_id=9, server_id="abc")
     assert p.decode_reply(p.encode(reply)) == reply

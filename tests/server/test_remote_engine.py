@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lmkv.config import load_config
-from lmkv.engines.local import LocalEngine, open_engine
+from lmkv.engines import open_engine
 from lmkv.engines.remote import RemoteEngine
 from lmkv.gpu import KVSpec
 from lmkv.tokens import prefix_hashes
@@ -20,11 +20,11 @@ L, H, D, BLOCK, CHUNK = 2, 2, 32, 8, 16
 SPEC = KVSpec(L, H, D, torch.bfloat16)  # a 16-token chunk is 8 KiB
 
 
-def config(server, transport: str = "auto", **extra):
+def config(server, data_path: str = "auto", **extra):
     return load_config(overrides={"lmkv.mode": "server", "lmkv.chunk_size": CHUNK,
                                   "lmkv.server.address": server.address,
                                   "lmkv.server.timeout_ms": 5000,
-                                  "lmkv.server.transport": transport, **extra})
+                                  "lmkv.server.data_path": data_path, **extra})
 
 
 def paged_engine(cfg) -> RemoteEngine:
@@ -55,17 +55,17 @@ def prompt(seed: int, n: int) -> list[int]:
     return [seed * 10_000 + i for i in range(n)]
 
 
-@pytest.mark.parametrize("transport", ["auto", "frame"])
-def test_kv_stored_by_one_engine_loads_into_another_bit_identical(server, transport) -> None:
-    tokens = prompt(1 if transport == "auto" else 2, 5 * CHUNK + 3)  # 5 whole chunks
+@pytest.mark.parametrize("data_path", ["auto", "inline"])
+def test_kv_stored_by_one_engine_loads_into_another_bit_identical(server, data_path) -> None:
+    tokens = prompt(1 if data_path == "auto" else 2, 5 * CHUNK + 3)  # 5 whole chunks
     src, src_blocks = caches(7), [3, 9, 1, 4, 12, 6, 0, 2, 5, 7, 8]
-    with paged_engine(config(server, transport)) as writer:
-        assert writer.client.shared_memory == (transport == "auto")
+    with paged_engine(config(server, data_path)) as writer:
+        assert writer.client.shared_memory == (data_path == "auto")
         assert writer.store(tokens, kv_caches=src, block_ids=src_blocks) == 5 * CHUNK
         assert writer.store(tokens, kv_caches=src, block_ids=src_blocks) == 0  # held already
         assert writer.lookup(tokens) == 5 * CHUNK
     dst, dst_blocks = caches(None), [15, 14, 13, 0, 1, 2, 3, 4, 5, 6, 7]
-    with paged_engine(config(server, transport)) as reader:  # another session
+    with paged_engine(config(server, data_path)) as reader:  # another session
         got = reader.retrieve(tokens, kv_caches=dst, block_ids=dst_blocks)
         assert got.num_tokens == 5 * CHUNK
         assert reader.client.counters.error_replies == 0
@@ -149,9 +149,9 @@ def test_prefetch_from_disk_after_a_server_restart(tmp_path) -> None:
 
 
 def test_transformers_style_engine_in_server_mode(server) -> None:
-    """``LocalEngine.from_config`` honours ``mode: server`` (the hf connector builds
-    its KV from the server's chunks before they are released)."""
-    engine = LocalEngine.from_config(config(server), SPEC, model_name="remote-hf")
+    """``open_engine`` honours ``mode: server`` with the connector it resolves (the hf
+    connector builds its KV from the server's chunks before they are released)."""
+    engine = open_engine(config(server), SPEC, model_name="remote-hf")
     assert isinstance(engine, RemoteEngine) and isinstance(engine.connector, HFConnector)
     tokens = prompt(5, 2 * CHUNK)
     gen = torch.Generator().manual_seed(3)

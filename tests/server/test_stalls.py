@@ -197,11 +197,11 @@ def test_handles_nobody_finishes_are_released_after_their_ttl(stall_server) -> N
     with srv.client() as client:
         for i in range(10):  # 40 of the arena's 64 blocks
             keys = prompt_keys(500 + i)
-            # In-frame: the client never touches these buffers; shared memory without a
+            # Inline: the client never touches these buffers; shared memory without a
             # process the server can check: quarantined, then freed after the grace.
-            transport = "frame" if i % 2 else "shm"
+            data_path = "inline" if i % 2 else "shm"
             got = client._call(p.Store(**p.key_fields(keys), shapes=[shape] * 4,
-                                       dtype="bfloat16", transport=transport), p.StoreReply)
+                                       dtype="bfloat16", data_path=data_path), p.StoreReply)
             assert got is not None and len(got[0].chunks) == 4
         assert client.stats().server.staged_chunks == 40
         assert outside_tier(srv) == baseline + 40

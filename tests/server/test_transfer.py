@@ -1,4 +1,4 @@
-"""Store and retrieve through a real server: the shared-memory path and the in-frame path."""
+"""Store and retrieve through a real server: the shared-memory path and the inline path."""
 
 from __future__ import annotations
 
@@ -18,12 +18,12 @@ from tests.server.procs import (
 )
 
 
-@pytest.mark.parametrize("transport", ["auto", "frame"])
-def test_store_then_retrieve_is_byte_identical(server, transport: str) -> None:
-    with server.client(transport=transport) as client:
+@pytest.mark.parametrize("data_path", ["auto", "inline"])
+def test_store_then_retrieve_is_byte_identical(server, data_path: str) -> None:
+    with server.client(data_path=data_path) as client:
         assert client.ping() is not None
-        assert client.shared_memory == (transport == "auto")
-        keys = prompt_keys(100 if transport == "auto" else 101, chunks=6)
+        assert client.shared_memory == (data_path == "auto")
+        keys = prompt_keys(100 if data_path == "auto" else 101, chunks=6)
         chunks = [chunk_for(k) for k in keys]
         assert client.store(keys, chunks) == 6
         assert client.lookup(keys, chunk_ends(keys)) == chunk_ends(keys)[-1]
@@ -32,21 +32,21 @@ def test_store_then_retrieve_is_byte_identical(server, transport: str) -> None:
         assert client.counters.dropped_chunks == 0 and client.counters.error_replies == 0
 
 
-@pytest.mark.parametrize("writer,reader", [("auto", "frame"), ("frame", "auto")])
+@pytest.mark.parametrize("writer,reader", [("auto", "inline"), ("inline", "auto")])
 def test_what_one_transport_stores_the_other_reads(server, writer: str, reader: str) -> None:
     keys = prompt_keys(110 if writer == "auto" else 111)
     chunks = [chunk_for(k) for k in keys]
-    with server.client(transport=writer) as w, server.client(transport=reader) as r:
+    with server.client(data_path=writer) as w, server.client(data_path=reader) as r:
         assert w.store(keys, chunks) == len(keys)
         got = r.retrieve(keys)
     assert [same_bytes(a, b) for a, b in zip(got, chunks, strict=True)] == [True] * len(keys)
 
 
-@pytest.mark.parametrize("transport", ["auto", "frame"])
-def test_prefetch_then_retrieve_into_caller_buffers(server, transport: str) -> None:
-    keys = prompt_keys(120 if transport == "auto" else 121, chunks=5)
+@pytest.mark.parametrize("data_path", ["auto", "inline"])
+def test_prefetch_then_retrieve_into_caller_buffers(server, data_path: str) -> None:
+    keys = prompt_keys(120 if data_path == "auto" else 121, chunks=5)
     chunks = [chunk_for(k) for k in keys]
-    with server.client(transport=transport) as client:
+    with server.client(data_path=data_path) as client:
         client.store(keys[:3], chunks[:3])  # a stored prefix of 3 of the 5 chunks
         assert client.lookup(keys, chunk_ends(keys), lookup_id="p") == chunk_ends(keys)[2]
         out = [torch.zeros(SHAPE, dtype=torch.bfloat16) for _ in keys]
@@ -72,7 +72,7 @@ def test_in_frame_stores_are_split_to_fit_the_request_limit(server) -> None:
     per_request = MAX_REQUEST_BYTES // CHUNK_BYTES
     keys = prompt_keys(140, chunks=per_request * 2 + 3)
     chunks = [chunk_for(k) for k in keys]
-    with server.client(transport="frame") as client:
+    with server.client(data_path="inline") as client:
         assert client.store(keys, chunks) == len(keys)
         before = client.stats().server.error_replies
         got = client.retrieve(keys)

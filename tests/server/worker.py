@@ -31,12 +31,12 @@ from tests.server.procs import chunk_ends, chunk_for, prompt_keys, same_bytes
 SHARED_PROMPTS = (900, 901, 902)
 
 
-def loop(address: str, transport: str, worker: int, out: Path, stop_file: Path,
+def loop(address: str, data_path: str, worker: int, out: Path, stop_file: Path,
          iterations: int, timeout_ms: int) -> None:
     prompts = [1000 + worker * 10 + i for i in range(4)] + list(SHARED_PROMPTS)
     rng = random.Random(worker)
     mismatches = 0
-    client = ServerClient(address, transport=transport, timeout_ms=timeout_ms)
+    client = ServerClient(address, data_path=data_path, timeout_ms=timeout_ms)
     with out.open("w") as log:
         for i in range(iterations):
             if stop_file.exists():
@@ -68,9 +68,9 @@ def hold(address: str) -> None:
     assert client.lookup(keys, chunk_ends(keys), lookup_id="held") > 0
     staged = prompt_keys(701)
     store = p.Store(**p.key_fields(staged), shapes=[list(c.shape) for c in chunks],
-                    dtype="bfloat16", transport="shm", process=process_identity())
+                    dtype="bfloat16", data_path="shm", process=process_identity())
     assert client._call(store, p.StoreReply) is not None
-    assert client._call(p.Retrieve(**p.key_fields(keys), transport="shm",
+    assert client._call(p.Retrieve(**p.key_fields(keys), data_path="shm",
                                    process=process_identity()),
                         p.RetrieveReply) is not None
     print("held", flush=True)
@@ -112,8 +112,8 @@ if __name__ == "__main__":
     if mode.startswith("stall-"):
         stall(mode, args[0], int(args[1]), float(args[2]))
     elif mode == "loop":
-        address, transport, worker, out, stop, iterations, timeout_ms = args
-        loop(address, transport, int(worker), Path(out), Path(stop), int(iterations),
+        address, data_path, worker, out, stop, iterations, timeout_ms = args
+        loop(address, data_path, int(worker), Path(out), Path(stop), int(iterations),
              int(timeout_ms))
     else:
         hold(args[0])

@@ -6,13 +6,12 @@ import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from lmkv.config import LMKVConfig, PluginRef, resolve_plugin
-from lmkv.engines.local import LocalEngine, open_engine
-from lmkv.errors import ConfigError
+from lmkv.config import LMKVConfig, PluginRef
+from lmkv.engines import Engine, open_engine
 from lmkv.gpu import KVSpec
 from lmkv.integrations.vllm.metadata import (
     LMKVConnectorMetadata,
@@ -22,9 +21,6 @@ from lmkv.integrations.vllm.metadata import (
 )
 from lmkv.lookup.responder import LookupResponder
 from lmkv.lookup.sockets import LookupEndpoints
-
-if TYPE_CHECKING:
-    from lmkv.engines.remote import RemoteEngine
 
 logger = logging.getLogger(__name__)
 
@@ -63,8 +59,8 @@ class WorkerSide:
         self.rank = getattr(parallel, "rank", 0) % max(self.world_size, 1)
         self.engine_id = str(vllm_config.kv_transfer_config.engine_id)
         self.counters = WorkerCounters()
-        self.engine: LocalEngine | RemoteEngine | None = None
-        self.server: LookupResponder | None = None
+        self.engine: Engine | None = None
+        self.responder: LookupResponder | None = None
         self.kv_caches: list[torch.Tensor] = []
         self.block_size = 0
         self._failed: set[int] = set()
@@ -82,20 +78,14 @@ class WorkerSide:
         spec = KVSpec(len(self.kv_caches), kv_heads, head_dim, first.dtype)
         # lmkv.gpu_connector picks another connector for vLLM's paged caches (a
         # plugin's kernels, say); by default the built-in one, layout detected.
-        ref = self.config.gpu_connector or PluginRef(type="paged", options={"layout": layout})
-        connector_cls, options = resolve_plugin("gpu_connector", ref, "gpu_connector")
-        connector = connector_cls(options, spec)
-        if connector.engine_kind != "paged":
-            raise ConfigError(f"gpu_connector = {connector.name!r}: cannot serve vLLM's paged "
-                              f"KV caches (it takes {connector.engine_kind or 'unknown'} KV); "
-                              "use 'paged' or another connector for paged caches")
-        self.engine = open_engine(self.config, spec, model_name=self.model_name,
-                                  connector=connector, world_size=self.world_size,
-                                  worker_id=self.rank)
+        self.engine = open_engine(
+            self.config, spec, model_name=self.model_name,
+            default_connector=PluginRef(type="paged", options={"layout": layout}),
+            engine_kind="paged", world_size=self.world_size, worker_id=self.rank)
         endpoints = LookupEndpoints.from_config(self.config.lookup, self.engine_id,
                                                 self.world_size)
-        self.server = LookupResponder.for_rank(self.engine, endpoints, self.rank,
-                                            max_tokens=self.max_model_len)
+        self.responder = LookupResponder.for_rank(self.engine, endpoints, self.rank,
+                                                  max_tokens=self.max_model_len)
         logger.info("lmkv: worker %d/%d registered %d KV caches, layout %s, block size %d, "
                     "%s", self.rank, self.world_size, len(self.kv_caches), layout,
                     self.block_size, f"tiers in the lmkv server at {self.config.server.address}"
@@ -197,7 +187,7 @@ class WorkerSide:
         self._loader.shutdown(wait=True)
         self._saver.shutdown(wait=True)  # lazy stores in flight finish first
         logger.info("lmkv worker counters: %s", vars(self.counters))
-        if self.server is not None:
-            self.server.close()
+        if self.responder is not None:
+            self.responder.close()
         if self.engine is not None:
             self.engine.close()

@@ -10,7 +10,8 @@ import sys
 
 import torch
 
-from lmkv import KVSpec, LocalEngine, load_config
+from lmkv import KVSpec, load_config
+from lmkv.testing.engines import open_local_engine
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=16, dtype=torch.float16)
 CHUNK = 32
@@ -29,7 +30,7 @@ def main(mode: str, url: str, prefix: str, out: str) -> None:
         "lmkv.tiers": [{"type": "cpu", "options": {"max_bytes": 8 << 20}},
                        {"type": "redis", "options": {"url": url, "key_prefix": prefix,
                                                      "part_bytes": 4096}}]})
-    with LocalEngine.from_config(config, SPEC, model_name="two-processes") as engine:
+    with open_local_engine(config, SPEC, model_name="two-processes") as engine:
         report: dict = {"lookup_before": engine.lookup(TOKENS)}
         if mode == "store":
             report["stored"] = engine.store(TOKENS, kv=hf_kv(len(TOKENS)))

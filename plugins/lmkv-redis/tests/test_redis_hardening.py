@@ -184,14 +184,15 @@ def black_hole() -> Iterator[str]:
 
 
 def test_a_store_never_waits_on_a_hung_redis_tier(black_hole: str) -> None:
-    from lmkv import KVSpec, LocalEngine
+    from lmkv import KVSpec
+    from lmkv.testing.engines import open_local_engine
 
     config = load_config(env={}, overrides={"lmkv.chunk_size": 16, "lmkv.tiers": [
         {"type": "cpu", "options": {"max_bytes": 1 << 22}},
         {"type": "redis", "options": {"url": black_hole, "socket_timeout_s": 30,
                                       "connect_timeout_s": 30, "close_timeout_s": 0}}]})
     spec = KVSpec(num_layers=2, num_kv_heads=2, head_dim=16, dtype=torch.float16)
-    engine = LocalEngine.from_config(config, spec, model_name="hang-test")
+    engine = open_local_engine(config, spec, model_name="hang-test")
     kv = [(torch.randn(1, 2, 64, 16).half(), torch.randn(1, 2, 64, 16).half())
           for _ in range(2)]
     stored: list[int] = []

@@ -1,0 +1,42 @@
+"""What both engines decide the same way: how a chunk is named (its keys) and
+whether a chunk read back fits the engine's KV spec. One place, so that a chunk
+stored by a local engine is found, and checked, the same way by a remote one."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from lmkv.config import LMKVConfig
+from lmkv.engines.protocol import EngineCounters
+from lmkv.gpu import GPUConnector, KVSpec
+from lmkv.logutil import RateLimitedLog
+from lmkv.memory import dtype_name
+from lmkv.tokens import CacheKey, KeyMeta, TokenChunker, kv_geometry
+
+logger = logging.getLogger(__name__)
+_spec_log = RateLimitedLog(logger)
+
+
+def fits_spec(spec: KVSpec, counters: EngineCounters, key: CacheKey, chunk: Any,
+              num_tokens: int) -> bool:
+    """Whether ``chunk`` (a tensor) has the shape and dtype ``spec`` gives ``num_tokens``
+    tokens; a chunk that does not is counted and logged (a miss for the caller)."""
+    expected = spec.chunk_shape(num_tokens)
+    if chunk.dtype == spec.dtype and tuple(chunk.shape) == expected:
+        return True
+    counters.spec_mismatches += 1
+    _spec_log.warning("spec", "lmkv: chunk %s is %s %s, this engine's KV is %s %s; a miss "
+                      "from there", key.to_string(), dtype_name(chunk.dtype), list(chunk.shape),
+                      dtype_name(spec.dtype), list(expected))
+    return False
+
+
+def engine_chunker(config: LMKVConfig, spec: KVSpec, model_name: str, connector: GPUConnector,
+                   world_size: int, worker_id: int) -> TokenChunker:
+    """The chunker (keys) of an engine: the same in every mode, so that engines in
+    either mode name a chunk the same way."""
+    meta = KeyMeta(config.model_name or model_name, world_size, worker_id,
+                   dtype_name(spec.dtype), connector.chunk_layout,
+                   kv_geometry(spec.num_layers, spec.num_kv_heads, spec.head_dim))
+    return TokenChunker(meta, config.chunk_size, config.save_partial_chunk)

@@ -1,0 +1,37 @@
+"""``open_engine``: the engine a config asks for.
+
+``mode: in_process`` gives a ``LocalEngine`` over the config's tiers;
+``mode: server`` a ``RemoteEngine`` over the lmkv server at
+``server.address``. Callers get an ``Engine`` and never name either class.
+"""
+
+from __future__ import annotations
+
+from lmkv.config import LMKVConfig, PluginRef
+from lmkv.engines.connector import resolve_connector
+from lmkv.engines.local import LocalEngine
+from lmkv.engines.protocol import Engine
+from lmkv.engines.remote import RemoteEngine
+from lmkv.gpu import GPUConnector, KVSpec
+from lmkv.storage import StorageManager
+
+
+def open_engine(config: LMKVConfig, spec: KVSpec, *, model_name: str,
+                connector: GPUConnector | None = None,
+                default_connector: PluginRef | str = "hf", engine_kind: str | None = None,
+                world_size: int = 1, worker_id: int = 0) -> Engine:
+    """An engine for ``spec`` (the KV's geometry and dtype) under ``config``.
+
+    ``connector``: a connector built by the caller (tests, benchmarks); without
+    one it is resolved here (``resolve_connector``: ``config.gpu_connector``,
+    else ``default_connector``, checked against ``engine_kind``).
+    """
+    if connector is None:
+        connector = resolve_connector(config, spec, default=default_connector,
+                                      engine_kind=engine_kind)
+    if config.mode == "server":
+        return RemoteEngine(config, spec, model_name=model_name, connector=connector,
+                            world_size=world_size, worker_id=worker_id)
+    return LocalEngine(config, spec, model_name=model_name, connector=connector,
+                       storage=StorageManager.from_config(config), world_size=world_size,
+                       worker_id=worker_id)

@@ -1,0 +1,46 @@
+"""The vLLM worker opens its engine through ``open_engine``: the connector is
+resolved once, in ``lmkv.engines.connector``. Skipped where vLLM is not installed
+(the worker module imports vLLM's metadata classes)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import lmkv.engines.connector as connector_module
+from lmkv import load_config
+from lmkv.engines import Engine
+from lmkv_backends.connectors.gpu_torch import PagedConnector
+
+pytest.importorskip("vllm")
+
+
+def test_the_vllm_worker_opens_its_engine_through_open_engine(tmp_path, monkeypatch) -> None:
+    """The worker resolves no connector itself: one resolution, the paged default with
+    the layout it detected, through ``resolve_connector``."""
+    from lmkv.integrations.vllm.worker import WorkerSide
+
+    calls: list[tuple[str, dict]] = []
+    resolve = connector_module.resolve_plugin
+
+    def counting(kind, ref, path, *args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append((ref.type, dict(ref.options)))
+        return resolve(kind, ref, path, *args, **kwargs)
+
+    monkeypatch.setattr(connector_module, "resolve_plugin", counting)
+    config = load_config(env={}, overrides={"lmkv.chunk_size": 16,
+                                            "lmkv.lookup.runtime_dir": str(tmp_path)})
+    model = SimpleNamespace(model="m", get_head_size=lambda: 8, max_model_len=256)
+    vllm_config = SimpleNamespace(model_config=model,
+                                  parallel_config=SimpleNamespace(world_size=1, rank=0),
+                                  kv_transfer_config=SimpleNamespace(engine_id="open-test"))
+    worker = WorkerSide(config, vllm_config)
+    try:
+        worker.register({f"layer{i}": torch.zeros(4, 2, 16, 16) for i in range(2)})
+        assert calls == [("paged", {"layout": "cpu"})]
+        assert isinstance(worker.engine, Engine)
+        assert isinstance(worker.engine.connector, PagedConnector)
+    finally:
+        worker.close()
