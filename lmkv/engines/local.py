@@ -21,8 +21,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from lmkv.config import LMKVConfig, PluginRef, resolve_plugin
-from lmkv.gpu import ChunkSpan, GPUConnector, KVSpec
+from lmkv.config import LMKVConfig, PluginRef, resolve_gpu_connector
+from lmkv.gpu import ChunkSpan, ConnectorContext, GPUConnector, KVSpec
 from lmkv.logutil import RateLimitedLog
 from lmkv.memory import MemoryObj
 from lmkv.prefetch import release
@@ -73,11 +73,10 @@ class LocalEngine:
                     worker_id: int = 0) -> LocalEngine | RemoteEngine:
         """The engine ``config.mode`` asks for (the tiers here, or an lmkv server's),
         with ``config.gpu_connector`` or else ``default_connector``."""
-        ref = config.gpu_connector or PluginRef(type=default_connector)
-        connector_cls, options = resolve_plugin("gpu_connector", ref, "gpu_connector")
+        connector = resolve_gpu_connector(config, PluginRef(type=default_connector))
         return open_engine(config, spec, model_name=model_name,
-                           connector=connector_cls(options, spec), world_size=world_size,
-                           worker_id=worker_id)
+                           connector=connector.create(ConnectorContext(spec)),
+                           world_size=world_size, worker_id=worker_id)
 
     @property
     def meta(self) -> KeyMeta:

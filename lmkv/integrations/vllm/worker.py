@@ -10,10 +10,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lmkv.config import LMKVConfig, PluginRef, resolve_plugin
+from lmkv.config import LMKVConfig, PluginRef, resolve_gpu_connector
 from lmkv.engines.local import LocalEngine, open_engine
 from lmkv.errors import ConfigError
-from lmkv.gpu import KVSpec
+from lmkv.gpu import ConnectorContext, KVSpec
 from lmkv.integrations.vllm.metadata import (
     LMKVConnectorMetadata,
     LMKVWorkerMetadata,
@@ -82,9 +82,8 @@ class WorkerSide:
         spec = KVSpec(len(self.kv_caches), kv_heads, head_dim, first.dtype)
         # lmkv.gpu_connector picks another connector for vLLM's paged caches (a
         # plugin's kernels, say); by default the built-in one, layout detected.
-        ref = self.config.gpu_connector or PluginRef(type="paged", options={"layout": layout})
-        connector_cls, options = resolve_plugin("gpu_connector", ref, "gpu_connector")
-        connector = connector_cls(options, spec)
+        ref = PluginRef(type="paged", options={"layout": layout})
+        connector = resolve_gpu_connector(self.config, ref).create(ConnectorContext(spec))
         if connector.engine_kind != "paged":
             raise ConfigError(f"gpu_connector = {connector.name!r}: cannot serve vLLM's paged "
                               f"KV caches (it takes {connector.engine_kind or 'unknown'} KV); "
