@@ -21,7 +21,7 @@ import time
 import torch
 
 from lmkv import KVSpec, LocalEngine, StorageManager, load_config
-from lmkv.gpu import ChunkSpan
+from lmkv.gpu import ChunkSpan, ConnectorContext
 from lmkv.plugins import get_plugin_manager
 from lmkv.prefetch import release
 
@@ -52,7 +52,7 @@ def main() -> None:
     storage = StorageManager.from_config(config)
     cpu, fs = storage.tiers
     connector_cls = get_plugin_manager().gpu_connector("paged")
-    connector = connector_cls(connector_cls.Options(layout="cpu"), SPEC)
+    connector = connector_cls(connector_cls.Options(layout="cpu"), ConnectorContext(SPEC))
     engine = LocalEngine(config, SPEC, model_name="bench", connector=connector, storage=storage)
 
     tokens = list(range(CHUNKS * CHUNK))
