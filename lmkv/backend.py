@@ -19,7 +19,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -30,6 +30,9 @@ from lmkv.plugins.base import Plugin, PluginOptions
 from lmkv.policy import EvictionPolicy
 from lmkv.serde import Serializer, read_header
 from lmkv.tokens import CacheKey
+
+if TYPE_CHECKING:
+    from lmkv.memory.shm import SharedSegment
 
 logger = logging.getLogger(__name__)
 _corrupt_log = RateLimitedLog(logger)
@@ -141,7 +144,7 @@ class StorageBackend(Plugin, ABC):
     #: The arena of a tier that holds memory (``holds_memory_objs``), else None.
     allocator: MemoryAllocator | None = None
     #: The shared-memory segment the arena lives in, when it does (``lmkv server``).
-    shared_segment: object | None = None
+    shared_segment: SharedSegment | None = None
 
     def __init__(self, options: PluginOptions | Mapping[str, Any] | None = None,
                  context: BackendContext | None = None) -> None:

@@ -209,7 +209,7 @@ def resolve_plugins(config: LMKVConfig, manager: PluginManager | None = None
     from lmkv.plugins.manager import get_plugin_manager
 
     manager = manager or get_plugin_manager()
-    resolver = _Resolver(manager, config._sources)
+    resolver = _Resolver(config._sources)
     tiers = tuple(
         ResolvedTier(resolver.resolve(manager.storage_backend, tier, f"tiers.{i}"),
                      resolver.resolve(manager.eviction_policy, tier.eviction,
@@ -233,7 +233,7 @@ def resolve_gpu_connector(config: LMKVConfig, default: PluginRef) -> Resolved[GP
     from lmkv.plugins.manager import get_plugin_manager
 
     manager = get_plugin_manager()
-    resolver = _Resolver(manager, config._sources)
+    resolver = _Resolver(config._sources)
     resolved = resolver.resolve(manager.gpu_connector, default, "gpu_connector")
     if resolver.errors:
         raise ConfigError("\n".join(resolver.errors))
@@ -243,8 +243,7 @@ def resolve_gpu_connector(config: LMKVConfig, default: PluginRef) -> Resolved[GP
 class _Resolver:
     """Collects every bad reference, so one run reports all of them."""
 
-    def __init__(self, manager: PluginManager, sources: Mapping[str, str]) -> None:
-        self.manager = manager
+    def __init__(self, sources: Mapping[str, str]) -> None:
         self.sources = sources
         self.errors: list[str] = []
 
