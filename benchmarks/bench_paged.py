@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 import torch
 from _timing import best_of
 
-from lmkv.gpu import ChunkSpan, KVSpec
+from lmkv.gpu import ChunkSpan, ConnectorContext, KVSpec
 from lmkv_backends.connectors.gpu_torch import PagedConnector
 
 SPEC = KVSpec(num_layers=8, num_kv_heads=4, head_dim=64, dtype=torch.bfloat16)
@@ -114,7 +114,7 @@ def bench(layout: str, tokens: int, block: int, rounds: int) -> None:
 
     tables = {"consecutive": list(range(3, 3 + blocks)),
               "shuffled": random.Random(0).sample(range(2 * blocks), blocks)}
-    conn = PagedConnector(PagedConnector.Options(layout=layout), SPEC)
+    conn = PagedConnector(PagedConnector.Options(layout=layout), ConnectorContext(SPEC))
     print(f"\n[{layout} layout, {tokens} tokens, {nbytes / (1 << 20):.0f} MiB, "
           f"{block}-token blocks] ms (memcpy time / time)")
     for table_name, t in tables.items():

@@ -16,7 +16,7 @@ import argparse
 import torch
 from _timing import best_of
 
-from lmkv.gpu import ChunkSpan
+from lmkv.gpu import ChunkSpan, ConnectorContext
 from lmkv.integrations import hf_model
 from lmkv.integrations.transformers import kv_spec_of
 from lmkv.memory import MemoryAllocator, tensor_obj
@@ -48,7 +48,7 @@ def main() -> None:
     _, cache = hf_model.prefill(model, prompt[:args.prefix])
     kv = hf_model.cache_to_kv(cache)
     spec = kv_spec_of(model)
-    connector = HFConnector(None, spec)
+    connector = HFConnector(None, ConnectorContext(spec))
     n_chunks = args.prefix // CHUNK
     spans = [ChunkSpan(i * CHUNK, (i + 1) * CHUNK, torch.empty(spec.chunk_shape(CHUNK),
                                                                dtype=dtype))

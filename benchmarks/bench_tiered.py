@@ -22,7 +22,7 @@ import torch
 
 from lmkv import KVSpec, StorageManager, load_config
 from lmkv.engines.local import LocalEngine
-from lmkv.gpu import ChunkSpan
+from lmkv.gpu import ChunkSpan, ConnectorContext
 from lmkv.memory import release
 from lmkv.plugins import get_plugin_manager
 
@@ -53,7 +53,7 @@ def main() -> None:
     storage = StorageManager.from_config(config)
     cpu, fs = storage.tiers
     connector_cls = get_plugin_manager().gpu_connector("paged")
-    connector = connector_cls(connector_cls.Options(layout="cpu"), SPEC)
+    connector = connector_cls(connector_cls.Options(layout="cpu"), ConnectorContext(SPEC))
     engine = LocalEngine(config, SPEC, model_name="bench", connector=connector, storage=storage)
 
     tokens = list(range(CHUNKS * CHUNK))

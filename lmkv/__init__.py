@@ -23,6 +23,7 @@ __version__ = "0.1.0"
 
 # public name -> the module that defines it
 _LAZY: dict[str, str] = {
+    "ArenaPlacement": "lmkv.backend",
     "BackendContext": "lmkv.backend",
     "StorageBackend": "lmkv.backend",
     "LMKVConfig": "lmkv.config",
@@ -31,6 +32,7 @@ _LAZY: dict[str, str] = {
     "RetrieveResult": "lmkv.engines.protocol",
     "open_engine": "lmkv.engines.open",
     "ChunkSpan": "lmkv.gpu",
+    "ConnectorContext": "lmkv.gpu",
     "GPUConnector": "lmkv.gpu",
     "KVSpec": "lmkv.gpu",
     "MemoryAllocator": "lmkv.memory",
@@ -38,10 +40,13 @@ _LAZY: dict[str, str] = {
     "NoOptions": "lmkv.plugins",
     "PluginOptions": "lmkv.plugins",
     "hookimpl": "lmkv.plugins",
+    "EvictionContext": "lmkv.policy",
     "EvictionPolicy": "lmkv.policy",
+    "OffloadContext": "lmkv.policy",
     "OffloadItem": "lmkv.policy",
     "OffloadPolicy": "lmkv.policy",
     "Serializer": "lmkv.serde",
+    "SerializerContext": "lmkv.serde",
     "StorageManager": "lmkv.storage",
     "CacheKey": "lmkv.tokens",
     "KeyMeta": "lmkv.tokens",
@@ -50,15 +55,21 @@ _LAZY: dict[str, str] = {
 }
 
 if TYPE_CHECKING:
-    from lmkv.backend import BackendContext, StorageBackend
+    from lmkv.backend import ArenaPlacement, BackendContext, StorageBackend
     from lmkv.config import LMKVConfig, load_config
     from lmkv.engines.open import open_engine
     from lmkv.engines.protocol import Engine, RetrieveResult
-    from lmkv.gpu import ChunkSpan, GPUConnector, KVSpec
+    from lmkv.gpu import ChunkSpan, ConnectorContext, GPUConnector, KVSpec
     from lmkv.memory import MemoryAllocator, MemoryObj
     from lmkv.plugins import NoOptions, PluginOptions, hookimpl
-    from lmkv.policy import EvictionPolicy, OffloadItem, OffloadPolicy
-    from lmkv.serde import Serializer
+    from lmkv.policy import (
+        EvictionContext,
+        EvictionPolicy,
+        OffloadContext,
+        OffloadItem,
+        OffloadPolicy,
+    )
+    from lmkv.serde import Serializer, SerializerContext
     from lmkv.storage import StorageManager
     from lmkv.tokens import CacheKey, KeyMeta, TokenChunker, prefix_hashes
 
@@ -77,13 +88,16 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
+    "ArenaPlacement",
     "BackendContext",
     "CacheKey",
     "ChunkSpan",
     "ConfigError",
+    "ConnectorContext",
     "CorruptFrameError",
     "DuplicatePluginError",
     "Engine",
+    "EvictionContext",
     "EvictionPolicy",
     "GPUConnector",
     "KVSpec",
@@ -93,12 +107,14 @@ __all__ = [
     "MemoryAllocator",
     "MemoryObj",
     "NoOptions",
+    "OffloadContext",
     "OffloadItem",
     "OffloadPolicy",
     "PluginError",
     "PluginOptions",
     "RetrieveResult",
     "Serializer",
+    "SerializerContext",
     "StorageBackend",
     "StorageManager",
     "TokenChunker",

@@ -12,12 +12,14 @@ batch path (one dict pass, one Redis pipeline) overrides them.
 
 from __future__ import annotations
 
+import enum
 import logging
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -25,8 +27,12 @@ from lmkv.errors import CorruptFrameError
 from lmkv.logutil import RateLimitedLog
 from lmkv.memory import Allocate, MemoryAllocator, MemoryObj
 from lmkv.plugins.base import Plugin, PluginOptions
-from lmkv.serde import read_header
+from lmkv.policy import EvictionPolicy
+from lmkv.serde import Serializer, read_header
 from lmkv.tokens import CacheKey
+
+if TYPE_CHECKING:
+    from lmkv.memory.shm import SharedSegment
 
 logger = logging.getLogger(__name__)
 _corrupt_log = RateLimitedLog(logger)
@@ -59,15 +65,32 @@ class TierCounters:
         return dict(vars(self))
 
 
-@dataclass
-class BackendContext:
-    """What the storage manager hands a backend besides its own options."""
+class ArenaPlacement(enum.Enum):
+    """Where a tier that holds memory (``holds_memory_objs``) places its arena."""
 
-    serializer: object | None = None  # lmkv.serde.Serializer for tiers that store bytes
-    eviction_policy: object | None = None  # lmkv.policy.EvictionPolicy, when the tier evicts
-    allocate: Allocate | None = None  # where deserialized chunks go (the cpu arena)
+    #: This process's own memory.
+    PRIVATE = "private"
+    #: A named shared-memory segment (``lmkv.memory.shm``) that other processes on
+    #: this machine map: the ``lmkv server`` asks it of its first memory tier, so
+    #: clients copy chunks straight in and out. A preference: a tier that cannot
+    #: get a segment warns and stays private, unless its own options demand one.
+    SHARED = "shared"
+
+
+@dataclass(frozen=True)
+class BackendContext:
+    """What lmkv hands a backend besides its own options (``cls(options, context)``)."""
+
+    #: Turns chunks into frames and back, for tiers that store bytes.
+    serializer: Serializer | None = None
+    #: Orders this tier's keys for eviction, for tiers that evict.
+    eviction_policy: EvictionPolicy | None = None
+    #: Where deserialized chunks go (the memory tier's arena).
+    allocate: Allocate | None = None
+    #: This tier's position in ``tiers`` (for messages: ``tiers.<i>.options``).
     tier_index: int = 0
-    extra: dict = field(default_factory=dict)
+    #: Where a tier that holds memory places its arena.
+    arena: ArenaPlacement = ArenaPlacement.PRIVATE
 
 
 class TrackedAllocate:
@@ -121,11 +144,12 @@ class StorageBackend(Plugin, ABC):
     #: The arena of a tier that holds memory (``holds_memory_objs``), else None.
     allocator: MemoryAllocator | None = None
     #: The shared-memory segment the arena lives in, when it does (``lmkv server``).
-    shared_segment: object | None = None
+    shared_segment: SharedSegment | None = None
 
-    def __init__(self, options: PluginOptions, context: BackendContext) -> None:
-        self.options = options
-        self.context = context
+    def __init__(self, options: PluginOptions | Mapping[str, Any] | None = None,
+                 context: BackendContext | None = None) -> None:
+        self.options = self.parse_options(options)
+        self.context = BackendContext() if context is None else context
         self._executor: ThreadPoolExecutor | None = None
         self._executor_lock = threading.Lock()
         self.counters = TierCounters()

@@ -2,9 +2,10 @@
 
 Precedence (later wins): defaults < config file (YAML, TOML or JSON) <
 ``LMKV_*`` environment variables < dotted ``lmkv.*`` keys (what vLLM's
-``kv_connector_extra_config`` carries). Plugin options are validated in a
-second step against the plugin the config selects. Every bad value becomes
-one line naming the key, the value, what is allowed and where it came from.
+``kv_connector_extra_config`` carries). Then every plugin the config names is
+resolved in one step to its class and validated options (``LMKVConfig.plugins``).
+Every bad value becomes one line naming the key, the value, what is allowed and
+where it came from.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import json
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Annotated, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, TypeVar
 
 from pydantic import (
     BaseModel,
@@ -28,9 +29,16 @@ from pydantic import (
 from lmkv.config_keys import ENV_PREFIX, model_at, renamed_key, renamed_key_line, unknown_key_hint
 from lmkv.errors import ConfigError, UnknownPluginError
 from lmkv.plugins.base import PluginOptions
+from lmkv.plugins.resolved import Resolved, ResolvedPlugins, ResolvedTier
 from lmkv.private import default_server_address
 from lmkv.redact import RedactedRepr, redact_value
 from lmkv.strict_yaml import StrictYAMLError, load_strict_yaml
+
+if TYPE_CHECKING:
+    from lmkv.gpu import GPUConnector
+    from lmkv.plugins.manager import PluginManager
+
+P = TypeVar("P")
 
 # Env vars that are not config keys.
 RESERVED_ENV = frozenset(
@@ -157,58 +165,109 @@ class LMKVConfig(_Model):
     lazy_offload_threshold: PositiveInt = 100
     lazy_offload_select_count: PositiveInt = 10
     _sources: dict[str, str] = PrivateAttr(default_factory=dict)
+    _plugins: ResolvedPlugins | None = PrivateAttr(default=None)
 
-    def plugin_refs(self) -> list[tuple[str, str, PluginRef]]:
-        """(config path, plugin kind, ref) of every plugin this config selects."""
-        refs: list[tuple[str, str, PluginRef]] = []
-        for i, tier in enumerate(self.tiers):
-            refs.append((f"tiers.{i}", "storage_backend", tier))
-            refs.append((f"tiers.{i}.eviction", "eviction_policy", tier.eviction))
-        refs.append(("serializer", "serializer", self.serializer))
-        if self.gpu_connector is not None:
-            refs.append(("gpu_connector", "gpu_connector", self.gpu_connector))
-        refs.append(("lazy_offload_policy", "offload_policy", self.lazy_offload_policy))
-        return refs
+    def __eq__(self, other: object) -> bool:
+        """Equal keys make equal configs (what they resolved to, and where each key
+        came from, follow from the keys)."""
+        if not isinstance(other, LMKVConfig):
+            return NotImplemented
+        return type(self) is type(other) and self.__dict__ == other.__dict__
+
+    @property
+    def plugins(self) -> ResolvedPlugins:
+        """Every plugin this config selects, as typed classes with validated options.
+
+        ``load_config`` resolves them once, as it loads; a config built in code is
+        resolved on first use (with the process-wide plugin manager).
+        """
+        if self._plugins is None:
+            self._plugins = resolve_plugins(self)
+        return self._plugins
 
     def resolved_dump(self) -> dict[str, Any]:
         """The config as plain data, plugin options filled with their defaults;
         secrets masked (this is what ``config check`` prints)."""
         data = self.model_dump(mode="json")
-        for path, kind, ref in self.plugin_refs():
-            _, options = resolve_plugin(kind, ref, path)
-            _set_path(data, [*path.split("."), "options"], options.model_dump(mode="json"))
+        plugins = self.plugins
+        chosen: list[tuple[str, Resolved[Any] | None]] = [
+            ("serializer", plugins.serializer), ("gpu_connector", plugins.gpu_connector),
+            ("lazy_offload_policy", plugins.offload_policy)]
+        for i, tier in enumerate(plugins.tiers):
+            chosen += [(f"tiers.{i}", tier.backend), (f"tiers.{i}.eviction", tier.eviction)]
+        for path, resolved in chosen:
+            if resolved is not None:
+                _set_path(data, [*path.split("."), "options"],
+                          resolved.options.model_dump(mode="json"))
         return redact_value(data)
 
 
 # -- plugin resolution -------------------------------------------------------
 
-def resolve_plugin(kind: str, ref: PluginRef, path: str, manager: Any = None,
-                   sources: Mapping[str, str] | None = None) -> tuple[type, PluginOptions]:
-    """The class ``ref`` names and its validated options; ConfigError on anything off."""
+def resolve_plugins(config: LMKVConfig, manager: PluginManager | None = None
+                    ) -> ResolvedPlugins:
+    """Resolve every plugin ``config`` names, in one step: ConfigError with one line per
+    bad reference (key, value, what is allowed) when any is off."""
     from lmkv.plugins.manager import get_plugin_manager
 
     manager = manager or get_plugin_manager()
-    try:
-        cls = manager.get(kind, ref.type)
-    except UnknownPluginError as exc:
-        raise ConfigError(f"{path}.type = {ref.type!r}: {exc}") from None
-    try:
-        options = cls.Options.model_validate(ref.options)
-    except ValidationError as exc:
-        raise ConfigError(_format_errors(exc, f"{path}.options", sources or {},
-                                         cls.Options)) from None
-    return cls, options
+    resolver = _Resolver(config._sources)
+    tiers = tuple(
+        ResolvedTier(resolver.resolve(manager.storage_backend, tier, f"tiers.{i}"),
+                     resolver.resolve(manager.eviction_policy, tier.eviction,
+                                      f"tiers.{i}.eviction"))
+        for i, tier in enumerate(config.tiers))
+    serializer = resolver.resolve(manager.serializer, config.serializer, "serializer")
+    connector = None if config.gpu_connector is None else \
+        resolver.resolve(manager.gpu_connector, config.gpu_connector, "gpu_connector")
+    offload = resolver.resolve(manager.offload_policy, config.lazy_offload_policy,
+                               "lazy_offload_policy")
+    if resolver.errors:
+        raise ConfigError("\n".join(resolver.errors))
+    return ResolvedPlugins(tiers, serializer, offload, connector)
 
 
-def validate_plugins(config: LMKVConfig, manager: Any = None) -> None:
-    lines = []
-    for path, kind, ref in config.plugin_refs():
+def resolve_gpu_connector(config: LMKVConfig, default: PluginRef) -> Resolved[GPUConnector]:
+    """The GPU connector ``config`` selects, else ``default`` (the integration's own
+    choice, which may carry options only known at run time), resolved the same way."""
+    if config.plugins.gpu_connector is not None:
+        return config.plugins.gpu_connector
+    from lmkv.plugins.manager import get_plugin_manager
+
+    manager = get_plugin_manager()
+    resolver = _Resolver(config._sources)
+    resolved = resolver.resolve(manager.gpu_connector, default, "gpu_connector")
+    if resolver.errors:
+        raise ConfigError("\n".join(resolver.errors))
+    return resolved
+
+
+class _Resolver:
+    """Collects every bad reference, so one run reports all of them."""
+
+    def __init__(self, sources: Mapping[str, str]) -> None:
+        self.sources = sources
+        self.errors: list[str] = []
+
+    def resolve(self, lookup: Callable[[str], type[P]], ref: PluginRef, path: str
+                ) -> Resolved[P]:
         try:
-            resolve_plugin(kind, ref, path, manager, config._sources)
-        except ConfigError as exc:
-            lines.append(str(exc))
-    if lines:
-        raise ConfigError("\n".join(lines))
+            cls = lookup(ref.type)
+        except UnknownPluginError as exc:
+            self.errors.append(f"{path}.type = {ref.type!r}: {exc}")
+            return _UNRESOLVED
+        options_model = cls.Options  # type: ignore[attr-defined]
+        try:
+            options = options_model.model_validate(ref.options)
+        except ValidationError as exc:
+            self.errors.append(_format_errors(exc, f"{path}.options", self.sources,
+                                              options_model))
+            return _UNRESOLVED
+        return Resolved(cls, options)
+
+
+# Stands in for a reference that failed, so the others are still checked.
+_UNRESOLVED: Resolved[Any] = Resolved(object, PluginOptions())
 
 
 # -- loading -----------------------------------------------------------------
@@ -216,11 +275,13 @@ def validate_plugins(config: LMKVConfig, manager: Any = None) -> None:
 def load_config(path: str | os.PathLike | None = None, *,
                 overrides: Mapping[str, Any] | None = None,
                 env: Mapping[str, str] | None = None,
-                check_plugins: bool = True) -> LMKVConfig:
+                plugin_manager: PluginManager | None = None) -> LMKVConfig:
     """Build the config from ``path``, ``LMKV_*`` env vars and dotted ``overrides``.
 
     ``overrides`` keys may carry the ``lmkv.`` prefix; ``lmkv.config_file``
-    names the file when ``path`` is not given (then ``LMKV_CONFIG``).
+    names the file when ``path`` is not given (then ``LMKV_CONFIG``). Every plugin
+    the config selects is resolved here (``LMKVConfig.plugins``), with
+    ``plugin_manager`` or else the process-wide one.
     """
     env = os.environ if env is None else env
     dotted = {_strip_prefix(k): v for k, v in (overrides or {}).items()}
@@ -248,8 +309,7 @@ def load_config(path: str | os.PathLike | None = None, *,
     except ValidationError as exc:
         raise ConfigError(_format_errors(exc, "", sources, LMKVConfig)) from None
     config._sources = sources
-    if check_plugins:
-        validate_plugins(config)
+    config._plugins = resolve_plugins(config, plugin_manager)
     return config
 
 

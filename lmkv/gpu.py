@@ -10,7 +10,7 @@ can be loaded into another.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,6 +47,14 @@ class ChunkSpan:
     buffer: torch.Tensor  # [layers, 2, end - start, kv_heads, head_dim]
 
 
+@dataclass(frozen=True)
+class ConnectorContext:
+    """What lmkv hands a GPU connector besides its options (``cls(options, context)``)."""
+
+    #: The engine's KV: layers, KV heads, head size, dtype.
+    spec: KVSpec
+
+
 class GPUConnector(Plugin, ABC):
     """Copies KV between engine memory and chunk buffers, many chunks per call.
 
@@ -63,9 +71,11 @@ class GPUConnector(Plugin, ABC):
     #: chunks can be copied in batch by batch as tiers deliver them.
     writes_in_place: bool = False
 
-    def __init__(self, options: PluginOptions | None, spec: KVSpec) -> None:
+    def __init__(self, options: PluginOptions | Mapping[str, Any] | None,
+                 context: ConnectorContext) -> None:
         self.options = self.parse_options(options)
-        self.spec = spec
+        self.context = context
+        self.spec = context.spec
 
     @abstractmethod
     def to_chunks(self, spans: Sequence[ChunkSpan], **kv: Any) -> None:

@@ -2,20 +2,31 @@
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
-from collections.abc import Hashable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from lmkv.plugins.base import NoOptions, Plugin, PluginOptions
 
 
+@dataclass(frozen=True)
+class EvictionContext:
+    """What lmkv hands an eviction policy besides its options (``cls(options, context)``)."""
+
+    #: The position in ``tiers`` of the tier this policy orders.
+    tier_index: int = 0
+
+
 class EvictionPolicy(Plugin, ABC):
     """Orders a tier's keys for eviction. The tier skips pinned or referenced
     entries, so a policy only ranks; it never decides what is safe to drop."""
 
-    def __init__(self, options: PluginOptions | None = None) -> None:
+    def __init__(self, options: PluginOptions | Mapping[str, Any] | None = None,
+                 context: EvictionContext | None = None) -> None:
         self.options = self.parse_options(options)
+        self.context = EvictionContext() if context is None else context
 
     @abstractmethod
     def on_insert(self, key: Hashable) -> None:
@@ -50,20 +61,35 @@ class OffloadItem:
     finished: bool = False
 
 
+@dataclass(frozen=True)
+class OffloadContext:
+    """What lmkv hands a lazy-offload policy besides its options (``cls(options, context)``)."""
+
+    #: Finished requests to wait for before offloading (``lazy_offload_threshold``).
+    threshold: int
+    #: Seconds, for policies that age requests (tests pass a fake clock).
+    clock: Callable[[], float] = time.monotonic
+
+    def __post_init__(self) -> None:
+        if isinstance(self.threshold, bool) or not isinstance(self.threshold, int) \
+                or self.threshold <= 0:
+            raise ValueError(f"threshold must be a positive integer, got {self.threshold!r}")
+
+
 class OffloadPolicy(Plugin, ABC):
     """Decides which finished requests' stores to submit, and when (lazy offload).
 
-    ``threshold`` and ``select_count`` come from the engine config keys
-    ``lazy_offload_threshold`` and ``lazy_offload_select_count``.
+    ``context.threshold`` is the engine config key ``lazy_offload_threshold``;
+    the ``count`` it pops is ``lazy_offload_select_count``.
     """
 
     Options = NoOptions
 
-    def __init__(self, options: PluginOptions | None = None, *, threshold: int) -> None:
-        if not isinstance(threshold, int) or threshold <= 0:
-            raise ValueError(f"threshold must be a positive integer, got {threshold!r}")
+    def __init__(self, options: PluginOptions | Mapping[str, Any] | None,
+                 context: OffloadContext) -> None:
         self.options = self.parse_options(options)
-        self.threshold = threshold
+        self.context = context
+        self.threshold = context.threshold
 
     @abstractmethod
     def add(self, meta: StoreMeta, block_hashes: Mapping[int, Any]) -> None:

@@ -14,15 +14,16 @@ from __future__ import annotations
 
 import struct
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import xxhash
 
 from lmkv.errors import CorruptFrameError
 from lmkv.memory import MAX_CHUNK_NDIM, Allocate, MemoryObj, shape_problem
-from lmkv.plugins.base import Plugin
+from lmkv.plugins.base import Plugin, PluginOptions
 from lmkv.tokens import CacheKey
 
 MAGIC = b"LMKV"
@@ -110,6 +111,16 @@ def verify_payload(header: FrameHeader, payload: memoryview) -> None:
         raise CorruptFrameError("frame payload checksum mismatch")
 
 
+@dataclass(frozen=True)
+class SerializerContext:
+    """What lmkv hands a serializer besides its options (``cls(options, context)``).
+
+    Empty today: a serializer needs nothing but its options. It exists so every
+    plugin kind is built the same way, and a field lmkv adds later never changes
+    a serializer's constructor.
+    """
+
+
 class Serializer(Plugin, ABC):
     """Turns a chunk buffer into a frame and back.
 
@@ -124,8 +135,10 @@ class Serializer(Plugin, ABC):
     #: ``verify_payload`` instead of calling ``deserialize``.
     raw_payload: bool = False
 
-    def __init__(self, options: object = None) -> None:
+    def __init__(self, options: PluginOptions | Mapping[str, Any] | None = None,
+                 context: SerializerContext | None = None) -> None:
         self.options = self.parse_options(options)
+        self.context = SerializerContext() if context is None else context
 
     @abstractmethod
     def serialize(self, obj: MemoryObj, key: CacheKey) -> list[bytes | memoryview]:

@@ -18,11 +18,13 @@ from typing import Any
 
 import torch
 
-from lmkv.backend import BackendContext, StorageBackend, done_future
-from lmkv.config import LMKVConfig, resolve_plugin
+from lmkv.backend import ArenaPlacement, BackendContext, StorageBackend, done_future
+from lmkv.config import LMKVConfig
 from lmkv.logutil import RateLimitedLog
 from lmkv.memory import MemoryObj, release, tensor_obj
+from lmkv.policy import EvictionContext
 from lmkv.prefetch import EventManager, PrefetchTask, WeightedSemaphore
+from lmkv.serde import SerializerContext
 from lmkv.tokens import CacheKey
 from lmkv.writethrough import WriteThrough
 
@@ -45,22 +47,24 @@ class StorageManager:
         self._closed = False
 
     @classmethod
-    def from_config(cls, config: LMKVConfig, plugin_manager: Any = None) -> StorageManager:
-        serializer_cls, serializer_opts = resolve_plugin(
-            "serializer", config.serializer, "serializer", plugin_manager)
+    def from_config(cls, config: LMKVConfig, *,
+                    arena: ArenaPlacement = ArenaPlacement.PRIVATE) -> StorageManager:
+        """The config's tiers, built from its resolved plugins. ``arena`` is where the
+        first tier that holds memory places its arena (the lmkv server asks for shared
+        memory); the other tiers' arenas stay private."""
+        plugins = config.plugins
         tiers: list[StorageBackend] = []
-        for i, tier in enumerate(config.tiers):
-            backend_cls, options = resolve_plugin(
-                "storage_backend", tier, f"tiers.{i}", plugin_manager)
-            policy_cls, policy_opts = resolve_plugin(
-                "eviction_policy", tier.eviction, f"tiers.{i}.eviction", plugin_manager)
+        memory_tier = next((i for i, t in enumerate(plugins.tiers)
+                            if t.backend.cls.holds_memory_objs), None)
+        for i, tier in enumerate(plugins.tiers):
             context = BackendContext(
-                serializer=serializer_cls(serializer_opts),
-                eviction_policy=policy_cls(policy_opts),
+                serializer=plugins.serializer.create(SerializerContext()),
+                eviction_policy=tier.eviction.create(EvictionContext(tier_index=i)),
                 allocate=lambda shape, dtype: allocate_from(tiers, shape, dtype),
                 tier_index=i,
+                arena=arena if i == memory_tier else ArenaPlacement.PRIVATE,
             )
-            tiers.append(backend_cls(options, context))
+            tiers.append(tier.backend.create(context))
         return cls(tiers, write_queue_chunks=config.write_through_queue_chunks)
 
     def set_chunk_bytes(self, chunk_bytes: int) -> None:

@@ -11,14 +11,15 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from lmkv.policy import OffloadItem, OffloadPolicy, StoreMeta
+from lmkv.plugins.base import PluginOptions
+from lmkv.policy import OffloadContext, OffloadItem, OffloadPolicy, StoreMeta
 
 
 class FIFOOffloadPolicy(OffloadPolicy):
     name = "FIFO"
 
-    def __init__(self, options: object = None, *, threshold: int) -> None:
-        super().__init__(options, threshold=threshold)
+    def __init__(self, options: PluginOptions | None, context: OffloadContext) -> None:
+        super().__init__(options, context)
         self._items: dict[str, OffloadItem] = {}  # insertion ordered
         self._ready = 0
 

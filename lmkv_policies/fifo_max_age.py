@@ -12,14 +12,12 @@ The engine asks the policy only on steps that schedule tokens, so "waited
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
 from typing import Annotated
 
 from pydantic import Field
 
 from lmkv.plugins.base import PluginOptions
-from lmkv.policy import OffloadItem
+from lmkv.policy import OffloadContext, OffloadItem
 from lmkv_policies.fifo import FIFOOffloadPolicy
 
 
@@ -32,10 +30,9 @@ class FIFOMaxAgeOffloadPolicy(FIFOOffloadPolicy):
     name = "FIFO_MAX_AGE"
     Options = MaxAgeOptions
 
-    def __init__(self, options: object = None, *, threshold: int,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        super().__init__(options, threshold=threshold)
-        self._clock = clock
+    def __init__(self, options: PluginOptions | None, context: OffloadContext) -> None:
+        super().__init__(options, context)
+        self._clock = context.clock
         self._finished_at: dict[str, float] = {}
 
     def mark_req_finished(self, req_id: str) -> None:

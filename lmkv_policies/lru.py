@@ -5,14 +5,16 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Hashable, Iterator
 
-from lmkv.policy import EvictionPolicy
+from lmkv.plugins.base import PluginOptions
+from lmkv.policy import EvictionContext, EvictionPolicy
 
 
 class LRUPolicy(EvictionPolicy):
     name = "lru"
 
-    def __init__(self, options: object = None) -> None:
-        super().__init__(options)
+    def __init__(self, options: PluginOptions | None = None,
+                 context: EvictionContext | None = None) -> None:
+        super().__init__(options, context)
         self._order: OrderedDict[Hashable, None] = OrderedDict()
 
     def on_insert(self, key: Hashable) -> None:

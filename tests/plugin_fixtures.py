@@ -29,8 +29,8 @@ class HelloBackend(CPUBackend):
 class NewestFirst(EvictionPolicy):
     name = "newest-first"
 
-    def __init__(self, options=None):
-        super().__init__(options)
+    def __init__(self, options=None, context=None):
+        super().__init__(options, context)
         self.keys = []
 
     def on_insert(self, key):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import lmkv.engines.connector as connector_module
-from lmkv import ConfigError, KVSpec, load_config
+from lmkv import ConfigError, ConnectorContext, KVSpec, load_config
 from lmkv.engines import Engine, open_engine, resolve_connector
 from lmkv.engines.local import LocalEngine
 from lmkv.engines.remote import RemoteEngine
@@ -67,21 +67,21 @@ def test_both_engines_have_the_protocols_methods_with_its_signatures(cls: type) 
 
 def test_the_connector_is_resolved_once_per_engine(monkeypatch) -> None:
     calls: list[str] = []
-    resolve = connector_module.resolve_plugin
+    resolve = connector_module.resolve_gpu_connector
 
-    def counting(kind, ref, path, *args, **kwargs):  # type: ignore[no-untyped-def]
-        calls.append(kind)
-        return resolve(kind, ref, path, *args, **kwargs)
+    def counting(config, default):  # type: ignore[no-untyped-def]
+        calls.append(default.type)
+        return resolve(config, default)
 
-    monkeypatch.setattr(connector_module, "resolve_plugin", counting)
+    monkeypatch.setattr(connector_module, "resolve_gpu_connector", counting)
     with open_engine(load_config(env={}), SPEC, model_name="m"):
         pass
-    assert calls == ["gpu_connector"]
+    assert calls == ["hf"]
 
 
 def test_a_given_connector_is_used_as_is(monkeypatch) -> None:
-    monkeypatch.setattr(connector_module, "resolve_plugin", None)  # never called
-    connector = HFConnector(None, SPEC)
+    monkeypatch.setattr(connector_module, "resolve_gpu_connector", None)  # never called
+    connector = HFConnector(None, ConnectorContext(SPEC))
     with open_engine(load_config(env={}), SPEC, model_name="m", connector=connector) as engine:
         assert engine.connector is connector
 

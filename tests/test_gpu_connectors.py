@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lmkv.gpu import ChunkSpan, KVSpec
+from lmkv.gpu import ChunkSpan, ConnectorContext, KVSpec
 from lmkv_backends.connectors.gpu_torch import HFConnector, PagedConnector, _pieces, _scatter
 
 L, H, D = 3, 2, 8
@@ -24,7 +24,7 @@ def reference_chunk(k: list[torch.Tensor], v: list[torch.Tensor], s: int, e: int
 @pytest.mark.parametrize("total,chunk", [(64, 16), (70, 16), (5, 16)])
 def test_hf_round_trip(total: int, chunk: int) -> None:
     kv = [(torch.randn(2, H, total, D), torch.randn(2, H, total, D)) for _ in range(L)]
-    conn = HFConnector(None, SPEC)
+    conn = HFConnector(None, ConnectorContext(SPEC))
     spans = spans_for(total, chunk)
     conn.to_chunks(spans, kv=kv, batch_index=1)
     ks = [k[1].transpose(0, 1) for k, _ in kv]
@@ -74,7 +74,7 @@ def test_paged_round_trip(layout: str, total: int, chunk: int, block: int) -> No
     n_req_blocks = -(-total // block)
     block_ids = torch.randperm(num_blocks)[:n_req_blocks].tolist()
     caches = make_paged(layout, num_blocks, block)
-    conn = PagedConnector(PagedConnector.Options(layout=layout), SPEC)
+    conn = PagedConnector(PagedConnector.Options(layout=layout), ConnectorContext(SPEC))
     spans = spans_for(total, chunk)
     conn.to_chunks(spans, kv_caches=caches, block_ids=block_ids)
     ks, vs = token_kv(caches, layout, block_ids, block, total)
@@ -100,10 +100,10 @@ def test_flash_and_cpu_layouts_exchange_kv() -> None:
     total, block = 48, 16
     flash = make_paged("flash", 4, block)
     spans = spans_for(total, 16)
-    PagedConnector(PagedConnector.Options(layout="flash"), SPEC).to_chunks(
+    PagedConnector(PagedConnector.Options(layout="flash"), ConnectorContext(SPEC)).to_chunks(
         spans, kv_caches=flash, block_ids=[2, 0, 1])
     cpu = [torch.zeros(4, H, block, 2 * D) for _ in range(L)]
-    PagedConnector(PagedConnector.Options(layout="cpu"), SPEC).from_chunks(
+    PagedConnector(PagedConnector.Options(layout="cpu"), ConnectorContext(SPEC)).from_chunks(
         spans, kv_caches=cpu, block_ids=[3, 1, 0])
     ks, vs = token_kv(flash, "flash", [2, 0, 1], block, total)
     ks2, vs2 = token_kv(cpu, "cpu", [3, 1, 0], block, total)
@@ -118,7 +118,7 @@ def test_paged_from_chunks_skips_tokens_the_engine_holds(layout: str, skip: int)
     block_ids = [5, 2, 7, 0, 3]
     src = make_paged(layout, num_blocks, block)
     spans = spans_for(total, 24)
-    conn = PagedConnector(PagedConnector.Options(layout=layout), SPEC)
+    conn = PagedConnector(PagedConnector.Options(layout=layout), ConnectorContext(SPEC))
     conn.to_chunks(spans, kv_caches=src, block_ids=block_ids)
     dst = [torch.zeros_like(c) for c in src]
     conn.from_chunks(spans, kv_caches=dst, block_ids=block_ids, skip_tokens=skip)
@@ -192,7 +192,7 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 def check_paged(layout: str, dtype: torch.dtype, total: int, chunk: int, block: int,
                 skip: int, table: str, contiguous: bool = True, tensor_ids: bool = False) -> None:
     spec = KVSpec(PAGED.num_layers, PAGED.num_kv_heads, PAGED.head_dim, dtype)
-    conn = PagedConnector(PagedConnector.Options(layout=layout), spec)
+    conn = PagedConnector(PagedConnector.Options(layout=layout), ConnectorContext(spec))
     n = -(-total // block)
     num_blocks = 2 * n + 3
     src_ids = block_table(table, n, num_blocks, seed=1)

@@ -360,3 +360,117 @@ def test_cli_lists_bad_plugins_and_a_cpu_config_still_works(bad_plugins: Path,
     cfg.write_text("tiers: [{type: cpu, options: {max_bytes: 1MiB}}]\n")
     check = run_cli("config", "check", str(cfg), env=env)
     assert check.returncode == 0, check.stderr
+
+
+# -- resolution once, at config load; one constructor shape --------------------
+
+def test_a_loaded_config_carries_its_plugins_resolved_and_typed() -> None:
+    from lmkv.config import load_config
+    from lmkv_backends.serde.naive import NaiveSerializer
+    from lmkv_policies.fifo import FIFOOffloadPolicy
+
+    config = load_config(env={}, overrides={
+        "lmkv.tiers": [{"type": "cpu", "options": {"max_bytes": "1MiB"}}],
+        "lmkv.gpu_connector": {"type": "paged", "options": {"layout": "cpu"}}})
+    plugins = config.plugins
+    (tier,) = plugins.tiers
+    assert tier.backend.cls is CPUBackend and tier.backend.options.max_bytes == 1 << 20
+    assert tier.eviction.cls is LRUPolicy
+    assert plugins.serializer.cls is NaiveSerializer
+    assert plugins.offload_policy.cls is FIFOOffloadPolicy
+    assert plugins.gpu_connector.options.layout == "cpu"
+
+
+def test_storage_is_built_from_the_resolved_plugins_without_a_second_look_up() -> None:
+    from lmkv.config import load_config
+    from lmkv.storage import StorageManager
+    from lmkv.testing.plugins import fresh_plugin_manager
+
+    config = load_config(env={}, overrides={
+        "lmkv.tiers": [{"type": "cpu", "options": {"max_bytes": "1MiB"}}]})
+    with fresh_plugin_manager(load_entry_points=False):  # no plugin is known by name now
+        storage = StorageManager.from_config(config)
+    try:
+        (tier,) = storage.tiers
+        assert isinstance(tier, CPUBackend) and isinstance(tier.policy, LRUPolicy)
+        assert tier.context.tier_index == 0
+    finally:
+        storage.close()
+
+
+def test_every_bad_reference_of_a_config_is_one_line_and_all_are_reported() -> None:
+    from lmkv.config import load_config
+    from lmkv.errors import ConfigError
+
+    with pytest.raises(ConfigError) as info:
+        load_config(env={}, overrides={"lmkv.tiers.0.eviction": "nope",
+                                       "lmkv.serializer": {"type": "naive",
+                                                           "options": {"level": 3}}})
+    lines = str(info.value).splitlines()
+    assert len(lines) == 2
+    assert lines[0].startswith("tiers.0.eviction.type = 'nope': unknown eviction policy 'nope'")
+    assert lines[1].startswith("config key 'serializer.options.level'")
+
+
+def test_a_bad_plugin_only_fails_the_config_that_selects_it(bad_plugins: Path) -> None:
+    from lmkv.config import load_config
+    from lmkv.errors import ConfigError
+    from lmkv.testing.plugins import fresh_plugin_manager
+
+    with fresh_plugin_manager():
+        cpu = load_config(env={}, overrides={"lmkv.tiers.0.options.max_bytes": "1MiB"})
+        assert cpu.plugins.tiers[0].backend.cls is CPUBackend
+        with pytest.raises(ConfigError) as info:
+            load_config(env={}, overrides={"lmkv.serializer": "big"})
+    (line,) = str(info.value).splitlines()
+    assert "unknown serializer 'big'" in line and "lmkv-bigid" in line
+
+
+def _context_for(kind: str) -> object:
+    import torch
+
+    from lmkv.backend import BackendContext
+    from lmkv.gpu import ConnectorContext, KVSpec
+    from lmkv.policy import EvictionContext, OffloadContext
+    from lmkv.serde import SerializerContext
+    from lmkv_backends.serde.naive import NaiveSerializer
+
+    return {
+        "storage_backend": BackendContext(serializer=NaiveSerializer(),
+                                          eviction_policy=LRUPolicy()),
+        "eviction_policy": EvictionContext(tier_index=1),
+        "offload_policy": OffloadContext(threshold=3),
+        "serializer": SerializerContext(),
+        "gpu_connector": ConnectorContext(KVSpec(2, 2, 8, torch.float32)),
+    }[kind]
+
+
+# Options every built-in needs to open without side effects outside the test.
+_OPTIONS = {("storage_backend", "cpu"): {"max_bytes": "1MiB"},
+            ("storage_backend", "fs"): {"url": "{tmp}/fs"},
+            ("storage_backend", "redis"): {"url": "redis://127.0.0.1:1"}}
+
+
+def test_every_installed_plugin_is_built_as_cls_options_context(tmp_path: Path) -> None:
+    manager = PluginManager()
+    manager.load_entry_points()
+    built = []
+    for entry in manager.registry.entries():
+        raw = {k: v.format(tmp=tmp_path) for k, v in
+               _OPTIONS.get((entry.kind, entry.name), {}).items()}
+        context = _context_for(entry.kind)
+        plugin = entry.cls(entry.cls.Options.model_validate(raw), context)
+        assert plugin.context is context
+        assert isinstance(plugin.options, entry.cls.Options)
+        built.append((entry.kind, entry.name))
+        if hasattr(plugin, "close"):
+            plugin.close()
+    assert {k for k, _ in built} == set(KINDS)
+
+
+def test_a_bad_offload_threshold_is_refused_by_its_context() -> None:
+    from lmkv.policy import OffloadContext
+
+    for bad in (0, -1, True, 1.5):
+        with pytest.raises(ValueError, match="threshold must be a positive integer"):
+            OffloadContext(threshold=bad)

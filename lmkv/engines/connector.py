@@ -8,9 +8,9 @@ connector that takes another, before any engine is opened.
 
 from __future__ import annotations
 
-from lmkv.config import LMKVConfig, PluginRef, resolve_plugin
+from lmkv.config import LMKVConfig, PluginRef, resolve_gpu_connector
 from lmkv.errors import ConfigError
-from lmkv.gpu import GPUConnector, KVSpec
+from lmkv.gpu import ConnectorContext, GPUConnector, KVSpec
 
 # What a caller that needs each kind of KV serves, for the error line.
 SERVES = {"hf": "a transformers model", "paged": "vLLM's paged KV caches"}
@@ -22,9 +22,7 @@ def resolve_connector(config: LMKVConfig, spec: KVSpec, *,
     """The GPU connector for ``spec``: ``config.gpu_connector``, else ``default``."""
     if isinstance(default, str):
         default = PluginRef(type=default)
-    ref = config.gpu_connector or default
-    connector_cls, options = resolve_plugin("gpu_connector", ref, "gpu_connector")
-    connector = connector_cls(options, spec)
+    connector = resolve_gpu_connector(config, default).create(ConnectorContext(spec))
     if engine_kind is not None and connector.engine_kind != engine_kind:
         raise ConfigError(
             f"gpu_connector = {connector.name!r}: cannot serve "

@@ -22,6 +22,12 @@ Hooks (see ``lmkv.plugins.hookspecs``): ``lmkv_storage_backends``,
 ``lmkv_eviction_policies``, ``lmkv_offload_policies``, ``lmkv_serializers``,
 ``lmkv_gpu_connectors``. Each class declares ``name`` and an ``Options``
 pydantic model (subclass ``lmkv.PluginOptions``; unknown keys are errors).
+lmkv builds every kind the same way, ``cls(options, context)``: validated
+options and a small frozen dataclass of what lmkv hands that kind
+(``BackendContext``, ``EvictionContext``, ``OffloadContext``,
+``SerializerContext``, ``ConnectorContext``). A config's plugins are resolved
+once, when it is loaded (``LMKVConfig.plugins``); ``PluginManager`` has one
+typed look-up per kind (``storage_backend(name)``, ...).
 
 ``LMKV_LOAD_PLUGINS=a,b`` loads only the named entry points (or
 distributions); ``LMKV_DISABLE_PLUGINS=a,b`` skips them. A plugin that fails

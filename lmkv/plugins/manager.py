@@ -11,12 +11,19 @@ import os
 import threading
 from dataclasses import dataclass
 from importlib.metadata import EntryPoint, entry_points
+from typing import TYPE_CHECKING, cast
 
 import pluggy
 
 from lmkv.errors import PluginError
 from lmkv.plugins import hookspecs
 from lmkv.plugins.registry import KINDS, LoadFailure, PluginSource, Registry
+
+if TYPE_CHECKING:
+    from lmkv.backend import StorageBackend
+    from lmkv.gpu import GPUConnector
+    from lmkv.policy import EvictionPolicy, OffloadPolicy
+    from lmkv.serde import Serializer
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +45,8 @@ class SkippedPlugin:
 
 
 class PluginManager:
-    """Typed front of pluggy: callers never touch ``pm.hook`` directly."""
+    """Typed front of pluggy: callers never touch ``pm.hook`` directly, and look a
+    plugin up through one typed method per kind (``storage_backend(name)``, ...)."""
 
     def __init__(self) -> None:
         self._pm = pluggy.PluginManager(hookspecs.PROJECT)
@@ -121,23 +129,21 @@ class PluginManager:
                 registry.add_all(kind.key, classes, source)
         return registry
 
-    def get(self, kind: str, name: str) -> type:
-        return self.registry.get(kind, name)
+    # -- one typed method per kind (an unknown name raises UnknownPluginError) --
+    def storage_backend(self, name: str) -> type[StorageBackend]:
+        return cast("type[StorageBackend]", self.registry.get("storage_backend", name))
 
-    def storage_backend(self, name: str) -> type:
-        return self.get("storage_backend", name)
+    def eviction_policy(self, name: str) -> type[EvictionPolicy]:
+        return cast("type[EvictionPolicy]", self.registry.get("eviction_policy", name))
 
-    def eviction_policy(self, name: str) -> type:
-        return self.get("eviction_policy", name)
+    def offload_policy(self, name: str) -> type[OffloadPolicy]:
+        return cast("type[OffloadPolicy]", self.registry.get("offload_policy", name))
 
-    def offload_policy(self, name: str) -> type:
-        return self.get("offload_policy", name)
+    def serializer(self, name: str) -> type[Serializer]:
+        return cast("type[Serializer]", self.registry.get("serializer", name))
 
-    def serializer(self, name: str) -> type:
-        return self.get("serializer", name)
-
-    def gpu_connector(self, name: str) -> type:
-        return self.get("gpu_connector", name)
+    def gpu_connector(self, name: str) -> type[GPUConnector]:
+        return cast("type[GPUConnector]", self.registry.get("gpu_connector", name))
 
 
 def _source_of(ep: EntryPoint) -> PluginSource:

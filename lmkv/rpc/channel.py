@@ -52,7 +52,6 @@ class Channel:
         self.context = context or zmq.Context.instance()
         self._socket: zmq.Socket | None = None
         self.down = False
-        self.resets = 0
 
     def request(self, message: p.Request, parts: Sequence[Any] = (), timeout_ms: int = 500
                 ) -> tuple[p.AnyReply, list[zmq.Frame]] | Failure:
@@ -118,7 +117,6 @@ class Channel:
         if self._socket is not None:
             self._socket.close(linger=0)
             self._socket = None
-            self.resets += 1
 
     def close(self) -> None:
         self.reset()

@@ -1,13 +1,13 @@
 """``python -m lmkv.server`` (and ``lmkv server``): options, start-up and shutdown.
 
 Start-up opens the tiers of the config. The first tier that holds memory (the
-cpu tier) gets ``shared_memory: true`` unless the config says otherwise, so
-clients on this machine copy chunks straight into and out of its arena; when
-no segment can be made (no room in /dev/shm) the server warns and serves the
-inline data path only. SIGTERM or SIGINT stops serving, releases what
-clients held, waits for queued lower-tier stores, logs the final tier figures,
-closes the tiers (unlinking the segment) and exits 0. A second signal cuts the
-wait short.
+cpu tier) is asked to place its arena in shared memory (``ArenaPlacement.SHARED``)
+unless its config sets ``shared_memory: false``, so clients on this machine copy
+chunks straight into and out of it; when no segment can be made (no room in
+/dev/shm) the tier warns and the server serves the inline data path only.
+SIGTERM or SIGINT stops serving, releases what clients held, waits for queued
+lower-tier stores, logs the final tier figures, closes the tiers (unlinking the
+segment) and exits 0. A second signal cuts the wait short.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import logging
 import os
 import signal
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from lmkv.errors import run_reporting_errors
 from lmkv.logutil import LOG_LEVELS
@@ -120,35 +120,12 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def build_storage(config: LMKVConfig) -> StorageManager:
-    """The config's tiers, with the memory tier's arena in shared memory when possible."""
-    from lmkv.memory.shm import SharedMemoryUnavailable
+    """The config's tiers, the first memory tier's arena in shared memory where it can
+    be (the config is never edited: the tier honours the placement it is handed)."""
+    from lmkv.backend import ArenaPlacement
     from lmkv.storage import StorageManager
 
-    auto = _enable_shared_memory(config)
-    try:
-        return StorageManager.from_config(config)
-    except SharedMemoryUnavailable as exc:
-        if auto is None:
-            raise
-        logger.warning("lmkv server: %s; clients use the inline data path", exc)
-        auto["shared_memory"] = False
-        return StorageManager.from_config(config)
-
-
-def _enable_shared_memory(config: LMKVConfig) -> dict[str, Any] | None:
-    """Turn on ``shared_memory`` for the first memory tier when its options have it
-    and the config leaves it unset; returns that tier's options when it did."""
-    from lmkv.config import resolve_plugin
-
-    for i, tier in enumerate(config.tiers):
-        cls, _ = resolve_plugin("storage_backend", tier, f"tiers.{i}")
-        if cls.holds_memory_objs:
-            if "shared_memory" in cls.Options.model_fields and \
-                    "shared_memory" not in tier.options:
-                tier.options["shared_memory"] = True
-                return tier.options
-            return None
-    return None
+    return StorageManager.from_config(config, arena=ArenaPlacement.SHARED)
 
 
 def endpoint_of(host: str, port: int) -> str:

@@ -18,8 +18,9 @@ import torch
 from pydantic import ByteSize, Field, model_validator
 from pydantic_core import PydanticCustomError
 
-from lmkv.backend import BackendContext, StorageBackend, done_future
+from lmkv.backend import ArenaPlacement, BackendContext, StorageBackend, done_future
 from lmkv.memory import MemoryAllocator, MemoryObj, nbytes_of
+from lmkv.memory.shm import SharedMemoryUnavailable, SharedSegment
 from lmkv.plugins.base import PluginOptions
 from lmkv.tokens import CacheKey
 from lmkv.units import ByteCount
@@ -32,9 +33,11 @@ class CPUOptions(PluginOptions):
     """Hard budget of the arena, e.g. ``512MiB`` or ``8GiB``."""
     pin_memory: bool | None = None
     """Page-locked arena for fast GPU copies; default: when CUDA is available."""
-    shared_memory: bool = False
+    shared_memory: bool | None = None
     """Place the arena in a named shared-memory segment that other processes on this
-    machine map (the ``lmkv server``); the arena is then not page-locked."""
+    machine map; the arena is then not page-locked. Default: where the process asks
+    for it (the ``lmkv server`` does, for its first memory tier, and falls back to
+    private memory when no segment can be made); true: a segment or an error."""
     huge_pages: bool = False
     """Advise transparent huge pages for the arena (not page-locked, not shared):
     copies of large chunks out of it run faster (fewer TLB misses), first touches
@@ -85,16 +88,14 @@ class CPUBackend(StorageBackend):
     Options = CPUOptions
     holds_memory_objs = True
 
-    def __init__(self, options: CPUOptions, context: BackendContext) -> None:
+    def __init__(self, options: CPUOptions | None = None,
+                 context: BackendContext | None = None) -> None:
         super().__init__(options, context)
+        options, context = self.options, self.context
         if context.eviction_policy is None:
             raise ValueError("the cpu tier needs an eviction policy")
         self.policy = context.eviction_policy
-        self.shared_segment = None
-        if options.shared_memory:
-            from lmkv.memory.shm import SharedSegment
-
-            self.shared_segment = SharedSegment.create(int(options.max_bytes))
+        self.shared_segment = self._shared_segment(options, context.arena)
         self.allocator = MemoryAllocator(
             int(options.max_bytes), pin_memory=options.pin_memory,
             buffer=self.shared_segment.tensor if self.shared_segment else None,
@@ -102,6 +103,23 @@ class CPUBackend(StorageBackend):
         self._entries: dict[CacheKey, MemoryObj] = {}
         self._lock = threading.Lock()
         self._stored_bytes = 0
+
+    @staticmethod
+    def _shared_segment(options: CPUOptions, arena: ArenaPlacement) -> SharedSegment | None:
+        """The segment the arena goes in: what ``shared_memory`` says, else what the
+        process asks (``arena``); a segment it only asked for is given up with a warning
+        when it cannot be made."""
+        if options.shared_memory is False or (
+                options.shared_memory is None and arena is not ArenaPlacement.SHARED):
+            return None
+        try:
+            return SharedSegment.create(int(options.max_bytes))
+        except SharedMemoryUnavailable as exc:
+            if options.shared_memory:
+                raise
+            logger.warning("lmkv cpu tier: %s; the arena stays in private memory, so "
+                           "clients of the lmkv server cannot map it", exc)
+            return None
 
     @property
     def capacity_bytes(self) -> int:

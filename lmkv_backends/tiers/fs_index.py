@@ -68,13 +68,6 @@ class EntryIndex:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def __contains__(self, key: CacheKey) -> bool:
-        return key in self._entries
-
-    def keys(self) -> list[CacheKey]:
-        with self._lock:
-            return list(self._entries)
-
     # -- lookups -------------------------------------------------------------
     def lookup(self, key: CacheKey, pin: bool = False) -> bool:
         with self._lock:

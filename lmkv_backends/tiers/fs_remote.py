@@ -61,10 +61,6 @@ class Breaker:
             with self._lock:
                 self._backoff = self._until = 0.0
 
-    @property
-    def down(self) -> bool:
-        return bool(self._backoff)
-
 
 class RemoteStore:
     """Objects under ``root`` of an fsspec filesystem; every method may raise."""

@@ -125,7 +125,7 @@ def _scheduler_and_worker(tmp_path, **keys):  # type: ignore[no-untyped-def]
     import torch
 
     from lmkv.engines.local import LocalEngine
-    from lmkv.gpu import KVSpec
+    from lmkv.gpu import ConnectorContext, KVSpec
     from lmkv.integrations.vllm.scheduler import SchedulerSide
     from lmkv.lookup.responder import LookupResponder
     from lmkv.lookup.sockets import LookupEndpoints
@@ -135,8 +135,8 @@ def _scheduler_and_worker(tmp_path, **keys):  # type: ignore[no-untyped-def]
     config = load_config(overrides={"lmkv.chunk_size": 16,
                                     "lmkv.lookup.runtime_dir": str(tmp_path), **keys})
     spec = KVSpec(2, 2, 8, torch.float32)
-    engine = LocalEngine(config, spec, model_name="m",
-                         connector=PagedConnector(PagedOptions(layout="cpu"), spec),
+    connector = PagedConnector(PagedOptions(layout="cpu"), ConnectorContext(spec))
+    engine = LocalEngine(config, spec, model_name="m", connector=connector,
                          storage=StorageManager.from_config(config))
     server = LookupResponder.for_rank(
         engine, LookupEndpoints.from_config(config.lookup, "e2", 1), 0)

@@ -6,6 +6,7 @@ import pytest
 
 from lmkv.config import load_config
 from lmkv.errors import ConfigError
+from lmkv.policy import OffloadContext
 from lmkv_policies.fifo import FIFOOffloadPolicy
 
 
@@ -23,7 +24,7 @@ def fill(policy: FIFOOffloadPolicy, ids: list[str], finished: bool = True) -> No
 
 
 def test_only_finished_requests_are_popped() -> None:
-    policy = FIFOOffloadPolicy(threshold=1)
+    policy = FIFOOffloadPolicy(None, OffloadContext(threshold=1))
     fill(policy, ["a"], finished=False)
     fill(policy, ["b"])
     fill(policy, ["c"], finished=False)
@@ -33,7 +34,7 @@ def test_only_finished_requests_are_popped() -> None:
 
 
 def test_popped_items_leave_pending_set_and_ready_count() -> None:
-    policy = FIFOOffloadPolicy(threshold=1)
+    policy = FIFOOffloadPolicy(None, OffloadContext(threshold=1))
     fill(policy, ["a", "b"])
     assert policy.ready_count == 2
     policy.pop_items_for_offload(1)
@@ -43,14 +44,14 @@ def test_popped_items_leave_pending_set_and_ready_count() -> None:
 
 
 def test_threshold_1_select_2_pops_six_as_three_batches() -> None:
-    policy = FIFOOffloadPolicy(threshold=1)
+    policy = FIFOOffloadPolicy(None, OffloadContext(threshold=1))
     fill(policy, [f"r{i}" for i in range(6)])
     batches = [[i.req_id for i in policy.pop_items_for_offload(2)] for _ in range(4)]
     assert batches == [["r0", "r1"], ["r2", "r3"], ["r4", "r5"], []]
 
 
 def test_threshold_20_select_10_needs_ten_more_finishes() -> None:
-    policy = FIFOOffloadPolicy(threshold=20)
+    policy = FIFOOffloadPolicy(None, OffloadContext(threshold=20))
     fill(policy, [f"r{i}" for i in range(19)])
     assert policy.pop_items_for_offload(10) == []
     fill(policy, ["r19"])
@@ -64,7 +65,7 @@ def test_threshold_20_select_10_needs_ten_more_finishes() -> None:
 
 @pytest.mark.parametrize("count", [0, -1])
 def test_non_positive_count_returns_nothing(count: int) -> None:
-    policy = FIFOOffloadPolicy(threshold=1)
+    policy = FIFOOffloadPolicy(None, OffloadContext(threshold=1))
     fill(policy, ["a"])
     assert policy.pop_items_for_offload(count) == []
     assert policy.ready_count == 1
@@ -72,11 +73,11 @@ def test_non_positive_count_returns_nothing(count: int) -> None:
 
 def test_unknown_request_raises_value_error() -> None:
     with pytest.raises(ValueError, match="nope"):
-        FIFOOffloadPolicy(threshold=1).mark_req_finished("nope")
+        FIFOOffloadPolicy(None, OffloadContext(threshold=1)).mark_req_finished("nope")
 
 
 def test_steps_of_one_request_aggregate_into_one_item() -> None:
-    policy = FIFOOffloadPolicy(threshold=1)
+    policy = FIFOOffloadPolicy(None, OffloadContext(threshold=1))
     policy.add(Meta("a", 0), {1: "h1", 2: "h2"})
     policy.add(Meta("b", 0), {5: "h5"})
     policy.add(Meta("a", 1), {3: "h3"})
@@ -89,7 +90,7 @@ def test_steps_of_one_request_aggregate_into_one_item() -> None:
 
 
 def test_finishing_twice_counts_once() -> None:
-    policy = FIFOOffloadPolicy(threshold=2)
+    policy = FIFOOffloadPolicy(None, OffloadContext(threshold=2))
     fill(policy, ["a"])
     policy.mark_req_finished("a")
     assert policy.ready_count == 1
@@ -98,7 +99,7 @@ def test_finishing_twice_counts_once() -> None:
 @pytest.mark.parametrize("bad", [0, -5, "x"])
 def test_threshold_must_be_a_positive_integer(bad) -> None:
     with pytest.raises(ValueError):
-        FIFOOffloadPolicy(threshold=bad)
+        FIFOOffloadPolicy(None, OffloadContext(threshold=bad))
 
 
 def test_config_validation_of_the_lazy_offload_keys() -> None:

@@ -3,6 +3,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lmkv.config import load_config
+from lmkv.policy import OffloadContext
 from lmkv_policies.fifo_max_age import FIFOMaxAgeOffloadPolicy
 
 
@@ -27,7 +28,7 @@ def finish(policy, *ids: str) -> None:
 
 def test_behaves_like_fifo_at_the_threshold() -> None:
     clock = Clock()
-    policy = FIFOMaxAgeOffloadPolicy({"max_age_s": 5}, threshold=2, clock=clock)
+    policy = FIFOMaxAgeOffloadPolicy({"max_age_s": 5}, OffloadContext(threshold=2, clock=clock))
     finish(policy, "a")
     assert policy.pop_items_for_offload(10) == []
     finish(policy, "b")
@@ -36,7 +37,7 @@ def test_behaves_like_fifo_at_the_threshold() -> None:
 
 def test_flushes_requests_below_the_threshold_once_they_are_old() -> None:
     clock = Clock()
-    policy = FIFOMaxAgeOffloadPolicy({"max_age_s": 5}, threshold=100, clock=clock)
+    policy = FIFOMaxAgeOffloadPolicy({"max_age_s": 5}, OffloadContext(threshold=100, clock=clock))
     finish(policy, "a", "b")
     policy.add(Meta("running"), {})
     clock.now += 4.9
@@ -50,7 +51,7 @@ def test_flushes_requests_below_the_threshold_once_they_are_old() -> None:
 
 def test_age_counts_from_the_oldest_remaining_finish() -> None:
     clock = Clock()
-    policy = FIFOMaxAgeOffloadPolicy({"max_age_s": 5}, threshold=100, clock=clock)
+    policy = FIFOMaxAgeOffloadPolicy({"max_age_s": 5}, OffloadContext(threshold=100, clock=clock))
     finish(policy, "a")
     clock.now += 6
     finish(policy, "b")

@@ -9,8 +9,8 @@ import pytest
 from lmkv.config import load_config
 from lmkv.errors import LMKVError
 from lmkv.server.main import (
-    _enable_shared_memory,
     add_server_arguments,
+    build_storage,
     endpoint_of,
     listen_endpoint,
 )
@@ -48,15 +48,40 @@ def test_sizes_and_times_are_parsed_and_checked(capsys) -> None:
         assert bad[1] in capsys.readouterr().err
 
 
-def test_the_memory_tier_gets_shared_memory_unless_the_config_says_otherwise(tmp_path) -> None:
-    config = load_config(overrides={"tiers": [{"type": "cpu"}, {"type": "cpu"}]})
-    assert _enable_shared_memory(config) is config.tiers[0].options
-    assert config.tiers[0].options == {"shared_memory": True}
-    assert config.tiers[1].options == {}
-    explicit = load_config(overrides={"tiers": [{"type": "cpu",
-                                                  "options": {"shared_memory": False}}]})
-    assert _enable_shared_memory(explicit) is None
-    assert explicit.tiers[0].options == {"shared_memory": False}
+def test_the_memory_tier_gets_shared_memory_unless_the_config_says_otherwise() -> None:
+    tiers = [{"type": "cpu", "options": {"max_bytes": "1MiB"}}] * 2
+    config = load_config(env={}, overrides={"tiers": tiers})
+    storage = build_storage(config)
+    try:
+        first, second = storage.tiers
+        assert first.shared_segment is not None and second.shared_segment is None
+        assert [t.options for t in config.tiers] == [{"max_bytes": "1MiB"}] * 2  # not edited
+    finally:
+        storage.close()
+    explicit = load_config(env={}, overrides={"tiers": [
+        {"type": "cpu", "options": {"max_bytes": "1MiB", "shared_memory": False}}]})
+    storage = build_storage(explicit)
+    try:
+        assert storage.tiers[0].shared_segment is None
+    finally:
+        storage.close()
+
+
+def test_without_room_for_a_segment_the_server_keeps_a_private_arena(monkeypatch,
+                                                                      caplog) -> None:
+    monkeypatch.setattr("lmkv.memory.shm._free_shm_bytes", lambda: 0)
+    config = load_config(env={}, overrides={"tiers": [{"type": "cpu",
+                                                       "options": {"max_bytes": "1MiB"}}]})
+    storage = build_storage(config)
+    try:
+        assert storage.tiers[0].shared_segment is None
+        assert "the arena stays in private memory" in caplog.text
+    finally:
+        storage.close()
+    demanded = load_config(env={}, overrides={"tiers": [
+        {"type": "cpu", "options": {"max_bytes": "1MiB", "shared_memory": True}}]})
+    with pytest.raises(LMKVError, match="shared memory"):
+        build_storage(demanded)
 
 
 def _wait_for(path, text: str, proc, timeout_s: float = 90.0) -> str:

@@ -11,7 +11,7 @@ import torch
 from lmkv.config import load_config
 from lmkv.engines import open_engine
 from lmkv.engines.remote import RemoteEngine
-from lmkv.gpu import KVSpec
+from lmkv.gpu import ConnectorContext, KVSpec
 from lmkv.tokens import prefix_hashes
 from lmkv_backends.connectors.gpu_torch import HFConnector, PagedConnector, PagedOptions
 from tests.server.procs import free_port, start_server
@@ -28,8 +28,8 @@ def config(server, data_path: str = "auto", **extra):
 
 
 def paged_engine(cfg) -> RemoteEngine:
-    engine = open_engine(cfg, SPEC, model_name="remote-test",
-                         connector=PagedConnector(PagedOptions(layout="cpu"), SPEC))
+    connector = PagedConnector(PagedOptions(layout="cpu"), ConnectorContext(SPEC))
+    engine = open_engine(cfg, SPEC, model_name="remote-test", connector=connector)
     assert isinstance(engine, RemoteEngine)
     return engine
 

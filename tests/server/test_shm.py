@@ -1,4 +1,5 @@
-"""The shared-memory arena: the cpu tier's option, the allocator's buffer, attaching."""
+"""The shared-memory arena: the cpu tier's option and placement, the allocator's buffer,
+attaching."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from lmkv.backend import BackendContext
+from lmkv.backend import ArenaPlacement, BackendContext
 from lmkv.memory import MemoryAllocator
 from lmkv.memory.shm import SharedMemoryUnavailable, SharedSegment
 from lmkv_backends.tiers.cpu import CPUBackend
@@ -37,6 +38,21 @@ def test_the_default_cpu_tier_has_no_segment() -> None:
                       BackendContext(eviction_policy=LRUPolicy()))
     assert tier.shared_segment is None
     tier.close()
+
+
+def test_the_cpu_tier_honours_the_arena_placement_it_is_handed() -> None:
+    shared = BackendContext(eviction_policy=LRUPolicy(), arena=ArenaPlacement.SHARED)
+    tier = CPUBackend(CPUBackend.Options(max_bytes=1 << 20), shared)
+    assert tier.shared_segment is not None and tier.shared_segment.name in lmkv_segments()
+    tier.close()
+    # the tier's own option wins over the placement, either way
+    private = CPUBackend(CPUBackend.Options(max_bytes=1 << 20, shared_memory=False), shared)
+    assert private.shared_segment is None
+    private.close()
+    demanded = CPUBackend(CPUBackend.Options(max_bytes=1 << 20, shared_memory=True),
+                          BackendContext(eviction_policy=LRUPolicy()))
+    assert demanded.shared_segment is not None
+    demanded.close()
 
 
 def test_the_allocator_uses_a_given_buffer_and_checks_it() -> None:

@@ -23,13 +23,13 @@ def test_the_vllm_worker_opens_its_engine_through_open_engine(tmp_path, monkeypa
     from lmkv.integrations.vllm.worker import WorkerSide
 
     calls: list[tuple[str, dict]] = []
-    resolve = connector_module.resolve_plugin
+    resolve = connector_module.resolve_gpu_connector
 
-    def counting(kind, ref, path, *args, **kwargs):  # type: ignore[no-untyped-def]
-        calls.append((ref.type, dict(ref.options)))
-        return resolve(kind, ref, path, *args, **kwargs)
+    def counting(config, default):  # type: ignore[no-untyped-def]
+        calls.append((default.type, dict(default.options)))
+        return resolve(config, default)
 
-    monkeypatch.setattr(connector_module, "resolve_plugin", counting)
+    monkeypatch.setattr(connector_module, "resolve_gpu_connector", counting)
     config = load_config(env={}, overrides={"lmkv.chunk_size": 16,
                                             "lmkv.lookup.runtime_dir": str(tmp_path)})
     model = SimpleNamespace(model="m", get_head_size=lambda: 8, max_model_len=256)

@@ -15,8 +15,9 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from lmkv.config import LMKVConfig, resolve_plugin
+from lmkv.config import LMKVConfig
 from lmkv.integrations.vllm.specs import StoreSpec
+from lmkv.policy import OffloadContext
 
 logger = logging.getLogger(__name__)
 
@@ -24,9 +25,8 @@ logger = logging.getLogger(__name__)
 class LazyOffload:
     def __init__(self, config: LMKVConfig, *, block_size: int, world_size: int,
                  pool: Any = None, block_hash_of: Callable[[Any], Any] = lambda h: h) -> None:
-        cls, options = resolve_plugin("offload_policy", config.lazy_offload_policy,
-                                      "lazy_offload_policy")
-        self.policy = cls(options, threshold=config.lazy_offload_threshold)
+        self.policy = config.plugins.offload_policy.create(
+            OffloadContext(threshold=config.lazy_offload_threshold))
         self.select_count = config.lazy_offload_select_count
         self.block_size = block_size
         self.world_size = world_size

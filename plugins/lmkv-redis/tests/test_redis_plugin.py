@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 
 from lmkv import ConfigError, load_config
-from lmkv.config import validate_plugins
 from lmkv.plugins import PluginManager, get_plugin_manager
 from lmkv_redis import RedisBackend
 
@@ -64,9 +63,8 @@ def test_not_installed_the_error_says_pip_install() -> None:
     manager = PluginManager()  # sees lmkv's built-ins only, as without lmkv-redis installed
     manager.register(lmkv_backends.plugin, name="lmkv_backends")
     manager.register(lmkv_policies.plugin, name="lmkv_policies")
-    config = load_config(env={}, overrides={"lmkv.tiers.1.type": "redis"}, check_plugins=False)
     with pytest.raises(ConfigError) as err:
-        validate_plugins(config, manager)
+        load_config(env={}, overrides={"lmkv.tiers.1.type": "redis"}, plugin_manager=manager)
     assert "'redis' is provided by lmkv-redis: pip install lmkv-redis" in str(err.value)
 
 
