@@ -184,3 +184,11 @@ def test_lmkv_kernels_imports_torch_and_the_standard_library_only() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout
     assert eval(out) == ["lmkv_kernels", "lmkv_kernels.layouts", "lmkv_kernels.torch_ref"]
+
+
+def test_the_example_in_docs_kernels_md_runs() -> None:
+    import re
+
+    text = (ROOT / "docs" / "kernels.md").read_text()
+    (block,) = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    exec(compile(block, "docs/kernels.md", "exec"), {})
