@@ -80,7 +80,6 @@ def scatter_blocks(caches: Sequence[torch.Tensor], block_ids: BlockIds, chunks: 
             continue
         for layer, cache in enumerate(caches):  # layer by layer: reads in order
             chunk = src[layer]
-            blocks = as_blocks(cache, g.layout)
             for block, count, offset, length, t in pieces:
                 t0 = t - start
                 if cpu_rows and length == block_size and src.is_contiguous():
@@ -89,10 +88,11 @@ def scatter_blocks(caches: Sequence[torch.Tensor], block_ids: BlockIds, chunks: 
                     dst = cpu_rows[layer][block * block_rows:(block + count) * block_rows]
                     torch.index_select(chunk.view(-1, d), 0, index, out=dst)
                 elif count == 1:  # (the cheapest indexing: the common case)
-                    blocks[:, block, offset:offset + length].copy_(chunk[:, t0:t0 + length])
+                    part = chunk[:, t0:t0 + length]
+                    as_blocks(cache, g.layout)[:, block, offset:offset + length].copy_(part)
                 else:  # whole blocks (for flash, contiguous for K and for V: a memcpy)
                     part = chunk[:, t0:t0 + count * length].view(2, count, length, heads, d)
-                    blocks[:, block:block + count].copy_(part)
+                    as_blocks(cache, g.layout)[:, block:block + count].copy_(part)
 
 
 def _rows(caches: Sequence[torch.Tensor], g: PagedGeometry) -> list[torch.Tensor] | None:
