@@ -81,7 +81,8 @@ def _row(line: str) -> list[tuple[str, float, str]]:
 
 def run(tree: Path, script: str, args: list[str]) -> str:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [str(tree), str(tree / "plugins" / "lmkv-redis"), os.environ.get("PYTHONPATH", "")])}
+        [str(tree), str(tree / "kernels"), str(tree / "plugins" / "lmkv-redis"),
+         os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run([sys.executable, str(tree / script), *args], cwd=tree, env=env,
                           capture_output=True, text=True, timeout=3600)
     if done.returncode != 0:

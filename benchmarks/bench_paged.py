@@ -1,6 +1,7 @@
 """Paged connector: copies between vLLM-style paged caches and chunk buffers.
 
-``PagedConnector.to_chunks`` (store) and ``from_chunks`` (load) for 512, 2048
+``PagedConnector.to_chunks`` (store) and ``from_chunks`` (load), which run the
+``lmkv_kernels`` copies (``gather_blocks``/``scatter_blocks``), for 512, 2048
 and 4096 tokens of a small model (8 layers, 4 KV heads, head size 64, bf16:
 8 KiB a token), 256-token chunks, 128-token blocks (``--block``), in both cache
 layouts, with a block table of consecutive ids and one of shuffled ids. Each
@@ -26,7 +27,8 @@ import torch
 from _timing import best_of
 
 from lmkv.gpu import ChunkSpan, ConnectorContext, KVSpec
-from lmkv_backends.connectors.gpu_torch import PagedConnector
+from lmkv_backends.connectors.paged import PagedConnector
+from lmkv_kernels import geometry
 
 SPEC = KVSpec(num_layers=8, num_kv_heads=4, head_dim=64, dtype=torch.bfloat16)
 CHUNK = 256
@@ -54,8 +56,8 @@ def _runs_before(span: ChunkSpan, block_ids: Sequence[int], block_size: int):
 
 def to_chunks_before(conn: PagedConnector, spans: Sequence[ChunkSpan],
                      kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int]) -> None:
-    block_size = conn._validate(kv_caches, block_ids, max(s.end for s in spans))
-    flash, d = conn.options.layout == "flash", SPEC.head_dim
+    g = geometry(kv_caches[0])
+    block_size, flash, d = g.block_size, g.layout == "flash", SPEC.head_dim
     for span in spans:
         runs, buf = _runs_before(span, block_ids, block_size), span.buffer
         for layer, cache in enumerate(kv_caches):
@@ -70,8 +72,8 @@ def to_chunks_before(conn: PagedConnector, spans: Sequence[ChunkSpan],
 
 def from_chunks_before(conn: PagedConnector, spans: Sequence[ChunkSpan],
                        kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int]) -> None:
-    block_size = conn._validate(kv_caches, block_ids, max(s.end for s in spans))
-    flash, d = conn.options.layout == "flash", SPEC.head_dim
+    g = geometry(kv_caches[0])
+    block_size, flash, d = g.block_size, g.layout == "flash", SPEC.head_dim
     for span in spans:
         runs = _runs_before(span, block_ids, block_size)
         for layer, cache in enumerate(kv_caches):
@@ -114,7 +116,7 @@ def bench(layout: str, tokens: int, block: int, rounds: int) -> None:
 
     tables = {"consecutive": list(range(3, 3 + blocks)),
               "shuffled": random.Random(0).sample(range(2 * blocks), blocks)}
-    conn = PagedConnector(PagedConnector.Options(layout=layout), ConnectorContext(SPEC))
+    conn = PagedConnector(None, ConnectorContext(SPEC))
     print(f"\n[{layout} layout, {tokens} tokens, {nbytes / (1 << 20):.0f} MiB, "
           f"{block}-token blocks] ms (memcpy time / time)")
     for table_name, t in tables.items():

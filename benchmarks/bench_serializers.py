@@ -21,7 +21,7 @@ from lmkv.integrations import hf_model
 from lmkv.integrations.transformers import kv_spec_of
 from lmkv.memory import MemoryAllocator, tensor_obj
 from lmkv.tokens import CacheKey, KeyMeta
-from lmkv_backends.connectors.gpu_torch import HFConnector
+from lmkv_backends.connectors.hf import HFConnector
 from lmkv_backends.serde.int8 import Int8Serializer
 from lmkv_backends.serde.naive import NaiveSerializer
 from lmkv_backends.serde.zstd import ZstdSerializer

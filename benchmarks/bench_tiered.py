@@ -47,13 +47,13 @@ def main() -> None:
     args = parser.parse_args()
     root = tempfile.mkdtemp(prefix="lmkv-tiered-", dir=args.dir)
     config = load_config(env={}, overrides={
-        "lmkv.gpu_connector": {"type": "paged", "options": {"layout": "cpu"}},
+        "lmkv.gpu_connector": "paged",
         "lmkv.tiers": [{"type": "cpu", "options": {"max_bytes": "512MiB"}},
                        {"type": "fs", "options": {"url": root, "max_bytes": "1GiB"}}]})
     storage = StorageManager.from_config(config)
     cpu, fs = storage.tiers
     connector_cls = get_plugin_manager().gpu_connector("paged")
-    connector = connector_cls(connector_cls.Options(layout="cpu"), ConnectorContext(SPEC))
+    connector = connector_cls(None, ConnectorContext(SPEC))
     engine = LocalEngine(config, SPEC, model_name="bench", connector=connector, storage=storage)
 
     tokens = list(range(CHUNKS * CHUNK))

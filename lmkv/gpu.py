@@ -71,6 +71,16 @@ class GPUConnector(Plugin, ABC):
     #: chunks can be copied in batch by batch as tiers deliver them.
     writes_in_place: bool = False
 
+    @classmethod
+    def spec_from(cls, **kv: Any) -> KVSpec:
+        """The KV spec of engine state given as ``to_chunks`` takes it, for
+        integrations that learn it from the engine's own tensors (vLLM hands its
+        paged caches over, not their geometry). The connector reads its layout
+        there, so the decision is made in one place; connectors that cannot say
+        raise NotImplementedError."""
+        raise NotImplementedError(f"gpu_connector {cls.name!r} cannot read a KV spec from "
+                                  "the engine's tensors")
+
     def __init__(self, options: PluginOptions | Mapping[str, Any] | None,
                  context: ConnectorContext) -> None:
         self.options = self.parse_options(options)

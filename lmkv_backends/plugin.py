@@ -4,7 +4,8 @@
 from __future__ import annotations
 
 from lmkv.plugins import hookimpl
-from lmkv_backends.connectors.gpu_torch import HFConnector, PagedConnector
+from lmkv_backends.connectors.hf import HFConnector
+from lmkv_backends.connectors.paged import PagedConnector
 from lmkv_backends.serde.int8 import Int8Serializer
 from lmkv_backends.serde.naive import NaiveSerializer
 from lmkv_backends.serde.zstd import ZstdSerializer

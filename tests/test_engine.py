@@ -63,8 +63,7 @@ def test_save_partial_chunk() -> None:
 
 def test_paged_engine_round_trip_through_cpu_layout() -> None:
     config = load_config(env={}, overrides={
-        "lmkv.chunk_size": CHUNK, "lmkv.gpu_connector": {"type": "paged",
-                                                         "options": {"layout": "cpu"}}})
+        "lmkv.chunk_size": CHUNK, "lmkv.gpu_connector": "paged"})
     block = 16
     caches = [torch.randn(8, 2, block, 32).half() for _ in range(2)]
     with open_local_engine(config, SPEC, model_name="paged") as engine:
@@ -174,8 +173,7 @@ def test_prefetch_by_hashes_computed_elsewhere() -> None:
 
 def test_paged_retrieve_streams_across_tiers() -> None:
     config = load_config(env={}, overrides={
-        "lmkv.chunk_size": 16, "lmkv.gpu_connector": {"type": "paged",
-                                                       "options": {"layout": "cpu"}},
+        "lmkv.chunk_size": 16, "lmkv.gpu_connector": "paged",
         "lmkv.tiers": [{"type": "cpu", "options": {"max_bytes": "1MiB"}},
                        {"type": "cpu", "options": {"max_bytes": "1MiB"}}]})
     caches = [torch.randn(8, 2, 16, 32).half() for _ in range(2)]

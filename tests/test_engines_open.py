@@ -13,7 +13,8 @@ from lmkv import ConfigError, ConnectorContext, KVSpec, load_config
 from lmkv.engines import Engine, open_engine, resolve_connector
 from lmkv.engines.local import LocalEngine
 from lmkv.engines.remote import RemoteEngine
-from lmkv_backends.connectors.gpu_torch import HFConnector, PagedConnector
+from lmkv_backends.connectors.hf import HFConnector
+from lmkv_backends.connectors.paged import PagedConnector
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float32)
 

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from lmkv.gpu import ChunkSpan, ConnectorContext, KVSpec
-from lmkv_backends.connectors.gpu_torch import HFConnector, PagedConnector, _pieces, _scatter
+from lmkv_backends.connectors.hf import HFConnector
+from lmkv_backends.connectors.paged import PagedConnector
 
 L, H, D = 3, 2, 8
 SPEC = KVSpec(L, H, D, torch.float32)
@@ -74,7 +75,7 @@ def test_paged_round_trip(layout: str, total: int, chunk: int, block: int) -> No
     n_req_blocks = -(-total // block)
     block_ids = torch.randperm(num_blocks)[:n_req_blocks].tolist()
     caches = make_paged(layout, num_blocks, block)
-    conn = PagedConnector(PagedConnector.Options(layout=layout), ConnectorContext(SPEC))
+    conn = PagedConnector(None, ConnectorContext(SPEC))
     spans = spans_for(total, chunk)
     conn.to_chunks(spans, kv_caches=caches, block_ids=block_ids)
     ks, vs = token_kv(caches, layout, block_ids, block, total)
@@ -100,10 +101,10 @@ def test_flash_and_cpu_layouts_exchange_kv() -> None:
     total, block = 48, 16
     flash = make_paged("flash", 4, block)
     spans = spans_for(total, 16)
-    PagedConnector(PagedConnector.Options(layout="flash"), ConnectorContext(SPEC)).to_chunks(
+    PagedConnector(None, ConnectorContext(SPEC)).to_chunks(
         spans, kv_caches=flash, block_ids=[2, 0, 1])
     cpu = [torch.zeros(4, H, block, 2 * D) for _ in range(L)]
-    PagedConnector(PagedConnector.Options(layout="cpu"), ConnectorContext(SPEC)).from_chunks(
+    PagedConnector(None, ConnectorContext(SPEC)).from_chunks(
         spans, kv_caches=cpu, block_ids=[3, 1, 0])
     ks, vs = token_kv(flash, "flash", [2, 0, 1], block, total)
     ks2, vs2 = token_kv(cpu, "cpu", [3, 1, 0], block, total)
@@ -118,7 +119,7 @@ def test_paged_from_chunks_skips_tokens_the_engine_holds(layout: str, skip: int)
     block_ids = [5, 2, 7, 0, 3]
     src = make_paged(layout, num_blocks, block)
     spans = spans_for(total, 24)
-    conn = PagedConnector(PagedConnector.Options(layout=layout), ConnectorContext(SPEC))
+    conn = PagedConnector(None, ConnectorContext(SPEC))
     conn.to_chunks(spans, kv_caches=src, block_ids=block_ids)
     dst = [torch.zeros_like(c) for c in src]
     conn.from_chunks(spans, kv_caches=dst, block_ids=block_ids, skip_tokens=skip)
@@ -192,7 +193,7 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 def check_paged(layout: str, dtype: torch.dtype, total: int, chunk: int, block: int,
                 skip: int, table: str, contiguous: bool = True, tensor_ids: bool = False) -> None:
     spec = KVSpec(PAGED.num_layers, PAGED.num_kv_heads, PAGED.head_dim, dtype)
-    conn = PagedConnector(PagedConnector.Options(layout=layout), ConnectorContext(spec))
+    conn = PagedConnector(None, ConnectorContext(spec))
     n = -(-total // block)
     num_blocks = 2 * n + 3
     src_ids = block_table(table, n, num_blocks, seed=1)
@@ -255,19 +256,30 @@ def test_paged_block_ids_as_a_tensor(layout: str) -> None:
     check_paged(layout, torch.bfloat16, 1000, 256, 96, 100, "runs", tensor_ids=True)
 
 
-def test_paged_copies_whole_runs_of_consecutive_blocks_at_once() -> None:
-    # (first block, blocks, first offset, tokens per block, first token)
-    assert _pieces(0, 400, [4, 5, 6, 9, 10], 96) == [
-        (4, 3, 0, 96, 0), (9, 1, 0, 96, 288), (10, 1, 0, 16, 384)]
-    assert _pieces(100, 300, [4, 5, 6, 7], 96) == [
-        (5, 1, 4, 92, 100), (6, 1, 0, 96, 192), (7, 1, 0, 12, 288)]
+# -- the paged connector reads the layout from the caches ---------------------------------------
+
+@pytest.mark.parametrize("layout", ["flash", "cpu"])
+def test_paged_connector_reads_the_spec_from_the_caches(layout: str) -> None:
+    caches = make_paged(layout, 5, 16)
+    assert PagedConnector.spec_from(kv_caches=caches) == SPEC
 
 
-@pytest.mark.parametrize("head_dim,offset", [(8, 0), (8, 1), (4, 0)])
-def test_paged_scatter_moves_rows_bit_for_bit(head_dim: int, offset: int) -> None:
-    """Rows go as 16-byte elements when their size and alignment allow, else as they are."""
-    source = torch.randn(3 * head_dim + offset).to(torch.bfloat16)[offset:].view(3, head_dim)
-    rows = torch.zeros(6, head_dim, dtype=torch.bfloat16)
-    _scatter(rows, torch.tensor([4, 0, 2]), source)
-    assert torch.equal(bits(rows[[4, 0, 2]]), bits(source))
-    assert torch.all(rows[[1, 3, 5]] == 0)
+def test_paged_connector_refuses_caches_in_no_known_layout() -> None:
+    with pytest.raises(ValueError, match=r"shape \(3, 5, 16, 2, 8\).*flash.*cpu") as info:
+        PagedConnector.spec_from(kv_caches=[torch.zeros(3, 5, 16, 2, 8)])
+    assert "\n" not in str(info.value)
+
+
+def test_paged_connector_checks_caches_against_its_spec() -> None:
+    conn = PagedConnector(None, ConnectorContext(SPEC))
+    span = spans_for(16, 16)
+    wrong = [torch.zeros(2, 4, 16, H + 1, D) for _ in range(L)]
+    with pytest.raises(ValueError, match="flash layout"):
+        conn.to_chunks(span, kv_caches=wrong, block_ids=[0])
+    with pytest.raises(ValueError, match="cannot hold 16 tokens"):
+        conn.to_chunks(span, kv_caches=make_paged("cpu", 4, 8), block_ids=[0])
+
+
+def test_connectors_that_cannot_read_a_spec_say_so() -> None:
+    with pytest.raises(NotImplementedError, match="'hf'"):
+        HFConnector.spec_from(kv=[])

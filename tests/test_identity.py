@@ -141,7 +141,7 @@ def settled(condition, deadline_s: float = 30.0) -> bool:
 def test_a_chunk_of_the_wrong_shape_or_dtype_is_a_counted_miss(connector: str) -> None:
     """Whatever a tier hands back under the right key, the engine checks it first."""
     overrides = {} if connector == "hf" else {
-        "lmkv.gpu_connector": {"type": "paged", "options": {"layout": "cpu"}}}
+        "lmkv.gpu_connector": "paged"}
     with engine(**overrides) as e:
         keys = e.chunker.chunk(TOKENS).keys
         good = tensor_obj(torch.zeros(SPEC.chunk_shape(CHUNK), dtype=SPEC.dtype))

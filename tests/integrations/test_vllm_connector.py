@@ -130,13 +130,13 @@ def _scheduler_and_worker(tmp_path, **keys):  # type: ignore[no-untyped-def]
     from lmkv.lookup.responder import LookupResponder
     from lmkv.lookup.sockets import LookupEndpoints
     from lmkv.storage import StorageManager
-    from lmkv_backends.connectors.gpu_torch import PagedConnector, PagedOptions
+    from lmkv_backends.connectors.paged import PagedConnector
 
     config = load_config(overrides={"lmkv.chunk_size": 16,
                                     "lmkv.lookup.runtime_dir": str(tmp_path), **keys})
     spec = KVSpec(2, 2, 8, torch.float32)
-    connector = PagedConnector(PagedOptions(layout="cpu"), ConnectorContext(spec))
-    engine = LocalEngine(config, spec, model_name="m", connector=connector,
+    engine = LocalEngine(config, spec, model_name="m",
+                         connector=PagedConnector(None, ConnectorContext(spec)),
                          storage=StorageManager.from_config(config))
     server = LookupResponder.for_rank(
         engine, LookupEndpoints.from_config(config.lookup, "e2", 1), 0)

@@ -13,7 +13,8 @@ from lmkv.engines import open_engine
 from lmkv.engines.remote import RemoteEngine
 from lmkv.gpu import ConnectorContext, KVSpec
 from lmkv.tokens import prefix_hashes
-from lmkv_backends.connectors.gpu_torch import HFConnector, PagedConnector, PagedOptions
+from lmkv_backends.connectors.hf import HFConnector
+from lmkv_backends.connectors.paged import PagedConnector
 from tests.server.procs import free_port, start_server
 
 L, H, D, BLOCK, CHUNK = 2, 2, 32, 8, 16
@@ -28,8 +29,8 @@ def config(server, data_path: str = "auto", **extra):
 
 
 def paged_engine(cfg) -> RemoteEngine:
-    connector = PagedConnector(PagedOptions(layout="cpu"), ConnectorContext(SPEC))
-    engine = open_engine(cfg, SPEC, model_name="remote-test", connector=connector)
+    engine = open_engine(cfg, SPEC, model_name="remote-test",
+                         connector=PagedConnector(None, ConnectorContext(SPEC)))
     assert isinstance(engine, RemoteEngine)
     return engine
 

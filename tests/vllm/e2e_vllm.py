@@ -185,7 +185,7 @@ def run(model_dir: str, mode: str) -> dict:
 def _corrupt_loads() -> None:
     import torch
 
-    from lmkv_backends.connectors.gpu_torch import PagedConnector
+    from lmkv_backends.connectors.paged import PagedConnector
     original = PagedConnector.from_chunks
 
     def noisy(self, spans, **kv):  # type: ignore[no-untyped-def]

@@ -12,14 +12,14 @@ import torch
 import lmkv.engines.connector as connector_module
 from lmkv import load_config
 from lmkv.engines import Engine
-from lmkv_backends.connectors.gpu_torch import PagedConnector
+from lmkv_backends.connectors.paged import PagedConnector
 
 pytest.importorskip("vllm")
 
 
 def test_the_vllm_worker_opens_its_engine_through_open_engine(tmp_path, monkeypatch) -> None:
-    """The worker resolves no connector itself: one resolution, the paged default with
-    the layout it detected, through ``resolve_connector``."""
+    """The worker resolves no connector itself: one resolution of the paged default;
+    the connector reads the layout itself."""
     from lmkv.integrations.vllm.worker import WorkerSide
 
     calls: list[tuple[str, dict]] = []
@@ -35,11 +35,12 @@ def test_the_vllm_worker_opens_its_engine_through_open_engine(tmp_path, monkeypa
     model = SimpleNamespace(model="m", get_head_size=lambda: 8, max_model_len=256)
     vllm_config = SimpleNamespace(model_config=model,
                                   parallel_config=SimpleNamespace(world_size=1, rank=0),
-                                  kv_transfer_config=SimpleNamespace(engine_id="open-test"))
+                                  kv_transfer_config=SimpleNamespace(engine_id="open-test"),
+                                  cache_config=SimpleNamespace(block_size=16))
     worker = WorkerSide(config, vllm_config)
     try:
         worker.register({f"layer{i}": torch.zeros(4, 2, 16, 16) for i in range(2)})
-        assert calls == [("paged", {"layout": "cpu"})]
+        assert calls == [("paged", {})]
         assert isinstance(worker.engine, Engine)
         assert isinstance(worker.engine.connector, PagedConnector)
     finally:

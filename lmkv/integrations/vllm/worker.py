@@ -10,9 +10,10 @@ from typing import Any
 
 import torch
 
-from lmkv.config import LMKVConfig, PluginRef
+from lmkv.config import LMKVConfig
 from lmkv.engines import Engine, open_engine
-from lmkv.gpu import KVSpec
+from lmkv.engines.connector import resolve_connector_class
+from lmkv.gpu import ConnectorContext
 from lmkv.integrations.vllm.metadata import (
     LMKVConnectorMetadata,
     LMKVWorkerMetadata,
@@ -34,26 +35,13 @@ class WorkerCounters:
     failed_blocks: int = 0
 
 
-def detect_layout(cache: torch.Tensor, head_size: int) -> tuple[str, int, int]:
-    """(layout, kv heads, head dim) of one layer's paged cache.
-
-    ``cpu``: ``[num_blocks, kv_heads, block_size, 2 * head_size]`` (vLLM's CPU
-    backend); otherwise ``flash``: ``[2, num_blocks, block_size, kv_heads, head_dim]``.
-    """
-    if cache.dim() == 4 and cache.shape[3] == 2 * head_size:
-        return "cpu", cache.shape[1], head_size
-    if cache.dim() == 5 and cache.shape[0] == 2:
-        return "flash", cache.shape[3], cache.shape[4]
-    raise ValueError(f"lmkv: unsupported paged KV cache shape {tuple(cache.shape)} "
-                     f"(head size {head_size})")
-
-
 class WorkerSide:
     def __init__(self, config: LMKVConfig, vllm_config: Any) -> None:
         self.config = config
         self.model_name = vllm_config.model_config.model
         self.head_size = vllm_config.model_config.get_head_size()
         self.max_model_len = vllm_config.model_config.max_model_len
+        self.block_size = vllm_config.cache_config.block_size  # the unit of block ids
         parallel = vllm_config.parallel_config
         self.world_size = parallel.world_size
         self.rank = getattr(parallel, "rank", 0) % max(self.world_size, 1)
@@ -62,7 +50,6 @@ class WorkerSide:
         self.engine: Engine | None = None
         self.responder: LookupResponder | None = None
         self.kv_caches: list[torch.Tensor] = []
-        self.block_size = 0
         self._failed: set[int] = set()
         self._done: dict[str, int] = {}  # lazy stores finished since the last report
         self._lock = threading.Lock()
@@ -72,24 +59,26 @@ class WorkerSide:
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.kv_caches = list(kv_caches.values())
-        first = self.kv_caches[0]
-        layout, kv_heads, head_dim = detect_layout(first, self.head_size)
-        self.block_size = first.shape[2]
-        spec = KVSpec(len(self.kv_caches), kv_heads, head_dim, first.dtype)
         # lmkv.gpu_connector picks another connector for vLLM's paged caches (a
-        # plugin's kernels, say); by default the built-in one, layout detected.
-        self.engine = open_engine(
-            self.config, spec, model_name=self.model_name,
-            default_connector=PluginRef(type="paged", options={"layout": layout}),
-            engine_kind="paged", world_size=self.world_size, worker_id=self.rank)
+        # plugin's kernels, say); by default the built-in one. The connector reads
+        # the caches' layout and geometry: the worker never looks at their shapes.
+        resolved = resolve_connector_class(self.config, default="paged", engine_kind="paged")
+        spec = resolved.cls.spec_from(kv_caches=self.kv_caches)
+        if spec.head_dim != self.head_size:
+            raise ValueError(f"lmkv: the paged KV caches hold heads of {spec.head_dim} "
+                             f"elements; the model's head size is {self.head_size}")
+        self.engine = open_engine(self.config, spec, model_name=self.model_name,
+                                  connector=resolved.create(ConnectorContext(spec)),
+                                  world_size=self.world_size, worker_id=self.rank)
         endpoints = LookupEndpoints.from_config(self.config.lookup, self.engine_id,
                                                 self.world_size)
         self.responder = LookupResponder.for_rank(self.engine, endpoints, self.rank,
                                                   max_tokens=self.max_model_len)
-        logger.info("lmkv: worker %d/%d registered %d KV caches, layout %s, block size %d, "
-                    "%s", self.rank, self.world_size, len(self.kv_caches), layout,
-                    self.block_size, f"tiers in the lmkv server at {self.config.server.address}"
-                    if self.config.mode == "server" else "tiers in this process")
+        where = (f"tiers in the lmkv server at {self.config.server.address}"
+                 if self.config.mode == "server" else "tiers in this process")
+        logger.info("lmkv: worker %d/%d registered %d KV caches (%d KV heads of %d, %s), "
+                    "block size %d, %s", self.rank, self.world_size, len(self.kv_caches),
+                    spec.num_kv_heads, spec.head_dim, spec.dtype, self.block_size, where)
 
     def load(self, meta: LMKVConnectorMetadata) -> None:
         """Synchronous loads now (this step's forward reads them); asynchronous

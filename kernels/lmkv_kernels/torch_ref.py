@@ -1,0 +1,176 @@
+"""The torch implementation of the paged copies: the reference every other
+implementation must match bit for bit (semantics in ``lmkv_kernels``).
+
+Copies are few and long: one per layer and chunk where rows can be gathered by
+index, else one per run of consecutive block ids (``benchmarks/bench_paged.py``
+measures them against a memcpy). It runs on any torch device.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import torch
+
+from lmkv_kernels.layouts import PagedGeometry, as_blocks, geometry
+
+Chunks = Sequence[tuple[int, torch.Tensor]]
+BlockIds = Sequence[int] | torch.Tensor
+
+
+def gather_blocks(caches: Sequence[torch.Tensor], block_ids: BlockIds, chunks: Chunks) -> None:
+    if not chunks:
+        return
+    g = geometry(caches[0])
+    end = max(start + buf.shape[2] for start, buf in chunks)
+    device, d, heads = caches[0].device, g.head_dim, g.kv_heads
+    rows = _rows(caches, g)
+    if rows:
+        token_rows, kv_head_rows = _gather_index(block_ids, end, caches[0], g)
+    ids = _as_list(block_ids)
+    for start, buf in chunks:
+        stop = start + buf.shape[2]
+        # gather on the cache's device, then one transfer to the buffer
+        out = buf if buf.device == device else torch.empty_like(buf, device=device)
+        if rows and out.is_contiguous():  # one gather per layer, whatever the table
+            index = (token_rows[start:stop] + kv_head_rows).view(-1)
+            for layer, cache_rows in enumerate(rows):
+                torch.index_select(cache_rows, 0, index,
+                                   out=out[layer].view(-1, cache_rows.shape[1]))
+        else:
+            pieces = _pieces(start, stop, ids, g.block_size)
+            for layer, cache in enumerate(caches):  # layer by layer: reads in order
+                blocks = as_blocks(cache, g.layout)
+                for block, count, offset, length, t in pieces:
+                    t0 = t - start
+                    part = out[layer, :, t0:t0 + count * length]
+                    part = part.view(2, count, length, heads, d)
+                    part.copy_(blocks[:, block:block + count, offset:offset + length])
+        if out is not buf:
+            buf.copy_(out, non_blocking=True)
+
+
+def scatter_blocks(caches: Sequence[torch.Tensor], block_ids: BlockIds, chunks: Chunks,
+                   skip_tokens: int = 0) -> None:
+    if not chunks:
+        return
+    g = geometry(caches[0])
+    end = max(start + buf.shape[2] for start, buf in chunks)
+    device, d, heads, block_size = caches[0].device, g.head_dim, g.kv_heads, g.block_size
+    ids = _as_list(block_ids)
+    loads = [(start, buf, _pieces(max(start, skip_tokens), start + buf.shape[2], ids,
+                                  block_size))
+             for start, buf in chunks if start + buf.shape[2] > skip_tokens]
+    rows = _rows(caches, g)
+    # small or scattered blocks (over two copies a layer): one scatter per layer
+    scatter = bool(rows) and any(len(pieces) > 2 for _, _, pieces in loads)
+    if scatter:
+        token_rows, kv_head_rows = _gather_index(block_ids, end, caches[0], g)
+    cpu_rows = rows if g.layout == "cpu" else None
+    block_rows = 2 * heads * block_size
+    for start, buf, pieces in loads:
+        src = buf.to(device, non_blocking=True)  # one transfer
+        if scatter and len(pieces) > 2:
+            first = max(start, skip_tokens)
+            index = (token_rows[first:start + buf.shape[2]] + kv_head_rows).view(-1)
+            part = src[:, :, first - start:]
+            for layer, cache_rows in enumerate(rows):
+                _scatter(cache_rows, index, part[layer].reshape(-1, cache_rows.shape[1]))
+            continue
+        for layer, cache in enumerate(caches):  # layer by layer: reads in order
+            chunk = src[layer]
+            for block, count, offset, length, t in pieces:
+                t0 = t - start
+                if cpu_rows and length == block_size and src.is_contiguous():
+                    # whole cpu-layout blocks are contiguous rows: fill them by a gather
+                    index = _block_order(count, block_size, heads, src.shape[2], t0, device)
+                    dst = cpu_rows[layer][block * block_rows:(block + count) * block_rows]
+                    torch.index_select(chunk.view(-1, d), 0, index, out=dst)
+                elif count == 1:  # (the cheapest indexing: the common case)
+                    part = chunk[:, t0:t0 + length]
+                    as_blocks(cache, g.layout)[:, block, offset:offset + length].copy_(part)
+                else:  # whole blocks (for flash, contiguous for K and for V: a memcpy)
+                    part = chunk[:, t0:t0 + count * length].view(2, count, length, heads, d)
+                    as_blocks(cache, g.layout)[:, block:block + count].copy_(part)
+
+
+def _rows(caches: Sequence[torch.Tensor], g: PagedGeometry) -> list[torch.Tensor] | None:
+    """Each cache as a table of rows, or None unless all are contiguous. cpu
+    layout: rows of ``head_dim`` elements, K or V of one head and token (row
+    ``((block * kv_heads + head) * block_size + offset) * 2 + kv``); flash: rows
+    of ``kv_heads * head_dim``, K or V of one token (row ``(kv * num_blocks +
+    block) * block_size + offset``). Copying whole rows by index
+    (``index_select``) runs at about memcpy speed, where a strided ``copy_``
+    runs short inner loops on the cpu layout (1.3-2x slower) and takes a copy
+    per block of a fragmented block table."""
+    if not all(cache.is_contiguous() for cache in caches):
+        return None
+    row = g.head_dim * (g.kv_heads if g.layout == "flash" else 1)
+    return [cache.view(-1, row) for cache in caches]
+
+
+def _gather_index(block_ids: BlockIds, end: int, cache: torch.Tensor,
+                  g: PagedGeometry) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(token_rows [end, 1], kv_head_rows [2, 1, kv_heads or 1])``: their sum is
+    the cache row (see ``_rows``) of each row of a chunk buffer in that order."""
+    block_size, heads = g.block_size, g.kv_heads
+    n_blocks = -(-end // block_size)
+    ids = torch.as_tensor(block_ids[:n_blocks]).to(cache.device, torch.int64)[:, None]
+    offsets = torch.arange(block_size, device=cache.device)
+    kv = torch.arange(2, device=cache.device)[:, None, None]
+    if g.layout == "flash":
+        token_rows = ids * block_size + offsets
+        kv_head_rows = kv * (g.num_blocks * block_size)
+    else:
+        token_rows = (ids * (heads * block_size) + offsets) * 2
+        kv_head_rows = kv + torch.arange(heads, device=cache.device) * (2 * block_size)
+    return token_rows.view(-1, 1)[:end], kv_head_rows
+
+
+def _scatter(rows: torch.Tensor, index: torch.Tensor, source: torch.Tensor) -> None:
+    """``rows[index] = source`` for tables of rows. On the CPU ``index_copy_``
+    moves one element per step, so rows go as 16-byte elements where their size
+    and alignment allow (a bit-exact move, 2-3x faster for 2-byte dtypes)."""
+    size = rows.element_size()
+    if all((t.shape[1] * size) % 16 == 0 and (t.storage_offset() * size) % 16 == 0
+           for t in (rows, source)):
+        rows, source = rows.view(torch.complex128), source.view(torch.complex128)
+    rows.index_copy_(0, index, source)
+
+
+def _as_list(block_ids: BlockIds) -> Sequence[int]:
+    return block_ids.tolist() if isinstance(block_ids, torch.Tensor) else block_ids
+
+
+def _pieces(start: int, end: int, block_ids: Sequence[int],
+            block_size: int) -> list[tuple[int, int, int, int, int]]:
+    """Tokens ``[start, end)`` in as few copies as the block table allows:
+    ``(first block, blocks, first offset, tokens per block, first token)`` per copy,
+    which covers either part of one block or whole blocks with consecutive ids."""
+    pieces = []
+    t = start
+    while t < end:
+        i, offset = divmod(t, block_size)
+        block, count = int(block_ids[i]), 1
+        length = min(block_size - offset, end - t)
+        if length == block_size:
+            while (t + (count + 1) * block_size <= end
+                   and block_ids[i + count] == block + count):
+                count += 1
+        pieces.append((block, count, offset, length, t))
+        t += count * length
+    return pieces
+
+
+@functools.lru_cache(maxsize=256)
+def _block_order(blocks: int, block_size: int, heads: int, tokens: int, first: int,
+                 device: torch.device) -> torch.Tensor:
+    """For each row of ``blocks`` whole cpu-layout blocks (order ``[block, head,
+    offset, kv]``), its row in a chunk buffer of ``tokens`` tokens (order ``[kv,
+    token, head]``) whose token ``first`` is the first block's first."""
+    t = torch.arange(first, first + blocks * block_size, device=device)
+    t = t.view(blocks, 1, block_size, 1)
+    head = torch.arange(heads, device=device).view(1, heads, 1, 1)
+    kv = torch.arange(2, device=device).view(1, 1, 1, 2)
+    return ((kv * tokens + t) * heads + head).flatten()

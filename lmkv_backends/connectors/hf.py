@@ -1,0 +1,77 @@
+"""Transformers-style KV: per-layer ``(K, V)`` tensors, copied to and from
+lmkv's chunk buffers ``[layers, 2, tokens, kv_heads, head_dim]`` on any torch device."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from lmkv.gpu import ChunkSpan, GPUConnector
+from lmkv_backends.connectors.common import check, sync
+
+KVPairs = Sequence[tuple[torch.Tensor, torch.Tensor]]
+
+
+class HFConnector(GPUConnector):
+    """Per-layer ``(K, V)`` tensors of shape ``[batch, kv_heads, seq, head_dim]``.
+
+    Keyword arguments: ``kv`` (one ``(K, V)`` pair per layer) and
+    ``batch_index`` (default 0). ``from_chunks`` without ``kv`` builds new
+    tensors of shape ``[1, kv_heads, end, head_dim]`` for the spans'
+    tokens and returns them; with ``kv`` it writes into those tensors.
+    """
+
+    name = "hf"
+    engine_kind = "hf"
+
+    def _validate(self, kv: KVPairs, end: int, batch_index: int) -> None:
+        spec = self.spec
+        check(len(kv) == spec.num_layers,
+               f"KV has {len(kv)} layers; this engine stores {spec.num_layers}")
+        for k, v in kv:
+            for t in (k, v):
+                check(t.dim() == 4 and t.shape[1] == spec.num_kv_heads
+                       and t.shape[3] == spec.head_dim,
+                       f"KV tensor of shape {tuple(t.shape)}; expected [batch, "
+                       f"{spec.num_kv_heads}, seq, {spec.head_dim}]")
+                check(t.dtype == spec.dtype, f"KV dtype {t.dtype}; expected {spec.dtype}")
+                check(t.shape[2] >= end, f"KV holds {t.shape[2]} tokens; {end} needed")
+                check(0 <= batch_index < t.shape[0], f"batch_index {batch_index} out of range")
+
+    def to_chunks(self, spans: Sequence[ChunkSpan], *, kv: KVPairs,
+                  batch_index: int = 0, **_: Any) -> None:
+        self._validate(kv, max((s.end for s in spans), default=0), batch_index)
+        for span in spans:
+            buf = span.buffer
+            for layer, (k, v) in enumerate(kv):
+                buf[layer, 0].copy_(k[batch_index, :, span.start:span.end].transpose(0, 1),
+                                    non_blocking=True)
+                buf[layer, 1].copy_(v[batch_index, :, span.start:span.end].transpose(0, 1),
+                                    non_blocking=True)
+        if kv:
+            sync(kv[0][0].device)
+
+    def from_chunks(self, spans: Sequence[ChunkSpan], *, kv: KVPairs | None = None,
+                    batch_index: int = 0, device: torch.device | str | None = None,
+                    **_: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        spec = self.spec
+        if kv is None:
+            total = max((s.end for s in spans), default=0)
+            shape = (1, spec.num_kv_heads, total, spec.head_dim)
+            kv = [(torch.empty(shape, dtype=spec.dtype, device=device),
+                   torch.empty(shape, dtype=spec.dtype, device=device))
+                  for _ in range(spec.num_layers)]
+            batch_index = 0
+        self._validate(kv, max((s.end for s in spans), default=0), batch_index)
+        for span in spans:
+            buf = span.buffer
+            for layer, (k, v) in enumerate(kv):
+                k[batch_index, :, span.start:span.end].copy_(buf[layer, 0].transpose(0, 1),
+                                                             non_blocking=True)
+                v[batch_index, :, span.start:span.end].copy_(buf[layer, 1].transpose(0, 1),
+                                                             non_blocking=True)
+        if kv:
+            sync(kv[0][0].device)  # the chunk buffers are released after this returns
+        return list(kv)

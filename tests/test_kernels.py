@@ -1,0 +1,194 @@
+"""lmkv_kernels: the torch reference copies against a token-by-token reference,
+the layouts, and an install that cannot clash with Hugging Face's ``kernels``."""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import lmkv_kernels
+from lmkv_kernels import gather_blocks, geometry, layout_of, scatter_blocks, torch_ref
+from lmkv_kernels.torch_ref import _pieces, _scatter
+
+ROOT = Path(__file__).resolve().parent.parent
+LAYERS, HEADS, DIM = 2, 3, 16
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.uint8]
+
+
+def random_tensor(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator):
+    if dtype.is_floating_point:
+        return torch.randn(shape, generator=gen).to(dtype)
+    return torch.randint(0, 256, shape, generator=gen, dtype=torch.int64).to(dtype)
+
+
+def make_caches(layout: str, num_blocks: int, block: int, dtype: torch.dtype,
+                gen: torch.Generator) -> list[torch.Tensor]:
+    shape = ((2, num_blocks, block, HEADS, DIM) if layout == "flash"
+             else (num_blocks, HEADS, block, 2 * DIM))
+    return [random_tensor(shape, dtype, gen) for _ in range(LAYERS)]
+
+
+def token_kv(cache: torch.Tensor, layout: str, ids: list[int], block: int, t: int):
+    """K and V ``[heads, dim]`` of token ``t``, read the obvious way."""
+    b, o = ids[t // block], t % block
+    if layout == "flash":
+        return cache[0, b, o], cache[1, b, o]
+    return cache[b, :, o, :DIM], cache[b, :, o, DIM:]
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+def chunks_of(total: int, sizes: list[int], dtype: torch.dtype) -> list[tuple[int, torch.Tensor]]:
+    chunks, start = [], 0
+    for size in sizes:
+        size = min(size, total - start)
+        if size <= 0:
+            break
+        chunks.append((start, torch.zeros(LAYERS, 2, size, HEADS, DIM, dtype=dtype)))
+        start += size
+    return chunks
+
+
+@pytest.mark.parametrize("layout", ["flash", "cpu"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("seed", range(4))
+def test_reference_round_trip_with_random_block_tables(layout: str, dtype: torch.dtype,
+                                                       seed: int) -> None:
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    block = rng.choice([1, 4, 16, 48])
+    total = rng.randint(1, 300)  # most often a partial last block
+    n = -(-total // block)
+    num_blocks = n + rng.randint(0, 8)
+    src_ids = rng.sample(range(num_blocks), n)
+    dst_ids = rng.sample(range(num_blocks), n)
+    sizes = [rng.choice([1, 7, 16, 64, 100]) for _ in range(total)]
+    src = make_caches(layout, num_blocks, block, dtype, gen)
+    chunks = chunks_of(total, sizes, dtype)
+
+    gather_blocks(src, src_ids, chunks)
+    for start, buf in chunks:
+        for i in range(buf.shape[2]):
+            for layer in range(LAYERS):
+                k, v = token_kv(src[layer], layout, src_ids, block, start + i)
+                assert torch.equal(bits(buf[layer, 0, i]), bits(k))
+                assert torch.equal(bits(buf[layer, 1, i]), bits(v))
+
+    skip = rng.randint(0, total)
+    dst = make_caches(layout, num_blocks, block, dtype, gen)
+    before = [c.clone() for c in dst]
+    scatter_blocks(dst, torch.tensor(dst_ids), chunks, skip_tokens=skip)
+    written = torch.zeros(num_blocks, block, dtype=torch.bool)
+    for t in range(skip, total):
+        written[dst_ids[t // block], t % block] = True
+        for layer in range(LAYERS):
+            got = token_kv(dst[layer], layout, dst_ids, block, t)
+            want = token_kv(src[layer], layout, src_ids, block, t)
+            assert all(torch.equal(bits(a), bits(b)) for a, b in zip(got, want, strict=True))
+    for layer in range(LAYERS):  # every other slot as it was
+        for b, o in (~written).nonzero().tolist():
+            got = token_kv(dst[layer], layout, list(range(num_blocks)), block, b * block + o)
+            old = token_kv(before[layer], layout, list(range(num_blocks)), block,
+                           b * block + o)
+            assert all(torch.equal(bits(x), bits(y)) for x, y in zip(got, old, strict=True))
+
+
+@pytest.mark.parametrize("layout", ["flash", "cpu"])
+def test_reference_copies_strided_caches_and_buffers(layout: str) -> None:
+    gen = torch.Generator().manual_seed(7)
+    block, total = 16, 70
+    ids = [5, 2, 7, 0, 3]
+    dense = make_caches(layout, 8, block, torch.float32, gen)
+    strided = [torch.empty(c.shape[::-1]).permute(*range(c.dim() - 1, -1, -1)) for c in dense]
+    for s, d in zip(strided, dense, strict=True):
+        s.copy_(d)
+    assert not strided[0].is_contiguous()
+    buf = torch.empty(2, LAYERS, total, HEADS, DIM).transpose(0, 1)  # chunk shape, strided
+    gather_blocks(strided, ids, [(0, buf)])
+    want = torch.zeros(LAYERS, 2, total, HEADS, DIM)
+    gather_blocks(dense, ids, [(0, want)])
+    assert torch.equal(buf, want)
+    out = [torch.zeros_like(c) for c in strided]
+    scatter_blocks(out, ids, [(0, buf)])
+    back = torch.zeros(LAYERS, 2, total, HEADS, DIM)
+    gather_blocks(out, ids, [(0, back)])
+    assert torch.equal(back, want)
+
+
+def test_layouts_are_read_from_the_shape() -> None:
+    flash = torch.zeros(2, 10, 16, HEADS, DIM)
+    cpu = torch.zeros(10, HEADS, 16, 2 * DIM)
+    assert layout_of(flash) == "flash" and layout_of(cpu) == "cpu"
+    assert geometry(flash) == geometry(cpu).__class__("flash", 10, 16, HEADS, DIM)
+    assert geometry(cpu).shape == tuple(cpu.shape)
+    for bad in (torch.zeros(3, 10, 16, HEADS, DIM), torch.zeros(10, HEADS, 16, 7),
+                torch.zeros(10, 16)):
+        with pytest.raises(ValueError, match="expected the flash layout") as info:
+            geometry(bad)
+        assert "\n" not in str(info.value)
+
+
+def test_the_reference_serves_every_device_today() -> None:
+    assert lmkv_kernels.implementation(torch.device("cpu")) is torch_ref
+    assert lmkv_kernels.implementation(torch.device("cuda")) is torch_ref
+
+
+def test_copies_whole_runs_of_consecutive_blocks_at_once() -> None:
+    # (first block, blocks, first offset, tokens per block, first token)
+    assert _pieces(0, 400, [4, 5, 6, 9, 10], 96) == [
+        (4, 3, 0, 96, 0), (9, 1, 0, 96, 288), (10, 1, 0, 16, 384)]
+    assert _pieces(100, 300, [4, 5, 6, 7], 96) == [
+        (5, 1, 4, 92, 100), (6, 1, 0, 96, 192), (7, 1, 0, 12, 288)]
+
+
+@pytest.mark.parametrize("head_dim,offset", [(8, 0), (8, 1), (4, 0)])
+def test_scatter_moves_rows_bit_for_bit(head_dim: int, offset: int) -> None:
+    """Rows go as 16-byte elements when their size and alignment allow, else as they are."""
+    source = torch.randn(3 * head_dim + offset).to(torch.bfloat16)[offset:].view(3, head_dim)
+    rows = torch.zeros(6, head_dim, dtype=torch.bfloat16)
+    _scatter(rows, torch.tensor([4, 0, 2]), source)
+    assert torch.equal(bits(rows[[4, 0, 2]]), bits(source))
+    assert torch.all(rows[[1, 3, 5]] == 0)
+
+
+# -- the import name -------------------------------------------------------------------------
+
+def test_lmkv_installs_lmkv_kernels_and_no_top_level_kernels() -> None:
+    """What setuptools installs (wheel and editable alike) per pyproject.toml."""
+    from setuptools import find_namespace_packages
+
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib
+    find = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"][
+        "packages"]["find"]
+    packages = {name for where in find["where"]
+                for name in find_namespace_packages(str(ROOT / where), include=find["include"])}
+    assert "lmkv_kernels" in packages
+    tops = {name.split(".")[0] for name in packages}
+    assert "kernels" not in tops
+    assert all(top.startswith("lmkv") for top in tops), tops
+
+
+def test_lmkv_kernels_imports_torch_and_the_standard_library_only() -> None:
+    code = ("import sys, lmkv_kernels; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0].startswith('lmkv')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert eval(out) == ["lmkv_kernels", "lmkv_kernels.layouts", "lmkv_kernels.torch_ref"]
+
+
+def test_the_example_in_docs_kernels_md_runs() -> None:
+    import re
+
+    text = (ROOT / "docs" / "kernels.md").read_text()
+    (block,) = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    exec(compile(block, "docs/kernels.md", "exec"), {})

@@ -1,0 +1,84 @@
+"""The vLLM worker side asks the GPU connector for the KV spec of vLLM's paged
+caches (the connector reads their layout): nothing else looks at their shapes.
+
+Runs in the vLLM venv (``.venv-vllm/bin/python -m pytest tests/vllm``); skipped
+where vLLM is not installed.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("vllm")
+
+import torch
+
+from lmkv.config import load_config
+from lmkv.errors import ConfigError
+from lmkv.gpu import KVSpec
+from lmkv.integrations.vllm.worker import WorkerSide
+
+LAYERS, HEADS, DIM, BLOCK, BLOCKS = 2, 2, 8, 16, 6
+
+
+def caches(layout: str) -> dict[str, torch.Tensor]:
+    shape = ((2, BLOCKS, BLOCK, HEADS, DIM) if layout == "flash"
+             else (BLOCKS, HEADS, BLOCK, 2 * DIM))
+    return {f"layer.{i}": torch.randn(shape) for i in range(LAYERS)}
+
+
+def worker(tmp_path, head_size: int = DIM, **keys) -> WorkerSide:  # type: ignore[no-untyped-def]
+    config = load_config(env={}, overrides={"lmkv.chunk_size": 16,
+                                            "lmkv.lookup.runtime_dir": str(tmp_path), **keys})
+    vllm_config = SimpleNamespace(
+        model_config=SimpleNamespace(model="m", max_model_len=256,
+                                     get_head_size=lambda: head_size),
+        parallel_config=SimpleNamespace(world_size=1, rank=0),
+        kv_transfer_config=SimpleNamespace(engine_id="w1"),
+        cache_config=SimpleNamespace(block_size=BLOCK))
+    return WorkerSide(config, vllm_config)
+
+
+@pytest.mark.parametrize("layout", ["flash", "cpu"])
+def test_the_worker_takes_the_spec_the_connector_reads(tmp_path, layout: str) -> None:
+    side = worker(tmp_path)
+    kv = caches(layout)
+    side.register(kv)
+    try:
+        assert side.engine.spec == KVSpec(LAYERS, HEADS, DIM, torch.float32)
+        tokens = list(range(32))
+        assert side.engine.store(tokens, kv_caches=side.kv_caches, block_ids=[4, 1]) == 32
+        before = [c.clone() for c in side.kv_caches]
+        for c in side.kv_caches:
+            c.zero_()
+        got = side.engine.retrieve(tokens, kv_caches=side.kv_caches, block_ids=[4, 1])
+        assert got.num_tokens == 32
+        for c, b in zip(side.kv_caches, before, strict=True):
+            part = (lambda t: t[:, [4, 1]]) if layout == "flash" else (lambda t: t[[4, 1]])
+            assert torch.equal(part(c), part(b))
+    finally:
+        side.close()
+
+
+def test_caches_whose_heads_are_not_the_models_are_refused(tmp_path) -> None:
+    side = worker(tmp_path, head_size=DIM * 2)
+    with pytest.raises(ValueError, match=f"heads of {DIM} elements; the model's head size "
+                                         f"is {DIM * 2}"):
+        side.register(caches("flash"))
+    side.close()
+
+
+def test_caches_in_no_known_layout_are_refused(tmp_path) -> None:
+    side = worker(tmp_path)
+    with pytest.raises(ValueError, match="expected the flash layout"):
+        side.register({"layer.0": torch.zeros(3, BLOCKS, BLOCK, HEADS, DIM)})
+    side.close()
+
+
+def test_a_connector_for_other_kv_is_refused(tmp_path) -> None:
+    side = worker(tmp_path, **{"lmkv.gpu_connector": "hf"})
+    with pytest.raises(ConfigError, match="'hf': cannot serve vLLM's paged KV caches"):
+        side.register(caches("cpu"))
+    side.close()
