@@ -199,7 +199,8 @@ def test_a_stopped_endpoint_degrades_to_misses_and_recovers(
     assert backend.batched_get_non_blocking("l", keys).result(timeout=60) == []
     assert put(backend, [6]) == 0
     stats = backend.stats()
-    assert stats["dropped_writes"] == 3 and stats["errors"] >= 3
+    # the first failure opens the breaker: what it refuses is not attempted, not an error
+    assert stats["dropped_writes"] == 3 and stats["errors"] >= 1
     assert stats["hits"] == 0 and stats["misses"] >= 1
     assert backend.usage_bytes == 4 * FRAME_BYTES  # a failed check removes nothing
     own_s3.start()  # same port; the objects are still there
