@@ -215,11 +215,10 @@ class StorageBackend(Plugin, ABC):
                           log=logging.getLogger(type(self).__module__))
 
     def drop_corrupt(self, key: CacheKey, problem: object) -> None:
-        """The one way a corrupt entry ends: it is the get's miss, counted in
-        ``corrupt_frames``, logged at a bounded rate and removed from the tier."""
-        self.counters.corrupt_frames += 1
-        self.counters.misses += 1
-        self.faults.note("corrupt", "dropping corrupt entry %s: %s", key.to_string(), problem)
+        """The one way a corrupt entry ends: counted in ``corrupt_frames``, logged
+        at a bounded rate and removed from the tier. The get that found it
+        counts its miss as for any other miss."""
+        self.faults.corrupt(key.to_string(), problem)
         self.remove(key)
 
     def decode(self, key: CacheKey, frame: bytes | bytearray | memoryview) -> MemoryObj | None:

@@ -163,18 +163,24 @@ class TierFaults:
 
     @contextmanager
     def guard(self, op: str, consequence: str, detail: str = "") -> Iterator[None]:
-        """Run a block against the storage: the breaker is checked first, an
-        absorbed error is counted (``fault``) and swallowed, success closes the
-        breaker. The caller answers its miss when the block did not finish."""
+        """Run an operation's block: an error the tier absorbs is counted
+        (``fault``) and swallowed, anything else raises (a bug must show). The
+        caller answers its miss or drops its writes when the block did not
+        finish. The breaker is asked where the storage is touched (``check``
+        before a request, ``succeeded`` once it is answered), not here: one
+        operation may make several requests."""
         try:
-            self.check()
             yield
         except Exception as exc:
             if not self.absorbs(exc):
                 raise
             self.fault(op, exc, consequence, detail)
-            return
-        self.succeeded()
+
+    def corrupt(self, entry: str, problem: object) -> None:
+        """Count and log one corrupt entry (``StorageBackend.drop_corrupt`` also
+        removes it; call this alone for an entry already gone)."""
+        self.counters.corrupt_frames += 1
+        self.note("corrupt", "dropping corrupt entry %s: %s", entry, problem)
 
     def note(self, key: str, msg: str, *args: object) -> None:
         """A rate-limited warning about the tier's data (a missing part, ...)."""

@@ -279,7 +279,7 @@ class FSBackend(StorageBackend):
             obj = None
         except CorruptFrameError as exc:  # read straight into a buffer, or decoded
             self.drop_corrupt(key, exc)
-            return None
+            obj = None
         except Exception as exc:
             self._fault("read", exc, key)
             obj = None

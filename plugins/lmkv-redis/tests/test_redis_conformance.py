@@ -25,8 +25,8 @@ class _RedisConformance(StorageBackendConformance):
 
     def corrupt_entry(self, backend: StorageBackend, key: CacheKey) -> bool:
         """Flip a payload bit of the main value, with the tier's own client."""
-        client = backend.client()
-        name = backend.main_key(key)
+        client = backend.connection.client()
+        name = backend.connection.main_key(key)
         offset = client.strlen(name) - 10
         byte = client.getrange(name, offset, offset)[0]
         client.setrange(name, offset, bytes([byte ^ 1]))
@@ -34,8 +34,8 @@ class _RedisConformance(StorageBackendConformance):
 
     def copy_entry(self, backend: StorageBackend, source: CacheKey, target: CacheKey) -> bool:
         """Move the main value (a whole frame, or the envelope naming its parts)."""
-        client = backend.client()
-        client.set(backend.main_key(target), client.get(backend.main_key(source)))
+        client, name = backend.connection.client(), backend.connection.main_key
+        client.set(name(target), client.get(name(source)))
         return True
 
 
