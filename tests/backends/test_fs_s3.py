@@ -6,6 +6,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -134,6 +135,16 @@ class TestS3Conformance(StorageBackendConformance):
         body = client.get_object(Bucket=bucket, Key=f"{prefix}/{entry_name(source)}")["Body"]
         client.put_object(Bucket=bucket, Key=f"{prefix}/{entry_name(target)}", Body=body.read())
         return True
+
+    @contextmanager
+    def make_unreachable(self, backend: FSBackend) -> Iterator[None]:
+        """The endpoint stopped (connections refused), then started again on the
+        same port with its objects."""
+        self.s3.stop()
+        try:
+            yield
+        finally:
+            self.s3.start()
 
 
 def test_entries_survive_a_restart(make: Callable[..., FSBackend]) -> None:

@@ -72,8 +72,14 @@ class Connection:
         return self.client().pipeline(transaction=False)
 
     def execute(self, pipe: Pipeline) -> list[Any]:
-        """Send the pipeline; per-command errors come back as replies."""
+        """Send the pipeline; a command's own error (WRONGTYPE, OOM) comes back as
+        its reply. A cluster pipeline also answers a node it could not reach with
+        the connection error as a reply: that raises, as from one server, since
+        nothing answered (a timeout is never "present" nor "corrupt")."""
         replies = pipe.execute(raise_on_error=False)
+        lost = next((r for r in replies if isinstance(r, CONNECTION_FAULTS)), None)
+        if lost is not None:
+            raise lost
         self.faults.succeeded()
         return replies
 
