@@ -2,7 +2,10 @@
 
 A backend stores MemoryObjs (or their serialized frames) under CacheKeys.
 Every method that can fail at run time (connection lost, corrupted value)
-reports a miss for that key instead of raising into the engine's step.
+reports a miss for that key instead of raising into the engine's step, through
+one policy: ``faults`` (``lmkv.faults.TierFaults``: counted errors, a breaker
+for an unreachable storage) and ``drop_corrupt`` (a corrupt entry is a
+counted, removed miss; ``decode_frame`` applies it to a frame).
 
 Subclasses implement ``contains``, ``batched_submit_put``, ``get_blocking``,
 ``pin``, ``unpin``, ``remove`` and ``usage_bytes``. The batched lookup and the
@@ -19,12 +22,13 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from lmkv.errors import CorruptFrameError
-from lmkv.logutil import RateLimitedLog
+from lmkv.faults import TierCounters, TierFaults
 from lmkv.memory import Allocate, MemoryAllocator, MemoryObj
 from lmkv.plugins.base import Plugin, PluginOptions
 from lmkv.policy import EvictionPolicy
@@ -35,34 +39,12 @@ if TYPE_CHECKING:
     from lmkv.memory.shm import SharedSegment
 
 logger = logging.getLogger(__name__)
-_corrupt_log = RateLimitedLog(logger)
-
 
 
 def done_future(value: object) -> Future:
     fut: Future = Future()
     fut.set_result(value)
     return fut
-
-
-@dataclass
-class TierCounters:
-    """What every tier counts. Increment from any thread: the GIL keeps ``+=`` on
-    an attribute of a shared object cheap, and a rare lost increment in a
-    counter is acceptable (they are for observability, not accounting)."""
-
-    hits: int = 0  # chunks found by a get
-    misses: int = 0  # gets that found nothing (including corrupt frames, errors)
-    puts: int = 0  # chunks stored
-    bytes_in: int = 0  # bytes written to the tier
-    bytes_out: int = 0  # bytes read from the tier
-    evictions: int = 0
-    errors: int = 0  # operations that failed (connection lost, I/O error, ...)
-    dropped_writes: int = 0  # puts refused or lost (no room, tier down, queue full)
-    corrupt_frames: int = 0  # stored entries that failed to decode; removed
-
-    def as_dict(self) -> dict[str, int]:
-        return dict(vars(self))
 
 
 class ArenaPlacement(enum.Enum):
@@ -243,12 +225,34 @@ class StorageBackend(Plugin, ABC):
                     max_workers=1, thread_name_prefix=f"lmkv-{self.name}")
             return self._executor.submit(fn, *args)
 
-    def decode_frame(self, key: CacheKey, frame: bytes | bytearray | memoryview
-                     ) -> MemoryObj | None:
-        """Deserialize a stored frame; a corrupt one is removed and becomes a miss.
+    # -- the fault policy (lmkv.faults) -------------------------------------
+    @cached_property
+    def faults(self) -> TierFaults:
+        """This tier's fault policy: what it absorbs, its breaker, its fault log.
 
-        For tiers that store serialized frames. Returns None on a miss (corrupt
-        frame, or no memory to decode into), never wrong data.
+        The default absorbs any Exception and opens the breaker on
+        ``TierUnavailable``; a tier with its own view (which client errors mean
+        the server is gone, a longer backoff, secrets to mask) assigns its own
+        ``TierFaults`` in ``__init__``.
+        """
+        return TierFaults(self.counters, f"{self.name} tier",
+                          log=logging.getLogger(type(self).__module__))
+
+    def drop_corrupt(self, key: CacheKey, problem: object) -> None:
+        """The one way a corrupt entry ends: counted in ``corrupt_frames``, logged
+        at a bounded rate and removed from the tier. The get that found it
+        counts its miss as for any other miss."""
+        self.faults.corrupt(key.to_string(), problem)
+        self.remove(key)
+
+    def decode(self, key: CacheKey, frame: bytes | bytearray | memoryview) -> MemoryObj | None:
+        """Deserialize a stored frame into a buffer from ``context.allocate``.
+
+        Returns None when there is no memory to decode into; raises
+        ``CorruptFrameError`` for a frame that fails to decode or verify, is bound
+        to another key, or decodes to something else than its header says (the
+        serializer may raise anything on a crafted frame: that is corrupt too).
+        Every buffer the decode took is given back on failure.
         """
         taken = TrackedAllocate(self.context.allocate)
         try:
@@ -261,22 +265,28 @@ class StorageBackend(Plugin, ABC):
                 obj.ref_down()
                 problem = CorruptFrameError(f"decoded to {obj.dtype} {list(obj.shape)}, the "
                                             f"header says {header.dtype} {list(header.shape)}")
-        except Exception as exc:  # a serializer may raise anything on a crafted frame
+        except CorruptFrameError:
             taken.release_all()
-            problem = exc if isinstance(exc, CorruptFrameError) else \
-                CorruptFrameError(f"{type(exc).__name__}: {exc}")
+            raise
+        except Exception as exc:
+            taken.release_all()
+            raise CorruptFrameError(f"{type(exc).__name__}: {exc}") from exc
         except BaseException:
             taken.release_all()
             raise
-        if problem is None:
-            return obj
-        self.counters.corrupt_frames += 1
-        self.counters.misses += 1
-        _corrupt_log.warning(f"corrupt:{self.name}",
-                             "lmkv %s tier: dropping corrupt entry %s: %s",
-                             self.name, key.to_string(), problem)
-        self.remove(key)
-        return None
+        if problem is not None:
+            raise problem
+        return obj
+
+    def decode_frame(self, key: CacheKey, frame: bytes | bytearray | memoryview
+                     ) -> MemoryObj | None:
+        """``decode``, with a corrupt frame dropped (``drop_corrupt``): None is a
+        miss (corrupt frame, or no memory to decode into), never wrong data."""
+        try:
+            return self.decode(key, frame)
+        except CorruptFrameError as exc:
+            self.drop_corrupt(key, exc)
+            return None
 
     def stats(self) -> dict[str, int | None]:
         """Counters (``TierCounters``), usage and capacity; backends may add their own."""
@@ -285,6 +295,7 @@ class StorageBackend(Plugin, ABC):
 
     def close(self) -> None:
         """Release resources; must return promptly even when a remote is unreachable."""
+        self.faults.close()
         with self._executor_lock:
             if self._executor is not None:
                 self._executor.shutdown(wait=False, cancel_futures=True)

@@ -88,9 +88,8 @@ class StorageManager:
         first = self.tiers[0]
         try:
             future = first.batched_submit_put(keys, objs)
-        except Exception as exc:
-            first.counters.errors += 1
-            _log.warning(f"put:{first.name}", "lmkv %s tier: put failed: %s", first.name, exc)
+        except Exception as exc:  # a tier must not raise: its fault policy counts it
+            first.faults.fault("put", exc, "the writes are dropped")
             future = done_future(0)
         for writer in self._writers:
             writer.submit(keys, objs)
@@ -133,9 +132,7 @@ class StorageManager:
         try:
             return tier.batched_async_contains(lookup_id, keys, pin=pin)
         except Exception as exc:  # a tier must not raise; if it does, it is a miss
-            tier.counters.errors += 1
-            _log.warning(f"contains:{tier.name}", "lmkv %s tier: lookup failed: %s",
-                         tier.name, exc)
+            tier.faults.fault("lookup", exc, "a miss")
             return 0
 
     def lookup_and_prefetch(self, lookup_id: str, keys: Sequence[CacheKey],
@@ -273,8 +270,7 @@ class StorageManager:
         try:
             return future.result(timeout=GET_TIMEOUT_S)
         except (Exception, CancelledError) as exc:
-            tier.counters.errors += 1
-            _log.warning(f"get:{tier.name}", "lmkv %s tier: get failed: %s", tier.name, exc)
+            tier.faults.fault("get", exc, "a miss")
             return []
 
     def _promote(self, pairs: list[tuple[CacheKey, MemoryObj]]) -> None:

@@ -71,9 +71,7 @@ class WriteThrough:
             try:
                 self.tier.batched_submit_put(keys, objs).result(timeout=PUT_TIMEOUT_S)
             except Exception as exc:  # the tier counts its own failures; this is a last guard
-                self.tier.counters.errors += 1
-                _log.warning(f"err:{self.tier.name}", "lmkv %s tier: write-through put "
-                             "failed: %s", self.tier.name, exc)
+                self.tier.faults.fault("write-through put", exc, "the writes are dropped")
             finally:
                 for obj in objs:
                     obj.ref_down()

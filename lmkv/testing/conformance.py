@@ -7,11 +7,17 @@ your backend::
     class TestMyBackend(StorageBackendConformance):
         def make_backend(self):
             return MyBackend(MyBackend.Options(), BackendContext(...))
+
+Fault injection: implement ``corrupt_entry`` and ``copy_entry`` (a tier that
+stores bytes) and ``make_unreachable`` (a tier whose storage can be out of
+reach) and the fault tests run too; each hook left alone skips its tests.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 
 import pytest
 import torch
@@ -42,6 +48,18 @@ class StorageBackendConformance:
         backend's back (a file copied or renamed, a Redis value moved). Tiers that
         store bytes implement it; the default returns False and the test is skipped."""
         return False
+
+    def make_unreachable(self, backend: StorageBackend) -> AbstractContextManager[None] | None:
+        """A context manager inside which ``backend``'s storage cannot be reached
+        (an endpoint stopped, a server hung, a directory gone) and after which it
+        is back, with what it held. Tiers with storage outside this process
+        implement it; the default returns None and the unreachable test is
+        skipped (a tier to which it does not apply skips with its reason)."""
+        return None
+
+    #: How long a tier may take to find its storage back (breaker backoff,
+    #: reconnect): a liveness bound for the recovery test, never a timing.
+    recovery_deadline_s: float = 60.0
 
     def make_bounded_backend(self, max_bytes: int) -> StorageBackend | None:
         """A fresh backend with a byte budget of about ``max_bytes``, for the
@@ -187,10 +205,74 @@ class StorageBackendConformance:
     def test_a_corrupt_entry_is_a_miss_and_is_removed(self, backend: StorageBackend) -> None:
         self.put(backend, [4])
         if not self.corrupt_entry(backend, self.key(4)):
-            pytest.skip("this backend keeps no bytes to corrupt")
+            pytest.skip("this backend keeps no bytes to corrupt (corrupt_entry)")
+        before = backend.stats()
         assert backend.get_blocking(self.key(4)) is None
-        assert not backend.contains(self.key(4))
-        assert backend.stats()["corrupt_frames"] >= 1
+        after = backend.stats()
+        assert after["corrupt_frames"] == before["corrupt_frames"] + 1
+        assert after["misses"] > before["misses"] and after["hits"] == before["hits"]
+        assert not backend.contains(self.key(4)), "a corrupt entry must be removed"
+        (expected,) = self.put(backend, [4])  # the key is free for a good entry again
+        self._check_reads(backend, 4, expected)
+
+    def test_a_corrupt_entry_ends_a_batched_get(self, backend: StorageBackend) -> None:
+        """The batched path goes through the same policy: the prefix before the
+        corrupt entry, the entry removed and counted once."""
+        expected = self.put(backend, [1, 2, 3])
+        if not self.corrupt_entry(backend, self.key(2)):
+            pytest.skip("this backend keeps no bytes to corrupt (corrupt_entry)")
+        before = backend.stats()["corrupt_frames"]
+        keys = [self.key(i) for i in (1, 2, 3)]
+        objs = backend.batched_get_non_blocking("l", keys).result(timeout=60)
+        try:
+            assert len(objs) == 1 and torch.equal(objs[0].tensor, expected[0])
+        finally:
+            for obj in objs:
+                obj.ref_down()
+        assert backend.stats()["corrupt_frames"] == before + 1
+        assert not backend.contains(self.key(2))
+
+    def test_an_unreachable_tier_answers_misses_and_recovers(
+            self, backend: StorageBackend) -> None:
+        """Storage out of reach: gets are misses, puts are dropped and counted,
+        nothing raises; once it is back the tier serves again by itself."""
+        expected = self.put(backend, [1, 2])
+        unreachable = self.make_unreachable(backend)
+        if unreachable is None:
+            pytest.skip("this kit cannot make the backend unreachable (make_unreachable)")
+        before = backend.stats()
+        with unreachable:
+            assert backend.get_blocking(self.key(1)) is None
+            keys = [self.key(1), self.key(2)]
+            assert backend.batched_get_non_blocking("l", keys).result(timeout=60) == []
+            backend.batched_async_contains("l", keys)  # answers, whatever it knows
+            obj = self.make_obj(backend, 3)
+            future = backend.batched_submit_put([self.key(3)], [obj])
+            obj.ref_down()
+            assert future.result(timeout=60) == 0
+            backend.remove(self.key(9))
+            during = backend.stats()
+        assert during["errors"] > before["errors"], "a fault must be counted"
+        assert during["dropped_writes"] >= before["dropped_writes"] + 1
+        assert during["misses"] > before["misses"] and during["hits"] == before["hits"]
+        assert _eventually(lambda: self._stores(backend, 4), self.recovery_deadline_s), \
+            "the tier did not recover once its storage was back"
+        self._check_reads(backend, 1, expected[0])
+
+    def _stores(self, backend: StorageBackend, i: int) -> bool:
+        obj = self.make_obj(backend, i)
+        try:
+            return backend.batched_submit_put([self.key(i)], [obj]).result(timeout=60) == 1
+        finally:
+            obj.ref_down()
+
+    def _check_reads(self, backend: StorageBackend, i: int, expected: torch.Tensor) -> None:
+        obj = backend.get_blocking(self.key(i))
+        assert obj is not None, f"key {i} does not read back"
+        try:
+            assert torch.equal(obj.tensor, expected)
+        finally:
+            obj.ref_down()
 
     def test_an_entry_moved_to_another_key_is_a_miss(self, backend: StorageBackend) -> None:
         """A valid frame under another key's name is never served as that key's KV."""
@@ -238,3 +320,13 @@ class StorageBackendConformance:
             assert obj is not None and torch.equal(obj.tensor, data)
             obj.ref_down()
         assert backend.unpin(self.key(0)) and backend.unpin(self.key(1))
+
+
+def _eventually(condition: Callable[[], bool], deadline_s: float) -> bool:
+    """Poll ``condition`` until it holds or ``deadline_s`` passes (a liveness bound)."""
+    end = time.monotonic() + deadline_s
+    while not condition():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.1)
+    return True

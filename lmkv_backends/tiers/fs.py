@@ -6,9 +6,11 @@ restart and are found again; reads go straight into chunk buffers. Other URLs
 (``fs_remote``) go through fsspec. A budget (``max_bytes``) evicts unpinned
 entries in the order of the tier's eviction policy. Every fault (I/O error,
 stopped endpoint, corrupted entry) is a counted, rate-logged miss or dropped
-write: nothing raises into the caller. Anything under an entry's name that is
-not a regular file (directory, FIFO, symlink, ...) is never read and never a
-hit: it is left alone and counted (``special_files``).
+write, through the backend's one fault policy (``lmkv.faults``): nothing raises
+into the caller, and a remote that stops answering opens the tier's breaker.
+Anything under an entry's name that is not a regular file (directory, FIFO,
+symlink, ...) is never read and never a hit: it is left alone and counted
+(``special_files``).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from functools import partial
 
 from lmkv.backend import BackendContext, StorageBackend
 from lmkv.errors import ConfigError, CorruptFrameError
+from lmkv.faults import TierFaults
 from lmkv.logutil import RateLimitedLog
 from lmkv.memory import MemoryObj
 from lmkv.tokens import CacheKey
@@ -45,6 +48,11 @@ class _Failed(enum.Enum):
 
 
 FAILED = _Failed.FAILED  # a probe that could not tell (storage failed): not a removal
+#: What the caller of each operation gets when it fails (for the fault log).
+_CONSEQUENCES = {"write": "the write is dropped", "put": "the writes are dropped",
+                 "evict": "the entry is left behind", "remove": "the entry is left in place",
+                 "scan": "entries already stored are found as they are read",
+                 "sync": "recent writes may not survive a crash", "close": "closed anyway"}
 
 
 class FSBackend(StorageBackend):
@@ -56,7 +64,9 @@ class FSBackend(StorageBackend):
         if context.serializer is None or context.eviction_policy is None:
             raise ValueError("the fs tier needs a serializer and an eviction policy")
         self.location = display_url(options.url)
-        self._redact = options.redactor()
+        # A client library's message may carry the endpoint URL with its credentials.
+        self.faults = TierFaults(self.counters, f"fs tier {self.location}",
+                                 redact=options.redactor(), log=logger)
         self.special_files = 0  # names found that are not regular files
         prefix = f"tiers.{context.tier_index}.options"  # for start-up errors
         self.store: LocalStore | RemoteStore
@@ -69,7 +79,7 @@ class FSBackend(StorageBackend):
                 raise ConfigError(f"config key '{prefix}.url' = {self.location!r}: cannot use "
                                   f"the directory: {exc.strerror or exc}") from None
         else:
-            self.store = RemoteStore(open_remote(options, prefix))
+            self.store = RemoteStore(open_remote(options, prefix), self.faults)
         capacity = int(options.max_bytes) if options.max_bytes is not None else None
         self.index = EntryIndex(context.eviction_policy, capacity)
         self._raw_reads = self.store.reads_into and context.serializer.raw_payload
@@ -94,7 +104,7 @@ class FSBackend(StorageBackend):
             if self._closed:  # closed while listing (interpreter exit, say): nobody cares
                 logger.debug("lmkv fs tier %s: listing ended by close: %s", self.location, exc)
                 return
-            self._fault("scan", "listing the entries", exc)
+            self._fault("scan", exc)
 
     # -- figures -----------------------------------------------------------------
     @property
@@ -145,7 +155,7 @@ class FSBackend(StorageBackend):
             self._special(key, exc)
             return None
         except Exception as exc:
-            self._fault("stat", f"checking {key.to_string()}", exc)
+            self._fault("stat", exc, key)
             return FAILED
 
     def _present(self, key: CacheKey, size: int | _Failed | None, pin: bool) -> bool:
@@ -179,7 +189,7 @@ class FSBackend(StorageBackend):
                 job.add_done_callback(partial(self._write_finished, key, obj))
                 jobs.append(job)
         except Exception as exc:  # e.g. keys and objs of different lengths
-            self._fault("put", "submitting a put", exc)
+            self._fault("put", exc)
         batch = gather(jobs, count_true, self._sync)
         if not batch.done():
             with self._pending_lock:
@@ -221,7 +231,7 @@ class FSBackend(StorageBackend):
             self.index.commit(key, size, written)
         except Exception as exc:
             self.counters.dropped_writes += 1
-            self._fault("write", f"writing {key.to_string()}", exc)
+            self._fault("write", exc, key)
             return False
         self.counters.puts += 1
         self.counters.bytes_in += written
@@ -237,14 +247,14 @@ class FSBackend(StorageBackend):
         try:
             self.store.sync()
         except Exception as exc:
-            self._fault("sync", "syncing the directory", exc)
+            self._fault("sync", exc)
 
     def _delete_evicted(self, evicted: list[tuple[CacheKey, int]]) -> None:
         for key, _ in evicted:
             try:
                 self.store.delete(entry_name(key))
             except Exception as exc:
-                self._fault("evict", f"evicting {key.to_string()}", exc)
+                self._fault("evict", exc, key)
         self.counters.evictions += len(evicted)
 
     # -- get ------------------------------------------------------------------------
@@ -260,21 +270,18 @@ class FSBackend(StorageBackend):
             else:
                 frame = self.store.read_frame(name)
                 size = len(frame)
-                corrupt_before = self.counters.corrupt_frames
-                obj = self.decode_frame(key, frame)  # removes and counts a corrupt frame
-                if obj is None and self.counters.corrupt_frames != corrupt_before:
-                    return None
+                obj = self.decode(key, frame)
         except FileNotFoundError:
             self.index.discard(key)
             obj = None
         except NotAnEntry as exc:
             self._special(key, exc)
             obj = None
-        except CorruptFrameError as exc:
-            self._drop_corrupt(key, exc)
-            return None
+        except CorruptFrameError as exc:  # read straight into a buffer, or decoded
+            self.drop_corrupt(key, exc)
+            obj = None
         except Exception as exc:
-            self._fault("read", f"reading {key.to_string()}", exc)
+            self._fault("read", exc, key)
             obj = None
         if obj is None:
             self.counters.misses += 1
@@ -295,14 +302,6 @@ class FSBackend(StorageBackend):
             jobs.append(job)
         return gather(jobs, leading_objects)
 
-    def _drop_corrupt(self, key: CacheKey, exc: CorruptFrameError) -> None:
-        """What ``decode_frame`` does for a frame read straight into a buffer."""
-        self.counters.corrupt_frames += 1
-        self.counters.misses += 1
-        _log.warning(f"corrupt:{self.location}", "lmkv fs tier %s: dropping corrupt entry "
-                     "%s: %s", self.location, key.to_string(), exc)
-        self.remove(key)
-
     # -- the rest -----------------------------------------------------------------------
     def remove(self, key: CacheKey) -> bool:
         """Drop ``key`` (pins guard against eviction, not against removal)."""
@@ -315,7 +314,7 @@ class FSBackend(StorageBackend):
         except NotAnEntry:
             return known
         except Exception as exc:
-            self._fault("remove", f"removing {key.to_string()}", exc)
+            self._fault("remove", exc, key)
             return known
 
     def _submit(self, pool: ThreadPoolExecutor, fn: Callable[..., object],
@@ -327,11 +326,9 @@ class FSBackend(StorageBackend):
         except RuntimeError:  # shut down meanwhile
             return None
 
-    def _fault(self, op: str, what: str, exc: BaseException) -> None:
-        self.counters.errors += 1
-        # A client library's message may carry the endpoint URL with its credentials.
-        _log.warning(f"{op}:{self.location}", "lmkv fs tier %s: %s failed: %s: %s",
-                     self.location, what, type(exc).__name__, self._redact(exc))
+    def _fault(self, op: str, exc: BaseException, key: CacheKey | None = None) -> None:
+        self.faults.fault(op, exc, _CONSEQUENCES.get(op, "a miss"),
+                          key.to_string() if key is not None else "")
 
     def _special(self, key: CacheKey, exc: NotAnEntry) -> None:
         """Something that is not an entry file sits under ``key``'s name: forget the
@@ -357,5 +354,5 @@ class FSBackend(StorageBackend):
         try:
             self.store.close()
         except Exception as exc:
-            self._fault("close", "closing", exc)
+            self._fault("close", exc)
         super().close()

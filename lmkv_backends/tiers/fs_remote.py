@@ -1,21 +1,20 @@
 """Entries of the ``fs`` tier on a remote fsspec filesystem (S3 and others).
 
-Objects are written whole (a PUT is atomic on S3) and read whole. After a
-failed request the remote is considered down for a short, growing interval:
-operations then fail at once instead of each waiting for a timeout, and one
-probe at a time tests whether the remote is back.
+Objects are written whole (a PUT is atomic on S3) and read whole. A request
+the remote does not answer (or answers with anything but "no such object")
+raises ``TierUnavailable``: the tier's fault policy then opens its breaker,
+and every request here waits for it (``lmkv.faults``).
 """
 
 from __future__ import annotations
 
 import logging
 import posixpath
-import threading
-import time
 from collections.abc import Callable, Sequence
 from datetime import datetime
 from typing import Any, TypeVar
 
+from lmkv.faults import TierFaults, TierUnavailable
 from lmkv.tokens import CacheKey
 from lmkv_backends.tiers.fs_index import NotAnEntry, key_of
 from lmkv_backends.tiers.fs_options import RemoteLocation
@@ -23,43 +22,6 @@ from lmkv_backends.tiers.fs_options import RemoteLocation
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-FIRST_BACKOFF_S = 0.25
-LONGEST_BACKOFF_S = 2.0
-
-
-class RemoteUnavailable(OSError):
-    """The remote failed recently; the operation was not attempted."""
-
-
-class Breaker:
-    """Fails fast while the remote is down; lets one probe through per interval."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._backoff = 0.0
-        self._until = 0.0
-        self._reason = ""
-
-    def check(self) -> None:
-        if not self._backoff:
-            return
-        with self._lock:
-            now = time.monotonic()
-            if now < self._until:
-                raise RemoteUnavailable(f"remote unavailable ({self._reason}); "
-                                        f"retrying within {self._until - now:.1f}s")
-            self._until = now + self._backoff  # this caller probes; the others wait
-
-    def failed(self, exc: BaseException) -> None:
-        with self._lock:
-            self._backoff = min(LONGEST_BACKOFF_S, self._backoff * 2 or FIRST_BACKOFF_S)
-            self._until = time.monotonic() + self._backoff
-            self._reason = f"{type(exc).__name__}: {exc}"[:200]
-
-    def succeeded(self) -> None:
-        if self._backoff:
-            with self._lock:
-                self._backoff = self._until = 0.0
 
 
 class RemoteStore:
@@ -68,25 +30,24 @@ class RemoteStore:
     trust_index = False  # other processes add and remove objects: ask the remote
     reads_into = False
 
-    def __init__(self, location: RemoteLocation) -> None:
+    def __init__(self, location: RemoteLocation, faults: TierFaults) -> None:
         self.fs = location.fs
         self.root = location.root
-        self.breaker = Breaker()
+        self.faults = faults  # the tier's: its breaker guards every request
 
     def path(self, name: str) -> str:
         return f"{self.root}/{name}"
 
     def _call(self, fn: Callable[..., T], *args: Any) -> T:
-        self.breaker.check()
+        self.faults.check()
         try:
             result = fn(*args)
         except (FileNotFoundError, IsADirectoryError):
-            self.breaker.succeeded()  # the remote answered
+            self.faults.succeeded()  # the remote answered
             raise
         except Exception as exc:
-            self.breaker.failed(exc)
-            raise
-        self.breaker.succeeded()
+            raise TierUnavailable(f"{type(exc).__name__}: {exc}") from exc
+        self.faults.succeeded()
         return result
 
     def scan(self) -> list[tuple[CacheKey, int]]:

@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -122,6 +123,19 @@ class TestLocalConformance(StorageBackendConformance):
     def copy_entry(self, backend: FSBackend, source: CacheKey, target: CacheKey) -> bool:
         (self.root / entry_name(target)).write_bytes((self.root / entry_name(source)).read_bytes())
         return True
+
+    @contextmanager
+    def make_unreachable(self, backend: FSBackend) -> Iterator[None]:
+        """The directory moved away and a file in its place: every access fails
+        with an OSError (ENOTDIR), as on a disk that went away; then put back."""
+        away = self.root.with_name(self.root.name + ".away")
+        self.root.rename(away)
+        self.root.write_bytes(b"")
+        try:
+            yield
+        finally:
+            self.root.unlink()
+            away.rename(self.root)
 
 
 # -- restart, atomicity, durability ------------------------------------------------

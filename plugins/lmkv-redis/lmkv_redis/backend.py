@@ -8,6 +8,13 @@ a put writes all its entries in one (per ``pipeline_bytes`` of values).
 Pins are local: this process counts them so it knows what it is about to
 read. Redis itself evicts by its own ``maxmemory-policy``; a pinned entry the
 server evicted is simply a miss when it is read.
+
+Faults follow lmkv's one policy (``lmkv.faults``): a Redis or network error
+is a counted, rate-logged miss or dropped write; a lost connection or a
+timeout opens the tier's breaker for ``retry_after_s`` (a hung server would
+otherwise cost every engine step a full timeout), then one request probes;
+redis-py's pool reconnects on that request. The reader, the writer and the
+server figures share a ``Connection``, never the backend.
 """
 
 from __future__ import annotations
@@ -20,13 +27,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from lmkv.backend import BackendContext, StorageBackend, done_future
+from lmkv.faults import Breaker, TierFaults
 from lmkv.memory import MemoryObj
 from lmkv.redact import Redactor, secrets_in
 from lmkv.tokens import CacheKey
-from lmkv_redis.connect import Client, make_client
-from lmkv_redis.faults import Faults
+from lmkv_redis.connection import CONNECTION_FAULTS, FAULTS, Connection
 from lmkv_redis.options import RedisOptions, redact_url
-from lmkv_redis.reader import Reader
+from lmkv_redis.reader import Fetched, Reader
 from lmkv_redis.server_info import ServerInfo
 from lmkv_redis.writer import Writer
 
@@ -54,17 +61,19 @@ class RedisBackend(StorageBackend):
             raise ValueError("the redis tier needs a serializer")
         self.options: RedisOptions = options
         self.where = redact_url(options.url)
-        self.faults = Faults(self.counters, self.where, options.retry_after_s,
-                             Redactor([options.password, *secrets_in(options.url)]))
-        self._client_obj: Client | None = None
-        self._client_lock = threading.Lock()
+        self.faults = TierFaults(
+            self.counters, f"redis tier ({self.where})", absorbed=FAULTS,
+            unreachable=CONNECTION_FAULTS,
+            breaker=Breaker(options.retry_after_s, options.retry_after_s),
+            redact=Redactor([options.password, *secrets_in(options.url)]), log=logger)
+        self.connection = Connection(options, self.faults)
         self._pins: dict[str, _Pin] = {}
         self._pins_lock = threading.Lock()
+        self._close_lock = threading.Lock()
         self._closing = False
-        self._closed = False
-        self._writer = Writer(self)
-        self._reader = Reader(self)
-        self._info = ServerInfo(self)
+        self._writer = Writer(self.connection, context.serializer)
+        self._reader = Reader(self.connection)
+        self._info = ServerInfo(self.connection)
         self._gets = ThreadPoolExecutor(max_workers=GET_THREADS,
                                         thread_name_prefix="lmkv-redis-get")
         self._sweeping = threading.Lock()  # held while an empty-value check runs
@@ -73,25 +82,7 @@ class RedisBackend(StorageBackend):
     def __repr__(self) -> str:
         return f"RedisBackend({self.where}, cluster={self.options.cluster})"
 
-    # -- plumbing shared by the reader and the writer --------------------------
-    def client(self) -> Client:
-        """The redis-py client, created on first use (a cluster client connects then)."""
-        with self._client_lock:
-            if self._closed:
-                raise _ClosedError("the redis tier is closed")
-            if self._client_obj is None:
-                self._client_obj = make_client(self.options)
-            return self._client_obj
-
-    @property
-    def usable(self) -> bool:
-        """False when closed or backing off after a connection fault."""
-        return not self._closed and not self.faults.down
-
-    def main_key(self, key: CacheKey) -> str:
-        return self.options.key_prefix + key.to_string()
-
-    def part_hint(self, name: str) -> int:
+    def _part_hint(self, name: str) -> int:
         pin = self._pins.get(name)
         return pin.parts if pin is not None else 1
 
@@ -101,19 +92,19 @@ class RedisBackend(StorageBackend):
 
     def batched_async_contains(self, lookup_id: str, keys: Sequence[CacheKey],
                                pin: bool = False) -> int:
-        if not keys or not self.usable:
+        if not keys:
             return 0
-        names = [self.main_key(k) for k in keys]
-        try:
+        names = [self.connection.main_key(k) for k in keys]
+        parts: list[int] = []
+        with self.faults.guard("lookup", "answering misses"):
             parts = self._reader.probe(names)
-        except Exception as exc:
-            if not self.faults.expected(exc):
-                raise
-            self.faults.record("lookup", exc, "answering misses")
-            return 0
         hits = 0
         for count in parts:
             if count == 0:
+                # GETRANGE answers "" for an absent key and for an empty value alike:
+                # the lookup takes it as a miss now, and a check in the background
+                # removes an empty value (a corrupt frame) without costing the lookup.
+                self.sweep_empty(names[hits])
                 break
             hits += 1
         if pin and hits:
@@ -132,7 +123,7 @@ class RedisBackend(StorageBackend):
 
     def unpin(self, key: CacheKey) -> bool:
         """Release one pin of this process; False when it held none on ``key``."""
-        name = self.main_key(key)
+        name = self.connection.main_key(key)
         with self._pins_lock:
             entry = self._pins.get(name)
             if entry is None:
@@ -158,14 +149,11 @@ class RedisBackend(StorageBackend):
 
     def _sweep(self, name: str) -> None:
         try:
-            if self.usable:
-                self._reader.drop_if_empty(name)
-        except Exception as exc:
-            if not self.faults.expected(exc):
-                logger.exception("lmkv redis tier: checking %s for an empty value failed",
-                                 name)
-            else:
-                self.faults.record("check", exc, "an empty value, if any, stays for now")
+            with self.faults.guard("check", "an empty value, if any, stays for now"):
+                if self.connection.usable and self._reader.drop_if_empty(name):
+                    self.faults.corrupt(name, "an empty value")
+        except Exception:  # a bug, on a background thread: say so, never lose the lock
+            logger.exception("lmkv redis tier: checking %s for an empty value failed", name)
         finally:
             self._sweeping.release()
 
@@ -183,19 +171,41 @@ class RedisBackend(StorageBackend):
             return done_future([])
 
     def _get_prefix(self, keys: Sequence[CacheKey]) -> list[MemoryObj]:
-        if not self.usable:
-            self.counters.misses += 1
-            return []
+        """The leading entries found, decoded window by window; a fault answers
+        the prefix decoded so far."""
+        objs: list[MemoryObj] = []
         try:
-            objs = self._reader.get_prefix(keys)
-        except Exception as exc:
-            if not self.faults.expected(exc):
-                raise
-            self.faults.record("get", exc, "answering misses")
-            objs = []
+            with self.faults.guard("get", "answering misses"):
+                for window in self._reader.windows(keys, self._part_hint):
+                    if not self._decode_window(window, objs):
+                        break
+        except BaseException:  # a bug: give the buffers back, then let it show
+            for obj in objs:
+                obj.ref_down()
+            raise
         self.counters.hits += len(objs)
         self.counters.misses += len(objs) < len(keys)
         return objs
+
+    def _decode_window(self, window: list[Fetched], out: list[MemoryObj]) -> bool:
+        """Decode the window's frames into ``out``; False at the first that is
+        not a whole, valid frame (a lost part is a miss, the rest of the entry is
+        deleted; a corrupt one is dropped by the fault policy)."""
+        for entry in window:
+            if entry.corrupt is not None:
+                self.drop_corrupt(entry.key, entry.corrupt)
+                return False
+            if entry.lost_part:
+                self.faults.note("missing-part", "entry %s lost a part (expired or evicted);"
+                                 " a miss, deleting the rest", entry.name)
+                self.remove(entry.key)
+                return False
+            obj = self.decode_frame(entry.key, entry.frame)
+            if obj is None:
+                return False
+            self.counters.bytes_out += entry.frame_len
+            out.append(obj)
+        return True
 
     # -- puts -----------------------------------------------------------------------
     def batched_submit_put(self, keys: Sequence[CacheKey], objs: Sequence[MemoryObj]) -> Future:
@@ -204,15 +214,13 @@ class RedisBackend(StorageBackend):
     # -- removal --------------------------------------------------------------------
     def remove(self, key: CacheKey) -> bool:
         """Delete ``key`` and its parts from Redis, pinned or not (pins are local)."""
-        if not self.usable:
+        size = None
+        with self.faults.guard("remove", "entry left in place"):
+            size = self._reader.delete(self.connection.main_key(key))
+        if size is None:
             return False
-        try:
-            return self._reader.delete(self.main_key(key))
-        except Exception as exc:
-            if not self.faults.expected(exc):
-                raise
-            self.faults.record("remove", exc, "entry left in place")
-            return False
+        self._writer.forget(size)
+        return True
 
     # -- figures --------------------------------------------------------------------
     @property
@@ -237,37 +245,15 @@ class RedisBackend(StorageBackend):
     def close(self) -> None:
         """Wait up to ``close_timeout_s`` for puts in flight, then drop the rest and
         disconnect; returns promptly even when the server is gone or hung."""
-        with self._client_lock:
+        with self._close_lock:
             if self._closing:
                 return
             self._closing = True
         self._writer.close(self.options.close_timeout_s)  # puts in flight may still finish
-        with self._client_lock:
-            self._closed = True
-            self.faults.closed = True
-            client, self._client_obj = self._client_obj, None
+        self.faults.close()  # from here on, what the pulled sockets raise is absorbed
         self._gets.shutdown(wait=False, cancel_futures=True)
-        if client is not None:
-            _disconnect(client)
+        self.connection.close()
         with self._pins_lock:
             self._pins.clear()
         super().close()
 
-
-class _ClosedError(ConnectionError):
-    """Raised inside the tier after close(); caught like any connection fault."""
-
-
-def _disconnect(client: Client) -> None:
-    """Close every socket, including those another thread is blocked on."""
-    pools = []
-    if hasattr(client, "get_nodes"):
-        pools = [n.redis_connection.connection_pool for n in client.get_nodes()
-                 if n.redis_connection is not None]
-    else:
-        pools = [client.connection_pool]
-    for pool in pools:
-        try:
-            pool.disconnect()
-        except Exception:  # a socket that fails to close is closed enough
-            logger.debug("disconnecting a redis pool failed", exc_info=True)

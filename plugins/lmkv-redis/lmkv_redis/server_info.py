@@ -5,12 +5,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from redis.cluster import RedisCluster
 
-if TYPE_CHECKING:
-    from lmkv_redis.backend import RedisBackend
+from lmkv_redis.connect import Client
+from lmkv_redis.connection import Connection
 
 logger = logging.getLogger(__name__)
 
@@ -22,8 +22,8 @@ class ServerInfo:
     primaries), refreshed at most every ``REFRESH_S``; the last known figures
     while the server is unreachable."""
 
-    def __init__(self, backend: RedisBackend) -> None:
-        self.backend = backend
+    def __init__(self, connection: Connection) -> None:
+        self.connection = connection
         self._lock = threading.Lock()
         self._at = -REFRESH_S
         self._maxmemory: int | None = None
@@ -40,24 +40,23 @@ class ServerInfo:
     def _refresh(self) -> None:
         with self._lock:
             now = time.monotonic()
-            if now - self._at < REFRESH_S or not self.backend.usable:
+            if now - self._at < REFRESH_S or not self.connection.usable:
                 return
             self._at = now
-            try:
-                client = self.backend.client()
-                if isinstance(client, RedisCluster):
-                    reply = client.info("memory", target_nodes=RedisCluster.PRIMARIES)
-                else:
-                    reply = client.info("memory")
-                sections = _per_node(reply)
-            except Exception as exc:
-                if not self.backend.faults.expected(exc):
-                    raise
-                self.backend.faults.record("INFO memory", exc, "keeping the last figures")
+            sections = None
+            with self.connection.faults.guard("INFO memory", "keeping the last figures"):
+                sections = _per_node(self.connection.call(_memory_info))
+            if sections is None:
                 return
             limits = [int(s.get("maxmemory", 0)) for s in sections]
             self._maxmemory = sum(limits) if limits and all(limits) else None
             self._used = sum(int(s.get("used_memory", 0)) for s in sections)
+
+
+def _memory_info(client: Client) -> Any:
+    if isinstance(client, RedisCluster):
+        return client.info("memory", target_nodes=RedisCluster.PRIMARIES)
+    return client.info("memory")
 
 
 def _per_node(reply: Any) -> list[dict[str, Any]]:

@@ -5,7 +5,8 @@ background thread serializes each chunk (the frame's payload is a view of the
 chunk's memory: nothing is copied on the way to the socket), writes the batch
 and then releases the references. A write that fails is dropped and counted;
 the future resolves to the number of entries stored and never raises for a
-Redis fault.
+Redis fault. The writer holds the connection, the serializer and the tier's
+fault policy (with its counters), never the backend.
 """
 
 from __future__ import annotations
@@ -15,24 +16,26 @@ import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from functools import partial
-from typing import TYPE_CHECKING
 
 from lmkv.backend import done_future
+from lmkv.faults import TierFaults
 from lmkv.memory import MemoryObj
+from lmkv.serde import Serializer
 from lmkv.tokens import CacheKey
+from lmkv_redis.connection import Connection
 from lmkv_redis.layout import envelope, part_names, split
 from lmkv_redis.wire import bulk
-
-if TYPE_CHECKING:
-    from lmkv_redis.backend import RedisBackend
 
 logger = logging.getLogger(__name__)
 
 
 class Writer:
-    def __init__(self, backend: RedisBackend) -> None:
-        self.backend = backend
-        self.options = backend.options
+    def __init__(self, connection: Connection, serializer: Serializer) -> None:
+        self.connection = connection
+        self.serializer = serializer
+        self.faults: TierFaults = connection.faults
+        self.counters = connection.faults.counters
+        self.options = connection.options
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmkv-redis-put")
         self._lock = threading.Lock()
         self._in_flight: set[Future] = set()
@@ -48,14 +51,14 @@ class Writer:
     def submit(self, keys: list[CacheKey], objs: list[MemoryObj]) -> Future:
         if len(keys) != len(objs):
             raise ValueError(f"{len(keys)} keys for {len(objs)} chunks")
-        counters = self.backend.counters
+        counters = self.counters
         if not keys:
             return done_future(0)
         nbytes = sum(obj.nbytes for obj in objs)
         with self._lock:
             full = self.pending_bytes and (
                 self.pending_bytes + nbytes > self.options.max_pending_bytes)
-            if not full and not self._closing and self.backend.usable:
+            if not full and not self._closing and self.connection.usable:
                 self.pending_bytes += nbytes
                 accepted = True
             else:
@@ -63,7 +66,7 @@ class Writer:
         if not accepted:
             counters.dropped_writes += len(keys)
             if full:
-                self.backend.faults.note("queue-full", "%d bytes of puts still pending; "
+                self.faults.note("queue-full", "%d bytes of puts still pending; "
                                          "dropping %d writes", self.pending_bytes, len(keys))
             return done_future(0)
         for obj in objs:
@@ -86,7 +89,7 @@ class Writer:
             self.pending_bytes -= nbytes
             self._in_flight.discard(job)
         if job.cancelled():
-            self.backend.counters.dropped_writes += len(objs)
+            self.counters.dropped_writes += len(objs)
             result.set_result(0)
         elif job.exception() is not None:  # a bug, not a Redis fault: let it show
             result.set_exception(job.exception())
@@ -95,41 +98,36 @@ class Writer:
 
     # -- writing (background thread) ------------------------------------------------
     def _write(self, keys: Sequence[CacheKey], objs: Sequence[MemoryObj]) -> int:
-        backend, counters = self.backend, self.backend.counters
+        counters = self.counters
         stored = start = 0
         while start < len(keys):
-            if not backend.usable:
-                counters.dropped_writes += len(keys) - start
-                break
             end, window_bytes = start, 0
             while end < len(keys) and (end == start or window_bytes + objs[end].nbytes
                                        <= self.options.pipeline_bytes):
                 window_bytes += objs[end].nbytes
                 end += 1
-            try:
-                stored += self._write_window(keys[start:end], objs[start:end])
-            except Exception as exc:
-                if not self.backend.faults.expected(exc):
-                    raise
-                left = len(keys) - start
+            left = len(keys) - start
+            written = None
+            with self.faults.guard("put", f"dropping {left} writes"):
+                written = self._write_window(keys[start:end], objs[start:end])
+            if written is None:
                 counters.dropped_writes += left
-                backend.faults.record("put", exc, f"dropping {left} writes")
                 break
+            stored += written
             start = end
         counters.puts += stored
         return stored
 
     def _write_window(self, keys: Sequence[CacheKey], objs: Sequence[MemoryObj]) -> int:
-        backend, counters = self.backend, self.backend.counters
-        serializer = backend.context.serializer
+        counters, serializer = self.counters, self.serializer
         part_bytes = int(self.options.part_bytes)
         ttl = ["PX", max(1, round(self.options.ttl_s * 1000))] if self.options.ttl_s else []
-        pipe = backend.client().pipeline(transaction=False)
+        pipe = self.connection.pipeline()
         plan: list[tuple[str, list[str], int]] = []
         for key, obj in zip(keys, objs, strict=True):
             buffers = serializer.serialize(obj, key)
             frame_len = sum(memoryview(b).nbytes for b in buffers)
-            name = backend.main_key(key)
+            name = self.connection.main_key(key)
             pieces = split(buffers, part_bytes) if frame_len > part_bytes else [buffers]
             parts = part_names(self.options.key_prefix, name, len(pieces))
             if not parts:
@@ -140,7 +138,7 @@ class Writer:
             head = [envelope(len(pieces), frame_len), *pieces[0]] if parts else pieces[0]
             pipe.execute_command("SET", name, bulk(head), *ttl)  # last: readers see whole entries
             plan.append((name, parts, frame_len))
-        replies = pipe.execute(raise_on_error=False)
+        replies = self.connection.execute(pipe)
 
         stored, pos, failed = 0, 0, []
         for name, parts, frame_len in plan:
@@ -163,20 +161,16 @@ class Writer:
         """Delete the parts a refused write left behind (e.g. the server is out of
         memory: DEL is still allowed)."""
         name, _, reply = failed[0]
-        self.backend.faults.record("put", RuntimeError(f"{name}: {reply}"),
-                                   f"dropping {len(failed)} writes")
+        self.faults.fault("put", RuntimeError(f"{name}: {reply}"),
+                          f"dropping {len(failed)} writes")
         orphans = [(parts) for _, parts, _ in failed if parts]
         if not orphans:
             return
-        pipe = self.backend.client().pipeline(transaction=False)
-        for parts in orphans:
-            pipe.execute_command("DEL", *parts)
-        try:
-            pipe.execute(raise_on_error=False)
-        except Exception as exc:
-            if not self.backend.faults.expected(exc):
-                raise
-            self.backend.faults.record("put clean-up", exc, "parts left to expire")
+        with self.faults.guard("put clean-up", "parts left to expire"):
+            pipe = self.connection.pipeline()
+            for parts in orphans:
+                pipe.execute_command("DEL", *parts)
+            self.connection.execute(pipe)
 
     def close(self, timeout_s: float) -> None:
         """Refuse new puts; give those in flight ``timeout_s`` to finish, cancel the rest."""

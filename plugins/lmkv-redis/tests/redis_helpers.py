@@ -50,7 +50,7 @@ def get(tier: StorageBackend, i: int) -> torch.Tensor | None:
 def count_sends(tier: StorageBackend) -> Iterator[list[int]]:
     """Counts the times the tier's connections send to a server: one per round trip
     and server (a pipeline sends once; a per-key loop would send once per key)."""
-    client = tier.client()
+    client = tier.connection.client()
     if hasattr(client, "get_nodes"):
         pool = client.get_nodes()[0].redis_connection.connection_pool
     else:

@@ -19,7 +19,7 @@ def test_every_part_lies_in_its_entrys_slot(redis_cluster: RedisCluster,
     tier = make_tier(redis_cluster.url, cluster=True, part_bytes=1024)
     node = redis_cluster.nodes[0].client()
     for i in range(16):
-        main = tier.main_key(key(i))
+        main = tier.connection.main_key(key(i))
         slots = {node.execute_command("CLUSTER", "KEYSLOT", name)
                  for name in [main, *part_names(tier.options.key_prefix, main, 9)]}
         assert len(slots) == 1

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import pytest
 from redis_servers import RedisCluster, RedisServer
 
@@ -16,6 +20,7 @@ from lmkv_redis import RedisBackend, RedisOptions
 class _RedisConformance(StorageBackendConformance):
     url = ""
     options: dict = {}
+    servers: list[RedisServer] = []
 
     def make_backend(self) -> StorageBackend:
         arena = MemoryAllocator(16 << 20, pin_memory=False)
@@ -25,8 +30,8 @@ class _RedisConformance(StorageBackendConformance):
 
     def corrupt_entry(self, backend: StorageBackend, key: CacheKey) -> bool:
         """Flip a payload bit of the main value, with the tier's own client."""
-        client = backend.client()
-        name = backend.main_key(key)
+        client = backend.connection.client()
+        name = backend.connection.main_key(key)
         offset = client.strlen(name) - 10
         byte = client.getrange(name, offset, offset)[0]
         client.setrange(name, offset, bytes([byte ^ 1]))
@@ -34,15 +39,35 @@ class _RedisConformance(StorageBackendConformance):
 
     def copy_entry(self, backend: StorageBackend, source: CacheKey, target: CacheKey) -> bool:
         """Move the main value (a whole frame, or the envelope naming its parts)."""
-        client = backend.client()
-        client.set(backend.main_key(target), client.get(backend.main_key(source)))
+        client, name = backend.connection.client(), backend.connection.main_key
+        client.set(name(target), client.get(name(source)))
         return True
+
+    #: How long the servers stay hung: longer than the block takes (one socket
+    #: timeout, then the breaker answers), since nothing can end it early (a
+    #: paused server holds its CLIENT UNPAUSE too).
+    pause_s = 8.0
+
+    @contextmanager
+    def make_unreachable(self, backend: StorageBackend) -> Iterator[None]:
+        """Every server hung for its clients (``CLIENT PAUSE ALL``: commands wait,
+        the tier's time out; a cluster's bus goes on, so no failover), then
+        serving again with what it held."""
+        over = time.monotonic() + self.pause_s
+        for server in self.servers:
+            with server.client() as client:
+                client.execute_command("CLIENT", "PAUSE", int(self.pause_s * 1000), "ALL")
+        try:
+            yield
+        finally:
+            time.sleep(max(0.0, over - time.monotonic()) + 0.1)
 
 
 class TestRedisServer(_RedisConformance):
     @pytest.fixture(autouse=True)
     def _url(self, redis_server: RedisServer) -> None:
         self.url = redis_server.url
+        self.servers = [redis_server]
 
 
 class TestRedisServerInParts(_RedisConformance):
@@ -53,6 +78,7 @@ class TestRedisServerInParts(_RedisConformance):
     @pytest.fixture(autouse=True)
     def _url(self, redis_server: RedisServer) -> None:
         self.url = redis_server.url
+        self.servers = [redis_server]
 
 
 class TestRedisCluster(_RedisConformance):
@@ -61,6 +87,7 @@ class TestRedisCluster(_RedisConformance):
     @pytest.fixture(autouse=True)
     def _url(self, redis_cluster: RedisCluster) -> None:
         self.url = redis_cluster.url
+        self.servers = redis_cluster.nodes
 
 
 class TestRedisClusterInParts(_RedisConformance):
@@ -69,3 +96,4 @@ class TestRedisClusterInParts(_RedisConformance):
     @pytest.fixture(autouse=True)
     def _url(self, redis_cluster: RedisCluster) -> None:
         self.url = redis_cluster.url
+        self.servers = redis_cluster.nodes

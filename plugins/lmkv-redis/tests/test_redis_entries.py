@@ -60,7 +60,7 @@ def test_large_values_are_split_and_reassembled(redis_server: RedisServer,
     tier = make_tier(redis_server.url, part_bytes=1024)
     (data,) = put(tier, [5])
     server = redis_server.client()
-    main = tier.main_key(key(5))
+    main = tier.connection.main_key(key(5))
     head = server.get(main)
     assert head[:4] == b"LMKR" and len(head) == ENVELOPE.size + 1024
     assert len(keys_of(server, tier.options.key_prefix + "*")) == 9
@@ -104,7 +104,7 @@ def test_a_corrupt_value_is_a_removed_miss(redis_server: RedisServer, make_tier:
     tier = make_tier(redis_server.url)
     put(tier, [1])
     server = redis_server.client()
-    name = tier.main_key(key(1))
+    name = tier.connection.main_key(key(1))
     CORRUPTIONS[corrupt](server, name, server.get(name))
     assert get(tier, 1) is None
     stats = tier.stats()
@@ -128,7 +128,7 @@ def test_a_corrupt_part_is_a_removed_miss(redis_server: RedisServer, make_tier: 
     tier = make_tier(redis_server.url, part_bytes=1024)
     put(tier, [1])
     server = redis_server.client()
-    main = tier.main_key(key(1))
+    main = tier.connection.main_key(key(1))
     part = next(n for n in keys_of(server, tier.options.key_prefix + "*") if n.endswith(b"#3"))
     PART_CORRUPTIONS[corrupt](server, main, part)
     assert get(tier, 1) is None

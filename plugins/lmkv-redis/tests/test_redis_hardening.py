@@ -40,7 +40,7 @@ def test_an_empty_value_is_a_removed_counted_miss(redis_server: RedisServer,
                                                   make_tier: MakeTier) -> None:
     tier = make_tier(redis_server.url)
     server = redis_server.client()
-    name = tier.main_key(key(1))
+    name = tier.connection.main_key(key(1))
     server.set(name, b"")
     assert tier.batched_async_contains("l", [key(1), key(2)]) == 0
     assert wait_for(lambda: not server.exists(name)), "the empty value stayed"
@@ -54,7 +54,7 @@ def test_a_value_too_short_to_be_a_frame_is_a_removed_miss(
         value: bytes, redis_server: RedisServer, make_tier: MakeTier) -> None:
     tier = make_tier(redis_server.url)
     server = redis_server.client()
-    name = tier.main_key(key(1))
+    name = tier.connection.main_key(key(1))
     server.set(name, value)
     tier.batched_async_contains("l", [key(1)], pin=True)
     assert get(tier, 1) is None
@@ -75,8 +75,8 @@ def test_crafted_frames_never_leak_arena_blocks(redis_server: RedisServer,
     pipe = server.pipeline(transaction=False)
     for i in range(n):
         shape = CRAFTED_SHAPES[i % len(CRAFTED_SHAPES)]
-        pipe.set(tier.main_key(key(10_000 + i)), write_header(1, torch.float16, shape, b"", 0,
-                                                                  key(10_000 + i)))
+        name = tier.connection.main_key(key(10_000 + i))
+        pipe.set(name, write_header(1, torch.float16, shape, b"", 0, key(10_000 + i)))
     pipe.execute()
     keys = [key(10_000 + i) for i in range(n)]
     for start in range(0, n, 100):  # prefix gets stop at the first miss: walk them all
