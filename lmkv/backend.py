@@ -30,7 +30,7 @@ import torch
 from lmkv.errors import CorruptFrameError
 from lmkv.faults import TierCounters, TierFaults
 from lmkv.memory import Allocate, MemoryAllocator, MemoryObj
-from lmkv.plugins.base import Plugin, PluginOptions
+from lmkv.plugin_base import Plugin, PluginOptions
 from lmkv.policy import EvictionPolicy
 from lmkv.serde import Serializer, read_header
 from lmkv.tokens import CacheKey

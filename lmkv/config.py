@@ -28,11 +28,12 @@ from pydantic import (
 
 from lmkv.config_keys import ENV_PREFIX, model_at, renamed_key, renamed_key_line, unknown_key_hint
 from lmkv.errors import ConfigError, UnknownPluginError
-from lmkv.plugins.base import PluginOptions
+from lmkv.plugin_base import PluginOptions
 from lmkv.plugins.resolved import Resolved, ResolvedPlugins, ResolvedTier
 from lmkv.private import default_server_address
 from lmkv.redact import RedactedRepr, redact_value
 from lmkv.strict_yaml import StrictYAMLError, load_strict_yaml
+from lmkv.tokens import DEFAULT_CHUNK_SIZE
 
 if TYPE_CHECKING:
     from lmkv.gpu import GPUConnector
@@ -149,7 +150,7 @@ class LMKVConfig(_Model):
     """Every key is documented in docs/configuration.md."""
 
     model_name: str | None = Field(default=None, min_length=1)
-    chunk_size: PositiveInt = 256
+    chunk_size: PositiveInt = DEFAULT_CHUNK_SIZE
     save_partial_chunk: bool = False
     tiers: list[TierConfig] = Field(
         default_factory=lambda: [TierConfig(type="cpu")], min_length=1)

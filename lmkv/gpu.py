@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from lmkv.plugins.base import Plugin, PluginOptions
+from lmkv.plugin_base import Plugin, PluginOptions
 
 CHUNK_LAYOUT = "l2thd"
 

@@ -8,7 +8,7 @@ from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from lmkv.plugins.base import NoOptions, Plugin, PluginOptions
+from lmkv.plugin_base import NoOptions, Plugin, PluginOptions
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ import xxhash
 
 from lmkv.errors import CorruptFrameError
 from lmkv.memory import MAX_CHUNK_NDIM, Allocate, MemoryObj, shape_problem
-from lmkv.plugins.base import Plugin, PluginOptions
+from lmkv.plugin_base import Plugin, PluginOptions
 from lmkv.tokens import CacheKey
 
 MAGIC = b"LMKV"

@@ -16,7 +16,7 @@ from typing import Annotated
 
 from pydantic import Field
 
-from lmkv.plugins.base import PluginOptions
+from lmkv.plugin_base import PluginOptions
 from lmkv.policy import OffloadContext, OffloadItem
 from lmkv_policies.fifo import FIFOOffloadPolicy
 

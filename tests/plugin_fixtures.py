@@ -12,7 +12,7 @@ from pathlib import Path
 PLUGIN_SOURCE = '''
 from lmkv.plugins import hookimpl
 from lmkv.policy import EvictionPolicy
-from lmkv.plugins.base import PluginOptions
+from lmkv.plugin_base import PluginOptions
 from lmkv_backends.tiers.cpu import CPUBackend
 
 

@@ -50,7 +50,7 @@ from typing import Any
 import zmq
 
 from lmkv.auth import CurveServer
-from lmkv.config import LMKVConfig
+from lmkv.config import LMKVConfig, LookupConfig
 from lmkv.logutil import RateLimitedLog
 from lmkv.lookup.messages import (
     LookupCleanup,
@@ -74,13 +74,14 @@ from lmkv.tokens import DEFAULT_CHUNK_SIZE, Identity, prefix_hashes
 logger = logging.getLogger(__name__)
 _log = RateLimitedLog(logger)
 
-DEFAULT_TIMEOUT_MS = 3000
-DEFAULT_BACKOFF_MS = 10
+# The config's defaults, so a client built in code behaves like one from a config.
+DEFAULT_TIMEOUT_MS = LookupConfig.model_fields["timeout_ms"].default
+DEFAULT_BACKOFF_MS = LookupConfig.model_fields["backoff_ms"].default
 DEFAULT_RESULTS_KEPT = 65536
 STALE_ANSWER_TTL_S = 60.0
 SWEEP_INTERVAL_MS = 100
 CLOSE_TIMEOUT_S = 2.0
-DEFAULT_MAX_TOKENS = 1 << 20
+DEFAULT_MAX_TOKENS = LookupConfig.model_fields["max_tokens"].default
 # A response is an id of at most 1024 characters and two integers: a larger
 # message is no answer, and ZMQ drops it (and its sender) unread.
 MAX_RESPONSE_BYTES = 8 << 10

@@ -40,6 +40,7 @@ from functools import partial
 import zmq
 
 from lmkv.auth import CurveKeys, CurveServer
+from lmkv.config import LookupConfig
 from lmkv.engines.protocol import Engine
 from lmkv.logutil import RateLimitedLog
 from lmkv.lookup.messages import (
@@ -61,6 +62,7 @@ from lmkv.lookup.sockets import (
     pull_socket,
     push_socket,
 )
+from lmkv.tokens import DEFAULT_CHUNK_SIZE
 
 logger = logging.getLogger(__name__)
 _log = RateLimitedLog(logger)
@@ -74,7 +76,8 @@ INFLIGHT_CHUNKS_FACTOR = 8
 # Messages between the largest valid request and this many times it are answered
 # 0 from their id; larger ones never reach the responder (ZMQ MAXMSGSIZE).
 MESSAGE_LIMIT_FACTOR = 4
-DEFAULT_MAX_CHUNKS = max_chunks_for(1 << 20, 256)
+DEFAULT_MAX_CHUNKS = max_chunks_for(LookupConfig.model_fields["max_tokens"].default,
+                                    DEFAULT_CHUNK_SIZE)
 
 
 def _unexpected(exc: Exception) -> None:

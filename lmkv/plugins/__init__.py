@@ -36,7 +36,7 @@ shows the error; never fatal to other plugins) and becomes an error
 only when a config selects a name it would have provided.
 """
 
-from lmkv.plugins.base import NoOptions, Plugin, PluginOptions
+from lmkv.plugin_base import NoOptions, Plugin, PluginOptions
 from lmkv.plugins.hookspecs import ENTRY_POINT_GROUP, hookimpl, hookspec
 from lmkv.plugins.manager import PluginManager, get_plugin_manager, reset_plugin_manager
 from lmkv.plugins.registry import KINDS, KNOWN_PLUGINS, Registry

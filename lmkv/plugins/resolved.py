@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
-from lmkv.plugins.base import PluginOptions
+from lmkv.plugin_base import PluginOptions
 
 if TYPE_CHECKING:
     from lmkv.backend import StorageBackend

@@ -34,6 +34,7 @@ import torch
 import zmq
 
 from lmkv.auth import CurveKeys
+from lmkv.config import ServerConnection
 from lmkv.logutil import RateLimitedLog
 from lmkv.memory import dtype_name, shape_problem
 from lmkv.memory.shm import SharedMemoryUnavailable, SharedSegment, host_id
@@ -47,7 +48,7 @@ from lmkv.tokens import CacheKey, KeyMeta
 logger = logging.getLogger(__name__)
 _log = RateLimitedLog(logger)
 
-DEFAULT_TIMEOUT_MS = 250
+DEFAULT_TIMEOUT_MS = ServerConnection.model_fields["timeout_ms"].default  # the config's
 # Inline transfers get this much time per byte on top of the request timeout.
 INLINE_BYTES_PER_MS = 256 << 10
 HEADER_ROOM = 1 << 16

@@ -17,7 +17,7 @@ import torch
 
 from lmkv.errors import CorruptFrameError
 from lmkv.memory import Allocate, MemoryObj
-from lmkv.plugins.base import PluginOptions
+from lmkv.plugin_base import PluginOptions
 from lmkv.serde import Serializer
 from lmkv.tokens import CacheKey
 

@@ -17,7 +17,7 @@ from pydantic import Field
 
 from lmkv.errors import CorruptFrameError
 from lmkv.memory import Allocate, MemoryObj, nbytes_of
-from lmkv.plugins.base import PluginOptions
+from lmkv.plugin_base import PluginOptions
 from lmkv.serde import Serializer
 from lmkv.tokens import CacheKey
 

@@ -21,7 +21,7 @@ from pydantic_core import PydanticCustomError
 from lmkv.backend import ArenaPlacement, BackendContext, StorageBackend, done_future
 from lmkv.memory import MemoryAllocator, MemoryObj, nbytes_of
 from lmkv.memory.shm import SharedMemoryUnavailable, SharedSegment
-from lmkv.plugins.base import PluginOptions
+from lmkv.plugin_base import PluginOptions
 from lmkv.tokens import CacheKey
 from lmkv.units import ByteCount
 

@@ -34,7 +34,7 @@ from pydantic import (
 )
 
 from lmkv.errors import ConfigError
-from lmkv.plugins.base import PluginOptions
+from lmkv.plugin_base import PluginOptions
 from lmkv.redact import Redactor, redact_url, redact_value, secrets_in
 from lmkv.units import ByteCount
 

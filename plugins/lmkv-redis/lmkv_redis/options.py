@@ -16,7 +16,7 @@ from pydantic import (
     model_validator,
 )
 
-from lmkv.plugins.base import PluginOptions
+from lmkv.plugin_base import PluginOptions
 from lmkv.redact import redact_url
 from lmkv.units import ByteCount
 
