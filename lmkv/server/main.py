@@ -16,6 +16,7 @@ import argparse
 import gc
 import json
 import logging
+import math
 import os
 import signal
 from collections.abc import Sequence
@@ -51,7 +52,7 @@ def _byte_size(text: str) -> int:
 
 
 def _port(text: str) -> int:
-    if not text.isdigit() or int(text) > 65535:
+    if not (text.isascii() and text.isdigit()) or int(text) > 65535:  # not "\u0663"
         raise argparse.ArgumentTypeError(f"{text!r}: must be a port number 0-65535")
     return int(text)
 
@@ -61,7 +62,7 @@ def _positive_float(text: str) -> float:
         value = float(text)
     except ValueError:
         value = -1.0
-    if not value > 0:
+    if not 0 < value < math.inf:  # nan and inf too: a timeout must end
         raise argparse.ArgumentTypeError(f"{text!r}: must be a positive number of seconds")
     return value
 
