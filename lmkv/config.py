@@ -12,6 +12,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import os
+import stat
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -251,9 +252,22 @@ def load_config(path: str | os.PathLike | None = None, *,
     return config
 
 
+# A config is a few KiB; this leaves ample room and bounds what a parse can cost.
+MAX_CONFIG_BYTES = 1 << 20
+
+
 def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
     p = Path(path)
     try:
+        info = p.stat()
+        # A FIFO would block the read forever and /dev/zero never end: files only.
+        if not stat.S_ISREG(info.st_mode):
+            kind = "a directory" if stat.S_ISDIR(info.st_mode) else "not a regular file"
+            raise ConfigError(f"config file {p}: cannot read it ({kind}); give a "
+                              ".yaml, .toml or .json file")
+        if info.st_size > MAX_CONFIG_BYTES:
+            raise ConfigError(f"config file {p}: {info.st_size} bytes; a config file is at "
+                              f"most {MAX_CONFIG_BYTES >> 20} MiB")
         text = p.read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError(f"config file {p}: cannot read it ({exc.strerror or exc})") from None
