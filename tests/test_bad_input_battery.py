@@ -620,6 +620,35 @@ def _assert_others_work(site_env: dict[str, str], tmp_path: Path) -> dict[str, o
     return data
 
 
+def _assert_server_starts_and_stops(site_env: dict[str, str], tmp_path: Path) -> None:
+    """`lmkv server` on the cpu config logs that it listens, and stops on SIGTERM."""
+    import selectors
+    import signal
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LMKV_")}
+    env.update(site_env)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "lmkv", "server", "--config", str(tmp_path / "cpu.yaml"),
+         "--socket", str(tmp_path / "srv" / "s.sock")],
+        stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
+    seen: list[str] = []
+    try:
+        with selectors.DefaultSelector() as sel:
+            sel.register(proc.stderr, selectors.EVENT_READ)
+            while not any("listening on ipc://" in line for line in seen):
+                assert sel.select(timeout=120), seen
+                line = proc.stderr.readline()
+                assert line, (proc.poll(), seen)
+                seen.append(line)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert not any("Traceback" in line for line in seen), seen
+
+
 def test_bad_plugins_are_one_line_each_and_leave_the_others_working(tmp_path: Path) -> None:
     sources = {dist: source for dist, (source, _) in BAD_PLUGINS.items()}
     sources[MISSING_ATTR] = "X = 1\n"
@@ -648,6 +677,12 @@ def test_bad_plugins_are_one_line_each_and_leave_the_others_working(tmp_path: Pa
     # What is logged while loading is one line per problem, too.
     for line in table.stderr.strip().splitlines():
         assert line.startswith("WARNING lmkv.plugins"), line
+
+    stats = run_cli("stats", "--server", "tcp://127.0.0.1:1", "--config",
+                    str(tmp_path / "cpu.yaml"), env=site_env)
+    assert stats.returncode == 0, stats.stderr[-3000:]
+    assert stats.stdout.startswith("tier 0 (cpu): usage 0.0 MiB of 64.0 MiB")
+    _assert_server_starts_and_stops(site_env, tmp_path)
 
     chosen = tmp_path / "bad-default.yaml"
     chosen.write_text("tiers: [baddefault]\n")
