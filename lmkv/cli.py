@@ -240,7 +240,16 @@ def main(argv: Sequence[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(_own_debug_only)
     return run_reporting_errors(args.func, args, "lmkv")
+
+
+def _own_debug_only(record: logging.LogRecord) -> bool:
+    """Below WARNING, only lmkv's loggers and its plugins' (``lmkv*``) get through:
+    other libraries' debug lines carry what lmkv redacts (botocore logs the S3
+    endpoint URL with its credentials, and the session token)."""
+    return record.levelno >= logging.WARNING or record.name.startswith("lmkv")
 
 
 def run_reporting_errors(func: Callable[[argparse.Namespace], int],

@@ -758,3 +758,25 @@ def test_an_unreadable_config_file_is_one_line(tmp_path: Path) -> None:
                               [str(cfg_file), "cannot read it", "Permission denied"])
     finally:
         shutil.rmtree(shared, ignore_errors=True)
+
+
+def test_debug_logging_echoes_no_secret(tmp_path: Path) -> None:
+    """At --log-level DEBUG, libraries below lmkv (botocore: the endpoint URL with its
+    credentials, the session token) stay at WARNING; lmkv's own lines redact."""
+    cfg_file = tmp_path / "secrets.yaml"
+    cfg_file.write_text(
+        "tiers:\n"
+        "  - {type: cpu, options: {max_bytes: 64MiB}}\n"
+        "  - {type: redis, options: {url: 'redis://u:" + SECRET + "@127.0.0.1:1/0',"
+        " connect_timeout_s: 0.2}}\n"
+        "  - {type: fs, options: {url: 's3://bucket/p', key: AKIAEXAMPLE, secret: " + SECRET
+        + ", endpoint_url: 'http://u:" + SECRET + "@127.0.0.1:1', connect_timeout_s: 0.2,"
+        " read_timeout_s: 0.2, retries: 0, storage_options: {token: " + SECRET + "}}}\n")
+    result = run_cli("--log-level", "DEBUG", "stats", "--server", "tcp://127.0.0.1:1",
+                     "--config", str(cfg_file))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "DEBUG lmkv" in result.stderr  # the level took effect for lmkv itself
+    assert SECRET not in result.stderr and SECRET not in result.stdout
+    checked = run_cli("config", "check", str(cfg_file))
+    assert checked.returncode == 0, checked.stderr[-3000:]
+    assert SECRET not in checked.stdout and "***" in checked.stdout
