@@ -429,6 +429,14 @@ CASES: list[Case] = [
         id="env-load-list-excludes-builtins",
         xfail="config.validate_plugins reports every plugin ref the config selects: with "
               "the built-ins skipped that is 3 lines, each repeating the skipped list"),
+    env({"LMKV_LOAD_PLUGINS": ",,,"}, text=CPU, expect=["LMKV_LOAD_PLUGINS", "no plugin"],
+        id="env-load-list-of-nothing",
+        xfail="manager._env_list reads ',,,' as an empty allow list: every plugin is "
+              "skipped and each of the config's 4 plugin refs is a line"),
+    env({"LMKV_DISABLE_PLUGINS": "lmkv"}, text=CPU, expect=["LMKV_DISABLE_PLUGINS", "lmkv"],
+        id="env-disable-the-builtins",
+        xfail="disabling the built-ins gives one line per plugin ref (4), each "
+              "repeating the skipped list"),
     # -- flags -----------------------------------------------------------------------
     check("--log-level loud plugins", expect=["--log-level", "DEBUG"], id="flag-log-level"),
     check("nonsense", expect=["invalid choice", "plugins"], id="flag-unknown-command"),
