@@ -368,6 +368,10 @@ CASES: list[Case] = [
     check(["server", "--host", "", "--port", "0"], expect=["--host"], id="server-host-empty"),
     check("keygen --dir {dir}/f", files={"f": "x"}, expect=["cannot write", "Not a directory"],
           id="keygen-dir-is-a-file"),
+    check("keygen --dir {dir} --name ../escape", expect=["--name", "'../escape'", "no '/'"],
+          id="keygen-name-with-a-path"),
+    check(["keygen", "--dir", "{dir}", "--name", ""], expect=["--name", "file name stem"],
+          id="keygen-name-empty"),
     check("demo --preset tiny --threads 0", expect=["--threads"], id="demo-threads-zero"),
     # -- env vars ------------------------------------------------------------------
     env({"LMKV_CHUNKSIZE": "5"}, expect=["LMKV_CHUNKSIZE", "did you mean LMKV_CHUNK_SIZE",
