@@ -372,6 +372,10 @@ CASES: list[Case] = [
           id="keygen-name-with-a-path"),
     check(["keygen", "--dir", "{dir}", "--name", ""], expect=["--name", "file name stem"],
           id="keygen-name-empty"),
+    check("keygen --dir {dir} --name ../escape", expect=["key name '../escape'", "letters"],
+          id="keygen-name-with-a-path"),
+    check(["keygen", "--dir", "{dir}", "--name", ""], expect=["key name ''", "letters"],
+          id="keygen-name-empty"),
     check("demo --preset tiny --threads 0", expect=["--threads"], id="demo-threads-zero"),
     # -- env vars ------------------------------------------------------------------
     env({"LMKV_CHUNKSIZE": "5"}, expect=["LMKV_CHUNKSIZE", "did you mean LMKV_CHUNK_SIZE",
