@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from lmkv import __version__
-from lmkv.errors import run_reporting_errors
+from lmkv.errors import LMKVError, OneLineArgumentParser, run_reporting_errors
 from lmkv.logutil import LOG_LEVELS
 
 if TYPE_CHECKING:
@@ -70,6 +70,7 @@ def _cmd_stats(args: argparse.Namespace) -> int:
 
     config = load_config(args.config)
     address = args.server or config.server.address
+    check_server_address(address, "--server" if args.server else "server.address")
     reply = _live_stats(address, config)
     if reply is None:
         # A fresh copy of the tiers would show every memory tier empty: say so in
@@ -92,6 +93,33 @@ def _cmd_stats(args: argparse.Namespace) -> int:
         print(f"server {address}: " + ", ".join(f"{k}={v}" for k, v in server.items()))
     print("\n".join(format_tier_stats(tiers, indent="")))
     return 0
+
+
+SERVER_ADDRESS_FORMS = "tcp://HOST:PORT (port 1-65535), HOST:PORT or ipc://PATH"
+
+
+def check_server_address(address: str, where: str) -> None:
+    """ConfigError naming ``where`` unless ``address`` is one a client can connect to:
+    zmq would raise a bare "Invalid argument" from deep inside the client."""
+    from urllib.parse import urlsplit
+
+    url = address if "://" in address else f"tcp://{address}"
+    scheme = url.split("://", 1)[0]
+    problem = None
+    if scheme == "ipc":
+        problem = None if url[len("ipc://"):] else "names no socket path"
+    elif scheme == "tcp":
+        try:
+            parts = urlsplit(url)
+            port = parts.port
+        except ValueError:
+            port, parts = None, None
+        if parts is None or not parts.hostname or port is None or not 0 < port < 65536:
+            problem = "names no host and port"
+    else:
+        problem = f"has scheme {scheme!r}"
+    if problem:
+        raise LMKVError(f"{where} = {address!r} {problem}; allowed: {SERVER_ADDRESS_FORMS}")
 
 
 def _live_stats(address: str, config: LMKVConfig) -> StatsReply | None:
@@ -138,7 +166,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="lmkv", description="lmkv: a tiered KV-cache layer")
+    parser = OneLineArgumentParser(prog="lmkv", description="lmkv: a tiered KV-cache layer")
     parser.add_argument("--version", action="version", version=f"lmkv {__version__}")
     parser.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS,
                         help="logging level (default WARNING, INFO for `lmkv server`; "
@@ -201,4 +229,13 @@ def main(argv: Sequence[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(_own_debug_only)
     return run_reporting_errors(args.func, args, "lmkv")
+
+
+def _own_debug_only(record: logging.LogRecord) -> bool:
+    """Below WARNING, only lmkv's loggers and its plugins' (``lmkv*``) get through:
+    other libraries' debug lines carry what lmkv redacts (botocore logs the S3
+    endpoint URL with its credentials, and the session token)."""
+    return record.levelno >= logging.WARNING or record.name.startswith("lmkv")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import os
+import stat
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, TypeVar
@@ -314,10 +315,23 @@ def load_config(path: str | os.PathLike | None = None, *,
     return config
 
 
+# A config is a few KiB; this leaves ample room and bounds what a parse can cost.
+MAX_CONFIG_BYTES = 1 << 20
+
+
 def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
     p = Path(path)
     try:
-        text = p.read_text(encoding="utf-8")
+        info = p.stat()
+        # A FIFO would block the read forever and /dev/zero never end: files only.
+        if not stat.S_ISREG(info.st_mode):
+            kind = "a directory" if stat.S_ISDIR(info.st_mode) else "not a regular file"
+            raise ConfigError(f"config file {p}: cannot read it ({kind}); give a "
+                              ".yaml, .toml or .json file")
+        if info.st_size > MAX_CONFIG_BYTES:
+            raise ConfigError(f"config file {p}: {info.st_size} bytes; a config file is at "
+                              f"most {MAX_CONFIG_BYTES >> 20} MiB")
+        text = p.read_text(encoding="utf-8-sig")  # a BOM (Windows editors) is no key
     except OSError as exc:
         raise ConfigError(f"config file {p}: cannot read it ({exc.strerror or exc})") from None
     except UnicodeDecodeError:
@@ -455,22 +469,23 @@ def _format_errors(exc: ValidationError, prefix: str, sources: Mapping[str, str]
         loc = [str(p) for p in err["loc"]]
         key = ".".join(filter(None, [prefix, *loc])) or "(top level)"
         where = _source_for(key, sources)
+        shown = _clip(key)  # an unknown key is whatever the file says, however long
         if err["type"] == "extra_forbidden":
             parent = model_at(model, loc[:-1])
             new = renamed_key(parent, loc[-1]) if parent is not None else None
             if new is not None:
-                lines.append(renamed_key_line(parent, key, key[:-len(loc[-1])] + new, where))
+                lines.append(renamed_key_line(parent, shown, key[:-len(loc[-1])] + new, where))
                 continue
-            lines.append(f"config key {key!r}{where}: unknown key"
+            lines.append(f"config key {shown!r}{where}: unknown key"
                          f"{_unknown_key_hint(model, loc, key, where)}")
             continue
         if err["type"] == "missing":
-            lines.append(f"config key {key!r}{where}: required")
+            lines.append(f"config key {shown!r}{where}: required")
             continue
         # pydantic echoes the input: a password, a URL with credentials, or (for a
         # model-level check) the whole options mapping with its secrets.
         value = _short(redact_value(err.get("input"), loc[-1] if loc else None))
-        lines.append(f"config key {key!r} = {value}{where}: {_allowed(err)}")
+        lines.append(f"config key {shown!r} = {value}{where}: {_allowed(err)}")
     return "\n".join(lines)
 
 
@@ -511,6 +526,10 @@ def _source_for(key: str, sources: Mapping[str, str]) -> str:
     # (LMKV_HELLO__X makes 'hello'): name that one.
     below = sorted(k for k in sources if k.startswith(key + "."))
     return f" ({sources[below[0]]})" if below else ""
+
+
+def _clip(text: str, limit: int = 200) -> str:
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def _short(value: Any) -> str:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
 import sys
 from collections.abc import Callable
-from typing import TypeVar
+from typing import NoReturn, TypeVar
 
 _Args = TypeVar("_Args")
 
@@ -49,3 +50,12 @@ def run_reporting_errors(func: Callable[[_Args], int], args: _Args, prog: str) -
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         return 130
+
+
+class OneLineArgumentParser(argparse.ArgumentParser):
+    """argparse, but a bad flag is one line (argparse prints the whole usage first,
+    which buries what is wrong); ``--help`` still shows the usage."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {' '.join(message.split())} "
+                     f"(see {self.prog} --help)\n")

@@ -3,7 +3,9 @@
 Aliases let a few hundred bytes expand to millions of nodes (a "billion laughs"
 file made ``config check`` print 13 MB); a config never needs them, so the
 loader refuses the anchor itself rather than counting expansions. A duplicate
-key would silently drop the first value, so it is refused too.
+key would silently drop the first value, so it is refused too. A key that is not
+text (``1:``, ``null:``, or ``on:``, which YAML 1.1 reads as true) names no
+setting, so it is refused with a hint to quote it.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from typing import Any
 
 import yaml
 from yaml.events import AliasEvent, CollectionStartEvent, ScalarEvent
-from yaml.nodes import MappingNode
+from yaml.nodes import MappingNode, ScalarNode
 
 
 class StrictYAMLError(ValueError):
@@ -33,20 +35,22 @@ class _StrictLoader(yaml.SafeLoader):
 
     def construct_mapping(self, node: MappingNode, deep: bool = False) -> dict[Any, Any]:
         self.flatten_mapping(node)  # merge keys (<<) first, as SafeLoader does
-        seen: set[Any] = set()
+        seen: set[str] = set()
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=True)
-            try:
-                duplicate = key in seen
-                seen.add(key)
-            except TypeError:  # an unhashable key: the base class reports it
-                continue
-            if duplicate:
+            if not isinstance(key, str):
+                shown = key_node.value if isinstance(key_node, ScalarNode) else key
+                raise StrictYAMLError(
+                    f"line {key_node.start_mark.line + 1}: key {shown!r} reads as "
+                    f"{type(key).__name__}, not text; config keys are names (quote it if "
+                    "you mean the text)")
+            if key in seen:
                 raise StrictYAMLError(
                     f"line {key_node.start_mark.line + 1}: duplicate key {key!r}")
+            seen.add(key)
         return super().construct_mapping(node, deep)
 
 
 def load_strict_yaml(text: str) -> Any:
-    """``yaml.safe_load`` without anchors, aliases or duplicate keys."""
+    """``yaml.safe_load`` without anchors, aliases, duplicate or non-text keys."""
     return yaml.load(text, Loader=_StrictLoader)  # a SafeLoader subclass: no object tags

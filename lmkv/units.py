@@ -21,16 +21,17 @@ UNITS: dict[str, int] = {
 ACCEPTED_FORMS = ("a byte count or a number (decimal point allowed), optional space and a "
                   "unit: B, KB, MB, GB, TB, PB, KiB, MiB, GiB, TiB, PiB (e.g. 4096, "
                   "512MiB, 1.5 GiB)")
-_SIZE = re.compile(r"(\d+(?:\.\d+)?) ?([A-Za-z]+)?")
+# ASCII only: \d alone would take "\uff16\uff14MiB" (full-width digits) as 64 MiB.
+_SIZE = re.compile(r"([0-9]+(?:\.[0-9]+)?) ?([A-Za-z]+)?", re.ASCII)
 
 
 def parse_byte_size(value: Any) -> int:
     """The size ``value`` names, in bytes; ValueError naming the accepted forms."""
     if isinstance(value, bool):
         raise ValueError(ACCEPTED_FORMS)
-    if isinstance(value, int):
+    if isinstance(value, int) and value >= 0:
         return value
-    if isinstance(value, float) and value.is_integer():
+    if isinstance(value, float) and value.is_integer() and value >= 0:
         return int(value)
     if isinstance(value, str):
         match = _SIZE.fullmatch(value.strip())

@@ -16,12 +16,13 @@ import argparse
 import gc
 import json
 import logging
+import math
 import os
 import signal
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from lmkv.errors import run_reporting_errors
+from lmkv.errors import OneLineArgumentParser, run_reporting_errors
 from lmkv.logutil import LOG_LEVELS
 from lmkv.server.defaults import DEFAULT_HANDLE_TTL_S, DEFAULT_QUARANTINE_GRACE_S
 
@@ -52,7 +53,7 @@ def _byte_size(text: str) -> int:
 
 
 def _port(text: str) -> int:
-    if not text.isdigit() or int(text) > 65535:
+    if not (text.isascii() and text.isdigit()) or int(text) > 65535:  # not "\u0663"
         raise argparse.ArgumentTypeError(f"{text!r}: must be a port number 0-65535")
     return int(text)
 
@@ -62,7 +63,7 @@ def _positive_float(text: str) -> float:
         value = float(text)
     except ValueError:
         value = -1.0
-    if not value > 0:
+    if not 0 < value < math.inf:  # nan and inf too: a timeout must end
         raise argparse.ArgumentTypeError(f"{text!r}: must be a positive number of seconds")
     return value
 
@@ -251,7 +252,7 @@ def run_server(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = OneLineArgumentParser(
         prog="python -m lmkv.server",
         description="Serve lmkv's storage tiers to several engine processes.")
     add_server_arguments(parser)

@@ -22,6 +22,7 @@ from urllib.parse import urlsplit, urlunsplit
 import fsspec
 from pydantic import (
     ByteSize,
+    ConfigDict,
     Field,
     NonNegativeFloat,
     NonNegativeInt,
@@ -51,6 +52,9 @@ _MODE_HELP = ('must be an octal file mode with owner read and write, no execute 
 
 
 class FSOptions(PluginOptions):
+    # A timeout, TTL or retry delay of inf (or nan) never ends: only finite numbers.
+    model_config = ConfigDict(allow_inf_nan=False)
+
     url: str = Field(min_length=1)
     """Where entries live: ``/var/cache/lmkv``, ``file:///...``, ``s3://bucket/prefix``."""
     max_bytes: ByteCount | None = None

@@ -7,6 +7,7 @@ from urllib.parse import parse_qsl, urlsplit
 
 from pydantic import (
     ByteSize,
+    ConfigDict,
     Field,
     PositiveFloat,
     PositiveInt,
@@ -57,6 +58,9 @@ def check_url(url: str) -> str:
 
 
 class RedisOptions(PluginOptions):
+    # A timeout, TTL or retry delay of inf (or nan) never ends: only finite numbers.
+    model_config = ConfigDict(allow_inf_nan=False)
+
     url: str = "redis://127.0.0.1:6379/0"
     """``redis://[[user]:password@]host[:port][/db]``, ``rediss://...`` for TLS,
     ``unix:///path/to/socket?db=N``. Passwords are redacted wherever lmkv prints it."""
