@@ -30,24 +30,46 @@ _FIGURE = re.compile(r"^\s*(?P<label>[^:\[]+?)\s*:\s*(?:[A-Za-z]+\s+)?"
                      r"(?P<value>[-+]?\d+(?:\.\d+)?)\s*(?P<unit>[A-Za-zµ/%]+)?")
 _RATIO = re.compile(r"\bratio\s+(?P<value>\d+(?:\.\d+)?)")
 _SECTION = re.compile(r"^\s*\[(?P<name>[^\]]+)\]")
+# "before 0.87 (0.36)  after 0.54": a word, then its number.
+_NAMED = re.compile(r"(?:(?<=\s)|^)(?P<name>[A-Za-z_]+)\s+(?P<value>[-+]?\d+(?:\.\d+)?)\b")
 _TIMES = {"s", "ms", "us", "µs", "ns"}
 _NUMBER = re.compile(r"[-+]?\d+(?:\.\d+)?")
 _STAT = re.compile(r"p\d+|min|max|mean|median")
 
 
 def figures(output: str) -> dict[str, tuple[float, str]]:
-    """``{"[section] label": (value, unit)}`` of every figure line in ``output``."""
+    """``{"[section] label": (value, unit)}`` of every figure line in ``output``.
+
+    A line indented deeper than the figure line before it is a detail of that
+    line: its label is prefixed with the outer one ("consecutive block table /
+    to_chunks"). A figure line naming several values (``to_chunks: before 0.87
+    after 0.54``) gives one figure per name.
+    """
     found: dict[str, tuple[float, str]] = {}
-    section = ""
+    section = section_unit = ""
+    outer: list[tuple[int, str]] = []  # (indent, label) of the enclosing figure lines
     for line in output.splitlines():
         head = _SECTION.match(line)
         if head:
-            section = head["name"].split(" ")[0] if len(head["name"]) > 40 else head["name"]
+            section, outer = head["name"], []
             line = line[head.end():]
+            words = line.split()
+            section_unit = words[0] if words and words[0] in _TIMES else ""
+        indent = len(line) - len(line.lstrip())
+        while outer and outer[-1][0] >= indent:
+            outer.pop()
         match = _FIGURE.match(line)
         if match:
-            key = f"[{section}] {match['label']}" if section else match["label"]
-            found.setdefault(key, (float(match["value"]), match["unit"] or ""))
+            label = " / ".join([*(o[1] for o in outer), match["label"]])
+            outer.append((indent, match["label"]))
+            key = f"[{section}] {label}" if section else label
+            rest = line[line.index(":", match.start()) + 1:]
+            named = [(n, v) for n, v in _NAMED.findall(rest) if n != "ratio"]
+            if len(named) > 1:  # values in the section's unit
+                for name, value in named:
+                    found.setdefault(f"{key} {name}", (float(value), section_unit))
+            else:
+                found.setdefault(key, (float(match["value"]), match["unit"] or ""))
             ratio = _RATIO.search(line, match.end())
             if ratio:
                 found.setdefault(f"{key} (ratio)", (float(ratio["value"]), "x"))
@@ -114,7 +136,8 @@ def main() -> int:
                            check=False)
     print(f"{args.script} {' '.join(args.args)}: {args.base} (before) against the work tree "
           f"(after), median of {args.repeats} interleaved runs each")
-    print(f"{'figure':58s} {'before':>10s} {'after':>10s}  after/before (>1: faster)")
+    width = max([len(k) for k in sides["after"][0]] + [6])
+    print(f"{'figure':{width}s} {'before':>10s} {'after':>10s}  after/before (>1: faster)")
     for key, (_, unit) in sides["after"][0].items():
         before = [run_[key][0] for run_ in sides["before"] if key in run_]
         after = [run_[key][0] for run_ in sides["after"] if key in run_]
@@ -124,7 +147,7 @@ def main() -> int:
         if not a or not b:
             continue
         ratio = b / a if unit in _TIMES else a / b
-        print(f"{key[:58]:58s} {b:10.3f} {a:10.3f}  {ratio:5.2f}  {unit}")
+        print(f"{key:{width}s} {b:10.3f} {a:10.3f}  {ratio:5.2f}  {unit}")
     return 0
 
 
