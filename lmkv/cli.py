@@ -5,14 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from lmkv import __version__
 from lmkv.errors import LMKVError, OneLineArgumentParser, run_reporting_errors
-from lmkv.logutil import LOG_LEVELS
+from lmkv.logutil import LOG_LEVELS, configure_logging
 
 if TYPE_CHECKING:
     from lmkv.config import LMKVConfig
@@ -222,20 +221,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    level = (getattr(args, "log_level", None) or os.environ.get("LMKV_LOG_LEVEL")
-             or getattr(args, "default_log_level", "WARNING")).upper()
-    if level not in LOG_LEVELS:
-        print(f"lmkv: error: LMKV_LOG_LEVEL = {level!r}: allowed: {', '.join(LOG_LEVELS)}",
-              file=sys.stderr)
+    problem = configure_logging(getattr(args, "log_level", None),
+                                getattr(args, "default_log_level", "WARNING"))
+    if problem:
+        print(f"lmkv: error: {problem}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
-    for handler in logging.getLogger().handlers:
-        handler.addFilter(_own_debug_only)
     return run_reporting_errors(args.func, args, "lmkv")
-
-
-def _own_debug_only(record: logging.LogRecord) -> bool:
-    """Below WARNING, only lmkv's loggers and its plugins' (``lmkv*``) get through:
-    other libraries' debug lines carry what lmkv redacts (botocore logs the S3
-    endpoint URL with its credentials, and the session token)."""
-    return record.levelno >= logging.WARNING or record.name.startswith("lmkv")

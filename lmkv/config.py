@@ -29,7 +29,9 @@ from pydantic import (
 
 from lmkv.config_keys import ENV_PREFIX, model_at, renamed_key, renamed_key_line, unknown_key_hint
 from lmkv.errors import ConfigError, UnknownPluginError
+from lmkv.logutil import LOG_LEVEL_ENV
 from lmkv.plugin_base import PluginOptions
+from lmkv.plugins.manager import DISABLE_ENV, LOAD_ENV
 from lmkv.plugins.resolved import Resolved, ResolvedPlugins, ResolvedTier
 from lmkv.private import default_server_address
 from lmkv.redact import RedactedRepr, redact_value
@@ -43,8 +45,8 @@ if TYPE_CHECKING:
 P = TypeVar("P")
 
 # Env vars that are not config keys.
-RESERVED_ENV = frozenset(
-    {"LMKV_CONFIG", "LMKV_LOAD_PLUGINS", "LMKV_DISABLE_PLUGINS", "LMKV_LOG_LEVEL"})
+CONFIG_ENV = "LMKV_CONFIG"
+RESERVED_ENV = frozenset({CONFIG_ENV, LOAD_ENV, DISABLE_ENV, LOG_LEVEL_ENV})
 DOTTED_PREFIX = "lmkv."
 CONFIG_FILE_KEY = "config_file"
 
@@ -287,7 +289,7 @@ def load_config(path: str | os.PathLike | None = None, *,
     """
     env = os.environ if env is None else env
     dotted = {_strip_prefix(k): v for k, v in (overrides or {}).items()}
-    path = path or dotted.pop(CONFIG_FILE_KEY, None) or env.get("LMKV_CONFIG") or None
+    path = path or dotted.pop(CONFIG_FILE_KEY, None) or env.get(CONFIG_ENV) or None
     dotted.pop(CONFIG_FILE_KEY, None)
 
     data: dict[str, Any] = LMKVConfig().model_dump(mode="python")

@@ -3,11 +3,34 @@
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 
 # The levels `lmkv --log-level` and `python -m lmkv.server --log-level` take.
 LOG_LEVELS = ["DEBUG", "INFO", "WARNING", "ERROR"]
+LOG_LEVEL_ENV = "LMKV_LOG_LEVEL"
+
+
+def configure_logging(flag: str | None, default: str) -> str | None:
+    """Set up the root logger for an lmkv command (``lmkv ...``, ``python -m
+    lmkv.server``): ``--log-level``, else ``LMKV_LOG_LEVEL``, else ``default``.
+    Returns a one-line error when the level is not one of ``LOG_LEVELS``.
+
+    Below WARNING only lmkv's loggers and its plugins' (``lmkv*``) get through:
+    other libraries' debug lines carry what lmkv redacts (botocore logs the S3
+    endpoint URL with its credentials, and the session token)."""
+    level = (flag or os.environ.get(LOG_LEVEL_ENV) or default).upper()
+    if level not in LOG_LEVELS:
+        return f"{LOG_LEVEL_ENV} = {level!r}: allowed: {', '.join(LOG_LEVELS)}"
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(_own_debug_only)
+    return None
+
+
+def _own_debug_only(record: logging.LogRecord) -> bool:
+    return record.levelno >= logging.WARNING or record.name.startswith("lmkv")
 
 
 class RateLimitedLog:

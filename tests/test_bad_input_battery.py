@@ -596,7 +596,7 @@ BAD_PLUGINS: dict[str, tuple[str, str]] = {
 MISSING_ATTR = "lmkv-missing-attr"  # its entry point names an attribute that isn't there
 
 # A plugin whose Options default fails validation loads; selecting it is one line.
-BAD_DEFAULT = ("from pydantic import ConfigDict\nfrom lmkv.plugins.base import PluginOptions\n"
+BAD_DEFAULT = ("from pydantic import ConfigDict\nfrom lmkv.plugin_base import PluginOptions\n"
                + CPU_CLASS + "class O(PluginOptions):\n"
                "    model_config = ConfigDict(validate_default=True)\n"
                "    size: int = 'big'\n"

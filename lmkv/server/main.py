@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from lmkv.errors import OneLineArgumentParser, run_reporting_errors
-from lmkv.logutil import LOG_LEVELS
+from lmkv.logutil import LOG_LEVELS, configure_logging
 from lmkv.server.defaults import DEFAULT_HANDLE_TTL_S, DEFAULT_QUARANTINE_GRACE_S
 
 # Config, storage and pydantic are imported where used: `lmkv --help` builds this
@@ -257,9 +257,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         description="Serve lmkv's storage tiers to several engine processes.")
     add_server_arguments(parser)
     args = parser.parse_args(argv)
-    level = (getattr(args, "log_level", None) or os.environ.get("LMKV_LOG_LEVEL")
-             or "INFO").upper()
-    if level not in LOG_LEVELS:
-        parser.error(f"LMKV_LOG_LEVEL = {level!r}: allowed: {', '.join(LOG_LEVELS)}")
-    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    problem = configure_logging(getattr(args, "log_level", None), "INFO")
+    if problem:
+        parser.error(problem)
     return run_reporting_errors(run_server, args, "lmkv server")
