@@ -46,6 +46,10 @@ P = TypeVar("P")
 
 # Env vars that are not config keys.
 CONFIG_ENV = "LMKV_CONFIG"
+#: The GPU connector a config that names none gets, for each kind of engine KV
+#: (``GPUConnector.kv_kind``): ``hf`` for transformers' per-layer tensors,
+#: ``paged`` for vLLM's paged caches.
+DEFAULT_CONNECTORS: dict[str, str] = {"hf": "hf", "paged": "paged"}
 RESERVED_ENV = frozenset({CONFIG_ENV, LOAD_ENV, DISABLE_ENV, LOG_LEVEL_ENV})
 DOTTED_PREFIX = "lmkv."
 CONFIG_FILE_KEY = "config_file"
@@ -169,7 +173,9 @@ class LMKVConfig(_Model):
     lazy_offload_threshold: PositiveInt = 100
     lazy_offload_select_count: PositiveInt = 10
     _sources: dict[str, str] = PrivateAttr(default_factory=dict)
-    _plugins: ResolvedPlugins | None = PrivateAttr(default=None)
+    # What the plugin references resolved to, and the references they were resolved
+    # from: a copy or an edit of the config that changes them resolves again.
+    _plugins: tuple[str, ResolvedPlugins] | None = PrivateAttr(default=None)
 
     def __eq__(self, other: object) -> bool:
         """Equal keys make equal configs (what they resolved to, and where each key
@@ -185,9 +191,14 @@ class LMKVConfig(_Model):
         ``load_config`` resolves them once, as it loads; a config built in code is
         resolved on first use (with the process-wide plugin manager).
         """
-        if self._plugins is None:
-            self._plugins = resolve_plugins(self)
-        return self._plugins
+        if self._plugins is None or self._plugins[0] != self._plugin_refs():
+            self._plugins = (self._plugin_refs(), resolve_plugins(self))
+        return self._plugins[1]
+
+    def _plugin_refs(self) -> str:
+        return json.dumps([self.model_dump(mode="json", include={
+            "tiers", "serializer", "gpu_connector", "lazy_offload_policy"})],
+            sort_keys=True)
 
     def resolved_dump(self) -> dict[str, Any]:
         """The config as plain data, plugin options filled with their defaults;
@@ -228,22 +239,13 @@ def resolve_plugins(config: LMKVConfig, manager: PluginManager | None = None
                                "lazy_offload_policy")
     if resolver.errors:
         raise ConfigError("\n".join(resolver.errors))
-    return ResolvedPlugins(tiers, serializer, offload, connector)
-
-
-def resolve_gpu_connector(config: LMKVConfig, default: PluginRef) -> Resolved[GPUConnector]:
-    """The GPU connector ``config`` selects, else ``default`` (the integration's own
-    choice, which may carry options only known at run time), resolved the same way."""
-    if config.plugins.gpu_connector is not None:
-        return config.plugins.gpu_connector
-    from lmkv.plugins.manager import get_plugin_manager
-
-    manager = get_plugin_manager()
-    resolver = _Resolver(config._sources)
-    resolved = resolver.resolve(manager.gpu_connector, default, "gpu_connector")
-    if resolver.errors:
-        raise ConfigError("\n".join(resolver.errors))
-    return resolved
+    defaults: dict[str, Resolved[GPUConnector] | str] = {}
+    if connector is None:  # the integration's kind of KV picks one of these
+        for kind, name in DEFAULT_CONNECTORS.items():
+            quiet = _Resolver(config._sources)
+            found = quiet.resolve(manager.gpu_connector, PluginRef(type=name), "gpu_connector")
+            defaults[kind] = quiet.errors[0] if quiet.errors else found
+    return ResolvedPlugins(tiers, serializer, offload, connector, defaults)
 
 
 class _Resolver:
@@ -313,7 +315,7 @@ def load_config(path: str | os.PathLike | None = None, *,
     except ValidationError as exc:
         raise ConfigError(_format_errors(exc, "", sources, LMKVConfig)) from None
     config._sources = sources
-    config._plugins = resolve_plugins(config, plugin_manager)
+    config._plugins = (config._plugin_refs(), resolve_plugins(config, plugin_manager))
     return config
 
 

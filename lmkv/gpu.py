@@ -64,9 +64,10 @@ class GPUConnector(Plugin, ABC):
     """
 
     chunk_layout: str = CHUNK_LAYOUT
-    #: What engine state the connector takes: integrations check it (the
-    #: transformers integration needs "hf"; vLLM's paged caches are "paged").
-    engine_kind: str = ""
+    #: What kind of engine KV the connector takes: integrations check it (the
+    #: transformers integration needs "hf"; vLLM's paged caches are "paged"; each
+    #: kind's default connector is in ``lmkv.config.DEFAULT_CONNECTORS``).
+    kv_kind: str = ""
     #: True when ``from_chunks`` writes into KV the engine owns (paged caches), so
     #: chunks can be copied in batch by batch as tiers deliver them.
     writes_in_place: bool = False

@@ -68,20 +68,33 @@ def test_both_engines_have_the_protocols_methods_with_its_signatures(cls: type) 
 
 def test_the_connector_is_resolved_once_per_engine(monkeypatch) -> None:
     calls: list[str] = []
-    resolve = connector_module.resolve_gpu_connector
+    resolve = connector_module.resolve_connector_class
 
-    def counting(config, default):  # type: ignore[no-untyped-def]
-        calls.append(default.type)
-        return resolve(config, default)
+    def counting(config, kv_kind):  # type: ignore[no-untyped-def]
+        calls.append(kv_kind)
+        return resolve(config, kv_kind)
 
-    monkeypatch.setattr(connector_module, "resolve_gpu_connector", counting)
+    monkeypatch.setattr(connector_module, "resolve_connector_class", counting)
     with open_engine(load_config(env={}), SPEC, model_name="m"):
         pass
     assert calls == ["hf"]
 
 
+def test_the_default_connector_was_resolved_when_the_config_was_loaded(monkeypatch) -> None:
+    from lmkv.plugins.manager import PluginManager
+
+    config = load_config(env={})
+
+    def no_more_look_ups(self, name):  # type: ignore[no-untyped-def]
+        raise AssertionError(f"gpu_connector {name!r} looked up after load")
+
+    monkeypatch.setattr(PluginManager, "gpu_connector", no_more_look_ups)
+    with open_engine(config, SPEC, model_name="m") as engine:
+        assert isinstance(engine.connector, HFConnector)
+
+
 def test_a_given_connector_is_used_as_is(monkeypatch) -> None:
-    monkeypatch.setattr(connector_module, "resolve_gpu_connector", None)  # never called
+    monkeypatch.setattr(connector_module, "resolve_connector_class", None)  # never called
     connector = HFConnector(None, ConnectorContext(SPEC))
     with open_engine(load_config(env={}), SPEC, model_name="m", connector=connector) as engine:
         assert engine.connector is connector
@@ -89,8 +102,9 @@ def test_a_given_connector_is_used_as_is(monkeypatch) -> None:
 
 def test_the_config_connector_wins_over_the_default_and_is_checked_for_kind() -> None:
     config = load_config(env={}, overrides={"lmkv.gpu_connector": "paged"})
-    assert isinstance(resolve_connector(config, SPEC, default="hf"), PagedConnector)
+    assert isinstance(resolve_connector(config, SPEC, "paged"),
+                      PagedConnector)
     with pytest.raises(ConfigError, match="gpu_connector = 'paged': cannot serve a "
                                           "transformers model"):
-        open_engine(config, SPEC, model_name="m", engine_kind="hf")
+        open_engine(config, SPEC, model_name="m", kv_kind="hf")
 

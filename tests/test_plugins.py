@@ -466,3 +466,17 @@ def test_a_bad_offload_threshold_is_refused_by_its_context() -> None:
     for bad in (0, -1, True, 1.5):
         with pytest.raises(ValueError, match="threshold must be a positive integer"):
             OffloadContext(threshold=bad)
+
+
+def test_a_copy_or_edit_that_changes_a_plugin_reference_resolves_again() -> None:
+    from lmkv.config import PluginRef, load_config
+    from lmkv_backends.serde.naive import NaiveSerializer
+    from lmkv_backends.serde.zstd import ZstdSerializer
+
+    config = load_config(env={})
+    assert config.plugins.serializer.cls is NaiveSerializer
+    copy = config.model_copy(update={"serializer": PluginRef(type="zstd")})
+    assert copy.plugins.serializer.cls is ZstdSerializer
+    assert config.plugins.serializer.cls is NaiveSerializer
+    config.tiers[0].options["max_bytes"] = "2MiB"
+    assert config.plugins.tiers[0].backend.options.max_bytes == 2 << 20

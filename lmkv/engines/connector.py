@@ -1,44 +1,36 @@
 """The one place an engine's GPU connector is chosen and built.
 
-``config.gpu_connector`` wins; otherwise the caller's default (``hf`` for
-transformers models, ``paged`` for vLLM). A caller that serves one kind of KV
-(``engine_kind``) gets a one-line ConfigError for a connector that takes
-another, before any engine is opened. ``resolve_connector_class`` stops at the
-class, for callers that ask it for the KV spec first (the vLLM worker: the
+The config's ``gpu_connector`` wins; otherwise the default connector for the
+kind of KV the caller has (``kv_kind``: ``hf`` for transformers models,
+``paged`` for vLLM; ``lmkv.config.DEFAULT_CONNECTORS``), resolved when the
+config was loaded. A connector that takes another kind of KV is a one-line
+ConfigError before any engine is opened. ``resolve_connector_class`` stops at
+the class, for callers that ask it for the KV spec first (the vLLM worker: the
 paged connector reads the layout and geometry from vLLM's caches).
 """
 
 from __future__ import annotations
 
-from lmkv.config import LMKVConfig, PluginRef, resolve_gpu_connector
+from lmkv.config import LMKVConfig
 from lmkv.errors import ConfigError
 from lmkv.gpu import ConnectorContext, GPUConnector, KVSpec
 from lmkv.plugins.resolved import Resolved
 
-# What a caller that needs each kind of KV serves, for the error line.
+# What a caller that has each kind of KV serves, for the error line.
 SERVES = {"hf": "a transformers model", "paged": "vLLM's paged KV caches"}
 
 
-def resolve_connector_class(config: LMKVConfig, *, default: PluginRef | str = "hf",
-                            engine_kind: str | None = None) -> Resolved[GPUConnector]:
-    """The connector class (and options) for ``config``: ``config.gpu_connector``,
-    else ``default``; checked to take ``engine_kind`` KV when one is given."""
-    if isinstance(default, str):
-        default = PluginRef(type=default)
-    resolved = resolve_gpu_connector(config, default)
-    kind = resolved.cls.engine_kind
-    if engine_kind is not None and kind != engine_kind:
+def resolve_connector_class(config: LMKVConfig, kv_kind: str) -> Resolved[GPUConnector]:
+    """The connector class (and options) for ``kv_kind`` KV under ``config``."""
+    resolved = config.plugins.connector_for(kv_kind)
+    if resolved.cls.kv_kind != kv_kind:
         raise ConfigError(
             f"gpu_connector = {resolved.cls.name!r}: cannot serve "
-            f"{SERVES.get(engine_kind, engine_kind + ' KV')} (it takes "
-            f"{kind or 'unknown'} KV); use {default.type!r} or another "
-            f"connector for {engine_kind} KV")
+            f"{SERVES.get(kv_kind, kv_kind + ' KV')} (it takes "
+            f"{resolved.cls.kv_kind or 'unknown'} KV); use a connector for {kv_kind} KV")
     return resolved
 
 
-def resolve_connector(config: LMKVConfig, spec: KVSpec, *,
-                      default: PluginRef | str = "hf",
-                      engine_kind: str | None = None) -> GPUConnector:
-    """The GPU connector for ``spec``: ``config.gpu_connector``, else ``default``."""
-    resolved = resolve_connector_class(config, default=default, engine_kind=engine_kind)
-    return resolved.create(ConnectorContext(spec))
+def resolve_connector(config: LMKVConfig, spec: KVSpec, kv_kind: str) -> GPUConnector:
+    """The GPU connector for ``spec``, ``kv_kind`` KV, under ``config``."""
+    return resolve_connector_class(config, kv_kind).create(ConnectorContext(spec))

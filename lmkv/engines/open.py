@@ -7,7 +7,7 @@
 
 from __future__ import annotations
 
-from lmkv.config import LMKVConfig, PluginRef
+from lmkv.config import LMKVConfig
 from lmkv.engines.connector import resolve_connector
 from lmkv.engines.local import LocalEngine
 from lmkv.engines.protocol import Engine
@@ -17,18 +17,16 @@ from lmkv.storage import StorageManager
 
 
 def open_engine(config: LMKVConfig, spec: KVSpec, *, model_name: str,
-                connector: GPUConnector | None = None,
-                default_connector: PluginRef | str = "hf", engine_kind: str | None = None,
+                connector: GPUConnector | None = None, kv_kind: str = "hf",
                 world_size: int = 1, worker_id: int = 0) -> Engine:
     """An engine for ``spec`` (the KV's geometry and dtype) under ``config``.
 
     ``connector``: a connector built by the caller (tests, benchmarks); without
     one it is resolved here (``resolve_connector``: ``config.gpu_connector``,
-    else ``default_connector``, checked against ``engine_kind``).
+    else the default connector for ``kv_kind`` KV, checked to take that kind).
     """
     if connector is None:
-        connector = resolve_connector(config, spec, default=default_connector,
-                                      engine_kind=engine_kind)
+        connector = resolve_connector(config, spec, kv_kind)
     if config.mode == "server":
         return RemoteEngine(config, spec, model_name=model_name, connector=connector,
                             world_size=world_size, worker_id=worker_id)

@@ -59,8 +59,7 @@ class HFCacheEngine:
         self._adapter_digests: dict[str, tuple[list[tuple[Any, int]], str]] = {}
         name = model_name or getattr(model.config, "_name_or_path", "") or model.config.model_type
         self.engine: Engine = open_engine(config or load_config(), kv_spec_of(model),
-                                          model_name=name, default_connector="hf",
-                                          engine_kind="hf")
+                                          model_name=name, kv_kind="hf")
 
     def store(self, input_ids: Sequence[int] | torch.Tensor, cache: Any) -> int:
         """Store the KV of ``input_ids``' whole chunks found in ``cache``; returns tokens stored."""

@@ -8,9 +8,11 @@ from it and never look a plugin up by name again.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
+from lmkv.errors import ConfigError
 from lmkv.plugin_base import PluginOptions
 
 if TYPE_CHECKING:
@@ -44,10 +46,28 @@ class ResolvedTier:
 
 @dataclass(frozen=True)
 class ResolvedPlugins:
-    """Every plugin a config selects (``gpu_connector`` is None when the config leaves
-    the choice to the integration: ``hf`` for transformers, ``paged`` for vLLM)."""
+    """Every plugin a config selects. ``gpu_connector`` is None when the config leaves
+    the choice to the integration: then ``connector_for`` gives the default for the
+    KV the integration has (``lmkv.gpu.DEFAULT_CONNECTORS``), resolved at load too; a
+    default that is not installed is an error only for a caller that needs it."""
 
     tiers: tuple[ResolvedTier, ...]
     serializer: Resolved[Serializer]
     offload_policy: Resolved[OffloadPolicy]
     gpu_connector: Resolved[GPUConnector] | None = None
+    #: KV kind -> its default connector, or the one-line reason it cannot be had.
+    default_connectors: Mapping[str, Resolved[GPUConnector] | str] = field(
+        default_factory=dict)
+
+    def connector_for(self, kv_kind: str) -> Resolved[GPUConnector]:
+        """The config's ``gpu_connector``, else the default one for ``kv_kind``."""
+        if self.gpu_connector is not None:
+            return self.gpu_connector
+        default = self.default_connectors.get(kv_kind)
+        if default is None:
+            raise ConfigError(f"gpu_connector is not set and there is no default connector "
+                              f"for {kv_kind!r} KV; set gpu_connector "
+                              f"(defaults exist for: {', '.join(self.default_connectors)})")
+        if isinstance(default, str):
+            raise ConfigError(default)
+        return default

@@ -24,7 +24,7 @@ class HFConnector(GPUConnector):
     """
 
     name = "hf"
-    engine_kind = "hf"
+    kv_kind = "hf"
 
     def _validate(self, kv: KVPairs, end: int, batch_index: int) -> None:
         spec = self.spec

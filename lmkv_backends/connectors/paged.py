@@ -31,7 +31,7 @@ class PagedConnector(GPUConnector):
     """
 
     name = "paged"
-    engine_kind = "paged"
+    kv_kind = "paged"
     writes_in_place = True
 
     @classmethod

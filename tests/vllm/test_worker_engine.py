@@ -22,14 +22,16 @@ def test_the_vllm_worker_opens_its_engine_through_open_engine(tmp_path, monkeypa
     the connector reads the layout itself."""
     from lmkv.integrations.vllm.worker import WorkerSide
 
-    calls: list[tuple[str, dict]] = []
-    resolve = connector_module.resolve_gpu_connector
+    calls: list[str] = []
+    resolve = connector_module.resolve_connector_class
 
-    def counting(config, default):  # type: ignore[no-untyped-def]
-        calls.append((default.type, dict(default.options)))
-        return resolve(config, default)
+    def counting(config, kv_kind):  # type: ignore[no-untyped-def]
+        calls.append(kv_kind)
+        return resolve(config, kv_kind)
 
-    monkeypatch.setattr(connector_module, "resolve_gpu_connector", counting)
+    import lmkv.integrations.vllm.worker as worker_module
+
+    monkeypatch.setattr(worker_module, "resolve_connector_class", counting)
     config = load_config(env={}, overrides={"lmkv.chunk_size": 16,
                                             "lmkv.lookup.runtime_dir": str(tmp_path)})
     model = SimpleNamespace(model="m", get_head_size=lambda: 8, max_model_len=256)
@@ -40,7 +42,7 @@ def test_the_vllm_worker_opens_its_engine_through_open_engine(tmp_path, monkeypa
     worker = WorkerSide(config, vllm_config)
     try:
         worker.register({f"layer{i}": torch.zeros(4, 2, 16, 16) for i in range(2)})
-        assert calls == [("paged", {})]
+        assert calls == ["paged"]
         assert isinstance(worker.engine, Engine)
         assert isinstance(worker.engine.connector, PagedConnector)
     finally:

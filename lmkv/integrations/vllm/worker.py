@@ -62,7 +62,7 @@ class WorkerSide:
         # lmkv.gpu_connector picks another connector for vLLM's paged caches (a
         # plugin's kernels, say); by default the built-in one. The connector reads
         # the caches' layout and geometry: the worker never looks at their shapes.
-        resolved = resolve_connector_class(self.config, default="paged", engine_kind="paged")
+        resolved = resolve_connector_class(self.config, "paged")
         spec = resolved.cls.spec_from(kv_caches=self.kv_caches)
         if spec.head_dim != self.head_size:
             raise ValueError(f"lmkv: the paged KV caches hold heads of {spec.head_dim} "
