@@ -371,14 +371,14 @@ def test_a_loaded_config_carries_its_plugins_resolved_and_typed() -> None:
 
     config = load_config(env={}, overrides={
         "lmkv.tiers": [{"type": "cpu", "options": {"max_bytes": "1MiB"}}],
-        "lmkv.gpu_connector": {"type": "paged", "options": {"layout": "cpu"}}})
+        "lmkv.gpu_connector": "paged"})
     plugins = config.plugins
     (tier,) = plugins.tiers
     assert tier.backend.cls is CPUBackend and tier.backend.options.max_bytes == 1 << 20
     assert tier.eviction.cls is LRUPolicy
     assert plugins.serializer.cls is NaiveSerializer
     assert plugins.offload_policy.cls is FIFOOffloadPolicy
-    assert plugins.gpu_connector.options.layout == "cpu"
+    assert plugins.gpu_connector.cls.name == "paged"
 
 
 def test_storage_is_built_from_the_resolved_plugins_without_a_second_look_up() -> None:
@@ -474,3 +474,50 @@ def test_a_bad_offload_threshold_is_refused_by_its_context() -> None:
     for bad in (0, -1, True, 1.5):
         with pytest.raises(ValueError, match="threshold must be a positive integer"):
             OffloadContext(threshold=bad)
+
+
+class _GoodHook:
+    @hookimpl
+    def lmkv_storage_backends(self) -> list[type]:
+        return []
+
+
+class _MisspelledHook:
+    @hookimpl
+    def lmkv_storage_backend(self) -> list[type]:  # the hook is lmkv_storage_backends
+        return [CPUBackend]
+
+
+def test_a_hookimpl_that_matches_no_hook_is_refused_and_named() -> None:
+    manager = PluginManager()
+    with pytest.raises(PluginError, match="'lmkv_storage_backend' matches no lmkv hook; "
+                                          "did you mean 'lmkv_storage_backends'"):
+        manager.register(_MisspelledHook(), name="typo")
+    assert "typo" not in manager._sources  # nothing of the refused plugin stays
+    assert manager.register(_GoodHook(), name="typo") == "typo"
+
+
+def test_an_exception_whose_str_raises_is_described_by_its_type() -> None:
+    from lmkv.plugins.registry import describe_exception
+
+    class Unprintable(Exception):
+        def __str__(self) -> str:
+            raise ValueError
+
+    assert describe_exception(Unprintable()).startswith("Unprintable (")
+    assert describe_exception(SystemExit(3)) == "SystemExit: 3"
+
+
+def test_env_lists_that_skip_every_plugin_are_one_line(monkeypatch) -> None:
+    from lmkv.config import load_config
+    from lmkv.errors import ConfigError
+
+    monkeypatch.setenv("LMKV_LOAD_PLUGINS", ",,,")
+    manager = PluginManager()
+    manager.load_entry_points()
+    with pytest.raises(ConfigError) as info:
+        load_config(env={}, plugin_manager=manager)
+    (line,) = str(info.value).splitlines()
+    assert "LMKV_LOAD_PLUGINS=,,, names no plugin" in line
+    assert line.count("LMKV_LOAD_PLUGINS") == 1
+    assert "unresolved for the same reason: tiers.0.eviction.type = 'lru'" in line

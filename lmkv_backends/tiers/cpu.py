@@ -112,7 +112,7 @@ class CPUBackend(StorageBackend):
             allocator = MemoryAllocator(
                 int(options.max_bytes), pin_memory=options.pin_memory,
                 buffer=segment.tensor if segment else None, huge_pages=options.huge_pages)
-        except (OSError, MemoryError, torch.OutOfMemoryError) as exc:
+        except (OSError, MemoryError, RuntimeError) as exc:  # RuntimeError: pinned memory
             if segment is not None:
                 segment.close()
             reason = getattr(exc, "strerror", None) or " ".join(
