@@ -74,11 +74,12 @@ def _cmd_stats(args: argparse.Namespace) -> int:
     if reply is None:
         # A fresh copy of the tiers would show every memory tier empty: say so in
         # one line, then show what a fresh open does see (fs and redis keep entries).
+        # Said once the tiers opened: when one cannot, its error is the one line.
+        tiers = _fresh_tier_stats(config)
         print(f"lmkv stats: no lmkv server answers at {address}: nothing live to show; "
               "the figures below are of the config's tiers opened now (memory tiers "
               "start empty); give --server ADDRESS for a running server",
               file=sys.stderr)
-        tiers = _fresh_tier_stats(config)
         server: dict[str, object] | None = None
     else:
         import msgspec

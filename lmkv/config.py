@@ -249,24 +249,46 @@ def resolve_plugins(config: LMKVConfig, manager: PluginManager | None = None
 
 
 class _Resolver:
-    """Collects every bad reference, so one run reports all of them."""
+    """Collects every bad reference, so one run reports all of them. References that
+    are unknown because LMKV_LOAD_PLUGINS / LMKV_DISABLE_PLUGINS skipped plugins share
+    one line: the first, the env lists' note once, then the others by key."""
 
     def __init__(self, sources: Mapping[str, str]) -> None:
         self.sources = sources
-        self.errors: list[str] = []
+        self._lines: list[str] = []
+        self._by_env: list[tuple[str, UnknownPluginError]] = []
+        self._env_slot = -1  # where that one line goes among the others
+
+    @property
+    def errors(self) -> list[str]:
+        lines = list(self._lines)
+        if self._by_env:
+            (first, exc), others = self._by_env[0], self._by_env[1:]
+            line = f"{first}: {exc.short}; {exc.env_note}"
+            if others:
+                line += ("; unresolved for the same reason: "
+                         + ", ".join(key for key, _ in others))
+            lines.insert(self._env_slot, line)
+        return lines
 
     def resolve(self, lookup: Callable[[str], type[P]], ref: PluginRef, path: str
                 ) -> Resolved[P]:
         try:
             cls = lookup(ref.type)
         except UnknownPluginError as exc:
-            self.errors.append(f"{path}.type = {ref.type!r}: {exc}")
+            key = f"{path}.type = {ref.type!r}"
+            if exc.env_note:
+                if not self._by_env:
+                    self._env_slot = len(self._lines)
+                self._by_env.append((key, exc))
+            else:
+                self._lines.append(f"{key}: {exc}")
             return _UNRESOLVED
         options_model = cls.Options  # type: ignore[attr-defined]
         try:
             options = options_model.model_validate(ref.options)
         except ValidationError as exc:
-            self.errors.append(_format_errors(exc, f"{path}.options", self.sources,
+            self._lines.append(_format_errors(exc, f"{path}.options", self.sources,
                                               options_model))
             return _UNRESOLVED
         return Resolved(cls, options)

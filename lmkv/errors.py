@@ -27,7 +27,17 @@ class DuplicatePluginError(PluginError):
 
 
 class UnknownPluginError(PluginError, ConfigError):
-    """A configuration selected a plugin name that no installed plugin provides."""
+    """A configuration selected a plugin name that no installed plugin provides.
+
+    ``env_note``: when ``LMKV_LOAD_PLUGINS``/``LMKV_DISABLE_PLUGINS`` skipped plugins,
+    the sentence saying so (also at the end of the message). Every name a config
+    selects fails for that same reason, so config resolution says it once.
+    """
+
+    def __init__(self, message: str, *, env_note: str = "") -> None:
+        super().__init__(f"{message}; {env_note}" if env_note else message)
+        self.short = message
+        self.env_note = env_note
 
 
 class CorruptFrameError(LMKVError):

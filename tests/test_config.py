@@ -84,7 +84,7 @@ BAD = [
     ({"lmkv.lazy_offload": "maybe"}, "config key 'lazy_offload' = 'maybe' "
                                      "(from lmkv.lazy_offload): must be true or false"),
     ({"lmkv.lazy_offload_policy": "LIFO"}, "lazy_offload_policy.type = 'LIFO': unknown offload "
-                                           "policy 'LIFO'; available: FIFO"),
+                                           "policy 'LIFO'; did you mean 'FIFO'? available: FIFO"),
     ({"lmkv.chunk_sise": 3}, "config key 'chunk_sise' (from lmkv.chunk_sise): unknown key"),
     ({"lmkv.tiers.0.type": "nosuch"}, "tiers.0.type = 'nosuch': unknown storage backend "
                                       "'nosuch'; available: cpu"),

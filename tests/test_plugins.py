@@ -480,3 +480,50 @@ def test_a_copy_or_edit_that_changes_a_plugin_reference_resolves_again() -> None
     assert config.plugins.serializer.cls is NaiveSerializer
     config.tiers[0].options["max_bytes"] = "2MiB"
     assert config.plugins.tiers[0].backend.options.max_bytes == 2 << 20
+
+
+class _GoodHook:
+    @hookimpl
+    def lmkv_storage_backends(self) -> list[type]:
+        return []
+
+
+class _MisspelledHook:
+    @hookimpl
+    def lmkv_storage_backend(self) -> list[type]:  # the hook is lmkv_storage_backends
+        return [CPUBackend]
+
+
+def test_a_hookimpl_that_matches_no_hook_is_refused_and_named() -> None:
+    manager = PluginManager()
+    with pytest.raises(PluginError, match="'lmkv_storage_backend' matches no lmkv hook; "
+                                          "did you mean 'lmkv_storage_backends'"):
+        manager.register(_MisspelledHook(), name="typo")
+    assert "typo" not in manager._sources  # nothing of the refused plugin stays
+    assert manager.register(_GoodHook(), name="typo") == "typo"
+
+
+def test_an_exception_whose_str_raises_is_described_by_its_type() -> None:
+    from lmkv.plugins.registry import describe_exception
+
+    class Unprintable(Exception):
+        def __str__(self) -> str:
+            raise ValueError
+
+    assert describe_exception(Unprintable()).startswith("Unprintable (")
+    assert describe_exception(SystemExit(3)) == "SystemExit: 3"
+
+
+def test_env_lists_that_skip_every_plugin_are_one_line(monkeypatch) -> None:
+    from lmkv.config import load_config
+    from lmkv.errors import ConfigError
+
+    monkeypatch.setenv("LMKV_LOAD_PLUGINS", ",,,")
+    manager = PluginManager()
+    manager.load_entry_points()
+    with pytest.raises(ConfigError) as info:
+        load_config(env={}, plugin_manager=manager)
+    (line,) = str(info.value).splitlines()
+    assert "LMKV_LOAD_PLUGINS=,,, names no plugin" in line
+    assert line.count("LMKV_LOAD_PLUGINS") == 1
+    assert "unresolved for the same reason: tiers.0.eviction.type = 'lru'" in line

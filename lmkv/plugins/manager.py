@@ -1,13 +1,19 @@
 """Finds plugins through the ``lmkv`` entry-point group and builds the registry.
 
 pluggy is used only at start-up, to collect classes; the data path talks to
-the classes the registry hands out.
+the classes the registry hands out. A plugin cannot take lmkv down while it
+loads: what it raises (``SystemExit`` too) is its recorded failure, what it
+prints goes to stderr (stdout may be ``lmkv plugins --json``), and a hook
+function that matches no hookspec (a typo) is a failure, not silence.
 """
 
 from __future__ import annotations
 
+import contextlib
+import difflib
 import logging
 import os
+import sys
 import threading
 from dataclasses import dataclass
 from importlib.metadata import EntryPoint, entry_points
@@ -17,7 +23,13 @@ import pluggy
 
 from lmkv.errors import PluginError
 from lmkv.plugins import hookspecs
-from lmkv.plugins.registry import KINDS, LoadFailure, PluginSource, Registry
+from lmkv.plugins.registry import (
+    KINDS,
+    LoadFailure,
+    PluginSource,
+    Registry,
+    describe_exception,
+)
 
 if TYPE_CHECKING:
     from lmkv.backend import StorageBackend
@@ -32,6 +44,9 @@ DISABLE_ENV = "LMKV_DISABLE_PLUGINS"
 
 
 def _env_list(name: str) -> set[str] | None:
+    """The names in ``name``; None when it is unset or blank. Commas only (``,,,``)
+    is an empty list: LMKV_LOAD_PLUGINS then loads no plugin, and a config that
+    selects any says so in one line (see ``_env_note``)."""
     raw = os.environ.get(name, "").strip()
     if not raw:
         return None
@@ -54,33 +69,47 @@ class PluginManager:
         self._sources: dict[str, PluginSource] = {}
         self._failures: list[LoadFailure] = []
         self.skipped: list[SkippedPlugin] = []
+        self.installed: list[PluginSource] = []  # every entry point seen, skipped or not
+        #: What LMKV_LOAD_PLUGINS / LMKV_DISABLE_PLUGINS did, in one sentence ("": nothing).
+        self.env_note = ""
         self._registry: Registry | None = None
         self._lock = threading.Lock()
 
     # -- discovery ---------------------------------------------------------
     def load_entry_points(self) -> None:
+        """Load the ``lmkv`` entry points the env lists let through (stdout goes to
+        stderr meanwhile); each failure is recorded, never raised."""
         allow, block = _env_list(LOAD_ENV), _env_list(DISABLE_ENV)
-        for ep in entry_points(group=hookspecs.ENTRY_POINT_GROUP):
-            source = _source_of(ep)
-            names = {ep.name, source.distribution}
-            if allow is not None and not names & allow:
-                self.skipped.append(SkippedPlugin(source, f"not in {LOAD_ENV}"))
-                continue
-            if block is not None and names & block:
-                self.skipped.append(SkippedPlugin(source, f"listed in {DISABLE_ENV}"))
-                continue
-            known = self._sources.get(ep.name)
-            if known is not None:
-                if known.distribution != source.distribution:
-                    self._record_failure(source, PluginError(
-                        f"entry point name {ep.name!r} is already used by "
-                        f"{known.describe()}"))
-                continue  # else: the same distribution seen twice on sys.path
-            try:
-                plugin = ep.load()
-                self.register(plugin, source=source)
-            except Exception as exc:  # any import or registration error is the plugin's
-                self._record_failure(source, exc)
+        with contextlib.redirect_stdout(sys.stderr):
+            for ep in entry_points(group=hookspecs.ENTRY_POINT_GROUP):
+                self._load(ep, allow, block)
+        self.env_note = _env_note(allow, block, self.installed, self.skipped)
+
+    def _load(self, ep: EntryPoint, allow: set[str] | None, block: set[str] | None) -> None:
+        source = _source_of(ep)
+        if source in self.installed:
+            return  # the same distribution seen twice on sys.path
+        self.installed.append(source)
+        names = {ep.name, source.distribution}
+        if allow is not None and not names & allow:
+            self.skipped.append(SkippedPlugin(source, f"not in {LOAD_ENV}"))
+            return
+        if block is not None and names & block:
+            self.skipped.append(SkippedPlugin(source, f"listed in {DISABLE_ENV}"))
+            return
+        known = self._sources.get(ep.name)
+        if known is not None:
+            if known.distribution != source.distribution:
+                self._record_failure(source, PluginError(
+                    f"entry point name {ep.name!r} is already used by {known.describe()}"))
+            return  # else: the same distribution seen twice on sys.path
+        try:
+            plugin = ep.load()
+            self.register(plugin, source=source)
+        # Any import or registration error is the plugin's, sys.exit() at import too;
+        # KeyboardInterrupt is the user's and still stops lmkv.
+        except (Exception, SystemExit) as exc:
+            self._record_failure(source, exc)
 
     def register(self, plugin: object, name: str | None = None,
                  source: PluginSource | None = None) -> str:
@@ -90,6 +119,10 @@ class PluginManager:
             registered = self._pm.register(plugin, name=source.plugin)
             if registered is None:
                 raise ValueError(f"plugin {source.plugin!r} is already registered")
+            unknown = _unknown_hooks(self._pm, plugin)
+            if unknown:
+                self._pm.unregister(plugin)
+                raise PluginError(unknown)
             self._sources[registered] = source
             self._registry = None
             return registered
@@ -102,7 +135,7 @@ class PluginManager:
 
     def _record_failure(self, source: PluginSource, exc: BaseException,
                         failures: list[LoadFailure] | None = None) -> None:
-        error = " ".join(f"{type(exc).__name__}: {exc}".split())  # always one line
+        error = describe_exception(exc)  # always one line
         logger.warning("lmkv plugin %s failed to load: %s", source.describe(), error)
         (self._failures if failures is None else failures).append(LoadFailure(source, error))
 
@@ -116,14 +149,15 @@ class PluginManager:
 
     def _build_registry(self) -> Registry:
         registry = Registry(failures=list(self._failures),
-                            skipped=[s.source for s in self.skipped])
+                            skipped=[s.source for s in self.skipped], env_note=self.env_note)
         for kind in KINDS.values():
             caller = getattr(self._pm.hook, kind.hook)
             for impl in caller.get_hookimpls():  # registration order
                 source = self._sources.get(impl.plugin_name, PluginSource(impl.plugin_name))
                 try:
-                    classes = impl.function()
-                except Exception as exc:
+                    with contextlib.redirect_stdout(sys.stderr):
+                        classes = impl.function()
+                except (Exception, SystemExit) as exc:
                     self._record_failure(source, exc, registry.failures)
                     continue
                 registry.add_all(kind.key, classes, source)
@@ -144,6 +178,45 @@ class PluginManager:
 
     def gpu_connector(self, name: str) -> type[GPUConnector]:
         return cast("type[GPUConnector]", self.registry.get("gpu_connector", name))
+
+
+def _unknown_hooks(pm: pluggy.PluginManager, plugin: object) -> str:
+    """Why ``plugin`` has a ``@hookimpl`` that matches no hookspec (pluggy accepts
+    one and never calls it: a typo would register nothing, silently); "" if none."""
+    unknown = sorted(c.name for c in pm.get_hookcallers(plugin) or () if not c.has_spec())
+    if not unknown:
+        return ""
+    known = sorted(k.hook for k in KINDS.values())
+    close = difflib.get_close_matches(unknown[0], known, n=1)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    return (f"@hookimpl {', '.join(repr(n) for n in unknown)} matches no lmkv hook; "
+            f"{hint}known hooks: {', '.join(known)}")
+
+
+def _env_note(allow: set[str] | None, block: set[str] | None,
+              installed: list[PluginSource], skipped: list[SkippedPlugin]) -> str:
+    """One sentence naming each env list that skipped plugins and what it did, for
+    the one line a config whose plugins it made unavailable gets ("" if none did)."""
+    parts = []
+    for env, names, reason in ((LOAD_ENV, allow, f"not in {LOAD_ENV}"),
+                               (DISABLE_ENV, block, f"listed in {DISABLE_ENV}")):
+        left_out = [s.source.describe() for s in skipped if s.reason == reason]
+        if names is None or not left_out:
+            continue
+        shown = f"{env}={_clip(os.environ.get(env, '').strip())}"
+        every = ("so every plugin is skipped (installed: "
+                 f"{', '.join(s.describe() for s in installed)})")
+        if env == LOAD_ENV and not names:
+            parts.append(f"{shown} names no plugin, {every}")
+        elif env == LOAD_ENV and len(left_out) == len(installed):
+            parts.append(f"{shown} names no installed plugin, {every}")
+        else:
+            parts.append(f"skipped by {shown}: {', '.join(left_out)}")
+    return "; ".join(parts)
+
+
+def _clip(text: str, limit: int = 120) -> str:
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def _source_of(ep: EntryPoint) -> PluginSource:

@@ -5,12 +5,14 @@ subclass of its kind's ABC, no ``name``, a bad ``Options``, a serializer id
 outside 1..255 or taken, a name already taken) is recorded as a load failure
 of its plugin and left out: one bad plugin never disables the others. In a name
 clash a built-in (distribution ``lmkv``) wins, else the first registration.
-An unknown name is an error that lists what is available, says how to install a
-known plugin that is missing, and reports plugins that failed to load.
+An unknown name is an error that suggests the nearest name, lists what is
+available, says how to install a known plugin that is missing, and reports
+plugins that failed to load or were skipped by the env lists.
 """
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import logging
 from collections.abc import Iterable
@@ -92,10 +94,23 @@ class LoadFailure:
     error: str
 
 
+def describe_exception(exc: BaseException) -> str:
+    """``Type: message`` on one line, whatever the exception does: a plugin's
+    exception whose ``__str__`` raises is shown by its type name alone."""
+    name = type(exc).__name__
+    try:
+        text = str(exc)
+    except Exception:  # a plugin's broken __str__ must not escape
+        return f"{name} (its message cannot be shown: its __str__ raises)"
+    return " ".join(f"{name}: {text}".split()) if text else name
+
+
 @dataclass
 class Registry:
     failures: list[LoadFailure] = field(default_factory=list)
     skipped: list[PluginSource] = field(default_factory=list)  # left out by the env lists
+    #: What the env lists did, one sentence naming the variable (empty: nothing skipped).
+    env_note: str = ""
     _entries: dict[str, dict[str, PluginEntry]] = field(
         default_factory=lambda: {k: {} for k in KINDS}
     )
@@ -171,7 +186,7 @@ class Registry:
                 self._record(source, exc)
 
     def _record(self, source: PluginSource, exc: BaseException) -> None:
-        error = " ".join(f"{type(exc).__name__}: {exc}".split())  # always one line
+        error = describe_exception(exc)  # always one line
         logger.warning("lmkv plugin %s: %s", source.describe(), error)
         self.failures.append(LoadFailure(source, error))
 
@@ -186,25 +201,32 @@ class Registry:
         entry = self._entries[kind].get(name.lower())
         if entry is not None:
             return entry.cls
-        raise UnknownPluginError(self._unknown_message(kind, name))
+        raise self._unknown(kind, name)
 
-    def _unknown_message(self, kind: str, name: str) -> str:
+    def _unknown(self, kind: str, name: str) -> UnknownPluginError:
         spec = KINDS[kind]
-        available = ", ".join(self.names(kind)) or "none"
-        msg = f"unknown {spec.title} '{name}'; available: {available}"
+        names = self.names(kind)
+        by_lower = {n.lower(): n for n in names}
+        close = difflib.get_close_matches(name.lower(), list(by_lower), n=1)
+        hint = f"did you mean '{by_lower[close[0]]}'? " if close else ""
+        msg = f"unknown {spec.title} '{name}'; {hint}available: {', '.join(names) or 'none'}"
         dist = KNOWN_PLUGINS.get((kind, name.lower()))
         failed = [f for f in self.failures if dist and f.source.distribution == dist]
         if dist and any(s.distribution == dist for s in self.skipped):
-            return (f"{msg}. '{name}' comes from {dist}, which is installed but skipped by "
-                    "LMKV_LOAD_PLUGINS/LMKV_DISABLE_PLUGINS")
+            return UnknownPluginError(
+                f"{msg}. '{name}' comes from {dist}, which is installed but skipped by "
+                "LMKV_LOAD_PLUGINS/LMKV_DISABLE_PLUGINS")
         if failed:
-            return f"{msg}. '{name}' comes from {dist}, which failed to load: {failed[0].error}"
+            return UnknownPluginError(
+                f"{msg}. '{name}' comes from {dist}, which failed to load: {failed[0].error}")
         if dist:
-            return f"{msg}. '{name}' is provided by {dist}: pip install {dist}"
+            return UnknownPluginError(
+                f"{msg}. '{name}' is provided by {dist}: pip install {dist}")
         if self.failures:
             broken = "; ".join(f"{f.source.describe()}: {f.error}" for f in self.failures)
             msg += f" (plugins that failed to load: {broken})"
+        note = ""
         if self.skipped:
-            msg += (f" (plugins skipped by LMKV_LOAD_PLUGINS/LMKV_DISABLE_PLUGINS: "
-                    f"{', '.join(s.describe() for s in self.skipped)})")
-        return msg
+            note = self.env_note or ("plugins skipped by LMKV_LOAD_PLUGINS/LMKV_DISABLE_PLUGINS: "
+                                     + ", ".join(s.describe() for s in self.skipped))
+        return UnknownPluginError(msg, env_note=note)

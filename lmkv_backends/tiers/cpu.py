@@ -19,6 +19,7 @@ from pydantic import ByteSize, Field, model_validator
 from pydantic_core import PydanticCustomError
 
 from lmkv.backend import ArenaPlacement, BackendContext, StorageBackend, done_future
+from lmkv.errors import ConfigError
 from lmkv.memory import MemoryAllocator, MemoryObj, nbytes_of
 from lmkv.memory.shm import SharedMemoryUnavailable, SharedSegment
 from lmkv.plugin_base import PluginOptions
@@ -95,31 +96,53 @@ class CPUBackend(StorageBackend):
         if context.eviction_policy is None:
             raise ValueError("the cpu tier needs an eviction policy")
         self.policy = context.eviction_policy
-        self.shared_segment = self._shared_segment(options, context.arena)
-        self.allocator = MemoryAllocator(
-            int(options.max_bytes), pin_memory=options.pin_memory,
-            buffer=self.shared_segment.tensor if self.shared_segment else None,
-            huge_pages=options.huge_pages)
+        self.shared_segment, self.allocator = self._arena(options, context)
         self._entries: dict[CacheKey, MemoryObj] = {}
         self._lock = threading.Lock()
         self._stored_bytes = 0
 
+    @classmethod
+    def _arena(cls, options: CPUOptions, context: BackendContext
+               ) -> tuple[SharedSegment | None, MemoryAllocator]:
+        """The arena's segment (None: private memory) and its allocator. An arena
+        that cannot be had at all (``max_bytes`` past what the kernel maps, with
+        ``allow_overcommit``) is a ConfigError naming the key, not a traceback."""
+        segment, no_segment = cls._shared_segment(options, context.arena)
+        try:
+            allocator = MemoryAllocator(
+                int(options.max_bytes), pin_memory=options.pin_memory,
+                buffer=segment.tensor if segment else None, huge_pages=options.huge_pages)
+        except (OSError, MemoryError, RuntimeError) as exc:  # RuntimeError: pinned memory
+            if segment is not None:
+                segment.close()
+            reason = getattr(exc, "strerror", None) or " ".join(
+                f"{type(exc).__name__}: {exc}".split())
+            if no_segment:
+                reason = f"{no_segment}; private memory: {reason}"
+            raise ConfigError(
+                f"config key 'tiers.{context.tier_index}.options.max_bytes' = "
+                f"{options.max_bytes.human_readable()}: the arena could not be allocated "
+                f"({reason}); lower max_bytes") from None
+        if no_segment:  # said only now: had the arena failed, the error says it all
+            logger.warning("lmkv cpu tier: %s; the arena stays in private memory, so "
+                           "clients of the lmkv server cannot map it", no_segment)
+        return segment, allocator
+
     @staticmethod
-    def _shared_segment(options: CPUOptions, arena: ArenaPlacement) -> SharedSegment | None:
+    def _shared_segment(options: CPUOptions, arena: ArenaPlacement
+                        ) -> tuple[SharedSegment | None, str]:
         """The segment the arena goes in: what ``shared_memory`` says, else what the
-        process asks (``arena``); a segment it only asked for is given up with a warning
-        when it cannot be made."""
+        process asks (``arena``); a segment it only asked for is given up (and why is
+        returned, for a warning) when it cannot be made."""
         if options.shared_memory is False or (
                 options.shared_memory is None and arena is not ArenaPlacement.SHARED):
-            return None
+            return None, ""
         try:
-            return SharedSegment.create(int(options.max_bytes))
+            return SharedSegment.create(int(options.max_bytes)), ""
         except SharedMemoryUnavailable as exc:
             if options.shared_memory:
                 raise
-            logger.warning("lmkv cpu tier: %s; the arena stays in private memory, so "
-                           "clients of the lmkv server cannot map it", exc)
-            return None
+            return None, str(exc)
 
     @property
     def capacity_bytes(self) -> int:

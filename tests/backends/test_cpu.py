@@ -284,3 +284,16 @@ def test_default_budget_is_not_held_against_a_small_machine(monkeypatch) -> None
     assert cpu.CPUOptions().max_bytes == 4 << 30
     with pytest.raises(ValueError, match="more than the memory this machine has available"):
         cpu.CPUOptions(max_bytes="2GiB")
+
+
+def test_an_arena_that_cannot_be_allocated_is_one_config_error_naming_the_key() -> None:
+    """allow_overcommit lets 1 PiB past validation; no kernel maps that much
+    (x86-64 user space is 128 TiB): one line naming the tier's key, no OSError."""
+    from lmkv.errors import ConfigError
+
+    options = CPUBackend.Options(max_bytes="1PiB", allow_overcommit=True, pin_memory=False)
+    with pytest.raises(ConfigError) as info:
+        CPUBackend(options, BackendContext(eviction_policy=LRUPolicy(), tier_index=2))
+    message = str(info.value)
+    assert "'tiers.2.options.max_bytes'" in message and "could not be allocated" in message
+    assert "\n" not in message
