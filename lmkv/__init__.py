@@ -37,8 +37,8 @@ _LAZY: dict[str, str] = {
     "KVSpec": "lmkv.gpu",
     "MemoryAllocator": "lmkv.memory",
     "MemoryObj": "lmkv.memory",
-    "NoOptions": "lmkv.plugins",
-    "PluginOptions": "lmkv.plugins",
+    "NoOptions": "lmkv.plugin_base",
+    "PluginOptions": "lmkv.plugin_base",
     "hookimpl": "lmkv.plugins",
     "EvictionContext": "lmkv.policy",
     "EvictionPolicy": "lmkv.policy",
@@ -61,7 +61,8 @@ if TYPE_CHECKING:
     from lmkv.engines.protocol import Engine, RetrieveResult
     from lmkv.gpu import ChunkSpan, ConnectorContext, GPUConnector, KVSpec
     from lmkv.memory import MemoryAllocator, MemoryObj
-    from lmkv.plugins import NoOptions, PluginOptions, hookimpl
+    from lmkv.plugin_base import NoOptions, PluginOptions
+    from lmkv.plugins import hookimpl
     from lmkv.policy import (
         EvictionContext,
         EvictionPolicy,

@@ -34,7 +34,9 @@ class PluginKind:
     key: str  # used in config paths and `lmkv plugins`
     hook: str  # hookspec that returns classes of this kind
     title: str  # human name in messages
-    base: str  # "module:Class" of the ABC, imported lazily to avoid import cycles
+    # "module:Class" of the ABC, imported when first needed: the ABCs import torch,
+    # which reading a config or listing plugins never needs.
+    base: str
 
     def base_class(self) -> type:
         module, _, attr = self.base.partition(":")
