@@ -206,7 +206,7 @@ def test_plugin_packages_have_no_cycles_and_stay_at_their_layer(plugin: str) -> 
     assert not _cycles(graph), _cycles(graph)
     used = {m: _imports(m, {**MODULES, **modules}) - set(modules) for m in modules}
     too_high = sorted(f"{m} imports {t}" for m, ts in used.items() for t in ts
-                      if (_layer(t) or (99, ""))[0] > 5 and not t.startswith("lmkv.testing"))
+                      if (_layer(t) or (99, ""))[0] > 4 and not t.startswith("lmkv.testing"))
     assert not too_high, "\n".join(too_high)
 
 
