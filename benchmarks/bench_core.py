@@ -18,17 +18,19 @@ import torch
 from _timing import best_of
 
 from lmkv.backend import BackendContext
-from lmkv.plugins import get_plugin_manager
+from lmkv.config import load_config
+from lmkv.policy import EvictionContext
 from lmkv.tokens import CacheKey, KeyMeta, TokenChunker, prefix_hashes, token_bytes
 
 MiB = 1 << 20
 
 
 def make_cpu_tier(max_bytes: int):
-    pm = get_plugin_manager()
-    backend_cls, policy_cls = pm.storage_backend("cpu"), pm.eviction_policy("lru")
-    ctx = BackendContext(eviction_policy=policy_cls())
-    return backend_cls(backend_cls.Options(max_bytes=max_bytes), ctx)
+    config = load_config(env={}, overrides={
+        "lmkv.tiers": [{"type": "cpu", "options": {"max_bytes": max_bytes}}]})
+    (tier,) = config.plugins.tiers
+    return tier.backend.create(BackendContext(eviction_policy=tier.eviction.create(
+        EvictionContext())))
 
 
 def bench_tier(label: str, shape: tuple[int, ...], n_chunks: int, rounds: int) -> None:

@@ -27,8 +27,9 @@ import redis
 import torch
 
 from lmkv.backend import BackendContext
+from lmkv.config import load_config
 from lmkv.memory import MemoryAllocator, MemoryObj
-from lmkv.plugins import get_plugin_manager
+from lmkv.serde import SerializerContext
 from lmkv.tokens import CacheKey, KeyMeta
 
 MiB = 1 << 20
@@ -79,16 +80,17 @@ def best_of(fn: Callable[[], object], rounds: int) -> float:
 
 
 def make_tier(port: int, arena: MemoryAllocator, **options: object):
-    pm = get_plugin_manager()
-    tier_cls, serializer_cls = pm.storage_backend("redis"), pm.serializer("naive")
-    return tier_cls(tier_cls.Options(url=f"redis://127.0.0.1:{port}/0", **options),
-                    BackendContext(serializer=serializer_cls(), allocate=arena.allocate))
+    config = load_config(env={}, overrides={"lmkv.serializer": "naive", "lmkv.tiers": [
+        {"type": "redis", "options": {"url": f"redis://127.0.0.1:{port}/0", **options}}]})
+    plugins = config.plugins
+    return plugins.tiers[0].backend.create(BackendContext(
+        serializer=plugins.serializer.create(SerializerContext()), allocate=arena.allocate))
 
 
 @contextmanager
 def count_sends(tier) -> Iterator[list[int]]:
     """Counts the times the tier's connections send (one per round trip)."""
-    cls = tier.client().connection_pool.connection_class
+    cls = tier.connection.client().connection_pool.connection_class
     original = cls.send_packed_command
     own = "send_packed_command" in vars(cls)
     sends = [0]

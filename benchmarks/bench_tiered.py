@@ -21,10 +21,10 @@ import time
 import torch
 
 from lmkv import KVSpec, StorageManager, load_config
-from lmkv.engines.local import LocalEngine
-from lmkv.gpu import ChunkSpan, ConnectorContext
+from lmkv.engines.local import LocalEngine  # a second engine over the cpu tier alone
+from lmkv.gpu import ChunkSpan
 from lmkv.memory import release
-from lmkv.plugins import get_plugin_manager
+from lmkv.testing.engines import open_local_engine
 
 CHUNK, CHUNKS, BLOCK = 256, 128, 128
 SPEC = KVSpec(num_layers=4, num_kv_heads=4, head_dim=64, dtype=torch.bfloat16)  # 1 MiB a chunk
@@ -50,11 +50,9 @@ def main() -> None:
         "lmkv.gpu_connector": "paged",
         "lmkv.tiers": [{"type": "cpu", "options": {"max_bytes": "512MiB"}},
                        {"type": "fs", "options": {"url": root, "max_bytes": "1GiB"}}]})
-    storage = StorageManager.from_config(config)
+    engine = open_local_engine(config, SPEC, model_name="bench", kv_kind="paged")
+    storage, connector = engine.storage, engine.connector
     cpu, fs = storage.tiers
-    connector_cls = get_plugin_manager().gpu_connector("paged")
-    connector = connector_cls(None, ConnectorContext(SPEC))
-    engine = LocalEngine(config, SPEC, model_name="bench", connector=connector, storage=storage)
 
     tokens = list(range(CHUNKS * CHUNK))
     blocks = CHUNKS * CHUNK // BLOCK

@@ -66,7 +66,7 @@ def test_paged_engine_round_trip_through_cpu_layout() -> None:
         "lmkv.chunk_size": CHUNK, "lmkv.gpu_connector": "paged"})
     block = 16
     caches = [torch.randn(8, 2, block, 32).half() for _ in range(2)]
-    with open_local_engine(config, SPEC, model_name="paged") as engine:
+    with open_local_engine(config, SPEC, model_name="paged", kv_kind="paged") as engine:
         tokens = list(range(64))
         assert engine.store(tokens, kv_caches=caches, block_ids=[3, 1, 6, 0]) == 64
         target = [torch.zeros_like(c) for c in caches]
@@ -135,7 +135,7 @@ def test_mismatched_kv_is_refused_and_nothing_is_stored(bad_kv, message: str) ->
 def test_mismatched_paged_caches_are_refused() -> None:
     config = load_config(env={}, overrides={"lmkv.chunk_size": CHUNK,
                                             "lmkv.gpu_connector": "paged"})
-    with open_local_engine(config, SPEC, model_name="paged") as engine:
+    with open_local_engine(config, SPEC, model_name="paged", kv_kind="paged") as engine:
         caches = [torch.randn(2, 8, 16, 2, 16).half()]  # one layer instead of two
         with pytest.raises(ValueError, match="1 KV caches; this engine stores 2"):
             engine.store(list(range(32)), kv_caches=caches, block_ids=[0, 1])
@@ -177,7 +177,7 @@ def test_paged_retrieve_streams_across_tiers() -> None:
         "lmkv.tiers": [{"type": "cpu", "options": {"max_bytes": "1MiB"}},
                        {"type": "cpu", "options": {"max_bytes": "1MiB"}}]})
     caches = [torch.randn(8, 2, 16, 32).half() for _ in range(2)]
-    with open_local_engine(config, SPEC, model_name="paged") as engine:
+    with open_local_engine(config, SPEC, model_name="paged", kv_kind="paged") as engine:
         tokens = list(range(64))
         engine.store(tokens, kv_caches=caches, block_ids=[0, 1, 2, 3])
         assert engine.storage.flush(5)
