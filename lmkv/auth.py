@@ -261,14 +261,14 @@ def secure_client(sock: zmq.Socket, keys: CurveKeys) -> None:
     sock.curve_serverkey = keys.server_key
 
 
-class CurveServer:
+class CurveAuthenticator:
     """Admits, on the sockets of one context that ``secure`` marks, only the authorized
     keys. It runs ZeroMQ's authentication handler (a thread) until ``stop``, which
     must come before the context is terminated."""
 
     def __init__(self, context: zmq.Context, keys: CurveKeys) -> None:
         if not keys.authorized:
-            raise ValueError("a CURVE server needs a non-empty allow list")
+            raise ValueError("a CURVE authenticator needs a non-empty allow list")
         self.keys = keys
         self.refused = 0
         self._auth = ThreadAuthenticator(context, log=logging.getLogger(f"{__name__}.zap"))

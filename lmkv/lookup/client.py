@@ -49,7 +49,7 @@ from typing import Any
 
 import zmq
 
-from lmkv.auth import CurveServer
+from lmkv.auth import CurveAuthenticator
 from lmkv.config import LMKVConfig, LookupConfig
 from lmkv.logutil import RateLimitedLog
 from lmkv.lookup.messages import (
@@ -167,7 +167,7 @@ class LookupClient:
         for endpoint in (endpoints.responses, *endpoints.requests):
             prepare_bind(endpoint)  # refuse a foreign runtime dir before opening anything
         self._context = zmq.Context()
-        self._auth = CurveServer(self._context, endpoints.curve) if endpoints.curve else None
+        self._auth = CurveAuthenticator(self._context, endpoints.curve) if endpoints.curve else None
         self._responses = pull_socket(self._context, endpoints.responses,
                                       MAX_RESPONSE_BYTES, curve=self._auth)
         self.response_endpoint = last_endpoint(self._responses)

@@ -39,7 +39,7 @@ from functools import partial
 
 import zmq
 
-from lmkv.auth import CurveKeys, CurveServer
+from lmkv.auth import CurveKeys, CurveAuthenticator
 from lmkv.config import LookupConfig
 from lmkv.engines.protocol import Engine
 from lmkv.logutil import RateLimitedLog
@@ -131,7 +131,7 @@ class LookupResponder:
         for endpoint in (request_endpoint, response_endpoint):
             prepare_bind(endpoint)  # refuse a foreign runtime dir before opening anything
         self._context = zmq.Context()
-        self._auth = CurveServer(self._context, curve) if curve is not None else None
+        self._auth = CurveAuthenticator(self._context, curve) if curve is not None else None
         self._requests = pull_socket(self._context, request_endpoint,
                                      MESSAGE_LIMIT_FACTOR * self.max_request_bytes,
                                      curve=self._auth)

@@ -44,7 +44,7 @@ from pathlib import Path
 
 import zmq
 
-from lmkv.auth import CurveKeys, CurveServer, peer_keys, secure_client
+from lmkv.auth import CurveKeys, CurveAuthenticator, peer_keys, secure_client
 from lmkv.config import LookupConfig, is_loopback_host
 from lmkv.errors import ConfigError
 from lmkv.private import default_runtime_dir, make_private_dir
@@ -190,7 +190,7 @@ def push_socket(context: zmq.Context, endpoint: str, *,
 
 def pull_socket(context: zmq.Context, endpoint: str,
                 max_message_bytes: int = MAX_MESSAGE_BYTES, *,
-                curve: CurveServer | None = None) -> zmq.Socket:
+                curve: CurveAuthenticator | None = None) -> zmq.Socket:
     """A bound PULL socket; ``last_endpoint(sock)`` tells the port of ``tcp://host:*``.
     A message over ``max_message_bytes`` disconnects its sender (it is never received)."""
     prepare_bind(endpoint)

@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 import zmq
 
-from lmkv.auth import CurveKeys, CurveServer
+from lmkv.auth import CurveKeys, CurveAuthenticator
 from lmkv.errors import LMKVError
 from lmkv.logutil import RateLimitedLog
 from lmkv.memory import MemoryObj, release
@@ -73,7 +73,7 @@ class KVServer:
         if ":" in endpoint.removeprefix("tcp://").rpartition(":")[0]:
             self._router.setsockopt(zmq.IPV6, 1)
         # With CURVE, only clients holding an authorized key get past the handshake.
-        self._auth = CurveServer(self._ctx, curve) if curve is not None else None
+        self._auth = CurveAuthenticator(self._ctx, curve) if curve is not None else None
         if self._auth is not None:
             self._auth.secure(self._router)
         self._wake_r, self._wake_w = os.pipe()

@@ -33,7 +33,7 @@ def test_store_then_retrieve_is_byte_identical(server, data_path: str) -> None:
 
 
 @pytest.mark.parametrize("writer,reader", [("auto", "inline"), ("inline", "auto")])
-def test_what_one_transport_stores_the_other_reads(server, writer: str, reader: str) -> None:
+def test_what_one_data_path_stores_the_other_reads(server, writer: str, reader: str) -> None:
     keys = prompt_keys(110 if writer == "auto" else 111)
     chunks = [chunk_for(k) for k in keys]
     with server.client(data_path=writer) as w, server.client(data_path=reader) as r:

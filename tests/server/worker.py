@@ -1,6 +1,6 @@
 """An engine process for the server tests: ``python -m tests.server.worker MODE ...``.
 
-``loop ADDRESS TRANSPORT WORKER OUT STOP_FILE ITERATIONS TIMEOUT_MS``: look up, retrieve
+``loop ADDRESS DATA_PATH WORKER OUT STOP_FILE ITERATIONS TIMEOUT_MS``: look up, retrieve
 (checking every byte) and store prompts, own and shared, until ITERATIONS are done
 or STOP_FILE exists; one JSON line per iteration goes to OUT, then a summary line.
 Any exception escapes (non-zero exit): the tests require none.
