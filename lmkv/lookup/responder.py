@@ -39,7 +39,7 @@ from functools import partial
 
 import zmq
 
-from lmkv.auth import CurveKeys, CurveAuthenticator
+from lmkv.auth import CurveAuthenticator, CurveKeys
 from lmkv.config import LookupConfig
 from lmkv.engines.protocol import Engine
 from lmkv.logutil import RateLimitedLog

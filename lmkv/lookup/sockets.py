@@ -44,7 +44,7 @@ from pathlib import Path
 
 import zmq
 
-from lmkv.auth import CurveKeys, CurveAuthenticator, peer_keys, secure_client
+from lmkv.auth import CurveAuthenticator, CurveKeys, peer_keys, secure_client
 from lmkv.config import LookupConfig, is_loopback_host
 from lmkv.errors import ConfigError
 from lmkv.private import default_runtime_dir, make_private_dir

@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 import zmq
 
-from lmkv.auth import CurveKeys, CurveAuthenticator
+from lmkv.auth import CurveAuthenticator, CurveKeys
 from lmkv.errors import LMKVError
 from lmkv.logutil import RateLimitedLog
 from lmkv.memory import MemoryObj, release
