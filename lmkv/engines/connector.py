@@ -20,10 +20,13 @@ from lmkv.plugins.resolved import Resolved
 SERVES = {"hf": "a transformers model", "paged": "vLLM's paged KV caches"}
 
 
-def resolve_connector_class(config: LMKVConfig, kv_kind: str) -> Resolved[GPUConnector]:
-    """The connector class (and options) for ``kv_kind`` KV under ``config``."""
-    resolved = config.plugins.connector_for(kv_kind)
-    if resolved.cls.kv_kind != kv_kind:
+def resolve_connector_class(config: LMKVConfig, kv_kind: str | None
+                            ) -> Resolved[GPUConnector]:
+    """The connector class (and options) for ``kv_kind`` KV under ``config``. A
+    caller that does not say (``None``) gets the config's connector unchecked, or
+    the default for transformers-style KV."""
+    resolved = config.plugins.connector_for(kv_kind or "hf")
+    if kv_kind is not None and resolved.cls.kv_kind != kv_kind:
         raise ConfigError(
             f"gpu_connector = {resolved.cls.name!r}: cannot serve "
             f"{SERVES.get(kv_kind, kv_kind + ' KV')} (it takes "
@@ -31,6 +34,7 @@ def resolve_connector_class(config: LMKVConfig, kv_kind: str) -> Resolved[GPUCon
     return resolved
 
 
-def resolve_connector(config: LMKVConfig, spec: KVSpec, kv_kind: str) -> GPUConnector:
+def resolve_connector(config: LMKVConfig, spec: KVSpec, kv_kind: str | None = None
+                      ) -> GPUConnector:
     """The GPU connector for ``spec``, ``kv_kind`` KV, under ``config``."""
     return resolve_connector_class(config, kv_kind).create(ConnectorContext(spec))

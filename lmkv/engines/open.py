@@ -17,13 +17,14 @@ from lmkv.storage import StorageManager
 
 
 def open_engine(config: LMKVConfig, spec: KVSpec, *, model_name: str,
-                connector: GPUConnector | None = None, kv_kind: str = "hf",
+                connector: GPUConnector | None = None, kv_kind: str | None = None,
                 world_size: int = 1, worker_id: int = 0) -> Engine:
     """An engine for ``spec`` (the KV's geometry and dtype) under ``config``.
 
     ``connector``: a connector built by the caller (tests, benchmarks); without
     one it is resolved here (``resolve_connector``: ``config.gpu_connector``,
-    else the default connector for ``kv_kind`` KV, checked to take that kind).
+    else the default connector for ``kv_kind`` KV, checked to take that kind;
+    ``kv_kind=None`` asserts no kind: the config's connector, else ``hf``).
     """
     if connector is None:
         connector = resolve_connector(config, spec, kv_kind)
