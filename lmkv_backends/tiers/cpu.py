@@ -21,7 +21,7 @@ from pydantic_core import PydanticCustomError
 from lmkv.backend import ArenaPlacement, BackendContext, StorageBackend, done_future
 from lmkv.memory import MemoryAllocator, MemoryObj, nbytes_of
 from lmkv.memory.shm import SharedMemoryUnavailable, SharedSegment
-from lmkv.plugin_base import PluginOptions
+from lmkv.plugin_base import OptionsArg, PluginOptions
 from lmkv.tokens import CacheKey
 from lmkv.units import ByteCount
 
@@ -86,10 +86,10 @@ def available_memory_bytes() -> int | None:
 class CPUBackend(StorageBackend):
     name = "cpu"
     Options = CPUOptions
+    options: CPUOptions
     holds_memory_objs = True
 
-    def __init__(self, options: CPUOptions | None = None,
-                 context: BackendContext | None = None) -> None:
+    def __init__(self, options: OptionsArg = None, context: BackendContext | None = None) -> None:
         super().__init__(options, context)
         options, context = self.options, self.context
         if context.eviction_policy is None:
