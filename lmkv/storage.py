@@ -32,10 +32,12 @@ logger = logging.getLogger(__name__)
 _log = RateLimitedLog(logger)
 
 GET_TIMEOUT_S = 30.0
+_CONFIG = LMKVConfig.model_fields  # defaults are the config's, written once
 
 
 class StorageManager:
-    def __init__(self, tiers: Sequence[StorageBackend], *, write_queue_chunks: int = 1024,
+    def __init__(self, tiers: Sequence[StorageBackend], *,
+                 write_queue_chunks: int = _CONFIG["write_through_queue_chunks"].default,
                  prefetch_threads: int = 4) -> None:
         if not tiers:
             raise ValueError("the storage manager needs at least one tier")
