@@ -8,7 +8,6 @@ entries in the order of the tier's eviction policy and never allocates past
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future
@@ -20,7 +19,7 @@ from pydantic_core import PydanticCustomError
 
 from lmkv.backend import ArenaPlacement, BackendContext, StorageBackend, done_future
 from lmkv.memory import MemoryAllocator, MemoryObj, nbytes_of
-from lmkv.memory.shm import SharedMemoryUnavailable, SharedSegment
+from lmkv.memory.shm import SharedMemoryUnavailable, SharedSegment, available_memory_bytes
 from lmkv.plugin_base import OptionsArg, PluginOptions
 from lmkv.tokens import CacheKey
 from lmkv.units import ByteCount
@@ -65,22 +64,6 @@ class CPUOptions(PluginOptions):
                 {"budget": self.max_bytes.human_readable(),
                  "available": ByteSize(available).human_readable()})
         return self
-
-
-def available_memory_bytes() -> int | None:
-    """Memory the kernel can give without swapping (Linux ``MemAvailable``); elsewhere
-    the free physical pages; None when neither is known (then nothing is checked)."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError):
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (AttributeError, OSError, ValueError):
-        return None
 
 
 class CPUBackend(StorageBackend):
