@@ -6,8 +6,10 @@ restart and are found again; reads go straight into chunk buffers. Other URLs
 (``fs_remote``) go through fsspec. A budget (``max_bytes``) evicts unpinned
 entries in the order of the tier's eviction policy. Every fault (I/O error,
 stopped endpoint, corrupted entry) is a counted, rate-logged miss or dropped
-write, through the backend's one fault policy (``lmkv.faults``): nothing raises
-into the caller, and a remote that stops answering opens the tier's breaker.
+write, through the backend's one fault policy (``lmkv.faults``, the tier
+absorbing ``FAULTS``), and a remote that stops answering opens the tier's
+breaker. Anything else is a bug: it raises, uncounted, and the storage
+manager's last resort logs it loudly.
 Anything under an entry's name that is not a regular file (directory, FIFO,
 symlink, ...) is never read and never a hit: it is left alone and counted
 (``special_files``).
