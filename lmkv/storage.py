@@ -20,7 +20,6 @@ import torch
 
 from lmkv.backend import ArenaPlacement, BackendContext, StorageBackend, done_future
 from lmkv.config import LMKVConfig
-from lmkv.logutil import RateLimitedLog
 from lmkv.memory import MemoryObj, release, tensor_obj
 from lmkv.policy import EvictionContext
 from lmkv.prefetch import EventManager, PrefetchTask, WeightedSemaphore
@@ -29,7 +28,6 @@ from lmkv.tokens import CacheKey
 from lmkv.writethrough import WriteThrough
 
 logger = logging.getLogger(__name__)
-_log = RateLimitedLog(logger)
 
 GET_TIMEOUT_S = 30.0
 _CONFIG = LMKVConfig.model_fields  # defaults are the config's, written once
@@ -283,9 +281,8 @@ class StorageManager:
         try:
             guarded(first, "promote", first.batched_submit_put(
                 [k for k, _ in pairs], [o for _, o in pairs]), 0, "not promoted")
-        except Exception as exc:
-            _log.warning("promote", "lmkv: promotion into the %s tier failed: %s",
-                         first.name, exc)
+        except Exception as exc:  # the last resort, as for puts
+            first.faults.last_resort("promote", exc, "not promoted")
 
     # -- the rest --------------------------------------------------------------
     def stats(self) -> list[dict[str, Any]]:
