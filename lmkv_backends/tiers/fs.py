@@ -106,8 +106,16 @@ class FSBackend(StorageBackend):
             self._readers.submit(self._load_index).add_done_callback(self._listing_done)
 
     def _load_index(self) -> None:
-        with self._guard("scan"):  # closed while listing (interpreter exit): absorbed
-            self.index.adopt_all(self.store.scan())
+        with self._guard("scan"):
+            try:
+                found = self.store.scan()
+            except FAULTS as exc:
+                if not self._closed:
+                    raise
+                # closed while listing (interpreter exit, say): nobody cares
+                logger.debug("lmkv fs tier %s: listing ended by close: %s", self.location, exc)
+                return
+            self.index.adopt_all(found)
             self._delete_evicted(self.index.excess_victims())
             logger.info("lmkv fs tier %s: %d entries, %d bytes", self.location,
                         len(self.index), self.index.usage)
