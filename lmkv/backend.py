@@ -19,18 +19,18 @@ import enum
 import logging
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cached_property
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from lmkv.errors import CorruptFrameError
 from lmkv.faults import TierCounters, TierFaults
 from lmkv.memory import Allocate, MemoryAllocator, MemoryObj
-from lmkv.plugin_base import Plugin, PluginOptions
+from lmkv.plugin_base import OptionsArg, Plugin
 from lmkv.policy import EvictionPolicy
 from lmkv.serde import Serializer, read_header
 from lmkv.tokens import CacheKey
@@ -128,8 +128,7 @@ class StorageBackend(Plugin, ABC):
     #: The shared-memory segment the arena lives in, when it does (``lmkv server``).
     shared_segment: SharedSegment | None = None
 
-    def __init__(self, options: PluginOptions | Mapping[str, Any] | None = None,
-                 context: BackendContext | None = None) -> None:
+    def __init__(self, options: OptionsArg = None, context: BackendContext | None = None) -> None:
         self.options = self.parse_options(options)
         self.context = BackendContext() if context is None else context
         self._executor: ThreadPoolExecutor | None = None
@@ -230,9 +229,11 @@ class StorageBackend(Plugin, ABC):
     def faults(self) -> TierFaults:
         """This tier's fault policy: what it absorbs, its breaker, its fault log.
 
-        The default absorbs any Exception and opens the breaker on
-        ``TierUnavailable``; a tier with its own view (which client errors mean
-        the server is gone, a longer backoff, secrets to mask) assigns its own
+        The default absorbs I/O errors (OSError) and opens the breaker on
+        ``TierUnavailable``; anything else raises out of the tier (a bug must
+        show; the storage manager's last resort logs it). A tier declares its own
+        view (its storage library's errors, which of them mean the server is
+        gone, a longer backoff, secrets to mask) by assigning its own
         ``TierFaults`` in ``__init__``.
         """
         return TierFaults(self.counters, f"{self.name} tier",

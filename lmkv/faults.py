@@ -14,6 +14,10 @@ tier degrades the same way (``StorageBackend.faults`` holds a tier's
   dropped writes but not errors (nothing was attempted). After a short,
   growing interval one operation at a time probes the storage; the first
   that gets an answer closes the breaker. No restart, no operator.
+- **Anything else is a bug**, not a fault: it raises out of the tier, so
+  it is never counted as a storage fault. The storage manager's last-resort
+  guard (``TierFaults.last_resort``) catches it, logs it at ERROR with its
+  traceback, and answers a miss or drops the writes: the engine never stops.
 - **After close** everything a closing tier's calls raise is absorbed and
   nothing more is counted: sockets pulled from under calls in flight fail in
   assorted ways, and nobody is listening any more.
@@ -24,7 +28,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import traceback
 from collections.abc import Callable, Iterator
+from concurrent.futures import CancelledError
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -117,12 +123,16 @@ class TierFaults:
     """One tier's fault policy: which errors it absorbs, which mean unreachable,
     its breaker and its rate-limited fault log.
 
+    Each tier declares what it absorbs (``absorbed``: its storage library's
+    errors); the default is OSError, I/O errors, of which ``TierUnavailable``
+    is one. ``TierUnavailable`` is always absorbed.
+
     It holds the tier's counters, never the tier: the parts of a tier (a
     connection, a reader, a writer) share it without holding the tier.
     """
 
     def __init__(self, counters: TierCounters, where: str, *,
-                 absorbed: tuple[type[BaseException], ...] = (Exception,),
+                 absorbed: tuple[type[BaseException], ...] = (OSError,),
                  unreachable: tuple[type[BaseException], ...] = (TierUnavailable,),
                  breaker: Breaker | None = None,
                  redact: Callable[[object], str] = str,
@@ -175,6 +185,20 @@ class TierFaults:
             if not self.absorbs(exc):
                 raise
             self.fault(op, exc, consequence, detail)
+
+    def last_resort(self, op: str, exc: BaseException, consequence: str) -> None:
+        """The storage manager's guard around a call into the tier: a fault the
+        tier absorbs is counted (``fault``); anything else is a bug in the tier,
+        logged at ERROR with its traceback (at a bounded rate) and not counted as a
+        storage fault. Either way the caller gets ``consequence`` and carries on. A
+        cancelled operation (the tier closing under it) counts as a fault."""
+        if self.absorbs(exc) or isinstance(exc, CancelledError):
+            self.fault(op, exc, consequence)
+            return
+        trace = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        self._log.log(logging.ERROR, f"bug:{op}:{type(exc).__name__}",
+                      "lmkv %s: %s raised %s, a bug in the tier (not a storage fault); %s\n%s",
+                      self.where, op, type(exc).__name__, consequence, trace.rstrip())
 
     def corrupt(self, entry: str, problem: object) -> None:
         """Count and log one corrupt entry (``StorageBackend.drop_corrupt`` also

@@ -10,13 +10,13 @@ can be loaded into another.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from lmkv.plugin_base import Plugin, PluginOptions
+from lmkv.plugin_base import OptionsArg, Plugin
 
 CHUNK_LAYOUT = "l2thd"
 
@@ -82,8 +82,7 @@ class GPUConnector(Plugin, ABC):
         raise NotImplementedError(f"gpu_connector {cls.name!r} cannot read a KV spec from "
                                   "the engine's tensors")
 
-    def __init__(self, options: PluginOptions | Mapping[str, Any] | None,
-                 context: ConnectorContext) -> None:
+    def __init__(self, options: OptionsArg, context: ConnectorContext) -> None:
         self.options = self.parse_options(options)
         self.context = context
         self.spec = context.spec

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict
@@ -14,6 +15,11 @@ class PluginOptions(RedactedRepr, BaseModel):
     never shows a secret."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+#: What every plugin constructor takes as ``options``: its ``Options`` model, a
+#: mapping validated into one, or None (the defaults).
+OptionsArg = PluginOptions | Mapping[str, Any] | None
 
 
 class NoOptions(PluginOptions):
@@ -31,7 +37,7 @@ class Plugin:
     Options: ClassVar[type[PluginOptions]] = NoOptions
 
     @classmethod
-    def parse_options(cls, options: PluginOptions | dict[str, Any] | None) -> PluginOptions:
+    def parse_options(cls, options: OptionsArg) -> PluginOptions:
         if isinstance(options, cls.Options):
             return options
         return cls.Options.model_validate(options or {})

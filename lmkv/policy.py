@@ -8,7 +8,7 @@ from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from lmkv.plugin_base import NoOptions, Plugin, PluginOptions
+from lmkv.plugin_base import NoOptions, OptionsArg, Plugin
 
 
 @dataclass(frozen=True)
@@ -23,8 +23,7 @@ class EvictionPolicy(Plugin, ABC):
     """Orders a tier's keys for eviction. The tier skips pinned or referenced
     entries, so a policy only ranks; it never decides what is safe to drop."""
 
-    def __init__(self, options: PluginOptions | Mapping[str, Any] | None = None,
-                 context: EvictionContext | None = None) -> None:
+    def __init__(self, options: OptionsArg = None, context: EvictionContext | None = None) -> None:
         self.options = self.parse_options(options)
         self.context = EvictionContext() if context is None else context
 
@@ -85,8 +84,7 @@ class OffloadPolicy(Plugin, ABC):
 
     Options = NoOptions
 
-    def __init__(self, options: PluginOptions | Mapping[str, Any] | None,
-                 context: OffloadContext) -> None:
+    def __init__(self, options: OptionsArg, context: OffloadContext) -> None:
         self.options = self.parse_options(options)
         self.context = context
         self.threshold = context.threshold

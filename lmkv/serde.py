@@ -14,16 +14,15 @@ from __future__ import annotations
 
 import struct
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import xxhash
 
 from lmkv.errors import CorruptFrameError
 from lmkv.memory import MAX_CHUNK_NDIM, Allocate, MemoryObj, shape_problem
-from lmkv.plugin_base import Plugin, PluginOptions
+from lmkv.plugin_base import OptionsArg, Plugin
 from lmkv.tokens import CacheKey
 
 MAGIC = b"LMKV"
@@ -135,7 +134,7 @@ class Serializer(Plugin, ABC):
     #: ``verify_payload`` instead of calling ``deserialize``.
     raw_payload: bool = False
 
-    def __init__(self, options: PluginOptions | Mapping[str, Any] | None = None,
+    def __init__(self, options: OptionsArg = None,
                  context: SerializerContext | None = None) -> None:
         self.options = self.parse_options(options)
         self.context = SerializerContext() if context is None else context

@@ -20,7 +20,6 @@ import torch
 
 from lmkv.backend import ArenaPlacement, BackendContext, StorageBackend, done_future
 from lmkv.config import LMKVConfig
-from lmkv.logutil import RateLimitedLog
 from lmkv.memory import MemoryObj, release, tensor_obj
 from lmkv.policy import EvictionContext
 from lmkv.prefetch import EventManager, PrefetchTask, WeightedSemaphore
@@ -29,13 +28,14 @@ from lmkv.tokens import CacheKey
 from lmkv.writethrough import WriteThrough
 
 logger = logging.getLogger(__name__)
-_log = RateLimitedLog(logger)
 
 GET_TIMEOUT_S = 30.0
+_CONFIG = LMKVConfig.model_fields  # defaults are the config's, written once
 
 
 class StorageManager:
-    def __init__(self, tiers: Sequence[StorageBackend], *, write_queue_chunks: int = 1024,
+    def __init__(self, tiers: Sequence[StorageBackend], *,
+                 write_queue_chunks: int = _CONFIG["write_through_queue_chunks"].default,
                  prefetch_threads: int = 4) -> None:
         if not tiers:
             raise ValueError("the storage manager needs at least one tier")
@@ -87,9 +87,10 @@ class StorageManager:
         """
         first = self.tiers[0]
         try:
-            future = first.batched_submit_put(keys, objs)
-        except Exception as exc:  # a tier must not raise: its fault policy counts it
-            first.faults.fault("put", exc, "the writes are dropped")
+            future = guarded(first, "put", first.batched_submit_put(keys, objs), 0,
+                             "the writes are dropped")
+        except Exception as exc:  # the last resort: a tier's bug never stops the engine
+            first.faults.last_resort("put", exc, "the writes are dropped")
             future = done_future(0)
         for writer in self._writers:
             writer.submit(keys, objs)
@@ -131,8 +132,8 @@ class StorageManager:
                   pin: bool) -> int:
         try:
             return tier.batched_async_contains(lookup_id, keys, pin=pin)
-        except Exception as exc:  # a tier must not raise; if it does, it is a miss
-            tier.faults.fault("lookup", exc, "a miss")
+        except Exception as exc:  # the last resort: a tier's bug is a (loud) miss
+            tier.faults.last_resort("lookup", exc, "a miss")
             return 0
 
     def lookup_and_prefetch(self, lookup_id: str, keys: Sequence[CacheKey],
@@ -269,8 +270,8 @@ class StorageManager:
     def _result(self, tier: StorageBackend, future: Future) -> list[MemoryObj]:
         try:
             return future.result(timeout=GET_TIMEOUT_S)
-        except (Exception, CancelledError) as exc:
-            tier.faults.fault("get", exc, "a miss")
+        except (Exception, CancelledError) as exc:  # the last resort, as for lookups
+            tier.faults.last_resort("get", exc, "a miss")
             return []
 
     def _promote(self, pairs: list[tuple[CacheKey, MemoryObj]]) -> None:
@@ -278,10 +279,10 @@ class StorageManager:
         if not pairs or not first.holds_memory_objs:
             return
         try:
-            first.batched_submit_put([k for k, _ in pairs], [o for _, o in pairs])
-        except Exception as exc:
-            _log.warning("promote", "lmkv: promotion into the %s tier failed: %s",
-                         first.name, exc)
+            guarded(first, "promote", first.batched_submit_put(
+                [k for k, _ in pairs], [o for _, o in pairs]), 0, "not promoted")
+        except Exception as exc:  # the last resort, as for puts
+            first.faults.last_resort("promote", exc, "not promoted")
 
     # -- the rest --------------------------------------------------------------
     def stats(self) -> list[dict[str, Any]]:
@@ -305,6 +306,23 @@ class StorageManager:
                 tier.close()
             except Exception:
                 logger.exception("closing tier %s failed", tier.name)
+
+
+def guarded(tier: StorageBackend, op: str, future: Future, default: object,
+            consequence: str) -> Future:
+    """``future``, with what it raises (a bug in the tier: its faults are absorbed
+    before) logged by the tier's last resort and answered with ``default``."""
+    out: Future = Future()
+
+    def done(f: Future) -> None:
+        try:
+            out.set_result(f.result())
+        except (Exception, CancelledError) as exc:
+            tier.faults.last_resort(op, exc, consequence)
+            out.set_result(default)
+
+    future.add_done_callback(done)
+    return out
 
 
 def allocate_from(tiers: Sequence[StorageBackend], shape: Sequence[int],

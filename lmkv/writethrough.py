@@ -70,8 +70,8 @@ class WriteThrough:
             keys, objs = item
             try:
                 self.tier.batched_submit_put(keys, objs).result(timeout=PUT_TIMEOUT_S)
-            except Exception as exc:  # the tier counts its own failures; this is a last guard
-                self.tier.faults.fault("write-through put", exc, "the writes are dropped")
+            except Exception as exc:  # the tier absorbs its faults; this is the last resort
+                self.tier.faults.last_resort("write-through put", exc, "the writes are dropped")
             finally:
                 for obj in objs:
                     obj.ref_down()

@@ -11,14 +11,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from lmkv.plugin_base import PluginOptions
+from lmkv.plugin_base import OptionsArg
 from lmkv.policy import OffloadContext, OffloadItem, OffloadPolicy, StoreMeta
 
 
 class FIFOOffloadPolicy(OffloadPolicy):
     name = "FIFO"
 
-    def __init__(self, options: PluginOptions | None, context: OffloadContext) -> None:
+    def __init__(self, options: OptionsArg, context: OffloadContext) -> None:
         super().__init__(options, context)
         self._items: dict[str, OffloadItem] = {}  # insertion ordered
         self._ready = 0

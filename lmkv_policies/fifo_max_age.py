@@ -16,7 +16,7 @@ from typing import Annotated
 
 from pydantic import Field
 
-from lmkv.plugin_base import PluginOptions
+from lmkv.plugin_base import OptionsArg, PluginOptions
 from lmkv.policy import OffloadContext, OffloadItem
 from lmkv_policies.fifo import FIFOOffloadPolicy
 
@@ -30,7 +30,7 @@ class FIFOMaxAgeOffloadPolicy(FIFOOffloadPolicy):
     name = "FIFO_MAX_AGE"
     Options = MaxAgeOptions
 
-    def __init__(self, options: PluginOptions | None, context: OffloadContext) -> None:
+    def __init__(self, options: OptionsArg, context: OffloadContext) -> None:
         super().__init__(options, context)
         self._clock = context.clock
         self._finished_at: dict[str, float] = {}

@@ -5,15 +5,14 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Hashable, Iterator
 
-from lmkv.plugin_base import PluginOptions
+from lmkv.plugin_base import OptionsArg
 from lmkv.policy import EvictionContext, EvictionPolicy
 
 
 class LRUPolicy(EvictionPolicy):
     name = "lru"
 
-    def __init__(self, options: PluginOptions | None = None,
-                 context: EvictionContext | None = None) -> None:
+    def __init__(self, options: OptionsArg = None, context: EvictionContext | None = None) -> None:
         super().__init__(options, context)
         self._order: OrderedDict[Hashable, None] = OrderedDict()
 

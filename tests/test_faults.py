@@ -115,3 +115,28 @@ def test_a_corrupt_entry_is_counted() -> None:
     faults = make_faults()
     faults.corrupt("key", "checksum")
     assert faults.counters.corrupt_frames == 1 and faults.counters.errors == 0
+
+
+def test_the_last_resort_counts_a_fault_and_logs_a_bug_loudly_uncounted(
+        caplog: pytest.LogCaptureFixture) -> None:
+    faults = make_faults()
+    with caplog.at_level(logging.WARNING):
+        faults.last_resort("get", PermissionError("denied"), "a miss")
+        assert faults.counters.errors == 1
+        try:
+            raise TypeError("a bug")
+        except TypeError as exc:
+            faults.last_resort("get", exc, "a miss")
+    assert faults.counters.errors == 1
+    (bug,) = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert "a bug in the tier" in bug.getMessage()
+    assert "Traceback" in bug.getMessage() and "TypeError: a bug" in bug.getMessage()
+
+
+def test_the_default_absorbs_io_errors_only() -> None:
+    faults = TierFaults(TierCounters(), "t")
+    with faults.guard("get", "a miss"):
+        raise OSError("disk")
+    with pytest.raises(TypeError), faults.guard("get", "a miss"):
+        raise TypeError("a bug")
+    assert faults.counters.errors == 1

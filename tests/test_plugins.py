@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import json
 import re
 import sys
@@ -38,6 +40,36 @@ def test_builtins_register_through_entry_points() -> None:
                 ("gpu_connector", "hf"), ("gpu_connector", "paged")]:
         assert key in names
         assert names[key].distribution == "lmkv"
+
+
+def test_every_builtin_is_built_by_the_one_constructor_rule() -> None:
+    """``cls(options, context)`` everywhere: options may be None, and the context
+    may be left out exactly where every field of the kind's context has a default."""
+    from lmkv.backend import BackendContext
+    from lmkv.gpu import ConnectorContext
+    from lmkv.policy import EvictionContext, OffloadContext
+    from lmkv.serde import SerializerContext
+
+    contexts = {"storage_backend": BackendContext, "eviction_policy": EvictionContext,
+                "offload_policy": OffloadContext, "serializer": SerializerContext,
+                "gpu_connector": ConnectorContext}
+    manager = PluginManager()
+    manager.load_entry_points()
+    classes = [(e.kind, e.cls) for e in manager.registry.entries()]
+    classes += [(k.key, k.base_class()) for k in KINDS.values()]
+    redis = pytest.importorskip("lmkv_redis.backend")
+    classes.append(("storage_backend", redis.RedisBackend))
+    for kind, cls in classes:
+        required = any(f.default is dataclasses.MISSING
+                       and f.default_factory is dataclasses.MISSING
+                       for f in dataclasses.fields(contexts[kind]))
+        params = list(inspect.signature(cls.__init__).parameters.values())[1:]
+        assert [p.name for p in params] == ["options", "context"], cls
+        default = inspect.Parameter.empty if required else None
+        assert [p.default for p in params] == [default, default], cls
+    assert {k for k, c in contexts.items() if any(
+        f.default is dataclasses.MISSING for f in dataclasses.fields(c))} == {
+        "offload_policy", "gpu_connector"}
 
 
 def test_lookup_is_case_insensitive() -> None:

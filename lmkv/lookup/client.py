@@ -48,6 +48,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import zmq
+from pydantic import ValidationError
 
 from lmkv.auth import CurveAuthenticator
 from lmkv.config import LMKVConfig, LookupConfig
@@ -190,8 +191,13 @@ class LookupClient:
         the model's maximum length when known)."""
         given = {"transport": transport, "runtime_dir": runtime_dir, "host": host,
                  "base_port": base_port}
-        lookup = config.lookup.model_copy(
-            update={k: v for k, v in given.items() if v is not None})
+        try:  # the config's own rules (tcp needs base_port, ...) check the arguments
+            lookup = LookupConfig.model_validate(
+                {**dict(config.lookup), **{k: v for k, v in given.items() if v is not None}})
+        except ValidationError as exc:
+            raise ValueError("; ".join(
+                ".".join(map(str, e["loc"])) + ": " * bool(e["loc"]) + e["msg"]
+                for e in exc.errors())) from None
         settings.setdefault("timeout_ms", lookup.timeout_ms)
         settings.setdefault("backoff_ms", lookup.backoff_ms)
         settings.setdefault("max_tokens", lookup.max_tokens)

@@ -93,7 +93,7 @@ class LookupEndpoints:
 
     @classmethod
     def tcp(cls, world_size: int, *, base_port: int,
-            host: str = "127.0.0.1") -> LookupEndpoints:
+            host: str = LookupConfig.model_fields["host"].default) -> LookupEndpoints:
         _check_layout("tcp", world_size)
         if not 0 < base_port <= 65535 - world_size:
             raise ValueError(f"base_port {base_port}: needs {world_size + 1} ports below 65536")
@@ -104,13 +104,11 @@ class LookupEndpoints:
     @classmethod
     def from_config(cls, lookup: LookupConfig, engine_id: str,
                     world_size: int) -> LookupEndpoints:
-        """The endpoints a config's ``lookup`` section names for ``engine_id``."""
+        """The endpoints a config's ``lookup`` section names for ``engine_id``
+        (validated: ``LookupConfig`` already holds tcp to a ``base_port``)."""
         if lookup.transport == "ipc":
             return cls.ipc(engine_id, world_size, lookup.runtime_dir).secured(lookup)
-        if lookup.transport != "tcp":
-            raise ValueError(f"transport {lookup.transport!r}: allowed: 'ipc', 'tcp'")
-        if lookup.base_port is None:
-            raise ValueError("transport 'tcp' needs base_port")
+        assert lookup.base_port is not None  # LookupConfig's rule for tcp
         endpoints = cls.tcp(world_size, host=lookup.host, base_port=lookup.base_port)
         return endpoints.secured(lookup)
 

@@ -4,7 +4,8 @@ The server creates one segment (``lmkv-<pid>-<random>``) and places the cpu
 tier's arena in it; clients on the same machine map it by name and copy chunk
 bytes in and out with torch. The creator unlinks the segment on close; if the
 creator is killed, Python's resource tracker (a helper process of the
-creator) unlinks it, so no segment outlives its server in /dev/shm.
+creator) unlinks it, so no segment outlives its server in /dev/shm. The free-memory figures an
+arena is checked against (/dev/shm, the machine's memory) live here too.
 
 Only stdlib and torch are imported here: the cpu tier imports this module.
 """
@@ -112,6 +113,22 @@ def _free_shm_bytes() -> int | None:
     except OSError:
         return None
     return st.f_bavail * st.f_frsize
+
+
+def available_memory_bytes() -> int | None:
+    """Memory the kernel can give without swapping (Linux ``MemAvailable``); elsewhere
+    the free physical pages; None when neither is known (then nothing is checked)."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, OSError, ValueError):
+        return None
 
 
 @cache

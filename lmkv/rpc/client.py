@@ -27,7 +27,7 @@ import threading
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, TypeVar, get_args
 
 import numpy as np
 import torch
@@ -48,7 +48,10 @@ from lmkv.tokens import CacheKey, KeyMeta
 logger = logging.getLogger(__name__)
 _log = RateLimitedLog(logger)
 
-DEFAULT_TIMEOUT_MS = ServerConnection.model_fields["timeout_ms"].default  # the config's
+_CONNECTION = ServerConnection.model_fields  # defaults are the config's, written once
+DEFAULT_TIMEOUT_MS = _CONNECTION["timeout_ms"].default
+#: How a client's chunks may travel: the values the config's ``data_path`` allows.
+DATA_PATHS: tuple[str, ...] = get_args(_CONNECTION["data_path"].annotation)
 # Inline transfers get this much time per byte on top of the request timeout.
 INLINE_BYTES_PER_MS = 256 << 10
 HEADER_ROOM = 1 << 16
@@ -72,11 +75,11 @@ class ServerClient:
 
     def __init__(self, address: str | None = None, *, session: str | None = None,
                  timeout_ms: int = DEFAULT_TIMEOUT_MS,
-                 data_path: Literal["auto", "inline"] = "auto",
+                 data_path: Literal["auto", "inline"] = _CONNECTION["data_path"].default,
                  context: zmq.Context | None = None, curve: CurveKeys | None = None
                  ) -> None:
-        if data_path not in ("auto", "inline"):
-            raise ValueError(f"data_path {data_path!r}: allowed: auto, inline")
+        if data_path not in DATA_PATHS:
+            raise ValueError(f"data_path {data_path!r}: allowed: {', '.join(DATA_PATHS)}")
         address = address or default_server_address()
         self.address = address if "://" in address else f"tcp://{address}"
         self.session = session or f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"

@@ -77,11 +77,6 @@ class Heartbeat:
         elif notify:
             self._cond.notify()
 
-    @property
-    def pending_abandoned(self) -> int:
-        with self._cond:
-            return len(self._abandoned)
-
     def end(self, handle: int) -> None:
         with self._cond:
             count = self._active.pop(handle, 0) - 1

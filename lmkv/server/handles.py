@@ -30,12 +30,13 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 from lmkv.logutil import RateLimitedLog
 from lmkv.memory import MemoryObj, release
 from lmkv.rpc.liveness import process_state
+from lmkv.rpc.protocol import DataPath
 from lmkv.tokens import CacheKey
 
 logger = logging.getLogger(__name__)
@@ -49,8 +50,8 @@ class Handle:
     id: int
     kind: HandleKind
     objs: list[MemoryObj]
-    keys: list[CacheKey] = field(default_factory=list)
-    data_path: str = "shm"  # or "inline" (lmkv.rpc.protocol.DataPath)
+    keys: list[CacheKey]
+    data_path: DataPath  # how its chunks travel: in the shared segment, or inline
     req_id: int = 0  # the request that made it (for ``abandoned``)
     process: str = ""  # the client process that maps the arena (liveness)
     expires: float = 0.0  # monotonic; renewed by the client's heartbeat

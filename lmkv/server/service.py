@@ -173,8 +173,9 @@ class KVService:
             objs = []
         if req.data_path == "shm" and self._in_segment(objs):
             chunks = [_info(o, o.offset) for o in objs]
-            handle = self.sessions.add_handle(session, "lease", objs, req_id=req.req_id,
-                                              process=req.process) if objs else None
+            handle = self.sessions.add_handle(session, "lease", objs, data_path="shm",
+                                              req_id=req.req_id, process=req.process
+                                              ) if objs else None
             return Outcome(p.RetrieveReply(
                 handle=handle.id if handle else 0, data_path="shm", shm_name=self.shm_name,
                 chunks=chunks if handle else []))
@@ -207,8 +208,8 @@ class KVService:
                 if obj is None:
                     break
                 objs.append(obj)
-            data_path = ("shm" if req.data_path == "shm" and self._in_segment(objs)
-                         else "inline")
+            data_path: p.DataPath = ("shm" if req.data_path == "shm"
+                                     and self._in_segment(objs) else "inline")
             offset = data_path == "shm"
             chunks = [_info(o, o.offset if offset else -1) for o in objs]
         except BaseException:
@@ -217,7 +218,8 @@ class KVService:
         finally:
             self.storage.unpin(pinned)
         handle = self.sessions.add_handle(session, "store", objs, keys[first:first + len(objs)],
-                                          data_path, req_id=req.req_id, process=req.process
+                                          data_path=data_path, req_id=req.req_id,
+                                          process=req.process
                                           ) if objs else None
         if handle is None:
             return Outcome(p.StoreReply(handle=0, first=first, data_path=data_path,

@@ -25,6 +25,7 @@ import time
 
 from lmkv.logutil import RateLimitedLog
 from lmkv.memory import MemoryObj
+from lmkv.rpc.protocol import DataPath
 from lmkv.server.defaults import DEFAULT_HANDLE_TTL_S, DEFAULT_QUARANTINE_GRACE_S
 from lmkv.server.handles import Handle, HandleKind, Quarantine
 from lmkv.storage import StorageManager
@@ -90,7 +91,7 @@ class SessionTable:
 
     # -- handles ------------------------------------------------------------------
     def add_handle(self, session: Session, kind: HandleKind, objs: list[MemoryObj],
-                   keys: list[CacheKey] | None = None, data_path: str = "shm", *,
+                   keys: list[CacheKey] | None = None, *, data_path: DataPath,
                    req_id: int = 0, process: str = "") -> Handle | None:
         """A handle on ``objs`` for the session; None (and ``objs`` released) when the
         session ended or the client abandoned ``req_id`` meanwhile."""

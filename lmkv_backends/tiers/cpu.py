@@ -8,7 +8,6 @@ entries in the order of the tier's eviction policy and never allocates past
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future
@@ -21,8 +20,8 @@ from pydantic_core import PydanticCustomError
 from lmkv.backend import ArenaPlacement, BackendContext, StorageBackend, done_future
 from lmkv.errors import ConfigError
 from lmkv.memory import MemoryAllocator, MemoryObj, nbytes_of
-from lmkv.memory.shm import SharedMemoryUnavailable, SharedSegment
-from lmkv.plugin_base import PluginOptions
+from lmkv.memory.shm import SharedMemoryUnavailable, SharedSegment, available_memory_bytes
+from lmkv.plugin_base import OptionsArg, PluginOptions
 from lmkv.tokens import CacheKey
 from lmkv.units import ByteCount
 
@@ -68,29 +67,13 @@ class CPUOptions(PluginOptions):
         return self
 
 
-def available_memory_bytes() -> int | None:
-    """Memory the kernel can give without swapping (Linux ``MemAvailable``); elsewhere
-    the free physical pages; None when neither is known (then nothing is checked)."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError):
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (AttributeError, OSError, ValueError):
-        return None
-
-
 class CPUBackend(StorageBackend):
     name = "cpu"
     Options = CPUOptions
+    options: CPUOptions
     holds_memory_objs = True
 
-    def __init__(self, options: CPUOptions | None = None,
-                 context: BackendContext | None = None) -> None:
+    def __init__(self, options: OptionsArg = None, context: BackendContext | None = None) -> None:
         super().__init__(options, context)
         options, context = self.options, self.context
         if context.eviction_policy is None:

@@ -6,8 +6,10 @@ restart and are found again; reads go straight into chunk buffers. Other URLs
 (``fs_remote``) go through fsspec. A budget (``max_bytes``) evicts unpinned
 entries in the order of the tier's eviction policy. Every fault (I/O error,
 stopped endpoint, corrupted entry) is a counted, rate-logged miss or dropped
-write, through the backend's one fault policy (``lmkv.faults``): nothing raises
-into the caller, and a remote that stops answering opens the tier's breaker.
+write, through the backend's one fault policy (``lmkv.faults``, the tier
+absorbing ``FAULTS``), and a remote that stops answering opens the tier's
+breaker. Anything else is a bug: it raises, uncounted, and the storage
+manager's last resort logs it loudly.
 Anything under an entry's name that is not a regular file (directory, FIFO,
 symlink, ...) is never read and never a hit: it is left alone and counted
 (``special_files``).
@@ -20,13 +22,14 @@ import logging
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from contextlib import AbstractContextManager
 from functools import partial
 
 from lmkv.backend import BackendContext, StorageBackend
 from lmkv.errors import ConfigError, CorruptFrameError
 from lmkv.faults import TierFaults
-from lmkv.logutil import RateLimitedLog
 from lmkv.memory import MemoryObj
+from lmkv.plugin_base import OptionsArg
 from lmkv.tokens import CacheKey
 from lmkv_backends.tiers.fs_futures import count_true, gather, leading_objects, outcome
 from lmkv_backends.tiers.fs_index import EntryIndex, NotAnEntry, entry_name
@@ -40,7 +43,12 @@ from lmkv_backends.tiers.fs_options import (
 from lmkv_backends.tiers.fs_remote import RemoteStore
 
 logger = logging.getLogger(__name__)
-_log = RateLimitedLog(logger)
+
+#: What the fs tier absorbs as faults: I/O errors. A remote's client library may
+#: raise anything; ``fs_remote`` raises it on as ``TierUnavailable`` (an OSError).
+#: Corrupt entries are dropped (``drop_corrupt``), not faults. Anything else is a
+#: bug and raises: the storage manager's last-resort guard logs it loudly.
+FAULTS: tuple[type[BaseException], ...] = (OSError,)
 
 
 class _Failed(enum.Enum):
@@ -59,13 +67,16 @@ class FSBackend(StorageBackend):
     name = "fs"
     Options = FSOptions
 
-    def __init__(self, options: FSOptions, context: BackendContext) -> None:
+    options: FSOptions
+
+    def __init__(self, options: OptionsArg = None, context: BackendContext | None = None) -> None:
         super().__init__(options, context)
+        options, context = self.options, self.context
         if context.serializer is None or context.eviction_policy is None:
             raise ValueError("the fs tier needs a serializer and an eviction policy")
         self.location = display_url(options.url)
         # A client library's message may carry the endpoint URL with its credentials.
-        self.faults = TierFaults(self.counters, f"fs tier {self.location}",
+        self.faults = TierFaults(self.counters, f"fs tier {self.location}", absorbed=FAULTS,
                                  redact=options.redactor(), log=logger)
         self.special_files = 0  # names found that are not regular files
         prefix = f"tiers.{context.tier_index}.options"  # for start-up errors
@@ -92,19 +103,27 @@ class FSBackend(StorageBackend):
         if self.store.trust_index:
             self._load_index()  # local: the directory is the index, read it before serving
         else:
-            self._readers.submit(self._load_index)
+            self._readers.submit(self._load_index).add_done_callback(self._listing_done)
 
     def _load_index(self) -> None:
-        try:
-            self.index.adopt_all(self.store.scan())
+        with self._guard("scan"):
+            try:
+                found = self.store.scan()
+            except FAULTS as exc:
+                if not self._closed:
+                    raise
+                # closed while listing (interpreter exit, say): nobody cares
+                logger.debug("lmkv fs tier %s: listing ended by close: %s", self.location, exc)
+                return
+            self.index.adopt_all(found)
             self._delete_evicted(self.index.excess_victims())
             logger.info("lmkv fs tier %s: %d entries, %d bytes", self.location,
                         len(self.index), self.index.usage)
-        except Exception as exc:
-            if self._closed:  # closed while listing (interpreter exit, say): nobody cares
-                logger.debug("lmkv fs tier %s: listing ended by close: %s", self.location, exc)
-                return
-            self._fault("scan", exc)
+
+    def _listing_done(self, job: Future) -> None:
+        """A bug in the background listing has no caller to raise into: say it loudly."""
+        if not job.cancelled() and job.exception() is not None:
+            self.faults.last_resort("scan", job.exception(), _CONSEQUENCES["scan"])
 
     # -- figures -----------------------------------------------------------------
     @property
@@ -136,27 +155,28 @@ class FSBackend(StorageBackend):
             return hits
         probes = [self._submit(self._readers, self._probe, key) for key in keys]
         hits = 0
-        for key, probe in zip(keys, probes, strict=True):
-            if not self._present(key, outcome(probe, FAILED) if probe else FAILED, pin):
-                break
-            hits += 1
-        for probe in probes[hits:]:
-            if probe is not None:
-                probe.cancel()
+        try:
+            for key, probe in zip(keys, probes, strict=True):
+                if not self._present(key, outcome(probe, FAILED) if probe else FAILED, pin):
+                    break
+                hits += 1
+        finally:  # also when a probe raised (a bug): the rest is not needed
+            for probe in probes[hits:]:
+                if probe is not None:
+                    probe.cancel()
         return hits
 
     def _probe(self, key: CacheKey) -> int | _Failed | None:
         """The stored size of ``key``, None when absent, FAILED when the storage failed."""
         if self._closed:
             return FAILED
-        try:
-            return self.store.stat(entry_name(key))
-        except NotAnEntry as exc:
-            self._special(key, exc)
-            return None
-        except Exception as exc:
-            self._fault("stat", exc, key)
-            return FAILED
+        with self._guard("stat", key):
+            try:
+                return self.store.stat(entry_name(key))
+            except NotAnEntry as exc:
+                self._special(key, exc)
+                return None
+        return FAILED
 
     def _present(self, key: CacheKey, size: int | _Failed | None, pin: bool) -> bool:
         if size is FAILED:
@@ -177,19 +197,16 @@ class FSBackend(StorageBackend):
     # -- put -----------------------------------------------------------------------
     def batched_submit_put(self, keys: Sequence[CacheKey], objs: Sequence[MemoryObj]) -> Future:
         jobs: list[Future] = []
-        try:
-            for key, obj in zip(keys, objs, strict=True):
-                if not self.index.begin_write(key):
-                    continue
-                obj.ref_up()  # written from the buffer itself: keep it alive until then
-                job = self._submit(self._writers, self._write, key, obj)
-                if job is None:
-                    self._write_finished(key, obj, None)
-                    continue
-                job.add_done_callback(partial(self._write_finished, key, obj))
-                jobs.append(job)
-        except Exception as exc:  # e.g. keys and objs of different lengths
-            self._fault("put", exc)
+        for key, obj in zip(keys, objs, strict=True):
+            if not self.index.begin_write(key):
+                continue
+            obj.ref_up()  # written from the buffer itself: keep it alive until then
+            job = self._submit(self._writers, self._write, key, obj)
+            if job is None:
+                self._write_finished(key, obj, None)
+                continue
+            job.add_done_callback(partial(self._write_finished, key, obj))
+            jobs.append(job)
         batch = gather(jobs, count_true, self._sync)
         if not batch.done():
             with self._pending_lock:
@@ -203,7 +220,7 @@ class FSBackend(StorageBackend):
 
     def _write(self, key: CacheKey, obj: MemoryObj) -> bool:
         name = entry_name(key)
-        try:
+        with self._guard("write", key):
             try:
                 existing = self.store.stat(name)
             except NotAnEntry as exc:  # not ours to replace
@@ -218,9 +235,8 @@ class FSBackend(StorageBackend):
             evicted = self.index.reserve(size)
             if evicted is None:
                 self.counters.dropped_writes += 1
-                _log.warning(f"full:{self.location}", "lmkv fs tier %s: no room for an entry "
-                             "of %d bytes (budget %s, all else pinned); dropping the write",
-                             self.location, size, self.index.capacity)
+                self.faults.note("full", "no room for an entry of %d bytes (budget %s, all "
+                                 "else pinned); dropping the write", size, self.index.capacity)
                 return False
             self._delete_evicted(evicted)
             try:
@@ -229,13 +245,11 @@ class FSBackend(StorageBackend):
                 self.index.release(size)
                 raise
             self.index.commit(key, size, written)
-        except Exception as exc:
-            self.counters.dropped_writes += 1
-            self._fault("write", exc, key)
-            return False
-        self.counters.puts += 1
-        self.counters.bytes_in += written
-        return True
+            self.counters.puts += 1
+            self.counters.bytes_in += written
+            return True
+        self.counters.dropped_writes += 1
+        return False
 
     def _write_finished(self, key: CacheKey, obj: MemoryObj, job: Future | None) -> None:
         if job is None or job.cancelled():  # closed before it ran
@@ -244,17 +258,13 @@ class FSBackend(StorageBackend):
         obj.ref_down()
 
     def _sync(self) -> None:
-        try:
+        with self._guard("sync"):
             self.store.sync()
-        except Exception as exc:
-            self._fault("sync", exc)
 
     def _delete_evicted(self, evicted: list[tuple[CacheKey, int]]) -> None:
         for key, _ in evicted:
-            try:
+            with self._guard("evict", key):
                 self.store.delete(entry_name(key))
-            except Exception as exc:
-                self._fault("evict", exc, key)
         self.counters.evictions += len(evicted)
 
     # -- get ------------------------------------------------------------------------
@@ -263,26 +273,23 @@ class FSBackend(StorageBackend):
             self.counters.misses += 1
             return None
         name = entry_name(key)
-        try:
-            if self._raw_reads:
-                obj, size = self.store.read_into(
-                    name, key, self.context.serializer.serializer_id, self.context.allocate)
-            else:
-                frame = self.store.read_frame(name)
-                size = len(frame)
-                obj = self.decode(key, frame)
-        except FileNotFoundError:
-            self.index.discard(key)
-            obj = None
-        except NotAnEntry as exc:
-            self._special(key, exc)
-            obj = None
-        except CorruptFrameError as exc:  # read straight into a buffer, or decoded
-            self.drop_corrupt(key, exc)
-            obj = None
-        except Exception as exc:
-            self._fault("read", exc, key)
-            obj = None
+        obj: MemoryObj | None = None
+        size = 0
+        with self._guard("read", key):
+            try:
+                if self._raw_reads:
+                    obj, size = self.store.read_into(
+                        name, key, self.context.serializer.serializer_id, self.context.allocate)
+                else:
+                    frame = self.store.read_frame(name)
+                    size = len(frame)
+                    obj = self.decode(key, frame)
+            except FileNotFoundError:
+                self.index.discard(key)
+            except NotAnEntry as exc:
+                self._special(key, exc)
+            except CorruptFrameError as exc:  # read straight into a buffer, or decoded
+                self.drop_corrupt(key, exc)
         if obj is None:
             self.counters.misses += 1
             return None
@@ -307,15 +314,14 @@ class FSBackend(StorageBackend):
         """Drop ``key`` (pins guard against eviction, not against removal)."""
         known = self.index.discard(key)
         name = entry_name(key)
-        try:
-            if not known and self.store.stat(name) is None:
-                return False
-            return self.store.delete(name) or known
-        except NotAnEntry:
-            return known
-        except Exception as exc:
-            self._fault("remove", exc, key)
-            return known
+        with self._guard("remove", key):
+            try:
+                if not known and self.store.stat(name) is None:
+                    return False
+                return self.store.delete(name) or known
+            except NotAnEntry:
+                return known
+        return known
 
     def _submit(self, pool: ThreadPoolExecutor, fn: Callable[..., object],
                 *args: object) -> Future | None:
@@ -326,17 +332,18 @@ class FSBackend(StorageBackend):
         except RuntimeError:  # shut down meanwhile
             return None
 
-    def _fault(self, op: str, exc: BaseException, key: CacheKey | None = None) -> None:
-        self.faults.fault(op, exc, _CONSEQUENCES.get(op, "a miss"),
-                          key.to_string() if key is not None else "")
+    def _guard(self, op: str, key: CacheKey | None = None) -> AbstractContextManager[None]:
+        """The tier's fault policy around one operation: an I/O error is a counted,
+        logged fault (the caller answers its miss); anything else raises."""
+        return self.faults.guard(op, _CONSEQUENCES.get(op, "a miss"),
+                                 key.to_string() if key is not None else "")
 
     def _special(self, key: CacheKey, exc: NotAnEntry) -> None:
         """Something that is not an entry file sits under ``key``'s name: forget the
         key, leave the thing alone, count it."""
         self.index.discard(key)
         self.special_files += 1
-        _log.warning(f"special:{self.location}", "lmkv fs tier %s: ignoring %s (a miss)",
-                     self.location, exc)
+        self.faults.note("special", "ignoring %s (a miss)", exc)
 
     def close(self) -> None:
         """Waits up to ``close_timeout_s`` for puts in flight; the rest is cancelled
@@ -351,8 +358,6 @@ class FSBackend(StorageBackend):
             wait(pending, timeout=self.options.close_timeout_s)
         for pool in (self._readers, self._writers):
             pool.shutdown(wait=False, cancel_futures=True)
-        try:
+        with self._guard("close"):
             self.store.close()
-        except Exception as exc:
-            self._fault("close", exc)
         super().close()

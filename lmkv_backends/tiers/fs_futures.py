@@ -2,20 +2,18 @@
 
 from __future__ import annotations
 
-import logging
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
-from lmkv.memory import MemoryObj
-
-logger = logging.getLogger(__name__)
+from lmkv.memory import MemoryObj, release
 
 
 def outcome(future: Future, default: Any) -> Any:
-    """The future's result, or ``default`` when it was cancelled or raised."""
-    if future.cancelled() or future.exception() is not None:
+    """The future's result, or ``default`` when it was cancelled (closed). A job
+    absorbs its own faults, so what one raised is a bug: it raises here."""
+    if future.cancelled():
         return default
     return future.result()
 
@@ -40,8 +38,7 @@ def gather(futures: Sequence[Future], combine: Callable[[list[Future]], Any],
             value = combine(list(futures))
             if before_done is not None:
                 before_done()
-        except BaseException as exc:
-            logger.exception("lmkv fs tier: finishing a batch failed")
+        except BaseException as exc:  # a bug: whoever takes the batch's result sees it
             out.set_exception(exc)
             return
         out.set_result(value)
@@ -56,10 +53,16 @@ def count_true(futures: list[Future]) -> int:
 
 
 def leading_objects(futures: list[Future]) -> list[MemoryObj]:
-    """The objects up to the first miss; the ones after it are released."""
+    """The objects up to the first miss; the ones after it are released. A job
+    that raised (a bug) raises here, once every object found is released."""
     objs: list[MemoryObj] = []
     missed = False
+    error: BaseException | None = None
     for future in futures:
+        if not future.cancelled() and future.exception() is not None:
+            error = error or future.exception()
+            missed = True
+            continue
         obj = outcome(future, None)
         if obj is None:
             missed = True
@@ -67,4 +70,7 @@ def leading_objects(futures: list[Future]) -> list[MemoryObj]:
             obj.ref_down()
         else:
             objs.append(obj)
+    if error is not None:
+        release(objs)
+        raise error
     return objs

@@ -55,8 +55,9 @@ class LocalStore:
     #: ``read_into`` reads a raw payload straight into a chunk buffer
     reads_into = True
 
-    def __init__(self, root: str, durable: bool = True, page_cache: bool = False,
-                 file_mode: int = 0o600, dir_mode: int = 0o700) -> None:
+    def __init__(self, root: str, durable: bool, page_cache: bool, file_mode: int,
+                 dir_mode: int) -> None:
+        """The settings are the tier's options (``fs_options``, where their defaults are)."""
         make_dirs(root, dir_mode)
         looser = stat.S_IMODE(os.stat(root).st_mode) & ~dir_mode & 0o077
         if looser:  # an existing directory keeps its mode: say what it exposes

@@ -243,7 +243,7 @@ def test_concurrent_clients_keep_counts_and_budget() -> None:
 def test_budget_beyond_available_memory_is_refused() -> None:
     from lmkv.config import load_config
     from lmkv.errors import ConfigError
-    from lmkv_backends.tiers.cpu import available_memory_bytes
+    from lmkv.memory.shm import available_memory_bytes
 
     available = available_memory_bytes()
     assert available is not None  # Linux: MemAvailable

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -560,3 +561,48 @@ def main(role: str, url: str, endpoint: str = "") -> None:
 
 if __name__ == "__main__":
     main(*sys.argv[1:])
+
+
+def test_a_bug_in_the_read_path_is_no_tier_fault_and_never_stops_the_engine(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The tier absorbs only its declared faults (I/O errors): a bug raises out of
+    it uncounted; the storage manager's last resort logs it at ERROR and misses."""
+    from lmkv.storage import StorageManager
+
+    arena = MemoryAllocator(1 << 22)
+    backend = make_fs(str(tmp_path), arena)
+    assert put(backend, [0, 1]) == 2
+
+    def buggy(*args: object) -> object:
+        raise TypeError("a bug in the read path")
+
+    backend.store.read_into = buggy  # type: ignore[method-assign]
+    backend.store.read_frame = buggy  # type: ignore[method-assign]
+    with pytest.raises(TypeError):
+        backend.get_blocking(key(0))
+    assert backend.counters.errors == 0
+
+    manager = StorageManager([backend])
+    with caplog.at_level(logging.WARNING):
+        assert manager.get([key(0), key(1)]) == []
+    assert backend.counters.errors == 0
+    bugs = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert bugs and "a bug in the tier" in bugs[0].getMessage()
+    assert "TypeError: a bug in the read path" in bugs[0].getMessage()
+    assert arena.used_bytes == 0  # nothing the failed batch read is kept
+    manager.close()
+
+
+def test_an_io_error_in_the_read_path_is_a_counted_miss(tmp_path: Path) -> None:
+    arena = MemoryAllocator(1 << 22)
+    backend = make_fs(str(tmp_path), arena)
+    assert put(backend, [0]) == 1
+
+    def failing(*args: object) -> object:
+        raise PermissionError("denied")
+
+    backend.store.read_into = failing  # type: ignore[method-assign]
+    backend.store.read_frame = failing  # type: ignore[method-assign]
+    assert backend.get_blocking(key(0)) is None
+    assert backend.counters.errors == 1 and backend.counters.misses == 1
+    backend.close()

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from lmkv.backend import BackendContext, StorageBackend, done_future
 from lmkv.faults import Breaker, TierFaults
 from lmkv.memory import MemoryObj
+from lmkv.plugin_base import OptionsArg
 from lmkv.redact import Redactor, secrets_in
 from lmkv.tokens import CacheKey
 from lmkv_redis.connection import CONNECTION_FAULTS, FAULTS, Connection
@@ -55,11 +56,13 @@ class RedisBackend(StorageBackend):
     name = "redis"
     Options = RedisOptions
 
-    def __init__(self, options: RedisOptions, context: BackendContext) -> None:
+    options: RedisOptions
+
+    def __init__(self, options: OptionsArg = None, context: BackendContext | None = None) -> None:
         super().__init__(options, context)
+        options, context = self.options, self.context
         if context.serializer is None:
             raise ValueError("the redis tier needs a serializer")
-        self.options: RedisOptions = options
         self.where = redact_url(options.url)
         self.faults = TierFaults(
             self.counters, f"redis tier ({self.where})", absorbed=FAULTS,
