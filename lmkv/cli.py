@@ -204,12 +204,13 @@ def build_parser() -> argparse.ArgumentParser:
     keygen.add_argument("--force", action="store_true", help="replace existing key files")
     keygen.set_defaults(func=_cmd_keygen)
 
+    from lmkv.server.defaults import DEFAULT_LOG_LEVEL
     from lmkv.server.main import add_server_arguments, run_server
 
     server = sub.add_parser("server",
                             help="serve the tiers of a config to several engine processes")
     add_server_arguments(server)
-    server.set_defaults(func=run_server, default_log_level="INFO")
+    server.set_defaults(func=run_server, default_log_level=DEFAULT_LOG_LEVEL)
 
     from lmkv.demo import add_demo_arguments
 

@@ -12,3 +12,7 @@ DEFAULT_HANDLE_TTL_S = 30.0
 #: Quarantined buffers of a client the server cannot check are freed after
 #: it has been silent this long.
 DEFAULT_QUARANTINE_GRACE_S = 600.0
+
+#: The server logs its listening and stopped lines at INFO, so that is its default
+#: level, as ``lmkv server`` and as ``python -m lmkv.server``.
+DEFAULT_LOG_LEVEL = "INFO"

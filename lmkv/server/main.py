@@ -24,7 +24,11 @@ from typing import TYPE_CHECKING
 
 from lmkv.errors import OneLineArgumentParser, run_reporting_errors
 from lmkv.logutil import LOG_LEVELS, configure_logging
-from lmkv.server.defaults import DEFAULT_HANDLE_TTL_S, DEFAULT_QUARANTINE_GRACE_S
+from lmkv.server.defaults import (
+    DEFAULT_HANDLE_TTL_S,
+    DEFAULT_LOG_LEVEL,
+    DEFAULT_QUARANTINE_GRACE_S,
+)
 
 # Config, storage and pydantic are imported where used: `lmkv --help` builds this
 # parser and must not pay for torch.
@@ -257,7 +261,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         description="Serve lmkv's storage tiers to several engine processes.")
     add_server_arguments(parser)
     args = parser.parse_args(argv)
-    problem = configure_logging(getattr(args, "log_level", None), "INFO")
+    problem = configure_logging(getattr(args, "log_level", None), DEFAULT_LOG_LEVEL)
     if problem:
         parser.error(problem)
     return run_reporting_errors(run_server, args, "lmkv server")
