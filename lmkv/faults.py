@@ -195,10 +195,9 @@ class TierFaults:
         if self.absorbs(exc) or isinstance(exc, CancelledError):
             self.fault(op, exc, consequence)
             return
-        trace = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
         self._log.log(logging.ERROR, f"bug:{op}:{type(exc).__name__}",
                       "lmkv %s: %s raised %s, a bug in the tier (not a storage fault); %s\n%s",
-                      self.where, op, type(exc).__name__, consequence, trace.rstrip())
+                      self.where, op, type(exc).__name__, consequence, _Traceback(exc))
 
     def corrupt(self, entry: str, problem: object) -> None:
         """Count and log one corrupt entry (``StorageBackend.drop_corrupt`` also
@@ -212,3 +211,16 @@ class TierFaults:
 
     def close(self) -> None:
         self.closed = True
+
+
+class _Traceback:
+    """An exception's traceback, formatted only if the rate-limited line is logged."""
+
+    __slots__ = ("exc",)
+
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+    def __str__(self) -> str:
+        exc = self.exc
+        return "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)).rstrip()
