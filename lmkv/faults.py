@@ -35,6 +35,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from lmkv.logutil import RateLimitedLog
+from lmkv.tokens import CacheKey
 
 logger = logging.getLogger(__name__)
 
@@ -159,11 +160,15 @@ class TierFaults:
         """The storage answered (even with "no such entry"): close the breaker."""
         self.breaker.succeeded()
 
-    def fault(self, op: str, exc: BaseException, consequence: str, detail: str = "") -> None:
+    def fault(self, op: str, exc: BaseException, consequence: str,
+              detail: str | CacheKey = "") -> None:
         """Count and log one failed operation; an unreachable storage opens the
-        breaker. ``consequence`` says what the caller got instead."""
+        breaker. ``consequence`` says what the caller got instead; ``detail`` (a
+        key is named only here, when something failed) what it was about."""
         if self.closed or isinstance(exc, BreakerOpen):
             return  # nothing was attempted, or nobody is listening any more
+        if isinstance(detail, CacheKey):
+            detail = detail.to_string()
         self.counters.errors += 1
         if isinstance(exc, self.unreachable):
             self.breaker.failed(exc)
@@ -172,7 +177,8 @@ class TierFaults:
                           type(exc).__name__, self.redact(exc), consequence)
 
     @contextmanager
-    def guard(self, op: str, consequence: str, detail: str = "") -> Iterator[None]:
+    def guard(self, op: str, consequence: str, detail: str | CacheKey = ""
+              ) -> Iterator[None]:
         """Run an operation's block: an error the tier absorbs is counted
         (``fault``) and swallowed, anything else raises (a bug must show). The
         caller answers its miss or drops its writes when the block did not

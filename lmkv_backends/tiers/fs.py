@@ -335,8 +335,7 @@ class FSBackend(StorageBackend):
     def _guard(self, op: str, key: CacheKey | None = None) -> AbstractContextManager[None]:
         """The tier's fault policy around one operation: an I/O error is a counted,
         logged fault (the caller answers its miss); anything else raises."""
-        return self.faults.guard(op, _CONSEQUENCES.get(op, "a miss"),
-                                 key.to_string() if key is not None else "")
+        return self.faults.guard(op, _CONSEQUENCES.get(op, "a miss"), key or "")
 
     def _special(self, key: CacheKey, exc: NotAnEntry) -> None:
         """Something that is not an entry file sits under ``key``'s name: forget the

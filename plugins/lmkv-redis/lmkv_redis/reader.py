@@ -97,11 +97,11 @@ class Reader:
 
         usable = self._check_mains(entries)
         self._fetch_missing_parts([e for e in usable if e.corrupt is None])
-        for entry in usable:
+        for i, entry in enumerate(usable):
             if entry.corrupt is None:
                 self._assemble(entry)
             if entry.frame is None:
-                return usable[:usable.index(entry) + 1]
+                return usable[:i + 1]
         return usable
 
     def _check_mains(self, entries: list[Fetched]) -> list[Fetched]:
