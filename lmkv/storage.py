@@ -271,6 +271,8 @@ class StorageManager:
         try:
             return future.result(timeout=GET_TIMEOUT_S)
         except (Exception, CancelledError) as exc:  # the last resort, as for lookups
+            if not future.done():  # timed out: what it gets later is nobody's
+                future.add_done_callback(_release_result)
             tier.faults.last_resort("get", exc, "a miss")
             return []
 
@@ -306,6 +308,12 @@ class StorageManager:
                 tier.close()
             except Exception:
                 logger.exception("closing tier %s failed", tier.name)
+
+
+def _release_result(future: Future) -> None:
+    """Give back the buffers of a get whose caller stopped waiting."""
+    if not future.cancelled() and future.exception() is None:
+        release(future.result())
 
 
 def guarded(tier: StorageBackend, op: str, future: Future, default: object,

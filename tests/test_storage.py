@@ -141,3 +141,40 @@ def test_a_store_never_waits_on_a_hung_lower_tier() -> None:
     finally:
         endpoint.stop()  # ends the hung requests (their connections are reset)
         engine.close()
+
+
+def test_a_get_that_times_out_gives_its_buffers_back_when_it_ends(monkeypatch) -> None:
+    """The caller got a miss; the chunks the tier hands over later are nobody's and
+    are released, so the arena does not leak and the entries stay evictable."""
+    import threading
+    from concurrent.futures import Future
+
+    import lmkv.storage
+
+    tier = cpu()
+    put(tier, [0, 1])
+    gate = threading.Event()
+    late: Future = Future()
+    real_get = tier.batched_get_non_blocking
+    threads: list[threading.Thread] = []
+
+    def slow_get(lookup_id, keys):  # type: ignore[no-untyped-def]
+        def finish() -> None:
+            gate.wait(5)
+            late.set_result(real_get(lookup_id, keys).result())
+        threads.append(threading.Thread(target=finish, daemon=True))
+        threads[-1].start()
+        return late
+
+    monkeypatch.setattr(tier, "batched_get_non_blocking", slow_get)
+    monkeypatch.setattr(lmkv.storage, "GET_TIMEOUT_S", 0.05)
+    storage = StorageManager([tier])
+    try:
+        assert storage.get([key(0), key(1)]) == []
+        gate.set()
+        threads[0].join(5)  # set_result runs the done-callbacks in that thread
+        objs = late.result(5)
+        assert len(objs) == 2
+        assert all(obj.ref_count == 1 for obj in objs)  # only the tier's own reference
+    finally:
+        storage.close()

@@ -58,6 +58,12 @@ class PagedConnector(GPUConnector):
             check(cache.dtype == spec.dtype, f"KV dtype {cache.dtype}; expected {spec.dtype}")
         check(len(block_ids) * g.block_size >= end,
               f"{len(block_ids)} blocks of {g.block_size} tokens cannot hold {end} tokens")
+        used = block_ids[:-(-end // g.block_size)]
+        if len(used):  # a negative or too large id would wrap into another request's block
+            low, high = (int(used.min()), int(used.max())) if isinstance(used, torch.Tensor) \
+                else (min(used), max(used))
+            check(low >= 0 and high < g.num_blocks,
+                  f"block ids {low}..{high} out of range: the caches hold {g.num_blocks} blocks")
 
     def to_chunks(self, spans: Sequence[ChunkSpan], *, kv_caches: Sequence[torch.Tensor],
                   block_ids: Sequence[int] | torch.Tensor, **_: Any) -> None:

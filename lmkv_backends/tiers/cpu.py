@@ -241,7 +241,11 @@ class CPUBackend(StorageBackend):
                     if copy is None:
                         self.counters.dropped_writes += 1
                         continue
-                    copy.tensor.copy_(obj.tensor)
+                    try:
+                        copy.tensor.copy_(obj.tensor)
+                    except BaseException:
+                        copy.ref_down()
+                        raise
                     obj = copy
                 entries[key] = obj
                 policy.on_insert(key)

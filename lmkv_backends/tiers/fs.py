@@ -200,7 +200,9 @@ class FSBackend(StorageBackend):
         for key, obj in zip(keys, objs, strict=True):
             if not self.index.begin_write(key):
                 continue
-            obj.ref_up()  # written from the buffer itself: keep it alive until then
+            if not obj.ref_up():  # written from the buffer itself: keep it alive until then
+                self.index.end_write(key)  # a released buffer: never store it
+                continue
             job = self._submit(self._writers, self._write, key, obj)
             if job is None:
                 self._write_finished(key, obj, None)

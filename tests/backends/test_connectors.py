@@ -283,3 +283,22 @@ def test_paged_connector_checks_caches_against_its_spec() -> None:
 def test_connectors_that_cannot_read_a_spec_say_so() -> None:
     with pytest.raises(NotImplementedError, match="'hf'"):
         HFConnector.spec_from(kv=[])
+
+
+@pytest.mark.parametrize("layout", ["flash", "cpu"])
+@pytest.mark.parametrize("bad", [-1, 4, 7])
+def test_block_ids_outside_the_caches_are_refused(layout: str, bad: int) -> None:
+    """A negative id would wrap to the last block, a large one into another block's
+    rows: both would copy KV of another request. Nothing is copied."""
+    block = 16
+    caches = make_paged(layout, 4, block)
+    before = [c.clone() for c in caches]
+    conn = PagedConnector(None, ConnectorContext(SPEC))
+    spans = spans_for(2 * block, 16)
+    for ids in ([0, bad], torch.tensor([0, bad])):
+        with pytest.raises(ValueError, match="out of range: the caches hold 4 blocks"):
+            conn.from_chunks(spans, kv_caches=caches, block_ids=ids)
+        with pytest.raises(ValueError, match="out of range"):
+            conn.to_chunks(spans, kv_caches=caches, block_ids=ids)
+    assert all(torch.equal(a, b) for a, b in zip(caches, before, strict=True))
+    conn.to_chunks(spans, kv_caches=caches, block_ids=[0, 3, bad])  # beyond `end`: unused
