@@ -1,4 +1,4 @@
-"""The ``lmkv`` command: plugins, config check, stats, server, keygen and the demo."""
+"""The ``lmkv`` command: plugins, config check, stats, server, keygen, replay and the demo."""
 
 from __future__ import annotations
 
@@ -211,6 +211,13 @@ def build_parser() -> argparse.ArgumentParser:
                             help="serve the tiers of a config to several engine processes")
     add_server_arguments(server)
     server.set_defaults(func=run_server, default_log_level=DEFAULT_LOG_LEVEL)
+
+    from lmkv.replay.command import add_replay_arguments, run_replay
+
+    replay = sub.add_parser("replay", help="replay a request trace: hit ratio per eviction "
+                                           "policy and capacity against the optimum")
+    add_replay_arguments(replay)
+    replay.set_defaults(func=run_replay)
 
     from lmkv.demo import add_demo_arguments
 

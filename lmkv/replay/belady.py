@@ -42,13 +42,16 @@ def next_uses(requests: Sequence[Sequence[int]]) -> list[list[int]]:
     return out
 
 
-def belady_hits(requests: Sequence[Sequence[int]], capacity: int) -> int:
+def belady_hits(requests: Sequence[Sequence[int]], capacity: int,
+                uses: Sequence[Sequence[int]] | None = None) -> int:
     """Chunks reused (strict prefix) when the cache of ``capacity`` chunks evicts
     as Belady's MIN does. A max-heap of (next use, chunk) with lazy deletion:
-    an entry is live while the chunk is stored with that next use."""
+    an entry is live while the chunk is stored with that next use. ``uses``:
+    ``next_uses(requests)``, when the caller has it already."""
     if capacity < 1:
         raise ValueError("capacity must be at least one chunk")
-    uses = next_uses(requests)
+    if uses is None:
+        uses = next_uses(requests)
     stored: dict[int, int] = {}  # chunk -> its next use, while stored
     heap: list[tuple[int, int]] = []  # (-next use, chunk)
     push, pop = heapq.heappush, heapq.heappop

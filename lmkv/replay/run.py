@@ -1,0 +1,195 @@
+"""One replay: a trace through a real ``StorageManager`` and real tiers, as an
+engine would drive them, nothing computed.
+
+Per request: a real get of the stored prefix through the manager (hits = the
+leading chunks it returns: strict prefix, as vLLM counts), released at once;
+then the engine's store path: pin the prefix the first tier holds, allocate a
+buffer for every chunk after it (allocation evicts, in the policy's order), put
+them with their parents in one batch, release, unpin.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TextIO
+
+import torch
+
+from lmkv.config import LMKVConfig, PluginRef
+from lmkv.errors import LMKVError
+from lmkv.memory import MemoryObj, release
+from lmkv.replay.defaults import PHYSICAL_CHUNK_BYTES
+from lmkv.replay.trace import Trace
+from lmkv.storage import StorageManager
+from lmkv.tokens import CacheKey
+from lmkv.units import parse_byte_size
+
+_SHAPE = (PHYSICAL_CHUNK_BYTES,)
+_DTYPE = torch.uint8
+
+
+@dataclass
+class TierTraffic:
+    """What one tier did in a run, in chunks (bytes: at the model's size)."""
+
+    tier: int
+    type: str
+    chunks_written: int
+    chunks_read: int
+    evictions: int
+    dropped_writes: int
+
+
+@dataclass
+class RunResult:
+    policy: str
+    capacity_chunks: int
+    chunk_requests: int
+    hits: int
+    chunks_stored: int
+    seconds: float
+    tiers: list[TierTraffic] = field(default_factory=list)
+
+    @property
+    def hit_ratio(self) -> float:
+        return self.hits / self.chunk_requests if self.chunk_requests else 0.0
+
+    @property
+    def chunk_ops(self) -> int:
+        """Chunk operations the manager served: every chunk looked up, plus every
+        chunk stored."""
+        return self.chunk_requests + self.chunks_stored
+
+
+class Progress:
+    """A line on ``stream`` (stderr) every ``every_s`` seconds of a long run; none
+    for a run that ends sooner."""
+
+    def __init__(self, label: str, total: int, stream: TextIO | None = None,
+                 every_s: float = 3.0) -> None:
+        self.label, self.total, self.every_s = label, total, every_s
+        self.stream = stream if stream is not None else sys.stderr
+        self._next = time.monotonic() + every_s
+
+    def update(self, done: int) -> None:
+        now = time.monotonic()
+        if now >= self._next:
+            self._next = now + self.every_s
+            print(f"lmkv replay: {self.label}: {done}/{self.total} requests",
+                  file=self.stream, flush=True)
+
+
+def sized_config(config: LMKVConfig, policy: str, capacity_chunks: int,
+                 model_chunk_bytes: int) -> LMKVConfig:
+    """``config`` with every tier evicting by ``policy`` (its options kept when the
+    config names the same policy), the first tier holding ``capacity_chunks``
+    physical chunks, and each lower tier's ``max_bytes`` (read at the model's size)
+    scaled down to physical chunks the same way."""
+    sized = config.model_copy(deep=True)
+    for i, tier in enumerate(sized.tiers):
+        if tier.eviction.type.lower() != policy.lower():
+            tier.eviction = PluginRef(type=policy)
+        takes_size = "max_bytes" in config.plugins.tiers[i].backend.cls.Options.model_fields
+        if i == 0:
+            if not takes_size:
+                raise LMKVError(f"tier 0 ({tier.type}) has no max_bytes option: lmkv replay "
+                                "sizes the first tier; use a config whose first tier is cpu "
+                                "or fs")
+            tier.options = {**tier.options, "max_bytes": capacity_chunks * PHYSICAL_CHUNK_BYTES}
+        elif takes_size and tier.options.get("max_bytes") is not None:
+            chunks = parse_byte_size(tier.options["max_bytes"]) // model_chunk_bytes
+            tier.options = {**tier.options,
+                            "max_bytes": max(1, chunks) * PHYSICAL_CHUNK_BYTES}
+    return sized
+
+
+def put_with_parents(storage: StorageManager, keys: Sequence[CacheKey],
+                     objs: Sequence[MemoryObj], parents: Sequence[CacheKey | None]) -> None:
+    """``storage.put`` with each chunk's parent (the chunk before it in its prompt),
+    for prefix-aware eviction; a manager without the lineage API stores without."""
+    if _PUT_TAKES_PARENTS:
+        storage.put(keys, objs, parents=parents)  # type: ignore[call-arg]
+    else:
+        storage.put(keys, objs)
+
+
+_PUT_TAKES_PARENTS = "parents" in inspect.signature(StorageManager.put).parameters
+
+
+def replay(trace: Trace, config: LMKVConfig, policy: str, capacity_chunks: int, *,
+           model_chunk_bytes: int, progress: Callable[[int], None] | None = None
+           ) -> RunResult:
+    """Replay ``trace`` once through fresh tiers sized to ``capacity_chunks``."""
+    storage = StorageManager.from_config(
+        sized_config(config, policy, capacity_chunks, model_chunk_bytes))
+    try:
+        for i, tier in enumerate(storage.tiers):
+            if tier.usage_bytes:
+                raise LMKVError(f"tier {i} ({tier.name}) already holds chunks: lmkv replay "
+                                "needs empty tiers (point the config at an empty directory "
+                                "or database)")
+        started = time.perf_counter()
+        hits, stored = _run(storage, trace, progress)
+        seconds = time.perf_counter() - started
+        traffic = [TierTraffic(i, tier.name, tier.counters.puts, tier.counters.hits,
+                               tier.counters.evictions, tier.counters.dropped_writes)
+                   for i, tier in enumerate(storage.tiers)]
+        _forget(storage, trace)
+    finally:
+        storage.close()
+    return RunResult(policy, capacity_chunks, trace.chunk_requests, hits, stored, seconds,
+                     traffic)
+
+
+def _run(storage: StorageManager, trace: Trace, progress: Callable[[int], None] | None
+         ) -> tuple[int, int]:
+    keys_of, parents_of = trace.keys, trace.parents
+    allocate, get, pin_prefix, unpin = (storage.allocate, storage.get, storage.pin_prefix,
+                                        storage.unpin)
+    flush = storage.flush if len(storage.tiers) > 1 else None
+    hits = stored = 0
+    for done, chunks in enumerate(trace.requests):
+        if progress is not None and not done % 64:
+            progress(done)
+        keys = [keys_of[c] for c in chunks]
+        got = get(keys)
+        hits += len(got)
+        release(got)
+        pinned = pin_prefix(keys)
+        try:
+            first = sum(len(ks) for _, ks in pinned)
+            objs: list[MemoryObj] = []
+            for _ in range(first, len(keys)):
+                obj = allocate(_SHAPE, _DTYPE)
+                if obj is None:  # everything evictable is in use: a shorter prefix
+                    break
+                objs.append(obj)
+            if objs:
+                end = first + len(objs)
+                parents = [keys_of[p] if p >= 0 else None
+                           for p in (parents_of[c] for c in chunks[first:end])]
+                put_with_parents(storage, keys[first:end], objs, parents)
+                release(objs)
+                stored += len(objs)
+        finally:
+            unpin(pinned)
+        if flush is not None:
+            flush()
+    if progress is not None:
+        progress(len(trace.requests))
+    return hits, stored
+
+
+def _forget(storage: StorageManager, trace: Trace) -> None:
+    """Remove what the run stored from tiers that outlive it (files, a database), so
+    the next run starts empty too; memory tiers go with the manager."""
+    for tier in storage.tiers:
+        if not tier.holds_memory_objs:
+            for key in trace.keys:
+                tier.remove(key)
+
+
