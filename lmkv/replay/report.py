@@ -57,6 +57,7 @@ def _row_json(row: Row, trace: Trace, chunk_bytes: int) -> dict[str, Any]:
         "hits": run.hits, "chunk_requests": run.chunk_requests,
         "hit_ratio": run.hit_ratio, "belady_hits": row.belady_hits,
         "belady_hit_ratio": row.belady_hit_ratio, "of_optimum": row.of_optimum,
+        "chunks_stored": run.chunks_stored, "chunks_unstored": run.chunks_unstored,
         "seconds": run.seconds, "chunk_ops": run.chunk_ops,
         "chunk_ops_per_s": run.chunk_ops / run.seconds if run.seconds else None,
         "tiers": [{"tier": t.tier, "type": t.type,

@@ -51,6 +51,7 @@ class RunResult:
     chunk_requests: int
     hits: int
     chunks_stored: int
+    chunks_unstored: int  # missed, but no buffer could be had: the request's store stopped
     seconds: float
     tiers: list[TierTraffic] = field(default_factory=list)
 
@@ -133,7 +134,7 @@ def replay(trace: Trace, config: LMKVConfig, policy: str, capacity_chunks: int, 
                                 "needs empty tiers (point the config at an empty directory "
                                 "or database)")
         started = time.perf_counter()
-        hits, stored = _run(storage, trace, progress)
+        hits, stored, unstored = _run(storage, trace, progress)
         seconds = time.perf_counter() - started
         traffic = [TierTraffic(i, tier.name, tier.counters.puts, tier.counters.hits,
                                tier.counters.evictions, tier.counters.dropped_writes)
@@ -141,17 +142,17 @@ def replay(trace: Trace, config: LMKVConfig, policy: str, capacity_chunks: int, 
         _forget(storage, trace)
     finally:
         storage.close()
-    return RunResult(policy, capacity_chunks, trace.chunk_requests, hits, stored, seconds,
-                     traffic)
+    return RunResult(policy, capacity_chunks, trace.chunk_requests, hits, stored, unstored,
+                     seconds, traffic)
 
 
 def _run(storage: StorageManager, trace: Trace, progress: Callable[[int], None] | None
-         ) -> tuple[int, int]:
+         ) -> tuple[int, int, int]:
     keys_of, parents_of = trace.keys, trace.parents
     allocate, get, pin_prefix, unpin = (storage.allocate, storage.get, storage.pin_prefix,
                                         storage.unpin)
     flush = storage.flush if len(storage.tiers) > 1 else None
-    hits = stored = 0
+    hits = stored = unstored = 0
     for done, chunks in enumerate(trace.requests):
         if progress is not None and not done % 64:
             progress(done)
@@ -166,6 +167,7 @@ def _run(storage: StorageManager, trace: Trace, progress: Callable[[int], None] 
             for _ in range(first, len(keys)):
                 obj = allocate(_SHAPE, _DTYPE)
                 if obj is None:  # everything evictable is in use: a shorter prefix
+                    unstored += len(keys) - first - len(objs)
                     break
                 objs.append(obj)
             if objs:
@@ -181,7 +183,7 @@ def _run(storage: StorageManager, trace: Trace, progress: Callable[[int], None] 
             flush()
     if progress is not None:
         progress(len(trace.requests))
-    return hits, stored
+    return hits, stored, unstored
 
 
 def _forget(storage: StorageManager, trace: Trace) -> None:
