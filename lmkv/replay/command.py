@@ -24,11 +24,11 @@ default: one cpu tier), once per eviction policy and capacity, and print the pre
 ratio (chunks reused / chunks requested, strict prefix as vLLM counts it) beside Belady's
 offline optimum on the same trace and capacity, and the bytes each tier wrote and read.
 
-Nothing is computed and real payloads are not held: the tiers run on
-{PHYSICAL_CHUNK_BYTES // 1024} KiB chunks with every capacity scaled by the same factor, so
-a tier holds as many chunks as it would at the model's size; bytes are reported at the
-model's size (chunks x layers x KV heads x head dim x 2 x dtype bytes x tokens a chunk).
-See docs/replay.md."""
+Scaled: nothing is computed and real payloads are not held (one 512-token chunk of
+Llama-3-8B is 64 MiB). The tiers run on {PHYSICAL_CHUNK_BYTES // 1024} KiB chunks with
+every capacity scaled by the same factor, so a tier holds exactly as many chunks as it
+would at the model's size; sizes and bytes are given at the model's size (chunks x tokens
+a chunk x layers x KV heads x head dim x 2 x dtype bytes). See docs/replay.md."""
 
 
 def _positive_int(text: str) -> int:
@@ -58,30 +58,34 @@ def add_replay_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument("trace", metavar="TRACE",
                         help="JSONL trace: Mooncake records (hash_ids) or token-id lists")
-    parser.add_argument("--config", help="config file whose tiers replay the trace "
+    parser.add_argument("--config", metavar="FILE", help="config file whose tiers replay the trace "
                         "(default: LMKV_CONFIG / defaults: one cpu tier); --capacity sizes "
                         "its first tier")
     parser.add_argument("--format", choices=FORMATS,
                         help="trace format (default: told by the first record)")
-    parser.add_argument("--block-size", type=_positive_int, default=MOONCAKE_BLOCK_SIZE,
+    parser.add_argument("--block-size", type=_positive_int, metavar="TOKENS",
+                        default=MOONCAKE_BLOCK_SIZE,
                         help="tokens per Mooncake hash id, one chunk each "
                              f"(default {MOONCAKE_BLOCK_SIZE})")
-    parser.add_argument("--chunk-size", type=_positive_int,
+    parser.add_argument("--chunk-size", type=_positive_int, metavar="TOKENS",
                         help="tokens per chunk for token-id traces (default: the config's)")
-    parser.add_argument("--capacity", default=DEFAULT_CAPACITIES,
+    parser.add_argument("--capacity", default=DEFAULT_CAPACITIES, metavar="LIST",
                         help="comma-separated capacities of the first tier: percents of the "
                              "trace's unique chunks (5%%) or sizes at the model's scale "
-                             f"(40GiB) (default {DEFAULT_CAPACITIES})")
-    parser.add_argument("--policies",
+                             "(40GiB) (default " + DEFAULT_CAPACITIES.replace("%", "%%") + ")")
+    parser.add_argument("--policies", metavar="LIST",
                         help="comma-separated eviction policies (default: every installed one)")
     model = parser.add_argument_group(
         "model shape (sizes the chunks; default Llama-3-8B in bf16: 128 KiB a token)")
-    model.add_argument("--layers", type=_positive_int, default=32, help="default 32")
-    model.add_argument("--kv-heads", type=_positive_int, default=8, help="default 8")
-    model.add_argument("--head-dim", type=_positive_int, default=128, help="default 128")
+    model.add_argument("--layers", type=_positive_int, default=32, metavar="N",
+                       help="default 32")
+    model.add_argument("--kv-heads", type=_positive_int, default=8, metavar="N",
+                       help="default 8")
+    model.add_argument("--head-dim", type=_positive_int, default=128, metavar="N",
+                       help="default 128")
     model.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bfloat16",
                        help="default bfloat16")
-    model.add_argument("--bytes-per-token", type=_byte_size,
+    model.add_argument("--bytes-per-token", type=_byte_size, metavar="SIZE",
                        help="KV bytes a token, instead of the four flags above")
     out = parser.add_argument_group("output")
     out.add_argument("--json", action="store_true",
