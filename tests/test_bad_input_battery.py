@@ -117,6 +117,13 @@ def env(variables: dict[str, str], *, expect: list[str], id: str, text: str | No
     return cfg(text, env=variables, expect=expect, id=id, xfail=xfail)
 
 
+def replay(trace: str | bytes, *, expect: list[str], id: str, args: str = "",
+           files: dict[str, str | bytes] | None = None) -> Case:
+    """``lmkv replay {dir}/t.jsonl ARGS`` on the trace ``trace``."""
+    return check(["replay", "{dir}/t.jsonl", *args.split()], expect=expect,
+                 files={"t.jsonl": trace, **(files or {})}, id=id)
+
+
 FIFO = "<fifo>"  # a files value: make a named pipe; "->TARGET": a symbolic link
 CPU = "tiers: [{type: cpu, options: {max_bytes: 64MiB}}]\n"
 SIZE_FORMS = "512MiB"  # every byte-size error lists the accepted forms, with this example
@@ -470,6 +477,60 @@ CASES: list[Case] = [
     check("demo --new-tokens many", expect=["--new-tokens", "invalid int value"],
           id="demo-word-for-count"),
     check("demo --preset huge", expect=["--preset", "tiny"], id="demo-unknown-preset"),
+    # -- lmkv replay: traces and flags -------------------------------------------------
+    replay('{"hash_ids": [1, 2]}\n{"hash_ids": [1,\n', expect=["t.jsonl line 2",
+                                                           "malformed JSON"],
+           id="replay-malformed-line"),
+    replay('{"hash_ids": [1]}\n{"timestamp": 5, "input_length": 512}\n',
+           expect=["line 2", "missing field 'hash_ids'"], id="replay-missing-field"),
+    replay('{"hash_ids": "1,2"}\n', expect=["line 1", "'hash_ids' must be a list of integers",
+                                            "string"], id="replay-wrong-type"),
+    replay('{"hash_ids": [1, -2]}\n', expect=["line 1", "hash_ids[1] = -2", "[0, 2**64)"],
+           id="replay-negative-hash-id"),
+    replay('{"hash_ids": [1], "input_length": "long"}\n',
+           expect=["line 1", "'input_length' must be a non-negative number"],
+           id="replay-wrong-number-field"),
+    replay('[1, 2, 3]\n[4, "5"]\n', expect=["line 2", "token 1", "integers in [0, 2**32)"],
+           id="replay-token-not-an-int"),
+    replay('"hello"\n', expect=["line 1", "neither a Mooncake record", "--format"],
+           id="replay-unknown-record"),
+    replay("\n\n", expect=["empty trace"], id="replay-empty-trace"),
+    replay(b'{"hash_ids": [1]}\n\xff\n', expect=["line 2", "not UTF-8"],
+           id="replay-not-utf8"),
+    replay('{"hash_ids": [1]}\n', args="--format tokens",
+           expect=["line 1", "missing field 'tokens'"], id="replay-forced-format"),
+    replay('[1, 2]\n', expect=["no request spans a whole chunk"], id="replay-no-whole-chunk"),
+    replay('{"hash_ids": [1, 2]}\n', args="--capacity 10%",
+           expect=["--capacity 10%", "under one chunk", "2 unique chunks"],
+           id="replay-capacity-under-a-chunk"),
+    replay('{"hash_ids": [1, 2]}\n', args="--capacity 32MiB",
+           expect=["--capacity 32MiB", "under one chunk", "64 MiB"],
+           id="replay-size-under-a-chunk"),
+    replay('{"hash_ids": [1, 2]}\n', args="--capacity lots",
+           expect=["--capacity 'lots'", "percent", SIZE_FORMS], id="replay-capacity-words"),
+    replay('{"hash_ids": [1, 2]}\n', args="--capacity 50%,,",
+           expect=["--capacity", "empty item"], id="replay-capacity-empty-item"),
+    replay('{"hash_ids": [1, 2]}\n', args="--capacity=-5%",
+           expect=["--capacity '-5%'", "positive number"], id="replay-capacity-negative"),
+    replay('{"hash_ids": [1, 2]}\n', args="--policies lru,nope",
+           expect=["--policies", "unknown eviction policy 'nope'", "allowed: lru"],
+           id="replay-unknown-policy"),
+    replay('{"hash_ids": [1, 2]}\n', args="--layers 0",
+           expect=["--layers", "'0' is not a positive integer"], id="replay-layers-zero"),
+    replay('{"hash_ids": [1, 2]}\n', args="--bytes-per-token 1,5KiB",
+           expect=["--bytes-per-token", SIZE_FORMS], id="replay-bytes-per-token-comma"),
+    replay('{"hash_ids": [1, 2]}\n', args="--dtype fp64",
+           expect=["--dtype", "invalid choice", "bfloat16"], id="replay-unknown-dtype"),
+    replay('{"hash_ids": [1, 2]}\n', args="--format csv",
+           expect=["--format", "invalid choice", "mooncake"], id="replay-unknown-format"),
+    check("replay {dir}/none.jsonl", expect=["cannot read trace", "No such file"],
+          id="replay-missing-trace"),
+    check("replay {dir}", expect=["cannot read trace", "directory"],
+          id="replay-directory-as-trace"),
+    replay('{"hash_ids": [1, 2]}\n', args="--config {dir}/c.yaml",
+           files={"c.yaml": "tiers: [{type: cpuu}]\n"},
+           expect=["tiers.0.type = 'cpuu'", "unknown storage backend"],
+           id="replay-bad-config"),
 ]
 
 
