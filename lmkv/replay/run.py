@@ -1,7 +1,8 @@
 """One replay: a trace through a real ``StorageManager`` and real tiers, as an
 engine would drive them, nothing computed.
 
-Per request: a real get of the stored prefix through the manager (hits = the
+Per request: a real retrieve of the stored prefix through the manager (its
+``stream``, as an engine whose connector writes in place reads; hits = the
 leading chunks it returns: strict prefix, as vLLM counts), released at once;
 then the engine's store path: pin the prefix the first tier holds, allocate a
 buffer for every chunk after it (allocation evicts, in the policy's order), put
@@ -14,6 +15,8 @@ import inspect
 import sys
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from contextlib import closing
 from dataclasses import dataclass, field
 from typing import TextIO
 
@@ -21,11 +24,12 @@ import torch
 
 from lmkv.config import LMKVConfig, PluginRef
 from lmkv.errors import LMKVError
-from lmkv.memory import MemoryObj, release
+from lmkv.memory import MemoryObj, release, tensor_obj
 from lmkv.replay.defaults import PHYSICAL_CHUNK_BYTES
 from lmkv.replay.trace import Trace
+from lmkv.serde import SerializerContext
 from lmkv.storage import StorageManager
-from lmkv.tokens import CacheKey
+from lmkv.tokens import CacheKey, KeyMeta
 from lmkv.units import parse_byte_size
 
 _SHAPE = (PHYSICAL_CHUNK_BYTES,)
@@ -88,34 +92,51 @@ def sized_config(config: LMKVConfig, policy: str, capacity_chunks: int,
                  model_chunk_bytes: int) -> LMKVConfig:
     """``config`` with every tier evicting by ``policy`` (its options kept when the
     config names the same policy), the first tier holding ``capacity_chunks``
-    physical chunks, and each lower tier's ``max_bytes`` (read at the model's size)
-    scaled down to physical chunks the same way."""
+    chunks, and each lower tier's ``max_bytes`` (read at the model's size) turned
+    into as many chunks. A chunk takes ``PHYSICAL_CHUNK_BYTES`` in a tier that holds
+    memory, and its frame (``frame_bytes``) in one that stores frames (fs)."""
     sized = config.model_copy(deep=True)
-    for i, tier in enumerate(sized.tiers):
+    frame = None
+    for i, (tier, resolved) in enumerate(zip(sized.tiers, config.plugins.tiers, strict=True)):
         if tier.eviction.type.lower() != policy.lower():
             tier.eviction = PluginRef(type=policy)
-        takes_size = "max_bytes" in config.plugins.tiers[i].backend.cls.Options.model_fields
+        backend = resolved.backend.cls
+        takes_size = "max_bytes" in backend.Options.model_fields
         if i == 0:
             if not takes_size:
                 raise LMKVError(f"tier 0 ({tier.type}) has no max_bytes option: lmkv replay "
                                 "sizes the first tier; use a config whose first tier is cpu "
                                 "or fs")
-            tier.options = {**tier.options, "max_bytes": capacity_chunks * PHYSICAL_CHUNK_BYTES}
+            chunks = capacity_chunks
         elif takes_size and tier.options.get("max_bytes") is not None:
-            chunks = parse_byte_size(tier.options["max_bytes"]) // model_chunk_bytes
-            tier.options = {**tier.options,
-                            "max_bytes": max(1, chunks) * PHYSICAL_CHUNK_BYTES}
+            chunks = max(1, parse_byte_size(tier.options["max_bytes"]) // model_chunk_bytes)
+        else:
+            continue
+        if backend.holds_memory_objs:
+            per_chunk = PHYSICAL_CHUNK_BYTES
+        else:
+            frame = frame or frame_bytes(config)
+            per_chunk = frame
+        tier.options = {**tier.options, "max_bytes": chunks * per_chunk}
     return sized
 
 
+def frame_bytes(config: LMKVConfig) -> int:
+    """The bytes one replayed chunk's frame takes with ``config``'s serializer (a
+    compressing one makes the zeros a replay stores small: they are what is stored)."""
+    serializer = config.plugins.serializer.create(SerializerContext())
+    obj = tensor_obj(torch.zeros(_SHAPE, dtype=_DTYPE))
+    key = CacheKey(KeyMeta("lmkv-replay"), bytes(32))
+    return len(serializer.frame_bytes(obj, key))
+
+
 def put_with_parents(storage: StorageManager, keys: Sequence[CacheKey],
-                     objs: Sequence[MemoryObj], parents: Sequence[CacheKey | None]) -> None:
+                     objs: Sequence[MemoryObj], parents: Sequence[CacheKey | None]) -> Future:
     """``storage.put`` with each chunk's parent (the chunk before it in its prompt),
     for prefix-aware eviction; a manager without the lineage API stores without."""
     if _PUT_TAKES_PARENTS:
-        storage.put(keys, objs, parents=parents)  # type: ignore[call-arg]
-    else:
-        storage.put(keys, objs)
+        return storage.put(keys, objs, parents=parents)  # type: ignore[call-arg]
+    return storage.put(keys, objs)
 
 
 _PUT_TAKES_PARENTS = "parents" in inspect.signature(StorageManager.put).parameters
@@ -149,17 +170,19 @@ def replay(trace: Trace, config: LMKVConfig, policy: str, capacity_chunks: int, 
 def _run(storage: StorageManager, trace: Trace, progress: Callable[[int], None] | None
          ) -> tuple[int, int, int]:
     keys_of, parents_of = trace.keys, trace.parents
-    allocate, get, pin_prefix, unpin = (storage.allocate, storage.get, storage.pin_prefix,
-                                        storage.unpin)
+    allocate, stream, pin_prefix, unpin = (storage.allocate, storage.stream,
+                                           storage.pin_prefix, storage.unpin)
     flush = storage.flush if len(storage.tiers) > 1 else None
     hits = stored = unstored = 0
+    zeroed: set[tuple[int, int]] = set()
     for done, chunks in enumerate(trace.requests):
         if progress is not None and not done % 64:
             progress(done)
         keys = [keys_of[c] for c in chunks]
-        got = get(keys)
-        hits += len(got)
-        release(got)
+        with closing(stream(keys)) as fetched:
+            for _, got in fetched:
+                hits += len(got)
+                release(got)
         pinned = pin_prefix(keys)
         try:
             first = sum(len(ks) for _, ks in pinned)
@@ -169,12 +192,21 @@ def _run(storage: StorageManager, trace: Trace, progress: Callable[[int], None] 
                 if obj is None:  # everything evictable is in use: a shorter prefix
                     unstored += len(keys) - first - len(objs)
                     break
+                # Zeros, never what the memory held before: a frame's size (compressed)
+                # must be what sized_config counted, in every run. An arena slot is
+                # zeroed once; the replay never writes it after.
+                slot = (id(obj.allocator), obj.offset)
+                if obj.allocator is None or slot not in zeroed:
+                    obj.tensor.zero_()
+                    zeroed.add(slot)
                 objs.append(obj)
             if objs:
                 end = first + len(objs)
                 parents = [keys_of[p] if p >= 0 else None
                            for p in (parents_of[c] for c in chunks[first:end])]
-                put_with_parents(storage, keys[first:end], objs, parents)
+                # Waited for: a tier that writes in the background (fs) must have
+                # stored (and evicted) before the next request looks, every run alike.
+                put_with_parents(storage, keys[first:end], objs, parents).result()
                 release(objs)
                 stored += len(objs)
         finally:

@@ -13,7 +13,7 @@ from lmkv.config import LMKVConfig, load_config
 from lmkv.errors import LMKVError
 from lmkv.replay.belady import lru_hits
 from lmkv.replay.defaults import PHYSICAL_CHUNK_BYTES
-from lmkv.replay.run import Progress, replay, sized_config
+from lmkv.replay.run import Progress, frame_bytes, replay, sized_config
 from lmkv.replay.trace import load_trace
 from tests.replay.conftest import META
 
@@ -80,9 +80,27 @@ def test_lower_tiers_keep_their_size_in_chunks(tmp_path: Path) -> None:
     path = tmp_path / "c.yaml"
     path.write_text(f"tiers: [cpu, {{type: fs, options: {{url: '{tmp_path}/fs', "
                     "max_bytes: 1GiB}}]\n")
-    sized = sized_config(load_config(path), "lru", 3, CHUNK)
-    assert sized.tiers[1].options["max_bytes"] == 16 * PHYSICAL_CHUNK_BYTES  # 1 GiB / 64 MiB
+    config = load_config(path)
+    sized = sized_config(config, "lru", 3, CHUNK)
+    # 1 GiB / 64 MiB: 16 chunks, each a frame of a 4 KiB chunk in the fs tier
+    assert sized.tiers[1].options["max_bytes"] == 16 * frame_bytes(config)
+    assert frame_bytes(config) > PHYSICAL_CHUNK_BYTES
     assert [t.eviction.type for t in sized.tiers] == ["lru", "lru"]
+
+
+@pytest.mark.parametrize("serializer", ["naive", "zstd"])
+def test_a_frame_tier_holds_exactly_its_capacity_in_chunks(
+        tmp_path: Path, mooncake: Callable[[Sequence[Sequence[int]]], Path],
+        serializer: str) -> None:
+    trace = load_trace(str(mooncake([[1], [2], [3], [4], [1]])), meta=META)
+    for capacity, hits in ((3, 0), (4, 1)):
+        config_path = tmp_path / f"c{capacity}{serializer}.yaml"
+        config_path.write_text(f"serializer: {serializer}\ntiers: [{{type: fs, options: "
+                               f"{{url: '{tmp_path}/fs{capacity}{serializer}', "
+                               "durable: false}}]\n")
+        run = replay(trace, load_config(config_path), "lru", capacity,
+                     model_chunk_bytes=CHUNK)
+        assert run.hits == hits, capacity
 
 
 def test_a_first_tier_without_a_size_is_refused() -> None:
@@ -117,3 +135,24 @@ def test_progress_goes_to_its_stream_only_when_a_run_is_long() -> None:
     loud = Progress("lru at 5%", 10, stream=out, every_s=0)
     loud.update(5)
     assert out.getvalue() == "lmkv replay: lru at 5%: 5/10 requests\n"
+
+
+def test_a_tier_that_already_holds_chunks_is_refused(
+        tmp_path: Path, mooncake: Callable[[Sequence[Sequence[int]]], Path]) -> None:
+    import torch
+
+    from lmkv.memory import release
+    from lmkv.storage import StorageManager
+
+    config_path = tmp_path / "c.yaml"
+    config_path.write_text(f"tiers: [{{type: fs, options: {{url: '{tmp_path}/fs', "
+                           "durable: false}}]\n")
+    config = load_config(config_path)
+    trace = load_trace(str(mooncake([[1, 2]])), meta=META)
+    storage = StorageManager.from_config(config)  # someone else's chunk, left there
+    obj = storage.allocate((PHYSICAL_CHUNK_BYTES,), torch.uint8)
+    storage.put([trace.keys[0]], [obj]).result()
+    release([obj])
+    storage.close()
+    with pytest.raises(LMKVError, match=r"tier 0 \(fs\) already holds chunks"):
+        replay(trace, config, "lru", 2, model_chunk_bytes=CHUNK)
