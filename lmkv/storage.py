@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from lmkv.backend import ArenaPlacement, BackendContext, StorageBackend, done_future
+from lmkv.backend import ArenaPlacement, BackendContext, StorageBackend, done_future, submit_put
 from lmkv.config import LMKVConfig
 from lmkv.memory import MemoryObj, release, tensor_obj
 from lmkv.policy import EvictionContext
@@ -78,22 +78,28 @@ class StorageManager:
         return allocate_from(self.tiers, shape, dtype)
 
     # -- store ---------------------------------------------------------------
-    def put(self, keys: Sequence[CacheKey], objs: Sequence[MemoryObj]) -> Future:
+    def put(self, keys: Sequence[CacheKey], objs: Sequence[MemoryObj],
+            parents: Sequence[CacheKey | None] | None = None) -> Future:
         """Store in the first tier and queue the write-through to the others.
 
-        Tiers and queues take their own references: the caller may release its
-        own at once. Returns the first tier's future; failures are counted and
-        logged, never raised.
+        ``parents[i]`` is the key ``keys[i]`` extends (the chunk before it in its
+        prompt, None for a first chunk; ``chain_parents`` builds them): tiers that
+        evict keep each prompt's head while its tail is stored. Tiers and queues
+        take their own references: the caller may release its own at once.
+        Returns the first tier's future; failures are counted and logged, never
+        raised.
         """
+        if parents is not None and len(parents) != len(keys):
+            raise ValueError(f"{len(keys)} keys but {len(parents)} parents")
         first = self.tiers[0]
         try:
-            future = guarded(first, "put", first.batched_submit_put(keys, objs), 0,
+            future = guarded(first, "put", submit_put(first, keys, objs, parents), 0,
                              "the writes are dropped")
         except Exception as exc:  # the last resort: a tier's bug never stops the engine
             first.faults.last_resort("put", exc, "the writes are dropped")
             future = done_future(0)
         for writer in self._writers:
-            writer.submit(keys, objs)
+            writer.submit(keys, objs, parents)
         return future
 
     def flush(self, timeout: float = 30.0) -> bool:
@@ -238,6 +244,7 @@ class StorageManager:
         futures = [self._start_get(tier, lookup_id, ks) for tier, ks in plans]
         done = 0
         short = False
+        before: CacheKey | None = None  # the key before this plan's first
         try:
             for (tier, ks), future in zip(plans, futures, strict=True):
                 got = self._result(tier, future)
@@ -249,7 +256,8 @@ class StorageManager:
                     continue
                 short = len(got) < len(ks)  # evicted between contains and get
                 if tier is not self.tiers[0]:
-                    self._promote(list(zip(ks, got, strict=False)))
+                    self._promote(ks[:len(got)], got, chain_parents(ks[:len(got)], before, kpc))
+                before = ks[len(ks) - kpc] if len(ks) >= kpc else before
                 yield tier, ks, got
         finally:  # also when the consumer stops early: release what it did not take
             for (tier, ks), future in zip(plans[done:], futures[done:], strict=True):
@@ -276,13 +284,14 @@ class StorageManager:
             tier.faults.last_resort("get", exc, "a miss")
             return []
 
-    def _promote(self, pairs: list[tuple[CacheKey, MemoryObj]]) -> None:
+    def _promote(self, keys: list[CacheKey], objs: list[MemoryObj],
+                 parents: list[CacheKey | None]) -> None:
         first = self.tiers[0]
-        if not pairs or not first.holds_memory_objs:
+        if not keys or not first.holds_memory_objs:
             return
         try:
-            guarded(first, "promote", first.batched_submit_put(
-                [k for k, _ in pairs], [o for _, o in pairs]), 0, "not promoted")
+            guarded(first, "promote", submit_put(first, keys, objs, parents), 0,
+                    "not promoted")
         except Exception as exc:  # the last resort, as for puts
             first.faults.last_resort("promote", exc, "not promoted")
 
@@ -308,6 +317,21 @@ class StorageManager:
                 tier.close()
             except Exception:
                 logger.exception("closing tier %s failed", tier.name)
+
+
+def chain_parents(keys: Sequence[CacheKey], before: CacheKey | None = None,
+                  keys_per_chunk: int = 1) -> list[CacheKey | None]:
+    """The parents of a run of consecutive chunks' keys: each key extends the key
+    ``keys_per_chunk`` before it (the same layer of the previous chunk, in
+    layerwise mode); the first chunk's keys extend ``before`` (the same layer of
+    the chunk before the run) or nothing."""
+    kpc = keys_per_chunk
+    if kpc == 1:
+        return [before, *keys[:-1]] if keys else []
+    head: list[CacheKey | None] = (
+        [before.with_layer(i) if before.layer >= 0 else before for i in range(kpc)]
+        if before is not None else [None] * kpc)
+    return [head[i] if i < kpc else keys[i - kpc] for i in range(len(keys))]
 
 
 def _release_result(future: Future) -> None:

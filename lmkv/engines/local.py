@@ -27,7 +27,7 @@ from lmkv.engines.protocol import EngineCounters, RetrieveResult
 from lmkv.gpu import ChunkSpan, GPUConnector, KVSpec
 from lmkv.logutil import RateLimitedLog
 from lmkv.memory import MemoryObj, release
-from lmkv.storage import StorageManager
+from lmkv.storage import StorageManager, chain_parents
 from lmkv.tokens import CacheKey, ChunkKeys, Identity, KeyMeta
 
 logger = logging.getLogger(__name__)
@@ -80,7 +80,9 @@ class LocalEngine:
             return 0
         try:
             self.connector.to_chunks(spans, **kv)
-            self.storage.put(chunks.keys[first:first + len(objs)], objs)
+            keys = chunks.keys[first:first + len(objs)]
+            self.storage.put(keys, objs,
+                             chain_parents(keys, chunks.keys[first - 1] if first else None))
         finally:
             for obj in objs:
                 obj.ref_down()
