@@ -73,9 +73,9 @@ def test_another_identity_or_prefix_never_hits_the_blocks() -> None:
         b = a[:48] + fresh(16, 3)
         assert engine.lookup(b) == 48
         assert engine.lookup(b, identity=Identity(salt="tenant")) == 0
-        c = [a[0] + 1, *a[1:48]] + fresh(16, 4)  # differs in chunk 0
+        c = [a[0] + 1, *a[1:48], *fresh(16, 4)]  # differs in chunk 0
         assert engine.lookup(c) == 0
-        d = a[:32] + [a[32] + 1] + a[33:48]  # differs in the chunk's first block
+        d = [*a[:32], a[32] + 1, *a[33:48]]  # differs in the chunk's first block
         assert engine.lookup(d) == 32
 
 
