@@ -16,6 +16,8 @@ batch path (one dict pass, one Redis pipeline) overrides them.
 from __future__ import annotations
 
 import enum
+import functools
+import inspect
 import logging
 import threading
 from abc import ABC, abstractmethod
@@ -39,6 +41,24 @@ if TYPE_CHECKING:
     from lmkv.memory.shm import SharedSegment
 
 logger = logging.getLogger(__name__)
+
+
+def submit_put(tier: StorageBackend, keys: Sequence[CacheKey], objs: Sequence[MemoryObj],
+               parents: Sequence[CacheKey | None] | None = None) -> Future:
+    """``tier.batched_submit_put`` with the chunks' parents. A backend written before
+    puts carried parents (no ``parents`` parameter) is called without them: its
+    policy then sees every chunk as a root."""
+    if parents is not None and _takes_parents(type(tier)):
+        return tier.batched_submit_put(keys, objs, parents=parents)
+    return tier.batched_submit_put(keys, objs)
+
+
+@functools.cache
+def _takes_parents(cls: type) -> bool:
+    try:
+        return "parents" in inspect.signature(cls.batched_submit_put).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def done_future(value: object) -> Future:
@@ -141,8 +161,14 @@ class StorageBackend(Plugin, ABC):
         """Whether ``key`` is stored; with ``pin``, a hit is pinned atomically."""
 
     @abstractmethod
-    def batched_submit_put(self, keys: Sequence[CacheKey], objs: Sequence[MemoryObj]) -> Future:
+    def batched_submit_put(self, keys: Sequence[CacheKey], objs: Sequence[MemoryObj],
+                           parents: Sequence[CacheKey | None] | None = None) -> Future:
         """Start storing ``objs`` under ``keys``; the future resolves to the number stored.
+
+        ``parents[i]`` is the key ``keys[i]`` extends (the chunk before it in its
+        prompt; None for a first chunk), or ``parents`` is None when unknown. A
+        tier that evicts hands each to its policy (``EvictionPolicy.insert``), so
+        it evicts leaves first and never orphans a prefix.
 
         The backend takes its own reference on each object for as long as it needs
         it; the caller may release its references as soon as this returns.

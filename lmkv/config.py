@@ -158,6 +158,7 @@ class LMKVConfig(_Model):
 
     model_name: str | None = Field(default=None, min_length=1)
     chunk_size: PositiveInt = DEFAULT_CHUNK_SIZE
+    block_size: PositiveInt | None = None
     save_partial_chunk: bool = False
     tiers: list[TierConfig] = Field(
         default_factory=lambda: [TierConfig(type="cpu")], min_length=1)
@@ -173,6 +174,13 @@ class LMKVConfig(_Model):
     lazy_offload_threshold: PositiveInt = 100
     lazy_offload_select_count: PositiveInt = 10
     _sources: dict[str, str] = PrivateAttr(default_factory=dict)
+    @model_validator(mode="after")
+    def _block_divides_chunk(self) -> LMKVConfig:
+        if self.block_size is not None and self.chunk_size % self.block_size:
+            raise ValueError(f"block_size {self.block_size} must divide chunk_size "
+                             f"{self.chunk_size} (hits are matched in blocks inside chunks)")
+        return self
+
     # What the plugin references resolved to, and the references they were resolved
     # from: a copy or an edit of the config that changes them resolves again.
     _plugins: tuple[str, ResolvedPlugins] | None = PrivateAttr(default=None)

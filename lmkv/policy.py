@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import inspect
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, final
 
 from lmkv.plugin_base import NoOptions, OptionsArg, Plugin
 
@@ -19,17 +20,132 @@ class EvictionContext:
     tier_index: int = 0
 
 
+class Lineage:
+    """Who extends whom among one tier's stored keys.
+
+    Each stored key has a parent: the key of the chunk before it in its prompt
+    (None for a prompt's first chunk, or when the tier was not told). A key that
+    no stored key names as its parent is a leaf. Lookups are strict prefixes, so
+    a chunk whose head went is dead weight: a tier evicts leaves only, as a
+    radix tree does, and a prompt's chunks go tail first.
+
+    Memory is bounded by the stored keys: one parent link per key and one child
+    count per key that some stored key extends.
+    """
+
+    __slots__ = ("_children", "_parent")
+
+    def __init__(self) -> None:
+        self._parent: dict[Hashable, Hashable | None] = {}
+        self._children: dict[Hashable, int] = {}
+
+    def add(self, key: Hashable, parent: Hashable | None = None) -> None:
+        """``key`` is stored, extending ``parent`` (stored in this tier or not)."""
+        if key in self._parent:
+            self.discard(key)
+        if parent == key:
+            parent = None
+        self._parent[key] = parent
+        if parent is not None:
+            self._children[parent] = self._children.get(parent, 0) + 1
+
+    def discard(self, key: Hashable) -> None:
+        """``key`` left the tier; its parent may now be a leaf."""
+        if key not in self._parent:
+            return
+        parent = self._parent.pop(key)
+        if parent is not None:
+            left = self._children[parent] - 1
+            if left:
+                self._children[parent] = left
+            else:
+                del self._children[parent]
+
+    def parent(self, key: Hashable) -> Hashable | None:
+        return self._parent.get(key)
+
+    def children(self, key: Hashable) -> int:
+        """How many stored keys extend ``key``."""
+        return self._children.get(key, 0)
+
+    def is_leaf(self, key: Hashable) -> bool:
+        """No stored key extends ``key``: it may be evicted."""
+        return key not in self._children
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._parent
+
+    def __len__(self) -> int:
+        return len(self._parent)
+
+
 class EvictionPolicy(Plugin, ABC):
-    """Orders a tier's keys for eviction. The tier skips pinned or referenced
-    entries, so a policy only ranks; it never decides what is safe to drop."""
+    """Orders a tier's keys for eviction.
+
+    A tier calls the final methods ``insert`` / ``access`` / ``forget`` /
+    ``candidates``; a policy implements the ``on_*`` hooks and ``victims``.
+    The base keeps the tier's ``lineage`` (each key's parent) and hands the
+    tier only leaves, so no policy, built-in or third-party, can orphan a
+    prefix: ``victims`` ranks, ``candidates`` filters. The tier also skips
+    pinned or referenced entries, so a policy never decides what is safe to
+    drop. A policy that yields leaves first (``lineage.is_leaf``) saves the
+    filter its skips.
+    """
+
+    #: Whether ``on_insert`` takes the parent (set per subclass; a policy written
+    #: before policies learned parents has ``on_insert(key)`` and still works).
+    _insert_takes_parent: bool = True
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        try:
+            params = inspect.signature(cls.on_insert).parameters
+        except (TypeError, ValueError):
+            return
+        positional = [p for p in params.values()
+                      if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        cls._insert_takes_parent = len(positional) >= 3 or any(
+            p.kind is p.VAR_POSITIONAL for p in params.values())
 
     def __init__(self, options: OptionsArg = None, context: EvictionContext | None = None) -> None:
         self.options = self.parse_options(options)
         self.context = EvictionContext() if context is None else context
+        #: The stored keys' parents and child counts (kept by the base).
+        self.lineage = Lineage()
 
+    # -- what a tier calls ----------------------------------------------------
+    @final
+    def insert(self, key: Hashable, parent: Hashable | None = None) -> None:
+        """``key`` was stored, extending ``parent`` (the chunk before it, or None)."""
+        self.lineage.add(key, parent)
+        if self._insert_takes_parent:
+            self.on_insert(key, self.lineage.parent(key))
+        else:
+            self.on_insert(key)  # type: ignore[call-arg]
+
+    @final
+    def access(self, key: Hashable) -> None:
+        """A stored key was read."""
+        self.on_access(key)
+
+    @final
+    def forget(self, key: Hashable) -> None:
+        """``key`` left the tier (removed or evicted)."""
+        self.lineage.discard(key)
+        self.on_remove(key)
+
+    @final
+    def candidates(self) -> Iterator[Hashable]:
+        """``victims`` that no stored key extends (leaves), in the policy's order."""
+        lineage = self.lineage
+        for key in self.victims():
+            if key in lineage and lineage.is_leaf(key):
+                yield key
+
+    # -- what a policy implements ---------------------------------------------
     @abstractmethod
-    def on_insert(self, key: Hashable) -> None:
-        """A key was stored."""
+    def on_insert(self, key: Hashable, parent: Hashable | None) -> None:
+        """A key was stored; ``parent`` is the key it extends (None: a root)."""
 
     @abstractmethod
     def on_access(self, key: Hashable) -> None:
@@ -41,7 +157,10 @@ class EvictionPolicy(Plugin, ABC):
 
     @abstractmethod
     def victims(self) -> Iterator[Hashable]:
-        """Stored keys, the one to evict first first. The tier may stop early."""
+        """Stored keys, the one to evict first first. The tier may stop early.
+
+        May include keys that are not leaves; ``candidates`` drops them.
+        """
 
 
 class StoreMeta(Protocol):

@@ -14,11 +14,13 @@ import logging
 import uuid
 from collections.abc import Iterator, Sequence
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from lmkv.backend import ArenaPlacement, BackendContext, StorageBackend, done_future
+from lmkv.aliases import Alias, alias_target, is_alias, make_alias
+from lmkv.backend import ArenaPlacement, BackendContext, StorageBackend, done_future, submit_put
 from lmkv.config import LMKVConfig
 from lmkv.memory import MemoryObj, release, tensor_obj
 from lmkv.policy import EvictionContext
@@ -78,23 +80,57 @@ class StorageManager:
         return allocate_from(self.tiers, shape, dtype)
 
     # -- store ---------------------------------------------------------------
-    def put(self, keys: Sequence[CacheKey], objs: Sequence[MemoryObj]) -> Future:
+    def put(self, keys: Sequence[CacheKey], objs: Sequence[MemoryObj],
+            parents: Sequence[CacheKey | None] | None = None,
+            aliases: Sequence[Alias] = ()) -> Future:
         """Store in the first tier and queue the write-through to the others.
 
-        Tiers and queues take their own references: the caller may release its
-        own at once. Returns the first tier's future; failures are counted and
-        logged, never raised.
+        ``parents[i]`` is the key ``keys[i]`` extends (the chunk before it in its
+        prompt, None for a first chunk; ``chain_parents`` builds them): tiers that
+        evict keep each prompt's head while its tail is stored. Tiers and queues
+        take their own references: the caller may release its own at once.
+        Returns the first tier's future; failures are counted and logged, never
+        raised.
+
+        ``aliases`` (``lmkv.aliases``) name the leading blocks of chunks stored
+        here or before; they are stored after the chunks, each extending its
+        target. The future counts the chunks only.
         """
+        if parents is not None and len(parents) != len(keys):
+            raise ValueError(f"{len(keys)} keys but {len(parents)} parents")
+        if aliases:
+            return self._put_with_aliases(keys, objs, parents, aliases)
         first = self.tiers[0]
         try:
-            future = guarded(first, "put", first.batched_submit_put(keys, objs), 0,
+            future = guarded(first, "put", submit_put(first, keys, objs, parents), 0,
                              "the writes are dropped")
         except Exception as exc:  # the last resort: a tier's bug never stops the engine
             first.faults.last_resort("put", exc, "the writes are dropped")
             future = done_future(0)
         for writer in self._writers:
-            writer.submit(keys, objs)
+            writer.submit(keys, objs, parents)
         return future
+
+    def _put_with_aliases(self, keys: Sequence[CacheKey], objs: Sequence[MemoryObj],
+                          parents: Sequence[CacheKey | None] | None,
+                          aliases: Sequence[Alias]) -> Future:
+        made: list[tuple[Alias, MemoryObj]] = []
+        for alias in aliases:
+            obj = make_alias(alias.target, self.allocate)
+            if obj is None:
+                break
+            made.append((alias, obj))
+        try:
+            chunk_parents = list(parents) if parents is not None else [None] * len(keys)
+            future = self.put([*keys, *(a.key for a, _ in made)],
+                              [*objs, *(o for _, o in made)],
+                              [*chunk_parents, *(a.target for a, _ in made)])
+        finally:
+            release([o for _, o in made])
+        n = len(keys)
+        out: Future = Future()
+        future.add_done_callback(lambda f: out.set_result(min(n, f.result())))
+        return out
 
     def flush(self, timeout: float = 30.0) -> bool:
         """Wait for the write-through queues to drain; False on timeout."""
@@ -137,18 +173,23 @@ class StorageManager:
             return 0
 
     def lookup_and_prefetch(self, lookup_id: str, keys: Sequence[CacheKey],
-                            chunk_ends: Sequence[int], keys_per_chunk: int = 1) -> Future:
+                            chunk_ends: Sequence[int], keys_per_chunk: int = 1,
+                            partials: Partials | None = None) -> Future:
         """Start fetching the stored prefix of ``keys``; resolves to the hit tokens.
 
         ``chunk_ends[i]`` is the cumulative token count after chunk ``i``;
         ``keys_per_chunk`` is the number of layers in layerwise mode, else 1.
-        The chunks are then taken with ``take_prefetched`` or released with
-        ``release_prefetched``.
+        ``partials`` (block-granular hits): the keys of each chunk's leading
+        blocks; after the last whole chunk hit, the longest of the next chunk's
+        that resolves is served too (its chunk then holds more tokens than the
+        hit: the caller uses the leading ones). The chunks are then taken with
+        ``take_prefetched`` or released with ``release_prefetched``.
         """
         if self._closed:
             return done_future(0)
         task = self.events.start(lookup_id, keys)
-        self._executor.submit(self._prefetch, task, list(keys), list(chunk_ends), keys_per_chunk)
+        self._executor.submit(self._prefetch, task, list(keys), list(chunk_ends), keys_per_chunk,
+                              partials)
         return task.future
 
     def take_prefetched(self, lookup_id: str, keys: Sequence[CacheKey] | None = None,
@@ -174,18 +215,92 @@ class StorageManager:
         return self.take_prefetched(lookup_id) or []
 
     def _prefetch(self, task: PrefetchTask, keys: list[CacheKey], chunk_ends: list[int],
-                  keys_per_chunk: int) -> None:
+                  keys_per_chunk: int, partials: Partials | None) -> None:
         try:
             plans = self._plan(task.lookup_id, keys, keys_per_chunk)
-            if not plans:
-                self.events.finish(task, [], 0)
-                return
-            objs = self._fetch(task.lookup_id, plans, keys_per_chunk)
+            objs = self._fetch(task.lookup_id, plans, keys_per_chunk) if plans else []
             chunks = len(objs) // keys_per_chunk
-            self.events.finish(task, objs, chunk_ends[chunks - 1] if chunks else 0)
+            hit = chunk_ends[chunks - 1] if chunks else 0
+            if partials is not None and keys_per_chunk == 1 and chunks < len(keys):
+                tail = self.partial_hit(partials, chunks, task.lookup_id)
+                if tail is not None:
+                    key, obj, tokens = tail
+                    objs.append(obj)
+                    task.keys = (*task.keys[:chunks], key)
+                    hit += tokens
+            self.events.finish(task, objs, hit)
         except Exception as exc:  # a bug, not a tier fault (tiers never raise)
             logger.exception("lmkv prefetch %s failed", task.lookup_id)
             self.events.fail(task, exc)
+
+    # -- block-granular hits (lmkv.aliases) ------------------------------------
+    def partial_hit(self, partials: Partials, index: int, lookup_id: str = ""
+                    ) -> tuple[CacheKey, MemoryObj, int] | None:
+        """The longest leading part of chunk ``index`` that some tier serves:
+        ``(its key, the chunk that holds it, its tokens)``; the caller owns the
+        reference. The chunk may hold more tokens than the part (an alias's
+        target); the first ``tokens`` of it are the part's."""
+        if index >= len(partials.keys) or not partials.keys[index]:
+            return None
+        candidates = partials.keys[index]
+        found = sorted(((self._contains(tier, lookup_id, candidates, pin=False), -i, tier)
+                        for i, tier in enumerate(self.tiers)), key=lambda t: t[:2],
+                       reverse=True)
+        for blocks, _, tier in found:
+            if not blocks:
+                break
+            key = candidates[blocks - 1]
+            obj = self.resolve(tier, key)
+            if obj is not None:
+                return key, obj, blocks * partials.block_tokens
+        return None
+
+    def resolve(self, tier: StorageBackend, key: CacheKey) -> MemoryObj | None:
+        """The chunk stored under ``key`` in ``tier``, an alias followed to its target
+        (looked for in ``tier`` first, then in the others); the caller owns it."""
+        obj = self._get_one(tier, key)
+        if obj is None or not is_alias(obj):
+            return obj
+        target = alias_target(key, obj)
+        release([obj])
+        return None if target is None else self.resolve_target(target, first=tier)
+
+    def _get_one(self, tier: StorageBackend, key: CacheKey) -> MemoryObj | None:
+        try:
+            return tier.get_blocking(key)
+        except Exception as exc:  # the last resort, as for gets
+            tier.faults.last_resort("get", exc, "a miss")
+            return None
+
+    def _resolved(self, keys: Sequence[CacheKey], objs: list[MemoryObj]) -> list[MemoryObj]:
+        """``objs`` (chunks of ``keys``) with each alias replaced by its target; the
+        answer ends before an alias that no longer resolves."""
+        out: list[MemoryObj] = []
+        for i, (key, obj) in enumerate(zip(keys, objs, strict=False)):
+            target = alias_target(key, obj) if obj.tensor.dim() == 1 else None
+            if target is None:
+                out.append(obj)
+                continue
+            release([obj])
+            resolved = self.resolve_target(target)
+            if resolved is None:
+                release(objs[i + 1:])
+                return out
+            out.append(resolved)
+        return out
+
+    def resolve_target(self, target: CacheKey, first: StorageBackend | None = None
+                       ) -> MemoryObj | None:
+        """The chunk an alias names, from ``first`` or else any tier; an alias of an
+        alias is never followed."""
+        for tier in sorted(self.tiers, key=lambda t: t is not first):
+            found = self._get_one(tier, target)
+            if found is not None:
+                if is_alias(found):
+                    release([found])
+                    return None
+                return found
+        return None
 
     def _plan(self, lookup_id: str, keys: list[CacheKey], kpc: int
               ) -> list[tuple[StorageBackend, list[CacheKey]]]:
@@ -208,8 +323,11 @@ class StorageManager:
     def _fetch(self, lookup_id: str, plans: list[tuple[StorageBackend, list[CacheKey]]],
                kpc: int) -> list[MemoryObj]:
         objs: list[MemoryObj] = []
-        for _, _, got in self._iter_fetch(lookup_id, plans, kpc):
-            objs.extend(got)
+        for _, ks, got in self._iter_fetch(lookup_id, plans, kpc):
+            resolved = self._resolved(ks, got) if kpc == 1 else got
+            objs.extend(resolved)
+            if len(resolved) < len(got):
+                break
         whole = len(objs) // kpc * kpc
         release(objs[whole:])
         return objs[:whole]
@@ -221,9 +339,12 @@ class StorageManager:
         upper tier returned while lower tiers are still reading."""
         plans = self._plan(f"stream-{uuid.uuid4().hex}", list(keys), 1)
         index = 0
-        for _, _, got in self._iter_fetch("", plans, 1):
-            yield index, got
-            index += len(got)
+        for _, ks, got in self._iter_fetch("", plans, 1):
+            resolved = self._resolved(ks, got)
+            yield index, resolved
+            index += len(resolved)
+            if len(resolved) < len(got):
+                return
 
     def _iter_fetch(self, lookup_id: str, plans: list[tuple[StorageBackend, list[CacheKey]]],
                     kpc: int) -> Iterator[tuple[StorageBackend, list[CacheKey], list[MemoryObj]]]:
@@ -238,6 +359,7 @@ class StorageManager:
         futures = [self._start_get(tier, lookup_id, ks) for tier, ks in plans]
         done = 0
         short = False
+        before: CacheKey | None = None  # the key before this plan's first
         try:
             for (tier, ks), future in zip(plans, futures, strict=True):
                 got = self._result(tier, future)
@@ -249,7 +371,8 @@ class StorageManager:
                     continue
                 short = len(got) < len(ks)  # evicted between contains and get
                 if tier is not self.tiers[0]:
-                    self._promote(list(zip(ks, got, strict=False)))
+                    self._promote(ks[:len(got)], got, chain_parents(ks[:len(got)], before, kpc))
+                before = ks[len(ks) - kpc] if len(ks) >= kpc else before
                 yield tier, ks, got
         finally:  # also when the consumer stops early: release what it did not take
             for (tier, ks), future in zip(plans[done:], futures[done:], strict=True):
@@ -276,13 +399,14 @@ class StorageManager:
             tier.faults.last_resort("get", exc, "a miss")
             return []
 
-    def _promote(self, pairs: list[tuple[CacheKey, MemoryObj]]) -> None:
+    def _promote(self, keys: list[CacheKey], objs: list[MemoryObj],
+                 parents: list[CacheKey | None]) -> None:
         first = self.tiers[0]
-        if not pairs or not first.holds_memory_objs:
+        if not keys or not first.holds_memory_objs:
             return
         try:
-            guarded(first, "promote", first.batched_submit_put(
-                [k for k, _ in pairs], [o for _, o in pairs]), 0, "not promoted")
+            guarded(first, "promote", submit_put(first, keys, objs, parents), 0,
+                    "not promoted")
         except Exception as exc:  # the last resort, as for puts
             first.faults.last_resort("promote", exc, "not promoted")
 
@@ -308,6 +432,31 @@ class StorageManager:
                 tier.close()
             except Exception:
                 logger.exception("closing tier %s failed", tier.name)
+
+
+@dataclass(frozen=True)
+class Partials:
+    """The keys of each chunk's leading whole blocks (``keys[i][j - 1]``: chunk
+    ``i``'s first ``j`` blocks, ``lmkv.tokens.block_prefix_hashes``) and the
+    tokens in a block."""
+
+    keys: Sequence[Sequence[CacheKey]]
+    block_tokens: int
+
+
+def chain_parents(keys: Sequence[CacheKey], before: CacheKey | None = None,
+                  keys_per_chunk: int = 1) -> list[CacheKey | None]:
+    """The parents of a run of consecutive chunks' keys: each key extends the key
+    ``keys_per_chunk`` before it (the same layer of the previous chunk, in
+    layerwise mode); the first chunk's keys extend ``before`` (the same layer of
+    the chunk before the run) or nothing."""
+    kpc = keys_per_chunk
+    if kpc == 1:
+        return [before, *keys[:-1]] if keys else []
+    head: list[CacheKey | None] = (
+        [before.with_layer(i) if before.layer >= 0 else before for i in range(kpc)]
+        if before is not None else [None] * kpc)
+    return [head[i] if i < kpc else keys[i - kpc] for i in range(len(keys))]
 
 
 def _release_result(future: Future) -> None:

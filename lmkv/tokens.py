@@ -24,6 +24,7 @@ import re
 import struct
 import sys
 from array import array
+from collections.abc import Sequence
 from hashlib import blake2b, sha256
 from typing import Any
 
@@ -253,6 +254,50 @@ def prefix_hashes(tokens: Any, chunk_size: int = DEFAULT_CHUNK_SIZE,
     return out
 
 
+def block_prefix_hashes(tokens: Any, chunk_size: int, block_size: int,
+                        identity: Identity | None = None,
+                        full: Sequence[bytes] | None = None) -> list[list[bytes]]:
+    """The hashes of every chunk's leading whole blocks: ``out[c][j - 1]`` names
+    tokens ``[c * chunk_size, c * chunk_size + j * block_size)`` after chunk ``c - 1``.
+
+    For a whole chunk, ``j`` runs over the blocks shorter than the chunk; for the
+    trailing partial chunk, over every whole block it covers (it may have none).
+    Each is exactly the hash ``prefix_hashes(..., keep_partial=True)`` gives a
+    prompt that ends there, so a block-aligned partial chunk stored on its own
+    and a stored whole chunk's leading blocks (an alias, see ``lmkv.aliases``)
+    answer to the same key. ``full``: this prompt's ``prefix_hashes`` when the
+    caller has them already.
+    """
+    if block_size <= 0 or chunk_size % block_size:
+        raise ValueError(f"block_size {block_size} must divide chunk_size {chunk_size}")
+    data = token_bytes(tokens)
+    n = len(data) // 4
+    if full is None:
+        full = prefix_hashes(tokens, chunk_size, False, identity)
+    out: list[list[bytes]] = []
+    for index, start in enumerate(range(0, n, chunk_size)):
+        prev = full[index - 1] if index else b""
+        length = min(chunk_size, n - start)
+        last = length if length < chunk_size else length - 1  # a whole chunk: shorter only
+        blocks = last // block_size
+        hashes: list[bytes] = []
+        running = sha256(prev)
+        done = 0
+        for j in range(1, blocks + 1):
+            end = start + j * block_size
+            running.update(data[(start + done) * 4:end * 4])
+            done = j * block_size
+            extras = identity.chunk_extras(start, end, index, chunk_size) if identity else None
+            flags = ((_HAS_EXTRAS if extras else 0) | _PARTIAL | (0 if prev else _FIRST))
+            h = running.copy()
+            if extras:
+                h.update(extras)
+            h.update(_TRAILER.pack(done, flags, _TRAILER_TAG))
+            hashes.append(h.digest())
+        out.append(hashes)
+    return out
+
+
 def _trailed(prev: bytes, chunk: memoryview, extras: bytes | None, partial: bool) -> bytes:
     flags = ((_HAS_EXTRAS if extras else 0) | (_PARTIAL if partial else 0)
              | (0 if prev else _FIRST))
@@ -261,40 +306,65 @@ def _trailed(prev: bytes, chunk: memoryview, extras: bytes | None, partial: bool
 
 
 class ChunkKeys(msgspec.Struct, frozen=True):
-    """The chunks of one token sequence: bounds and keys, in order."""
+    """The chunks of one token sequence: bounds and keys, in order.
+
+    ``partials[i]`` (block-granular hits, else empty): the keys of chunk ``i``'s
+    leading whole blocks shorter than it (``block_prefix_hashes``).
+    """
 
     starts: list[int]
     ends: list[int]
     keys: list[CacheKey]
+    partials: list[list[CacheKey]] = []
 
     def __len__(self) -> int:
         return len(self.keys)
 
 
 class TokenChunker:
-    """Turns token sequences into chunk keys for one engine (one KeyMeta)."""
+    """Turns token sequences into chunk keys for one engine (one KeyMeta).
+
+    With a ``block_size`` smaller than the chunk (block-granular hits), a
+    sequence's last partial chunk is cut at its last whole block and kept
+    (LMCache's ``save_unfull_chunk``): a prompt is stored and matched up to its
+    last whole block, and every chunk carries its leading blocks' keys.
+    """
 
     def __init__(self, meta: KeyMeta, chunk_size: int = DEFAULT_CHUNK_SIZE,
-                 save_partial_chunk: bool = False) -> None:
+                 save_partial_chunk: bool = False, block_size: int | None = None) -> None:
         if chunk_size <= 0:
             raise ValueError("chunk_size must be positive")
+        if block_size is not None and (block_size <= 0 or chunk_size % block_size):
+            raise ValueError(f"block_size {block_size} must divide chunk_size {chunk_size}")
         self.meta = meta
         self.chunk_size = chunk_size
         self.save_partial_chunk = save_partial_chunk
+        #: Tokens per block of block-granular hits; None: hits in whole chunks.
+        self.block_size = block_size if block_size and block_size < chunk_size else None
 
     def chunk(self, tokens: Any, keep_partial: bool | None = None,
               identity: Identity | None = None) -> ChunkKeys:
         keep = self.save_partial_chunk if keep_partial is None else keep_partial
-        hashes = prefix_hashes(tokens, self.chunk_size, keep, identity)
+        block = self.block_size
         n = len(tokens)
+        partials: list[list[bytes]] = []
+        if block:
+            aligned = n // block * block
+            if not keep or aligned == n:
+                tokens, n, keep = tokens[:aligned], aligned, True
+            hashes = prefix_hashes(tokens, self.chunk_size, keep, identity)
+            partials = block_prefix_hashes(tokens, self.chunk_size, block, identity,
+                                           full=hashes)
+        else:
+            hashes = prefix_hashes(tokens, self.chunk_size, keep, identity)
         cs = self.chunk_size
         starts = [i * cs for i in range(len(hashes))]
         ends = [min(s + cs, n) for s in starts]
         meta = self.meta
-        return ChunkKeys(starts, ends, [CacheKey(meta, h) for h in hashes])
+        return ChunkKeys(starts, ends, [CacheKey(meta, h) for h in hashes],
+                         [[CacheKey(meta, h) for h in hs] for hs in partials])
 
     def layerwise_keys(self, chunks: ChunkKeys, num_layers: int) -> list[list[CacheKey]]:
         """One key per (chunk, layer): ``result[chunk][layer]``."""
         return [[CacheKey(k.meta, k.chunk_hash, layer) for layer in range(num_layers)]
                 for k in chunks.keys]
-

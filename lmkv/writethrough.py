@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Sequence
 
-from lmkv.backend import StorageBackend
+from lmkv.backend import StorageBackend, submit_put
 from lmkv.logutil import RateLimitedLog
 from lmkv.memory import MemoryObj
 from lmkv.tokens import CacheKey
@@ -42,8 +42,10 @@ class WriteThrough:
                                         daemon=True)
         self._thread.start()
 
-    def submit(self, keys: Sequence[CacheKey], objs: Sequence[MemoryObj]) -> bool:
-        """Queue a write; False (and counted as dropped) when the queue is full."""
+    def submit(self, keys: Sequence[CacheKey], objs: Sequence[MemoryObj],
+               parents: Sequence[CacheKey | None] | None = None) -> bool:
+        """Queue a write (``parents``: as for ``StorageBackend.batched_submit_put``);
+        False (and counted as dropped) when the queue is full."""
         n = len(keys)
         with self._lock:
             if self._pending + n > self.max_chunks:
@@ -55,7 +57,7 @@ class WriteThrough:
             self._pending += n
         for obj in objs:
             obj.ref_up()
-        self._queue.put((list(keys), list(objs)))
+        self._queue.put((list(keys), list(objs), None if parents is None else list(parents)))
         return True
 
     @property
@@ -67,9 +69,9 @@ class WriteThrough:
             item = self._queue.get()
             if item is _STOP:
                 return
-            keys, objs = item
+            keys, objs, parents = item
             try:
-                self.tier.batched_submit_put(keys, objs).result(timeout=PUT_TIMEOUT_S)
+                submit_put(self.tier, keys, objs, parents).result(timeout=PUT_TIMEOUT_S)
             except Exception as exc:  # the tier absorbs its faults; this is the last resort
                 self.tier.faults.last_resort("write-through put", exc, "the writes are dropped")
             finally:
@@ -103,7 +105,7 @@ class WriteThrough:
                 break
             if item is _STOP:
                 continue
-            keys, objs = item
+            keys, objs, _ = item
             dropped += len(keys)
             for obj in objs:
                 obj.ref_down()

@@ -16,7 +16,7 @@ class LRUPolicy(EvictionPolicy):
         super().__init__(options, context)
         self._order: OrderedDict[Hashable, None] = OrderedDict()
 
-    def on_insert(self, key: Hashable) -> None:
+    def on_insert(self, key: Hashable, parent: Hashable | None) -> None:
         self._order[key] = None
         self._order.move_to_end(key)
 

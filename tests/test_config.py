@@ -264,7 +264,8 @@ def test_empty_config_file_is_refused(tmp_path: Path, name: str, text: str) -> N
 
 @pytest.mark.parametrize("overrides,expected", [
     ({"lmkv.chunksize": 1}, "config key 'chunksize' (from lmkv.chunksize): unknown key; did you "
-                            "mean 'chunk_size'? allowed: async_load, chunk_size, gpu_connector,"),
+                            "mean 'chunk_size'? allowed: async_load, block_size, chunk_size, "
+                            "gpu_connector,"),
     ({"lmkv.lookup.timeout": 1}, "config key 'lookup.timeout' (from lmkv.lookup.timeout): "
                                  "unknown key; did you mean 'timeout_ms'? allowed: backoff_ms, "
                                  "base_port, curve, host, insecure, max_tokens, runtime_dir, "
@@ -398,3 +399,9 @@ def test_the_data_path_takes_auto_and_inline() -> None:
     assert load_config(env={"LMKV_SERVER__DATA_PATH": "inline"}).server.data_path == "inline"
     with pytest.raises(ConfigError, match=r"'server\.data_path' = 'frame'"):
         load_config(env={"LMKV_SERVER__DATA_PATH": "frame"})
+
+
+def test_block_size_must_divide_chunk_size() -> None:
+    with pytest.raises(ConfigError, match="block_size 48 must divide chunk_size 256"):
+        load_config(env={}, overrides={"lmkv.block_size": 48})
+    assert load_config(env={}, overrides={"lmkv.block_size": 64}).block_size == 64

@@ -6,7 +6,7 @@ import torch
 
 from lmkv.backend import BackendContext
 from lmkv.logutil import RateLimitedLog
-from lmkv.storage import StorageManager
+from lmkv.storage import StorageManager, chain_parents
 from lmkv.tokens import CacheKey, KeyMeta
 from lmkv_backends.tiers.cpu import CPUBackend
 from lmkv_policies.lru import LRUPolicy
@@ -178,3 +178,44 @@ def test_a_get_that_times_out_gives_its_buffers_back_when_it_ends(monkeypatch) -
         assert all(obj.ref_count == 1 for obj in objs)  # only the tier's own reference
     finally:
         storage.close()
+
+
+def _chunks(manager: StorageManager, ids: list[int]) -> list:
+    objs = []
+    for i in ids:
+        obj = manager.allocate(SHAPE, torch.float32)
+        obj.tensor.fill_(i)
+        objs.append(obj)
+    return objs
+
+
+def test_eviction_never_orphans_a_prefix() -> None:
+    """A 4-chunk prompt fills a 4-chunk tier; one more store evicts the prompt's
+    tail, never its head: the stored prefix stays 3 chunks long."""
+    chunk = 4 * 2 * 2 * 8 * 2 * 8
+    tier = cpu(4 * chunk)
+    manager = StorageManager([tier])
+    keys = [key(i) for i in range(4)]
+    objs = _chunks(manager, range(4))
+    manager.put(keys, objs, chain_parents(keys)).result()
+    for obj in objs:
+        obj.ref_down()
+    for obj in manager.get(keys):  # reads refresh all four, head first
+        obj.ref_down()
+    other = _chunks(manager, [9])
+    manager.put([key(9)], other, [None]).result()
+    other[0].ref_down()
+    assert [tier.contains(k) for k in keys] == [True, True, True, False]
+    assert manager.contains_prefix(keys) == 3
+    manager.close()
+
+
+def test_chain_parents_links_each_chunk_to_the_one_before() -> None:
+    keys = [key(i) for i in range(3)]
+    assert chain_parents(keys) == [None, keys[0], keys[1]]
+    assert chain_parents(keys[1:], keys[0]) == [keys[0], keys[1]]
+    layered = [k.with_layer(layer) for k in keys[:2] for layer in range(2)]
+    assert chain_parents(layered, keys_per_chunk=2) == [None, None, layered[0], layered[1]]
+    before = keys[2].with_layer(0)
+    assert chain_parents(layered[:2], before, 2) == [keys[2].with_layer(0),
+                                                      keys[2].with_layer(1)]

@@ -32,11 +32,31 @@ def fits_spec(spec: KVSpec, counters: EngineCounters, key: CacheKey, chunk: Any,
     return False
 
 
+def hit_block_size(config: LMKVConfig, engine_block: int | None) -> int | None:
+    """Tokens per block of block-granular hits: ``config.block_size``, else the
+    engine's (``engine_block``: vLLM's block size, the transformers
+    integration's choice). None (hits in whole chunks) when that is a whole
+    chunk or does not divide one (a warning then: hits stay whole chunks)."""
+    block = config.block_size or engine_block
+    if not block or block >= config.chunk_size:
+        return None
+    if config.chunk_size % block:
+        _spec_log.warning("block", "lmkv: the engine's blocks of %d tokens do not divide "
+                          "chunk_size %d: hits stay whole chunks (set chunk_size to a "
+                          "multiple of %d for hits at the block)", block, config.chunk_size,
+                          block)
+        return None
+    return block
+
+
 def engine_chunker(config: LMKVConfig, spec: KVSpec, model_name: str, connector: GPUConnector,
-                   world_size: int, worker_id: int) -> TokenChunker:
+                   world_size: int, worker_id: int, block_size: int | None = None
+                   ) -> TokenChunker:
     """The chunker (keys) of an engine: the same in every mode, so that engines in
-    either mode name a chunk the same way."""
+    either mode name a chunk the same way. ``block_size``: the engine's block
+    (``hit_block_size``)."""
     meta = KeyMeta(config.model_name or model_name, world_size, worker_id,
                    dtype_name(spec.dtype), connector.chunk_layout,
                    kv_geometry(spec.num_layers, spec.num_kv_heads, spec.head_dim))
-    return TokenChunker(meta, config.chunk_size, config.save_partial_chunk)
+    return TokenChunker(meta, config.chunk_size, config.save_partial_chunk,
+                        hit_block_size(config, block_size))

@@ -21,13 +21,14 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Any
 
+from lmkv.aliases import chunk_aliases
 from lmkv.config import LMKVConfig
 from lmkv.engines.keys import engine_chunker, fits_spec
 from lmkv.engines.protocol import EngineCounters, RetrieveResult
 from lmkv.gpu import ChunkSpan, GPUConnector, KVSpec
 from lmkv.logutil import RateLimitedLog
 from lmkv.memory import MemoryObj, release
-from lmkv.storage import StorageManager
+from lmkv.storage import Partials, StorageManager, chain_parents
 from lmkv.tokens import CacheKey, ChunkKeys, Identity, KeyMeta
 
 logger = logging.getLogger(__name__)
@@ -37,13 +38,14 @@ _store_log = RateLimitedLog(logger)
 class LocalEngine:
     def __init__(self, config: LMKVConfig, spec: KVSpec, *, model_name: str,
                  connector: GPUConnector, storage: StorageManager,
-                 world_size: int = 1, worker_id: int = 0) -> None:
+                 world_size: int = 1, worker_id: int = 0, block_size: int | None = None
+                 ) -> None:
         self.config = config
         self.spec = spec
         self.connector = connector
         self.storage = storage
         self.chunker = engine_chunker(config, spec, model_name, connector, world_size,
-                                      worker_id)
+                                      worker_id, block_size)
         self.counters = EngineCounters()
         storage.set_chunk_bytes(spec.chunk_nbytes(config.chunk_size))
 
@@ -80,7 +82,11 @@ class LocalEngine:
             return 0
         try:
             self.connector.to_chunks(spans, **kv)
-            self.storage.put(chunks.keys[first:first + len(objs)], objs)
+            end = first + len(objs)
+            keys = chunks.keys[first:end]
+            self.storage.put(keys, objs,
+                             chain_parents(keys, chunks.keys[first - 1] if first else None),
+                             chunk_aliases(keys, chunks.partials[first:end]))
         finally:
             for obj in objs:
                 obj.ref_down()
@@ -90,7 +96,24 @@ class LocalEngine:
         """Length in tokens of the longest stored prefix of ``tokens``."""
         chunks = self.chunker.chunk(tokens, identity=identity)
         hits = self.storage.contains_prefix(chunks.keys)
-        return chunks.ends[hits - 1] if hits else 0
+        hit = chunks.ends[hits - 1] if hits else 0
+        tail = self._partial_hit(chunks, hits)
+        if tail is not None:
+            release([tail[1]])
+            hit += tail[2]
+        return hit
+
+    def _partials(self, chunks: ChunkKeys) -> Partials | None:
+        block = self.chunker.block_size
+        return Partials(chunks.partials, block) if block and chunks.partials else None
+
+    def _partial_hit(self, chunks: ChunkKeys, index: int
+                     ) -> tuple[CacheKey, MemoryObj, int] | None:
+        """Chunk ``index``'s longest stored leading blocks (block-granular hits)."""
+        partials = self._partials(chunks)
+        if partials is None or index >= len(chunks):
+            return None
+        return self.storage.partial_hit(partials, index)
 
     def lookup_and_prefetch(self, tokens: Sequence[int] | Any, lookup_id: str, *,
                             identity: Identity | None = None) -> Future:
@@ -101,16 +124,23 @@ class LocalEngine:
         the tiers again; ``release_lookup`` drops them.
         """
         chunks = self.chunker.chunk(tokens, identity=identity)
-        return self.storage.lookup_and_prefetch(lookup_id, chunks.keys, chunks.ends)
+        return self.storage.lookup_and_prefetch(lookup_id, chunks.keys, chunks.ends,
+                                                partials=self._partials(chunks))
 
     def lookup_and_prefetch_hashes(self, lookup_id: str, chunk_hashes: Sequence[bytes],
-                                   chunk_ends: Sequence[int]) -> Future:
+                                   chunk_ends: Sequence[int],
+                                   partial_hashes: Sequence[Sequence[bytes]] = (),
+                                   block_tokens: int = 0) -> Future:
         """``lookup_and_prefetch`` for chunk hashes computed elsewhere (the scheduler
         hashes once, identity included; each worker builds its own keys, with its
-        own rank)."""
+        own rank). ``partial_hashes[i]``: chunk ``i``'s leading blocks' hashes, of
+        ``block_tokens`` tokens a block (block-granular hits; none: whole chunks)."""
         meta = self.chunker.meta
         keys = [CacheKey(meta, h) for h in chunk_hashes]
-        return self.storage.lookup_and_prefetch(lookup_id, keys, chunk_ends)
+        partials = (Partials([[CacheKey(meta, h) for h in hs] for hs in partial_hashes],
+                             block_tokens) if partial_hashes and block_tokens > 0 else None)
+        return self.storage.lookup_and_prefetch(lookup_id, keys, chunk_ends,
+                                                partials=partials)
 
     def release_lookup(self, lookup_id: str) -> None:
         self.storage.release_prefetched(lookup_id)
@@ -128,14 +158,19 @@ class LocalEngine:
         objs = self.storage.take_prefetched(lookup_id, chunks.keys) if lookup_id else None
         if objs is None and self.connector.writes_in_place:
             return self._retrieve_streaming(chunks, kv)
+        ends = list(chunks.ends)
         if objs is None:
             objs = self.storage.get(chunks.keys)
-        objs = self._fitting(chunks, 0, objs)
-        if not objs:
+            tail = self._partial_hit(chunks, len(objs))
+            if tail is not None:
+                objs.append(tail[1])
+                ends[len(objs) - 1] = chunks.starts[len(objs) - 1] + tail[2]
+        fitting = self._fitting(chunks, 0, objs, ends)
+        if not fitting:
             return RetrieveResult(0, None)
         try:
-            spans = [ChunkSpan(s, e, o.tensor)
-                     for s, e, o in zip(chunks.starts, chunks.ends, objs, strict=False)]
+            spans = [ChunkSpan(s, e, t)
+                     for s, e, t in zip(chunks.starts, ends, fitting, strict=False)]
             result = self.connector.from_chunks(spans, **kv)
         finally:
             release(objs)
@@ -143,32 +178,52 @@ class LocalEngine:
 
     def _retrieve_streaming(self, chunks: ChunkKeys, kv: dict[str, Any]) -> RetrieveResult:
         hit = 0
+        whole = True  # every chunk streamed so far fitted
         with contextlib.closing(self.storage.stream(chunks.keys)) as stream:
             for first, got in stream:
-                objs = self._fitting(chunks, first, got)
-                try:
-                    spans = [ChunkSpan(chunks.starts[first + i], chunks.ends[first + i], o.tensor)
-                             for i, o in enumerate(objs)]
-                    if spans:
-                        self.connector.from_chunks(spans, **kv)
-                finally:
-                    release(objs)
-                hit = first + len(objs)
-                if len(objs) < len(got):
+                hit, whole = self._copy_in(chunks, first, got, chunks.ends, kv)
+                if not whole:
                     break
-        return RetrieveResult(chunks.ends[hit - 1] if hit else 0, None)
+        end = chunks.ends[hit - 1] if hit else 0
+        if whole and hit < len(chunks):
+            tail = self._partial_hit(chunks, hit)
+            if tail is not None:
+                ends = list(chunks.ends)
+                ends[hit] = chunks.starts[hit] + tail[2]
+                if self._copy_in(chunks, hit, [tail[1]], ends, kv)[1]:
+                    end = ends[hit]
+        return RetrieveResult(end, None)
 
-    def _fitting(self, chunks: ChunkKeys, first: int, objs: list[MemoryObj]
-                 ) -> list[MemoryObj]:
-        """The leading ``objs`` (chunks ``first``...) whose shape and dtype are what this
-        engine's KV spec gives their tokens; the rest are released and counted."""
+    def _copy_in(self, chunks: ChunkKeys, first: int, got: list[MemoryObj],
+                 ends: Sequence[int], kv: dict[str, Any]) -> tuple[int, bool]:
+        """Copy chunks ``first``... into the engine's KV; (chunks now in, all fitted)."""
+        try:
+            fitting = self._fitting(chunks, first, got, ends)
+            spans = [ChunkSpan(chunks.starts[first + i], ends[first + i], t)
+                     for i, t in enumerate(fitting)]
+            if spans:
+                self.connector.from_chunks(spans, **kv)
+        finally:
+            release(got)
+        return first + len(fitting), len(fitting) == len(got)
+
+    def _fitting(self, chunks: ChunkKeys, first: int, objs: list[MemoryObj],
+                 ends: Sequence[int]) -> list[Any]:
+        """The tensors of the leading ``objs`` (chunks ``first``...) whose shape and
+        dtype are what this engine's KV spec gives their tokens (``ends``), a chunk
+        that holds more tokens (block-granular hits: an alias's target) cut to its
+        leading ones. The rest are counted; the caller releases every obj."""
+        out = []
         for i, obj in enumerate(objs):
             j = first + i
-            if not fits_spec(self.spec, self.counters, chunks.keys[j], obj.tensor,
-                             chunks.ends[j] - chunks.starts[j]):
-                release(objs[i:])
-                return objs[:i]
-        return objs
+            want = ends[j] - chunks.starts[j]
+            tensor = obj.tensor
+            if tensor.dim() == 5 and tensor.shape[2] > want:
+                tensor = tensor.narrow(2, 0, want)
+            if not fits_spec(self.spec, self.counters, chunks.keys[j], tensor, want):
+                break
+            out.append(tensor)
+        return out
 
     def stats(self) -> list[dict[str, Any]]:
         return self.storage.stats()

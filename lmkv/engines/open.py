@@ -18,19 +18,23 @@ from lmkv.storage import StorageManager
 
 def open_engine(config: LMKVConfig, spec: KVSpec, *, model_name: str,
                 connector: GPUConnector | None = None, kv_kind: str | None = None,
-                world_size: int = 1, worker_id: int = 0) -> Engine:
+                world_size: int = 1, worker_id: int = 0,
+                block_size: int | None = None) -> Engine:
     """An engine for ``spec`` (the KV's geometry and dtype) under ``config``.
 
     ``connector``: a connector built by the caller (tests, benchmarks); without
     one it is resolved here (``resolve_connector``: ``config.gpu_connector``,
     else the default connector for ``kv_kind`` KV, checked to take that kind;
     ``kv_kind=None`` asserts no kind: the config's connector, else ``hf``).
+    ``block_size``: the engine's block in tokens, the granularity of hits inside
+    chunks unless ``config.block_size`` says otherwise (``hit_block_size``).
     """
     if connector is None:
         connector = resolve_connector(config, spec, kv_kind)
     if config.mode == "server":
         return RemoteEngine(config, spec, model_name=model_name, connector=connector,
-                            world_size=world_size, worker_id=worker_id)
+                            world_size=world_size, worker_id=worker_id,
+                            block_size=block_size)
     return LocalEngine(config, spec, model_name=model_name, connector=connector,
                        storage=StorageManager.from_config(config), world_size=world_size,
-                       worker_id=worker_id)
+                       worker_id=worker_id, block_size=block_size)

@@ -70,8 +70,12 @@ class Engine(Protocol):
         ...
 
     def lookup_and_prefetch_hashes(self, lookup_id: str, chunk_hashes: Sequence[bytes],
-                                   chunk_ends: Sequence[int]) -> Future:
-        """``lookup_and_prefetch`` for chunk hashes computed elsewhere."""
+                                   chunk_ends: Sequence[int],
+                                   partial_hashes: Sequence[Sequence[bytes]] = (),
+                                   block_tokens: int = 0) -> Future:
+        """``lookup_and_prefetch`` for chunk hashes computed elsewhere;
+        ``partial_hashes[i]``: chunk ``i``'s leading blocks' hashes
+        (``lmkv.tokens.block_prefix_hashes``, blocks of ``block_tokens``)."""
         ...
 
     def release_lookup(self, lookup_id: str) -> None:

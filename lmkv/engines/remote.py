@@ -44,12 +44,13 @@ POLL_INTERVAL_S = 0.0005
 
 class RemoteEngine:
     def __init__(self, config: LMKVConfig, spec: KVSpec, *, model_name: str,
-                 connector: GPUConnector, world_size: int = 1, worker_id: int = 0) -> None:
+                 connector: GPUConnector, world_size: int = 1, worker_id: int = 0,
+                 block_size: int | None = None) -> None:
         self.config = config
         self.spec = spec
         self.connector = connector
         self.chunker = engine_chunker(config, spec, model_name, connector, world_size,
-                                      worker_id)
+                                      worker_id, block_size)
         self.counters = EngineCounters()
         server = config.server
         curve = client_keys(server.curve) if server.curve is not None else None
@@ -114,7 +115,9 @@ class RemoteEngine:
                                                chunks.ends)
 
     def lookup_and_prefetch_hashes(self, lookup_id: str, chunk_hashes: Sequence[bytes],
-                                   chunk_ends: Sequence[int]) -> Future:
+                                   chunk_ends: Sequence[int],
+                                   partial_hashes: Sequence[Sequence[bytes]] = (),
+                                   block_tokens: int = 0) -> Future:
         """Have the server load the stored prefix and hold it for ``lookup_id``; the
         future resolves to the hit length in tokens (0 when the server fails)."""
         future: Future = Future()

@@ -55,6 +55,7 @@ class Handle:
     req_id: int = 0  # the request that made it (for ``abandoned``)
     process: str = ""  # the client process that maps the arena (liveness)
     expires: float = 0.0  # monotonic; renewed by the client's heartbeat
+    parent: CacheKey | None = None  # a store's: the key its first chunk extends
 
     @property
     def shared(self) -> bool:

@@ -26,7 +26,7 @@ from lmkv.memory import MemoryAllocator, MemoryObj, dtype_name, release
 from lmkv.memory.shm import SharedSegment, host_id
 from lmkv.rpc import protocol as p
 from lmkv.server.sessions import Session, SessionTable
-from lmkv.storage import StorageManager
+from lmkv.storage import StorageManager, chain_parents
 
 logger = logging.getLogger(__name__)
 
@@ -221,6 +221,8 @@ class KVService:
                                           data_path=data_path, req_id=req.req_id,
                                           process=req.process
                                           ) if objs else None
+        if handle is not None:
+            handle.parent = keys[first - 1] if first else None
         if handle is None:
             return Outcome(p.StoreReply(handle=0, first=first, data_path=data_path,
                                         shm_name="", chunks=[]))
@@ -244,7 +246,8 @@ class KVService:
         try:
             if data or handle.data_path == "inline":
                 _copy_parts(handle.objs, data)
-            future = self.storage.put(handle.keys, handle.objs)
+            future = self.storage.put(handle.keys, handle.objs,
+                                      chain_parents(handle.keys, handle.parent))
             stored = future.result() if future.done() else len(handle.objs)
         finally:
             handle.release()

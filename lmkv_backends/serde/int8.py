@@ -1,5 +1,8 @@
 """``int8``: a lossy quantizer that halves bf16/fp16 KV (quarters fp32).
 
+Buffers that are not floating-point (aliases: ``lmkv.aliases``) are stored
+exactly, as their bytes.
+
 Each value becomes ``round(x / scale)`` in int8 with a symmetric absmax
 scale per token (``granularity: token``: one scale per layer, K/V, token and
 head, over head_dim) or per channel (``granularity: channel``: one scale per
@@ -22,6 +25,7 @@ from lmkv.serde import Serializer
 from lmkv.tokens import CacheKey
 
 _GRANULARITY = {"token": 1, "channel": 2}
+_RAW = 0  # a buffer that is not floating-point KV (an alias, say): its bytes as they are
 _PREFIX = struct.Struct("<B")
 
 
@@ -42,6 +46,9 @@ class Int8Serializer(Serializer):
     Options = Int8Options
 
     def serialize(self, obj: MemoryObj, key: CacheKey) -> list[bytes | memoryview]:
+        if not obj.tensor.is_floating_point():  # quantizing would change it: kept exact
+            return self.framed(obj, b"".join([_PREFIX.pack(_RAW),
+                                              obj.byte_view().numpy().tobytes()]), key)
         if obj.tensor.dim() != 5:
             raise ValueError("int8 quantizes chunk buffers [layers, 2, tokens, heads, head_dim]")
         granularity = _GRANULARITY[self.options.granularity]
@@ -55,6 +62,8 @@ class Int8Serializer(Serializer):
     def deserialize(self, frame: bytes | bytearray | memoryview,
                     allocate: Allocate, key: CacheKey) -> MemoryObj | None:
         header, payload = self.open_frame(frame, key)
+        if payload[:1] == _PREFIX.pack(_RAW) and not header.dtype.is_floating_point:
+            return self._raw(header, payload[1:], allocate)
         if len(header.shape) != 5:
             raise CorruptFrameError("int8 frame of a non-chunk shape")
         if not payload or payload[0] not in _GRANULARITY.values():
@@ -73,4 +82,15 @@ class Int8Serializer(Serializer):
             return None
         values = q.view(header.shape).float() * scale.view(scale_shape)
         obj.tensor.copy_(values.to(header.dtype))
+        return obj
+
+    @staticmethod
+    def _raw(header, payload: memoryview, allocate: Allocate) -> MemoryObj | None:
+        n = int(np.prod(header.shape)) * header.dtype.itemsize
+        if len(payload) != n:
+            raise CorruptFrameError("int8 raw payload length does not match its shape")
+        obj = allocate(header.shape, header.dtype)
+        if obj is None:
+            return None
+        obj.byte_view().copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
         return obj

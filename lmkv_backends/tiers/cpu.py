@@ -183,7 +183,7 @@ class CPUBackend(StorageBackend):
     def _evict_locked(self, needed: int) -> int:
         """Evict unpinned, unreferenced entries in policy order; returns bytes freed."""
         victims, freed = [], 0
-        for key in self.policy.victims():
+        for key in self.policy.candidates():
             obj = self._entries[key]
             if obj.is_evictable:
                 victims.append(key)
@@ -197,7 +197,7 @@ class CPUBackend(StorageBackend):
 
     def _drop_locked(self, key: CacheKey) -> MemoryObj:
         obj = self._entries.pop(key)
-        self.policy.on_remove(key)
+        self.policy.forget(key)
         self._stored_bytes -= obj.nbytes
         obj.ref_down()
         return obj
@@ -226,11 +226,13 @@ class CPUBackend(StorageBackend):
                 hits += 1
         return hits
 
-    def batched_submit_put(self, keys: Sequence[CacheKey], objs: Sequence[MemoryObj]) -> Future:
+    def batched_submit_put(self, keys: Sequence[CacheKey], objs: Sequence[MemoryObj],
+                           parents: Sequence[CacheKey | None] | None = None) -> Future:
         stored = 0
+        lineage = parents if parents is not None else [None] * len(keys)
         with self._lock:
             entries, policy = self._entries, self.policy
-            for key, obj in zip(keys, objs, strict=True):
+            for key, obj, parent in zip(keys, objs, lineage, strict=True):
                 if key in entries:
                     continue
                 if obj.allocator is self.allocator:
@@ -248,7 +250,7 @@ class CPUBackend(StorageBackend):
                         raise
                     obj = copy
                 entries[key] = obj
-                policy.on_insert(key)
+                policy.insert(key, parent)
                 self._stored_bytes += obj.nbytes
                 stored += 1
                 self.counters.bytes_in += obj.nbytes
@@ -262,7 +264,7 @@ class CPUBackend(StorageBackend):
                 self.counters.misses += 1
                 return None
             obj.ref_up()
-            self.policy.on_access(key)
+            self.policy.access(key)
             self.counters.hits += 1
             self.counters.bytes_out += obj.nbytes
             return obj
@@ -276,7 +278,7 @@ class CPUBackend(StorageBackend):
                 if obj is None:
                     break
                 obj.ref_up()
-                policy.on_access(key)
+                policy.access(key)
                 out.append(obj)
             self.counters.hits += len(out)
             self.counters.misses += len(keys) - len(out)

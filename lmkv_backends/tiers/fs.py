@@ -195,15 +195,17 @@ class FSBackend(StorageBackend):
         return self.index.unpin(key)
 
     # -- put -----------------------------------------------------------------------
-    def batched_submit_put(self, keys: Sequence[CacheKey], objs: Sequence[MemoryObj]) -> Future:
+    def batched_submit_put(self, keys: Sequence[CacheKey], objs: Sequence[MemoryObj],
+                           parents: Sequence[CacheKey | None] | None = None) -> Future:
         jobs: list[Future] = []
-        for key, obj in zip(keys, objs, strict=True):
+        lineage = parents if parents is not None else [None] * len(keys)
+        for key, obj, parent in zip(keys, objs, lineage, strict=True):
             if not self.index.begin_write(key):
                 continue
             if not obj.ref_up():  # written from the buffer itself: keep it alive until then
                 self.index.end_write(key)  # a released buffer: never store it
                 continue
-            job = self._submit(self._writers, self._write, key, obj)
+            job = self._submit(self._writers, self._write, key, obj, parent)
             if job is None:
                 self._write_finished(key, obj, None)
                 continue
@@ -220,7 +222,7 @@ class FSBackend(StorageBackend):
         with self._pending_lock:
             self._pending.discard(batch)
 
-    def _write(self, key: CacheKey, obj: MemoryObj) -> bool:
+    def _write(self, key: CacheKey, obj: MemoryObj, parent: CacheKey | None = None) -> bool:
         name = entry_name(key)
         with self._guard("write", key):
             try:
@@ -230,7 +232,7 @@ class FSBackend(StorageBackend):
                 self.counters.dropped_writes += 1
                 return False
             if existing is not None:  # another process stored it
-                self.index.adopt(key, existing)
+                self.index.adopt(key, existing, parent=parent)
                 return False
             buffers = self.context.serializer.serialize(obj, key)
             size = sum(memoryview(b).nbytes for b in buffers)
@@ -246,7 +248,7 @@ class FSBackend(StorageBackend):
             except BaseException:
                 self.index.release(size)
                 raise
-            self.index.commit(key, size, written)
+            self.index.commit(key, size, written, parent)
             self.counters.puts += 1
             self.counters.bytes_in += written
             return True

@@ -104,17 +104,18 @@ class EntryIndex:
     def touch(self, key: CacheKey) -> None:
         with self._lock:
             if key in self._entries:
-                self.policy.on_access(key)
+                self.policy.access(key)
 
     # -- changes -------------------------------------------------------------
-    def adopt(self, key: CacheKey, size: int, pin: bool = False) -> None:
+    def adopt(self, key: CacheKey, size: int, pin: bool = False,
+              parent: CacheKey | None = None) -> None:
         """Record an entry found in storage (written by us earlier or by someone else)."""
         with self._lock:
             entry = self._entries.get(key)
             if entry is None:
                 entry = self._entries[key] = Entry(size)
                 self.usage += size
-                self.policy.on_insert(key)
+                self.policy.insert(key, parent)
             elif entry.size != size:
                 self.usage += size - entry.size
                 entry.size = size
@@ -134,7 +135,7 @@ class EntryIndex:
         entry = self._entries.pop(key, None)
         if entry is not None:
             self.usage -= entry.size
-            self.policy.on_remove(key)
+            self.policy.forget(key)
         return entry
 
     def begin_write(self, key: CacheKey) -> bool:
@@ -161,7 +162,7 @@ class EntryIndex:
                 return None
             excess = self.usage + self.reserved + size - self.capacity
             victims: list[CacheKey] = []
-            for key in self.policy.victims():
+            for key in self.policy.candidates():
                 if excess <= 0:
                     break
                 entry = self._entries.get(key)
@@ -179,7 +180,8 @@ class EntryIndex:
         with self._lock:
             self.reserved -= reserved
 
-    def commit(self, key: CacheKey, reserved: int, size: int) -> None:
+    def commit(self, key: CacheKey, reserved: int, size: int,
+               parent: CacheKey | None = None) -> None:
         """A reserved write landed: the entry is stored."""
         with self._lock:
             self.reserved -= reserved
@@ -187,7 +189,7 @@ class EntryIndex:
             if entry is None:
                 self._entries[key] = Entry(size)
                 self.usage += size
-                self.policy.on_insert(key)
+                self.policy.insert(key, parent)
 
     def excess_victims(self) -> list[tuple[CacheKey, int]]:
         """Unpinned entries to evict until usage fits the budget (after a restart
@@ -197,7 +199,7 @@ class EntryIndex:
                 return []
             excess = self.usage + self.reserved - self.capacity
             victims = []
-            for key in self.policy.victims():
+            for key in self.policy.candidates():
                 if excess <= 0:
                     break
                 entry = self._entries.get(key)

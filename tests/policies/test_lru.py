@@ -6,10 +6,10 @@ from lmkv_policies.lru import LRUPolicy
 def test_order_follows_recency() -> None:
     policy = LRUPolicy()
     for k in "abcd":
-        policy.on_insert(k)
-    policy.on_access("a")
-    policy.on_remove("c")
-    policy.on_access("zz")  # unknown keys are ignored
+        policy.insert(k)
+    policy.access("a")
+    policy.forget("c")
+    policy.access("zz")  # unknown keys are ignored
     assert list(policy.victims()) == ["b", "d", "a"]
-    policy.on_insert("b")  # re-insert refreshes
+    policy.insert("b")  # re-insert refreshes
     assert list(policy.victims()) == ["d", "a", "b"]

@@ -211,7 +211,9 @@ class RedisBackend(StorageBackend):
         return True
 
     # -- puts -----------------------------------------------------------------------
-    def batched_submit_put(self, keys: Sequence[CacheKey], objs: Sequence[MemoryObj]) -> Future:
+    def batched_submit_put(self, keys: Sequence[CacheKey], objs: Sequence[MemoryObj],
+                           parents: Sequence[CacheKey | None] | None = None) -> Future:
+        # Redis evicts by its own maxmemory-policy: parents are not used here.
         return self._writer.submit(list(keys), list(objs))
 
     # -- removal --------------------------------------------------------------------
