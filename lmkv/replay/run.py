@@ -11,11 +11,9 @@ them with their parents in one batch, release, unpin.
 
 from __future__ import annotations
 
-import inspect
 import sys
 import time
-from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+from collections.abc import Callable
 from contextlib import closing
 from dataclasses import dataclass, field
 from typing import TextIO
@@ -28,7 +26,7 @@ from lmkv.memory import MemoryObj, release, tensor_obj
 from lmkv.replay.defaults import PHYSICAL_CHUNK_BYTES
 from lmkv.replay.trace import Trace
 from lmkv.serde import SerializerContext
-from lmkv.storage import StorageManager
+from lmkv.storage import StorageManager, chain_parents
 from lmkv.tokens import CacheKey, KeyMeta
 from lmkv.units import parse_byte_size
 
@@ -130,18 +128,6 @@ def frame_bytes(config: LMKVConfig) -> int:
     return len(serializer.frame_bytes(obj, key))
 
 
-def put_with_parents(storage: StorageManager, keys: Sequence[CacheKey],
-                     objs: Sequence[MemoryObj], parents: Sequence[CacheKey | None]) -> Future:
-    """``storage.put`` with each chunk's parent (the chunk before it in its prompt),
-    for prefix-aware eviction; a manager without the lineage API stores without."""
-    if _PUT_TAKES_PARENTS:
-        return storage.put(keys, objs, parents=parents)  # type: ignore[call-arg]
-    return storage.put(keys, objs)
-
-
-_PUT_TAKES_PARENTS = "parents" in inspect.signature(StorageManager.put).parameters
-
-
 def replay(trace: Trace, config: LMKVConfig, policy: str, capacity_chunks: int, *,
            model_chunk_bytes: int, progress: Callable[[int], None] | None = None
            ) -> RunResult:
@@ -169,9 +155,10 @@ def replay(trace: Trace, config: LMKVConfig, policy: str, capacity_chunks: int, 
 
 def _run(storage: StorageManager, trace: Trace, progress: Callable[[int], None] | None
          ) -> tuple[int, int, int]:
-    keys_of, parents_of = trace.keys, trace.parents
-    allocate, stream, pin_prefix, unpin = (storage.allocate, storage.stream,
-                                           storage.pin_prefix, storage.unpin)
+    keys_of = trace.keys
+    allocate, stream, put, pin_prefix, unpin = (storage.allocate, storage.stream,
+                                                storage.put, storage.pin_prefix,
+                                                storage.unpin)
     flush = storage.flush if len(storage.tiers) > 1 else None
     hits = stored = unstored = 0
     zeroed: set[tuple[int, int]] = set()
@@ -202,11 +189,11 @@ def _run(storage: StorageManager, trace: Trace, progress: Callable[[int], None] 
                 objs.append(obj)
             if objs:
                 end = first + len(objs)
-                parents = [keys_of[p] if p >= 0 else None
-                           for p in (parents_of[c] for c in chunks[first:end])]
+                stored_keys = keys[first:end]
                 # Waited for: a tier that writes in the background (fs) must have
                 # stored (and evicted) before the next request looks, every run alike.
-                put_with_parents(storage, keys[first:end], objs, parents).result()
+                put(stored_keys, objs,
+                    chain_parents(stored_keys, keys[first - 1] if first else None)).result()
                 release(objs)
                 stored += len(objs)
         finally:
