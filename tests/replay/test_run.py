@@ -156,3 +156,29 @@ def test_a_tier_that_already_holds_chunks_is_refused(
     storage.close()
     with pytest.raises(LMKVError, match=r"tier 0 \(fs\) already holds chunks"):
         replay(trace, config, "lru", 2, model_chunk_bytes=CHUNK)
+
+
+def _installed_policies() -> list[str]:
+    from lmkv.plugins.manager import get_plugin_manager
+
+    return get_plugin_manager().registry.names("eviction_policy")
+
+
+@pytest.mark.parametrize("policy", _installed_policies())
+def test_no_installed_policy_passes_belady(
+        mooncake: Callable[[Sequence[Sequence[int]]], Path], policy: str) -> None:
+    # Shared stems plus random tails, as prompts with a common system prompt are.
+    from lmkv.replay.belady import belady_hits
+
+    total = 0
+    for seed in range(6):
+        rng = random.Random(seed)
+        stems = [[rng.randrange(1000) for _ in range(rng.randint(1, 4))] for _ in range(6)]
+        path = mooncake([[*rng.choice(stems), *(rng.randrange(40) for _ in range(
+            rng.randint(0, 4)))] for _ in range(60)])
+        trace = load_trace(str(path), meta=META)
+        for capacity in (2, 5, 13):
+            run = replay(trace, LMKVConfig(), policy, capacity, model_chunk_bytes=CHUNK)
+            assert run.hits <= belady_hits(trace.requests, capacity), (seed, capacity)
+            total += run.hits
+    assert total > 0
