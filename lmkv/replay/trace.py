@@ -17,6 +17,7 @@ A bad line is one ``TraceError`` naming the file, the line number and what is wr
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from hashlib import sha256
 from typing import Any, Literal
@@ -155,7 +156,7 @@ class _MooncakeBuilder(_Builder):
                              f"got {_type_name(hash_ids)}")
         for name in _NUMBER_FIELDS:
             value = record.get(name, 0)
-            if type(value) not in (int, float) or value < 0:
+            if type(value) not in (int, float) or not 0 <= value < math.inf:
                 raise TraceError(f"{where}: {name!r} must be a non-negative number, "
                                  f"got {_cut(json.dumps(value))}")
         ids, digests, keys, parents, meta = (self._ids, self._digests, self.keys,

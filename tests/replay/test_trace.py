@@ -71,6 +71,8 @@ def test_the_format_can_be_forced(tmp_path: Path) -> None:
     ('{"hash_ids": [1, -2]}\n', "line 1: hash_ids[1] = -2: must be an integer"),
     ('{"hash_ids": [1, true]}\n', "line 1: hash_ids[1] = true"),
     ('{"hash_ids": [1], "timestamp": "soon"}\n', "'timestamp' must be a non-negative number"),
+    ('{"hash_ids": [1], "output_length": NaN}\n', "'output_length' must be a non-negative"),
+    ('{"hash_ids": [1], "input_length": -Infinity}\n', "'input_length' must be a non-negative"),
     ('[1, 2, "x"]\n', "line 1: token 2 = \"x\": token ids must be integers"),
     ('[1, 2]\n{"hash_ids": [1]}\n', "line 2: missing field 'tokens'"),
     ('[1, 2]\n7\n', "line 2: expected token ids"),
