@@ -10,6 +10,7 @@ import sys
 
 import msgspec
 import pytest
+import torch
 
 from lmkv import load_config
 from lmkv.engines import open_engine
@@ -211,3 +212,35 @@ def test_old_style_requests_are_still_served(server) -> None:
 def raw_request(address: str, frames: list[bytes]) -> list[bytes]:
     from tests.server.test_errors import raw_request as send
     return send(address, frames)
+
+
+@pytest.mark.parametrize("data_path", ["auto", "inline"])
+def test_paged_kv_loads_the_leading_blocks_of_a_longer_stored_chunk(server, data_path) -> None:
+    """The vLLM case: paged KV, a prompt cut where its lookup's hit ended, whose last
+    chunk is served by the whole stored chunk its blocks lead (only those are written)."""
+    from tests.engines import test_remote as t
+
+    cfg = t.config(server, data_path, **{"lmkv.block_size": t.BLOCK})
+    tokens = t.prompt(40 if data_path == "auto" else 41, 4 * t.CHUNK)
+    src, blocks = t.caches(31), list(range(8))
+    with t.paged_engine(cfg) as engine:
+        assert engine.store(tokens, kv_caches=src, block_ids=blocks) == 4 * t.CHUNK
+        split = 2 * t.CHUNK + t.BLOCK + 3  # inside chunk 2, past its first block
+        other = tokens[:split] + t.prompt(42, 20)
+        hit = 2 * t.CHUNK + t.BLOCK
+        assert engine.lookup(other) == hit
+        assert engine.lookup_and_prefetch(other, "paged").result(10) == hit
+        dst = t.caches(None)
+        got = engine.retrieve(other[:hit], lookup_id="paged", kv_caches=dst, block_ids=blocks)
+        assert got.num_tokens == hit
+        for a, b in zip(t.tokens_kv(src, blocks, hit), t.tokens_kv(dst, blocks, hit),
+                        strict=True):
+            assert torch.equal(a, b)
+        # Nothing past the hit was written: the rest of that chunk stayed out.
+        assert all(not dst[layer][b].any() for layer in range(t.L)
+                   for b in range(hit // t.BLOCK, 16))
+        dst = t.caches(None)
+        got = engine.retrieve(other, kv_caches=dst, block_ids=blocks)  # no lookup id
+        assert got.num_tokens == hit
+        assert all(torch.equal(a, b) for a, b in zip(
+            t.tokens_kv(src, blocks, hit), t.tokens_kv(dst, blocks, hit), strict=True))
