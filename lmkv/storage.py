@@ -243,10 +243,13 @@ class StorageManager:
         if index >= len(partials.keys) or not partials.keys[index]:
             return None
         candidates = partials.keys[index]
-        found = sorted(((self._contains(tier, lookup_id, candidates, pin=False), -i, tier)
-                        for i, tier in enumerate(self.tiers)), key=lambda t: t[:2],
-                       reverse=True)
-        for blocks, _, tier in found:
+        counted: list[tuple[int, int, StorageBackend]] = []
+        for i, tier in enumerate(self.tiers):  # a tier that has them all ends the asking
+            blocks = self._contains(tier, lookup_id, candidates, pin=False)
+            counted.append((blocks, -i, tier))
+            if blocks == len(candidates):
+                break
+        for blocks, _, tier in sorted(counted, key=lambda t: t[:2], reverse=True):
             if not blocks:
                 break
             key = candidates[blocks - 1]

@@ -50,6 +50,11 @@ class LocalEngine:
         storage.set_chunk_bytes(spec.chunk_nbytes(config.chunk_size))
 
     @property
+    def block_size(self) -> int | None:
+        """Tokens per block of block-granular hits; None: hits in whole chunks."""
+        return self.chunker.block_size
+
+    @property
     def meta(self) -> KeyMeta:
         return self.chunker.meta
 
@@ -137,8 +142,10 @@ class LocalEngine:
         ``block_tokens`` tokens a block (block-granular hits; none: whole chunks)."""
         meta = self.chunker.meta
         keys = [CacheKey(meta, h) for h in chunk_hashes]
+        # Only blocks of this engine's size: the answer is counted in them.
         partials = (Partials([[CacheKey(meta, h) for h in hs] for hs in partial_hashes],
-                             block_tokens) if partial_hashes and block_tokens > 0 else None)
+                             block_tokens)
+                    if partial_hashes and block_tokens == self.chunker.block_size else None)
         return self.storage.lookup_and_prefetch(lookup_id, keys, chunk_ends,
                                                 partials=partials)
 

@@ -51,6 +51,11 @@ class Engine(Protocol):
     counters: EngineCounters
 
     @property
+    def block_size(self) -> int | None:
+        """Tokens per block of block-granular hits; None: hits in whole chunks."""
+        ...
+
+    @property
     def meta(self) -> KeyMeta:
         """The key metadata (model, world size, rank, dtype, layout, geometry)."""
         ...

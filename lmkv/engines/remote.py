@@ -79,6 +79,11 @@ class RemoteEngine:
         self._poller.start()
 
     @property
+    def block_size(self) -> int | None:
+        """Tokens per block of block-granular hits; None: hits in whole chunks."""
+        return self.chunker.block_size
+
+    @property
     def meta(self) -> KeyMeta:
         return self.chunker.meta
 

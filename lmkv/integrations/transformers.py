@@ -7,6 +7,8 @@
     out.logits, out.cache, out.hit_tokens     # stores the new chunks
 
 ``retrieve`` and ``store`` are there for loops that run the model themselves.
+Hits are matched in blocks of ``BLOCK_TOKENS`` inside lmkv's chunks, so a prompt
+that leaves a stored one mid-chunk still loads the chunk's leading blocks.
 
 KV is shared only between calls with the same identity: the engine's
 ``namespace`` (a tenant, say: it seeds every chunk's hash) and the model's
@@ -49,6 +51,12 @@ def kv_spec_of(model: Any) -> KVSpec:
     return KVSpec(cfg.num_hidden_layers, kv_heads, head_dim, model.dtype)
 
 
+#: Hits inside chunks are matched in blocks of this many tokens (``block_size`` in the
+#: config overrides it): a prompt that leaves a stored one inside a chunk reuses the
+#: chunk's leading blocks. transformers' caches have no blocks; 16 is vLLM's GPU block.
+BLOCK_TOKENS = 16
+
+
 class HFCacheEngine:
     """lmkv's cache engine bound to one transformers model (batch size 1)."""
 
@@ -59,7 +67,8 @@ class HFCacheEngine:
         self._adapter_digests: dict[str, tuple[list[tuple[Any, int]], str]] = {}
         name = model_name or getattr(model.config, "_name_or_path", "") or model.config.model_type
         self.engine: Engine = open_engine(config or load_config(), kv_spec_of(model),
-                                          model_name=name, kv_kind="hf")
+                                          model_name=name, kv_kind="hf",
+                                          block_size=BLOCK_TOKENS)
 
     def store(self, input_ids: Sequence[int] | torch.Tensor, cache: Any) -> int:
         """Store the KV of ``input_ids``' whole chunks found in ``cache``; returns tokens stored."""

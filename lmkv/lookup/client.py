@@ -52,6 +52,7 @@ from pydantic import ValidationError
 
 from lmkv.auth import CurveAuthenticator
 from lmkv.config import LMKVConfig, LookupConfig
+from lmkv.engines.keys import hit_block_size
 from lmkv.logutil import RateLimitedLog
 from lmkv.lookup.messages import (
     LookupCleanup,
@@ -70,7 +71,7 @@ from lmkv.lookup.sockets import (
     pull_socket,
     push_socket,
 )
-from lmkv.tokens import DEFAULT_CHUNK_SIZE, Identity, prefix_hashes
+from lmkv.tokens import DEFAULT_CHUNK_SIZE, Identity, KeyMeta, TokenChunker
 
 logger = logging.getLogger(__name__)
 _log = RateLimitedLog(logger)
@@ -92,6 +93,7 @@ MAX_RESPONSE_BYTES = 8 << 10
 class _Pending:
     deadline: float
     offsets: list[int]  # what the request asked: valid hit counts are 0 and these
+    block: int = 0  # with block-granular hits, also any whole block up to the last offset
     answered: int = 0  # bit r set: rank r has answered
     answers: int = 0
     hits: int = -1  # running minimum; -1 until the first answer
@@ -133,7 +135,8 @@ class LookupClient:
     """
 
     def __init__(self, endpoints: LookupEndpoints, *, chunk_size: int = DEFAULT_CHUNK_SIZE,
-                 save_partial_chunk: bool = False, timeout_ms: float = DEFAULT_TIMEOUT_MS,
+                 save_partial_chunk: bool = False, block_size: int | None = None,
+                 timeout_ms: float = DEFAULT_TIMEOUT_MS,
                  backoff_ms: float = DEFAULT_BACKOFF_MS,
                  results_kept: int = DEFAULT_RESULTS_KEPT,
                  max_tokens: int = DEFAULT_MAX_TOKENS) -> None:
@@ -151,6 +154,9 @@ class LookupClient:
         self.world_size = endpoints.world_size
         self.chunk_size = chunk_size
         self.save_partial_chunk = save_partial_chunk
+        # Keys as the workers' engines make them (block-granular hits included).
+        self._chunker = TokenChunker(KeyMeta(""), chunk_size, save_partial_chunk, block_size)
+        self.block_size = self._chunker.block_size
         self.timeout_s = timeout_ms / 1000
         self.backoff_s = backoff_ms / 1000
         self.results_kept = results_kept
@@ -183,12 +189,13 @@ class LookupClient:
     def from_config(cls, config: LMKVConfig, *, engine_id: str, world_size: int,
                     transport: str | None = None, runtime_dir: str | None = None,
                     host: str | None = None, base_port: int | None = None,
-                    **settings: Any) -> LookupClient:
+                    block_size: int | None = None, **settings: Any) -> LookupClient:
         """A client for the ``world_size`` workers of ``engine_id``, addressed by
         ``transport`` ("ipc" under ``runtime_dir``, or "tcp" on ``host`` from
         ``base_port``): see ``lmkv.lookup.sockets`` for the scheme. Arguments
         left out come from the config's ``lookup`` section (``max_tokens``: pass
-        the model's maximum length when known)."""
+        the model's maximum length when known). ``block_size``: the engine's
+        block, as the workers' engines were given it (``hit_block_size``)."""
         given = {"transport": transport, "runtime_dir": runtime_dir, "host": host,
                  "base_port": base_port}
         try:  # the config's own rules (tcp needs base_port, ...) check the arguments
@@ -203,7 +210,8 @@ class LookupClient:
         settings.setdefault("max_tokens", lookup.max_tokens)
         endpoints = LookupEndpoints.from_config(lookup, engine_id, world_size)
         return cls(endpoints, chunk_size=config.chunk_size,
-                   save_partial_chunk=config.save_partial_chunk, **settings)
+                   save_partial_chunk=config.save_partial_chunk,
+                   block_size=hit_block_size(config, block_size), **settings)
 
     # -- the API ---------------------------------------------------------------
     def lookup(self, lookup_id: str, tokens: Sequence[int] | Any,
@@ -213,15 +221,18 @@ class LookupClient:
 
         A lookup already pending under ``lookup_id`` is left alone.
         """
-        hashes = prefix_hashes(tokens, self.chunk_size, self.save_partial_chunk, identity)
-        total, size = len(tokens), self.chunk_size
-        offsets = [min((i + 1) * size, total) for i in range(len(hashes))]
-        self.lookup_hashes(lookup_id, hashes, offsets)
+        chunks = self._chunker.chunk(tokens, identity=identity)
+        self.lookup_hashes(lookup_id, [k.chunk_hash for k in chunks.keys], chunks.ends,
+                           partials=[[k.chunk_hash for k in ks] for ks in chunks.partials])
 
     def lookup_hashes(self, lookup_id: str, hashes: list[bytes], offsets: list[int],
-                      request_configs: dict[str, Any] | None = None) -> None:
-        """``lookup`` for chunk hashes already computed (``offsets``: cumulative ends)."""
-        request = LookupRequest(lookup_id, hashes, offsets, request_configs or {})
+                      request_configs: dict[str, Any] | None = None,
+                      partials: list[list[bytes]] | None = None) -> None:
+        """``lookup`` for chunk hashes already computed (``offsets``: cumulative ends;
+        ``partials``: each chunk's leading blocks' hashes, blocks of ``block_size``)."""
+        parts = partials if partials and self.block_size else []
+        request = LookupRequest(lookup_id, hashes, offsets, request_configs or {},
+                                parts, self.block_size if parts and self.block_size else 0)
         message = encode(request)
         with self._lock:
             if self._closed:
@@ -246,7 +257,8 @@ class LookupClient:
                 self._finish(lookup_id, 0)
                 return
             self._results.pop(lookup_id, None)
-            pending = _Pending(time.monotonic() + self.timeout_s, request.offsets)
+            pending = _Pending(time.monotonic() + self.timeout_s, request.offsets,
+                               request.block_tokens)
             self._pending[lookup_id] = pending
             sent = self._send_locked(message, lookup_id)
             if sent != self._all_ranks:  # a worker cannot answer: the lookup is a miss
@@ -406,6 +418,8 @@ class LookupClient:
         if hits:
             offsets = pending.offsets
             i = bisect_left(offsets, hits)
+            if pending.block and hits <= offsets[-1] and hits % pending.block == 0:
+                return None
             if i == len(offsets) or offsets[i] != hits:
                 return (f"not a chunk boundary of the request (0 or one of its offsets, "
                         f"at most {offsets[-1]})")

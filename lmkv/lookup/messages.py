@@ -36,10 +36,11 @@ def max_chunks_for(max_tokens: int, chunk_size: int) -> int:
     return -(-max_tokens // chunk_size)
 
 
-def max_request_bytes(max_chunks: int) -> int:
-    """The largest encoded ``LookupRequest`` of ``max_chunks`` chunks, with room for
-    the id and modest ``request_configs``."""
-    return max_chunks * MAX_ENCODED_CHUNK_BYTES + REQUEST_SLACK_BYTES
+def max_request_bytes(max_chunks: int, max_blocks: int = 0) -> int:
+    """The largest encoded ``LookupRequest`` of ``max_chunks`` chunks (and at most
+    ``max_blocks`` partial hashes), with room for the id and modest
+    ``request_configs``."""
+    return (max_chunks + max_blocks) * MAX_ENCODED_CHUNK_BYTES + REQUEST_SLACK_BYTES
 
 
 # Room in a request message for everything but the chunks (id, tags, request_configs).
@@ -57,6 +58,12 @@ class LookupRequest(msgspec.Struct, tag=True, frozen=True):
     request_configs: dict[str, Any] = {}
     """Per-request settings. No key is interpreted yet; workers ignore unknown
     keys, so a newer scheduler can talk to an older worker."""
+    partials: list[list[ChunkHash]] = []
+    """Block-granular hits: ``partials[i]`` holds the hashes of chunk ``i``'s
+    leading whole blocks (``lmkv.tokens.block_prefix_hashes``); empty: hits in
+    whole chunks (what an older scheduler sends)."""
+    block_tokens: TokenCount = 0
+    """Tokens in a block of ``partials``."""
 
     def __post_init__(self) -> None:
         if len(self.hashes) != len(self.offsets):
@@ -65,6 +72,20 @@ class LookupRequest(msgspec.Struct, tag=True, frozen=True):
             raise ValueError(f"a chunk hash must be 1-{MAX_HASH_BYTES} bytes")
         if any(b <= a for a, b in zip(self.offsets, self.offsets[1:], strict=False)):
             raise ValueError("offsets must be strictly increasing")
+        if self.partials:
+            self._check_partials()
+
+    def _check_partials(self) -> None:
+        if self.block_tokens <= 0:
+            raise ValueError("partials need a positive block_tokens")
+        if len(self.partials) > len(self.hashes):
+            raise ValueError(f"{len(self.partials)} partials for {len(self.hashes)} chunks")
+        start = 0
+        for i, hashes in enumerate(self.partials):
+            if len(hashes) * self.block_tokens > self.offsets[i] - start:
+                raise ValueError(f"chunk {i}: {len(hashes)} blocks of {self.block_tokens} "
+                                 f"tokens are more than its {self.offsets[i] - start}")
+            start = self.offsets[i]
 
 
 class LookupResponse(msgspec.Struct, tag=True, frozen=True):

@@ -116,7 +116,7 @@ class LookupResponder:
 
     def __init__(self, engine: Engine, request_endpoint: str,
                  response_endpoint: str, curve: CurveKeys | None = None, *, rank: int,
-                 max_chunks: int = DEFAULT_MAX_CHUNKS) -> None:
+                 max_chunks: int = DEFAULT_MAX_CHUNKS, max_blocks: int = 0) -> None:
         if rank < 0:
             raise ValueError(f"rank {rank}: must not be negative")
         if max_chunks <= 0:
@@ -124,7 +124,7 @@ class LookupResponder:
         self.engine = engine
         self.rank = rank
         self.max_chunks = max_chunks
-        self.max_request_bytes = max_request_bytes(max_chunks)
+        self.max_request_bytes = max_request_bytes(max_chunks, max_blocks)
         self.max_queued_chunks = BULK_QUEUE_CHUNKS_FACTOR * max_chunks
         self.max_inflight_chunks = INFLIGHT_CHUNKS_FACTOR * max_chunks
         self.counters = ResponderCounters()
@@ -163,9 +163,12 @@ class LookupResponder:
         if not 0 <= rank < endpoints.world_size:
             raise ValueError(f"rank {rank}: the channel has ranks 0..{endpoints.world_size - 1}")
         config = engine.config
-        max_chunks = max_chunks_for(max_tokens or config.lookup.max_tokens, config.chunk_size)
+        tokens = max_tokens or config.lookup.max_tokens
+        max_chunks = max_chunks_for(tokens, config.chunk_size)
+        block = getattr(engine, "block_size", None)  # test doubles may lack it
         return cls(engine, endpoints.requests[rank], endpoints.responses, endpoints.curve,
-                   rank=rank, max_chunks=max_chunks)
+                   rank=rank, max_chunks=max_chunks,
+                   max_blocks=tokens // block if block else 0)
 
     # -- receiving -------------------------------------------------------------
     def _run(self) -> None:
@@ -299,8 +302,9 @@ class LookupResponder:
             self._shed(lookup_id, "too many chunks are being prefetched")
             return
         try:
+            blocks = (request.partials, request.block_tokens) if request.partials else ()
             future = self.engine.lookup_and_prefetch_hashes(lookup_id, request.hashes,
-                                                            request.offsets)
+                                                            request.offsets, *blocks)
         except Exception as exc:  # the engine refused: answer a miss, keep serving
             _log.log(logging.ERROR, "engine", "lmkv lookup %s: prefetch failed: %s",
                      lookup_id, exc)

@@ -42,7 +42,8 @@ def test_reused_kv_reproduces_a_full_recompute(model, prompts, engine) -> None:
     assert torch.allclose(first.logits, full_logits, atol=1e-5, rtol=1e-5)
 
     again = engine.prefill(prompts[0])
-    assert again.hit_tokens == (len(prompts[0]) - 1) // 64 * 64
+    # every whole 16-token block but the last token's (the tail chunk is stored too)
+    assert again.hit_tokens == (len(prompts[0]) - 1) // 16 * 16
     assert torch.allclose(again.logits, full_logits, atol=1e-5, rtol=1e-5)
     assert hf_model.greedy_generate(model, again.logits, again.cache, 6) == full_tokens
 
@@ -59,7 +60,8 @@ def test_reused_kv_is_the_stored_kv_bit_for_bit(model, prompts, engine) -> None:
 def test_shared_prefix_hits_across_prompts(prompts, engine) -> None:
     engine.prefill(prompts[0])
     out = engine.prefill(prompts[2])
-    assert out.hit_tokens == 256  # 300 shared tokens -> 4 whole 64-token chunks
+    # 300 shared tokens -> 4 whole 64-token chunks and 2 whole 16-token blocks of the 5th
+    assert out.hit_tokens == 288
     stats = engine.engine.stats()[0]
     assert stats["hits"] >= 4
 
@@ -123,7 +125,7 @@ def test_lora_adapters_share_kv_with_neither_the_base_nor_each_other(model, prom
     first = _lora(model, {"sql": 1, "chat": 2})
     other_sql = _lora(model, {"sql": 3})
     prompt = prompts[0]
-    hit = (len(prompt) - 1) // 64 * 64
+    hit = (len(prompt) - 1) // 16 * 16  # whole 16-token blocks
     engine = HFCacheEngine(first, config, model_name="tiny-test")
     try:
         first.set_adapter("sql")
@@ -183,3 +185,17 @@ def test_an_adapter_reloaded_or_changed_under_its_name_is_another_adapter(model,
         assert engine.retrieve(prompt)[0] == 0
     finally:
         engine.close()
+
+
+def test_a_prompt_leaving_a_stored_one_mid_chunk_reproduces_a_full_recompute(
+        model, prompts, engine) -> None:
+    """The chunk it leaves inside serves its leading whole blocks, and the result is
+    the model's own: the logits and greedy tokens of a full recompute."""
+    engine.prefill(prompts[0])
+    diverging = [*prompts[0][:150], *prompts[1][200:300]]  # leaves chunk 2 at token 150
+    full_logits, full_cache = hf_model.prefill(model, diverging)
+    out = engine.prefill(diverging, store=False)
+    assert out.hit_tokens == 144  # 2 chunks of 64 and one 16-token block
+    assert torch.allclose(out.logits, full_logits, atol=1e-4, rtol=1e-4)
+    assert hf_model.greedy_generate(model, out.logits, out.cache, 6) == \
+        hf_model.greedy_generate(model, full_logits, full_cache, 6)

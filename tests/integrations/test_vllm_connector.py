@@ -142,7 +142,8 @@ def _scheduler_and_worker(tmp_path, **keys):  # type: ignore[no-untyped-def]
         engine, LookupEndpoints.from_config(config.lookup, "e2", 1), 0)
     vllm_config = SimpleNamespace(kv_transfer_config=SimpleNamespace(engine_id="e2"),
                                   parallel_config=SimpleNamespace(world_size=1),
-                                  model_config=SimpleNamespace(max_model_len=2048))
+                                  model_config=SimpleNamespace(max_model_len=2048),
+                                  cache_config=SimpleNamespace(block_size=16))
     caches = [torch.randn(8, 2, 16, 16) for _ in range(2)]  # blocks of 16 tokens
     return SchedulerSide(config, vllm_config), engine, server, caches
 
@@ -256,6 +257,40 @@ def test_requests_hit_only_their_own_identity_and_plans_carry_it(tmp_path) -> No
         out.num_scheduled_tokens = {"a": 8}
         (load,) = sched.build_meta(out).loads
         assert load.identity == Identity(salt="a")
+    finally:
+        sched.close()
+        server.close()
+        engine.close()
+
+
+def test_a_prompt_leaving_a_stored_one_mid_chunk_loads_its_whole_blocks(tmp_path) -> None:
+    """Chunks of 32 tokens, vLLM blocks of 16: the scheduler asks for, and the
+    workers load, every whole block a stored chunk shares with the prompt."""
+    import torch
+
+    sched, engine, server, caches = _scheduler_and_worker(
+        tmp_path, **{"lmkv.chunk_size": 32, "lmkv.block_size": 16})
+    try:
+        stored = list(range(400, 464))  # 2 whole chunks
+        engine.store(stored, kv_caches=caches, block_ids=[0, 1, 2, 3])
+        want = [c[[0, 1, 2]].clone() for c in caches]  # its first 3 blocks (48 tokens)
+        prompt = [*stored[:52], *range(9000, 9020)]  # leaves chunk 1 inside its 2nd block
+        request = SimpleNamespace(request_id="b", prompt_token_ids=prompt, block_hashes=[])
+        assert _ask(sched, request, 0) == 48  # chunk 0 and chunk 1's first block
+        sched.after_alloc(request, [7, 6, 5, 4, 3], 48)
+        new = SimpleNamespace(req_id="b", prompt_token_ids=prompt,
+                              block_ids=([7, 6, 5, 4, 3],), num_computed_tokens=48)
+        out = _no_steps([new])
+        out.num_scheduled_tokens = {"b": len(prompt) - 48}
+        (load,) = sched.build_meta(out).loads
+        assert (load.token_ids, load.skip_tokens) == (prompt[:48], 0)
+        for cache in caches:
+            cache[[7, 6, 5]] = 0
+        got = engine.retrieve(load.token_ids, lookup_id="b", kv_caches=caches,
+                              block_ids=load.block_ids)
+        assert got.num_tokens == 48
+        for cache, expected in zip(caches, want, strict=True):
+            assert torch.equal(cache[[7, 6, 5]], expected)
     finally:
         sched.close()
         server.close()

@@ -180,3 +180,19 @@ def test_garbage_and_stray_answers_do_not_disturb_the_client(workers, make_clien
     client.lookup("after", tokens)
     assert poll_result(client, "after") == CHUNK
     client.cancel("after")
+
+
+def test_block_granular_lookups_hit_inside_a_chunk(workers, make_client) -> None:
+    tokens = prompt(41, 3)
+    store(workers, [tokens, tokens])
+    diverging = [*tokens[:CHUNK + 13], *range(7, 7 + 40)]
+    blocks = make_client(block_size=8)
+    blocks.lookup("blocks", diverging)
+    assert poll_result(blocks, "blocks") == CHUNK + 8  # the chunk, then one whole block
+    for worker in workers:
+        assert worker.call("retrieve", diverging[:CHUNK + 8], "blocks") == CHUNK + 8
+    blocks.close()  # one client binds the answers' endpoint at a time
+    chunks = make_client()  # an older scheduler: whole chunks only
+    chunks.lookup("chunks", diverging)
+    assert poll_result(chunks, "chunks") == CHUNK
+    chunks.cancel("chunks")

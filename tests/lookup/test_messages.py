@@ -81,3 +81,15 @@ def test_bad_messages_are_logged_at_a_bounded_rate(caplog: pytest.LogCaptureFixt
             assert decode_message(message, "rate-test") is None
     errors = [r for r in caplog.records if "rate-test" in r.getMessage()]
     assert len(errors) == 1 and "rejected a malformed message" in errors[0].getMessage()
+
+
+def test_partials_are_bounded_by_their_chunks() -> None:
+    ok = LookupRequest("p", [b"a", b"b"], [32, 48], {}, [[b"x", b"y", b"z"], [b"w"]], 8)
+    assert decode(encode(ok)) == ok
+    for partials, block in (([[b"x"] * 5], 8),  # 40 tokens of blocks in a 32-token chunk
+                            ([[b"x"]], 0),  # no block size
+                            ([[b"x"], [b"y"], [b"z"]], 8)):  # more partials than chunks
+        raw = {"type": "LookupRequest", "lookup_id": "p", "hashes": [b"a", b"b"],
+               "offsets": [32, 48], "partials": partials, "block_tokens": block}
+        with pytest.raises(msgspec.ValidationError):
+            decode(msgspec.msgpack.encode(raw))

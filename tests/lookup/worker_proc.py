@@ -18,7 +18,9 @@ SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=16, dtype=torch.float16)
 
 
 def make_engine(chunk_size: int, max_bytes: int, rank: int) -> LocalEngine:
+    # Hits in blocks of 8 inside chunks (a client without block_size asks whole chunks).
     config = load_config(env={}, overrides={"lmkv.chunk_size": chunk_size,
+                                            "lmkv.block_size": 8,
                                             "lmkv.tiers.0.options.max_bytes": max_bytes})
     return open_local_engine(config, SPEC, model_name="lookup-test", world_size=2,
                                    worker_id=rank)

@@ -64,9 +64,14 @@ class SchedulerSide:
         self.lazy = lazy
         engine_id = str(vllm_config.kv_transfer_config.engine_id)
         world_size = vllm_config.parallel_config.world_size
+        vllm_block = vllm_config.cache_config.block_size
         self.client = LookupClient.from_config(
-            config, engine_id=engine_id, world_size=world_size,
+            config, engine_id=engine_id, world_size=world_size, block_size=vllm_block,
             max_tokens=vllm_config.model_config.max_model_len)
+        # Hits, loads and stores in whole blocks of lmkv (vLLM's block by default;
+        # whole chunks when block hits are off), rounded to vLLM's blocks.
+        self.unit = self.client.block_size or self.chunk_size
+        self._vllm_block = vllm_block or 1
         self.counters = SchedulerCounters()
         self._step_wait_s = config.lookup.backoff_ms / 1000
         self._wait_left_s = self._step_wait_s  # of this scheduling step
@@ -97,7 +102,7 @@ class SchedulerSide:
             if limit is None:
                 prompt = request.prompt_token_ids or []
                 # Never the whole prompt: vLLM must compute the last token itself.
-                limit = (len(prompt) - 1) // self.chunk_size * self.chunk_size
+                limit = self._round(len(prompt) - 1)
                 if limit <= num_computed:
                     self._hits[req_id] = 0
                     return 0
@@ -110,11 +115,16 @@ class SchedulerSide:
             if result is None:
                 return None
             del self._pending[req_id]
-            hit = max(0, min(result, limit)) // self.chunk_size * self.chunk_size
+            hit = self._round(max(0, min(result, limit)))
             self._hits[req_id] = hit
             if result > 0:
                 self._held.add(req_id)
         return max(0, hit - num_computed)
+
+    def _round(self, tokens: int) -> int:
+        """``tokens`` down to whole lmkv blocks that are whole vLLM blocks too."""
+        tokens = max(0, tokens) // self.unit * self.unit
+        return tokens // self._vllm_block * self._vllm_block
 
     def after_alloc(self, request: Any, block_ids: list[int], num_external: int) -> None:
         """``block_ids``: the request's whole block table (vLLM's blocks for it)."""
@@ -192,7 +202,7 @@ class SchedulerSide:
 
     def _plan_store(self, req_id: str, req: _Req, computed: int,
                     meta: StepPlan) -> None:
-        end = min(computed, len(req.prompt)) // self.chunk_size * self.chunk_size
+        end = self._round(min(computed, len(req.prompt)))
         if end > req.stored and req_id in self._identities:
             spec = StoreSpec(req_id, req.prompt[:end], list(req.block_ids),
                              identity=self._identities[req_id])

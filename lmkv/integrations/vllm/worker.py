@@ -69,7 +69,8 @@ class WorkerSide:
                              f"elements; the model's head size is {self.head_size}")
         self.engine = open_engine(self.config, spec, model_name=self.model_name,
                                   connector=resolved.create(ConnectorContext(spec)),
-                                  world_size=self.world_size, worker_id=self.rank)
+                                  world_size=self.world_size, worker_id=self.rank,
+                                  block_size=self.block_size)
         endpoints = LookupEndpoints.from_config(self.config.lookup, self.engine_id,
                                                 self.world_size)
         self.responder = LookupResponder.for_rank(self.engine, endpoints, self.rank,
