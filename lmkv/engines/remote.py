@@ -150,7 +150,9 @@ class RemoteEngine:
         if not chunk_hashes:
             future.set_result(0)
             return future
-        blocks = partial_hashes if partial_hashes and block_tokens > 0 else None
+        # Only blocks of this engine's size, as in process: the answer is counted in them.
+        blocks = (partial_hashes if partial_hashes and block_tokens == self.chunker.block_size
+                  else None)
         hit = self._lookups.start_lookup_hashes(self.meta, chunk_hashes, chunk_ends,
                                                 lookup_id, partial_hashes=blocks,
                                                 block_tokens=block_tokens if blocks else 0)

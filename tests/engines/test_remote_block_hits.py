@@ -115,7 +115,10 @@ def test_prefetch_by_hashes_computed_elsewhere(server) -> None:
         assert engine.lookup_and_prefetch_hashes("c", hashes, [32, 56], partials,
                                                  BLOCK).result(10) == 48
         assert engine.lookup_and_prefetch_hashes("c0", hashes, [32, 56]).result(10) == 32
-        for lookup_id in ("c", "c0"):
+        # Blocks of another size than the engine's are not used (as in process).
+        assert engine.lookup_and_prefetch_hashes("c4", hashes, [32, 56], partials,
+                                                 BLOCK // 2).result(10) == 32
+        for lookup_id in ("c", "c0", "c4"):
             engine.release_lookup(lookup_id)
         assert engine.client.stats().server.held_lookups == 0
 
