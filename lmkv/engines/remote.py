@@ -14,6 +14,13 @@ a prefetch on the server and resolve their future when the server has the
 chunks; a background thread polls the pending ones. The prefetch is held in
 this engine's session, so ``retrieve(..., lookup_id=...)`` takes it from there.
 
+Block-granular hits (``lmkv.aliases``) work as in ``LocalEngine``: stores send
+each chunk's leading blocks' hashes, which the server stores as aliases of the
+chunk; lookups and retrieves send them too, and the server serves the longest
+stored leading blocks of the first chunk missed whole. That chunk may hold more
+tokens than the hit (the stored chunk those blocks lead): the engine uses its
+leading ones.
+
 Nothing here raises because of the server: a server that is down, slow or
 refusing makes lookups answer 0, retrieves load nothing and stores drop
 (counted in ``client.counters``), and the client reconnects by itself.
@@ -35,7 +42,7 @@ from lmkv.engines.keys import engine_chunker, fits_spec
 from lmkv.engines.protocol import EngineCounters, RetrieveResult
 from lmkv.gpu import ChunkSpan, GPUConnector, KVSpec
 from lmkv.rpc.client import ServerClient
-from lmkv.tokens import Identity, KeyMeta
+from lmkv.tokens import ChunkKeys, Identity, KeyMeta
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +104,8 @@ class RemoteEngine:
             self.connector.to_chunks(spans, **kv)
             filled.append(first)
 
-        stored = self.client.store_from(chunks.keys, shapes, self.spec.dtype, fill)
+        stored = self.client.store_from(chunks.keys, shapes, self.spec.dtype, fill,
+                                        partial_hashes=self._partial_hashes(chunks))
         if not stored or not filled:
             return 0
         first = filled[0]
@@ -107,7 +115,17 @@ class RemoteEngine:
     def lookup(self, tokens: Sequence[int] | Any, *, identity: Identity | None = None) -> int:
         """Length in tokens of the longest prefix of ``tokens`` the server holds."""
         chunks = self.chunker.chunk(tokens, identity=identity)
-        return self.client.lookup(chunks.keys, chunks.ends) if len(chunks) else 0
+        if not len(chunks):
+            return 0
+        return self.client.lookup(chunks.keys, chunks.ends,
+                                  partial_hashes=self._partial_hashes(chunks),
+                                  block_tokens=self.chunker.block_size or 0)
+
+    def _partial_hashes(self, chunks: ChunkKeys) -> list[list[bytes]] | None:
+        """The hashes of each chunk's leading blocks (block-granular hits), else None."""
+        if not self.chunker.block_size or not chunks.partials:
+            return None
+        return [[k.chunk_hash for k in keys] for keys in chunks.partials]
 
     def lookup_and_prefetch(self, tokens: Sequence[int] | Any, lookup_id: str, *,
                             identity: Identity | None = None) -> Future:
@@ -117,20 +135,27 @@ class RemoteEngine:
         lookup_id=lookup_id)`` then loads what it holds, ``release_lookup`` drops it."""
         chunks = self.chunker.chunk(tokens, identity=identity)
         return self.lookup_and_prefetch_hashes(lookup_id, [k.chunk_hash for k in chunks.keys],
-                                               chunks.ends)
+                                               chunks.ends, self._partial_hashes(chunks) or (),
+                                               self.chunker.block_size or 0)
 
     def lookup_and_prefetch_hashes(self, lookup_id: str, chunk_hashes: Sequence[bytes],
                                    chunk_ends: Sequence[int],
                                    partial_hashes: Sequence[Sequence[bytes]] = (),
                                    block_tokens: int = 0) -> Future:
         """Have the server load the stored prefix and hold it for ``lookup_id``; the
-        future resolves to the hit length in tokens (0 when the server fails)."""
+        future resolves to the hit length in tokens (0 when the server fails).
+        ``partial_hashes[i]``: chunk ``i``'s leading blocks' hashes, blocks of
+        ``block_tokens`` (block-granular hits; none: whole chunks)."""
         future: Future = Future()
         if not chunk_hashes:
             future.set_result(0)
             return future
+        # Only blocks of this engine's size, as in process: the answer is counted in them.
+        blocks = (partial_hashes if partial_hashes and block_tokens == self.chunker.block_size
+                  else None)
         hit = self._lookups.start_lookup_hashes(self.meta, chunk_hashes, chunk_ends,
-                                                lookup_id)
+                                                lookup_id, partial_hashes=blocks,
+                                                block_tokens=block_tokens if blocks else 0)
         if hit is not None:
             future.set_result(hit)
             return future
@@ -174,29 +199,46 @@ class RemoteEngine:
                  identity: Identity | None = None, **kv: Any) -> RetrieveResult:
         """Load the KV of the stored prefix of ``tokens`` (what ``lookup_id``
         prefetched, when given) through the connector, straight from the server.
-        Chunks whose shape or dtype does not fit this engine end the hit there."""
+        Chunks whose shape or dtype does not fit this engine end the hit there.
+        With block-granular hits the prefix may end inside a chunk (its longest
+        stored leading blocks), and a chunk may hold more tokens than it is asked
+        for (the stored chunk those blocks lead): its leading ones are loaded."""
         chunks = self.chunker.chunk(tokens, identity=identity)
         if not len(chunks):
             return RetrieveResult(0, None)
         result: list[Any] = [None]
-        fitting = [len(chunks)]
+        ends = list(chunks.ends)
+        fitting = [0]
 
-        def consume(views: list[torch.Tensor]) -> None:
+        def consume(views: list[torch.Tensor], tail_tokens: int = 0) -> None:
+            if tail_tokens:  # the last view is a partial hit: its leading tokens
+                last = len(views) - 1
+                if tail_tokens <= chunks.ends[last] - chunks.starts[last]:
+                    ends[last] = chunks.starts[last] + tail_tokens
+                else:  # more than the chunk has: not this prompt's
+                    views = views[:last]
             spans = []
-            for s, e, v in zip(chunks.starts, chunks.ends, views, strict=False):
-                if not fits_spec(self.spec, self.counters, chunks.keys[len(spans)], v, e - s):
+            for i, view in enumerate(views):
+                want = ends[i] - chunks.starts[i]
+                if view.dim() == 5 and view.shape[2] > want:
+                    view = view.narrow(2, 0, want)
+                if not fits_spec(self.spec, self.counters, chunks.keys[i], view, want):
                     break
-                spans.append(ChunkSpan(s, e, v))
+                spans.append(ChunkSpan(chunks.starts[i], ends[i], view))
             fitting[0] = len(spans)
             if spans:
                 result[0] = self.connector.from_chunks(spans, **kv)
 
-        expected = sum(self.spec.chunk_nbytes(e - s)
-                       for s, e in zip(chunks.starts, chunks.ends, strict=True))
+        spans = [e - s for s, e in zip(chunks.starts, chunks.ends, strict=True)]
+        if self.chunker.block_size:  # the last chunk may come whole (an alias's target)
+            spans[-1] = max(spans[-1], self.config.chunk_size)
+        expected = sum(self.spec.chunk_nbytes(n) for n in spans)
         n = self.client.retrieve_into(chunks.keys, consume, lookup_id=lookup_id or "",
-                                      expected_bytes=expected)
+                                      expected_bytes=expected,
+                                      partial_hashes=self._partial_hashes(chunks),
+                                      block_tokens=self.chunker.block_size or 0)
         n = min(n, fitting[0])
-        return RetrieveResult(chunks.ends[n - 1] if n else 0, result[0] if n else None)
+        return RetrieveResult(ends[n - 1] if n else 0, result[0] if n else None)
 
     # -- the rest ----------------------------------------------------------------
     def stats(self) -> list[dict[str, Any]]:

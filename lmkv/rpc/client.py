@@ -56,6 +56,8 @@ DATA_PATHS: tuple[str, ...] = get_args(_CONNECTION["data_path"].annotation)
 INLINE_BYTES_PER_MS = 256 << 10
 HEADER_ROOM = 1 << 16
 R = TypeVar("R", bound=p.Reply)
+#: Chunk ``i``'s leading blocks' hashes (block-granular hits); None: whole chunks.
+PartialHashes = Sequence[Sequence[bytes]] | None
 # Requests whose reply lends something the server holds until it is released.
 _HOLDING = (p.Lookup, p.Retrieve, p.Store)
 
@@ -169,31 +171,44 @@ class ServerClient:
     # -- lookup -------------------------------------------------------------------
     def lookup(self, keys: Sequence[CacheKey], chunk_ends: Sequence[int], *,
                lookup_id: str | None = None, keys_per_chunk: int = 1,
-               timeout_ms: int | None = None) -> int:
+               timeout_ms: int | None = None, partial_hashes: PartialHashes = None,
+               block_tokens: int = 0) -> int:
         """Hit prefix in tokens. With ``lookup_id``, the hit chunks are also prefetched
-        (held for ``retrieve(lookup_id=...)`` or ``release_lookup``); 0 on any failure."""
-        return self._lookup(p.key_fields(list(keys)), chunk_ends, lookup_id, keys_per_chunk,
-                            True, timeout_ms)
+        (held for ``retrieve(lookup_id=...)`` or ``release_lookup``); 0 on any failure.
+
+        ``partial_hashes[i]`` (block-granular hits): chunk ``i``'s leading blocks'
+        hashes (``lmkv.tokens.block_prefix_hashes``), blocks of ``block_tokens``: the
+        hit then goes on into the first missed chunk by its longest stored leading
+        blocks."""
+        fields = {**p.key_fields(list(keys)), **p.partial_fields(partial_hashes, block_tokens)}
+        return self._lookup(fields, chunk_ends, lookup_id, keys_per_chunk, True, timeout_ms)
 
     def lookup_hashes(self, meta: KeyMeta, chunk_hashes: Sequence[bytes],
                       chunk_ends: Sequence[int], *, lookup_id: str | None = None,
-                      timeout_ms: int | None = None) -> int:
+                      timeout_ms: int | None = None, partial_hashes: PartialHashes = None,
+                      block_tokens: int = 0) -> int:
         """``lookup`` for chunk hashes computed elsewhere (one key per hash)."""
-        fields = {"meta": meta, "chunk_hashes": list(chunk_hashes)}
+        fields = {"meta": meta, "chunk_hashes": list(chunk_hashes),
+                  **p.partial_fields(partial_hashes, block_tokens)}
         return self._lookup(fields, chunk_ends, lookup_id, 1, True, timeout_ms)
 
     def start_lookup(self, keys: Sequence[CacheKey], chunk_ends: Sequence[int],
-                     lookup_id: str, *, keys_per_chunk: int = 1) -> bool:
+                     lookup_id: str, *, keys_per_chunk: int = 1,
+                     partial_hashes: PartialHashes = None, block_tokens: int = 0) -> bool:
         """Start a prefetch without waiting for it; poll ``prefetch_status``."""
-        return self._lookup(p.key_fields(list(keys)), chunk_ends, lookup_id, keys_per_chunk,
-                            False, None) is not False
+        fields = {**p.key_fields(list(keys)), **p.partial_fields(partial_hashes, block_tokens)}
+        return self._lookup(fields, chunk_ends, lookup_id, keys_per_chunk, False,
+                            None) is not False
 
     def start_lookup_hashes(self, meta: KeyMeta, chunk_hashes: Sequence[bytes],
-                            chunk_ends: Sequence[int], lookup_id: str) -> int | None:
+                            chunk_ends: Sequence[int], lookup_id: str, *,
+                            partial_hashes: PartialHashes = None, block_tokens: int = 0
+                            ) -> int | None:
         """Start a prefetch of chunk hashes computed elsewhere without waiting for it:
         the hit tokens when the server finished it at once, None while it is still
         loading (poll ``prefetch_status``), 0 when the server does not answer."""
-        fields = {"meta": meta, "chunk_hashes": list(chunk_hashes)}
+        fields = {"meta": meta, "chunk_hashes": list(chunk_hashes),
+                  **p.partial_fields(partial_hashes, block_tokens)}
         got = self._lookup(fields, chunk_ends, lookup_id, 1, False, None)
         return 0 if got is False else got
 
@@ -249,21 +264,30 @@ class ServerClient:
         return result
 
     def retrieve_into(self, keys: Sequence[CacheKey] | None,
-                      consume: Callable[[list[torch.Tensor]], Any], *, lookup_id: str = "",
+                      consume: Callable[..., Any], *, lookup_id: str = "",
                       keys_per_chunk: int = 1, timeout_ms: int | None = None,
-                      expected_bytes: int | None = None) -> int:
+                      expected_bytes: int | None = None, partial_hashes: PartialHashes = None,
+                      block_tokens: int = 0) -> int:
         """Call ``consume`` with the stored prefix of ``keys`` (or what ``lookup_id``
         prefetched): one read-only tensor per chunk, valid only during the call (views
         of the server's arena, or of the reply's data parts: no copy is made). Returns the
-        number of chunks handed over; 0, without calling ``consume``, on any failure."""
+        number of chunks handed over; 0, without calling ``consume``, on any failure.
+
+        With ``partial_hashes`` (as in ``lookup``) the prefix may end inside a chunk,
+        by that chunk's longest stored leading blocks; ``consume`` is then called as
+        ``consume(views, tail_tokens)``: ``tail_tokens`` > 0 says the last view is such
+        a partial hit, and only its first ``tail_tokens`` tokens are the prompt's (the
+        view may hold more: the stored chunk they lead)."""
         fields = p.key_fields(list(keys)) if keys is not None else {}
+        partial = p.partial_fields(partial_hashes, block_tokens)
         with self._lock:
             if self._server() is None:
                 return 0
             inline = self.segment is None
             if expected_bytes is None:
                 expected_bytes = len(keys or ()) * self._chunk_bytes_hint
-            message = p.Retrieve(**fields, lookup_id=lookup_id, keys_per_chunk=keys_per_chunk,
+            message = p.Retrieve(**fields, **partial, lookup_id=lookup_id,
+                                 keys_per_chunk=keys_per_chunk,
                                  data_path="inline" if inline else "shm",
                                  process="" if inline else process_identity())
             got = self._call(message, p.RetrieveReply,
@@ -275,7 +299,10 @@ class ServerClient:
                 self._heartbeat.begin(reply.handle)
             try:
                 views = self._views(reply, data)
-                if views:
+                if views and partial:
+                    tail = reply.tail_tokens if len(views) == len(reply.chunks) else 0
+                    consume(views, max(tail, 0))
+                elif views:
                     consume(views)
                 return len(views)
             finally:
@@ -346,11 +373,17 @@ class ServerClient:
 
     def store_from(self, keys: Sequence[CacheKey], shapes: Sequence[Sequence[int]],
                    dtype: torch.dtype, fill: Callable[[int, list[torch.Tensor]], Any], *,
-                   timeout_ms: int | None = None) -> int:
+                   timeout_ms: int | None = None, partial_hashes: PartialHashes = None
+                   ) -> int:
         """``store`` without a staging copy: the server lends buffers for the chunks it
         lacks and ``fill(first, buffers)`` writes chunk ``first + i`` into
         ``buffers[i]`` (arena views when shared memory works, else tensors sent as the
-        request's data parts). Returns the chunks newly stored."""
+        request's data parts). Returns the chunks newly stored.
+
+        ``partial_hashes[i]`` (block-granular hits): chunk ``i``'s leading blocks'
+        hashes; the server stores each, with the chunks it stores, as an alias of
+        its chunk (``lmkv.aliases``), so a prompt that leaves this one inside the
+        chunk still hits those blocks."""
         if len(keys) != len(shapes):
             raise ValueError(f"{len(keys)} keys for {len(shapes)} shapes")
         if not keys:
@@ -365,7 +398,8 @@ class ServerClient:
             for start, end in self._batches(nbytes, info):
                 count, complete = self._store_batch(
                     list(keys[start:end]), shapes[start:end], dtype,
-                    lambda first, bufs, start=start: fill(start + first, bufs), timeout_ms)
+                    lambda first, bufs, start=start: fill(start + first, bufs), timeout_ms,
+                    partial_hashes[start:end] if partial_hashes else None)
                 stored += count
                 if not complete:  # later chunks extend a prefix the server lacks
                     self.counters.dropped_chunks += len(keys) - end
@@ -387,10 +421,12 @@ class ServerClient:
 
     def _store_batch(self, keys: list[CacheKey], shapes: Sequence[Sequence[int]],
                      dtype: torch.dtype, fill: Callable[[int, list[torch.Tensor]], Any],
-                     timeout_ms: int | None) -> tuple[int, bool]:
+                     timeout_ms: int | None, partial_hashes: PartialHashes = None
+                     ) -> tuple[int, bool]:
         """(chunks stored, whether every chunk of the batch is now on the server)."""
         inline = self.segment is None
-        message = p.Store(**p.key_fields(keys), shapes=[list(s) for s in shapes],
+        message = p.Store(**p.key_fields(keys), **p.partial_fields(partial_hashes),
+                          shapes=[list(s) for s in shapes],
                           dtype=dtype_name(dtype), data_path="inline" if inline else "shm",
                           process="" if inline else process_identity())
         got = self._call(message, p.StoreReply, timeout_ms=timeout_ms)

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any, Literal
+from collections.abc import Sequence
+from typing import Annotated, Any, Literal
 
 import msgspec
 import torch
@@ -37,6 +38,19 @@ ERROR_CODES = (BAD_REQUEST, TOO_LARGE, UNKNOWN_HANDLE, INTERNAL)
 
 # Request ids a client may name in one request's ``abandoned``.
 MAX_ABANDONED = 1024
+
+# Bounds of ``partial_hashes`` (block-granular hits), checked while decoding:
+# a crafted request cannot make the server build more than this many lists, of
+# at most this many hashes, each at most this long.
+MAX_PARTIAL_CHUNKS = 1 << 16
+MAX_BLOCKS_PER_CHUNK = 1024
+MAX_HASH_BYTES = 64
+MAX_BLOCK_TOKENS = 1 << 20
+
+BlockHash = Annotated[bytes, msgspec.Meta(min_length=1, max_length=MAX_HASH_BYTES)]
+PartialHashes = Annotated[
+    list[Annotated[list[BlockHash], msgspec.Meta(max_length=MAX_BLOCKS_PER_CHUNK)]],
+    msgspec.Meta(max_length=MAX_PARTIAL_CHUNKS)]
 
 DTYPES: dict[str, torch.dtype] = {
     name: getattr(torch, name)
@@ -67,11 +81,17 @@ class Request(msgspec.Struct, tag_field="op", kw_only=True, omit_defaults=True):
 
 
 class KeyedRequest(Request, kw_only=True):
-    """Chunk keys, in one of two forms: ``keys``, or ``meta`` with ``chunk_hashes``."""
+    """Chunk keys, in one of two forms: ``keys``, or ``meta`` with ``chunk_hashes``.
+
+    ``partial_hashes[i]`` (block-granular hits, ``lmkv.aliases``): the hashes of
+    chunk ``i``'s leading whole blocks (``lmkv.tokens.block_prefix_hashes``),
+    each under chunk ``i``'s meta; fewer lists than chunks: none for the rest.
+    """
 
     keys: list[CacheKey] | None = None
     meta: KeyMeta | None = None
     chunk_hashes: list[bytes] | None = None
+    partial_hashes: PartialHashes | None = None
 
     def has_keys(self) -> bool:
         return self.keys is not None or self.chunk_hashes is not None
@@ -86,6 +106,35 @@ class KeyedRequest(Request, kw_only=True):
         meta = self.meta
         return [CacheKey(meta, h) for h in self.chunk_hashes]
 
+    def partial_keys(self, keys: list[CacheKey], keys_per_chunk: int = 1
+                     ) -> list[list[CacheKey]] | None:
+        """The keys of ``partial_hashes`` (None when not given); ProtocolError
+        (bad_request) unless they can be: one chunk a key, no more lists than chunks."""
+        hashes = self.partial_hashes
+        if hashes is None:
+            return None
+        if keys_per_chunk != 1:
+            raise ProtocolError(BAD_REQUEST, "partial_hashes need keys_per_chunk 1")
+        if len(hashes) > len(keys):
+            raise ProtocolError(BAD_REQUEST, f"partial_hashes for {len(hashes)} chunks: "
+                                f"at most one list per chunk ({len(keys)})")
+        if any(k.layer >= 0 for k in keys[:len(hashes)]):
+            raise ProtocolError(BAD_REQUEST, "partial_hashes need chunk keys without a layer")
+        return [[CacheKey(key.meta, h) for h in hs] for key, hs in zip(keys, hashes,
+                                                                       strict=False)]
+
+
+def check_block_tokens(block_tokens: int, partials: list[list[CacheKey]] | None) -> None:
+    """ProtocolError (bad_request) unless ``block_tokens`` is a block size that
+    ``partials`` (a request's ``partial_keys``) can be read with."""
+    if partials is None:
+        if block_tokens:
+            raise ProtocolError(BAD_REQUEST, "block_tokens without partial_hashes")
+        return
+    if not 1 <= block_tokens <= MAX_BLOCK_TOKENS:
+        raise ProtocolError(BAD_REQUEST, f"block_tokens {block_tokens}: partial_hashes "
+                            f"need 1 to {MAX_BLOCK_TOKENS}")
+
 
 class Ping(Request, tag="ping", kw_only=True):
     pass
@@ -97,6 +146,7 @@ class Lookup(KeyedRequest, tag="lookup", kw_only=True):
     prefetch: bool = True
     wait: bool = True
     keys_per_chunk: int = 1
+    block_tokens: int = 0  # tokens in a block of ``partial_hashes``
 
 
 class PrefetchStatus(Request, tag="prefetch_status", kw_only=True):
@@ -106,6 +156,7 @@ class PrefetchStatus(Request, tag="prefetch_status", kw_only=True):
 class Retrieve(KeyedRequest, tag="retrieve", kw_only=True):
     lookup_id: str = ""
     keys_per_chunk: int = 1
+    block_tokens: int = 0
     data_path: DataPath = "shm"
     process: str = ""  # the client's process (lmkv.rpc.liveness), for shared memory
 
@@ -190,6 +241,9 @@ class RetrieveReply(Reply, tag="retrieve_reply", kw_only=True):
     data_path: DataPath
     shm_name: str
     chunks: list[ChunkInfo]
+    # > 0: the last chunk is a partial hit (block-granular hits): only its first
+    # ``tail_tokens`` tokens are the asked chunk's leading blocks.
+    tail_tokens: int = 0
 
 
 class StoreReply(Reply, tag="store_reply", kw_only=True):
@@ -340,3 +394,18 @@ def key_fields(keys: list[CacheKey]) -> dict[str, Any]:
 def one_line(exc: BaseException, limit: int = 300) -> str:
     text = " ".join(str(exc).split()) or type(exc).__name__
     return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def partial_fields(partial_hashes: Sequence[Sequence[bytes]] | None, block_tokens: int = 0
+                   ) -> dict[str, Any]:
+    """The wire form of block-granular hits' hashes (``partial_hashes``, and
+    ``block_tokens`` when given): {} when there are none. Lists past the bounds the
+    server accepts are cut (a chunk's later blocks, later chunks: fewer hits, never
+    a refusal)."""
+    if not partial_hashes:
+        return {}
+    fields: dict[str, Any] = {"partial_hashes": [
+        list(hs[:MAX_BLOCKS_PER_CHUNK]) for hs in partial_hashes[:MAX_PARTIAL_CHUNKS]]}
+    if block_tokens:
+        fields["block_tokens"] = block_tokens
+    return fields

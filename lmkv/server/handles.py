@@ -30,9 +30,10 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
+from lmkv.aliases import Alias
 from lmkv.logutil import RateLimitedLog
 from lmkv.memory import MemoryObj, release
 from lmkv.rpc.liveness import process_state
@@ -56,6 +57,7 @@ class Handle:
     process: str = ""  # the client process that maps the arena (liveness)
     expires: float = 0.0  # monotonic; renewed by the client's heartbeat
     parent: CacheKey | None = None  # a store's: the key its first chunk extends
+    aliases: list[Alias] = field(default_factory=list)  # a store's: its chunks' leading blocks
 
     @property
     def shared(self) -> bool:

@@ -79,8 +79,8 @@ class KVServer:
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
-        self._completions: collections.deque[tuple[list[bytes], int, Callable[[], Outcome]]] = \
-            collections.deque()
+        self._completions: collections.deque[
+            tuple[list[bytes], int, Callable[[], Outcome | Deferred]]] = collections.deque()
         self._sending: list[tuple[list[zmq.MessageTracker], list[MemoryObj]]] = []
         self._stopping = False
         self._closed = False
@@ -184,6 +184,10 @@ class KVServer:
         except Exception as exc:  # a bug in a handler must not stop the server
             self._internal_error(envelope, req_id, exc)
             return
+        self._reply_or_defer(envelope, req_id, result)
+
+    def _reply_or_defer(self, envelope: list[bytes], req_id: int,
+                        result: Outcome | Deferred) -> None:
         if isinstance(result, Deferred):
             then = result.then
             result.future.add_done_callback(
@@ -192,7 +196,7 @@ class KVServer:
             self._send(envelope, req_id, result)
 
     def _complete_later(self, envelope: list[bytes], req_id: int,
-                        then: Callable[[], Outcome]) -> None:
+                        then: Callable[[], Outcome | Deferred]) -> None:
         """Called on a storage thread: queue the completion for the loop thread."""
         if self._closed:
             return  # the session was ended at close; nothing waits for the reply
@@ -210,7 +214,7 @@ class KVServer:
             except Exception as exc:
                 self._internal_error(envelope, req_id, exc)
                 continue
-            self._send(envelope, req_id, outcome)
+            self._reply_or_defer(envelope, req_id, outcome)  # it may wait again
 
     # -- replies ----------------------------------------------------------------
     def _send(self, envelope: list[bytes], req_id: int, outcome: Outcome) -> None:

@@ -22,11 +22,13 @@ from typing import Any
 
 import numpy as np
 
+from lmkv.aliases import chunk_aliases
 from lmkv.memory import MemoryAllocator, MemoryObj, dtype_name, release
 from lmkv.memory.shm import SharedSegment, host_id
 from lmkv.rpc import protocol as p
 from lmkv.server.sessions import Session, SessionTable
-from lmkv.storage import StorageManager, chain_parents
+from lmkv.storage import Partials, StorageManager, chain_parents
+from lmkv.tokens import CacheKey
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +43,7 @@ class Outcome:
 @dataclass
 class Deferred:
     future: Future
-    then: Callable[[], Outcome]
+    then: Callable[[], Outcome | Deferred]  # may wait again
 
 
 @dataclass
@@ -101,15 +103,19 @@ class KVService:
         if kpc < 1 or len(keys) != len(req.chunk_ends) * kpc:
             raise p.ProtocolError(p.BAD_REQUEST, f"{len(keys)} keys do not make "
                                   f"{len(req.chunk_ends)} chunks of {kpc} keys")
+        partials = _lookup_partials(req, keys, kpc)
         session = self.sessions.touch(req.session)
         if not req.prefetch:
             chunks = self.storage.contains_prefix(keys) // kpc
             hit = req.chunk_ends[chunks - 1] if chunks else 0
+            if partials is not None and chunks < len(partials.keys) and partials.keys[chunks]:
+                return self._count_partial(session, req, keys[chunks], partials, chunks, hit)
             return Outcome(p.LookupReply(lookup_id=req.lookup_id, hit_tokens=hit, done=True))
         if not req.lookup_id:
             raise p.ProtocolError(p.BAD_REQUEST, "a lookup with prefetch needs a lookup_id")
         key = session.lookup_key(req.lookup_id)
-        future = self.storage.lookup_and_prefetch(key, keys, req.chunk_ends, kpc)
+        future = self.storage.lookup_and_prefetch(key, keys, req.chunk_ends, kpc,
+                                                  partials=partials)
         self.sessions.hold_lookup(session, key, req.req_id)
 
         def reply() -> Outcome:
@@ -121,6 +127,26 @@ class KVService:
         if not req.wait:
             return Outcome(p.LookupReply(lookup_id=req.lookup_id, hit_tokens=0, done=False))
         return Deferred(future, reply)
+
+    def _count_partial(self, session: Session, req: p.Lookup, key: CacheKey,
+                       partials: Partials, index: int, hit: int) -> Outcome | Deferred:
+        """A counting lookup that missed chunk ``index`` whole: add its longest stored
+        leading blocks. Finding them reads the alias and its chunk, which may take a
+        lower tier's time: a one-chunk prefetch of the storage manager's does it off
+        the loop, and is released at once."""
+        ends = req.chunk_ends
+        span = ends[index] - (ends[index - 1] if index else 0)
+        probe = session.lookup_key(f"\x00count-{next(self._internal_ids)}")
+        future = self.storage.lookup_and_prefetch(
+            probe, [key], [span], partials=Partials([partials.keys[index]],
+                                                    partials.block_tokens))
+
+        def reply() -> Outcome:
+            self.storage.release_prefetched(probe)
+            return Outcome(p.LookupReply(lookup_id=req.lookup_id,
+                                         hit_tokens=hit + future.result(), done=True))
+
+        return reply() if future.done() else Deferred(future, reply)
 
     def prefetch_status(self, req: p.PrefetchStatus, data: Sequence[memoryview]) -> Outcome:
         session = self.sessions.touch(req.session)
@@ -141,22 +167,27 @@ class KVService:
         if kpc < 1 or (keys is not None and len(keys) % kpc):
             raise p.ProtocolError(p.BAD_REQUEST, f"{len(keys or ())} keys are not whole "
                                   f"chunks of {kpc} keys")
+        partial_keys = req.partial_keys(keys or [], kpc)
+        p.check_block_tokens(req.block_tokens, partial_keys)
+        partials = (Partials(partial_keys, req.block_tokens) if partial_keys and any(partial_keys)
+                    else None)
         session = self.sessions.touch(req.session)
         key = session.lookup_key(req.lookup_id) if req.lookup_id else ""
         future = self.storage.events.future(key) if key in session.lookups else None
         if future is None:
             if not keys:
                 return self._retrieved(session, req, [])
-            # Not prefetched: prefetch now, under an id of the server's own.
-            key = session.lookup_key(f"\x00retrieve-{next(self._internal_ids)}")
-            future = self.storage.lookup_and_prefetch(
-                key, keys, list(range(1, len(keys) // kpc + 1)), kpc)
-            self.sessions.hold_lookup(session, key, req.req_id)
+            return self._fetch_now(session, req, keys, partials)
 
-        def finish() -> Outcome:
+        def finish() -> Outcome | Deferred:
             session.lookups.pop(key, None)
-            # With keys: only their chunks, and only if the prefetch was for them.
-            objs = self.storage.take_prefetched(key, keys) or []
+            # With keys: only their chunks, and only if the prefetch was for them. A
+            # prefetch for another prompt (a reused id) is released, never lent: these
+            # keys are fetched now instead, as if nothing had been prefetched.
+            objs = self.storage.take_prefetched(key, keys)
+            if objs is None and keys:
+                return self._fetch_now(session, req, keys, partials)
+            objs = objs or []
             try:
                 return self._retrieved(session, req, objs)
             except BaseException:
@@ -165,12 +196,37 @@ class KVService:
 
         return finish() if future.done() else Deferred(future, finish)
 
-    def _retrieved(self, session: Session, req: p.Retrieve, objs: list[MemoryObj]) -> Outcome:
+    def _fetch_now(self, session: Session, req: p.Retrieve, keys: list[CacheKey],
+                   partials: Partials | None) -> Outcome | Deferred:
+        """Retrieve ``keys`` not prefetched: prefetch now, under an id of the server's
+        own. Its chunk ends are all 0, so its answer is the tokens of the partial hit
+        it ends with (block-granular hits; 0 without one): the reply's
+        ``tail_tokens``."""
+        kpc = req.keys_per_chunk
+        key = session.lookup_key(f"\x00retrieve-{next(self._internal_ids)}")
+        future = self.storage.lookup_and_prefetch(key, keys, [0] * (len(keys) // kpc), kpc,
+                                                  partials=partials)
+        self.sessions.hold_lookup(session, key, req.req_id)
+
+        def finish() -> Outcome:
+            session.lookups.pop(key, None)
+            objs = self.storage.take_prefetched(key) or []  # its own: all of ``keys``
+            try:
+                return self._retrieved(session, req, objs, future.result())
+            except BaseException:
+                release(objs)
+                raise
+
+        return finish() if future.done() else Deferred(future, finish)
+
+    def _retrieved(self, session: Session, req: p.Retrieve, objs: list[MemoryObj],
+                   tail_tokens: int = 0) -> Outcome:
         """The reply lending ``objs``; they are released here when nobody may take them
         (the session ended or the client gave the request up meanwhile)."""
         if objs and (session.ended or self.sessions.is_abandoned(session, req.req_id)):
             release(objs)
             objs = []
+        tail = tail_tokens if objs else 0
         if req.data_path == "shm" and self._in_segment(objs):
             chunks = [_info(o, o.offset) for o in objs]
             handle = self.sessions.add_handle(session, "lease", objs, data_path="shm",
@@ -178,15 +234,16 @@ class KVService:
                                               ) if objs else None
             return Outcome(p.RetrieveReply(
                 handle=handle.id if handle else 0, data_path="shm", shm_name=self.shm_name,
-                chunks=chunks if handle else []))
+                chunks=chunks if handle else [], tail_tokens=tail if handle else 0))
         return Outcome(p.RetrieveReply(handle=0, data_path="inline", shm_name="",
-                                       chunks=[_info(o, -1) for o in objs]),
+                                       chunks=[_info(o, -1) for o in objs], tail_tokens=tail),
                        parts=[o.byte_view().numpy() for o in objs], hold=objs)
 
     def store(self, req: p.Store, data: Sequence[memoryview]) -> Outcome:
         keys = req.cache_keys()
         if len(req.shapes) != len(keys):
             raise p.ProtocolError(p.BAD_REQUEST, f"{len(req.shapes)} shapes for {len(keys)} keys")
+        partial_keys = req.partial_keys(keys) or []
         dtype = p.dtype_of(req.dtype)
         sizes = []
         for i, shape in enumerate(req.shapes):
@@ -223,6 +280,7 @@ class KVService:
                                           ) if objs else None
         if handle is not None:
             handle.parent = keys[first - 1] if first else None
+            handle.aliases = chunk_aliases(handle.keys, partial_keys[first:first + len(objs)])
         if handle is None:
             return Outcome(p.StoreReply(handle=0, first=first, data_path=data_path,
                                         shm_name="", chunks=[]))
@@ -247,7 +305,7 @@ class KVService:
             if data or handle.data_path == "inline":
                 _copy_parts(handle.objs, data)
             future = self.storage.put(handle.keys, handle.objs,
-                                      chain_parents(handle.keys, handle.parent))
+                                      chain_parents(handle.keys, handle.parent), handle.aliases)
             stored = future.result() if future.done() else len(handle.objs)
         finally:
             handle.release()
@@ -293,6 +351,24 @@ class KVService:
     def _in_segment(self, objs: Sequence[MemoryObj]) -> bool:
         alloc = self.allocator
         return self.segment is not None and all(o.allocator is alloc for o in objs)
+
+
+def _lookup_partials(req: p.Lookup, keys: list[CacheKey], kpc: int) -> Partials | None:
+    """A lookup's ``partial_hashes`` as keys, checked against its chunks: chunk
+    ``i``'s leading blocks never add up to more than its tokens (a hit never ends
+    past the chunk)."""
+    partial_keys = req.partial_keys(keys, kpc)
+    p.check_block_tokens(req.block_tokens, partial_keys)
+    if not partial_keys or not any(partial_keys):
+        return None
+    ends = req.chunk_ends
+    for i, blocks in enumerate(partial_keys):
+        span = ends[i] - (ends[i - 1] if i else 0)
+        if len(blocks) * req.block_tokens > span:
+            raise p.ProtocolError(p.BAD_REQUEST, f"partial_hashes[{i}]: {len(blocks)} blocks "
+                                  f"of {req.block_tokens} tokens, but chunk {i} has {span} "
+                                  "tokens: at most its tokens allowed")
+    return Partials(partial_keys, req.block_tokens)
 
 
 def _info(obj: MemoryObj, offset: int) -> p.ChunkInfo:

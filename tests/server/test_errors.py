@@ -293,3 +293,47 @@ def test_hostile_replies_are_misses_on_the_client() -> None:
     finally:
         stop.set()
         thread.join(5)
+
+
+def keyed(op: str, chunks: int = 2, **fields) -> bytes:
+    """A raw keyed request of ``chunks`` chunks (16 tokens each) with ``fields``."""
+    base: dict = {"op": op, "req_id": 17, "meta": {"model_name": "partials"},
+                  "chunk_hashes": [bytes([i + 1]) * 32 for i in range(chunks)]}
+    if op == "lookup":
+        base.update(chunk_ends=[16 * (i + 1) for i in range(chunks)], prefetch=False)
+    if op == "store":
+        base.update(shapes=[[4, 4]] * chunks, dtype="bfloat16")
+    return msgspec.msgpack.encode({**base, **fields})
+
+
+BAD_PARTIALS = [
+    (keyed("lookup", partial_hashes=[[b"x" * 65]], block_tokens=8), "length <= 64"),
+    (keyed("lookup", partial_hashes=[[b""]], block_tokens=8), "length >= 1"),
+    (keyed("store", partial_hashes=[[b"x"] * 1025]), "length <= 1024"),
+    (keyed("retrieve", partial_hashes=[[]] * 65537, block_tokens=8), "length <= 65536"),
+    (keyed("lookup", partial_hashes=[[b"x"]] * 3, block_tokens=8), "at most one list per chunk"),
+    (keyed("store", partial_hashes=[[b"x"]] * 3), "at most one list per chunk"),
+    (keyed("lookup", partial_hashes=[[b"x"]]), "block_tokens 0"),
+    (keyed("retrieve", partial_hashes=[[b"x"]], block_tokens=1 << 21), "need 1 to"),
+    (keyed("lookup", block_tokens=8), "block_tokens without partial_hashes"),
+    (keyed("lookup", partial_hashes=[[b"x", b"y", b"z"]], block_tokens=8),
+     "3 blocks of 8 tokens, but chunk 0 has 16 tokens"),
+    (keyed("retrieve", keys_per_chunk=2, partial_hashes=[[b"x"]], block_tokens=8),
+     "keys_per_chunk 1"),
+    (keyed("lookup", partial_hashes="not a list", block_tokens=8), "got `str`"),
+]
+
+
+def test_bad_partial_hashes_get_one_line_and_leak_nothing(server) -> None:
+    with server.client() as client:
+        base = client.stats().server
+        replies = pipelined(server.address, [raw for raw, _ in BAD_PARTIALS] * 50)
+        for reply, (raw, reason) in zip(replies, BAD_PARTIALS * 50, strict=True):
+            assert reply.code == p.BAD_REQUEST and reason in reply.reason, reply.reason
+            assert "\n" not in reply.reason
+            assert reply.req_id == (17 if len(raw) <= 1 << 16 else 0)  # salvaged when small
+        stats = client.stats().server
+        assert stats.bad_requests == base.bad_requests + len(replies)
+        assert stats.staged_chunks == 0 and stats.held_lookups == 0
+        assert stats.arena_used_bytes <= base.arena_used_bytes  # nothing taken
+    still_serving(server)
