@@ -89,7 +89,10 @@ class EvictionPolicy(Plugin, ABC):
     prefix: ``victims`` ranks, ``candidates`` filters. The tier also skips
     pinned or referenced entries, so a policy never decides what is safe to
     drop. A policy that yields leaves first (``lineage.is_leaf``) saves the
-    filter its skips.
+    filter its skips; ``on_extended`` / ``on_leaf`` tell it when a stored key
+    stops or starts being a leaf, so it can keep only leaves in its order.
+    A key may be stored after a key that extends it (a tail promoted before
+    its head): ``on_insert`` then sees ``lineage.is_leaf(key)`` false.
     """
 
     #: Whether ``on_insert`` takes the parent (set per subclass; a policy written
@@ -117,9 +120,20 @@ class EvictionPolicy(Plugin, ABC):
     @final
     def insert(self, key: Hashable, parent: Hashable | None = None) -> None:
         """``key`` was stored, extending ``parent`` (the chunk before it, or None)."""
-        self.lineage.add(key, parent)
+        lineage = self.lineage
+        if parent == key:
+            parent = None
+        old = lineage.parent(key) if key in lineage else None
+        # A stored leaf that gains its first stored extension stops being a candidate.
+        extended = (parent is not None and parent != old and parent in lineage
+                    and lineage.is_leaf(parent))
+        lineage.add(key, parent)
+        if old is not None and old != parent and old in lineage and lineage.is_leaf(old):
+            self.on_leaf(old)  # a re-insert under another parent freed the old one
+        if extended:
+            self.on_extended(parent)
         if self._insert_takes_parent:
-            self.on_insert(key, self.lineage.parent(key))
+            self.on_insert(key, parent)
         else:
             self.on_insert(key)  # type: ignore[call-arg]
 
@@ -131,8 +145,12 @@ class EvictionPolicy(Plugin, ABC):
     @final
     def forget(self, key: Hashable) -> None:
         """``key`` left the tier (removed or evicted)."""
-        self.lineage.discard(key)
+        lineage = self.lineage
+        parent = lineage.parent(key)
+        lineage.discard(key)
         self.on_remove(key)
+        if parent is not None and parent in lineage and lineage.is_leaf(parent):
+            self.on_leaf(parent)  # its last stored extension left: a candidate again
 
     @final
     def candidates(self) -> Iterator[Hashable]:
@@ -159,8 +177,20 @@ class EvictionPolicy(Plugin, ABC):
     def victims(self) -> Iterator[Hashable]:
         """Stored keys, the one to evict first first. The tier may stop early.
 
-        May include keys that are not leaves; ``candidates`` drops them.
+        May include keys that are not leaves; ``candidates`` drops them (a policy
+        that keeps only leaves in its order, with ``on_extended`` / ``on_leaf``,
+        never makes it skip, so an eviction costs what it evicts).
         """
+
+    def on_extended(self, key: Hashable) -> None:
+        """The stored leaf ``key`` gained its first stored extension: it is no longer
+        a candidate until ``on_leaf``. Called before the extension's ``on_insert``.
+        A policy that orders leaves only takes ``key`` out of its order here."""
+
+    def on_leaf(self, key: Hashable) -> None:
+        """The stored key ``key`` is a leaf again: its last stored extension left
+        (called after that one's ``on_remove``). A policy that orders leaves only
+        puts ``key`` back here, where its own history says it belongs."""
 
 
 class StoreMeta(Protocol):
