@@ -29,7 +29,7 @@ from lmkv.policy import EvictionContext, EvictionPolicy
 class LFUOptions(PluginOptions):
     decay_period: Annotated[int, Field(strict=True, ge=0)] = 0
     """Uses (stores and reads) between two agings; 0: ten times the entries stored."""
-    decay_factor: Annotated[float, Field(gt=0, le=1)] = 0.5
+    decay_factor: Annotated[float, Field(ge=0.01, le=1)] = 0.5
     """What ageing multiplies every count by (rounded down, at least 1); 1: no ageing."""
     max_frequency: Annotated[int, Field(strict=True, ge=1, le=1 << 16)] = 255
     """The highest count a key reaches (more uses do not raise it)."""

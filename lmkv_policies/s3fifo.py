@@ -41,7 +41,7 @@ SMALL, MAIN = 0, 1
 
 
 class S3FIFOOptions(PluginOptions):
-    small_ratio: Annotated[float, Field(gt=0, lt=1)] = 0.1
+    small_ratio: Annotated[float, Field(ge=0.01, le=0.9)] = 0.1
     """The small queue's share of the entries."""
     max_frequency: Annotated[int, Field(strict=True, ge=1, le=255)] = 3
     """The highest read count a key keeps (chances it gets in the main queue)."""
