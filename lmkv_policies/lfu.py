@@ -33,6 +33,9 @@ class LFUOptions(PluginOptions):
     """What ageing multiplies every count by (rounded down, at least 1); 1: no ageing."""
     max_frequency: Annotated[int, Field(strict=True, ge=1, le=1 << 16)] = 255
     """The highest count a key reaches (more uses do not raise it)."""
+    history: Annotated[float, Field(ge=0, le=16)] = 2.0
+    """Counts of evicted keys remembered, as a share of the most entries stored
+    (a key stored again resumes its count); 0: a stored key starts at 1."""
 
 
 class LFUPolicy(EvictionPolicy):
@@ -47,6 +50,9 @@ class LFUPolicy(EvictionPolicy):
         #: Leaves by count, least recent first within one count.
         self._buckets: dict[int, OrderedDict[Hashable, None]] = {}
         self._uses = 0  # since the last ageing
+        #: Counts of keys that left, least recent first (bounded: ``history``).
+        self._history: OrderedDict[Hashable, int] = OrderedDict()
+        self.c = 0  # the most entries stored at once
 
     # -- buckets ---------------------------------------------------------------
     def _enter(self, key: Hashable, count: int, front: bool = False) -> None:
@@ -71,9 +77,11 @@ class LFUPolicy(EvictionPolicy):
         old = self._count.pop(key, None)
         if old is not None:
             self._leave(key, old)
-        self._count[key] = 1
+        count = min(self._history.pop(key, 0) + 1, self.options.max_frequency)
+        self._count[key] = count
         if self.lineage.is_leaf(key):
-            self._enter(key, 1)
+            self._enter(key, count)
+        self.c = max(self.c, len(self._count))
         self._used()
 
     def on_access(self, key: Hashable) -> None:
@@ -90,6 +98,12 @@ class LFUPolicy(EvictionPolicy):
         count = self._count.pop(key, None)
         if count is not None:
             self._leave(key, count)
+            bound = int(self.options.history * self.c)
+            if bound:
+                history = self._history
+                history[key] = count
+                while len(history) > bound:
+                    history.popitem(last=False)
 
     def on_extended(self, key: Hashable) -> None:
         count = self._count.get(key)
@@ -120,6 +134,9 @@ class LFUPolicy(EvictionPolicy):
         factor, counts = self.options.decay_factor, self._count
         for key, count in counts.items():
             counts[key] = max(1, int(count * factor))
+        history = self._history
+        for key, count in history.items():
+            history[key] = int(count * factor)
         old, self._buckets = self._buckets, {}
         for count in sorted(old):
             for key in old[count]:
