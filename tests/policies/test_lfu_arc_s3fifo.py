@@ -39,7 +39,7 @@ def test_lfu_ageing_lets_new_keys_beat_old_hot_ones() -> None:
     assert policy._count["old"] == 4
     for _ in range(6):
         policy.access("new")
-    assert list(policy.victims())[0] == "old"
+    assert next(iter(policy.victims())) == "old"
     no_ageing = LFUPolicy({"decay_factor": 1})
     no_ageing.insert("k")
     for _ in range(300):

@@ -40,9 +40,7 @@ def test_the_order_is_exact_recency_over_leaves() -> None:
     policy = LRUPolicy()
     parent: dict[int, int | None] = {}
     used: dict[int, int] = {}
-    clock = 0
-    for step in range(3000):
-        clock += 1
+    for clock, step in enumerate(range(3000), 1):
         roll = rng.random()
         if roll < 0.4 or not parent:
             k = step
