@@ -20,6 +20,9 @@ class EvictionContext:
     tier_index: int = 0
 
 
+_ABSENT = object()
+
+
 class Lineage:
     """Who extends whom among one tier's stored keys.
 
@@ -119,17 +122,25 @@ class EvictionPolicy(Plugin, ABC):
     # -- what a tier calls ----------------------------------------------------
     @final
     def insert(self, key: Hashable, parent: Hashable | None = None) -> None:
-        """``key`` was stored, extending ``parent`` (the chunk before it, or None)."""
+        """``key`` was stored, extending ``parent`` (the chunk before it, or None).
+
+        Storing a stored key again is forgetting it, then storing it (tiers never
+        do; a policy's ``on_insert`` only ever sees keys it does not hold).
+        """
+        # The tiers call this for every chunk they store: dict operations, inlined.
         lineage = self.lineage
-        if parent == key:
-            parent = None
-        old = lineage.parent(key) if key in lineage else None
-        # A stored leaf that gains its first stored extension stops being a candidate.
-        extended = (parent is not None and parent != old and parent in lineage
-                    and lineage.is_leaf(parent))
-        lineage.add(key, parent)
-        if old is not None and old != parent and old in lineage and lineage.is_leaf(old):
-            self.on_leaf(old)  # a re-insert under another parent freed the old one
+        parents, children = lineage._parent, lineage._children
+        if key in parents:
+            self.forget(key)
+        extended = False
+        if parent is not None:
+            if parent == key:
+                parent = None
+            else:
+                # A stored leaf that gains its first stored extension stops being one.
+                extended = parent in parents and parent not in children
+                children[parent] = children.get(parent, 0) + 1
+        parents[key] = parent
         if extended:
             self.on_extended(parent)
         if self._insert_takes_parent:
@@ -146,18 +157,28 @@ class EvictionPolicy(Plugin, ABC):
     def forget(self, key: Hashable) -> None:
         """``key`` left the tier (removed or evicted)."""
         lineage = self.lineage
-        parent = lineage.parent(key)
-        lineage.discard(key)
+        parents, children = lineage._parent, lineage._children
+        parent = parents.pop(key, _ABSENT)
+        if parent is _ABSENT:
+            self.on_remove(key)  # not in the lineage: let the policy drop what it has
+            return
+        left = 1
+        if parent is not None:
+            left = children[parent] - 1
+            if left:
+                children[parent] = left
+            else:
+                del children[parent]
         self.on_remove(key)
-        if parent is not None and parent in lineage and lineage.is_leaf(parent):
+        if not left and parent in parents:
             self.on_leaf(parent)  # its last stored extension left: a candidate again
 
     @final
     def candidates(self) -> Iterator[Hashable]:
         """``victims`` that no stored key extends (leaves), in the policy's order."""
-        lineage = self.lineage
+        parents, children = self.lineage._parent, self.lineage._children
         for key in self.victims():
-            if key in lineage and lineage.is_leaf(key):
+            if key not in children and key in parents:
                 yield key
 
     # -- what a policy implements ---------------------------------------------

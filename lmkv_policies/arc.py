@@ -51,7 +51,6 @@ class ARCPolicy(EvictionPolicy):
 
     # -- hooks -----------------------------------------------------------------
     def on_insert(self, key: Hashable, parent: Hashable | None) -> None:
-        self._drop(key)
         b1, b2 = self._b1, self._b2
         if key in b1:  # evicted after one use: recency deserves more room
             self.p = min(float(self.c), self.p + max(1.0, len(b2) / len(b1)))

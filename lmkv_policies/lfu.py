@@ -74,9 +74,6 @@ class LFUPolicy(EvictionPolicy):
 
     # -- hooks -----------------------------------------------------------------
     def on_insert(self, key: Hashable, parent: Hashable | None) -> None:
-        old = self._count.pop(key, None)
-        if old is not None:
-            self._leave(key, old)
         count = min(self._history.pop(key, 0) + 1, self.options.max_frequency)
         self._count[key] = count
         if self.lineage.is_leaf(key):

@@ -37,8 +37,7 @@ class LRUPolicy(EvictionPolicy):
         self._heap: list[tuple[int, Hashable]] = []
 
     def on_insert(self, key: Hashable, parent: Hashable | None) -> None:
-        self._drop(key)
-        if self.lineage.is_leaf(key):
+        if self.lineage.is_leaf(key):  # a new key: the base forgot a stored one first
             self._order[key] = next(self._clock)
         else:  # a key that extends it was stored first
             self._parked[key] = next(self._clock)
@@ -55,7 +54,8 @@ class LRUPolicy(EvictionPolicy):
             order[key] = next(self._clock)
 
     def on_remove(self, key: Hashable) -> None:
-        self._drop(key)
+        if self._order.pop(key, None) is None and self._parked.pop(key, None) is None:
+            self._back.pop(key, None)
 
     def on_extended(self, key: Hashable) -> None:
         used = self._order.pop(key, None)
@@ -69,21 +69,17 @@ class LRUPolicy(EvictionPolicy):
         if used is None:
             return
         order = self._order
-        if not order or used > next(reversed(order.values())):
-            order[key] = used  # the most recent leaf
-        elif used < next(iter(order.values())):
+        if order and used < next(iter(order.values())):
             order[key] = used
             order.move_to_end(key, last=False)  # the least recent leaf: the usual case
+        elif not order or used > next(reversed(order.values())):
+            order[key] = used  # the most recent leaf
         else:
             self._back[key] = used
             heapq.heappush(self._heap, (used, key))
             if len(self._heap) > 2 * len(self._back) + 64:  # drop stale items
                 self._heap = [(u, k) for k, u in self._back.items()]
                 heapq.heapify(self._heap)
-
-    def _drop(self, key: Hashable) -> None:
-        if self._order.pop(key, None) is None and self._parked.pop(key, None) is None:
-            self._back.pop(key, None)
 
     def victims(self) -> Iterator[Hashable]:
         if not self._back:

@@ -71,7 +71,6 @@ class S3FIFOPolicy(EvictionPolicy):
 
     # -- hooks -----------------------------------------------------------------
     def on_insert(self, key: Hashable, parent: Hashable | None) -> None:
-        self._drop(key)
         if key in self._ghost:
             del self._ghost[key]
             where = MAIN
