@@ -43,12 +43,13 @@ class LRUPolicy(EvictionPolicy):
             self._parked[key] = next(self._clock)
 
     def on_access(self, key: Hashable) -> None:
-        order = self._order
-        if key in order:
+        # A prefix lookup reads a prompt's inner chunks (parked) and one leaf.
+        parked, order = self._parked, self._order
+        if key in parked:
+            parked[key] = next(self._clock)
+        elif key in order:
             order[key] = next(self._clock)
             order.move_to_end(key)
-        elif key in self._parked:
-            self._parked[key] = next(self._clock)
         elif key in self._back:
             del self._back[key]
             order[key] = next(self._clock)
