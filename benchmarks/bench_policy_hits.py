@@ -77,7 +77,7 @@ def replay(requests: list[list[int]], capacity: int, policy, admit_after: int
         for block in request[:h]:
             policy.access(block)
         new = request[h:]
-        parents = [request[h - 1] if h else None, *new[:-1]]
+        parents = [request[h - 1] if h else None, *new[:-1]][:len(new)]
         if gate is not None:
             new, _, parents, _ = gate.admit(new, new, parents, 1)
         reading = set(request[:h])

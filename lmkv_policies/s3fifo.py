@@ -22,8 +22,10 @@ The moves above happen while ``victims()`` runs, as they do in S3-FIFO while
 it evicts; a key it yields stays first in line (``victims`` yields it first
 again) until the tier evicts it or it is read. Prefix-aware: only leaves are
 in the queues' orders; a key that gains a stored extension is parked (still
-counted in its queue) and goes back to the head of its queue when its last
-extension leaves (it was stored before that extension, so it is older).
+counted in its queue) and goes back to the tail of its queue when its last
+extension leaves: the next evictions trim other prompts before this one
+(sending it to the head instead empties one prompt after the other, and kept
+1-6 points fewer hits on the Mooncake trace).
 """
 
 from __future__ import annotations
@@ -116,9 +118,7 @@ class S3FIFOPolicy(EvictionPolicy):
     def on_leaf(self, key: Hashable) -> None:
         where = self._queue.get(key)
         if where is not None and key not in self._doomed:
-            fifo = self._fifo[where]
-            fifo[key] = None
-            fifo.move_to_end(key, last=False)
+            self._fifo[where][key] = None  # the tail: see the module's docstring
 
     def victims(self) -> Iterator[Hashable]:
         yield from list(self._doomed)
