@@ -80,6 +80,8 @@ class TierConfig(PluginRef):
     """One storage tier: its backend, the backend's options and its eviction policy."""
 
     eviction: PluginRef = Field(default_factory=lambda: PluginRef(type="lru"))
+    # Store a chunk in this tier only from its N-th sighting (lmkv.admission); 1: always.
+    admit_after: Annotated[int, Field(strict=True, ge=1)] = 1
 
 
 class CurveConfig(_Model):

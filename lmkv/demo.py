@@ -97,7 +97,7 @@ def run_demo(args: argparse.Namespace) -> int:
         import torch
 
         from lmkv.integrations import hf_model
-        from lmkv.integrations.transformers import HFCacheEngine
+        from lmkv.integrations.transformers import BLOCK_TOKENS, HFCacheEngine
     except ImportError as exc:
         raise ConfigError(f"the demo needs transformers: pip install 'lmkv[transformers]' "
                           f"({exc})") from None
@@ -137,10 +137,11 @@ def run_demo(args: argparse.Namespace) -> int:
                           f"{reason}") from None
     params = sum(p.numel() for p in model.parameters())
     _done(t0, f" ({params / 1e6:.1f}M parameters)")
-    if total < config.chunk_size:
-        print(f"  note: prompts of {total} tokens are shorter than chunk_size = "
-              f"{config.chunk_size}: lmkv stores and reuses whole chunks only, so nothing "
-              "is reused", flush=True)
+    block = config.block_size or BLOCK_TOKENS
+    if total <= block:
+        print(f"  note: prompts of {total} tokens are no longer than a block of {block} "
+              "tokens: lmkv stores and reuses whole blocks only (and leaves the last "
+              "token to compute), so nothing is reused", flush=True)
 
     engine = HFCacheEngine(model, config, model_name=f"lmkv-demo-{args.preset}-{args.seed}")
     try:
@@ -168,7 +169,7 @@ def _run(engine, hf_model, prompt: list[int], args: argparse.Namespace, i: int, 
     if hit:
         kv = hf_model.cache_to_kv(cache)  # appends replace these tensors, never write them
         logits, cache = hf_model.prefill(engine.model, prompt[hit:], cache)
-    else:  # cold, or nothing to reuse (a prompt shorter than one chunk): full prefill
+    else:  # cold, or nothing to reuse (a prompt of at most one block): full prefill
         logits, cache = hf_model.prefill(engine.model, prompt)
         kv = hf_model.cache_to_kv(cache)
     ttft = time.perf_counter() - t0
@@ -198,7 +199,7 @@ def _report(cold: list[PromptRun], warm: list[PromptRun], stats: list[dict],
         "equal within float32 rounding" if close else "DIFFERENT")
     print(f"  logits vs full recompute      : max |diff| = {max_diff:.3g} ({verdict})")
     if not any(w.hit_tokens for w in warm):
-        print("  reused KV vs computed KV      : nothing reused (prompts shorter than a chunk?)")
+        print("  reused KV vs computed KV      : nothing reused (prompts of one block?)")
     else:
         print(f"  reused KV vs computed KV      : "
               f"{'bit-identical' if lossless else 'DIFFERENT'} (lmkv adds no error)")

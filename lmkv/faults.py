@@ -68,6 +68,7 @@ class TierCounters:
     errors: int = 0  # operations that failed (connection lost, I/O error, ...)
     dropped_writes: int = 0  # puts refused or lost (no room, tier down, queue full)
     corrupt_frames: int = 0  # stored entries that failed to decode; removed
+    admission_rejects: int = 0  # chunks offered before their admit_after-th sighting
 
     def as_dict(self) -> dict[str, int]:
         return dict(vars(self))

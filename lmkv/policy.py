@@ -20,6 +20,9 @@ class EvictionContext:
     tier_index: int = 0
 
 
+_ABSENT = object()
+
+
 class Lineage:
     """Who extends whom among one tier's stored keys.
 
@@ -89,7 +92,10 @@ class EvictionPolicy(Plugin, ABC):
     prefix: ``victims`` ranks, ``candidates`` filters. The tier also skips
     pinned or referenced entries, so a policy never decides what is safe to
     drop. A policy that yields leaves first (``lineage.is_leaf``) saves the
-    filter its skips.
+    filter its skips; ``on_extended`` / ``on_leaf`` tell it when a stored key
+    stops or starts being a leaf, so it can keep only leaves in its order.
+    A key may be stored after a key that extends it (a tail promoted before
+    its head): ``on_insert`` then sees ``lineage.is_leaf(key)`` false.
     """
 
     #: Whether ``on_insert`` takes the parent (set per subclass; a policy written
@@ -116,10 +122,29 @@ class EvictionPolicy(Plugin, ABC):
     # -- what a tier calls ----------------------------------------------------
     @final
     def insert(self, key: Hashable, parent: Hashable | None = None) -> None:
-        """``key`` was stored, extending ``parent`` (the chunk before it, or None)."""
-        self.lineage.add(key, parent)
+        """``key`` was stored, extending ``parent`` (the chunk before it, or None).
+
+        Storing a stored key again is forgetting it, then storing it (tiers never
+        do; a policy's ``on_insert`` only ever sees keys it does not hold).
+        """
+        # The tiers call this for every chunk they store: dict operations, inlined.
+        lineage = self.lineage
+        parents, children = lineage._parent, lineage._children
+        if key in parents:
+            self.forget(key)
+        extended = False
+        if parent is not None:
+            if parent == key:
+                parent = None
+            else:
+                # A stored leaf that gains its first stored extension stops being one.
+                extended = parent in parents and parent not in children
+                children[parent] = children.get(parent, 0) + 1
+        parents[key] = parent
+        if extended:
+            self.on_extended(parent)
         if self._insert_takes_parent:
-            self.on_insert(key, self.lineage.parent(key))
+            self.on_insert(key, parent)
         else:
             self.on_insert(key)  # type: ignore[call-arg]
 
@@ -131,15 +156,29 @@ class EvictionPolicy(Plugin, ABC):
     @final
     def forget(self, key: Hashable) -> None:
         """``key`` left the tier (removed or evicted)."""
-        self.lineage.discard(key)
+        lineage = self.lineage
+        parents, children = lineage._parent, lineage._children
+        parent = parents.pop(key, _ABSENT)
+        if parent is _ABSENT:
+            self.on_remove(key)  # not in the lineage: let the policy drop what it has
+            return
+        left = 1
+        if parent is not None:
+            left = children[parent] - 1
+            if left:
+                children[parent] = left
+            else:
+                del children[parent]
         self.on_remove(key)
+        if not left and parent in parents:
+            self.on_leaf(parent)  # its last stored extension left: a candidate again
 
     @final
     def candidates(self) -> Iterator[Hashable]:
         """``victims`` that no stored key extends (leaves), in the policy's order."""
-        lineage = self.lineage
+        parents, children = self.lineage._parent, self.lineage._children
         for key in self.victims():
-            if key in lineage and lineage.is_leaf(key):
+            if key not in children and key in parents:
                 yield key
 
     # -- what a policy implements ---------------------------------------------
@@ -159,8 +198,20 @@ class EvictionPolicy(Plugin, ABC):
     def victims(self) -> Iterator[Hashable]:
         """Stored keys, the one to evict first first. The tier may stop early.
 
-        May include keys that are not leaves; ``candidates`` drops them.
+        May include keys that are not leaves; ``candidates`` drops them (a policy
+        that keeps only leaves in its order, with ``on_extended`` / ``on_leaf``,
+        never makes it skip, so an eviction costs what it evicts).
         """
+
+    def on_extended(self, key: Hashable) -> None:
+        """The stored leaf ``key`` gained its first stored extension: it is no longer
+        a candidate until ``on_leaf``. Called before the extension's ``on_insert``.
+        A policy that orders leaves only takes ``key`` out of its order here."""
+
+    def on_leaf(self, key: Hashable) -> None:
+        """The stored key ``key`` is a leaf again: its last stored extension left
+        (called after that one's ``on_remove``). A policy that orders leaves only
+        puts ``key`` back here, where its own history says it belongs."""
 
 
 class StoreMeta(Protocol):

@@ -7,7 +7,7 @@ from typing import Any
 
 MiB = 1 << 20
 COUNTERS = ("hits", "misses", "puts", "bytes_in", "bytes_out", "evictions", "errors",
-            "dropped_writes", "corrupt_frames")
+            "dropped_writes", "corrupt_frames", "admission_rejects")
 
 
 def _size(value: Any) -> str:

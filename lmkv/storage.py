@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from lmkv.admission import AdmissionGate
 from lmkv.aliases import Alias, alias_target, is_alias, make_alias
 from lmkv.backend import ArenaPlacement, BackendContext, StorageBackend, done_future, submit_put
 from lmkv.config import LMKVConfig
@@ -38,10 +39,16 @@ _CONFIG = LMKVConfig.model_fields  # defaults are the config's, written once
 class StorageManager:
     def __init__(self, tiers: Sequence[StorageBackend], *,
                  write_queue_chunks: int = _CONFIG["write_through_queue_chunks"].default,
-                 prefetch_threads: int = 4) -> None:
+                 prefetch_threads: int = 4,
+                 admit_after: Sequence[int] | None = None) -> None:
+        """``admit_after[i]``: tier ``i`` stores a chunk from its N-th sighting only
+        (``lmkv.admission``; 1, the default, admits every chunk)."""
         if not tiers:
             raise ValueError("the storage manager needs at least one tier")
         self.tiers = list(tiers)
+        self._gates: list[AdmissionGate | None] = [
+            AdmissionGate(n, t.capacity_bytes) if n > 1 else None
+            for t, n in zip(self.tiers, admit_after or [1] * len(self.tiers), strict=True)]
         self._writers = [WriteThrough(t, write_queue_chunks) for t in self.tiers[1:]]
         self.events = EventManager()
         self._executor = ThreadPoolExecutor(prefetch_threads, thread_name_prefix="lmkv-prefetch")
@@ -67,7 +74,8 @@ class StorageManager:
                 arena=arena if i == memory_tier else ArenaPlacement.PRIVATE,
             )
             tiers.append(tier.backend.create(context))
-        return cls(tiers, write_queue_chunks=config.write_through_queue_chunks)
+        return cls(tiers, write_queue_chunks=config.write_through_queue_chunks,
+                   admit_after=[t.admit_after for t in config.tiers])
 
     def set_chunk_bytes(self, chunk_bytes: int) -> None:
         """Size the prefetch semaphore: half the memory tier's capacity, in chunks."""
@@ -102,13 +110,15 @@ class StorageManager:
             return self._put_with_aliases(keys, objs, parents, aliases)
         first = self.tiers[0]
         try:
-            future = guarded(first, "put", submit_put(first, keys, objs, parents), 0,
-                             "the writes are dropped")
+            future = guarded(first, "put", submit_put(
+                first, *self._admitted(0, keys, objs, parents)), 0, "the writes are dropped")
         except Exception as exc:  # the last resort: a tier's bug never stops the engine
             first.faults.last_resort("put", exc, "the writes are dropped")
             future = done_future(0)
-        for writer in self._writers:
-            writer.submit(keys, objs, parents)
+        for i, writer in enumerate(self._writers, 1):
+            admitted = self._admitted(i, keys, objs, parents)
+            if admitted[0]:
+                writer.submit(*admitted)
         return future
 
     def _put_with_aliases(self, keys: Sequence[CacheKey], objs: Sequence[MemoryObj],
@@ -131,6 +141,20 @@ class StorageManager:
         out: Future = Future()
         future.add_done_callback(lambda f: out.set_result(min(n, f.result())))
         return out
+
+    def _admitted(self, i: int, keys: Sequence[CacheKey], objs: Sequence[MemoryObj],
+                  parents: Sequence[CacheKey | None] | None
+                  ) -> tuple[Sequence[CacheKey], Sequence[MemoryObj],
+                             Sequence[CacheKey | None] | None]:
+        """What tier ``i``'s admission gate lets through (all when it has none);
+        the rejected chunks are counted in the tier's ``admission_rejects``."""
+        gate = self._gates[i]
+        if gate is None or not keys:
+            return keys, objs, parents
+        keys, objs, parents, rejected = gate.admit(keys, objs, parents, objs[0].nbytes)
+        if rejected:
+            self.tiers[i].counters.admission_rejects += rejected
+        return keys, objs, parents
 
     def flush(self, timeout: float = 30.0) -> bool:
         """Wait for the write-through queues to drain; False on timeout."""
@@ -406,6 +430,9 @@ class StorageManager:
                  parents: list[CacheKey | None]) -> None:
         first = self.tiers[0]
         if not keys or not first.holds_memory_objs:
+            return
+        keys, objs, parents = self._admitted(0, keys, objs, parents)
+        if not keys:
             return
         try:
             guarded(first, "promote", submit_put(first, keys, objs, parents), 0,

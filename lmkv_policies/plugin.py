@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 from lmkv.plugins import hookimpl
+from lmkv_policies.arc import ARCPolicy
 from lmkv_policies.fifo import FIFOOffloadPolicy
 from lmkv_policies.fifo_max_age import FIFOMaxAgeOffloadPolicy
+from lmkv_policies.lfu import LFUPolicy
 from lmkv_policies.lru import LRUPolicy
+from lmkv_policies.s3fifo import S3FIFOPolicy
 
 
 @hookimpl
 def lmkv_eviction_policies() -> list[type]:
-    return [LRUPolicy]
+    return [LRUPolicy, LFUPolicy, ARCPolicy, S3FIFOPolicy]
 
 
 @hookimpl

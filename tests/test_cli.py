@@ -13,7 +13,7 @@ def test_demo_runs_and_reports_identical_output() -> None:
     out = result.stdout
     assert "generated tokens identical    : yes" in out
     assert "reused KV vs computed KV      : bit-identical" in out
-    assert "[warm 2/2]" in out and "reused 512 tokens" in out
+    assert "[warm 2/2]" in out and "reused 560 tokens" in out  # 35 whole 16-token blocks
     assert "speedup" in out
 
 
@@ -34,13 +34,22 @@ def test_bad_demo_arguments_are_one_line(args: list[str], expected: str) -> None
     assert "Traceback" not in result.stderr
 
 
-def test_demo_with_prompts_shorter_than_a_chunk_runs_and_says_so() -> None:
+def test_demo_with_prompts_shorter_than_a_chunk_reuses_their_whole_blocks() -> None:
     pytest.importorskip("transformers")
     result = run_cli("demo", "--preset", "tiny", "--prompts", "1", "--prefix-tokens", "200",
                      "--suffix-tokens", "8", "--new-tokens", "2")
     assert result.returncode == 0, result.stderr
     assert "Traceback" not in result.stderr
-    assert "prompts of 208 tokens are shorter than chunk_size = 256" in result.stdout
+    assert "[warm 1/1]" in result.stdout and "reused 192 tokens" in result.stdout  # 12 blocks
+    assert "generated tokens identical    : yes" in result.stdout
+
+
+def test_demo_with_prompts_of_one_block_runs_and_says_so() -> None:
+    pytest.importorskip("transformers")
+    result = run_cli("demo", "--preset", "tiny", "--prompts", "1", "--prefix-tokens", "10",
+                     "--suffix-tokens", "6", "--new-tokens", "2")
+    assert result.returncode == 0, result.stderr
+    assert "prompts of 16 tokens are no longer than a block of 16 tokens" in result.stdout
     assert "[warm 1/1]" in result.stdout and "reused 0 tokens" in result.stdout
     assert "generated tokens identical    : yes" in result.stdout
 

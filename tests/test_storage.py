@@ -219,3 +219,25 @@ def test_chain_parents_links_each_chunk_to_the_one_before() -> None:
     before = keys[2].with_layer(0)
     assert chain_parents(layered[:2], before, 2) == [keys[2].with_layer(0),
                                                       keys[2].with_layer(1)]
+
+
+def test_an_allocation_larger_than_the_leaves_evicts_in_passes() -> None:
+    """One prompt of 4 chunks fills the tier: its only leaf is the last chunk. A
+    buffer twice a chunk's size needs two evictions: the tail, then the chunk
+    before it (a leaf once the tail went); the head stays."""
+    chunk = 4 * 2 * 2 * 8 * 2 * 8
+    tier = cpu(4 * chunk)
+    keys = [key(i) for i in range(4)]
+    objs = []
+    for i in range(4):
+        obj = tier.allocate(SHAPE, torch.float32)
+        obj.tensor.fill_(i)
+        objs.append(obj)
+    tier.batched_submit_put(keys, objs, chain_parents(keys)).result()
+    for obj in objs:
+        obj.ref_down()
+    big = tier.allocate((2, *SHAPE), torch.float32)
+    assert big is not None
+    assert [tier.contains(k) for k in keys] == [True, True, False, False]
+    big.ref_down()
+    tier.close()

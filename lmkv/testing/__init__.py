@@ -2,6 +2,9 @@
 
 * ``StorageBackendConformance``: subclass it in a ``Test*`` class, implement
   ``make_backend``, and pytest runs the storage contract against your tier.
+* ``EvictionPolicyConformance``: the same for an eviction policy
+  (``make_policy``): leaves only, no orphaned prefix through a real tier,
+  pins and references respected, bounded memory, usage back to zero.
 * ``registered_plugin(obj)``: a context manager that registers a plugin in a
   fresh plugin manager for the length of a block.
 * ``lmkv.testing.server.spawn_server(directory, tiers_yaml)``: a real ``lmkv
@@ -15,5 +18,7 @@
 
 from lmkv.testing.conformance import StorageBackendConformance
 from lmkv.testing.plugins import fresh_plugin_manager, registered_plugin
+from lmkv.testing.policy_conformance import EvictionPolicyConformance
 
-__all__ = ["StorageBackendConformance", "fresh_plugin_manager", "registered_plugin"]
+__all__ = ["EvictionPolicyConformance", "StorageBackendConformance", "fresh_plugin_manager",
+           "registered_plugin"]

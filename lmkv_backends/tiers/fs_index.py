@@ -153,7 +153,13 @@ class EntryIndex:
     def reserve(self, size: int) -> list[tuple[CacheKey, int]] | None:
         """Account ``size`` bytes for a write, evicting unpinned entries in policy
         order; returns the evicted (key, size) for the caller to delete, or None
-        (nothing changed) when the room cannot be made."""
+        (nothing changed) when the room cannot be made.
+
+        The policy offers leaves only, so this evicts in passes: a prompt's tail
+        goes, then the chunk before it is a leaf and may go in the next pass.
+        When even that cannot make room, the entries dropped are put back (with
+        their parents) and nothing changed for the caller.
+        """
         with self._lock:
             if self.capacity is None:
                 self.reserved += size
@@ -161,20 +167,40 @@ class EntryIndex:
             if size > self.capacity:
                 return None
             excess = self.usage + self.reserved + size - self.capacity
+            evicted, parents = self._evict_locked(excess)
+            if sum(s for _, s in evicted) < excess:
+                for (key, entry_size), parent in zip(reversed(evicted), reversed(parents),
+                                                     strict=True):
+                    self._entries[key] = Entry(entry_size)
+                    self.usage += entry_size
+                    self.policy.insert(key, parent)
+                return None
+            self.reserved += size
+            return evicted
+
+    def _evict_locked(self, excess: int) -> tuple[list[tuple[CacheKey, int]],
+                                                  list[CacheKey | None]]:
+        """Drop unpinned entries in policy order until ``excess`` bytes went or no
+        pass finds another: the dropped (key, size) and their parents."""
+        evicted: list[tuple[CacheKey, int]] = []
+        parents: list[CacheKey | None] = []
+        lineage = self.policy.lineage
+        while excess > 0:
             victims: list[CacheKey] = []
             for key in self.policy.candidates():
-                if excess <= 0:
-                    break
                 entry = self._entries.get(key)
                 if entry is None or entry.pins:
                     continue
                 victims.append(key)
                 excess -= entry.size
-            if excess > 0:
-                return None
-            evicted = [(key, self._drop_locked(key).size) for key in victims]
-            self.reserved += size
-            return evicted
+                if excess <= 0:
+                    break
+            if not victims:
+                break
+            for key in victims:
+                parents.append(lineage.parent(key))
+                evicted.append((key, self._drop_locked(key).size))
+        return evicted, parents
 
     def release(self, reserved: int) -> None:
         with self._lock:
@@ -193,17 +219,8 @@ class EntryIndex:
 
     def excess_victims(self) -> list[tuple[CacheKey, int]]:
         """Unpinned entries to evict until usage fits the budget (after a restart
-        with a smaller budget)."""
+        with a smaller budget), in passes as ``reserve`` evicts."""
         with self._lock:
             if self.capacity is None:
                 return []
-            excess = self.usage + self.reserved - self.capacity
-            victims = []
-            for key in self.policy.candidates():
-                if excess <= 0:
-                    break
-                entry = self._entries.get(key)
-                if entry is not None and not entry.pins:
-                    victims.append(key)
-                    excess -= entry.size
-            return [(key, self._drop_locked(key).size) for key in victims]
+            return self._evict_locked(self.usage + self.reserved - self.capacity)[0]

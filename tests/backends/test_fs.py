@@ -27,11 +27,12 @@ from lmkv.config import load_config
 from lmkv.errors import ConfigError
 from lmkv.memory import MemoryAllocator, tensor_obj
 from lmkv.plugins import PluginManager, hookimpl
+from lmkv.storage import chain_parents
 from lmkv.testing import StorageBackendConformance
 from lmkv.tokens import CacheKey, KeyMeta
 from lmkv_backends.serde.naive import NaiveSerializer
 from lmkv_backends.tiers.fs import FSBackend
-from lmkv_backends.tiers.fs_index import entry_name
+from lmkv_backends.tiers.fs_index import EntryIndex, entry_name
 from lmkv_backends.tiers.fs_local import TMP_PREFIX
 from lmkv_policies.lru import LRUPolicy
 
@@ -265,6 +266,45 @@ def test_budget_evicts_least_recently_used_and_never_pinned(
     assert all(backend.contains(key(i)) for i in (0, 1, 4, 5))
     for i in (0, 1, 4, 5):
         assert backend.unpin(key(i))
+
+
+def test_eviction_never_orphans_a_prefix(make: Callable[..., FSBackend]) -> None:
+    """A 4-chunk prompt in a 4-chunk fs tier, read head first, plus one more store:
+    the prompt's tail goes, chunks 0-2 stay (the issue's orphan scenario)."""
+    backend = make(max_bytes=4 * FRAME_BYTES, io_threads=1)
+    keys = [key(i) for i in range(4)]
+    objs = [tensor_obj(chunk(i)) for i in range(4)]
+    assert backend.batched_submit_put(keys, objs, chain_parents(keys)).result(TIMEOUT) == 4
+    for i in range(4):
+        assert read(backend, i) is not None
+    assert put(backend, [9]) == 1
+    assert [backend.contains(k) for k in keys] == [True, True, True, False]
+    assert backend.batched_async_contains("x", keys) == 3
+
+
+def test_a_write_evicts_in_passes_tail_then_head() -> None:
+    """Leaves only are candidates: a write that needs more room than the leaves
+    hold evicts a tail, then the chunk before it, until it fits; when even all
+    of it is not enough, nothing changes."""
+    index = EntryIndex(LRUPolicy(), capacity=40)
+    keys = [key(i) for i in range(4)]
+    for i, k in enumerate(keys):
+        index.commit(k, 0, 10, keys[i - 1] if i else None)
+    evicted = index.reserve(25)
+    assert evicted == [(keys[3], 10), (keys[2], 10), (keys[1], 10)]
+    assert index.usage == 10 and index.reserved == 25
+    index.release(25)
+    for i in (1, 2, 3):
+        index.commit(keys[i], 0, 10, keys[i - 1])
+    index.lookup(keys[1], pin=True)  # 0 and 1 cannot go: 20 bytes at most
+    assert index.reserve(25) is None
+    assert [index.lookup(k) for k in keys] == [True, True, True, True]
+    assert index.usage == 40 and index.reserved == 0
+    assert list(index.policy.candidates()) == [keys[3]]  # the lineage is back
+    index.unpin(keys[1])
+    assert index.excess_victims() == []
+    index.capacity = 15
+    assert [k for k, _ in index.excess_victims()] == [keys[3], keys[2], keys[1]]
 
 
 def test_parallel_puts_never_exceed_the_budget(make: Callable[..., FSBackend],

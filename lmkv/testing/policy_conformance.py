@@ -1,0 +1,279 @@
+"""The eviction-policy conformance suite.
+
+Subclass ``EvictionPolicyConformance`` in a class whose name starts with
+``Test`` and implement ``make_policy``; every test below then runs against
+your policy, alone and inside a real ``cpu`` tier::
+
+    class TestMyPolicy(EvictionPolicyConformance):
+        def make_policy(self):
+            return MyPolicy()
+
+What it checks, all through the methods a tier calls (``insert``, ``access``,
+``forget``, ``candidates``): ``victims`` yields stored keys only, each once,
+and every leaf on a full pass; removing everything leaves nothing to evict;
+memory does not grow with the number of keys that went through the policy,
+only with what is stored (ghost lists bounded by the entries stored are
+fine); through a small cpu tier fed random prompt trees, every stored chunk's
+parent stays stored (no orphaned prefix: each stored prompt is contiguous from
+its first chunk), pinned and referenced entries are never evicted, and usage
+is back to zero once everything is removed.
+"""
+
+from __future__ import annotations
+
+import gc
+import random
+import tracemalloc
+from collections.abc import Hashable
+
+import pytest
+import torch
+
+from lmkv.backend import BackendContext, StorageBackend
+from lmkv.policy import EvictionPolicy
+from lmkv.tokens import CacheKey, KeyMeta
+
+
+class EvictionPolicyConformance:
+    """Contract tests every eviction policy passes."""
+
+    chunk_shape: tuple[int, ...] = (2, 2, 16, 2, 32)
+    dtype: torch.dtype = torch.float16
+    meta = KeyMeta("policy-conformance", 1, 0, "float16", "l2thd")
+    #: Entries the small tier of the tier tests holds.
+    tier_entries: int = 12
+    #: Random operations per randomized test (kept small: the suite runs in seconds).
+    operations: int = 1500
+    seed: int = 11
+
+    def make_policy(self) -> EvictionPolicy:
+        raise NotImplementedError("subclasses return a fresh policy")
+
+    # -- helpers -----------------------------------------------------------------
+    def key(self, i: int) -> CacheKey:
+        return CacheKey(self.meta, i.to_bytes(32, "little"))
+
+    @property
+    def chunk_bytes(self) -> int:
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        return torch.Size(self.chunk_shape).numel() * itemsize
+
+    def make_tier(self, entries: int) -> StorageBackend:
+        from lmkv.plugins.manager import get_plugin_manager
+
+        cpu = get_plugin_manager().storage_backend("cpu")
+        return cpu({"max_bytes": max(4096, entries * self.chunk_bytes)},
+                   BackendContext(eviction_policy=self.make_policy()))
+
+    def _prompts(self, rng: random.Random, n: int) -> list[list[int]]:
+        """``n`` prompts as chunk ids, drawn from a random tree of shared prefixes:
+        each new prompt extends a random prefix of an earlier one (or none)."""
+        prompts: list[list[int]] = []
+        next_id = 0
+        for _ in range(n):
+            if prompts and rng.random() < 0.8:
+                base = rng.choice(prompts)
+                head = base[:rng.randint(0, len(base))]
+            else:
+                head = []
+            tail = list(range(next_id, next_id + rng.randint(1, 6)))
+            next_id += len(tail)
+            prompts.append(head + tail)
+        return prompts
+
+    def _request(self, tier: StorageBackend, ids: list[int]) -> None:
+        """What an engine does for one request: read the stored prefix (refreshing
+        it; the buffers read are held until the rest is stored, as while the
+        request computes), then store the rest with its parents."""
+        keys = [self.key(i) for i in ids]
+        got = tier.batched_get_non_blocking("conformance", keys).result()
+        hits = len(got)
+        objs, stored_keys, parents = [], [], []
+        for i in range(hits, len(keys)):
+            obj = tier.allocate(self.chunk_shape, self.dtype)
+            if obj is None:
+                break
+            obj.tensor.fill_(ids[i] % 100)
+            objs.append(obj)
+            stored_keys.append(keys[i])
+            parents.append(keys[i - 1] if i else None)
+        if objs:
+            tier.batched_submit_put(stored_keys, objs, parents).result()
+        for obj in [*got, *objs]:
+            obj.ref_down()
+
+    def _stored(self, tier: StorageBackend, ids: list[int]) -> list[bool]:
+        return [tier.contains(self.key(i)) for i in ids]
+
+    # -- the policy alone ----------------------------------------------------------
+    def _random_walk(self, policy: EvictionPolicy, steps: int, check: bool) -> None:
+        rng = random.Random(self.seed)
+        stored: dict[Hashable, Hashable | None] = {}
+        chains: list[list[int]] = []
+        next_id = 0
+        for step in range(steps):
+            roll = rng.random()
+            if roll < 0.45 or not stored:
+                if chains and rng.random() < 0.7:
+                    chain = rng.choice(chains)
+                    parent = self.key(chain[-1]) if self.key(chain[-1]) in stored else None
+                else:
+                    chain, parent = [], None
+                    chains.append(chain)
+                chain.append(next_id)
+                key = self.key(next_id)
+                next_id += 1
+                policy.insert(key, parent)
+                stored[key] = parent
+            elif roll < 0.75:
+                policy.access(rng.choice(list(stored)))
+            else:  # evict like a tier: the first candidate goes
+                victim = next(iter(policy.candidates()), None)
+                assert victim is not None, "stored keys but no candidate"
+                policy.forget(victim)
+                del stored[victim]
+            if len(chains) > 64:
+                chains = chains[-32:]
+            if check and step % 25 == 0:
+                self._check_victims(policy, stored)
+
+    def _check_victims(self, policy: EvictionPolicy,
+                       stored: dict[Hashable, Hashable | None]) -> None:
+        victims = list(policy.victims())
+        assert len(victims) == len(set(victims)), "victims() yields a key twice"
+        extra = [k for k in victims if k not in stored]
+        assert not extra, f"victims() yields keys that are not stored: {extra[:3]}"
+        parents = {p for p in stored.values() if p is not None}
+        leaves = {k for k in stored if k not in parents}
+        missed = leaves - set(policy.candidates())
+        assert not missed, f"a full pass of candidates() misses stored leaves: {list(missed)[:3]}"
+        assert all(k in leaves for k in policy.candidates())
+
+    def test_victims_are_stored_keys_each_once_and_cover_the_leaves(self) -> None:
+        self._random_walk(self.make_policy(), self.operations, check=True)
+
+    def test_candidates_are_leaves_tails_first(self) -> None:
+        policy = self.make_policy()
+        keys = [self.key(i) for i in range(4)]
+        for i, key in enumerate(keys):
+            policy.insert(key, keys[i - 1] if i else None)
+        for expected in reversed(keys):
+            assert list(policy.candidates()) == [expected]
+            policy.forget(expected)
+        assert list(policy.candidates()) == []
+
+    def test_removing_everything_leaves_nothing_to_evict(self) -> None:
+        policy = self.make_policy()
+        self._random_walk(policy, self.operations // 2, check=False)
+        for key in list(policy.lineage._parent):
+            policy.forget(key)
+        assert list(policy.victims()) == []
+        assert list(policy.candidates()) == []
+        assert len(policy.lineage) == 0
+
+    def test_memory_does_not_grow_with_keys_that_went_through(self) -> None:
+        """Churn: a window of at most 64 stored keys, many keys through it. What the
+        policy keeps after 10x more churn may not grow by more than a few KiB."""
+        policy = self.make_policy()
+        rng = random.Random(self.seed)
+        live: list[tuple[CacheKey, int]] = []
+        counter = [0]
+
+        def churn(n: int) -> None:
+            for _ in range(n):
+                key = self.key(counter[0])
+                counter[0] += 1
+                parent = live[-1][0] if live and rng.random() < 0.5 else None
+                policy.insert(key, parent)
+                live.append((key, 0))
+                if rng.random() < 0.5:
+                    policy.access(rng.choice(live)[0])
+                while len(live) > 64:
+                    victim = next(iter(policy.candidates()))
+                    policy.forget(victim)
+                    live[:] = [(k, c) for k, c in live if k != victim]
+
+        churn(1000)
+        gc.collect()
+        tracemalloc.start()
+        try:
+            churn(200)
+            gc.collect()
+            before = tracemalloc.get_traced_memory()[0]
+            churn(3000)
+            gc.collect()
+            after = tracemalloc.get_traced_memory()[0]
+        finally:
+            tracemalloc.stop()
+        # 3000 keys leaking even 40 bytes each would be ~120 KB.
+        assert after - before < 48 * 1024, f"memory grew by {after - before} bytes over 3000 keys"
+
+    # -- inside a real tier ----------------------------------------------------------
+    def test_no_orphaned_prefix_in_a_small_tier(self) -> None:
+        rng = random.Random(self.seed)
+        tier = self.make_tier(self.tier_entries)
+        try:
+            prompts = self._prompts(rng, 80)
+            seen: dict[int, int | None] = {}
+            for p in prompts:
+                for i, c in enumerate(p):
+                    seen[c] = p[i - 1] if i else None
+            for _ in range(self.operations // 5):
+                self._request(tier, rng.choice(prompts))
+                for c, parent in seen.items():
+                    if parent is not None and tier.contains(self.key(c)):
+                        assert tier.contains(self.key(parent)), \
+                            f"chunk {c} is stored but its parent {parent} is not"
+        finally:
+            tier.close()
+
+    def test_the_orphan_scenario_keeps_the_head(self) -> None:
+        """A 4-chunk prompt in a 4-chunk tier, read, plus one more store: chunks 0-2 stay."""
+        tier = self.make_tier(4)
+        if not 4 * self.chunk_bytes <= tier.capacity_bytes < 5 * self.chunk_bytes:
+            tier.close()
+            pytest.skip("the chunk shape does not fill the smallest arena exactly")
+        try:
+            self._request(tier, [0, 1, 2, 3])
+            self._request(tier, [0, 1, 2, 3])
+            self._request(tier, [9])
+            assert self._stored(tier, [0, 1, 2, 3, 9]) == [True, True, True, False, True]
+        finally:
+            tier.close()
+
+    def test_pinned_and_referenced_entries_are_never_evicted(self) -> None:
+        rng = random.Random(self.seed)
+        tier = self.make_tier(self.tier_entries)
+        held = []
+        try:
+            self._request(tier, [1000, 1001, 1002])
+            pinned = [self.key(1000), self.key(1001)]
+            assert tier.batched_async_contains("pin", pinned, pin=True) == 2
+            self._request(tier, [2000])
+            held.append(tier.get_blocking(self.key(2000)))
+            assert held[0] is not None
+            for prompt in self._prompts(rng, 60):
+                self._request(tier, prompt)
+                assert self._stored(tier, [1000, 1001, 2000]) == [True, True, True]
+        finally:
+            for obj in held:
+                obj.ref_down()
+            tier.unpin(self.key(1000))
+            tier.unpin(self.key(1001))
+            tier.close()
+
+    def test_usage_is_back_to_zero_once_everything_is_removed(self) -> None:
+        rng = random.Random(self.seed)
+        tier = self.make_tier(self.tier_entries)
+        try:
+            prompts = self._prompts(rng, 40)
+            for prompt in prompts:
+                self._request(tier, prompt)
+            assert tier.usage_bytes > 0
+            ids = sorted({c for p in prompts for c in p}, key=lambda _: rng.random())
+            for c in ids:
+                tier.remove(self.key(c))
+            assert tier.usage_bytes == 0 and len(tier) == 0
+            assert list(tier.policy.victims()) == []
+        finally:
+            tier.close()
