@@ -21,7 +21,10 @@ tier (durable, the tier's ``page_cache`` setting) and writes the safetensors
 files; a fresh reader process opens the tier (its index comes from the
 directory), reads the chunks into a fresh arena and copies them into one
 destination tensor (as a connector copies into the paged cache), then loads the
-safetensors files and copies them the same way. Settings:
+safetensors files and copies them the same way. ``--touched-arena`` touches the
+reader's arena before timing (as a page-locked arena on a GPU host, or one that
+served earlier reads, is): the difference is the first-touch cost of fresh
+memory. Settings:
 
 * ``page_cache: true``: the writer leaves the entries' pages in the page cache;
 * ``page_cache: false``: it hands them back after the fdatasync (the reader
@@ -30,7 +33,8 @@ safetensors files and copies them the same way. Settings:
   ``/proc/sys/vm/drop_caches``; otherwise ``POSIX_FADV_DONTNEED`` per file).
 
     .venv/bin/python benchmarks/bench_fs.py [--dir /var/tmp] [--chunks 16] [--rounds 3]
-    .venv/bin/python benchmarks/bench_fs.py --cross-process [--chunks 16] [--rounds 5]
+    .venv/bin/python benchmarks/bench_fs.py [--page-cache true|false]
+    .venv/bin/python benchmarks/bench_fs.py --cross-process [--rounds 5] [--touched-arena]
 """
 
 from __future__ import annotations
@@ -106,7 +110,8 @@ def make_tier(root: Path, arena: MemoryAllocator, io_threads: int | None,
 
 
 def one_round(work: Path, chunks: list[MemoryObj], keys: list[CacheKey],
-              read_arena: MemoryAllocator, io_threads: int | None) -> dict[str, float | str]:
+              read_arena: MemoryAllocator, io_threads: int | None,
+              page_cache: bool) -> dict[str, float | str]:
     n = len(chunks)
     dd_file = work / "dd.bin"
     entries = work / "entries"
@@ -116,7 +121,7 @@ def one_round(work: Path, chunks: list[MemoryObj], keys: list[CacheKey],
 
     dd_write = n * CHUNK_BYTES / dd(f"if=/dev/zero of={dd_file} bs=1M count={n * 32} "
                                     "oflag=direct conv=fsync")
-    tier = make_tier(entries, read_arena, io_threads)
+    tier = make_tier(entries, read_arena, io_threads, page_cache)
     start = time.perf_counter()
     stored = tier.batched_submit_put(keys, chunks).result()
     write_s = time.perf_counter() - start
@@ -128,7 +133,7 @@ def one_round(work: Path, chunks: list[MemoryObj], keys: list[CacheKey],
     method = drop_cache(files)
     dd_read = n * CHUNK_BYTES / dd(f"if={dd_file} of=/dev/null bs=1M iflag=direct")
     drop_cache(files)
-    tier = make_tier(entries, read_arena, io_threads)  # a restart: index from the directory
+    tier = make_tier(entries, read_arena, io_threads, page_cache)  # a restart
     start = time.perf_counter()
     got = tier.batched_get_non_blocking("bench", keys).result()
     read_s = time.perf_counter() - start
@@ -164,7 +169,7 @@ def _chunk(full: torch.Tensor, i: int) -> torch.Tensor:
     return full[:, :, i * VLLM_CHUNK:(i + 1) * VLLM_CHUNK]
 
 
-def cross_writer(work: Path, n: int, page_cache: bool) -> dict[str, float]:
+def cross_writer(work: Path, n: int, page_cache: bool, touched: bool) -> dict[str, float]:
     """Store the chunks through an fs tier and as ExampleConnector's per-layer files."""
     from safetensors.torch import save_file
 
@@ -189,7 +194,7 @@ def cross_writer(work: Path, n: int, page_cache: bool) -> dict[str, float]:
     return {"fs_write_ms": fs_s * 1e3, "st_write_ms": (time.perf_counter() - start) * 1e3}
 
 
-def cross_reader(work: Path, n: int, page_cache: bool) -> dict[str, float]:
+def cross_reader(work: Path, n: int, page_cache: bool, touched: bool) -> dict[str, float]:
     """A fresh process: open the tier, read every chunk, copy it out; then the same
     from the safetensors files. Checks both against the data written."""
     from safetensors.torch import load_file
@@ -199,6 +204,8 @@ def cross_reader(work: Path, n: int, page_cache: bool) -> dict[str, float]:
     dst.zero_()  # touched before timing, as a paged cache is
     arena = MemoryAllocator(n * _chunk(full, 0).nbytes + (1 << 20), pin_memory=False)
     out: dict[str, float] = {}
+    if touched:  # as a page-locked arena (GPU hosts) or one used before is
+        arena.arena.fill_(0)
     start = time.perf_counter()
     tier = make_tier(work / "entries", arena, None, page_cache)
     hits = tier.batched_async_contains("bench", keys)
@@ -229,16 +236,18 @@ def cross_process_main(args: argparse.Namespace) -> None:
     mib = n * _chunk(vllm_chunks(1)[0], 0).nbytes / (1 << 20)
     print(f"fresh second process: fs tier vs ExampleConnector's safetensors files on "
           f"{args.dir} ({fs_type(args.dir.resolve())}): {n} chunks of {VLLM_SHAPE} float32 "
-          f"({n * VLLM_CHUNK} tokens, {mib:.0f} MiB), {args.rounds} rounds")
+          f"({n * VLLM_CHUNK} tokens, {mib:.0f} MiB), {args.rounds} rounds"
+          + (", reader's arena touched first" if args.touched_arena else ""))
     rows: dict[str, list[dict[str, float]]] = {s: [] for s in SETTINGS}
     method = ""
     base = [sys.executable, __file__, "--chunks", str(n)]
+    if args.touched_arena:
+        base.append("--touched-arena")
     for _ in range(args.rounds):
         for setting in SETTINGS:
             work = Path(tempfile.mkdtemp(prefix="lmkv-bench-fs-", dir=args.dir))
             try:
-                keep = setting != "page_cache: false"
-                flag = ["--page-cache"] if keep else []
+                flag = ["--page-cache", "false" if setting == "page_cache: false" else "true"]
                 writer = json.loads(subprocess.run(
                     [*base, "--role", "writer", "--work", str(work), *flag], check=True,
                     capture_output=True, text=True).stdout)
@@ -274,13 +283,18 @@ def main() -> None:
     parser.add_argument("--io-threads", type=int, default=None)
     parser.add_argument("--cross-process", action="store_true",
                         help="a fresh second process reads what a first one stored")
+    parser.add_argument("--touched-arena", action="store_true",
+                        help="--cross-process: the reader's arena is touched before timing")
     parser.add_argument("--role", choices=("writer", "reader"), help=argparse.SUPPRESS)
     parser.add_argument("--work", type=Path, help=argparse.SUPPRESS)
-    parser.add_argument("--page-cache", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--page-cache", choices=("true", "false"), default="true",
+                        help="the tier's page_cache option (durable write and cold read)")
     args = parser.parse_args()
     if args.role:  # one side of --cross-process, in its own process
+        torch.set_num_threads(1)  # copies on one thread: two fight over a busy machine
         role = cross_writer if args.role == "writer" else cross_reader
-        print(json.dumps(role(args.work, args.chunks, args.page_cache)))
+        print(json.dumps(role(args.work, args.chunks, args.page_cache == "true",
+                              args.touched_arena)))
         return
 
     kind = fs_type(args.dir.resolve())
@@ -303,11 +317,12 @@ def main() -> None:
     keys = [CacheKey(meta, i.to_bytes(32, "little")) for i in range(n)]
 
     print(f"fs tier vs dd on {work} ({kind}): {n} chunks of 32 MiB {tuple(SHAPE)} bf16, "
-          f"{args.rounds} rounds")
+          f"{args.rounds} rounds, page_cache: {args.page_cache}")
     rows = []
     try:
         for r in range(args.rounds):
-            row = one_round(work, chunks, keys, read_arena, args.io_threads)
+            row = one_round(work, chunks, keys, read_arena, args.io_threads,
+                            args.page_cache == "true")
             rows.append(row)
             print(f"  round {r + 1}: write {row['write'] / GB:.2f} GB/s "
                   f"(dd {row['dd_write'] / GB:.2f}, {row['write'] / row['dd_write']:.2f}x)   "
