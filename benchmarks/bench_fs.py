@@ -11,12 +11,36 @@ Targets: write >= 0.9 of dd, cold read >= 1.0 of dd. Run as root to drop the
 page cache through /proc/sys/vm/drop_caches; otherwise each file gets
 ``posix_fadvise(POSIX_FADV_DONTNEED)`` (the output says which).
 
+``--cross-process`` measures what a fresh second engine process pays to read
+what a first one stored, against vLLM's ``ExampleConnector`` format (one
+safetensors file per layer, written without fsync, read with
+``safetensors.torch.load_file``) in the same run. The chunks are
+``bench_vllm.py``'s (8 layers, 4 KV heads, head size 64, float32, 256 tokens: 4
+MiB each; 16 chunks = 4096 tokens). A writer process stores them through an fs
+tier (durable, the tier's ``page_cache`` setting) and writes the safetensors
+files; a fresh reader process opens the tier (its index comes from the
+directory), reads the chunks into a fresh arena and copies them into one
+destination tensor (as a connector copies into the paged cache), then loads the
+safetensors files and copies them the same way. ``--touched-arena`` touches the
+reader's arena before timing (as a page-locked arena on a GPU host, or one that
+served earlier reads, is): the difference is the first-touch cost of fresh
+memory. Settings:
+
+* ``page_cache: true``: the writer leaves the entries' pages in the page cache;
+* ``page_cache: false``: it hands them back after the fdatasync (the reader
+  reads from the disk, the safetensors files come from the page cache);
+* ``cold``: the page cache is dropped for both after the writer (root only:
+  ``/proc/sys/vm/drop_caches``; otherwise ``POSIX_FADV_DONTNEED`` per file).
+
     .venv/bin/python benchmarks/bench_fs.py [--dir /var/tmp] [--chunks 16] [--rounds 3]
+    .venv/bin/python benchmarks/bench_fs.py [--page-cache true|false]
+    .venv/bin/python benchmarks/bench_fs.py --cross-process [--rounds 5] [--touched-arena]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import shutil
@@ -77,14 +101,17 @@ def dd(args: str) -> float:
     return float(match.group(1))
 
 
-def make_tier(root: Path, arena: MemoryAllocator, io_threads: int | None) -> FSBackend:
+def make_tier(root: Path, arena: MemoryAllocator, io_threads: int | None,
+              page_cache: bool = False) -> FSBackend:
     context = BackendContext(serializer=NaiveSerializer(), eviction_policy=LRUPolicy(),
                              allocate=arena.allocate)
-    return FSBackend(FSBackend.Options(url=str(root), io_threads=io_threads), context)
+    return FSBackend(FSBackend.Options(url=str(root), io_threads=io_threads,
+                                       page_cache=page_cache), context)
 
 
 def one_round(work: Path, chunks: list[MemoryObj], keys: list[CacheKey],
-              read_arena: MemoryAllocator, io_threads: int | None) -> dict[str, float | str]:
+              read_arena: MemoryAllocator, io_threads: int | None,
+              page_cache: bool) -> dict[str, float | str]:
     n = len(chunks)
     dd_file = work / "dd.bin"
     entries = work / "entries"
@@ -94,7 +121,7 @@ def one_round(work: Path, chunks: list[MemoryObj], keys: list[CacheKey],
 
     dd_write = n * CHUNK_BYTES / dd(f"if=/dev/zero of={dd_file} bs=1M count={n * 32} "
                                     "oflag=direct conv=fsync")
-    tier = make_tier(entries, read_arena, io_threads)
+    tier = make_tier(entries, read_arena, io_threads, page_cache)
     start = time.perf_counter()
     stored = tier.batched_submit_put(keys, chunks).result()
     write_s = time.perf_counter() - start
@@ -106,7 +133,7 @@ def one_round(work: Path, chunks: list[MemoryObj], keys: list[CacheKey],
     method = drop_cache(files)
     dd_read = n * CHUNK_BYTES / dd(f"if={dd_file} of=/dev/null bs=1M iflag=direct")
     drop_cache(files)
-    tier = make_tier(entries, read_arena, io_threads)  # a restart: index from the directory
+    tier = make_tier(entries, read_arena, io_threads, page_cache)  # a restart
     start = time.perf_counter()
     got = tier.batched_get_non_blocking("bench", keys).result()
     read_s = time.perf_counter() - start
@@ -122,6 +149,131 @@ def one_round(work: Path, chunks: list[MemoryObj], keys: list[CacheKey],
             "read": read_bytes / read_s, "cache": method}
 
 
+# -- across processes: fs tier vs ExampleConnector's safetensors files ---------------------
+VLLM_LAYERS, VLLM_CHUNK = 8, 256
+VLLM_SHAPE = (VLLM_LAYERS, 2, VLLM_CHUNK, 4, 64)  # bench_vllm.py's model, one chunk
+VLLM_DTYPE = torch.float32
+SETTINGS = ("page_cache: true", "page_cache: false", "cold")
+
+
+def vllm_chunks(n: int) -> tuple[torch.Tensor, list[CacheKey]]:
+    """The whole prompt's KV, (layers, 2, n * 256, heads, head size), and its chunk keys."""
+    gen = torch.Generator().manual_seed(1)
+    full = torch.randn((VLLM_LAYERS, 2, n * VLLM_CHUNK, *VLLM_SHAPE[3:]), generator=gen,
+                       dtype=VLLM_DTYPE)
+    meta = KeyMeta("bench/vllm-llama", 1, 0, "float32", "l2thd")
+    return full, [CacheKey(meta, (i + 1).to_bytes(32, "little")) for i in range(n)]
+
+
+def _chunk(full: torch.Tensor, i: int) -> torch.Tensor:
+    return full[:, :, i * VLLM_CHUNK:(i + 1) * VLLM_CHUNK]
+
+
+def cross_writer(work: Path, n: int, page_cache: bool, touched: bool) -> dict[str, float]:
+    """Store the chunks through an fs tier and as ExampleConnector's per-layer files."""
+    from safetensors.torch import save_file
+
+    full, keys = vllm_chunks(n)
+    arena = MemoryAllocator(n * _chunk(full, 0).nbytes + (1 << 20), pin_memory=False)
+    objs = []
+    for i in range(n):
+        obj = arena.allocate(VLLM_SHAPE, VLLM_DTYPE)
+        obj.tensor.copy_(_chunk(full, i))
+        objs.append(obj)
+    tier = make_tier(work / "entries", arena, None, page_cache)
+    start = time.perf_counter()
+    stored = tier.batched_submit_put(keys, objs).result()
+    fs_s = time.perf_counter() - start
+    tier.close()
+    assert stored == n, f"stored {stored} of {n}"
+    (work / "example").mkdir(exist_ok=True)
+    start = time.perf_counter()
+    for layer in range(VLLM_LAYERS):
+        save_file({"kv_cache": full[layer].contiguous()},
+                  str(work / "example" / f"layer{layer}.safetensors"))
+    return {"fs_write_ms": fs_s * 1e3, "st_write_ms": (time.perf_counter() - start) * 1e3}
+
+
+def cross_reader(work: Path, n: int, page_cache: bool, touched: bool) -> dict[str, float]:
+    """A fresh process: open the tier, read every chunk, copy it out; then the same
+    from the safetensors files. Checks both against the data written."""
+    from safetensors.torch import load_file
+
+    full, keys = vllm_chunks(n)
+    dst = torch.empty_like(full)
+    dst.zero_()  # touched before timing, as a paged cache is
+    arena = MemoryAllocator(n * _chunk(full, 0).nbytes + (1 << 20), pin_memory=False)
+    out: dict[str, float] = {}
+    if touched:  # as a page-locked arena (GPU hosts) or one used before is
+        arena.arena.fill_(0)
+    start = time.perf_counter()
+    tier = make_tier(work / "entries", arena, None, page_cache)
+    hits = tier.batched_async_contains("bench", keys)
+    out["fs_open_ms"] = (time.perf_counter() - start) * 1e3
+    got = tier.batched_get_non_blocking("bench", keys).result()
+    out["fs_read_ms"] = (time.perf_counter() - start) * 1e3
+    for i, obj in enumerate(got):
+        _chunk(dst, i).copy_(obj.tensor)
+    out["fs_ms"] = (time.perf_counter() - start) * 1e3
+    assert hits == n and len(got) == n and torch.equal(dst, full), "the fs tier read wrong KV"
+    for obj in got:
+        obj.ref_down()
+    tier.close()
+    dst.zero_()
+    start = time.perf_counter()
+    loaded = [load_file(str(work / "example" / f"layer{layer}.safetensors"))["kv_cache"]
+              for layer in range(VLLM_LAYERS)]
+    out["st_read_ms"] = (time.perf_counter() - start) * 1e3
+    for layer, kv in enumerate(loaded):
+        dst[layer].copy_(kv)
+    out["st_ms"] = (time.perf_counter() - start) * 1e3
+    assert torch.equal(dst, full), "the safetensors files read wrong KV"
+    return out
+
+
+def cross_process_main(args: argparse.Namespace) -> None:
+    n = args.chunks
+    mib = n * _chunk(vllm_chunks(1)[0], 0).nbytes / (1 << 20)
+    print(f"fresh second process: fs tier vs ExampleConnector's safetensors files on "
+          f"{args.dir} ({fs_type(args.dir.resolve())}): {n} chunks of {VLLM_SHAPE} float32 "
+          f"({n * VLLM_CHUNK} tokens, {mib:.0f} MiB), {args.rounds} rounds"
+          + (", reader's arena touched first" if args.touched_arena else ""))
+    rows: dict[str, list[dict[str, float]]] = {s: [] for s in SETTINGS}
+    method = ""
+    base = [sys.executable, __file__, "--chunks", str(n)]
+    if args.touched_arena:
+        base.append("--touched-arena")
+    for _ in range(args.rounds):
+        for setting in SETTINGS:
+            work = Path(tempfile.mkdtemp(prefix="lmkv-bench-fs-", dir=args.dir))
+            try:
+                flag = ["--page-cache", "false" if setting == "page_cache: false" else "true"]
+                writer = json.loads(subprocess.run(
+                    [*base, "--role", "writer", "--work", str(work), *flag], check=True,
+                    capture_output=True, text=True).stdout)
+                os.sync()  # nothing dirty left for the reader to wait on
+                if setting == "cold":
+                    method = drop_cache([*work.joinpath("entries").iterdir(),
+                                         *work.joinpath("example").iterdir()])
+                reader = json.loads(subprocess.run(
+                    [*base, "--role", "reader", "--work", str(work), *flag], check=True,
+                    capture_output=True, text=True).stdout)
+                rows[setting].append({**writer, **reader})
+            finally:
+                shutil.rmtree(work, ignore_errors=True)
+    print(f"{'setting':<19}{'fs open':>9}{'fs read':>9}{'fs +copy':>10}{'st read':>9}"
+          f"{'st +copy':>10}{'fs/st':>7}{'fs write':>10}{'st write':>10}   (medians, ms)")
+    for setting, got in rows.items():
+        med = {k: statistics.median(r[k] for r in got) for k in got[0]}
+        print(f"{setting:<19}{med['fs_open_ms']:>9.1f}{med['fs_read_ms']:>9.1f}"
+              f"{med['fs_ms']:>10.1f}{med['st_read_ms']:>9.1f}{med['st_ms']:>10.1f}"
+              f"{med['fs_ms'] / med['st_ms']:>7.2f}{med['fs_write_ms']:>10.1f}"
+              f"{med['st_write_ms']:>10.1f}")
+    print("fs read = open + lookup + reads into a fresh arena; +copy = then copied into one "
+          "destination tensor; fs write is durable (fdatasync), st write is not")
+    print(f"cold: page cache dropped with {method}; load average {os.getloadavg()[0]:.1f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dir", type=Path, default=Path("/var/tmp"),
@@ -129,11 +281,28 @@ def main() -> None:
     parser.add_argument("--chunks", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--io-threads", type=int, default=None)
+    parser.add_argument("--cross-process", action="store_true",
+                        help="a fresh second process reads what a first one stored")
+    parser.add_argument("--touched-arena", action="store_true",
+                        help="--cross-process: the reader's arena is touched before timing")
+    parser.add_argument("--role", choices=("writer", "reader"), help=argparse.SUPPRESS)
+    parser.add_argument("--work", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--page-cache", choices=("true", "false"), default="true",
+                        help="the tier's page_cache option (durable write and cold read)")
     args = parser.parse_args()
+    if args.role:  # one side of --cross-process, in its own process
+        torch.set_num_threads(1)  # copies on one thread: two fight over a busy machine
+        role = cross_writer if args.role == "writer" else cross_reader
+        print(json.dumps(role(args.work, args.chunks, args.page_cache == "true",
+                              args.touched_arena)))
+        return
 
     kind = fs_type(args.dir.resolve())
     if kind in ("tmpfs", "ramfs"):
         sys.exit(f"{args.dir} is on {kind}: pick a directory on a disk")
+    if args.cross_process:
+        cross_process_main(args)
+        return
     work = Path(tempfile.mkdtemp(prefix="lmkv-bench-fs-", dir=args.dir))
     n = args.chunks
     src_arena = MemoryAllocator(n * CHUNK_BYTES + (1 << 20), pin_memory=False)
@@ -148,11 +317,12 @@ def main() -> None:
     keys = [CacheKey(meta, i.to_bytes(32, "little")) for i in range(n)]
 
     print(f"fs tier vs dd on {work} ({kind}): {n} chunks of 32 MiB {tuple(SHAPE)} bf16, "
-          f"{args.rounds} rounds")
+          f"{args.rounds} rounds, page_cache: {args.page_cache}")
     rows = []
     try:
         for r in range(args.rounds):
-            row = one_round(work, chunks, keys, read_arena, args.io_threads)
+            row = one_round(work, chunks, keys, read_arena, args.io_threads,
+                            args.page_cache == "true")
             rows.append(row)
             print(f"  round {r + 1}: write {row['write'] / GB:.2f} GB/s "
                   f"(dd {row['dd_write'] / GB:.2f}, {row['write'] / row['dd_write']:.2f}x)   "

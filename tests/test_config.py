@@ -275,7 +275,8 @@ def test_empty_config_file_is_refused(tmp_path: Path, name: str, text: str) -> N
     ({"lmkv.tiers.0.options.max_byte": 1}, "config key 'tiers.0.options.max_byte' (from "
                                            "lmkv.tiers.0.options.max_byte): unknown key; did "
                                            "you mean 'max_bytes'? allowed: allow_overcommit, "
-                                           "huge_pages, max_bytes, pin_memory, shared_memory"),
+                                           "huge_pages, max_bytes, pin_memory, prefault_ahead, "
+                                           "shared_memory"),
     ({"lmkv.tiers.0": {"type": "redis", "options": {"part_byte": 1}}},
      "did you mean 'part_bytes'? allowed: close_timeout_s, cluster,"),
     ({"lmkv.zzz": 1}, "config key 'zzz' (from lmkv.zzz): unknown key; allowed: async_load,"),
@@ -316,7 +317,7 @@ def test_unknown_nested_env_var_suggests_a_variable() -> None:
     assert str(info.value) == (
         "config key 'tiers.0.options.max_bytez' (from env LMKV_TIERS__0__OPTIONS__MAX_BYTEZ): "
         "unknown key; did you mean LMKV_TIERS__0__OPTIONS__MAX_BYTES? allowed: "
-        "allow_overcommit, huge_pages, max_bytes, pin_memory, shared_memory")
+        "allow_overcommit, huge_pages, max_bytes, pin_memory, prefault_ahead, shared_memory")
 
 
 README_STYLE = """\

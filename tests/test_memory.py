@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -132,3 +134,43 @@ def test_uniform_chunks_keep_their_views_cached() -> None:
     assert len(arena._views) == views == 1000  # every slot reused its cached view
     for obj in again:
         obj.ref_down()
+
+
+def _resident_bytes(alloc: MemoryAllocator) -> int:
+    """Resident bytes of the arena's mapping, from /proc/self/smaps."""
+    address = alloc.arena.data_ptr()
+    inside = False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            first = line.split()[0]
+            if "-" in first and ":" not in first:  # a mapping's header line
+                start, end = (int(x, 16) for x in first.split("-"))
+                inside = start <= address < end
+            elif inside and first == "Rss:":
+                return int(line.split()[1]) * 1024
+    raise AssertionError("the arena's mapping is not in /proc/self/smaps")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise populate is Linux's")
+def test_a_private_arena_is_faulted_in_ahead_of_the_allocator() -> None:
+    alloc = MemoryAllocator(64 << 20, pin_memory=False, prefault_ahead=16 << 20)
+    assert alloc.prefaulter is not None
+    assert _resident_bytes(alloc) < 1 << 20  # nothing before the arena is used
+    obj = alloc.allocate((1 << 20,), torch.uint8)
+    obj.tensor.fill_(7)
+    assert alloc.prefaulter.wait(30)
+    if alloc.prefaulter.done == 0:
+        pytest.skip("this kernel has no MADV_POPULATE_WRITE")
+    assert alloc.prefaulter.done == 17 << 20  # 16 MiB past the end of the first buffer
+    assert (17 << 20) <= _resident_bytes(alloc) < 24 << 20
+    assert torch.all(obj.tensor == 7)  # faulting in never writes
+    small = alloc.allocate((4096,), torch.uint8)  # not a step further: no new work
+    assert alloc.prefaulter.wait(30) and alloc.prefaulter.done == 17 << 20
+    small.ref_down()
+    obj.ref_down()
+
+
+def test_no_prefault_unless_asked_or_for_a_given_buffer() -> None:
+    assert MemoryAllocator(1 << 20, pin_memory=False).prefaulter is None
+    given = torch.zeros(1 << 20, dtype=torch.uint8)
+    assert MemoryAllocator(1 << 20, buffer=given, prefault_ahead=1 << 20).prefaulter is None

@@ -17,6 +17,7 @@ execute bits (0700), whatever the umask.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import os
 import socket
@@ -45,6 +46,7 @@ HEAD_READ = 4096
 _HOST = socket.gethostname().replace("/", "_") or "host"
 # Opening an entry: never through a symlink, never waiting on a FIFO's writer.
 _READ_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
+SYNC_FILE_RANGE_WRITE = 2  # linux/fs.h: start writeback of the range, do not wait
 
 
 class LocalStore:
@@ -129,9 +131,7 @@ class LocalStore:
             try:
                 if self.file_mode & 0o060:  # a group mode the umask may have narrowed
                     os.fchmod(fd, self.file_mode)
-                early = self.durable and not self.page_cache
-                written = _write_all(fd, buffers,
-                                     partial(_start_writeback, fd) if early else None)
+                written = _write_all(fd, buffers, self._writeback(fd))
                 if self.durable:
                     os.fdatasync(fd)
                     self._release_pages(fd)  # clean now: they can go
@@ -142,6 +142,16 @@ class LocalStore:
             _unlink_quietly(tmp)
             raise
         return written
+
+    def _writeback(self, fd: int) -> Callable[[int, int], None] | None:
+        """How a durable write hands each segment to the disk early: dropping its
+        pages as it goes, or, keeping them, with ``sync_file_range`` (none where
+        the C library lacks it)."""
+        if not self.durable:
+            return None
+        if not self.page_cache:
+            return partial(_start_writeback, fd)
+        return partial(_start_writeback_keeping, fd) if _sync_file_range else None
 
     def _release_pages(self, fd: int) -> None:
         """Hand the file's cached pages back. The chunk is in the memory tier above
@@ -168,9 +178,8 @@ class LocalStore:
         FileNotFoundError for a missing entry and CorruptFrameError for one
         that fails to parse or verify.
         """
-        fd = open_entry(self.path(name))
+        fd, size = open_entry(self.path(name))
         try:
-            size = os.fstat(fd).st_size
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
             head = os.pread(fd, min(size, HEAD_READ), 0)
             header = read_header(memoryview(head), key, size)
@@ -203,9 +212,8 @@ class LocalStore:
             os.close(fd)
 
     def read_frame(self, name: str) -> bytearray:
-        fd = open_entry(self.path(name))
+        fd, size = open_entry(self.path(name))
         try:
-            size = os.fstat(fd).st_size
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
             frame = bytearray(size)
             _read_exact(fd, memoryview(frame), 0)
@@ -228,9 +236,10 @@ class LocalStore:
         pass
 
 
-def open_entry(path: str) -> int:
-    """A read-only descriptor of the regular file at ``path``: FileNotFoundError when
-    absent, NotAnEntry for a symlink, FIFO, directory or anything else."""
+def open_entry(path: str) -> tuple[int, int]:
+    """A read-only descriptor of the regular file at ``path`` and its size:
+    FileNotFoundError when absent, NotAnEntry for a symlink, FIFO, directory or
+    anything else."""
     try:
         fd = os.open(path, _READ_FLAGS)
     except OSError as exc:
@@ -243,13 +252,14 @@ def open_entry(path: str) -> int:
         raise NotAnEntry(f"{os.path.basename(path)} is a {_kind(mode)}, not an entry file"
                          ) from None
     try:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            raise NotAnEntry(f"{os.path.basename(path)} is a {_kind(mode)}, not an entry file")
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise NotAnEntry(f"{os.path.basename(path)} is a {_kind(st.st_mode)}, "
+                             "not an entry file")
     except BaseException:
         os.close(fd)
         raise
-    return fd
+    return fd, st.st_size
 
 
 def make_dirs(root: str, mode: int) -> None:
@@ -325,6 +335,29 @@ def _start_writeback(fd: int, offset: int, length: int) -> None:
     writeback without waiting), so the disk works while the next segment is
     copied in, instead of everything waiting for the final fdatasync."""
     os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
+
+
+def _load_sync_file_range() -> Callable[..., int] | None:
+    """glibc's ``sync_file_range`` (Linux only; Python's ``os`` lacks it)."""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_sync_file_range = _load_sync_file_range()
+
+
+def _start_writeback_keeping(fd: int, offset: int, length: int) -> None:
+    """Start writing a segment back now and leave its pages cached: the early
+    writeback of ``_start_writeback`` for a tier that keeps the page cache."""
+    if _sync_file_range is not None and _sync_file_range(fd, offset, length,
+                                                         SYNC_FILE_RANGE_WRITE):
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
 
 
 def _alive(pid: int) -> bool:

@@ -61,9 +61,10 @@ class FSOptions(PluginOptions):
     """The tier's byte budget (LRU-evicted past it); None: unbounded."""
     durable: bool = True
     """Local disk: a put completes only once its data is on disk (fdatasync)."""
-    page_cache: bool = False
-    """Local disk: keep entries in the OS page cache after reading or writing them.
-    Off: the memory tier above holds those chunks already (no second copy)."""
+    page_cache: bool = True
+    """Local disk: keep entries in the OS page cache after reading or writing them,
+    so another process (a restarted engine, a second one) reads them from memory.
+    Off: pages are handed back (the memory tier above holds those chunks already)."""
     io_threads: PositiveInt | None = None
     """Parallel I/O per direction; default 4 on local disk, 16 for remote URLs."""
     endpoint_url: str | None = None

@@ -31,6 +31,7 @@ from lmkv.storage import chain_parents
 from lmkv.testing import StorageBackendConformance
 from lmkv.tokens import CacheKey, KeyMeta
 from lmkv_backends.serde.naive import NaiveSerializer
+from lmkv_backends.tiers import fs_local
 from lmkv_backends.tiers.fs import FSBackend
 from lmkv_backends.tiers.fs_index import EntryIndex, entry_name
 from lmkv_backends.tiers.fs_local import TMP_PREFIX
@@ -208,6 +209,69 @@ def test_entries_leave_the_page_cache_unless_asked(page_cache: bool, tmp_path: P
     assert (cached_bytes() > 0) == page_cache
     assert torch.equal(read(backend, 1), chunk(1))
     assert (cached_bytes() > 0) == page_cache
+
+
+def advice_given(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The ``posix_fadvise`` advice the tier gives from now on, in order."""
+    calls: list[int] = []
+    real = os.posix_fadvise
+
+    def spy(fd: int, offset: int, length: int, advice: int) -> None:
+        calls.append(advice)
+        real(fd, offset, length, advice)
+
+    monkeypatch.setattr(os, "posix_fadvise", spy)
+    return calls
+
+
+def test_the_page_cache_is_kept_by_default(make: Callable[..., FSBackend],
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fresh process reads what another stored from the page cache (the default
+    was chosen from ``bench_fs.py --cross-process`` and ``bench_vllm.py``)."""
+    advice = advice_given(monkeypatch)
+    backend = make()
+    assert backend.options.page_cache is True
+    put(backend, [1])
+    assert torch.equal(read(backend, 1), chunk(1))
+    assert os.POSIX_FADV_SEQUENTIAL in advice  # the spy sees the tier's advice
+    assert os.POSIX_FADV_DONTNEED not in advice
+
+
+@pytest.mark.parametrize("page_cache", [False, True])
+def test_both_page_cache_settings_read_back_in_a_fresh_tier(
+        page_cache: bool, make: Callable[..., FSBackend],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    advice = advice_given(monkeypatch)
+    writer = make(page_cache=page_cache)
+    assert put(writer, [1, 2]) == 2
+    writer.close()
+    assert (os.POSIX_FADV_DONTNEED in advice) is not page_cache  # after each durable write
+    advice.clear()
+    reader = make(page_cache=page_cache)  # a restart: the index comes from the directory
+    assert reader.batched_async_contains("l", [key(1), key(2), key(3)]) == 2
+    for i in (1, 2):
+        assert torch.equal(read(reader, i), chunk(i))
+    assert (os.POSIX_FADV_DONTNEED in advice) is not page_cache  # after each read
+
+
+def test_a_durable_write_keeping_the_page_cache_starts_writeback_early(
+        make: Callable[..., FSBackend], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Keeping pages, each segment still goes to the disk as soon as it is written
+    (``sync_file_range``), not all of it at the final fdatasync."""
+    started: list[tuple[int, int]] = []
+
+    def spy(fd: int, offset: int, length: int, flags: int) -> int:
+        started.append((offset, length))
+        return 0
+
+    monkeypatch.setattr(fs_local, "_sync_file_range", spy)
+    monkeypatch.setattr(fs_local, "WRITE_SEGMENT", FRAME_BYTES // 3)
+    put(make(page_cache=True), [1])
+    assert started and started[0][0] == 0
+    assert sum(length for _, length in started) == FRAME_BYTES
+    started.clear()
+    put(make(page_cache=True, durable=False), [2])
+    assert started == []  # not durable: the OS writes it back when it likes
 
 
 def test_another_process_writing_the_directory_is_seen(make: Callable[..., FSBackend]) -> None:
