@@ -7,5 +7,5 @@ PYTHON=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 # torch==2.13.0 first: an unpinned torch would pull a multi-GB CUDA build.
 .venv/bin/python -m pip install -q "torch==2.13.0"
-.venv/bin/python -m pip install -q -e ".[transformers,s3,dev]" -c scripts/constraints-dev.txt
+.venv/bin/python -m pip install -q -e ".[transformers,s3,dev,plot]" -c scripts/constraints-dev.txt
 .venv/bin/python -m pip install -q -e plugins/lmkv-redis
