@@ -72,6 +72,10 @@ class PrefetchTask:
     objs: list[MemoryObj] = field(default_factory=list)
     cancelled: bool = False
     finished_at: float | None = None
+    #: How many leading objs hold exactly their keys' tokens; the ones after may
+    #: hold more (block-granular hits: an alias's target), which only a take that
+    #: names its keys (and cuts each to its span) may have.
+    whole: int | None = None
 
 
 class EventManager:
@@ -154,14 +158,17 @@ class EventManager:
             task = self._tasks.get(lookup_id)
         return task.future if task else None
 
-    def take(self, lookup_id: str, keys: Sequence | None = None) -> list[MemoryObj] | None:
+    def take(self, lookup_id: str, keys: Sequence | None = None, longer: bool = False
+             ) -> list[MemoryObj] | None:
         """The prefetched chunks (the caller now owns their references), once done.
 
         With ``keys``, only the chunks of ``keys`` are handed over (chunks
         prefetched beyond them, for a longer prompt, are released), and only if
         the lookup was for the same prefix; otherwise everything is released and
         None is returned (a lookup id reused for another prompt must never yield
-        its KV).
+        its KV). Without ``keys``, the chunks from the first one that may hold
+        more tokens than its key names (``PrefetchTask.whole``) are released,
+        unless ``longer`` (the caller cuts them itself: it knows their tokens).
         """
         with self._lock:
             task = self._tasks.get(lookup_id)
@@ -170,7 +177,9 @@ class EventManager:
             del self._tasks[lookup_id]
             objs, task.objs = task.objs, []
         if keys is None:
-            return objs
+            whole = len(objs) if task.whole is None or longer else task.whole
+            release(objs[whole:])
+            return objs[:whole]
         n = min(len(objs), len(keys))
         if tuple(keys[:n]) != task.keys[:n]:
             release(objs)

@@ -217,16 +217,20 @@ class StorageManager:
         return task.future
 
     def take_prefetched(self, lookup_id: str, keys: Sequence[CacheKey] | None = None,
-                        timeout: float | None = None) -> list[MemoryObj] | None:
+                        timeout: float | None = None, longer: bool = False
+                        ) -> list[MemoryObj] | None:
         """The chunks a lookup prefetched (waits for it); the caller owns the references.
 
         With ``keys``, None unless the lookup was for a prefix of these keys.
+        Without, the chunks end before the first that may hold more tokens than
+        its key names (block-granular hits), unless ``longer``: the caller then
+        cuts that chunk to the hit itself (``EventManager.take``).
         """
         future = self.events.future(lookup_id)
         if future is None:
             return None
         future.result(timeout)
-        return self.events.take(lookup_id, keys)
+        return self.events.take(lookup_id, keys, longer)
 
     def release_prefetched(self, lookup_id: str) -> None:
         """Release what a lookup prefetched (now, or as soon as it finishes)."""
@@ -236,22 +240,26 @@ class StorageManager:
         """The leading chunks found across the tiers; the caller owns the references."""
         lookup_id = f"get-{uuid.uuid4().hex}"
         self.lookup_and_prefetch(lookup_id, keys, range(1, len(keys) + 1))
-        return self.take_prefetched(lookup_id) or []
+        return self.take_prefetched(lookup_id, keys) or []
 
     def _prefetch(self, task: PrefetchTask, keys: list[CacheKey], chunk_ends: list[int],
                   keys_per_chunk: int, partials: Partials | None) -> None:
         try:
             plans = self._plan(task.lookup_id, keys, keys_per_chunk)
-            objs = self._fetch(task.lookup_id, plans, keys_per_chunk) if plans else []
+            longer: list[int] = []
+            objs = self._fetch(task.lookup_id, plans, keys_per_chunk, longer) if plans else []
             chunks = len(objs) // keys_per_chunk
             hit = chunk_ends[chunks - 1] if chunks else 0
             if partials is not None and keys_per_chunk == 1 and chunks < len(keys):
                 tail = self.partial_hit(partials, chunks, task.lookup_id)
                 if tail is not None:
                     key, obj, tokens = tail
+                    longer.append(len(objs))
                     objs.append(obj)
                     task.keys = (*task.keys[:chunks], key)
                     hit += tokens
+            # A take without keys cannot cut these to their tokens: it stops before.
+            task.whole = min(longer, default=len(objs))
             self.events.finish(task, objs, hit)
         except Exception as exc:  # a bug, not a tier fault (tiers never raise)
             logger.exception("lmkv prefetch %s failed", task.lookup_id)
@@ -282,6 +290,15 @@ class StorageManager:
                 return key, obj, blocks * partials.block_tokens
         return None
 
+    def read(self, key: CacheKey) -> MemoryObj | None:
+        """The chunk under ``key`` in the first tier that serves it (an alias followed
+        to its target); the caller owns it."""
+        for tier in self.tiers:
+            obj = self.resolve(tier, key)
+            if obj is not None:
+                return obj
+        return None
+
     def resolve(self, tier: StorageBackend, key: CacheKey) -> MemoryObj | None:
         """The chunk stored under ``key`` in ``tier``, an alias followed to its target
         (looked for in ``tier`` first, then in the others); the caller owns it."""
@@ -299,9 +316,12 @@ class StorageManager:
             tier.faults.last_resort("get", exc, "a miss")
             return None
 
-    def _resolved(self, keys: Sequence[CacheKey], objs: list[MemoryObj]) -> list[MemoryObj]:
+    def _resolved(self, keys: Sequence[CacheKey], objs: list[MemoryObj],
+                  longer: list[int] | None = None) -> list[MemoryObj]:
         """``objs`` (chunks of ``keys``) with each alias replaced by its target; the
-        answer ends before an alias that no longer resolves."""
+        answer ends before an alias that no longer resolves. The positions of
+        targets (chunks that may hold more tokens than their key names) are
+        appended to ``longer``."""
         out: list[MemoryObj] = []
         for i, (key, obj) in enumerate(zip(keys, objs, strict=False)):
             target = alias_target(key, obj) if obj.tensor.dim() == 1 else None
@@ -313,6 +333,8 @@ class StorageManager:
             if resolved is None:
                 release(objs[i + 1:])
                 return out
+            if longer is not None:
+                longer.append(i)
             out.append(resolved)
         return out
 
@@ -348,10 +370,13 @@ class StorageManager:
         return plans
 
     def _fetch(self, lookup_id: str, plans: list[tuple[StorageBackend, list[CacheKey]]],
-               kpc: int) -> list[MemoryObj]:
+               kpc: int, longer: list[int] | None = None) -> list[MemoryObj]:
         objs: list[MemoryObj] = []
         for _, ks, got in self._iter_fetch(lookup_id, plans, kpc):
-            resolved = self._resolved(ks, got) if kpc == 1 else got
+            found: list[int] = []
+            resolved = self._resolved(ks, got, found) if kpc == 1 else got
+            if longer is not None:
+                longer.extend(len(objs) + i for i in found)
             objs.extend(resolved)
             if len(resolved) < len(got):
                 break

@@ -210,7 +210,9 @@ class KVService:
 
         def finish() -> Outcome:
             session.lookups.pop(key, None)
-            objs = self.storage.take_prefetched(key) or []  # its own: all of ``keys``
+            # Its own prefetch of ``keys``, all of it: the reply's tail_tokens cuts the
+            # partial hit's chunk on the client.
+            objs = self.storage.take_prefetched(key, longer=True) or []
             try:
                 return self._retrieved(session, req, objs, future.result())
             except BaseException:

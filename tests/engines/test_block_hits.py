@@ -132,3 +132,28 @@ def test_blocks_hit_from_disk_in_a_fresh_engine(tmp_path) -> None:
             assert result.num_tokens == 48
             if serializer != "int8":  # int8 is lossy for KV (never for aliases)
                 assert same_kv(result, b, 48)
+
+
+def test_a_tail_whose_chunk_went_is_not_counted() -> None:
+    a = fresh(64, 11)
+    with make_engine() as engine:
+        engine.store(a, kv=hf_kv(a))
+        assert engine.storage.tiers[0].remove(engine.chunker.chunk(a).keys[1])
+        b = a[:48]  # its block-aligned tail is an alias of the removed chunk
+        assert engine.lookup(b) == 32
+        result = engine.retrieve(b)
+        assert result.num_tokens == 32 and same_kv(result, b, 32)
+
+
+def test_a_take_without_keys_never_hands_over_a_longer_chunk() -> None:
+    """Only a retrieve that names its keys cuts a partial hit's chunk to its tokens;
+    a take without keys gets the whole chunks before it."""
+    a = fresh(64, 12)
+    with make_engine() as engine:
+        engine.store(a, kv=hf_kv(a))
+        b = a[:40] + fresh(24, 13)
+        assert engine.lookup_and_prefetch(b, "k").result(10) == 40
+        objs = engine.storage.take_prefetched("k")
+        assert [o.shape[2] for o in objs] == [32]
+        for obj in objs:
+            obj.ref_down()

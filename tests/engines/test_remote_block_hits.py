@@ -92,6 +92,21 @@ def test_a_lookup_id_reused_for_another_prompt_never_yields_its_kv(server) -> No
         assert engine.client.stats().server.held_lookups == 0
 
 
+@pytest.mark.parametrize("data_path", ["auto", "inline"])
+def test_a_retrieve_by_lookup_id_alone_gets_whole_chunks_only(server, data_path) -> None:
+    """A raw retrieve that names no keys cannot have a partial hit's chunk cut to its
+    tokens: it gets the whole chunks before it, never a chunk of another prompt's
+    tokens shaped like its own."""
+    a = fresh(64, 21)
+    with remote(server.address, data_path) as engine:
+        engine.store(a, kv=hf_kv(a))
+        b = a[:40] + fresh(24, 22)
+        assert engine.lookup_and_prefetch(b, "keyless").result(10) == 40
+        views = engine.client.retrieve(lookup_id="keyless")
+        assert [v.shape[2] for v in views] == [32]
+        assert engine.client.stats().server.held_lookups == 0
+
+
 def test_prefetch_by_hashes_computed_elsewhere(server) -> None:
     """The lookup channel hashes in the scheduler: ``lookup_and_prefetch_hashes`` with
     partial hashes hits the blocks; without them it hits whole chunks only."""
