@@ -69,3 +69,23 @@ class OneLineArgumentParser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {' '.join(message.split())} "
                      f"(see {self.prog} --help)\n")
+
+
+def byte_size_type(minimum: int) -> Callable[[str], int]:
+    """An argparse ``type`` for a byte size flag (``512MiB``, ``4096``) of at least
+    ``minimum`` bytes; a bad value is argparse's one-line error."""
+
+    def parse(text: str) -> int:
+        from lmkv.units import ACCEPTED_FORMS, parse_byte_size  # pydantic: not for --help
+
+        try:
+            value = parse_byte_size(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r}: must be {ACCEPTED_FORMS}") from None
+        if value < minimum:
+            unit = "byte" if minimum == 1 else "bytes"
+            raise argparse.ArgumentTypeError(f"{text!r}: must be at least {minimum} {unit}")
+        return value
+
+    return parse
+

@@ -102,7 +102,8 @@ class StorageManager:
 
         ``aliases`` (``lmkv.aliases``) name the leading blocks of chunks stored
         here or before; they are stored after the chunks, each extending its
-        target. The future counts the chunks only.
+        target. The future's count is then the entries stored, aliases
+        included, capped at ``len(keys)``.
         """
         if parents is not None and len(parents) != len(keys):
             raise ValueError(f"{len(keys)} keys but {len(parents)} parents")

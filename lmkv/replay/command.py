@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from lmkv.errors import LMKVError
+from lmkv.errors import LMKVError, byte_size_type
 from lmkv.replay.defaults import (
     DEFAULT_CAPACITIES,
     DTYPE_BYTES,
@@ -41,17 +41,6 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _byte_size(text: str) -> int:
-    from lmkv.units import ACCEPTED_FORMS, parse_byte_size
-
-    try:
-        value = parse_byte_size(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: must be {ACCEPTED_FORMS}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: must be at least 1 byte")
-    return value
-
 
 def add_replay_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = DESCRIPTION
@@ -85,7 +74,7 @@ def add_replay_arguments(parser: argparse.ArgumentParser) -> None:
                        help="default 128")
     model.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bfloat16",
                        help="default bfloat16")
-    model.add_argument("--bytes-per-token", type=_byte_size, metavar="SIZE",
+    model.add_argument("--bytes-per-token", type=byte_size_type(1), metavar="SIZE",
                        help="KV bytes a token, instead of the four flags above")
     out = parser.add_argument_group("output")
     out.add_argument("--json", action="store_true",

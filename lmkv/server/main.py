@@ -22,7 +22,7 @@ import signal
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from lmkv.errors import OneLineArgumentParser, run_reporting_errors
+from lmkv.errors import OneLineArgumentParser, byte_size_type, run_reporting_errors
 from lmkv.logutil import LOG_LEVELS, configure_logging
 from lmkv.server.defaults import (
     DEFAULT_HANDLE_TTL_S,
@@ -43,17 +43,6 @@ DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 5555
 DEFAULT_MAX_REQUEST_BYTES = 256 << 20
 
-
-def _byte_size(text: str) -> int:
-    from lmkv.units import ACCEPTED_FORMS, parse_byte_size  # pydantic: not for --help
-
-    try:
-        value = parse_byte_size(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: must be {ACCEPTED_FORMS}") from None
-    if value < 4096:
-        raise argparse.ArgumentTypeError(f"{text!r}: must be at least 4096 bytes")
-    return value
 
 
 def _port(text: str) -> int:
@@ -87,7 +76,7 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=_port,
                         help=f"TCP port (default {DEFAULT_PORT} when --host is given; 0: any "
                              "free port)")
-    parser.add_argument("--max-request-bytes", type=_byte_size,
+    parser.add_argument("--max-request-bytes", type=byte_size_type(4096),
                         default=DEFAULT_MAX_REQUEST_BYTES, metavar="SIZE",
                         help="larger requests get a too_large error reply (default 256MiB)")
     parser.add_argument("--session-timeout", type=_positive_float, default=60.0,
