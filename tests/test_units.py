@@ -5,8 +5,7 @@ import argparse
 import pytest
 
 from lmkv.config import load_config
-from lmkv.errors import ConfigError
-from lmkv.server.main import _byte_size
+from lmkv.errors import ConfigError, byte_size_type
 from lmkv.units import parse_byte_size
 
 
@@ -47,9 +46,9 @@ def test_every_byte_size_option_is_strict(tier: dict, key: str, bad: str) -> Non
 
 
 def test_server_flag_is_strict() -> None:
-    assert _byte_size("64MiB") == 64 << 20
+    assert byte_size_type(4096)("64MiB") == 64 << 20
     with pytest.raises(argparse.ArgumentTypeError, match="'8GB!': must be a byte count"):
-        _byte_size("8GB!")
+        byte_size_type(4096)("8GB!")
 
 
 def _byte_size_fields() -> list[tuple[str, str]]:
