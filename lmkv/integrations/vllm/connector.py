@@ -18,6 +18,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec
 from lmkv.integrations.vllm.config import config_from_extra
 from lmkv.integrations.vllm.identity import check_kv_cache_groups
 from lmkv.integrations.vllm.metadata import LMKVConnectorMetadata, LMKVWorkerMetadata
+from lmkv.integrations.vllm.stats import LMKVPromMetrics, LMKVStats, StatsTaker
 
 if TYPE_CHECKING:
     import torch
@@ -57,6 +58,7 @@ class LMKVConnector(KVConnectorBase_V1):
         else:
             from lmkv.integrations.vllm.worker import WorkerSide
             self.worker_side = WorkerSide(config, vllm_config)
+        self._stats = StatsTaker(self.worker_side.rank if self.worker_side else None)
         logger.info("lmkv connector (%s) ready: chunk size %d, %s offload", role.name,
                     config.chunk_size, "lazy" if config.lazy_offload else "eager")
 
@@ -124,6 +126,19 @@ class LMKVConnector(KVConnectorBase_V1):
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self.scheduler_side.finished(request)
         return False, None
+
+    # -- metrics (vLLM's connector stats: /metrics and the periodic log line) -------
+    def get_kv_connector_stats(self) -> LMKVStats | None:
+        return self._stats.take()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> LMKVStats:
+        return LMKVStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: dict, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> LMKVPromMetrics:
+        return LMKVPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         for side in (self.scheduler_side, self.worker_side):

@@ -99,5 +99,10 @@ class LazyOffload:
                 self.pool.free_blocks(blocks)
 
     @property
+    def queue_depth(self) -> int:
+        """Requests with stores buffered, plus stores submitted and not yet confirmed."""
+        return len(self._pending) + len(self._protected)
+
+    @property
     def protected_stores(self) -> int:
         return len(self._protected)

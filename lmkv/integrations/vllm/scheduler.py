@@ -38,6 +38,7 @@ from lmkv.integrations.vllm.identity import request_identity
 from lmkv.integrations.vllm.lazy import LazyOffload
 from lmkv.integrations.vllm.specs import LoadSpec, StepPlan, StoreSpec
 from lmkv.lookup.client import LookupClient
+from lmkv.metrics import recorder
 from lmkv.tokens import Identity
 
 logger = logging.getLogger(__name__)
@@ -78,6 +79,7 @@ class SchedulerSide:
         self._hits: dict[str, int] = {}  # req id -> stored prefix (tokens)
         self._held: set[str] = set()  # req ids whose prefetch no load has claimed yet
         self._pending: dict[str, int] = {}  # req id -> tokens looked up, answer not in yet
+        self._asked: dict[str, float] = {}  # req id -> when its lookup was sent
         self._loads: dict[str, int] = {}  # req id -> external tokens vLLM allocated for
         self._reqs: dict[str, _Req] = {}
         self._requests: dict[str, Any] = {}  # req id -> vLLM Request (its block hashes)
@@ -108,6 +110,7 @@ class SchedulerSide:
                     return 0
                 self.counters.lookups += 1
                 self._pending[req_id] = limit
+                self._asked[req_id] = time.perf_counter()
                 self.client.lookup(req_id, prompt[:limit], self._identities[req_id])
             t0 = time.monotonic()
             result = self.client.poll(req_id, self._wait_left_s)
@@ -117,9 +120,19 @@ class SchedulerSide:
             del self._pending[req_id]
             hit = self._round(max(0, min(result, limit)))
             self._hits[req_id] = hit
+            self._record_lookup(req_id, hit, limit)
             if result > 0:
                 self._held.add(req_id)
         return max(0, hit - num_computed)
+
+    def _record_lookup(self, req_id: str, hit: int, asked: int) -> None:
+        metrics = recorder()
+        metrics.add("lookups_total")
+        metrics.add("lookup_hit_tokens_total", hit)
+        metrics.add("lookup_miss_tokens_total", asked - hit)
+        sent = self._asked.pop(req_id, None)
+        if sent is not None:
+            metrics.observe("lookup_seconds", time.perf_counter() - sent)
 
     def _round(self, tokens: int) -> int:
         """``tokens`` down to whole lmkv blocks that are whole vLLM blocks too."""
@@ -182,6 +195,7 @@ class SchedulerSide:
                              meta)
         if self.lazy is not None:
             meta.stores.extend(self.lazy.select(out.total_num_scheduled_tokens))
+            recorder().set_gauge("lazy_offload_queue_depth", self.lazy.queue_depth)
         return meta
 
     def _plan_load(self, req_id: str, req: _Req, computed: int,
@@ -222,6 +236,7 @@ class SchedulerSide:
         self._local.pop(req_id, None)
         self._async_loaded.pop(req_id, None)
         self._identities.pop(req_id, None)
+        self._asked.pop(req_id, None)
         if self._pending.pop(req_id, None) is not None:
             self.client.cancel(req_id)  # finished (aborted) before the answer came
         if self.lazy is not None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +23,7 @@ from lmkv.integrations.vllm.metadata import (
 )
 from lmkv.lookup.responder import LookupResponder
 from lmkv.lookup.sockets import LookupEndpoints
+from lmkv.metrics import recorder
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +49,7 @@ class WorkerSide:
         self.rank = getattr(parallel, "rank", 0) % max(self.world_size, 1)
         self.engine_id = str(vllm_config.kv_transfer_config.engine_id)
         self.counters = WorkerCounters()
+        self._token_bytes = 0  # KV bytes of one token in this worker's caches
         self.engine: Engine | None = None
         self.responder: LookupResponder | None = None
         self.kv_caches: list[torch.Tensor] = []
@@ -67,10 +70,12 @@ class WorkerSide:
         if spec.head_dim != self.head_size:
             raise ValueError(f"lmkv: the paged KV caches hold heads of {spec.head_dim} "
                              f"elements; the model's head size is {self.head_size}")
+        self._token_bytes = spec.chunk_nbytes(1)
         self.engine = open_engine(self.config, spec, model_name=self.model_name,
                                   connector=resolved.create(ConnectorContext(spec)),
                                   world_size=self.world_size, worker_id=self.rank,
                                   block_size=self.block_size)
+        recorder().add_tier_source(self.engine.stats)
         endpoints = LookupEndpoints.from_config(self.config.lookup, self.engine_id,
                                                 self.world_size)
         self.responder = LookupResponder.for_rank(self.engine, endpoints, self.rank,
@@ -115,6 +120,7 @@ class WorkerSide:
     def _load(self, spec: LoadSpec) -> set[int]:
         """Load one request's KV; the blocks that did not load."""
         want = len(spec.token_ids)
+        start = time.perf_counter()
         try:
             got = self.engine.retrieve(spec.token_ids, lookup_id=spec.req_id,
                                        identity=spec.identity, kv_caches=self.kv_caches,
@@ -129,10 +135,18 @@ class WorkerSide:
             failed = set(spec.block_ids[first:-(-want // self.block_size)])
             logger.warning("lmkv: request %s: loaded %d of %d tokens; %d blocks failed",
                            spec.req_id, got, want, len(failed))
+        loaded = max(0, got - spec.skip_tokens)
         with self._lock:
             self.counters.loads += 1
-            self.counters.loaded_tokens += max(0, got - spec.skip_tokens)
+            self.counters.loaded_tokens += loaded
             self.counters.failed_blocks += len(failed)
+        metrics = recorder()
+        metrics.observe("load_seconds", time.perf_counter() - start)
+        metrics.add("loads_total")
+        metrics.add("loaded_tokens_total", loaded)
+        metrics.add("load_bytes_total", loaded * self._token_bytes)
+        if got < want:
+            metrics.add("failed_load_tokens_total", want - max(got, spec.skip_tokens))
         return failed
 
     def save(self, meta: LMKVConnectorMetadata) -> None:
@@ -147,12 +161,18 @@ class WorkerSide:
                 self._saver.submit(self._store_lazy, spec)
 
     def _store(self, spec: StoreSpec) -> None:
+        start = time.perf_counter()
         try:
             n = self.engine.store(spec.token_ids, identity=spec.identity,
                                   kv_caches=self.kv_caches, block_ids=spec.block_ids)
             with self._lock:
                 self.counters.stores += 1
                 self.counters.stored_tokens += n
+            metrics = recorder()
+            metrics.observe("store_seconds", time.perf_counter() - start)
+            metrics.add("stores_total")
+            metrics.add("stored_tokens_total", n)
+            metrics.add("store_bytes_total", n * self._token_bytes)
         except Exception:
             logger.exception("lmkv: storing request %s failed", spec.req_id)
 

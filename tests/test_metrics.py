@@ -1,0 +1,106 @@
+"""The metric catalog and the per-process recorder (no vLLM, no Prometheus)."""
+
+from __future__ import annotations
+
+import gc
+import threading
+
+import pytest
+
+from lmkv.metrics import BY_NAME, CATALOG, LATENCY_BUCKETS, Recorder
+
+
+def test_names_are_unique_and_counters_say_total() -> None:
+    names = [m.name for m in CATALOG]
+    assert len(names) == len(set(names))
+    for metric in CATALOG:
+        assert metric.name.endswith("_total") == (metric.kind == "counter"), metric.name
+        assert metric.help.endswith("."), metric.name
+
+
+def test_take_hands_each_change_over_once() -> None:
+    rec = Recorder()
+    rec.add("loaded_tokens_total", 256)
+    rec.add("loaded_tokens_total", 128)
+    rec.observe("load_seconds", 0.003)
+    rec.set_gauge("lazy_offload_queue_depth", 4)
+    first = rec.take(tiers=False)
+    assert first == {"counters": {"loaded_tokens_total": 384},
+                     "samples": {"load_seconds": [0.003]},
+                     "gauges": {"lazy_offload_queue_depth": 4}}
+    assert rec.take(tiers=False) == {"gauges": {"lazy_offload_queue_depth": 4}}
+    rec.add("loaded_tokens_total", 1)
+    assert rec.take(tiers=False)["counters"] == {"loaded_tokens_total": 1}
+    totals = rec.totals()  # take never resets the totals
+    assert totals.counters["loaded_tokens_total"] == 385
+    hist = totals.histograms["load_seconds"]
+    assert hist.count == 1 and hist.sum == pytest.approx(0.003)
+    assert sum(hist.counts) == 1 and len(hist.counts) == len(LATENCY_BUCKETS) + 1
+
+
+def test_a_name_outside_the_catalog_or_of_another_kind_is_refused() -> None:
+    rec = Recorder()
+    with pytest.raises(KeyError):
+        rec.add("no_such_metric_total")
+    with pytest.raises(ValueError, match="is a histogram, not a counter"):
+        rec.add("load_seconds")
+    with pytest.raises(ValueError, match="is a counter, not a histogram"):
+        rec.observe("loads_total", 1.0)
+
+
+class _Engine:
+    def __init__(self, rows: list[dict]) -> None:
+        self.rows = rows
+
+    def stats(self) -> list[dict]:
+        return self.rows
+
+
+def test_tier_figures_come_from_the_sources_as_deltas_and_gauges() -> None:
+    rec = Recorder(tier_interval_s=0)
+    engine = _Engine([{"tier": 0, "type": "cpu", "usage_bytes": 100, "capacity_bytes": 1000,
+                       "hits": 5, "evictions": 2, "write_queue_chunks": 0}])
+    rec.add_tier_source(engine.stats)
+    assert rec.take()["tiers"] == {"0/cpu": {"tier_usage_bytes": 100,
+                                             "tier_capacity_bytes": 1000,
+                                             "tier_hits_total": 5,
+                                             "tier_evictions_total": 2}}
+    engine.rows[0].update(hits=7, usage_bytes=50)
+    assert rec.take()["tiers"] == {"0/cpu": {"tier_usage_bytes": 50,
+                                             "tier_capacity_bytes": 1000,
+                                             "tier_hits_total": 2}}
+    assert rec.totals().tiers == engine.rows
+    del engine  # held weakly: a closed engine drops out
+    gc.collect()
+    assert rec.totals().tiers == []
+
+
+def test_a_failing_source_gives_no_rows_and_no_error() -> None:
+    rec = Recorder(tier_interval_s=0)
+
+    def broken() -> list[dict]:
+        raise ConnectionError("server gone")
+
+    rec.add_tier_source(broken)
+    assert rec.tiers() == []
+
+
+def test_counts_from_many_threads_add_up() -> None:
+    rec = Recorder()
+
+    def work() -> None:
+        for _ in range(2000):
+            rec.add("lookups_total")
+            rec.observe("lookup_seconds", 0.0001)
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert rec.totals().counters["lookups_total"] == 8000
+    assert rec.totals().histograms["lookup_seconds"].count == 8000
+
+
+def test_catalog_lookup_by_name() -> None:
+    assert BY_NAME["tier_usage_bytes"].labels == ("tier", "type")
