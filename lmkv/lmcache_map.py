@@ -341,12 +341,14 @@ class Translation:
     """What a set of LMCache options becomes: lmkv ``settings`` (dotted keys; the
     tiers as one ``tiers`` list), what was ``carried`` (option, how) and what was
     ``dropped`` (option, why). A carried option's lmkv key is None when it is
-    lmkv's behaviour already, ``tiers`` when it shaped the tiers."""
+    lmkv's behaviour already (or a feature left off). ``errors``: values of the
+    wrong type (one line each), of the options in ``invalid``."""
 
     settings: dict[str, Any] = field(default_factory=dict)
     carried: list[tuple[str, str | None]] = field(default_factory=list)
     dropped: list[tuple[str, str]] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
+    invalid: set[str] = field(default_factory=set)
 
     def nested(self) -> dict[str, Any]:
         """``settings`` as a config file's nested mapping."""
@@ -375,12 +377,17 @@ def translate(values: Mapping[str, Any], labels: Mapping[str, str] | None = None
     tier_values: dict[str, Any] = {}
     errors = result.errors
     for name, value in values.items():
+        if value is None:  # LMCache reads null as "its default"
+            continue
         option = find_option(name, extra=extra)
         if option is None:
             result.dropped.append((name, _UNKNOWN))
             continue
         if option.kind == "none":
-            result.dropped.append((name, _plain(option.how)))
+            if _is_off(value):  # a feature left off asks for nothing lmkv lacks
+                result.carried.append((name, None))
+            else:
+                result.dropped.append((name, _plain(option.how)))
             continue
         parse = _TIER_PARSERS[name] if option.kind == "tiers" else option.parse
         try:
@@ -391,6 +398,7 @@ def translate(values: Mapping[str, Any], labels: Mapping[str, str] | None = None
         except ValueError as exc:
             shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
             errors.append(f"LMCache option {labels.get(name, repr(name))} = {shown}: {exc}")
+            result.invalid.add(name)
             continue
         if option.kind == "key" and parsed is not NOTHING_TO_SET:
             assert option.key is not None
@@ -405,6 +413,13 @@ def translate(values: Mapping[str, Any], labels: Mapping[str, str] | None = None
     if tier_values or tiers:
         result.settings["tiers"] = _build_tiers(tier_values, result)
     return result
+
+
+def _is_off(value: Any) -> bool:
+    """``false``, ``0``, empty: how LMCache's files spell a feature left off."""
+    if isinstance(value, str):
+        return value.strip().lower() in ("", "false", "0")
+    return value is False or (isinstance(value, (int, float, list, dict)) and not value)
 
 
 def _plain(text: str) -> str:
@@ -504,7 +519,7 @@ def extra_config_overrides(lmcache: Mapping[str, Any], extra: Mapping[str, Any]
     for name, why in result.dropped:
         lines.append(f"kv_connector_extra_config key {labels.get(name, name)}: lmkv does "
                      f"not read it: {why}")
-    dropped = {name for name, _ in result.dropped}
+    dropped = {name for name, _ in result.dropped} | result.invalid
     tier_names = [n for n in lmcache if (o := find_option(n, extra=True)) is not None
                   and o.kind == "tiers" and n not in dropped]
     if tier_names:

@@ -135,6 +135,14 @@ def test_options_without_an_equivalent_are_dropped_with_the_reason(
     assert why in dropped[name]
 
 
+def test_null_and_features_left_off_ask_for_nothing() -> None:
+    result = translate({"remote_url": None, "local_disk": None, "enable_blending": False,
+                        "enable_p2p": "false", "blend_check_layers": [], "pd_role": None},
+                       tiers=False)
+    assert result.dropped == [] and result.errors == []
+    assert result.settings == {}
+
+
 def test_lmkvs_behaviour_already_is_carried_not_dropped() -> None:
     result = translate({"save_unfull_chunk": False, "use_layerwise": False,
                         "error_handling": True}, tiers=False)

@@ -45,6 +45,11 @@ def test_lmcache_keys_with_an_lmkv_key_are_mapped() -> None:
         (128, True, 500)
 
 
+def test_lmcache_features_left_off_are_accepted() -> None:
+    config = config_from_extra({"lmcache.enable_blending": False, "lmcache.pd_role": None})
+    assert config.chunk_size == load_config(env={}).chunk_size
+
+
 def one_line_error(extra: dict[str, object]) -> str:
     with pytest.raises(ConfigError) as info:
         config_from_extra(extra)
