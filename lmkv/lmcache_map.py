@@ -61,7 +61,9 @@ class LMCacheOption:
     as LMCache types it (strings as its env vars spell them) and converts it;
     a ValueError says what is allowed, a NotCarried that this value has no
     equivalent. ``names`` ending in ``*`` stand for every name with that prefix;
-    ``extra_only``: only a ``kv_connector_extra_config`` key (``lmcache.mp.*``).
+    ``extra_only``: only a ``kv_connector_extra_config`` key (``lmcache.mp.*``);
+    ``switch``: the option that turns the family on (its other options are moot,
+    and not reported, while it is off).
     """
 
     names: tuple[str, ...]
@@ -71,6 +73,7 @@ class LMCacheOption:
     key: str | None = None
     parse: Parse | None = None
     extra_only: bool = False
+    switch: str | None = None
 
 
 # -- value parsers: LMCache's types, strings accepted as its env converters take them --
@@ -159,8 +162,9 @@ _TIER_PARSERS: dict[str, Parse] = {
 _UNKNOWN = "not an LMCache option lmkv knows of; lmkv has no equivalent"
 
 
-def _none(names: tuple[str, ...], how: str, *, extra_only: bool = False) -> LMCacheOption:
-    return LMCacheOption(names, "none", "", how, extra_only=extra_only)
+def _none(names: tuple[str, ...], how: str, *, extra_only: bool = False,
+          switch: str | None = None) -> LMCacheOption:
+    return LMCacheOption(names, "none", "", how, extra_only=extra_only, switch=switch)
 
 
 OPTIONS: tuple[LMCacheOption, ...] = (
@@ -236,21 +240,25 @@ OPTIONS: tuple[LMCacheOption, ...] = (
     _none(("store_async", "store_async_max_queue_size"),
           "stores reach the first tier within the step and lower tiers in the background "
           "(`write_through_queue_chunks`); `lazy_offload` takes stores off the step"),
-    _none(("enable_blending", "blend_*"), "lmkv reuses prefixes only (no CacheBlend)"),
+    _none(("enable_blending", "blend_*"), "lmkv reuses prefixes only (no CacheBlend)",
+          switch="enable_blending"),
     _none(("enable_p2p", "p2p_*", "lookup_url", "distributed_url", "transfer_channel"),
           "no peer-to-peer transfer between engines; share KV through a `redis` tier or an "
-          "`lmkv server`"),
+          "`lmkv server`", switch="enable_p2p"),
     _none(("enable_pd", "pd_*", "enable_xpyd", "enable_nixl", "nixl_*"),
-          "disaggregated prefill is a transport, not a cache: use vLLM's NixlConnector"),
+          "disaggregated prefill is a transport, not a cache: use vLLM's NixlConnector",
+          switch="enable_pd"),
     _none(("enable_controller", "controller_*", "lmcache_instance_id", "lmcache_worker_*"),
-          "no cache controller; `lmkv stats` shows an `lmkv server`'s figures"),
-    _none(("internal_api_server_*",), "no internal HTTP API"),
+          "no cache controller; `lmkv stats` shows an `lmkv server`'s figures",
+          switch="enable_controller"),
+    _none(("internal_api_server_*",), "no internal HTTP API",
+          switch="internal_api_server_enabled"),
     _none(("use_gds", "gds_*", "cufile_buffer_size", "weka_path", "maru_*"),
           "no GPU Direct Storage or CXL tier; an `fs` tier on that directory reads "
           "through the page cache"),
     _none(("enable_shared_cpu_cache", "shared_cpu_*"),
           "an `lmkv server` shares its cpu tier with every engine on the machine "
-          "(`mode: server`)"),
+          "(`mode: server`)", switch="enable_shared_cpu_cache"),
     _none(("runtime_plugin_locations", "plugin_locations", "storage_plugins",
            "remote_storage_plugins", "external_backends", "script_allowed_imports"),
           "lmkv plugins are installed packages found through entry points (`lmkv plugins`)"),
@@ -275,7 +283,7 @@ OPTIONS: tuple[LMCacheOption, ...] = (
           "tier's `socket_timeout_s`)"),
     _none(("enable_kv_events",), "KV events go through vLLM's own `--kv-events-config`"),
     _none(("enable_chunk_statistics", "chunk_statistics_*", "hit_miss_ratio"),
-          "`lmkv replay` measures hit ratios from a trace"),
+          "`lmkv replay` measures hit ratios from a trace", switch="enable_chunk_statistics"),
     _none(("use_gpu_connector_v3",),
           "the `paged` connector reads the layout from vLLM's tensors"),
     _none(("enable_sparse_attention", "experimental_sampled_layerwise_lookup", "dsa_*",
@@ -284,7 +292,8 @@ OPTIONS: tuple[LMCacheOption, ...] = (
            "remote_fill_*"),
           "model- or hardware-specific LMCache paths (sparse attention, Ascend)"),
     _none(("enable_hidden_state_cache", "max_hidden_state_cpu_size", "hidden_state_layers",
-           "hidden_states_retrieve_mode"), "lmkv caches KV only"),
+           "hidden_states_retrieve_mode"), "lmkv caches KV only",
+          switch="enable_hidden_state_cache"),
     _none(("remote_config_url", "app_id"),
           "no remote config service: a file, `LMKV_*` and `lmkv.*` keys"),
     _none(("py_enable_gc",), "lmkv leaves Python's garbage collector alone"),
@@ -384,7 +393,11 @@ def translate(values: Mapping[str, Any], labels: Mapping[str, str] | None = None
             result.dropped.append((name, _UNKNOWN))
             continue
         if option.kind == "none":
-            if _is_off(value):  # a feature left off asks for nothing lmkv lacks
+            # In a file, a family's settings are moot while its switch is off; in the
+            # extra config every lmcache.* key asked for must be answered.
+            moot = not extra and option.switch is not None and name != option.switch \
+                and _is_off(values.get(option.switch, False))
+            if moot or _is_off(value):  # a feature left off asks for nothing lmkv lacks
                 result.carried.append((name, None))
             else:
                 result.dropped.append((name, _plain(option.how)))
@@ -464,7 +477,7 @@ def _build_tiers(v: Mapping[str, Any], result: Translation) -> list[dict[str, An
                                    "budget and grows until the disk is full; set "
                                    "tiers.1.options.max_bytes"))
         tiers.append({"type": "fs", "options": fs_options})
-    elif disk_gib is not None:
+    elif disk_gib:
         result.dropped.append(("max_local_disk_size", "no local_disk to size"))
 
     url = v.get("remote_url")
@@ -517,6 +530,8 @@ def extra_config_overrides(lmcache: Mapping[str, Any], extra: Mapping[str, Any]
     lines = list(result.errors)
     overrides: dict[str, Any] = {}
     for name, why in result.dropped:
+        if name not in lmcache:  # about an option left unset: the tiers line covers it
+            continue
         lines.append(f"kv_connector_extra_config key {labels.get(name, name)}: lmkv does "
                      f"not read it: {why}")
     dropped = {name for name, _ in result.dropped} | result.invalid

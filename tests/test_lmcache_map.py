@@ -122,7 +122,7 @@ def test_keys_carry_over_with_their_values() -> None:
 
 @pytest.mark.parametrize(("values", "name", "why"), [
     ({"enable_blending": True}, "enable_blending", "CacheBlend"),
-    ({"pd_role": "sender"}, "pd_role", "NixlConnector"),
+    ({"enable_pd": True, "pd_role": "sender"}, "pd_role", "NixlConnector"),
     ({"remote_serde": "cachegen"}, "remote_serde", "int8"),
     ({"use_layerwise": True}, "use_layerwise", "layer by layer"),
     ({"cache_policy": "MRU"}, "cache_policy", "lru, lfu, arc, s3fifo"),
@@ -141,6 +141,14 @@ def test_null_and_features_left_off_ask_for_nothing() -> None:
                        tiers=False)
     assert result.dropped == [] and result.errors == []
     assert result.settings == {}
+
+
+def test_a_familys_settings_are_moot_while_its_switch_is_off() -> None:
+    assert translate({"blend_min_tokens": 256, "pd_role": "sender"}).dropped == []
+    dropped = dict(translate({"enable_blending": "true", "blend_min_tokens": 256}).dropped)
+    assert set(dropped) == {"enable_blending", "blend_min_tokens"}
+    # vLLM's extra config answers every lmcache.* key it is given
+    assert translate({"blend_min_tokens": 256}, extra=True).dropped != []
 
 
 def test_lmkvs_behaviour_already_is_carried_not_dropped() -> None:

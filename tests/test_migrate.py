@@ -57,14 +57,14 @@ def test_file_and_env_become_an_lmkv_config_that_loads(tmp_path: Path) -> None:
 def test_each_option_left_behind_is_one_stderr_line_naming_it(tmp_path: Path) -> None:
     source = tmp_path / "lmcache.yaml"
     source.write_text(LMCACHE_YAML.format(disk=tmp_path / "disk"))
-    proc = migrate(str(source), env={"LMCACHE_PD_ROLE": "sender",
+    proc = migrate(str(source), env={"LMCACHE_ENABLE_PD": "true",
                                      "LMCACHE_LOG_LEVEL": "DEBUG"})
     assert proc.returncode == 0, proc.stderr
     lines = proc.stderr.splitlines()
     assert lines == [
         f"lmkv migrate: not carried: 'enable_blending' (from {source}): lmkv reuses "
         "prefixes only (no CacheBlend)",
-        "lmkv migrate: not carried: LMCACHE_PD_ROLE: disaggregated prefill is a "
+        "lmkv migrate: not carried: LMCACHE_ENABLE_PD: disaggregated prefill is a "
         "transport, not a cache: use vLLM's NixlConnector",
         "lmkv migrate: not carried: LMCACHE_LOG_LEVEL: set LMKV_LOG_LEVEL (or lmkv "
         "--log-level) instead"]
