@@ -24,8 +24,8 @@ PROG = "lmkv migrate"
 def add_migrate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "file", nargs="?", metavar="FILE",
-        help="LMCache's YAML config file (default: LMCACHE_CONFIG_FILE when set; "
-             "without either, the LMCACHE_* variables alone)")
+        help="LMCache's YAML config file, .yaml or .yml (default: LMCACHE_CONFIG_FILE "
+             "when set; without either, the LMCACHE_* variables alone)")
 
 
 def read_lmcache_settings(path: str | None, env: Mapping[str, str]
