@@ -1,4 +1,5 @@
-"""The ``lmkv`` command: plugins, config check, stats, server, keygen, replay and the demo."""
+"""The ``lmkv`` command: plugins, config check, stats, server, keygen, replay, migrate
+and the demo."""
 
 from __future__ import annotations
 
@@ -218,6 +219,17 @@ def build_parser() -> argparse.ArgumentParser:
                                            "policy and capacity against the optimum")
     add_replay_arguments(replay)
     replay.set_defaults(func=run_replay)
+
+    from lmkv.migrate import add_migrate_arguments, run_migrate
+
+    migrate = sub.add_parser(
+        "migrate", help="print the lmkv config equivalent to an LMCache config",
+        description="Read LMCache's YAML config FILE and the LMCACHE_* variables (they "
+                    "win, as in LMCache) and print the equivalent lmkv config as YAML. "
+                    "Each option that does not carry over is one line on stderr, naming "
+                    "it and why. See docs/vllm.md.")
+    add_migrate_arguments(migrate)
+    migrate.set_defaults(func=run_migrate)
 
     from lmkv.demo import add_demo_arguments
 

@@ -48,7 +48,7 @@ for case in json.load(sys.stdin):
     if pid == 0:
         os.dup2(out.fileno(), 1)
         os.dup2(err.fileno(), 2)
-        for name in [n for n in os.environ if n.startswith("LMKV_")]:
+        for name in [n for n in os.environ if n.startswith(("LMKV_", "LMCACHE_"))]:
             del os.environ[name]
         os.environ.update(case["env"])
         if any(n in case["env"] for n in ("LMKV_LOAD_PLUGINS", "LMKV_DISABLE_PLUGINS")):
@@ -115,6 +115,13 @@ def env(variables: dict[str, str], *, expect: list[str], id: str, text: str | No
                      files={"cpu.yaml": "chunk_size: 256\n"}, env=variables,
                      expect=expect, id=id, xfail=xfail)
     return cfg(text, env=variables, expect=expect, id=id, xfail=xfail)
+
+
+def lmcache(text: str | bytes, *, expect: list[str], id: str,
+            env: dict[str, str] | None = None) -> Case:
+    """``lmkv migrate {dir}/l.yaml`` on the LMCache config ``text``."""
+    return check("migrate {dir}/l.yaml", files={"l.yaml": text}, env=env, expect=expect,
+                 id=id)
 
 
 def replay(trace: str | bytes, *, expect: list[str], id: str, args: str = "",
@@ -554,6 +561,27 @@ CASES: list[Case] = [
            files={"c.yaml": "tiers: [{type: cpuu}]\n"},
            expect=["tiers.0.type = 'cpuu'", "unknown storage backend"],
            id="replay-bad-config"),
+    # -- lmkv migrate: an LMCache config ---------------------------------------------
+    check("migrate {dir}/none.yaml", expect=["none.yaml", "cannot read it", "No such file"],
+          id="migrate-missing-file"),
+    check("migrate {dir}/a.yaml {dir}/b.yaml", expect=["unrecognized arguments"],
+          id="migrate-two-files"),
+    lmcache("chunk_size: [256\n", expect=["l.yaml", "not valid YAML"],
+            id="migrate-bad-yaml"),
+    lmcache("- chunk_size\n", expect=["l.yaml", "top level must be a mapping"],
+            id="migrate-yaml-list"),
+    lmcache("chunk_size: lots\n", expect=["LMCache option 'chunk_size' (from",
+                                          "= 'lots'", "must be a positive integer"],
+            id="migrate-count-words"),
+    lmcache("max_local_cpu_size: [5]\n", expect=["'max_local_cpu_size'", "number of GB"],
+            id="migrate-size-a-list"),
+    lmcache("local_disk: 5\n", expect=["'local_disk'", "non-empty text"],
+            id="migrate-path-a-number"),
+    lmcache("chunk_size: 256\n", env={"LMCACHE_ENABLE_ASYNC_LOADING": "maybe"},
+            expect=["LMCACHE_ENABLE_ASYNC_LOADING = 'maybe'", "true or false"],
+            id="migrate-env-bool-maybe"),
+    check("migrate", env={"LMCACHE_CONFIG_FILE": "{dir}/gone.yaml"},
+          expect=["gone.yaml", "cannot read it"], id="migrate-config-file-env-missing"),
 ]
 
 
