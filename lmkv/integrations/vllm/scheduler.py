@@ -20,6 +20,11 @@ Eager offload: every step's newly computed whole chunks of the prompt are
 planned as a store for the workers (``wait_for_save``). Lazy offload: those
 plans are buffered in ``LazyOffload`` and submitted after requests finish.
 
+Decode KV (``store_decode``): the same plans go on past the prompt, over the
+request's known tokens (prompt + generated), as decode steps fill whole blocks
+(see ``_plan_store``). Preemption: a request vLLM preempted and asks about
+again is looked up afresh over all its known tokens (``_resume``).
+
 Every request's identity (LoRA adapter, cache salt, multimodal inputs, prompt
 embeddings: ``identity.request_identity``) is read once, when vLLM first asks
 about it, and goes with its lookup and with every load and store plan. A
@@ -30,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,6 +54,7 @@ class _Req:
     prompt: list[int]
     block_ids: list[int]
     stored: int = 0  # tokens planned for storing so far (whole chunks)
+    decode_counted: int = 0  # generated tokens counted as stored up to here
 
 
 @dataclass
@@ -55,6 +62,8 @@ class SchedulerCounters:
     lookups: int = 0
     load_tokens: int = 0  # tokens planned for loading
     store_tokens: int = 0  # tokens planned for storing
+    decode_stored_tokens: int = 0  # of those, generated tokens (lmkv.store_decode)
+    preempted_resumes: int = 0  # resumes after a preemption that load from lmkv
 
 
 class SchedulerSide:
@@ -62,6 +71,7 @@ class SchedulerSide:
                  lazy: LazyOffload | None = None) -> None:
         self.chunk_size = config.chunk_size
         self.lazy = lazy
+        self.store_decode = config.store_decode
         engine_id = str(vllm_config.kv_transfer_config.engine_id)
         world_size = vllm_config.parallel_config.world_size
         vllm_block = vllm_config.cache_config.block_size
@@ -86,6 +96,10 @@ class SchedulerSide:
         self._async_specs: list[LoadSpec] = []  # planned, for the next step's metadata
         self._async_loaded: dict[str, int] = {}  # req id -> tokens an async load brings
         self._identities: dict[str, Identity | None] = {}  # req id -> what names its chunks
+        # Preemption: the preemptions of each request already handled, and the
+        # requests asked about again after one (their resume may load).
+        self._preemptions: dict[str, int] = {}
+        self._resuming: set[str] = set()
 
     # -- lookup ----------------------------------------------------------------
     def num_new_matched_tokens(self, request: Any, num_computed: int) -> int | None:
@@ -96,11 +110,16 @@ class SchedulerSide:
         self._local[req_id] = num_computed
         if req_id not in self._identities:
             self._identities[req_id] = request_identity(request, self.chunk_size)
+        preemptions = getattr(request, "num_preemptions", 0) or 0
+        if preemptions > self._preemptions.get(req_id, 0):
+            self._resume(req_id, preemptions)
         hit = self._hits.get(req_id)
         if hit is None:
             limit = self._pending.get(req_id)
             if limit is None:
-                prompt = request.prompt_token_ids or []
+                # All known tokens: the prompt, and after a preemption the tokens
+                # generated so far too (the resumed prefill recomputes them).
+                prompt = _known_tokens(request)
                 # Never the whole prompt: vLLM must compute the last token itself.
                 limit = self._round(len(prompt) - 1)
                 if limit <= num_computed:
@@ -108,7 +127,7 @@ class SchedulerSide:
                     return 0
                 self.counters.lookups += 1
                 self._pending[req_id] = limit
-                self.client.lookup(req_id, prompt[:limit], self._identities[req_id])
+                self.client.lookup(req_id, list(prompt[:limit]), self._identities[req_id])
             t0 = time.monotonic()
             result = self.client.poll(req_id, self._wait_left_s)
             self._wait_left_s -= time.monotonic() - t0
@@ -121,6 +140,22 @@ class SchedulerSide:
                 self._held.add(req_id)
         return max(0, hit - num_computed)
 
+    def _resume(self, req_id: str, preemptions: int) -> None:
+        """vLLM preempted ``req_id`` (freed its blocks, zeroed its computed tokens) and
+        asks about it again: forget the lookup and load state of its previous run, so
+        that it is looked up afresh over all its tokens (what lmkv holds now: its
+        prompt's chunks, stored since, and with ``store_decode`` its decoded ones)."""
+        self._preemptions[req_id] = preemptions
+        if self._pending.pop(req_id, None) is not None:
+            self.client.cancel(req_id)
+        self._drop_prefetch(req_id)
+        self._hits.pop(req_id, None)
+        self._loads.pop(req_id, None)
+        self._async_loaded.pop(req_id, None)
+        self._resuming.add(req_id)
+        logger.info("lmkv: request %s resumes after preemption %d: looked up again",
+                    req_id, preemptions)
+
     def _round(self, tokens: int) -> int:
         """``tokens`` down to whole lmkv blocks that are whole vLLM blocks too."""
         tokens = max(0, tokens) // self.unit * self.unit
@@ -130,15 +165,19 @@ class SchedulerSide:
         """``block_ids``: the request's whole block table (vLLM's blocks for it)."""
         req_id = request.request_id
         self._requests[req_id] = request
+        resuming = req_id in self._resuming
+        self._resuming.discard(req_id)
         if num_external <= 0:
             self._drop_prefetch(req_id)  # nothing will be loaded
             return
+        if resuming:
+            self.counters.preempted_resumes += 1
         self._held.discard(req_id)  # the worker's load takes the prefetch
         if self.async_load:
             local = self._local.get(req_id, 0)
             end = local + num_external
-            prompt = list(request.prompt_token_ids or [])
-            self._async_specs.append(LoadSpec(req_id, prompt[:end], list(block_ids), local,
+            prompt = _known_tokens(request)
+            self._async_specs.append(LoadSpec(req_id, list(prompt[:end]), list(block_ids), local,
                                               async_load=True,
                                               identity=self._identities.get(req_id)))
             self._async_loaded[req_id] = end
@@ -159,8 +198,10 @@ class SchedulerSide:
         meta.loads.extend(self._async_specs)
         self._async_specs = []
         for new in out.scheduled_new_reqs:
+            old = self._reqs.get(new.req_id)  # set: resumed (vLLM's V2 model runner)
             req = self._reqs[new.req_id] = _Req(list(new.prompt_token_ids or []),
                                                 list(new.block_ids[0]))
+            req.decode_counted = old.decode_counted if old is not None else 0
             req.stored = self._async_loaded.pop(new.req_id, 0)  # loaded: stored already
             self._plan_load(new.req_id, req, new.num_computed_tokens, meta)
             self._plan_store(new.req_id, req, new.num_computed_tokens
@@ -173,7 +214,7 @@ class SchedulerSide:
             new_ids = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:  # preempted: a fresh block table
                 req.block_ids = list(new_ids[0]) if new_ids else []
-                req.stored = 0
+                req.stored = self._async_loaded.pop(req_id, 0)  # an async load: stored
             elif new_ids:
                 req.block_ids.extend(new_ids[0])
             computed = cached.num_computed_tokens[i]
@@ -189,7 +230,8 @@ class SchedulerSide:
         num_external = self._loads.pop(req_id, 0)
         if not num_external:
             return
-        meta.loads.append(LoadSpec(req_id, req.prompt[:computed], list(req.block_ids),
+        tokens = self._tokens(req_id, req)  # a resumed request loads past its prompt
+        meta.loads.append(LoadSpec(req_id, list(tokens[:computed]), list(req.block_ids),
                                    computed - num_external,
                                    identity=self._identities.get(req_id)))
         req.stored = max(req.stored, computed)
@@ -200,11 +242,35 @@ class SchedulerSide:
         logger.info("lmkv: request %s loads %d tokens from lmkv %s(%d already in vLLM)",
                     req_id, tokens, how, local)
 
+    def _tokens(self, req_id: str, req: _Req) -> Sequence[int]:
+        """The request's known tokens (prompt + generated), its prompt when vLLM's
+        ``Request`` is not at hand."""
+        request = self._requests.get(req_id)
+        return _known_tokens(request) if request is not None else req.prompt
+
     def _plan_store(self, req_id: str, req: _Req, computed: int,
                     meta: StepPlan) -> None:
-        end = self._round(min(computed, len(req.prompt)))
+        """``computed``: tokens whose KV is in vLLM's blocks once this step's forward
+        ran (the workers store in ``wait_for_save``, after it).
+
+        Decode KV (``store_decode``): the store goes past the prompt, over the known
+        tokens. A decode step computes the KV of the token sampled by the step before
+        (vLLM's ``Request`` holds its id by then); the newest sampled token has no KV
+        yet and is never stored. Capping at the known tokens also leaves out
+        speculative draft tokens (not in the request's tokens until accepted) and,
+        under async scheduling, tokens whose ids are still in flight: those are
+        stored one step later, and a block that only the request's very last
+        forward completed is not stored at all. The plan is the prompt's (same
+        rounding to whole lmkv/vLLM blocks, same identity, one chain of chunk keys):
+        a later prompt that extends prompt + answer hits all of it."""
+        limit = len(req.prompt)
+        tokens: Sequence[int] = req.prompt
+        if self.store_decode:
+            tokens = self._tokens(req_id, req)
+            limit = len(tokens)
+        end = self._round(min(computed, limit))
         if end > req.stored and req_id in self._identities:
-            spec = StoreSpec(req_id, req.prompt[:end], list(req.block_ids),
+            spec = StoreSpec(req_id, list(tokens[:end]), list(req.block_ids),
                              identity=self._identities[req_id])
             if self.lazy is None:
                 meta.stores.append(spec)
@@ -212,6 +278,12 @@ class SchedulerSide:
                 request = self._requests.get(req_id)
                 self.lazy.add(spec, request.block_hashes if request is not None else [])
             self.counters.store_tokens += end - req.stored
+            # Generated tokens: those past the prompt, each counted once (a resumed
+            # request plans its stores again from its reload point).
+            decode_from = max(req.stored, req.decode_counted, len(req.prompt))
+            if end > decode_from:
+                self.counters.decode_stored_tokens += end - decode_from
+                req.decode_counted = end
             req.stored = end
 
     def finished(self, request: Any) -> None:
@@ -222,6 +294,8 @@ class SchedulerSide:
         self._local.pop(req_id, None)
         self._async_loaded.pop(req_id, None)
         self._identities.pop(req_id, None)
+        self._preemptions.pop(req_id, None)
+        self._resuming.discard(req_id)
         if self._pending.pop(req_id, None) is not None:
             self.client.cancel(req_id)  # finished (aborted) before the answer came
         if self.lazy is not None:
@@ -237,3 +311,13 @@ class SchedulerSide:
         logger.info("lmkv scheduler counters: %s, lookup channel: %s",
                     vars(self.counters), self.client.stats())
         self.client.close()
+
+
+def _known_tokens(request: Any) -> Sequence[int]:
+    """A vLLM ``Request``'s tokens whose ids are known: prompt + generated
+    (``all_token_ids``; sampled tokens still in flight under async scheduling are
+    not in it yet), or the prompt of an object that has only that."""
+    tokens = getattr(request, "all_token_ids", None)
+    if tokens is None:
+        tokens = request.prompt_token_ids or []
+    return tokens
