@@ -77,10 +77,12 @@ def test_decode_blocks_are_stored_once_whole_and_computed(tmp_path, store_decode
         ends = [len(s.token_ids) for s in stores]
         assert ends == ([32, 48] if store_decode else [32])
         assert stores[-1].token_ids == request.all_token_ids[:ends[-1]]
+        assert not any(s.release for s in stores)
         assert sched.counters.decode_stored_tokens == (8 if store_decode else 0)
         # One more decode step: its block is not whole: nothing more.
-        sched.build_meta(_cached_step("d", 48, 1))
-        sched.finished(request)
+        assert sched.build_meta(_cached_step("d", 48, 1)).stores == []
+        request.num_computed_tokens = 49
+        assert sched.finished(request, [0, 1, 2, 3]) is False  # nothing left to store
         # Round 2 (prompt + answer + a question), same identity: loads the answer's
         # whole block too; another tenant nothing.
         follow = [*request.all_token_ids[:49], *range(9000, 9020)]
@@ -89,6 +91,51 @@ def test_decode_blocks_are_stored_once_whole_and_computed(tmp_path, store_decode
         assert _ask(sched, again, 0) == (48 if store_decode else 32)
         other = SimpleNamespace(**{**vars(again), "request_id": "r3", "cache_salt": "u"})
         assert _ask(sched, other, 0) == 0
+    finally:
+        sched.close()
+        server.close()
+        engine.close()
+
+
+@pytest.mark.parametrize("steps,during,tail", [(8, [32], 48), (24, [32, 64], None)])
+def test_eager_decode_stores_whole_chunks_and_the_block_tail_at_finish(
+        tmp_path, steps: int, during: list[int], tail: int | None) -> None:
+    """Chunks of 32, blocks of 16: decode steps store whole chunks only (not the
+    growing partial chunk at every block); the finished request's whole blocks past
+    them are stored once, by the next step, and vLLM keeps its blocks until then."""
+    sched, engine, server, caches = _scheduler_and_worker(
+        tmp_path, **{"lmkv.store_decode": True, "lmkv.chunk_size": 32,
+                     "lmkv.block_size": 16})
+    try:
+        request = _request("e")
+        stores = _prefill_and_decode(sched, engine, caches, request, [0, 1, 2, 3, 4], steps)
+        assert [len(s.token_ids) for s in stores] == during
+        request.num_computed_tokens = len(PROMPT) + steps  # the last sampled: no KV
+        assert sched.finished(request, [0, 1, 2, 3, 4]) is (tail is not None)
+        finish = sched.build_meta(_no_steps()).stores  # the next step: no tokens needed
+        assert [(len(s.token_ids), s.release) for s in finish] == \
+            ([(tail, True)] if tail else [])
+        if tail:
+            assert finish[0].token_ids == request.all_token_ids[:tail]
+            assert finish[0].block_ids == [0, 1, 2, 3, 4]
+        assert sched.counters.decode_stored_tokens == (tail or during[-1]) - len(PROMPT)
+        assert sched.build_meta(_no_steps()).stores == []  # planned once
+    finally:
+        sched.close()
+        server.close()
+        engine.close()
+
+
+def test_a_preempted_request_has_no_tail_to_store(tmp_path) -> None:
+    """Aborted while preempted: its blocks are gone, nothing to store or keep."""
+    sched, engine, server, caches = _scheduler_and_worker(
+        tmp_path, **{"lmkv.store_decode": True, "lmkv.chunk_size": 32, "lmkv.block_size": 16})
+    try:
+        request = _request("g")
+        _prefill_and_decode(sched, engine, caches, request, [0, 1, 2, 3], 8)
+        request.num_computed_tokens = 0
+        assert sched.finished(request, []) is False
+        assert sched.build_meta(_no_steps()).stores == []
     finally:
         sched.close()
         server.close()

@@ -7,10 +7,12 @@ lmkv chunks of 64, vLLM's prefix caching off (but in the lazy run) so that
 only lmkv can bring KV back:
 
 - two rounds of a conversation: round 1 is prompt P (100 tokens), greedy
-  answer A (40 tokens); round 2 is P + A + Q. Without ``store_decode`` round 2
-  loads P's whole blocks (96 tokens); with it, P + A's (128: the answer's KV,
+  answer A (80 tokens); round 2 is P + A + Q. Without ``store_decode`` round 2
+  loads P's whole blocks (96 tokens); with it, P + A's (160: the answer's KV,
   computed while decoding, minus its last token's, which was never computed);
-  eager and lazy offload both. Every output equals a run without lmkv.
+  eager (whole chunks while decoding, up to 128, and the last whole blocks
+  when the request finished) and lazy offload. Every output equals a run
+  without lmkv.
 - preemption: four concurrent requests in a KV cache of 16 blocks (what three
   prompts need) make vLLM preempt; the resumed requests load from lmkv what
   their first run stored (``preempted_resumes``), and every output equals a run
@@ -27,7 +29,7 @@ import sys
 import pytest
 
 CHUNK, BLOCK = 64, 32
-P, A, Q = 100, 40, 20
+P, A, Q = 100, 80, 20
 CACHE_BLOCKS = 17  # the lmkv runs' KV cache: 16 blocks (512 tokens) and vLLM's null block
 N_CONCURRENT, LONG_PROMPT, LONG_ANSWER = 4, 150, 60
 
@@ -128,6 +130,27 @@ def test_store_decode_loads_the_answer_in_the_next_round(results: dict) -> None:
         decode = got["scheduler_counters"]["decode_stored_tokens"]
         assert (decode > 0) == ("decode" in mode), mode
     assert results["eager-decode"]["round2_loaded"] > results["eager"]["round2_loaded"]
+
+
+def test_a_worker_reports_a_finished_requests_last_store(tmp_path) -> None:
+    """A ``release`` store (a finished request's decode tail) is reported by
+    ``take_finished_saves`` once, so that vLLM frees the request's blocks."""
+    pytest.importorskip("vllm")
+    from lmkv.integrations.vllm.metadata import LMKVConnectorMetadata, StoreSpec
+    from tests.vllm.test_worker_vllm import caches, worker
+
+    side = worker(tmp_path)
+    side.register(caches("cpu"))
+    try:
+        assert side.take_finished_saves() is None
+        side.save(LMKVConnectorMetadata(stores=[
+            StoreSpec("r", list(range(32)), [4, 1], release=True),
+            StoreSpec("s", list(range(100, 116)), [2])]))
+        assert side.take_finished_saves() == {"r"}
+        assert side.take_finished_saves() is None
+        assert side.counters.stored_tokens == 48
+    finally:
+        side.close()
 
 
 @pytest.mark.parametrize("mode", ["eager", "eager-decode"])

@@ -100,6 +100,7 @@ class SchedulerSide:
         # requests asked about again after one (their resume may load).
         self._preemptions: dict[str, int] = {}
         self._resuming: set[str] = set()
+        self._finish_specs: list[StoreSpec] = []  # eager decode tails, for the next step
 
     # -- lookup ----------------------------------------------------------------
     def num_new_matched_tokens(self, request: Any, num_computed: int) -> int | None:
@@ -197,6 +198,8 @@ class SchedulerSide:
         meta = StepPlan()
         meta.loads.extend(self._async_specs)
         self._async_specs = []
+        meta.stores.extend(self._finish_specs)  # decode tails of finished requests
+        self._finish_specs = []
         for new in out.scheduled_new_reqs:
             old = self._reqs.get(new.req_id)  # set: resumed (vLLM's V2 model runner)
             req = self._reqs[new.req_id] = _Req(list(new.prompt_token_ids or []),
@@ -259,8 +262,8 @@ class SchedulerSide:
         yet and is never stored. Capping at the known tokens also leaves out
         speculative draft tokens (not in the request's tokens until accepted) and,
         under async scheduling, tokens whose ids are still in flight: those are
-        stored one step later, and a block that only the request's very last
-        forward completed is not stored at all. The plan is the prompt's (same
+        stored one step later, or with the request's tail when it finishes
+        (``_plan_decode_tail``). The plan is the prompt's (same
         rounding to whole lmkv/vLLM blocks, same identity, one chain of chunk keys):
         a later prompt that extends prompt + answer hits all of it."""
         limit = len(req.prompt)
@@ -269,25 +272,44 @@ class SchedulerSide:
             tokens = self._tokens(req_id, req)
             limit = len(tokens)
         end = self._round(min(computed, limit))
+        if self.store_decode and self.lazy is None and end > len(req.prompt):
+            # Eager decode stores go in whole chunks: storing the growing partial
+            # chunk at every new block would copy up to chunk/block times the KV (15x
+            # with 256-token chunks and vLLM's GPU blocks of 16) and fill the tiers
+            # with partial chunks. The block-aligned tail is stored once, when the
+            # request finishes (``finished``). Lazy offload aggregates a request's
+            # plans into its longest, so it keeps them per block.
+            end = max(self._round(min(computed, len(req.prompt))),
+                      end // self.chunk_size * self.chunk_size)
         if end > req.stored and req_id in self._identities:
             spec = StoreSpec(req_id, list(tokens[:end]), list(req.block_ids),
                              identity=self._identities[req_id])
-            if self.lazy is None:
-                meta.stores.append(spec)
-            else:
-                request = self._requests.get(req_id)
-                self.lazy.add(spec, request.block_hashes if request is not None else [])
-            self.counters.store_tokens += end - req.stored
-            # Generated tokens: those past the prompt, each counted once (a resumed
-            # request plans its stores again from its reload point).
-            decode_from = max(req.stored, req.decode_counted, len(req.prompt))
-            if end > decode_from:
-                self.counters.decode_stored_tokens += end - decode_from
-                req.decode_counted = end
-            req.stored = end
+            self._submit_store(req_id, req, spec, meta.stores)
 
-    def finished(self, request: Any) -> None:
+    def _submit_store(self, req_id: str, req: _Req, spec: StoreSpec,
+                      stores: list[StoreSpec]) -> None:
+        """Send ``spec`` to the workers (eager: in ``stores``) or buffer it (lazy); count."""
+        end = len(spec.token_ids)
+        if self.lazy is None:
+            stores.append(spec)
+        else:
+            request = self._requests.get(req_id)
+            self.lazy.add(spec, request.block_hashes if request is not None else [])
+        self.counters.store_tokens += end - req.stored
+        # Generated tokens: those past the prompt, each counted once (a resumed
+        # request plans its stores again from its reload point).
+        decode_from = max(req.stored, req.decode_counted, len(req.prompt))
+        if end > decode_from:
+            self.counters.decode_stored_tokens += end - decode_from
+            req.decode_counted = end
+        req.stored = end
+
+    def finished(self, request: Any, block_ids: Sequence[int] = ()) -> bool:
+        """vLLM is done with ``request``; ``block_ids``: its blocks of computed tokens.
+        True: vLLM must keep those blocks until the workers report (``get_finished``)
+        that they stored the request's decode tail (eager ``store_decode`` only)."""
         req_id = request.request_id
+        delay = self._plan_decode_tail(request, list(block_ids))
         self._reqs.pop(req_id, None)
         self._loads.pop(req_id, None)
         self._requests.pop(req_id, None)
@@ -302,6 +324,30 @@ class SchedulerSide:
             self.lazy.finished(req_id)
         self._hits.pop(req_id, None)
         self._drop_prefetch(req_id)
+        return delay
+
+    def _plan_decode_tail(self, request: Any, block_ids: list[int]) -> bool:
+        """``store_decode``: plan the store of the whole blocks a finished request
+        computed past its last stored plan (eager decode steps store whole chunks
+        only; under async scheduling the last sampled ids came late). Eager: for the
+        next step, whose ``wait_for_save`` runs after every forward that computed them
+        (vLLM steps once more after a request finishes), and True: vLLM keeps the
+        blocks until the workers report the store. Lazy: buffered like any plan (the
+        block hashes are verified before the store), False. Never the last token: it
+        was sampled, its KV never computed."""
+        req_id = request.request_id
+        req = self._reqs.get(req_id)
+        if not self.store_decode or req is None or req_id not in self._identities:
+            return False
+        tokens = self._tokens(req_id, req)
+        computed = getattr(request, "num_computed_tokens", 0) or 0
+        end = self._round(min(computed, len(tokens) - 1, len(block_ids) * self._vllm_block))
+        if end <= req.stored:
+            return False  # nothing new (or preempted: no blocks)
+        spec = StoreSpec(req_id, list(tokens[:end]), block_ids,
+                         identity=self._identities[req_id], release=True)
+        self._submit_store(req_id, req, spec, self._finish_specs)
+        return self.lazy is None
 
     def confirmed(self, done: dict[str, int]) -> None:
         if self.lazy is not None:
