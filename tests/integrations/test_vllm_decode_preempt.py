@@ -112,12 +112,20 @@ def test_eager_decode_stores_whole_chunks_and_the_block_tail_at_finish(
         assert [len(s.token_ids) for s in stores] == during
         request.num_computed_tokens = len(PROMPT) + steps  # the last sampled: no KV
         assert sched.finished(request, [0, 1, 2, 3, 4]) is (tail is not None)
+        # The next round, asked before the tail's store went out, waits a step for it.
+        follow = [*request.all_token_ids, *range(9000, 9020)]
+        again = SimpleNamespace(**{**vars(_request("r2")), "prompt_token_ids": follow,
+                                   "all_token_ids": follow})
+        if tail:
+            assert sched.num_new_matched_tokens(again, 0) is None
         finish = sched.build_meta(_no_steps()).stores  # the next step: no tokens needed
         assert [(len(s.token_ids), s.release) for s in finish] == \
             ([(tail, True)] if tail else [])
         if tail:
             assert finish[0].token_ids == request.all_token_ids[:tail]
             assert finish[0].block_ids == [0, 1, 2, 3, 4]
+            engine.store(finish[0].token_ids, kv_caches=caches, block_ids=finish[0].block_ids)
+        assert _ask(sched, again, 0) == (tail or during[-1])
         assert sched.counters.decode_stored_tokens == (tail or during[-1]) - len(PROMPT)
         assert sched.build_meta(_no_steps()).stores == []  # planned once
     finally:

@@ -126,6 +126,9 @@ class SchedulerSide:
                 if limit <= num_computed:
                     self._hits[req_id] = 0
                     return 0
+                if self._finish_specs and self._extends_pending_tail(
+                        prompt, self._identities[req_id]):
+                    return None  # ask again next step, once the tail is stored
                 self.counters.lookups += 1
                 self._pending[req_id] = limit
                 self.client.lookup(req_id, list(prompt[:limit]), self._identities[req_id])
@@ -156,6 +159,17 @@ class SchedulerSide:
         self._resuming.add(req_id)
         logger.info("lmkv: request %s resumes after preemption %d: looked up again",
                     req_id, preemptions)
+
+    def _extends_pending_tail(self, tokens: Sequence[int], identity: Identity | None) -> bool:
+        """Whether ``tokens`` extend the decode tail of a request that just finished,
+        whose store goes out with this step (the next round of a conversation, asked
+        in the same scheduling pass): looked up now, it would miss that tail."""
+        for spec in self._finish_specs:
+            n = len(spec.token_ids)
+            if (len(tokens) > n and spec.identity == identity
+                    and list(tokens[:n]) == spec.token_ids):
+                return True
+        return False
 
     def _round(self, tokens: int) -> int:
         """``tokens`` down to whole lmkv blocks that are whole vLLM blocks too."""
