@@ -86,6 +86,11 @@ def run(model_dir: str, mode: str) -> dict:
         result["concurrent"] = generate([_tokens(LONG_PROMPT, 10 + i)
                                          for i in range(N_CONCURRENT)], LONG_ANSWER)
     if sched is not None:
+        # One more engine step (vLLM's server loop takes it by itself after requests
+        # finish): finished requests' decode tails are stored, their blocks freed.
+        llm.llm_engine.step()
+        pool = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.block_pool
+        result["blocks_in_use"] = pool.num_gpu_blocks - 1 - pool.get_num_free_blocks()
         result["scheduler_counters"] = dict(vars(sched.counters))
         result["worker_counters"] = dict(vars(counters))
     result["metrics"] = {m.name: getattr(m, "value", None) for m in llm.get_metrics()
@@ -129,6 +134,7 @@ def test_store_decode_loads_the_answer_in_the_next_round(results: dict) -> None:
         assert got["round2_loaded"] == expected, mode
         decode = got["scheduler_counters"]["decode_stored_tokens"]
         assert (decode > 0) == ("decode" in mode), mode
+        assert got["blocks_in_use"] == 0, f"{mode}: blocks never freed"
     assert results["eager-decode"]["round2_loaded"] > results["eager"]["round2_loaded"]
 
 
