@@ -170,6 +170,8 @@ class LMKVConfig(_Model):
     lookup: LookupConfig = Field(default_factory=LookupConfig)
     mode: Literal["in_process", "server"] = "in_process"
     async_load: bool = False
+    # vLLM connector: store the KV of generated tokens too (docs/vllm.md).
+    store_decode: bool = False
     server: ServerConnection = Field(default_factory=ServerConnection)
     lazy_offload: bool = False
     lazy_offload_policy: PluginRef = Field(default_factory=lambda: PluginRef(type="FIFO"))

@@ -129,15 +129,8 @@ def _same_unless_true(reason: str) -> Parse:
     return parse
 
 
-def _store_decode(value: Any) -> Any:
-    on = _bool(value)
-    from lmkv.config import LMKVConfig  # same layer; imported late: config is heavy
-
-    if "store_decode" not in LMKVConfig.model_fields:
-        if on:
-            raise NotCarried("this lmkv stores prompt chunks only (no store_decode key)")
-        return NOTHING_TO_SET
-    return on
+def _store_decode(value: Any) -> bool:
+    return _bool(value)
 
 
 def _remote_serde(value: Any) -> str:

@@ -81,9 +81,12 @@ class LMKVConnector(KVConnectorBase_V1):
 
     def get_finished(self, finished_req_ids: set[str]
                      ) -> tuple[set[str] | None, set[str] | None]:
-        """(None: lmkv never delays freeing a request's blocks, requests whose
-        asynchronous load finished since the last call)."""
-        return None, self.worker_side.take_finished_loads() if self.worker_side else None
+        """(finished requests whose last decode store (``store_decode``) is done: vLLM
+        frees their blocks, requests whose asynchronous load finished since the
+        last call)."""
+        if self.worker_side is None:
+            return None, None
+        return self.worker_side.take_finished_saves(), self.worker_side.take_finished_loads()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker_side.take_failed_blocks() if self.worker_side else set()
@@ -124,8 +127,9 @@ class LMKVConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: Any,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        self.scheduler_side.finished(request)
-        return False, None
+        """True (vLLM keeps the blocks until ``get_finished`` reports the request) only
+        when an eager ``store_decode`` store of the request's tail is planned."""
+        return self.scheduler_side.finished(request, block_ids), None
 
     # -- metrics (vLLM's connector stats: /metrics and the periodic log line) -------
     def get_kv_connector_stats(self) -> LMKVStats | None:

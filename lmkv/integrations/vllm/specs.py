@@ -25,13 +25,16 @@ class LoadSpec:
 @dataclass
 class StoreSpec:
     """Store the whole chunks of ``token_ids`` from ``block_ids``. Lazy stores carry a
-    ``store_id`` the workers confirm (the scheduler then releases the blocks)."""
+    ``store_id`` the workers confirm (the scheduler then releases the blocks).
+    ``release``: a finished request's last store (``store_decode``), whose blocks
+    vLLM keeps until every worker reported it done (``get_finished``)."""
 
     req_id: str
     token_ids: list[int]
     block_ids: list[int]
     store_id: str | None = None
     identity: Identity | None = None
+    release: bool = False
 
 
 @dataclass
