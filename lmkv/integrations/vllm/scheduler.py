@@ -30,13 +30,14 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from lmkv.config import LMKVConfig
 from lmkv.integrations.vllm.identity import request_identity
 from lmkv.integrations.vllm.lazy import LazyOffload
-from lmkv.integrations.vllm.specs import LoadSpec, StepPlan, StoreSpec
+from lmkv.integrations.vllm.specs import BlockNames, LoadSpec, StepPlan, StoreSpec
 from lmkv.lookup.client import LookupClient
 from lmkv.tokens import Identity
 
@@ -86,6 +87,9 @@ class SchedulerSide:
         self._async_specs: list[LoadSpec] = []  # planned, for the next step's metadata
         self._async_loaded: dict[str, int] = {}  # req id -> tokens an async load brings
         self._identities: dict[str, Identity | None] = {}  # req id -> what names its chunks
+        #: vLLM's names of a request's first N tokens' blocks (set by the connector
+        #: when vLLM publishes KV events; ``events.block_names``).
+        self.name_blocks: Callable[[Any, int], BlockNames | None] | None = None
 
     # -- lookup ----------------------------------------------------------------
     def num_new_matched_tokens(self, request: Any, num_computed: int) -> int | None:
@@ -206,10 +210,12 @@ class SchedulerSide:
         if end > req.stored and req_id in self._identities:
             spec = StoreSpec(req_id, req.prompt[:end], list(req.block_ids),
                              identity=self._identities[req_id])
+            request = self._requests.get(req_id)
+            if self.name_blocks is not None and request is not None:
+                spec.blocks = self.name_blocks(request, end)  # for KV events (events.py)
             if self.lazy is None:
                 meta.stores.append(spec)
             else:
-                request = self._requests.get(req_id)
                 self.lazy.add(spec, request.block_hashes if request is not None else [])
             self.counters.store_tokens += end - req.stored
             req.stored = end
