@@ -4,7 +4,8 @@ Run with the vLLM venv: ``.venv-vllm/bin/python tests/vllm/e2e_events.py`` (a
 step of .ci/run). It starts ``vllm serve`` (the api_server module: the ``vllm``
 CLI fails on the CPU build) with a tiny random Llama, vLLM's prefix caching,
 ``--kv-events-config`` (ZMQ publisher on a loopback TCP port) and lmkv with a
-cpu tier of three chunks over a disk tier. A subscriber with ``zmq`` and
+cpu tier of three chunks over a disk tier. A subscriber (bound to the port:
+vLLM's publisher connects to a host address) with ``zmq`` and
 vLLM's own ``KVEventBatch`` decoder reads the published stream while three
 prompts of 2.5 chunks each run through the OpenAI completions API. Checks:
 
@@ -32,7 +33,7 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from e2e_vllm import build  # noqa: E402
+from e2e_vllm import build
 
 CHUNK, BLOCK = 256, 128  # vLLM's CPU block size
 PROMPT = 640  # 2.5 chunks, 5 blocks
@@ -56,7 +57,9 @@ class Subscriber:
         self._sub = self._ctx.socket(zmq.SUB)
         self._sub.setsockopt(zmq.SUBSCRIBE, b"")
         self._sub.setsockopt(zmq.RCVTIMEO, 200)
-        self._sub.connect(endpoint)  # before the publisher binds: nothing is missed
+        # vLLM's publisher connects to a host address (it binds only ``*``): the
+        # subscriber binds, on loopback, before vLLM starts, so nothing is missed.
+        self._sub.bind(endpoint)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()

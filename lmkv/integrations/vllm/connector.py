@@ -50,6 +50,11 @@ class LMKVConnector(KVConnectorBase_V1):
         self.scheduler_side = self.worker_side = None
         # KV events (events.py): only when vLLM publishes them (--kv-events-config).
         self.events_on = events_enabled(vllm_config)
+        if self.events_on and config.mode == "server":  # the tiers' evictions are not seen
+            self.events_on = False
+            if role == KVConnectorRole.SCHEDULER:
+                logger.warning("lmkv: vLLM publishes KV events, but lmkv's tiers are in an "
+                               "lmkv server: lmkv publishes none (docs/vllm.md, KV events)")
         self.worker_events: WorkerEvents | None = None
         self.scheduler_events: SchedulerEvents | None = None
         if role == KVConnectorRole.SCHEDULER:

@@ -168,8 +168,8 @@ class WorkerEvents:
         storage = getattr(engine, "storage", None)
         chunker = getattr(engine, "chunker", None)
         if storage is None or chunker is None or not hasattr(storage, "watch"):
-            logger.warning("lmkv: vLLM publishes KV events, but lmkv's tiers are in an "
-                           "lmkv server: lmkv publishes none (its evictions are not seen here)")
+            logger.warning("lmkv: vLLM publishes KV events, but this engine's tiers are "
+                           "not in this process: lmkv publishes none")
             return None
         return cls(storage, chunker, block_size)
 
