@@ -162,6 +162,8 @@ def test_block_names_are_the_hashes_vllm_publishes() -> None:
     assert names.hashes == [maybe_convert_block_hash(h) for h in hashes[:3]]
     assert names.extra_keys is None and names.lora_id is None
     assert block_names(request, BLOCK - 1, BLOCK) is None
+    request.cache_salt = "tenant-a"  # vLLM's extra key of a salted prompt's first block
+    assert block_names(request, 2 * BLOCK, BLOCK).extra_keys == [("tenant-a",), None]
 
 
 def test_the_scheduler_waits_for_every_worker_to_store_and_for_one_to_remove() -> None:
