@@ -15,6 +15,10 @@ prompts of 2.5 chunks each run through the OpenAI completions API. Checks:
   hash chain and vLLM's block size;
 * the later prompts evict the first from the cpu tier: ``BlockRemoved``
   (``lmkv:cpu``) for each of its blocks, none from ``lmkv:fs`` (unbounded).
+
+Then the same with vLLM's prefix caching off (a fresh server and disk tier):
+vLLM publishes nothing of its own, and lmkv's events must name the blocks
+exactly as the first server's vLLM did.
 """
 
 from __future__ import annotations
@@ -105,7 +109,8 @@ def wait_ready(port: int, server: subprocess.Popen) -> None:
     raise RuntimeError("vllm serve did not become ready")
 
 
-def serve(model_dir: str, tmp: str, port: int, events_port: int) -> subprocess.Popen:
+def serve(model_dir: str, tmp: str, port: int, events_port: int,
+          prefix_caching: bool) -> subprocess.Popen:
     extra = {"lmkv.chunk_size": CHUNK,
              "lmkv.lookup.runtime_dir": os.path.join(tmp, "run"),
              "lmkv.tiers": [{"type": "cpu", "options": {"max_bytes": 3 * CHUNK_BYTES}},
@@ -120,16 +125,19 @@ def serve(model_dir: str, tmp: str, port: int, events_port: int) -> subprocess.P
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": cpus}
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
            "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
-           "--enforce-eager", "--max-model-len", "2048", "--enable-prefix-caching",
+           "--enforce-eager", "--max-model-len", "2048",
+           "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching",
            "--max-num-seqs", "4", "--seed", "0",
            "--kv-transfer-config", json.dumps(transfer),
            "--kv-events-config", json.dumps(events)]
-    log = open(os.path.join(tmp, "serve.log"), "w")  # noqa: SIM115 (the child's stdout)
+    log = open(os.path.join(tmp, "serve.log"), "a")  # noqa: SIM115 (the child's stdout)
     return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
 
 
-def check(events: list, prompts: list[list[int]]) -> list[str]:
+def check(events: list, prompts: list[list[int]], reference: list) -> list[str]:
+    """Problems with lmkv's events in ``events``; vLLM's own block hashes are
+    those of its own events in ``reference`` (the same prompts)."""
     from vllm.distributed.kv_events import BlockRemoved, BlockStored
     problems: list[str] = []
     stored: dict[str, list] = {}
@@ -141,15 +149,18 @@ def check(events: list, prompts: list[list[int]]) -> list[str]:
             removed.setdefault(e.medium or "", set()).update(e.block_hashes)
     print("media stored:", {m: sum(len(e.block_hashes) for e in es) for m, es in stored.items()},
           "removed:", {m: len(hs) for m, hs in removed.items()})
-    own = [m for m in stored if not m.startswith("lmkv:")]
-    if not own:
+    references: dict[str, list] = {}
+    for e in reference:
+        if isinstance(e, BlockStored) and not (e.medium or "").startswith("lmkv:"):
+            references.setdefault(e.medium or "", []).append(e)
+    if not references:
         return ["vLLM published none of its own BlockStored events"]
 
-    def blocks(media: list[str]) -> dict:
+    def blocks(events_of: dict[str, list], media: list[str]) -> dict:
         """block hash -> (tokens, parent, block size) over the events of ``media``."""
         out = {}
         for m in media:
-            for e in stored.get(m, []):
+            for e in events_of.get(m, []):
                 n = len(e.block_hashes)
                 for i, h in enumerate(e.block_hashes):
                     parent = e.block_hashes[i - 1] if i else e.parent_block_hash
@@ -157,10 +168,10 @@ def check(events: list, prompts: list[list[int]]) -> list[str]:
                               parent, e.block_size, n)
         return out
 
-    vllm_blocks = blocks(own)
+    vllm_blocks = blocks(references, list(references))
     by_tokens = {v[0]: h for h, v in vllm_blocks.items()}
     for medium in ("lmkv:cpu", "lmkv:fs"):
-        ours = blocks([medium])
+        ours = blocks(stored, [medium])
         for p, prompt in enumerate(prompts):
             chain = [by_tokens.get(tuple(prompt[i * BLOCK:(i + 1) * BLOCK]))
                      for i in range(PROMPT // BLOCK)]
@@ -191,37 +202,56 @@ def check(events: list, prompts: list[list[int]]) -> list[str]:
     return problems
 
 
+def published(model_dir: str, tmp: str, prompts: list[list[int]],
+              prefix_caching: bool) -> list:
+    """The events a fresh ``vllm serve`` (a fresh disk tier) publishes for ``prompts``."""
+    tmp = os.path.join(tmp, f"prefix-caching-{prefix_caching}")
+    os.makedirs(tmp)
+    port, events_port = free_port(), free_port()
+    subscriber = Subscriber(f"tcp://127.0.0.1:{events_port}")
+    server = serve(model_dir, tmp, port, events_port, prefix_caching)
+    try:
+        wait_ready(port, server)
+        for prompt in prompts:
+            complete(port, model_dir, prompt)
+        time.sleep(3)  # the last step's batch reaches the subscriber
+    except Exception:
+        print("--- vllm serve log (tail) ---")
+        print(Path(tmp, "serve.log").read_text()[-6000:])
+        raise
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+        subscriber.close()
+    for line in Path(tmp, "serve.log").read_text().splitlines():
+        if "lmkv" in line and ("KV events" in line or "Traceback" in line):
+            print("serve:", line)
+    return subscriber.events
+
+
 def main() -> int:
     rng = random.Random(7)
     prompts = [[rng.randrange(10, 8000) for _ in range(PROMPT)] for _ in range(3)]
     with tempfile.TemporaryDirectory(prefix="lmkv-events-") as tmp:
         model_dir = os.path.join(tmp, "model")
         build(model_dir)
-        port, events_port = free_port(), free_port()
-        subscriber = Subscriber(f"tcp://127.0.0.1:{events_port}")
-        server = serve(model_dir, tmp, port, events_port)
         try:
-            wait_ready(port, server)
-            for prompt in prompts:
-                complete(port, model_dir, prompt)
-            time.sleep(3)  # the last step's batch reaches the subscriber
+            with_cache = published(model_dir, tmp, prompts, prefix_caching=True)
+            # vLLM publishes nothing of its own without prefix caching, but still
+            # hashes the blocks (a connector is set): lmkv's events name them the
+            # same (sha256 block hashes are the same in every process).
+            without = published(model_dir, tmp, prompts, prefix_caching=False)
         except Exception as exc:
-            print(f"FAIL: {exc}\n--- vllm serve log (tail) ---")
-            print(Path(tmp, "serve.log").read_text()[-6000:])
+            print(f"FAIL: {exc!r}")
             return 1
-        finally:
-            os.killpg(server.pid, signal.SIGTERM)
-            try:
-                server.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(server.pid, signal.SIGKILL)
-                server.wait()
-            subscriber.close()
-        log = Path(tmp, "serve.log").read_text()
-    problems = check(subscriber.events, prompts)
-    for line in log.splitlines():
-        if "lmkv" in line and ("KV events" in line or "Traceback" in line):
-            print("serve:", line)
+    problems = []
+    for label, events in (("prefix caching on", with_cache), ("prefix caching off", without)):
+        print(label, end=": ")
+        problems += [f"{label}: {p}" for p in check(events, prompts, with_cache)]
     for problem in problems:
         print("FAIL:", problem)
     print("PASS" if not problems else "FAILED")
