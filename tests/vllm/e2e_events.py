@@ -202,10 +202,22 @@ def check(events: list, prompts: list[list[int]], reference: list) -> list[str]:
     return problems
 
 
+def stop(server: subprocess.Popen) -> None:
+    """SIGTERM to the server's process group, SIGKILL after a minute."""
+    try:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(60)
+    except subprocess.TimeoutExpired:
+        os.killpg(server.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass  # exited already
+    server.wait()
+
+
 def published(model_dir: str, tmp: str, prompts: list[list[int]],
               prefix_caching: bool) -> list:
     """The events a fresh ``vllm serve`` (a fresh disk tier) publishes for ``prompts``."""
-    tmp = os.path.join(tmp, f"prefix-caching-{prefix_caching}")
+    tmp = os.path.join(tmp, f"pc{int(prefix_caching)}")  # short: it holds unix sockets
     os.makedirs(tmp)
     port, events_port = free_port(), free_port()
     subscriber = Subscriber(f"tcp://127.0.0.1:{events_port}")
@@ -220,12 +232,7 @@ def published(model_dir: str, tmp: str, prompts: list[list[int]],
         print(Path(tmp, "serve.log").read_text()[-6000:])
         raise
     finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait()
+        stop(server)
         subscriber.close()
     for line in Path(tmp, "serve.log").read_text().splitlines():
         if "lmkv" in line and ("KV events" in line or "Traceback" in line):
