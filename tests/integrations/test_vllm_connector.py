@@ -12,7 +12,7 @@ from lmkv.config import load_config
 from lmkv.errors import ConfigError
 from lmkv.integrations.vllm.config import config_from_extra, extra_config_overrides
 from lmkv.integrations.vllm.lazy import LazyOffload
-from lmkv.integrations.vllm.specs import StoreSpec
+from lmkv.integrations.vllm.specs import BlockNames, StoreSpec
 
 
 def test_lmcache_aliases_map_to_lmkv_keys(caplog: pytest.LogCaptureFixture) -> None:
@@ -166,10 +166,12 @@ def test_steps_of_one_request_are_submitted_as_one_store() -> None:
     for i, h in enumerate(hashes):
         pool.blocks[i].block_hash = h
     lazy.add(StoreSpec("r", list(range(8)), [0, 1]), hashes[:2])
-    lazy.add(StoreSpec("r", list(range(16)), [0, 1, 2, 3]), hashes)
+    names = BlockNames([10, 11, 12, 13])  # vLLM's names of its blocks (KV events)
+    lazy.add(StoreSpec("r", list(range(16)), [0, 1, 2, 3], blocks=names), hashes)
     lazy.finished("r")
     (spec,) = lazy.select(1)
     assert spec.token_ids == list(range(16)) and spec.block_ids == [0, 1, 2, 3]
+    assert spec.blocks is names and spec.store_id is not None
     assert [pool.blocks[i].ref_cnt for i in range(4)] == [1, 1, 1, 1]
 
 

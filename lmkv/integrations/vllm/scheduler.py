@@ -35,14 +35,14 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from lmkv.config import LMKVConfig
 from lmkv.integrations.vllm.identity import request_identity
 from lmkv.integrations.vllm.lazy import LazyOffload
-from lmkv.integrations.vllm.specs import LoadSpec, StepPlan, StoreSpec
+from lmkv.integrations.vllm.specs import BlockNames, LoadSpec, StepPlan, StoreSpec
 from lmkv.lookup.client import LookupClient
 from lmkv.metrics import recorder
 from lmkv.tokens import Identity
@@ -103,6 +103,9 @@ class SchedulerSide:
         self._preemptions: dict[str, int] = {}
         self._resuming: set[str] = set()
         self._finish_specs: list[StoreSpec] = []  # eager decode tails, for the next step
+        #: vLLM's names of a request's first N tokens' blocks (set by the connector
+        #: when vLLM publishes KV events; ``events.block_names``).
+        self.name_blocks: Callable[[Any, int], BlockNames | None] | None = None
 
     # -- lookup ----------------------------------------------------------------
     def num_new_matched_tokens(self, request: Any, num_computed: int) -> int | None:
@@ -320,10 +323,12 @@ class SchedulerSide:
                       stores: list[StoreSpec]) -> None:
         """Send ``spec`` to the workers (eager: in ``stores``) or buffer it (lazy); count."""
         end = len(spec.token_ids)
+        request = self._requests.get(req_id)
+        if self.name_blocks is not None and request is not None:
+            spec.blocks = self.name_blocks(request, end)  # for KV events (events.py)
         if self.lazy is None:
             stores.append(spec)
         else:
-            request = self._requests.get(req_id)
             self.lazy.add(spec, request.block_hashes if request is not None else [])
         self.counters.store_tokens += end - req.stored
         # Generated tokens: those past the prompt, each counted once (a resumed
