@@ -148,7 +148,7 @@ def _where(host: str, port: int) -> str:
 def _handler_for(registry: CollectorRegistry, status: Callable[[], dict[str, Any]]
                  ) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
+        def do_GET(self) -> None:  # the stdlib calls it by this name
             url = urlsplit(self.path)
             if url.path == "/metrics":
                 self._send(200, CONTENT_TYPE, generate_latest(registry))

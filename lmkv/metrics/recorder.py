@@ -45,6 +45,13 @@ class Totals:
     histograms: dict[str, Histogram]
     tiers: TierStats
 
+    def plain(self) -> dict[str, Any]:
+        """Counters, gauges and histograms (count, sum, per-bucket counts) as plain
+        data, tiers left out (``lmkv stats`` shows them on their own)."""
+        return {"counters": dict(self.counters), "gauges": dict(self.gauges),
+                "histograms": {n: {"count": h.count, "sum": h.sum, "counts": list(h.counts)}
+                               for n, h in self.histograms.items()}}
+
 
 class Recorder:
     def __init__(self, *, max_samples: int = 4096, tier_interval_s: float = 1.0) -> None:
