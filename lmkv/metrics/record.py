@@ -16,26 +16,20 @@ from lmkv.metrics.recorder import recorder
 def record_lookup(asked: int, hit: int, start: float) -> None:
     """A lookup of ``asked`` tokens that found ``hit``; ``start``: its
     ``time.perf_counter()`` when asked."""
-    metrics = recorder()
-    metrics.add("lookups_total")
-    metrics.add("lookup_hit_tokens_total", hit)
-    metrics.add("lookup_miss_tokens_total", max(0, asked - hit))
-    metrics.observe("lookup_seconds", time.perf_counter() - start)
+    recorder().record((("lookups_total", 1), ("lookup_hit_tokens_total", hit),
+                       ("lookup_miss_tokens_total", max(0, asked - hit))),
+                      "lookup_seconds", time.perf_counter() - start)
 
 
 def record_load(tokens: int, nbytes: int, start: float) -> None:
     """A load that brought ``tokens`` tokens (``nbytes`` bytes of KV)."""
-    metrics = recorder()
-    metrics.add("loads_total")
-    metrics.add("loaded_tokens_total", max(0, tokens))
-    metrics.add("load_bytes_total", nbytes)
-    metrics.observe("load_seconds", time.perf_counter() - start)
+    recorder().record((("loads_total", 1), ("loaded_tokens_total", max(0, tokens)),
+                       ("load_bytes_total", nbytes)),
+                      "load_seconds", time.perf_counter() - start)
 
 
 def record_store(tokens: int, nbytes: int, start: float) -> None:
     """A store that handed ``tokens`` tokens (``nbytes`` bytes of KV) to the tiers."""
-    metrics = recorder()
-    metrics.add("stores_total")
-    metrics.add("stored_tokens_total", tokens)
-    metrics.add("store_bytes_total", nbytes)
-    metrics.observe("store_seconds", time.perf_counter() - start)
+    recorder().record((("stores_total", 1), ("stored_tokens_total", tokens),
+                       ("store_bytes_total", nbytes)),
+                      "store_seconds", time.perf_counter() - start)

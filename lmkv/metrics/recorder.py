@@ -90,6 +90,27 @@ class Recorder:
             if len(samples) < self._max_samples:
                 samples.append(seconds)
 
+    def record(self, counters: tuple[tuple[str, float], ...], histogram: str,
+               seconds: float) -> None:
+        """Several counters and one latency sample of one operation, under one lock:
+        a lookup, load or store (``lmkv.metrics.record``, whose names are the
+        catalog's; unchecked here, since this runs once per request)."""
+        with self._lock:
+            totals = self._counters
+            for name, value in counters:
+                totals[name] = totals.get(name, 0) + value
+            hist = self._hists.get(histogram)
+            if hist is None:
+                hist = self._hists[histogram] = Histogram()
+            hist.counts[bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1
+            hist.sum += seconds
+            hist.count += 1
+            samples = self._samples.get(histogram)
+            if samples is None:
+                samples = self._samples[histogram] = []
+            if len(samples) < self._max_samples:
+                samples.append(seconds)
+
     def set_gauge(self, name: str, value: float) -> None:
         if BY_NAME[name].kind != "gauge":
             raise ValueError(f"{name} is a {BY_NAME[name].kind}, not a gauge")
