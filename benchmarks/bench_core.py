@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import statistics
+from typing import Any
 
 import numpy as np
 import torch
@@ -146,7 +147,7 @@ def bench_metrics(rounds: int) -> None:
     for engine in engines.values():
         engine.store(tokens, kv=kv)
 
-    def clear(engine) -> None:  # noqa: ANN001
+    def clear(engine: Any) -> None:
         for tier in engine.storage.tiers:
             tier.clear()
 
@@ -163,8 +164,8 @@ def bench_metrics(rounds: int) -> None:
             for flag in (False, True) if i % 2 else (True, False):  # neither always first
                 engine = engines[flag]
                 samples[flag].append(best_of(
-                    lambda e=engine: op(e), 1, warm_up=False,
-                    setup=(lambda e=engine: setup(e)) if setup else None))
+                    lambda e=engine, f=op: f(e), 1, warm_up=False,
+                    setup=(lambda e=engine, f=setup: f(e)) if setup else None))
         off, on = statistics.median(samples[False]), statistics.median(samples[True])
         print(f"  {name:9s}: off {off * 1e6:8.1f} us  on {on * 1e6:8.1f} us  "
               f"ratio {off / on:.3f}")
