@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -81,6 +82,28 @@ def test_metrics_port_serves_what_the_local_engine_records() -> None:
     assert grew("lmkv_load_seconds_count") == 1
     # its tiers are a tier source (read at most once a second: the capacity is constant)
     assert any(k[0] == "lmkv_tier_capacity_bytes" and v > 0 for k, v in after.items())
+
+
+def test_lmkv_stats_watch_reads_an_endpoint_again_until_ctrl_c() -> None:
+    url = serve_metrics(0).url  # this process's endpoint, read from another process
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [ROOT, *filter(None, [os.environ.get("PYTHONPATH")])])}
+    proc = subprocess.Popen([sys.executable, "-m", "lmkv", "stats", "--server", url,
+                             "--watch", "0.1"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        readings = 0
+        for line in proc.stdout:  # type: ignore[union-attr]
+            readings += line.startswith("lookups ")
+            if readings == 3:
+                break
+        assert readings == 3
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 def test_an_engine_opened_for_vllm_records_nothing() -> None:
