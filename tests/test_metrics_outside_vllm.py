@@ -162,3 +162,16 @@ def test_lmkv_stats_at_an_unreachable_address_is_one_line(args) -> None:
     assert done.returncode == 2
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "127.0.0.1:1" in lines[0], done.stderr
+
+
+def test_lmkv_server_with_its_metrics_port_taken_is_one_line(tmp_path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = lmkv_cli("server", "--socket", str(tmp_path / "s.sock"),
+                        "--metrics-port", str(port))
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        f"lmkv: error: metrics exporter: cannot listen on 127.0.0.1:{port}: "
+        "Address already in use"]
