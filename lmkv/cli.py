@@ -69,8 +69,10 @@ def _cmd_stats(args: argparse.Namespace) -> int:
 
     config = load_config(args.config)
     address = args.server or config.server.address
-    if not address.startswith(("http://", "https://")):
-        check_server_address(address, "--server" if args.server else "server.address")
+    if not (args.server and address.startswith(("http://", "https://"))):
+        check_server_address(address, "--server" if args.server else "server.address",
+                             ", or http://HOST:PORT (a metrics endpoint)" if args.server
+                             else "")
     if args.watch is None:
         return _show_stats(address, config, args.json, fallback=True)
     try:
@@ -134,7 +136,7 @@ def _show_stats(address: str, config: LMKVConfig, as_json: bool, *, fallback: bo
 SERVER_ADDRESS_FORMS = "tcp://HOST:PORT (port 1-65535), HOST:PORT or ipc://PATH"
 
 
-def check_server_address(address: str, where: str) -> None:
+def check_server_address(address: str, where: str, more_forms: str = "") -> None:
     """ConfigError naming ``where`` unless ``address`` is one a client can connect to:
     zmq would raise a bare "Invalid argument" from deep inside the client."""
     from urllib.parse import urlsplit
@@ -155,7 +157,8 @@ def check_server_address(address: str, where: str) -> None:
     else:
         problem = f"has scheme {scheme!r}"
     if problem:
-        raise LMKVError(f"{where} = {address!r} {problem}; allowed: {SERVER_ADDRESS_FORMS}")
+        raise LMKVError(f"{where} = {address!r} {problem}; allowed: {SERVER_ADDRESS_FORMS}"
+                        f"{more_forms}")
 
 
 def _live_stats(address: str, config: LMKVConfig) -> StatsReply | None:
