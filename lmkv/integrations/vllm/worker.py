@@ -75,7 +75,8 @@ class WorkerSide:
         self.engine = open_engine(self.config, spec, model_name=self.model_name,
                                   connector=resolved.create(ConnectorContext(spec)),
                                   world_size=self.world_size, worker_id=self.rank,
-                                  block_size=self.block_size)
+                                  block_size=self.block_size,
+                                  record_metrics=False)  # recorded here, in vLLM's terms
         recorder().add_tier_source(self.engine.stats)
         endpoints = LookupEndpoints.from_config(self.config.lookup, self.engine_id,
                                                 self.world_size)
