@@ -44,7 +44,8 @@ def test_an_empty_value_is_a_removed_counted_miss(redis_server: RedisServer,
     server.set(name, b"")
     assert tier.batched_async_contains("l", [key(1), key(2)]) == 0
     assert wait_for(lambda: not server.exists(name)), "the empty value stayed"
-    assert tier.stats()["corrupt_frames"] == 1
+    # counted right after the delete, on the sweep's thread: wait for it too
+    assert wait_for(lambda: tier.stats()["corrupt_frames"] == 1), tier.stats()
     put(tier, [1])
     assert torch.equal(get(tier, 1), chunk(1))
 
