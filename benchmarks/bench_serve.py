@@ -44,7 +44,9 @@ hit ratio as vLLM counts it (``external_prefix_cache``), lmkv's own lookup hit
 ratio (``vllm:lmkv_lookup_hit_tokens_total`` over hit + miss; ``-`` without
 it), preemptions. Then the ratios issue 12 sets targets for. ``--json FILE``
 writes everything; ``--plot FILE.png`` draws each configuration's TTFT
-distribution (needs matplotlib).
+distribution (needs matplotlib; the vLLM venv has none: ``--replot RUN.json
+--plot FILE.png`` draws it afterwards from the ``--json`` file in a venv that
+has it, e.g. .venv).
 """
 
 from __future__ import annotations
@@ -64,9 +66,11 @@ from typing import Any
 
 from lmkv.errors import LMKVError, OneLineArgumentParser, run_reporting_errors
 from lmkv.testing.serve import (
+    ServeStartError,
     VllmServe,
     build_model_dir,
     lmkv_kv_transfer_config,
+    start_error_line,
     start_vllm_serve,
     stop_process,
     vllm_env,
@@ -343,17 +347,6 @@ def plan(config: str, sizing: Sizing, args: Any, tmp: str,
     return None, flags, env
 
 
-def refusal(text: str) -> str:
-    """The one line that says why a server did not start."""
-    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
-    for marker in ("Error:", "error:", "ERROR"):
-        found = [ln for ln in lines if marker in ln and "Traceback" not in ln]
-        if found:
-            line = found[-1]
-            return line[line.find("]") + 1:].strip() if line.startswith("(") else line
-    return lines[-1] if lines else "no output"
-
-
 def run_config(config: str, model_dir: str, sizing: Sizing, args: Any, tmp: str,
                workload: Any) -> Result:
     result = Result(config, DESCRIPTIONS[config])
@@ -376,8 +369,9 @@ def run_config(config: str, model_dir: str, sizing: Sizing, args: Any, tmp: str,
                 args=["--dtype", "float32", "--max-model-len", str(sizing.max_model_len),
                       "--enforce-eager", "--max-num-seqs", str(args.max_num_seqs),
                       "--seed", "0", *flags])
-        except RuntimeError as exc:
-            result.error = refusal(str(exc))
+        except ServeStartError as exc:
+            with open(exc.log_path, errors="replace") as log:
+                result.error = start_error_line(log.read())
             return result
         result.startup_s = time.monotonic() - started
         try:
@@ -521,7 +515,12 @@ def parse_args(argv: list[str] | None) -> Any:
     add("--seed", type=int, default=0)
     add("--json", default=None, help="write the results to this file")
     add("--plot", default=None, help="write a TTFT distribution plot (PNG)")
+    add("--replot", default=None, metavar="JSON",
+        help="only draw --plot from an earlier run's --json (needs no vLLM: any venv "
+             "with matplotlib)")
     args = parser.parse_args(argv)
+    if args.replot and not args.plot:
+        parser.error("--replot: needs --plot FILE.png")
     chosen = [c.strip() for c in args.configs.split(",") if c.strip()]
     unknown = [c for c in chosen if c not in CONFIGS]
     if unknown or not chosen:
@@ -551,7 +550,22 @@ def size(args: Any, longest: int, unique_tokens: int, block_bytes: int) -> Sizin
     return Sizing(block_bytes, unique_tokens, max_len, small, big)
 
 
+def replot(args: Any) -> int:
+    try:
+        with open(args.replot) as f:
+            rows = json.load(f)["results"]
+        results = [Result(r["config"], r["description"], r.get("error"), list(r["ttft_s"]))
+                   for r in rows]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise BenchError(f"--replot {args.replot}: not a bench_serve.py --json file "
+                         f"({exc})") from None
+    plot(results, args.plot)
+    return 0
+
+
 def main(args: Any) -> int:
+    if args.replot:
+        return replot(args)
     from transformers import AutoTokenizer
 
     layers, kv_heads, head_dim = args.layers, max(1, args.hidden // 128), 64

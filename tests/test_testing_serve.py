@@ -91,3 +91,14 @@ def test_lmkv_segments_names_what_a_process_created() -> None:
     finally:
         segment.close()
     assert serve.lmkv_segments([os.getpid()]) == []
+
+
+def test_start_error_line_names_the_root_cause() -> None:
+    log = textwrap.dedent("""\
+        (APIServer pid=1) WARNING 12-01 [system_utils.py:255] errors like `OSError: [Errno 24]`
+        (Worker pid=3) ERROR 12-01 21:18:06 [executor.py:1063] Exception: CPU Offloading no
+        RuntimeError: Engine core initialization failed. See root cause above.
+        """)
+    assert serve.start_error_line(log) == "Exception: CPU Offloading no"
+    assert serve.start_error_line("RuntimeError: Engine core initialization failed.\nbye\n") \
+        == "bye"

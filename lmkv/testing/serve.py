@@ -182,6 +182,30 @@ def stop_process(proc: subprocess.Popen, *, pids: Sequence[int] = (),
 
 # -- vllm serve ---------------------------------------------------------------------------------
 
+class ServeStartError(RuntimeError):
+    """``vllm serve`` exited or did not answer at start; ``log_path`` holds its output."""
+
+    def __init__(self, message: str, log_path: str) -> None:
+        super().__init__(message)
+        self.log_path = log_path
+
+
+# An exception's last traceback line, bare or behind vLLM's "(Proc pid=N) ERROR ... [file:line] ".
+_ERROR_LINE = re.compile(r"^(?:\(.*?\) ERROR .*?\] )?\s*"
+                         r"((?:[A-Z][\w.]*)?(?:Error|Exception)): (.+)")
+
+
+def start_error_line(log_text: str) -> str:
+    """The one line of a failed start's log that says why: its first exception
+    message other than vLLM's "Engine core initialization failed" wrapper."""
+    for line in log_text.splitlines():
+        match = _ERROR_LINE.match(line)
+        if match and "Engine core initialization failed" not in match[2]:
+            return f"{match[1]}: {match[2].strip()}"
+    lines = [line.strip() for line in log_text.splitlines() if line.strip()]
+    return lines[-1] if lines else "no output"
+
+
 @dataclass
 class VllmServe:
     """A running ``vllm serve``: its OpenAI base URL (``url`` + ``/v1``), its
@@ -244,8 +268,8 @@ def start_vllm_serve(model_dir: str, *, log_dir: str | os.PathLike,
     ``/health``. ``kv_transfer_config`` (e.g. :func:`lmkv_kv_transfer_config`)
     goes in as ``--kv-transfer-config JSON``; ``args`` are further flags;
     ``env`` the whole environment (:func:`vllm_env`). The log goes to
-    ``log_dir/<name>-<port>.log``. Raises RuntimeError (with the log's tail)
-    when the server exits or does not answer within ``timeout_s``."""
+    ``log_dir/<name>-<port>.log``. Raises :class:`ServeStartError` (with the
+    log's tail) when the server exits or does not answer within ``timeout_s``."""
     port = free_port()
     command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
                "--host", "127.0.0.1", "--port", str(port), *args]
@@ -262,8 +286,8 @@ def start_vllm_serve(model_dir: str, *, log_dir: str | os.PathLike,
     deadline = time.monotonic() + timeout_s
     while True:
         if proc.poll() is not None:
-            raise RuntimeError(f"vllm serve exited {proc.returncode} at start "
-                               f"(log {log_path}):\n{handle.log_tail()}")
+            raise ServeStartError(f"vllm serve exited {proc.returncode} at start "
+                                  f"(log {log_path}):\n{handle.log_tail()}", log_path)
         try:
             with urllib.request.urlopen(f"{handle.url}/health", timeout=5) as reply:
                 if reply.status == 200:
@@ -272,6 +296,6 @@ def start_vllm_serve(model_dir: str, *, log_dir: str | os.PathLike,
             pass
         if time.monotonic() > deadline:
             handle.stop()
-            raise RuntimeError(f"vllm serve did not answer /health in {timeout_s:.0f} s "
-                               f"(log {log_path}):\n{handle.log_tail()}")
+            raise ServeStartError(f"vllm serve did not answer /health in {timeout_s:.0f} s "
+                                  f"(log {log_path}):\n{handle.log_tail()}", log_path)
         time.sleep(0.5)
