@@ -118,6 +118,7 @@ class Result:
     output_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
     startup_s: float = 0.0
+    left_behind: list[str] = field(default_factory=list)  # a stop that was not clean
 
     def p(self, q: float) -> float:
         if not self.ttft_s:
@@ -139,13 +140,17 @@ class Result:
 
     def ratio(self, hit: str, *rest: str) -> float | None:
         """``hit`` over ``hit + rest`` (or over ``rest[0]`` alone when it is a
-        total), from the metric differences; None when a counter is absent."""
-        if hit not in self.metrics or any(r not in self.metrics for r in rest):
+        total), from the metric differences. A labelled counter appears only once
+        it counted: an absent one is 0 when another of the set is there; None when
+        none is (the server does not export them)."""
+        names = (hit, *rest)
+        if not any(n in self.metrics for n in names):
             return None
-        total = sum(self.metrics[r] for r in rest)
+        value = {n: self.metrics.get(n, 0.0) for n in names}
+        total = sum(value[r] for r in rest)
         if not rest[0].endswith("queries_total"):
-            total += self.metrics[hit]
-        return self.metrics[hit] / total if total else None
+            total += value[hit]
+        return value[hit] / total if total else None
 
 
 # -- the workload -------------------------------------------------------------------------------
@@ -375,7 +380,7 @@ def run_config(config: str, model_dir: str, sizing: Sizing, args: Any, tmp: str,
             return result
         result.startup_s = time.monotonic() - started
         try:
-            warm = asyncio.run(_warm(serve))
+            asyncio.run(_warm(serve))
             before = serve.metrics()
             t0 = time.perf_counter()
             if args.trace:
@@ -385,18 +390,15 @@ def run_config(config: str, model_dir: str, sizing: Sizing, args: Any, tmp: str,
             result.wall_s = time.perf_counter() - t0
             time.sleep(args.metrics_wait)  # vLLM publishes connector stats periodically
             after = serve.metrics()
-            del warm
         finally:
-            problems = serve.stop()
-            if problems:
-                print(f"  {config}: {'; '.join(problems)}", file=sys.stderr)
+            result.left_behind = serve.stop()
         result.ttft_s = [r.ttft_s for r in done]
         result.requests = len(done)
         result.output_tokens = sum(r.output_tokens for r in done)
         result.metrics = {m: after[m] - before.get(m, 0.0) for m in METRICS if m in after}
     finally:
         if server is not None:
-            stop_process(server, what="lmkv server")
+            result.left_behind += stop_process(server, what="lmkv server")
     return result
 
 
@@ -615,6 +617,8 @@ def main(args: Any) -> int:
             print(f"  {'refused: ' + result.error if result.error else 'done'} "
                   f"({result.requests} requests in {result.wall_s:.1f} s; "
                   f"metrics {result.metrics})", flush=True)
+            for problem in result.left_behind:
+                print(f"  not a clean stop: {problem}", flush=True)
     print()
     print(table(results))
     checks = targets(results)
