@@ -52,19 +52,19 @@ has it, e.g. .venv).
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
 import math
 import os
-import random
-import statistics
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
-from lmkv.errors import LMKVError, OneLineArgumentParser, run_reporting_errors
+from _serve_report import Result, _fmt, plot, table, targets
+from _serve_workload import BenchError, Conversations, run_conversations, run_trace, trace_prompts
+
+from lmkv.errors import OneLineArgumentParser, run_reporting_errors
 from lmkv.testing.serve import (
     ServeStartError,
     VllmServe,
@@ -88,212 +88,6 @@ DESCRIPTIONS = {
     "g": "vLLM native offload (OffloadingConnector)",
     "gs": "vLLM native offload (SimpleCPUOffloadConnector)",
 }
-TRACE_BLOCK = 512  # tokens per Mooncake hash id
-
-
-class BenchError(LMKVError):
-    """A bad flag or trace line; one line."""
-
-
-@dataclass
-class Request:
-    """One request of the workload: a user's round (or a trace line)."""
-
-    user: int
-    round: int
-    ttft_s: float = math.nan
-    latency_s: float = math.nan
-    prompt_chars: int = 0
-    output_tokens: int = 0
-
-
-@dataclass
-class Result:
-    config: str
-    description: str
-    error: str | None = None
-    ttft_s: list[float] = field(default_factory=list)
-    wall_s: float = 0.0
-    requests: int = 0
-    output_tokens: int = 0
-    metrics: dict[str, float] = field(default_factory=dict)
-    startup_s: float = 0.0
-    left_behind: list[str] = field(default_factory=list)  # a stop that was not clean
-
-    def p(self, q: float) -> float:
-        if not self.ttft_s:
-            return math.nan
-        ordered = sorted(self.ttft_s)
-        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-    @property
-    def ttft_mean(self) -> float:
-        return statistics.fmean(self.ttft_s) if self.ttft_s else math.nan
-
-    @property
-    def req_per_s(self) -> float:
-        return self.requests / self.wall_s if self.wall_s else math.nan
-
-    @property
-    def tok_per_s(self) -> float:
-        return self.output_tokens / self.wall_s if self.wall_s else math.nan
-
-    def ratio(self, hit: str, *rest: str) -> float | None:
-        """``hit`` over ``hit + rest`` (or over ``rest[0]`` alone when it is a
-        total), from the metric differences. A labelled counter appears only once
-        it counted: an absent one is 0 when another of the set is there; None when
-        none is (the server does not export them)."""
-        names = (hit, *rest)
-        if not any(n in self.metrics for n in names):
-            return None
-        value = {n: self.metrics.get(n, 0.0) for n in names}
-        total = sum(value[r] for r in rest)
-        if not rest[0].endswith("queries_total"):
-            total += value[hit]
-        return value[hit] / total if total else None
-
-
-# -- the workload -------------------------------------------------------------------------------
-
-class Conversations:
-    """Text prompts of ``users`` multi-round conversations sharing one system prompt."""
-
-    def __init__(self, tokenizer: Any, args: Any) -> None:
-        from lmkv.integrations.hf_model import synthetic_text
-        self.tokenizer = tokenizer
-
-        def text(tokens: int, seed: int) -> str:
-            words = max(8, tokens)
-            ids = tokenizer.encode(synthetic_text(words, seed=seed), add_special_tokens=False)
-            return tokenizer.decode(ids[:tokens])
-
-        scale = args.scale
-        self.system = "System: " + text(int(args.system_tokens * scale), 1) + "\n"
-        self.contexts = [f"User {u} document: " + text(int(args.context_tokens * scale), 100 + u)
-                         for u in range(args.users)]
-        self.questions = [[f"\nQuestion {r}: " + text(args.question_tokens, 10_000 + 97 * u + r)
-                           + "\nAnswer:" for r in range(args.rounds)] for u in range(args.users)]
-
-    def tokens(self, text: str) -> int:
-        return len(self.tokenizer.encode(text, add_special_tokens=False))
-
-
-def trace_prompts(path: str, shrink: int, limit: int, max_len: int) -> list[tuple[list[int], int]]:
-    """A Mooncake trace's first ``limit`` lines as (token ids, output tokens):
-    each hash id becomes a block of ``512 // shrink`` token ids seeded by the id."""
-    block = max(1, TRACE_BLOCK // shrink)
-    out: list[tuple[list[int], int]] = []
-    try:
-        with open(path) as f:
-            lines = list(itertools.islice(f, limit))
-    except OSError as exc:
-        raise BenchError(f"--trace {path}: {exc.strerror}") from None
-    for number, line in enumerate(lines, 1):
-        try:
-            record = json.loads(line)
-            hash_ids = [int(h) for h in record["hash_ids"]]
-            length = int(record["input_length"]) // shrink
-            output = max(1, int(record["output_length"]))
-        except (ValueError, KeyError, TypeError):
-            raise BenchError(f"--trace {path}:{number}: not a Mooncake line (needs "
-                             "hash_ids, input_length, output_length)") from None
-        ids: list[int] = []
-        for h in hash_ids:
-            ids += random.Random(h).choices(range(10, 8000), k=block)
-        ids = ids[:max(1, min(length, max_len - output - 1))]
-        out.append((ids, min(output, 64)))
-    if not out:
-        raise BenchError(f"--trace {path}: no requests")
-    return out
-
-
-async def _stream(client: Any, model: str, prompt: Any, max_tokens: int,
-                  request: Request) -> str:
-    start = time.perf_counter()
-    stream = await client.completions.create(
-        model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
-        stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
-    parts: list[str] = []
-    async for chunk in stream:
-        if chunk.choices and math.isnan(request.ttft_s):
-            request.ttft_s = time.perf_counter() - start
-        if chunk.choices:
-            parts.append(chunk.choices[0].text)
-        if chunk.usage is not None:
-            request.output_tokens = chunk.usage.completion_tokens
-    request.latency_s = time.perf_counter() - start
-    return "".join(parts)
-
-
-class Gate:
-    """Starts requests at a fixed concurrency, or at a Poisson rate."""
-
-    def __init__(self, concurrency: int, rate: float | None, seed: int) -> None:
-        self.semaphore = asyncio.Semaphore(concurrency if rate is None else 1 << 30)
-        self.rate = rate
-        self.rng = random.Random(seed)
-        self.next_start = time.perf_counter()
-        self.lock = asyncio.Lock()
-
-    async def __aenter__(self) -> None:
-        await self.semaphore.acquire()
-        if self.rate is not None:
-            async with self.lock:
-                self.next_start = max(self.next_start, time.perf_counter()) + \
-                    self.rng.expovariate(self.rate)
-                delay = self.next_start - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-
-    async def __aexit__(self, *exc: object) -> None:
-        self.semaphore.release()
-
-
-async def run_conversations(serve: VllmServe, conv: Conversations, args: Any) -> list[Request]:
-    import openai
-    client = openai.AsyncOpenAI(base_url=serve.api_base, api_key="unused", timeout=600)
-    gate = Gate(args.concurrency, args.rate, args.seed)
-    done: list[Request] = []
-
-    async def user(u: int) -> None:
-        history = conv.system + conv.contexts[u]
-        for r in range(args.rounds):
-            prompt = history + conv.questions[u][r]
-            request = Request(u, r, prompt_chars=len(prompt))
-            async with gate:
-                answer = await _stream(client, serve.model, prompt, args.answer_tokens, request)
-            done.append(request)
-            history = prompt + answer
-
-    await asyncio.gather(*(user(u) for u in range(args.users)))
-    await client.close()
-    return done
-
-
-async def run_trace(serve: VllmServe, prompts: list[tuple[list[int], int]],
-                    args: Any) -> list[Request]:
-    import openai
-    client = openai.AsyncOpenAI(base_url=serve.api_base, api_key="unused", timeout=600)
-    gate = Gate(args.concurrency, args.rate, args.seed)
-    done: list[Request] = []
-    start_order = asyncio.Lock()  # the trace's order, whatever the gate lets through
-
-    async def one(i: int, ids: list[int], output: int) -> None:
-        request = Request(i, 0, prompt_chars=len(ids))
-        async with gate:
-            await _stream(client, serve.model, ids, output, request)
-        done.append(request)
-
-    tasks = []
-    for i, (ids, output) in enumerate(prompts):
-        async with start_order:
-            tasks.append(asyncio.create_task(one(i, ids, output)))
-            await asyncio.sleep(0)
-    await asyncio.gather(*tasks)
-    await client.close()
-    return done
-
-
 # -- configurations -----------------------------------------------------------------------------
 
 METRICS = ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total",
@@ -411,81 +205,6 @@ async def _warm(serve: VllmServe) -> None:
     await client.close()
 
 
-# -- report -------------------------------------------------------------------------------------
-
-def _fmt(value: float | None, spec: str = ".3f") -> str:
-    return "-" if value is None or (isinstance(value, float) and math.isnan(value)) \
-        else format(value, spec)
-
-
-def table(results: list[Result]) -> str:
-    head = ("| config | TTFT p50 s | p90 s | mean s | req/s | out tok/s | vLLM prefix hit | "
-            "connector hit | lmkv hit | lmkv loaded tok | preemptions |")
-    rows = [head, "|" + "---|" * 11]
-    for r in results:
-        if r.error:
-            rows.append(f"| {r.config} {r.description} | refused: {r.error} |" + " |" * 9)
-            continue
-        m = r.metrics
-        rows.append(
-            f"| {r.config} {r.description} | {_fmt(r.p(0.5))} | {_fmt(r.p(0.9))} | "
-            f"{_fmt(r.ttft_mean)} | {_fmt(r.req_per_s, '.2f')} | {_fmt(r.tok_per_s, '.1f')} | "
-            f"{_fmt(r.ratio('vllm:prefix_cache_hits_total', 'vllm:prefix_cache_queries_total'), '.2f')} | "  # noqa: E501
-            f"{_fmt(r.ratio('vllm:external_prefix_cache_hits_total', 'vllm:external_prefix_cache_queries_total'), '.2f')} | "  # noqa: E501
-            f"{_fmt(r.ratio('vllm:lmkv_lookup_hit_tokens_total', 'vllm:lmkv_lookup_miss_tokens_total'), '.2f')} | "  # noqa: E501
-            f"{_fmt(m.get('vllm:lmkv_loaded_tokens_total'), '.0f')} | "
-            f"{_fmt(m.get('vllm:num_preemptions_total'), '.0f')} |")
-    return "\n".join(rows)
-
-
-def targets(results: list[Result]) -> list[dict[str, Any]]:
-    """Issue 12's targets, each with the measured ratio (None: a side is missing)."""
-    by = {r.config: r for r in results if not r.error and r.ttft_s}
-
-    def ratio(a: str, b: str, attr: str) -> float | None:
-        if a not in by or b not in by:
-            return None
-        x, y = (by[a].p(0.5), by[b].p(0.5)) if attr == "p50" else \
-            (getattr(by[a], attr), getattr(by[b], attr))
-        return x / y if y else None
-
-    out = [("(c)/(a) TTFT p50", ratio("c", "a", "p50"), "<=", 0.3),
-           ("(c)/(b) TTFT p50", ratio("c", "b", "p50"), "<=", 1.5),
-           ("(c)/(a) requests/s", ratio("c", "a", "req_per_s"), ">=", 1.0)]
-    out += [(f"({x})/(c) TTFT p50", ratio(x, "c", "p50"), "<=", 1.3) for x in "def"]
-    for g in ("g", "gs"):
-        out += [(f"(c)/({g}) TTFT p50", ratio("c", g, "p50"), "<=", 1.0),
-                (f"(c)/({g}) TTFT mean", ratio("c", g, "ttft_mean"), "<=", 1.0),
-                (f"(c)/({g}) requests/s", ratio("c", g, "req_per_s"), ">=", 1.0),
-                (f"(c)/({g}) output tok/s", ratio("c", g, "tok_per_s"), ">=", 1.0)]
-    return [{"ratio": name, "value": value, "target": f"{op} {limit}",
-             "met": None if value is None else (value <= limit if op == "<=" else value >= limit)}
-            for name, value, op, limit in out]
-
-
-def plot(results: list[Result], path: str) -> None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise BenchError("--plot needs matplotlib (pip install matplotlib)") from None
-    shown = [r for r in results if r.ttft_s]
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    for r in shown:
-        xs = sorted(r.ttft_s)
-        ax.step([x * 1000 for x in xs], [(i + 1) / len(xs) for i in range(len(xs))],
-                where="post", label=f"({r.config}) {r.description}")
-    ax.set_xscale("log")
-    ax.set_xlabel("time to first token (ms, log)")
-    ax.set_ylabel("fraction of requests")
-    ax.set_title("TTFT distribution per configuration (bench_serve.py)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, loc="lower right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-
-
 # -- main ---------------------------------------------------------------------------------------
 
 def parse_args(argv: list[str] | None) -> Any:
@@ -570,6 +289,9 @@ def main(args: Any) -> int:
         return replot(args)
     from transformers import AutoTokenizer
 
+    trace = None  # read first: a bad trace line fails before anything is built
+    if args.trace:
+        trace = trace_prompts(args.trace, args.trace_shrink, args.trace_requests, 16384)
     layers, kv_heads, head_dim = args.layers, max(1, args.hidden // 128), 64
     block_bytes = layers * 2 * kv_heads * head_dim * BLOCK * 4  # float32 K and V
     with tempfile.TemporaryDirectory(prefix="lmkv-bench-serve-") as tmp:
@@ -578,9 +300,8 @@ def main(args: Any) -> int:
             num_heads=max(1, args.hidden // 64), num_kv_heads=kv_heads, head_dim=head_dim,
             intermediate_size=2 * args.hidden, max_position_embeddings=32768)
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        if args.trace:
-            workload: Any = trace_prompts(args.trace, args.trace_shrink, args.trace_requests,
-                                          16384)
+        if trace is not None:
+            workload: Any = trace
             longest = max(len(ids) for ids, _ in workload)
             blocks: set[int] = set()  # distinct prefix blocks, chained as vLLM keys them
             for ids, _ in workload:
