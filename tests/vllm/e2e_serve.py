@@ -113,6 +113,8 @@ def main() -> int:
         base: list[str] = []
         serve("baseline", None, lambda s: base.extend([complete(s, first), complete(s, second)]))
         print("baseline outputs:", base, flush=True)
+        check(base[0] != base[1], "baseline: the two prompts' answers differ (a wrong prefix "
+                                  "or tail would show)")
 
         def with_lmkv(s: VllmServe) -> None:
             out = [complete(s, first)]
