@@ -83,6 +83,19 @@ def test_stop_reports_a_child_left_running_and_its_exit_code() -> None:
     assert not serve.alive(tree[1])
 
 
+def test_stop_finds_an_orphan_of_its_process_group() -> None:
+    # the middle process exits at once: its child is reparented, out of the tree
+    proc = _python("import subprocess, sys, time\n"
+                   "subprocess.Popen([sys.executable, '-c', 'import subprocess, sys; "
+                   "subprocess.Popen([sys.executable, \"-c\", \"import time; time.sleep(60)\"])']"
+                   ").wait()\n"
+                   "print('ready', flush=True)\ntime.sleep(60)")
+    orphans = [p for p in serve.group_members(proc.pid) if p not in serve.process_tree(proc.pid)]
+    assert len(orphans) == 1
+    problems = serve.stop_process(proc, timeout_s=30, what="p")
+    assert any(f"left process {orphans[0]}" in p for p in problems)
+
+
 def test_lmkv_segments_names_what_a_process_created() -> None:
     segment = SharedSegment.create(4096)
     try:

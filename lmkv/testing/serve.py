@@ -131,6 +131,23 @@ def process_tree(pid: int) -> list[int]:
     return out
 
 
+def group_members(pgid: int) -> list[int]:
+    """Live processes of process group ``pgid`` (a server started in its own
+    session leads one: its children stay in it unless they leave on purpose)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rpartition(")")[2].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            out.append(int(entry))
+    return out
+
+
 def alive(pid: int) -> bool:
     """Whether ``pid`` runs (a zombie does not)."""
     try:
@@ -153,8 +170,9 @@ def lmkv_segments(pids: Sequence[int]) -> list[str]:
 def stop_process(proc: subprocess.Popen, *, pids: Sequence[int] = (),
                  timeout_s: float = 60.0, what: str = "process") -> list[str]:
     """SIGTERM ``proc``, wait for it, and return what it left behind: its exit
-    code if not 0, processes of ``pids`` (taken before the signal) still alive,
-    lmkv shared-memory segments they created. Kills a process that does not
+    code if not 0, processes of ``pids`` (taken before the signal; default: its
+    tree now) or of its process group still alive (killed), lmkv shared-memory
+    segments they created. Kills a process that does not
     end within ``timeout_s`` (and reports it)."""
     pids = list(pids) or process_tree(proc.pid)
     problems: list[str] = []
@@ -168,8 +186,12 @@ def stop_process(proc: subprocess.Popen, *, pids: Sequence[int] = (),
         problems.append(f"{what} ignored SIGTERM for {timeout_s:.0f} s and was killed")
     if rc != 0:
         problems.append(f"{what} exited {rc} after SIGTERM")
+    def leftovers() -> list[int]:
+        return sorted(({p for p in pids if alive(p)} | set(group_members(proc.pid)))
+                      - {proc.pid})
+
     deadline = time.monotonic() + 10  # children exit shortly after their parent
-    while (left := [p for p in pids if p != proc.pid and alive(p)]) and time.monotonic() < deadline:
+    while (left := leftovers()) and time.monotonic() < deadline:
         time.sleep(0.2)
     for pid in left:
         problems.append(f"{what} left process {pid} running")
