@@ -21,7 +21,9 @@ tokens, divided by ``--trace-shrink``; the same id is the same token block;
 third of the working set, at least one longest prompt) cannot hold every
 user's conversation, so users evict each other between their rounds; the big
 one (``--big-blocks``, default the working set and half again) holds it all.
-lmkv's tiers are sized to hold the whole working set.
+lmkv's tiers are sized to hold the whole working set. Every server gets
+``VLLM_CPU_OMP_THREADS_BIND`` (``--cpus``, default every CPU) and a
+``VLLM_CPU_KVCACHE_SPACE`` (GiB) just above its blocks.
 
 **Configurations**, each a fresh ``vllm serve`` (``--configs`` picks some):
 
@@ -46,7 +48,8 @@ it), preemptions. Then the ratios issue 12 sets targets for. ``--json FILE``
 writes everything; ``--plot FILE.png`` draws each configuration's TTFT
 distribution (needs matplotlib; the vLLM venv has none: ``--replot RUN.json
 --plot FILE.png`` draws it afterwards from the ``--json`` file in a venv that
-has it, e.g. .venv).
+has it, e.g. .venv). The workload lives in ``_serve_workload.py``, the
+report in ``_serve_report.py``.
 """
 
 from __future__ import annotations
