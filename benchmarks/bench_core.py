@@ -1,10 +1,12 @@
-"""Core benchmarks of issue 2: cpu tier store/retrieve, prefix hashing, lookup.
+"""Core benchmarks of issue 2: cpu tier store/retrieve, prefix hashing, lookup;
+and the cost of recording metrics on the local engine's lookup, store and retrieve.
 
 Every figure is printed next to a baseline measured in the same run, as a
 ratio (the machine is shared and noisy; compare ratios, not absolute times).
 
     python benchmarks/bench_core.py            # all
     python benchmarks/bench_core.py --quick    # fewer rounds
+    python benchmarks/bench_core.py --only metrics   # just the metrics cost
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import statistics
+from typing import Any
 
 import numpy as np
 import torch
@@ -125,16 +128,68 @@ def bench_lookup(rounds: int) -> None:
     tier.close()
 
 
+def bench_metrics(rounds: int) -> None:
+    """The local engine with metrics recorded (the default) and without
+    (``record_metrics=False``, as under vLLM), sampled in turn so both see the
+    same machine. A small model (2 layers, 2 KV heads of 64): the KV copies are
+    short, so a fixed cost per call shows more than it would at a real model's size."""
+    from lmkv.engines import open_engine
+    from lmkv.gpu import KVSpec
+
+    chunk, n_chunks = 256, 16  # a 4096-token prompt
+    spec = KVSpec(num_layers=2, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16)
+    config = load_config(env={}, overrides={"lmkv.chunk_size": chunk})
+    tokens = list(range(chunk * n_chunks))
+    kv = [(torch.randn(1, 2, len(tokens), 64).to(torch.bfloat16),
+           torch.randn(1, 2, len(tokens), 64).to(torch.bfloat16)) for _ in range(2)]
+    engines = {flag: open_engine(config, spec, model_name="bench", record_metrics=flag)
+               for flag in (False, True)}
+    for engine in engines.values():
+        engine.store(tokens, kv=kv)
+
+    def clear(engine: Any) -> None:
+        for tier in engine.storage.tiers:
+            tier.clear()
+
+    ops = {
+        "lookup": (lambda e: e.lookup(tokens), None),
+        "retrieve": (lambda e: e.retrieve(tokens), None),
+        "store": (lambda e: e.store(tokens, kv=kv), clear),
+    }
+    print(f"\n[engine metrics] local engine, {n_chunks} chunks of {chunk} tokens; "
+          "median per call, metrics recorded vs not (ratio: off/on, 1 = free)")
+    for name, (op, setup) in ops.items():
+        samples: dict[bool, list[float]] = {False: [], True: []}
+        for i in range(rounds * 60):
+            for flag in (False, True) if i % 2 else (True, False):  # neither always first
+                engine = engines[flag]
+                samples[flag].append(best_of(
+                    lambda e=engine, f=op: f(e), 1, warm_up=False,
+                    setup=(lambda e=engine, f=setup: f(e)) if setup else None))
+        off, on = statistics.median(samples[False]), statistics.median(samples[True])
+        print(f"  {name:9s}: off {off * 1e6:8.1f} us  on {on * 1e6:8.1f} us  "
+              f"ratio {off / on:.3f}")
+    for engine in engines.values():
+        engine.close()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer rounds")
+    parser.add_argument("--only", choices=("tier", "hash", "lookup", "metrics"),
+                        help="run one section")
     args = parser.parse_args()
     rounds = 3 if args.quick else 7
     torch.set_num_threads(1)  # copies are memory-bound; one thread is the fair baseline
-    bench_tier("Llama-3-8B-shaped", (32, 2, 256, 8, 128), 16, rounds)
-    bench_tier("small model", (2, 2, 256, 2, 64), 2048, rounds)
-    bench_hash(1 << 20, 256, rounds)
-    bench_lookup(rounds)
+    if args.only in (None, "tier"):
+        bench_tier("Llama-3-8B-shaped", (32, 2, 256, 8, 128), 16, rounds)
+        bench_tier("small model", (2, 2, 256, 2, 64), 2048, rounds)
+    if args.only in (None, "hash"):
+        bench_hash(1 << 20, 256, rounds)
+    if args.only in (None, "lookup"):
+        bench_lookup(rounds)
+    if args.only in (None, "metrics"):
+        bench_metrics(rounds)
 
 
 if __name__ == "__main__":

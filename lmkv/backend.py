@@ -318,7 +318,9 @@ class StorageBackend(Plugin, ABC):
     def stats(self) -> dict[str, int | None]:
         """Counters (``TierCounters``), usage and capacity; backends may add their own."""
         return {**self.counters.as_dict(), "usage_bytes": self.usage_bytes,
-                "capacity_bytes": self.capacity_bytes}
+                "capacity_bytes": self.capacity_bytes,
+                # 0 while the breaker is open (the tier answers misses): /health reads it
+                "available": int(not self.faults.breaker.is_open)}
 
     def close(self) -> None:
         """Release resources; must return promptly even when a remote is unreachable."""

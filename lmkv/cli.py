@@ -1,4 +1,5 @@
-"""The ``lmkv`` command: plugins, config check, stats, server, keygen, replay and the demo."""
+"""The ``lmkv`` command: plugins, config check, stats, server, keygen, replay, migrate
+and the demo."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import argparse
 import json
 import logging
 import sys
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -65,40 +67,77 @@ def _cmd_config_check(args: argparse.Namespace) -> int:
 
 def _cmd_stats(args: argparse.Namespace) -> int:
     from lmkv.config import load_config
-    from lmkv.stats import format_tier_stats
 
     config = load_config(args.config)
     address = args.server or config.server.address
-    check_server_address(address, "--server" if args.server else "server.address")
-    reply = _live_stats(address, config)
-    if reply is None:
-        # A fresh copy of the tiers would show every memory tier empty: say so in
-        # one line, then show what a fresh open does see (fs and redis keep entries).
-        # Said once the tiers opened: when one cannot, its error is the one line.
-        tiers = _fresh_tier_stats(config)
-        print(f"lmkv stats: no lmkv server answers at {address}: nothing live to show; "
-              "the figures below are of the config's tiers opened now (memory tiers "
-              "start empty); give --server ADDRESS for a running server",
-              file=sys.stderr)
-        server: dict[str, object] | None = None
-    else:
-        import msgspec
+    if not (args.server and address.startswith(("http://", "https://"))):
+        check_server_address(address, "--server" if args.server else "server.address",
+                             ", or http://HOST:PORT (a metrics endpoint)" if args.server
+                             else "")
+    if args.watch is None:
+        return _show_stats(address, config, args.json, fallback=True)
+    try:
+        _show_stats(address, config, args.json, fallback=False)  # unreachable: one line
+        while True:
+            time.sleep(args.watch)
+            print(f"--- {time.strftime('%H:%M:%S')}", flush=True)
+            try:
+                _show_stats(address, config, args.json, fallback=False)
+            except LMKVError as exc:  # gone meanwhile: say so, keep watching
+                print(f"lmkv stats: {exc}", file=sys.stderr, flush=True)
+    except KeyboardInterrupt:
+        return 0
 
-        tiers, server = reply.tiers, msgspec.to_builtins(reply.server)
-    if args.json:
-        print(json.dumps({"server": address, "live": reply is not None,
-                          "server_stats": server, "tiers": tiers}, indent=2, default=str))
+
+def _show_stats(address: str, config: LMKVConfig, as_json: bool, *, fallback: bool) -> int:
+    """One reading: the server's RPC stats (tiers, server counters, its recorded
+    figures), or an http(s) metrics endpoint scraped. ``fallback``: when no server
+    answers, say so and show the config's tiers opened now; else LMKVError."""
+    from lmkv.stats import format_figures, format_tier_stats
+
+    figures: dict[str, object] = {}
+    server: dict[str, object] | None = None
+    live = True
+    if address.startswith(("http://", "https://")):
+        from lmkv.metrics.scrape import scrape
+
+        figures, tiers = scrape(address, config.server.timeout_ms / 1e3 + 5.0)
+    else:
+        reply = _live_stats(address, config)
+        if reply is None and not fallback:
+            raise LMKVError(f"no lmkv server answers at {address}")
+        if reply is None:
+            # A fresh copy of the tiers would show every memory tier empty: say so in
+            # one line, then show what a fresh open does see (fs and redis keep entries).
+            # Said once the tiers opened: when one cannot, its error is the one line.
+            tiers = _fresh_tier_stats(config)
+            print(f"lmkv stats: no lmkv server answers at {address}: nothing live to show; "
+                  "the figures below are of the config's tiers opened now (memory tiers "
+                  "start empty); give --server ADDRESS for a running server",
+                  file=sys.stderr)
+            live = False
+        else:
+            import msgspec
+
+            tiers, server = reply.tiers, msgspec.to_builtins(reply.server)
+            figures = reply.metrics
+    if as_json:
+        print(json.dumps({"server": address, "live": live, "server_stats": server,
+                          "metrics": figures, "tiers": tiers}, indent=2, default=str),
+              flush=True)
         return 0
     if server is not None:
         print(f"server {address}: " + ", ".join(f"{k}={v}" for k, v in server.items()))
-    print("\n".join(format_tier_stats(tiers, indent="")))
+    if figures:
+        print("\n".join(format_figures(figures)))
+    print("\n".join(format_tier_stats(tiers, indent="")), flush=True)
     return 0
 
 
 SERVER_ADDRESS_FORMS = "tcp://HOST:PORT (port 1-65535), HOST:PORT or ipc://PATH"
 
 
-def check_server_address(address: str, where: str) -> None:
+def check_server_address(address: str, where: str, more_forms: str = "") -> None:
     """ConfigError naming ``where`` unless ``address`` is one a client can connect to:
     zmq would raise a bare "Invalid argument" from deep inside the client."""
     from urllib.parse import urlsplit
@@ -119,7 +158,8 @@ def check_server_address(address: str, where: str) -> None:
     else:
         problem = f"has scheme {scheme!r}"
     if problem:
-        raise LMKVError(f"{where} = {address!r} {problem}; allowed: {SERVER_ADDRESS_FORMS}")
+        raise LMKVError(f"{where} = {address!r} {problem}; allowed: {SERVER_ADDRESS_FORMS}"
+                        f"{more_forms}")
 
 
 def _live_stats(address: str, config: LMKVConfig) -> StatsReply | None:
@@ -165,6 +205,17 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(args)
 
 
+def _watch_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0.1 <= value <= 86400:  # nan too
+        raise argparse.ArgumentTypeError(f"{text!r}: must be a number of seconds from 0.1 "
+                                          "to 86400")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineArgumentParser(prog="lmkv", description="lmkv: a tiered KV-cache layer")
     parser.add_argument("--version", action="version", version=f"lmkv {__version__}")
@@ -184,14 +235,21 @@ def build_parser() -> argparse.ArgumentParser:
     check.set_defaults(func=_cmd_config_check)
 
     stats = sub.add_parser(
-        "stats", help="live figures of a running lmkv server's tiers",
-        description="Ask the lmkv server at ADDRESS for the live figures of its tiers. "
-                    "When none answers, say so in one line (stderr) and show the "
-                    "config's tiers opened now (memory tiers start empty).")
+        "stats", help="live figures of a running lmkv server (or a metrics endpoint)",
+        description="Ask the lmkv server at ADDRESS for its live figures: lookups, loads, "
+                    "stores, latencies and its tiers. An http://HOST:PORT address reads a "
+                    "metrics endpoint instead (lmkv server --metrics-port, metrics.port). "
+                    "When no server answers, say so in one line (stderr) and show the "
+                    "config's tiers opened now (memory tiers start empty); with --watch, "
+                    "one line and exit 2.")
     stats.add_argument("--config", help="config file (default: LMKV_CONFIG / defaults)")
     stats.add_argument("--server", metavar="ADDRESS",
-                       help="the lmkv server to ask (default: the config's server.address)")
+                       help="the lmkv server to ask (default: the config's server.address), "
+                            "or http://HOST:PORT, a metrics endpoint")
     stats.add_argument("--json", action="store_true", help="machine-readable output")
+    stats.add_argument("--watch", type=_watch_seconds, metavar="SECONDS",
+                       help="show the figures again every SECONDS until Ctrl-C (a server "
+                            "that stops answering is said in one line; watching goes on)")
     stats.set_defaults(func=_cmd_stats)
 
     keygen = sub.add_parser(
@@ -218,6 +276,17 @@ def build_parser() -> argparse.ArgumentParser:
                                            "policy and capacity against the optimum")
     add_replay_arguments(replay)
     replay.set_defaults(func=run_replay)
+
+    from lmkv.migrate import add_migrate_arguments, run_migrate
+
+    migrate = sub.add_parser(
+        "migrate", help="print the lmkv config equivalent to an LMCache config",
+        description="Read LMCache's YAML config FILE and the LMCACHE_* variables (they "
+                    "win, as in LMCache) and print the equivalent lmkv config as YAML. "
+                    "Each option that does not carry over is one line on stderr, naming "
+                    "it and why. See docs/vllm.md.")
+    add_migrate_arguments(migrate)
+    migrate.set_defaults(func=run_migrate)
 
     from lmkv.demo import add_demo_arguments
 

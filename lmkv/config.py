@@ -155,6 +155,15 @@ class ServerConnection(_Model):
     curve: CurveConfig | None = None
 
 
+class MetricsConfig(_Model):
+    """The Prometheus endpoint of a process that opens an engine (docs/metrics.md)."""
+
+    # None: no endpoint. Worker r of a vLLM instance serves port + r.
+    port: Annotated[int, Field(strict=True, ge=0, lt=65536)] | None = None
+    # Closed by default: loopback unless another address is given here.
+    host: str = Field(default="127.0.0.1", min_length=1)
+
+
 class LMKVConfig(_Model):
     """Every key is documented in docs/configuration.md."""
 
@@ -170,7 +179,10 @@ class LMKVConfig(_Model):
     lookup: LookupConfig = Field(default_factory=LookupConfig)
     mode: Literal["in_process", "server"] = "in_process"
     async_load: bool = False
+    # vLLM connector: store the KV of generated tokens too (docs/vllm.md).
+    store_decode: bool = False
     server: ServerConnection = Field(default_factory=ServerConnection)
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     lazy_offload: bool = False
     lazy_offload_policy: PluginRef = Field(default_factory=lambda: PluginRef(type="FIFO"))
     lazy_offload_threshold: PositiveInt = 100

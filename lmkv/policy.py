@@ -101,6 +101,9 @@ class EvictionPolicy(Plugin, ABC):
     #: Whether ``on_insert`` takes the parent (set per subclass; a policy written
     #: before policies learned parents has ``on_insert(key)`` and still works).
     _insert_takes_parent: bool = True
+    #: Told ``(key, True)`` when the tier stores a key, ``(key, False)`` when one
+    #: leaves it (``watch``); None, the default, costs one attribute test.
+    _watcher: Callable[[Hashable, bool], None] | None = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -147,6 +150,8 @@ class EvictionPolicy(Plugin, ABC):
             self.on_insert(key, parent)
         else:
             self.on_insert(key)  # type: ignore[call-arg]
+        if self._watcher is not None:
+            self._watcher(key, True)
 
     @final
     def access(self, key: Hashable) -> None:
@@ -172,6 +177,17 @@ class EvictionPolicy(Plugin, ABC):
         self.on_remove(key)
         if not left and parent in parents:
             self.on_leaf(parent)  # its last stored extension left: a candidate again
+        if self._watcher is not None:
+            self._watcher(key, False)
+
+    @final
+    def watch(self, watcher: Callable[[Hashable, bool], None] | None) -> None:
+        """Tell ``watcher`` of every key the tier stores (``(key, True)``) or drops,
+        evicted or removed (``(key, False)``); None stops it. Every tier that evicts
+        stores and drops through its policy, so this sees exactly its contents.
+        ``watcher`` runs under the tier's lock, on whichever thread changed the
+        tier: it must be quick and never call into the tier (queue and return)."""
+        self._watcher = watcher
 
     @final
     def candidates(self) -> Iterator[Hashable]:

@@ -10,9 +10,10 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -467,6 +468,24 @@ class StorageManager:
             first.faults.last_resort("promote", exc, "not promoted")
 
     # -- the rest --------------------------------------------------------------
+    def watch(self, listener: Callable[[int, CacheKey, bool], None] | None) -> list[int]:
+        """Tell ``listener`` ``(tier index, key, stored)`` for every chunk a tier stores
+        (True) or drops, evicted or removed (False); None stops it. Tiers are heard
+        through their eviction policy: those that store through it (cpu, fs) are
+        heard exactly, one that ignores its policy (a remote store that evicts by
+        itself) is silent. Returns the indexes of the tiers with a policy. The
+        listener runs under the tier's lock on the thread that changed the tier
+        (a store, a write-through, a promotion): it must queue and return
+        (``EvictionPolicy.watch``). Nothing is called, and nothing costs more than
+        a test, while nobody watches."""
+        watched = []
+        for i, tier in enumerate(self.tiers):
+            policy = tier.context.eviction_policy
+            if policy is not None:
+                policy.watch(None if listener is None else functools.partial(listener, i))
+                watched.append(i)
+        return watched
+
     def stats(self) -> list[dict[str, Any]]:
         out = []
         for i, tier in enumerate(self.tiers):

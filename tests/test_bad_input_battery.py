@@ -48,7 +48,7 @@ for case in json.load(sys.stdin):
     if pid == 0:
         os.dup2(out.fileno(), 1)
         os.dup2(err.fileno(), 2)
-        for name in [n for n in os.environ if n.startswith("LMKV_")]:
+        for name in [n for n in os.environ if n.startswith(("LMKV_", "LMCACHE_"))]:
             del os.environ[name]
         os.environ.update(case["env"])
         if any(n in case["env"] for n in ("LMKV_LOAD_PLUGINS", "LMKV_DISABLE_PLUGINS")):
@@ -115,6 +115,13 @@ def env(variables: dict[str, str], *, expect: list[str], id: str, text: str | No
                      files={"cpu.yaml": "chunk_size: 256\n"}, env=variables,
                      expect=expect, id=id, xfail=xfail)
     return cfg(text, env=variables, expect=expect, id=id, xfail=xfail)
+
+
+def lmcache(text: str | bytes, *, expect: list[str], id: str,
+            env: dict[str, str] | None = None) -> Case:
+    """``lmkv migrate {dir}/l.yaml`` on the LMCache config ``text``."""
+    return check("migrate {dir}/l.yaml", files={"l.yaml": text}, env=env, expect=expect,
+                 id=id)
 
 
 def replay(trace: str | bytes, *, expect: list[str], id: str, args: str = "",
@@ -392,6 +399,23 @@ CASES: list[Case] = [
     check(["server", "--host", "not a host", "--port", "0"],
           expect=["--host not a host", "not loopback"], id="server-host-garbage"),
     check(["server", "--host", "", "--port", "0"], expect=["--host"], id="server-host-empty"),
+    check("server --metrics-port 70000", expect=["--metrics-port", "0-65535"],
+          id="server-metrics-port-too-big"),
+    check("server --metrics-port nine", expect=["--metrics-port", "0-65535"],
+          id="server-metrics-port-a-word"),
+    check("server --socket {dir}/s.sock --metrics-host 127.0.0.1",
+          expect=["--metrics-host needs --metrics-port"], id="server-metrics-host-alone"),
+    check("stats --watch 0", expect=["--watch", "0.1"], id="stats-watch-zero"),
+    check("stats --watch soon", expect=["--watch", "seconds"], id="stats-watch-a-word"),
+    check("stats --server http://127.0.0.1:1", expect=["no lmkv metrics endpoint answers",
+                                                       "127.0.0.1:1/metrics"],
+          id="stats-metrics-endpoint-unreachable"),
+    cfg("metrics: {port: 70000}\n", expect=["'metrics.port'", "less than 65536"],
+        id="metrics-port-too-big"),
+    cfg("metrics: {port: '9100'}\n", expect=["'metrics.port'", "integer"],
+        id="metrics-port-a-string"),
+    cfg("metrics: {prt: 9100}\n", expect=["'metrics.prt'", "did you mean 'port'"],
+        id="metrics-key-typo"),
     check("keygen --dir {dir}/f", files={"f": "x"}, expect=["cannot write", "Not a directory"],
           id="keygen-dir-is-a-file"),
     check("keygen --dir {dir} --name ../escape", expect=["key name '../escape'", "letters"],
@@ -489,7 +513,8 @@ CASES: list[Case] = [
           expect=["missing.key_secret"], id="server-missing-secret-key"),
     check("stats --server nonsense", expect=["--server = 'nonsense'", "tcp://HOST:PORT"],
           id="stats-bad-address"),
-    check("stats --server http://h:1", expect=["--server", "scheme 'http'"],
+    check("stats --server ftp://h:1", expect=["--server", "scheme 'ftp'",
+                                               "http://HOST:PORT (a metrics endpoint)"],
           id="stats-bad-scheme"),
     cfg("server: {address: 'nowhere'}\n", command="stats",
         expect=["server.address = 'nowhere'", "tcp://HOST:PORT"], id="stats-bad-config-address"),
@@ -554,6 +579,27 @@ CASES: list[Case] = [
            files={"c.yaml": "tiers: [{type: cpuu}]\n"},
            expect=["tiers.0.type = 'cpuu'", "unknown storage backend"],
            id="replay-bad-config"),
+    # -- lmkv migrate: an LMCache config ---------------------------------------------
+    check("migrate {dir}/none.yaml", expect=["none.yaml", "cannot read it", "No such file"],
+          id="migrate-missing-file"),
+    check("migrate {dir}/a.yaml {dir}/b.yaml", expect=["unrecognized arguments"],
+          id="migrate-two-files"),
+    lmcache("chunk_size: [256\n", expect=["l.yaml", "not valid YAML"],
+            id="migrate-bad-yaml"),
+    lmcache("- chunk_size\n", expect=["l.yaml", "top level must be a mapping"],
+            id="migrate-yaml-list"),
+    lmcache("chunk_size: lots\n", expect=["LMCache option 'chunk_size' (from",
+                                          "= 'lots'", "must be a positive integer"],
+            id="migrate-count-words"),
+    lmcache("max_local_cpu_size: [5]\n", expect=["'max_local_cpu_size'", "number of GB"],
+            id="migrate-size-a-list"),
+    lmcache("local_disk: 5\n", expect=["'local_disk'", "non-empty text"],
+            id="migrate-path-a-number"),
+    lmcache("chunk_size: 256\n", env={"LMCACHE_ENABLE_ASYNC_LOADING": "maybe"},
+            expect=["LMCACHE_ENABLE_ASYNC_LOADING = 'maybe'", "true or false"],
+            id="migrate-env-bool-maybe"),
+    check("migrate", env={"LMCACHE_CONFIG_FILE": "{dir}/gone.yaml"},
+          expect=["gone.yaml", "cannot read it"], id="migrate-config-file-env-missing"),
 ]
 
 

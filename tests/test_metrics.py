@@ -104,3 +104,27 @@ def test_counts_from_many_threads_add_up() -> None:
 
 def test_catalog_lookup_by_name() -> None:
     assert BY_NAME["tier_usage_bytes"].labels == ("tier", "type")
+
+
+def test_what_a_lookup_load_and_store_record_are_catalog_names_of_their_kind() -> None:
+    import time
+
+    from lmkv.metrics import recorder
+    from lmkv.metrics.record import record_load, record_lookup, record_store
+
+    before = recorder().totals()
+    record_lookup(512, 256, time.perf_counter())
+    record_load(256, 1024, time.perf_counter())
+    record_store(128, 512, time.perf_counter())
+    after = recorder().totals()
+    grown = {n for n, v in after.counters.items() if v != before.counters.get(n, 0)}
+    assert grown == {"lookups_total", "lookup_hit_tokens_total", "lookup_miss_tokens_total",
+                     "loads_total", "loaded_tokens_total", "load_bytes_total",
+                     "stores_total", "stored_tokens_total", "store_bytes_total"}
+    assert all(BY_NAME[n].kind == "counter" for n in grown)
+    assert after.counters["lookup_miss_tokens_total"] - before.counters.get(
+        "lookup_miss_tokens_total", 0) == 256
+    for name in ("lookup_seconds", "load_seconds", "store_seconds"):
+        assert BY_NAME[name].kind == "histogram"
+        had = before.histograms.get(name)
+        assert after.histograms[name].count == (had.count if had else 0) + 1

@@ -241,3 +241,31 @@ def test_an_allocation_larger_than_the_leaves_evicts_in_passes() -> None:
     assert [tier.contains(k) for k in keys] == [True, True, False, False]
     big.ref_down()
     tier.close()
+
+
+def test_watch_hears_every_chunk_a_tier_stores_and_drops_and_stops_when_told() -> None:
+    """The listener hears stores, evictions and removals with the tier's index; a
+    tier without a policy is not watched; None stops it (nothing heard after)."""
+    chunk = 4 * 2 * 2 * 8 * 2 * 8
+    tier = cpu(2 * chunk)
+    bare = cpu()
+    bare.context = BackendContext()  # no policy: cannot be watched
+    manager = StorageManager([tier, bare])
+    heard: list[tuple[int, CacheKey, bool]] = []
+    assert manager.watch(lambda i, k, stored: heard.append((i, k, stored))) == [0]
+    keys = [key(i) for i in range(3)]
+    for k in keys:  # the third store evicts the first (a leaf: no parents here)
+        objs = _chunks(manager, [0])
+        manager.put([k], objs, [None]).result()
+        objs[0].ref_down()
+    manager.flush()
+    tier.remove(keys[2])
+    assert [(i, k, s) for i, k, s in heard if i == 0] == [
+        (0, keys[0], True), (0, keys[1], True), (0, keys[0], False), (0, keys[2], True),
+        (0, keys[2], False)]
+    manager.watch(None)
+    objs = _chunks(manager, [0])
+    manager.put([key(7)], objs, [None]).result()
+    objs[0].ref_down()
+    assert len(heard) == 5
+    manager.close()

@@ -11,12 +11,18 @@ cache salt, multimodal inputs, prompt embeddings): the same tokens under
 another identity are other chunks. Every chunk a retrieve gets is checked
 against the engine's KV spec (shape and dtype) before the connector sees it;
 a chunk that does not fit ends the hit there (``counters.spec_mismatches``).
+
+With ``record_metrics`` (the default) every lookup, retrieve and store is
+recorded into the process's recorder (``lmkv.metrics``) and the engine's tiers
+are a tier source; the vLLM connector opens its engine without it, since it
+records the same figures in vLLM's terms.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Any
@@ -28,6 +34,8 @@ from lmkv.engines.protocol import EngineCounters, RetrieveResult
 from lmkv.gpu import ChunkSpan, GPUConnector, KVSpec
 from lmkv.logutil import RateLimitedLog
 from lmkv.memory import MemoryObj, release
+from lmkv.metrics import recorder
+from lmkv.metrics.record import record_load, record_lookup, record_store
 from lmkv.storage import Partials, StorageManager, chain_parents
 from lmkv.tokens import CacheKey, ChunkKeys, Identity, KeyMeta
 
@@ -38,8 +46,8 @@ _store_log = RateLimitedLog(logger)
 class LocalEngine:
     def __init__(self, config: LMKVConfig, spec: KVSpec, *, model_name: str,
                  connector: GPUConnector, storage: StorageManager,
-                 world_size: int = 1, worker_id: int = 0, block_size: int | None = None
-                 ) -> None:
+                 world_size: int = 1, worker_id: int = 0, block_size: int | None = None,
+                 record_metrics: bool = True) -> None:
         self.config = config
         self.spec = spec
         self.connector = connector
@@ -48,6 +56,9 @@ class LocalEngine:
                                       worker_id, block_size)
         self.counters = EngineCounters()
         storage.set_chunk_bytes(spec.chunk_nbytes(config.chunk_size))
+        self.record_metrics = record_metrics
+        if record_metrics:
+            recorder().add_tier_source(self.stats)
 
     @property
     def block_size(self) -> int | None:
@@ -62,14 +73,18 @@ class LocalEngine:
               **kv: Any) -> int:
         """Store the KV of ``tokens``' chunks that the first tier does not hold yet (lower
         tiers are never asked: a slow one must not stall a store); returns tokens stored."""
+        start = time.perf_counter()
         chunks = self.chunker.chunk(tokens, identity=identity)
         # Pin the stored prefix while this store allocates: its own allocations
         # must not evict the chunks it builds on.
         pinned = self.storage.pin_prefix(chunks.keys)
         try:
-            return self._store_after(chunks, sum(len(ks) for _, ks in pinned), kv)
+            stored = self._store_after(chunks, sum(len(ks) for _, ks in pinned), kv)
         finally:
             self.storage.unpin(pinned)
+        if self.record_metrics and stored:
+            record_store(stored, self.spec.chunk_nbytes(stored), start)
+        return stored
 
     def _store_after(self, chunks: ChunkKeys, first: int, kv: dict[str, Any]) -> int:
         spans: list[ChunkSpan] = []
@@ -99,6 +114,7 @@ class LocalEngine:
 
     def lookup(self, tokens: Sequence[int] | Any, *, identity: Identity | None = None) -> int:
         """Length in tokens of the longest stored prefix of ``tokens``."""
+        start = time.perf_counter()
         chunks = self.chunker.chunk(tokens, identity=identity)
         hits = self.storage.contains_prefix(chunks.keys)
         if hits and chunks.ends[hits - 1] - chunks.starts[hits - 1] < self.chunker.chunk_size:
@@ -113,6 +129,8 @@ class LocalEngine:
         if tail is not None:
             release([tail[1]])
             hit += tail[2]
+        if self.record_metrics:
+            record_lookup(len(tokens), hit, start)
         return hit
 
     def _partials(self, chunks: ChunkKeys) -> Partials | None:
@@ -168,6 +186,14 @@ class LocalEngine:
         upper tier's copy overlaps a lower tier's read. Otherwise the connector
         builds the KV once every chunk is in (``RetrieveResult.kv``).
         """
+        start = time.perf_counter()
+        result = self._retrieve(tokens, lookup_id, identity, kv)
+        if self.record_metrics and result.num_tokens:
+            record_load(result.num_tokens, self.spec.chunk_nbytes(result.num_tokens), start)
+        return result
+
+    def _retrieve(self, tokens: Sequence[int] | Any, lookup_id: str | None,
+                  identity: Identity | None, kv: dict[str, Any]) -> RetrieveResult:
         chunks = self.chunker.chunk(tokens, identity=identity)
         objs = self.storage.take_prefetched(lookup_id, chunks.keys) if lookup_id else None
         if objs is None and self.connector.writes_in_place:

@@ -76,6 +76,9 @@ CATALOG: tuple[Metric, ...] = (
           "Entries a tier found corrupt or not the chunk asked for (miss, removed)."),
     _tier("tier_bytes_in_total", "counter", "Bytes written into a tier."),
     _tier("tier_bytes_out_total", "counter", "Bytes read out of a tier."),
+    _tier("tier_available", "gauge",
+          "1 while a tier answers, 0 while its circuit breaker is open and it serves "
+          "misses (inside vLLM: summed over the workers)."),
 )
 
 BY_NAME = {m.name: m for m in CATALOG}
@@ -87,4 +90,5 @@ TIER_SOURCES = {
     "tier_evictions_total": "evictions", "tier_errors_total": "errors",
     "tier_dropped_writes_total": "dropped_writes", "tier_corrupt_frames_total": "corrupt_frames",
     "tier_bytes_in_total": "bytes_in", "tier_bytes_out_total": "bytes_out",
+    "tier_available": "available",
 }

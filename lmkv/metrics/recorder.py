@@ -45,6 +45,13 @@ class Totals:
     histograms: dict[str, Histogram]
     tiers: TierStats
 
+    def plain(self) -> dict[str, Any]:
+        """Counters, gauges and histograms (count, sum, per-bucket counts) as plain
+        data, tiers left out (``lmkv stats`` shows them on their own)."""
+        return {"counters": dict(self.counters), "gauges": dict(self.gauges),
+                "histograms": {n: {"count": h.count, "sum": h.sum, "counts": list(h.counts)}
+                               for n, h in self.histograms.items()}}
+
 
 class Recorder:
     def __init__(self, *, max_samples: int = 4096, tier_interval_s: float = 1.0) -> None:
@@ -80,6 +87,27 @@ class Recorder:
             hist.sum += seconds
             hist.count += 1
             samples = self._samples.setdefault(name, [])
+            if len(samples) < self._max_samples:
+                samples.append(seconds)
+
+    def record(self, counters: tuple[tuple[str, float], ...], histogram: str,
+               seconds: float) -> None:
+        """Several counters and one latency sample of one operation, under one lock:
+        a lookup, load or store (``lmkv.metrics.record``, whose names are the
+        catalog's; unchecked here, since this runs once per request)."""
+        with self._lock:
+            totals = self._counters
+            for name, value in counters:
+                totals[name] = totals.get(name, 0) + value
+            hist = self._hists.get(histogram)
+            if hist is None:
+                hist = self._hists[histogram] = Histogram()
+            hist.counts[bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1
+            hist.sum += seconds
+            hist.count += 1
+            samples = self._samples.get(histogram)
+            if samples is None:
+                samples = self._samples[histogram] = []
             if len(samples) < self._max_samples:
                 samples.append(seconds)
 

@@ -293,6 +293,9 @@ class ServerStats(msgspec.Struct, kw_only=True):
 class StatsReply(Reply, tag="stats_reply", kw_only=True):
     server: ServerStats
     tiers: list[dict[str, Any]]
+    # The server's recorded figures (lmkv.metrics): counters, gauges, histograms
+    # (count, sum); empty from a server that predates them.
+    metrics: dict[str, Any] = msgspec.field(default_factory=dict)
 
 
 class ErrorReply(Reply, tag="error", kw_only=True):

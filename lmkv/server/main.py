@@ -108,6 +108,13 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS,
                         default=argparse.SUPPRESS,
                         help="logging level (default INFO; env LMKV_LOG_LEVEL)")
+    parser.add_argument("--metrics-port", type=_port, metavar="PORT",
+                        help="serve Prometheus metrics (/metrics: lmkv_*) and /health over "
+                             "HTTP on this port (docs/metrics.md); default: none")
+    parser.add_argument("--metrics-host", metavar="ADDRESS",
+                        help="address of the metrics endpoint (default 127.0.0.1; anything "
+                             "else only when given here: the figures carry no KV, but say "
+                             "what is cached how much)")
     parser.add_argument("--insecure", action="store_true",
                         help="serve a non-loopback address without CURVE: anyone who reaches "
                              "the port can read and plant KV (warned at each start)")
@@ -198,14 +205,38 @@ def access_line(endpoint: str, curve: CurveKeys | None) -> str:
             "connect (docs/security.md)")
 
 
+def start_metrics(args: argparse.Namespace) -> None:
+    """The Prometheus endpoint of --metrics-port (before the tiers open: a port in
+    use costs nothing); its tiers are added once they are open."""
+    from lmkv.server.server import ServerError
+
+    host = getattr(args, "metrics_host", None)
+    port = getattr(args, "metrics_port", None)
+    if port is None:
+        if host is not None:
+            raise ServerError("--metrics-host needs --metrics-port")
+        return
+    from lmkv.config import is_loopback_host
+    from lmkv.metrics.exporter import DEFAULT_HOST as METRICS_HOST
+    from lmkv.metrics.exporter import serve_metrics
+
+    served = serve_metrics(port, host or METRICS_HOST)
+    if not is_loopback_host(served.host):
+        logger.warning("lmkv server: metrics served on %s (not loopback, as asked): whoever "
+                       "reaches it reads the cache figures", served.url)
+
+
 def run_server(args: argparse.Namespace) -> int:
     """Serve until SIGTERM or SIGINT; LMKVError (bad config, port in use) propagates."""
     from lmkv.config import load_config
+    from lmkv.metrics import recorder
     from lmkv.server.server import KVServer
 
     config = load_config(args.config)
     curve = server_curve(args, config)  # before the tiers: a refusal costs nothing
+    start_metrics(args)
     storage = build_storage(config)
+    recorder().add_tier_source(storage.stats)
     # Everything allocated so far (torch, plugins, the tiers) lives as long as the
     # server: keep it out of the collector, so a full collection does not stall a
     # lookup for milliseconds.

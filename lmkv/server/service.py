@@ -8,6 +8,13 @@ A refused request raises ProtocolError, which the loop turns into an
 ErrorReply. Every handler gives back what it allocated or took on every path
 that does not end in a handle or a sent reply: a refused or failing request
 never holds arena blocks.
+
+Metrics: the handlers record the server's own figures into the process's
+recorder (``lmkv.metrics``; exported by ``lmkv server --metrics-port``): each
+lookup request (its hit and missed tokens and its latency, when its answer is
+known), each retrieve that lends chunks (a load: chunks, tokens, bytes, time
+from request to reply) and each committed store. A few additions under a lock
+per request; no formatting.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -25,6 +33,8 @@ import numpy as np
 from lmkv.aliases import chunk_aliases
 from lmkv.memory import MemoryAllocator, MemoryObj, dtype_name, release
 from lmkv.memory.shm import SharedSegment, host_id
+from lmkv.metrics import recorder
+from lmkv.metrics.record import record_load, record_lookup, record_store
 from lmkv.rpc import protocol as p
 from lmkv.server.sessions import Session, SessionTable
 from lmkv.storage import Partials, StorageManager, chain_parents
@@ -105,11 +115,14 @@ class KVService:
                                   f"{len(req.chunk_ends)} chunks of {kpc} keys")
         partials = _lookup_partials(req, keys, kpc)
         session = self.sessions.touch(req.session)
+        start = time.perf_counter()
         if not req.prefetch:
             chunks = self.storage.contains_prefix(keys) // kpc
             hit = req.chunk_ends[chunks - 1] if chunks else 0
             if partials is not None and chunks < len(partials.keys) and partials.keys[chunks]:
-                return self._count_partial(session, req, keys[chunks], partials, chunks, hit)
+                return self._count_partial(session, req, keys[chunks], partials, chunks, hit,
+                                           start)
+            _lookup_done(req, hit, start)
             return Outcome(p.LookupReply(lookup_id=req.lookup_id, hit_tokens=hit, done=True))
         if not req.lookup_id:
             raise p.ProtocolError(p.BAD_REQUEST, "a lookup with prefetch needs a lookup_id")
@@ -117,6 +130,8 @@ class KVService:
         future = self.storage.lookup_and_prefetch(key, keys, req.chunk_ends, kpc,
                                                   partials=partials)
         self.sessions.hold_lookup(session, key, req.req_id)
+        # Recorded once, when the answer is known (whether the client waits or polls).
+        future.add_done_callback(lambda done: _lookup_done(req, _result(done), start))
 
         def reply() -> Outcome:
             return Outcome(p.LookupReply(lookup_id=req.lookup_id, hit_tokens=future.result(),
@@ -129,7 +144,8 @@ class KVService:
         return Deferred(future, reply)
 
     def _count_partial(self, session: Session, req: p.Lookup, key: CacheKey,
-                       partials: Partials, index: int, hit: int) -> Outcome | Deferred:
+                       partials: Partials, index: int, hit: int, start: float
+                       ) -> Outcome | Deferred:
         """A counting lookup that missed chunk ``index`` whole: add its longest stored
         leading blocks. Finding them reads the alias and its chunk, which may take a
         lower tier's time: a one-chunk prefetch of the storage manager's does it off
@@ -143,6 +159,7 @@ class KVService:
 
         def reply() -> Outcome:
             self.storage.release_prefetched(probe)
+            _lookup_done(req, hit + future.result(), start)
             return Outcome(p.LookupReply(lookup_id=req.lookup_id,
                                          hit_tokens=hit + future.result(), done=True))
 
@@ -172,12 +189,13 @@ class KVService:
         partials = (Partials(partial_keys, req.block_tokens) if partial_keys and any(partial_keys)
                     else None)
         session = self.sessions.touch(req.session)
+        start = time.perf_counter()
         key = session.lookup_key(req.lookup_id) if req.lookup_id else ""
         future = self.storage.events.future(key) if key in session.lookups else None
         if future is None:
             if not keys:
-                return self._retrieved(session, req, [])
-            return self._fetch_now(session, req, keys, partials)
+                return self._retrieved(session, req, [], start)
+            return self._fetch_now(session, req, keys, partials, start)
 
         def finish() -> Outcome | Deferred:
             session.lookups.pop(key, None)
@@ -186,10 +204,10 @@ class KVService:
             # keys are fetched now instead, as if nothing had been prefetched.
             objs = self.storage.take_prefetched(key, keys)
             if objs is None and keys:
-                return self._fetch_now(session, req, keys, partials)
+                return self._fetch_now(session, req, keys, partials, start)
             objs = objs or []
             try:
-                return self._retrieved(session, req, objs)
+                return self._retrieved(session, req, objs, start)
             except BaseException:
                 release(objs)
                 raise
@@ -197,7 +215,7 @@ class KVService:
         return finish() if future.done() else Deferred(future, finish)
 
     def _fetch_now(self, session: Session, req: p.Retrieve, keys: list[CacheKey],
-                   partials: Partials | None) -> Outcome | Deferred:
+                   partials: Partials | None, start: float) -> Outcome | Deferred:
         """Retrieve ``keys`` not prefetched: prefetch now, under an id of the server's
         own. Its chunk ends are all 0, so its answer is the tokens of the partial hit
         it ends with (block-granular hits; 0 without one): the reply's
@@ -214,7 +232,7 @@ class KVService:
             # partial hit's chunk on the client.
             objs = self.storage.take_prefetched(key, longer=True) or []
             try:
-                return self._retrieved(session, req, objs, future.result())
+                return self._retrieved(session, req, objs, start, future.result())
             except BaseException:
                 release(objs)
                 raise
@@ -222,13 +240,15 @@ class KVService:
         return finish() if future.done() else Deferred(future, finish)
 
     def _retrieved(self, session: Session, req: p.Retrieve, objs: list[MemoryObj],
-                   tail_tokens: int = 0) -> Outcome:
+                   start: float, tail_tokens: int = 0) -> Outcome:
         """The reply lending ``objs``; they are released here when nobody may take them
         (the session ended or the client gave the request up meanwhile)."""
         if objs and (session.ended or self.sessions.is_abandoned(session, req.req_id)):
             release(objs)
             objs = []
         tail = tail_tokens if objs else 0
+        if objs:
+            _record_load(objs, req.keys_per_chunk, tail, start)
         if req.data_path == "shm" and self._in_segment(objs):
             chunks = [_info(o, o.offset) for o in objs]
             handle = self.sessions.add_handle(session, "lease", objs, data_path="shm",
@@ -303,12 +323,15 @@ class KVService:
             raise p.ProtocolError(p.UNKNOWN_HANDLE, f"no store handle {req.handle} in this "
                                   "session (committed, released, expired, or from an "
                                   "earlier server)")
+        start = time.perf_counter()
         try:
             if data or handle.data_path == "inline":
                 _copy_parts(handle.objs, data)
             future = self.storage.put(handle.keys, handle.objs,
                                       chain_parents(handle.keys, handle.parent), handle.aliases)
             stored = future.result() if future.done() else len(handle.objs)
+            record_store(sum(_tokens(o) for o in handle.objs),
+                         sum(o.tensor.nbytes for o in handle.objs), start)
         finally:
             handle.release()
         return Outcome(p.StoreCommitReply(stored=stored))
@@ -332,7 +355,9 @@ class KVService:
 
     def stats(self, req: p.Stats, data: Sequence[memoryview]) -> Outcome:
         self.sessions.touch(req.session)
-        return Outcome(p.StatsReply(server=self.server_stats(), tiers=self.storage.stats()))
+        figures = recorder().totals().plain()  # the server process's own recorder
+        return Outcome(p.StatsReply(server=self.server_stats(), tiers=self.storage.stats(),
+                                    metrics=figures))
 
     def server_stats(self) -> p.ServerStats:
         lookups, staged, leased = self.sessions.counts()
@@ -353,6 +378,33 @@ class KVService:
     def _in_segment(self, objs: Sequence[MemoryObj]) -> bool:
         alloc = self.allocator
         return self.segment is not None and all(o.allocator is alloc for o in objs)
+
+
+def _tokens(obj: MemoryObj) -> int:
+    """Tokens a chunk buffer holds (a KV chunk: layers, K/V, tokens, heads, head size)."""
+    shape = obj.tensor.shape
+    return int(shape[2]) if len(shape) == 5 else 0
+
+
+def _result(future: Future) -> int:
+    try:
+        return int(future.result())
+    except Exception:  # a failed prefetch answers 0 hits
+        return 0
+
+
+def _lookup_done(req: p.Lookup, hit: int, start: float) -> None:
+    record_lookup(req.chunk_ends[-1] if req.chunk_ends else 0, hit, start)
+
+
+def _record_load(objs: Sequence[MemoryObj], keys_per_chunk: int, tail: int,
+                 start: float) -> None:
+    """A retrieve that lends ``objs`` (``keys_per_chunk`` buffers a chunk, layerwise;
+    the last chunk counts ``tail`` tokens when the hit ends inside it)."""
+    tokens = sum(_tokens(o) for o in objs) // max(1, keys_per_chunk)
+    if tail:
+        tokens -= _tokens(objs[-1]) - tail
+    record_load(tokens, sum(o.tensor.nbytes for o in objs), start)
 
 
 def _lookup_partials(req: p.Lookup, keys: list[CacheKey], kpc: int) -> Partials | None:

@@ -8,18 +8,20 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from lmkv.rpc.client import ServerClient
 
 
 def spawn_server(directory: str | os.PathLike, tiers_yaml: str, *,
                  env: Mapping[str, str] | None = None,
-                 timeout_s: float = 60.0) -> tuple[subprocess.Popen, str]:
+                 timeout_s: float = 60.0, args: Sequence[str] = ()
+                 ) -> tuple[subprocess.Popen, str]:
     """Start ``python -m lmkv.server`` serving ``tiers_yaml`` (a config file's text)
     on a free 127.0.0.1 port; wait until it answers. Returns the process (stop it
     with ``terminate()``: exit code 0 once drained) and its address. The config
-    and the log (``server-<port>.log``) go to ``directory``."""
+    and the log (``server-<port>.log``) go to ``directory``; ``args``: more flags
+    (``--metrics-port``, say)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -28,7 +30,7 @@ def spawn_server(directory: str | os.PathLike, tiers_yaml: str, *,
         f.write(tiers_yaml)
     with open(os.path.join(directory, f"server-{port}.log"), "w") as log:
         proc = subprocess.Popen([sys.executable, "-m", "lmkv.server", "--config", config,
-                                 "--port", str(port)], stdout=log, stderr=subprocess.STDOUT,
+                                 "--port", str(port), *args], stdout=log, stderr=subprocess.STDOUT,
                                 env=dict(env) if env is not None else None)
     address = f"tcp://127.0.0.1:{port}"
     client_log = logging.getLogger("lmkv.rpc.client")

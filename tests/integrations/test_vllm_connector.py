@@ -12,7 +12,7 @@ from lmkv.config import load_config
 from lmkv.errors import ConfigError
 from lmkv.integrations.vllm.config import config_from_extra, extra_config_overrides
 from lmkv.integrations.vllm.lazy import LazyOffload
-from lmkv.integrations.vllm.specs import StoreSpec
+from lmkv.integrations.vllm.specs import BlockNames, StoreSpec
 
 
 def test_lmcache_aliases_map_to_lmkv_keys(caplog: pytest.LogCaptureFixture) -> None:
@@ -30,6 +30,72 @@ def test_lmcache_aliases_map_to_lmkv_keys(caplog: pytest.LogCaptureFixture) -> N
 def test_unknown_lmkv_key_is_an_error_naming_it() -> None:
     with pytest.raises(ConfigError, match="no_such_key"):
         config_from_extra({"lmkv.no_such_key": 1})
+
+
+def test_misspelt_lmkv_key_names_the_allowed_keys() -> None:
+    with pytest.raises(ConfigError, match=r"did you mean 'chunk_size'.*allowed: .*tiers"):
+        config_from_extra({"lmkv.chunk_sise": 128})
+
+
+def test_lmcache_keys_with_an_lmkv_key_are_mapped() -> None:
+    config = config_from_extra({"lmcache.chunk_size": 128, "lmcache.enable_async_loading":
+                                "true", "lmcache.lookup_timeout_ms": 500,
+                                "lmcache.save_unfull_chunk": True})
+    assert (config.chunk_size, config.async_load, config.lookup.timeout_ms) == \
+        (128, True, 500)
+
+
+def test_lmcache_features_left_off_are_accepted() -> None:
+    config = config_from_extra({"lmcache.enable_blending": False, "lmcache.pd_role": None})
+    assert config.chunk_size == load_config(env={}).chunk_size
+
+
+def one_line_error(extra: dict[str, object]) -> str:
+    with pytest.raises(ConfigError) as info:
+        config_from_extra(extra)
+    message = str(info.value)
+    assert "\n" not in message, message
+    return message
+
+
+def test_lmcache_storage_keys_are_an_error_naming_the_tiers_to_set() -> None:
+    message = one_line_error({"lmcache.max_local_cpu_size": 8,
+                              "lmcache.local_disk": "/data/kv",
+                              "lmcache.max_local_disk_size": 100})
+    assert "'lmcache.max_local_cpu_size'" in message and "'lmcache.local_disk'" in message
+    assert ('"lmkv.tiers": [{"type": "cpu", "options": {"max_bytes": "8GiB"}}, '
+            '{"type": "fs", "options": {"url": "/data/kv", "max_bytes": "100GiB"}}]') \
+        in message
+
+
+@pytest.mark.parametrize(("key", "value", "why"), [
+    ("lmcache.enable_blending", True, "CacheBlend"),
+    ("lmcache.pd_role", "sender", "NixlConnector"),
+    ("lmcache.remote_url", "lm://host:65432", "lmkv server"),
+    ("lmcache.use_layerwise", True, "layer by layer"),
+    ("lmcache.mp.host", "tcp://localhost", "server.address"),
+    ("lmcache.mp.mq_timeout", 60, "server.timeout_ms"),
+    ("lmcache.no_such_option", 1, "not an LMCache option"),
+])
+def test_lmcache_keys_without_an_equivalent_are_one_line_saying_why(
+        key: str, value: object, why: str) -> None:
+    message = one_line_error({key: value})
+    assert repr(key) in message and why in message
+
+
+def test_lmcache_key_of_the_wrong_type_names_it() -> None:
+    message = one_line_error({"lmcache.chunk_size": "lots"})
+    assert "'lmcache.chunk_size' = 'lots'" in message and "positive integer" in message
+
+
+def test_bare_lmkv_key_is_an_error_naming_the_prefixed_one() -> None:
+    assert "'lmkv.chunk_size'" in one_line_error({"chunk_size": 128})
+
+
+def test_every_bad_key_is_reported_at_once() -> None:
+    with pytest.raises(ConfigError) as info:
+        config_from_extra({"lmcache.enable_blending": True, "lmcache.enable_p2p": True})
+    assert len(str(info.value).splitlines()) == 2
 
 
 def test_alias_and_its_target_together_is_an_error() -> None:
@@ -100,10 +166,12 @@ def test_steps_of_one_request_are_submitted_as_one_store() -> None:
     for i, h in enumerate(hashes):
         pool.blocks[i].block_hash = h
     lazy.add(StoreSpec("r", list(range(8)), [0, 1]), hashes[:2])
-    lazy.add(StoreSpec("r", list(range(16)), [0, 1, 2, 3]), hashes)
+    names = BlockNames([10, 11, 12, 13])  # vLLM's names of its blocks (KV events)
+    lazy.add(StoreSpec("r", list(range(16)), [0, 1, 2, 3], blocks=names), hashes)
     lazy.finished("r")
     (spec,) = lazy.select(1)
     assert spec.token_ids == list(range(16)) and spec.block_ids == [0, 1, 2, 3]
+    assert spec.blocks is names and spec.store_id is not None
     assert [pool.blocks[i].ref_cnt for i in range(4)] == [1, 1, 1, 1]
 
 

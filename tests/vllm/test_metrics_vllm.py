@@ -116,11 +116,16 @@ PROBE = textwrap.dedent("""
               kv_transfer_config={{"kv_connector": "LMKVConnector",
                                   "kv_connector_module_path": "lmkv.integrations.vllm",
                                   "kv_role": "kv_both",
-                                  "kv_connector_extra_config": {{"lmkv.chunk_size": 256}}}})
+                                  "kv_connector_extra_config": {{"lmkv.chunk_size": 256,
+                                                                "lmkv.metrics.port": 0}}}})
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     for p in e.prompts():
         llm.generate([TokensPrompt(prompt_token_ids=p)], params, use_tqdm=False)
     print("METRICS" + json.dumps(prometheus_client.generate_latest().decode()))
+    import urllib.request
+    from lmkv.metrics.exporter import serve_metrics
+    with urllib.request.urlopen(serve_metrics(0).url + "/metrics") as reply:  # lmkv.metrics.port
+        print("OWN" + json.dumps(reply.read().decode()))
 """)
 
 
@@ -132,7 +137,8 @@ def test_a_real_vllm_exports_lmkv_figures(tmp_path) -> None:
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
                          text=True, timeout=600, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
-    text = json.loads(out.stdout.split("METRICS", 1)[1])
+    text = json.loads(out.stdout.split("METRICS", 1)[1].split("\nOWN", 1)[0])
+    own = json.loads(out.stdout.split("\nOWN", 1)[1])
     # The second prompt shares 640 tokens (five 128-token blocks) with the first.
     assert _value(text, "vllm:lmkv_loaded_tokens_total") == 640
     assert _value(text, "vllm:lmkv_lookup_hit_tokens_total") == 640
@@ -140,3 +146,8 @@ def test_a_real_vllm_exports_lmkv_figures(tmp_path) -> None:
     assert _value(text, "vllm:lmkv_stored_tokens_total") >= 640
     assert _value(text, "vllm:lmkv_load_seconds_count") == 1
     assert _value(text, "vllm:lmkv_tier_usage_bytes", tier="0", type="cpu") > 0
+    # lmkv.metrics.port: the worker's own endpoint serves the same figures, each
+    # counted once (the engine below the connector does not record them again)
+    assert _value(own, "lmkv_loaded_tokens_total") == 640
+    assert _value(own, "lmkv_lookups_total") == 2
+    assert _value(own, "lmkv_loads_total") == 1

@@ -1,4 +1,5 @@
-"""``kv_connector_extra_config`` -> ``LMKVConfig`` (dotted ``lmkv.*`` keys and aliases)."""
+"""``kv_connector_extra_config`` -> ``LMKVConfig`` (dotted ``lmkv.*`` keys; ``lmcache.*``
+keys through lmkv.lmcache_map)."""
 
 from __future__ import annotations
 
@@ -8,34 +9,46 @@ from typing import Any
 
 from lmkv.config import LMKVConfig, load_config
 from lmkv.errors import ConfigError
+from lmkv.lmcache_map import EXTRA_PREFIX
+from lmkv.lmcache_map import extra_config_overrides as lmcache_overrides
 
 logger = logging.getLogger(__name__)
 
-#: LMCache multi-process keys accepted for their lmkv equivalents.
-ALIASES = {
-    "lmcache.mp.lazy_offload": "lmkv.lazy_offload",
-    "lmcache.mp.lazy_offload_policy": "lmkv.lazy_offload_policy",
-    "lmcache.mp.lazy_offload_threshold": "lmkv.lazy_offload_threshold",
-    "lmcache.mp.lazy_offload_select_count": "lmkv.lazy_offload_select_count",
-}
-
 
 def extra_config_overrides(extra: Mapping[str, Any] | None) -> dict[str, Any]:
-    """The ``lmkv.*`` overrides in ``extra`` (aliases mapped; other keys ignored)."""
+    """The ``lmkv.*`` overrides in ``extra``.
+
+    ``lmcache.*`` keys with an lmkv name are mapped (logged); any other ``lmcache.*``
+    key is an error naming what to use instead (lmkv.lmcache_map). A bare key that
+    names an lmkv key (``chunk_size``) is an error too: lmkv reads only ``lmkv.*``.
+    Other keys belong to someone else (another connector's settings left in place)
+    and are ignored, with a warning.
+    """
+    extra = extra or {}
     overrides: dict[str, Any] = {}
-    for key, value in (extra or {}).items():
-        if key in ALIASES:
-            target = ALIASES[key]
-            if target in (extra or {}):
-                raise ConfigError(f"{key} and {target} are both set; keep one")
-            logger.info("lmkv: mapped %s to %s", key, target)
-            overrides[target] = value
+    lmcache: dict[str, Any] = {}
+    lines: list[str] = []
+    for key, value in extra.items():
+        if key.startswith(EXTRA_PREFIX):
+            lmcache[key[len(EXTRA_PREFIX):]] = value
         elif key.startswith("lmkv."):
             overrides[key] = value
+        elif key.split(".", 1)[0] in LMKVConfig.model_fields or key == "config_file":
+            lines.append(f"kv_connector_extra_config key {key!r}: lmkv reads only lmkv.* "
+                         f"keys there; write 'lmkv.{key}'")
+        else:
+            logger.warning("lmkv: kv_connector_extra_config key %r ignored (lmkv reads "
+                           "lmkv.* keys)", key)
+    if lmcache:
+        try:
+            overrides.update(lmcache_overrides(lmcache, extra))
+        except ConfigError as exc:
+            lines.extend(str(exc).splitlines())
+    if lines:
+        raise ConfigError("\n".join(lines))
     return overrides
 
 
 def config_from_extra(extra: Mapping[str, Any] | None) -> LMKVConfig:
     """Load the config: ``lmkv.config_file`` (if any), ``LMKV_*`` env, then the keys."""
     return load_config(overrides=extra_config_overrides(extra))
-

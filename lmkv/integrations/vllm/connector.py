@@ -3,9 +3,12 @@ and worker.py)."""
 
 from __future__ import annotations
 
+import functools
 import logging
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
+from vllm.distributed.kv_events import KVCacheEvent, KVConnectorKVEvents
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -16,6 +19,12 @@ from vllm.v1.core.kv_cache_utils import get_block_hash
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 from lmkv.integrations.vllm.config import config_from_extra
+from lmkv.integrations.vllm.events import (
+    SchedulerEvents,
+    WorkerEvents,
+    block_names,
+    events_enabled,
+)
 from lmkv.integrations.vllm.identity import check_kv_cache_groups
 from lmkv.integrations.vllm.metadata import LMKVConnectorMetadata, LMKVWorkerMetadata
 from lmkv.integrations.vllm.stats import LMKVPromMetrics, LMKVStats, StatsTaker
@@ -40,6 +49,15 @@ class LMKVConnector(KVConnectorBase_V1):
             logger.warning("lmkv.save_partial_chunk has no effect in the vLLM connector: it "
                            "stores and loads whole chunks (vLLM recomputes the rest)")
         self.scheduler_side = self.worker_side = None
+        # KV events (events.py): only when vLLM publishes them (--kv-events-config).
+        self.events_on = events_enabled(vllm_config)
+        if self.events_on and config.mode == "server":  # the tiers' evictions are not seen
+            self.events_on = False
+            if role == KVConnectorRole.SCHEDULER:
+                logger.warning("lmkv: vLLM publishes KV events, but lmkv's tiers are in an "
+                               "lmkv server: lmkv publishes none (docs/vllm.md, KV events)")
+        self.worker_events: WorkerEvents | None = None
+        self.scheduler_events: SchedulerEvents | None = None
         if role == KVConnectorRole.SCHEDULER:
             from lmkv.integrations.vllm.scheduler import SchedulerSide
             if getattr(self._kv_transfer_config, "kv_load_failure_policy", None) == "fail":
@@ -55,6 +73,10 @@ class LMKVConnector(KVConnectorBase_V1):
                                    world_size=vllm_config.parallel_config.world_size,
                                    block_hash_of=_block_hash_of)
             self.scheduler_side = SchedulerSide(config, vllm_config, lazy)
+            if self.events_on:
+                self.scheduler_side.name_blocks = functools.partial(
+                    block_names, block_size=vllm_config.cache_config.block_size)
+                self.scheduler_events = SchedulerEvents(vllm_config.parallel_config.world_size)
         else:
             from lmkv.integrations.vllm.worker import WorkerSide
             self.worker_side = WorkerSide(config, vllm_config)
@@ -65,6 +87,9 @@ class LMKVConnector(KVConnectorBase_V1):
     # -- worker side -------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.worker_side.register(kv_caches)
+        if self.events_on:
+            self.worker_events = WorkerEvents.attach(self.worker_side.engine,
+                                                     self.worker_side.block_size)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         self.worker_side.load(self._meta())
@@ -77,13 +102,22 @@ class LMKVConnector(KVConnectorBase_V1):
         return  # whole-model stores in wait_for_save
 
     def wait_for_save(self) -> None:
-        self.worker_side.save(self._meta())
+        meta = self._meta()
+        if self.worker_events is not None:
+            self.worker_events.name(meta.stores)  # before the tiers hear of the chunks
+        self.worker_side.save(meta)
+
+    def get_kv_connector_kv_cache_events(self) -> KVConnectorKVEvents | None:
+        return self.worker_events.take() if self.worker_events is not None else None
 
     def get_finished(self, finished_req_ids: set[str]
                      ) -> tuple[set[str] | None, set[str] | None]:
-        """(None: lmkv never delays freeing a request's blocks, requests whose
-        asynchronous load finished since the last call)."""
-        return None, self.worker_side.take_finished_loads() if self.worker_side else None
+        """(finished requests whose last decode store (``store_decode``) is done: vLLM
+        frees their blocks, requests whose asynchronous load finished since the
+        last call)."""
+        if self.worker_side is None:
+            return None, None
+        return self.worker_side.take_finished_saves(), self.worker_side.take_finished_loads()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker_side.take_failed_blocks() if self.worker_side else set()
@@ -121,11 +155,17 @@ class LMKVConnector(KVConnectorBase_V1):
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
         if isinstance(meta, LMKVWorkerMetadata):
             self.scheduler_side.confirmed(meta.done)
+        if self.scheduler_events is not None:
+            self.scheduler_events.collect(getattr(connector_output, "kv_cache_events", None))
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        return self.scheduler_events.take() if self.scheduler_events is not None else ()
 
     def request_finished(self, request: Any,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        self.scheduler_side.finished(request)
-        return False, None
+        """True (vLLM keeps the blocks until ``get_finished`` reports the request) only
+        when an eager ``store_decode`` store of the request's tail is planned."""
+        return self.scheduler_side.finished(request, block_ids), None
 
     # -- metrics (vLLM's connector stats: /metrics and the periodic log line) -------
     def get_kv_connector_stats(self) -> LMKVStats | None:
@@ -141,6 +181,8 @@ class LMKVConnector(KVConnectorBase_V1):
         return LMKVPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
+        if self.worker_events is not None:
+            self.worker_events.close()
         for side in (self.scheduler_side, self.worker_side):
             if side is not None:
                 side.close()

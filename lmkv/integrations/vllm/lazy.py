@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 from lmkv.config import LMKVConfig
@@ -77,7 +78,7 @@ class LazyOffload:
             blocks = [self.pool.blocks[bid] for bid in block_ids]
             self.pool.touch(blocks)
             self._protected[store_id] = blocks
-            out.append(StoreSpec(spec.req_id, spec.token_ids, block_ids, store_id, spec.identity))
+            out.append(replace(spec, block_ids=block_ids, store_id=store_id))
         return out
 
     def _intact(self, block_id: int, snapshot: Any) -> bool:

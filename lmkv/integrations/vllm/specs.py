@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from lmkv.tokens import Identity
 
@@ -23,15 +24,32 @@ class LoadSpec:
 
 
 @dataclass
+class BlockNames:
+    """vLLM's names of a request's blocks, for the KV events of what lmkv stores
+    (``events.py``): ``hashes[i]`` is block ``i``'s hash as vLLM publishes it;
+    the LoRA adapter and the per-block extra keys as vLLM's own ``BlockStored``
+    carries them (``extra_keys`` None when no block has any)."""
+
+    hashes: list[Any]
+    lora_id: int | None = None
+    lora_name: str | None = None
+    extra_keys: list[Any] | None = None
+
+
+@dataclass
 class StoreSpec:
     """Store the whole chunks of ``token_ids`` from ``block_ids``. Lazy stores carry a
-    ``store_id`` the workers confirm (the scheduler then releases the blocks)."""
+    ``store_id`` the workers confirm (the scheduler then releases the blocks).
+    ``release``: a finished request's last store (``store_decode``), whose blocks
+    vLLM keeps until every worker reported it done (``get_finished``)."""
 
     req_id: str
     token_ids: list[int]
     block_ids: list[int]
     store_id: str | None = None
     identity: Identity | None = None
+    release: bool = False
+    blocks: BlockNames | None = None  # set only when vLLM publishes KV events
 
 
 @dataclass

@@ -59,6 +59,7 @@ class WorkerSide:
         self._saver = ThreadPoolExecutor(1, thread_name_prefix="lmkv-lazy-store")
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="lmkv-async-load")
         self._loaded: list[tuple[str, set[int]]] = []  # async loads finished, unreported
+        self._saved: set[str] = set()  # finished requests' last stores done, unreported
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.kv_caches = list(kv_caches.values())
@@ -74,7 +75,8 @@ class WorkerSide:
         self.engine = open_engine(self.config, spec, model_name=self.model_name,
                                   connector=resolved.create(ConnectorContext(spec)),
                                   world_size=self.world_size, worker_id=self.rank,
-                                  block_size=self.block_size)
+                                  block_size=self.block_size,
+                                  record_metrics=False)  # recorded here, in vLLM's terms
         recorder().add_tier_source(self.engine.stats)
         endpoints = LookupEndpoints.from_config(self.config.lookup, self.engine_id,
                                                 self.world_size)
@@ -157,6 +159,9 @@ class WorkerSide:
         for spec in meta.stores:
             if spec.store_id is None:
                 self._store(spec)
+                if spec.release:  # reported even when failed: vLLM frees the blocks
+                    with self._lock:
+                        self._saved.add(spec.req_id)
             else:
                 self._saver.submit(self._store_lazy, spec)
 
@@ -180,6 +185,14 @@ class WorkerSide:
         self._store(spec)
         with self._lock:  # confirmed even when failed: frees the blocks
             self._done[spec.store_id] = 1
+
+    def take_finished_saves(self) -> set[str] | None:
+        """Finished requests whose last store (``StoreSpec.release``) is done."""
+        with self._lock:
+            if not self._saved:
+                return None
+            done, self._saved = self._saved, set()
+        return done
 
     def take_worker_meta(self) -> LMKVWorkerMetadata | None:
         with self._lock:
