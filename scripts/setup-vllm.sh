@@ -27,3 +27,6 @@ print(*(n for n in ('torchvision', 'torchaudio', 'torchcodec') if u.find_spec(n)
 # already, and nothing may replace vLLM's torch).
 "${PIP[@]}" install -q pytest -c scripts/constraints-dev.txt
 "${PIP[@]}" install -q --no-deps "peft==0.21.2" "accelerate==1.15.0"
+# The OpenAI client drives `vllm serve` in tests/vllm/e2e_serve.py and
+# benchmarks/bench_serve.py; vLLM brings it, this covers a vLLM that does not.
+.venv-vllm/bin/python -c "import openai" 2>/dev/null || "${PIP[@]}" install -q openai

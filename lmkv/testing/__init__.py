@@ -9,6 +9,10 @@
   fresh plugin manager for the length of a block.
 * ``lmkv.testing.server.spawn_server(directory, tiers_yaml)``: a real ``lmkv
   server`` process on a free loopback port, for tests of server mode.
+* ``lmkv.testing.serve.start_vllm_serve(model_dir, log_dir=...)``: a real
+  ``vllm serve`` process (docs/vllm.md's recipe through
+  ``lmkv_kv_transfer_config``), its ``/metrics`` parsed, and ``stop()``:
+  SIGTERM, then what was left behind (processes, lmkv shared memory).
 * ``lmkv.testing.engines.open_local_engine(config, spec, model_name=...)``:
   ``open_engine`` for a test that looks inside the in-process engine.
 * pytest fixtures (loaded automatically through the ``pytest11`` entry point):
