@@ -82,3 +82,29 @@ def test_a_connector_for_other_kv_is_refused(tmp_path) -> None:
     with pytest.raises(ConfigError, match="'hf': cannot serve vLLM's paged KV caches"):
         side.register(caches("cpu"))
     side.close()
+
+
+def test_a_store_stops_before_a_block_whose_load_failed_in_the_same_step(tmp_path) -> None:
+    """A load that fails leaves stale bytes in its blocks, and the step's forward
+    computes the rest of the request on top of them: the same step's store must
+    not keep that KV (vLLM recomputes from the failed block)."""
+    from lmkv.integrations.vllm.specs import LoadSpec, StoreSpec
+
+    side = worker(tmp_path)
+    kv = caches("flash")
+    side.register(kv)
+    try:
+        stored = list(range(16))  # one chunk (16 tokens) is stored; the next is not
+        assert side.engine.store(stored, kv_caches=side.kv_caches, block_ids=[0]) == 16
+        prompt = stored + list(range(100, 132))  # 48 tokens: blocks 0, 1, 2
+        # The step loads 32 tokens but only the first chunk is there: block 1 fails.
+        side.load(SimpleNamespace(loads=[LoadSpec("r", prompt[:32], [0, 1, 2])], stores=[]))
+        assert side.take_failed_blocks() == {1}
+        side.save(SimpleNamespace(loads=[], stores=[StoreSpec("r", prompt, [0, 1, 2])]))
+        assert side.engine.lookup(prompt) == 16, "stored KV computed over a failed block"
+        # The next step has no failed load: the same store goes through.
+        side.load(SimpleNamespace(loads=[], stores=[]))
+        side.save(SimpleNamespace(loads=[], stores=[StoreSpec("r", prompt, [0, 1, 2])]))
+        assert side.engine.lookup(prompt) == 48
+    finally:
+        side.close()

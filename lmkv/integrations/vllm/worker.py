@@ -6,7 +6,7 @@ import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -50,6 +50,7 @@ class WorkerSide:
         self.engine_id = str(vllm_config.kv_transfer_config.engine_id)
         self.counters = WorkerCounters()
         self._token_bytes = 0  # KV bytes of one token in this worker's caches
+        self._step_failed: set[int] = set()  # blocks this step's synchronous loads missed
         self.engine: Engine | None = None
         self.responder: LookupResponder | None = None
         self.kv_caches: list[torch.Tensor] = []
@@ -92,6 +93,7 @@ class WorkerSide:
         """Synchronous loads now (this step's forward reads them); asynchronous
         ones in the background, reported by ``take_finished_loads``."""
         assert self.engine is not None, "register_kv_caches was not called"
+        self._step_failed = set()  # a new step: its synchronous loads start afresh
         for spec in meta.loads:
             if spec.async_load:
                 self._loader.submit(self._load_async, spec)
@@ -99,6 +101,7 @@ class WorkerSide:
                 failed = self._load(spec)
                 with self._lock:
                     self._failed |= failed
+                self._step_failed |= failed
 
     def _load_async(self, spec: LoadSpec) -> None:
         failed: set[int] = set()
@@ -157,6 +160,7 @@ class WorkerSide:
         background, off the step's path."""
         assert self.engine is not None, "register_kv_caches was not called"
         for spec in meta.stores:
+            spec = self._untainted(spec)
             if spec.store_id is None:
                 self._store(spec)
                 if spec.release:  # reported even when failed: vLLM frees the blocks
@@ -165,7 +169,29 @@ class WorkerSide:
             else:
                 self._saver.submit(self._store_lazy, spec)
 
+    def _untainted(self, spec: StoreSpec) -> StoreSpec:
+        """``spec`` cut before its first block whose load failed in this step.
+
+        A failed block holds stale bytes, and this step's forward computed every
+        later token of the request on top of them: vLLM recomputes from that block
+        (``get_block_ids_with_load_errors``), but storing now would keep the wrong
+        KV under the right tokens. The cut is at a block boundary; a cut to nothing
+        stores nothing (the spec still confirms, so held blocks are freed)."""
+        if not self._step_failed:
+            return spec
+        for i, block in enumerate(spec.block_ids):
+            if block in self._step_failed:
+                cut = min(len(spec.token_ids), i * self.block_size)
+                if cut < len(spec.token_ids):
+                    logger.warning("lmkv: request %s: not storing past token %d (a block "
+                                   "it reads failed to load this step)", spec.req_id, cut)
+                    return replace(spec, token_ids=spec.token_ids[:cut])
+                return spec
+        return spec
+
     def _store(self, spec: StoreSpec) -> None:
+        if not spec.token_ids:
+            return
         start = time.perf_counter()
         try:
             n = self.engine.store(spec.token_ids, identity=spec.identity,
