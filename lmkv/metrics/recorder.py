@@ -80,15 +80,7 @@ class Recorder:
         if BY_NAME[name].kind != "histogram":
             raise ValueError(f"{name} is a {BY_NAME[name].kind}, not a histogram")
         with self._lock:
-            hist = self._hists.get(name)
-            if hist is None:
-                hist = self._hists[name] = Histogram()
-            hist.counts[bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1
-            hist.sum += seconds
-            hist.count += 1
-            samples = self._samples.setdefault(name, [])
-            if len(samples) < self._max_samples:
-                samples.append(seconds)
+            self._sample_locked(name, seconds)
 
     def record(self, counters: tuple[tuple[str, float], ...], histogram: str,
                seconds: float) -> None:
@@ -99,17 +91,18 @@ class Recorder:
             totals = self._counters
             for name, value in counters:
                 totals[name] = totals.get(name, 0) + value
-            hist = self._hists.get(histogram)
-            if hist is None:
-                hist = self._hists[histogram] = Histogram()
-            hist.counts[bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1
-            hist.sum += seconds
-            hist.count += 1
-            samples = self._samples.get(histogram)
-            if samples is None:
-                samples = self._samples[histogram] = []
-            if len(samples) < self._max_samples:
-                samples.append(seconds)
+            self._sample_locked(histogram, seconds)
+
+    def _sample_locked(self, name: str, seconds: float) -> None:
+        hist = self._hists.get(name)
+        if hist is None:
+            hist = self._hists[name] = Histogram()
+        hist.counts[bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1
+        hist.sum += seconds
+        hist.count += 1
+        samples = self._samples.setdefault(name, [])
+        if len(samples) < self._max_samples:
+            samples.append(seconds)
 
     def set_gauge(self, name: str, value: float) -> None:
         if BY_NAME[name].kind != "gauge":

@@ -45,6 +45,7 @@ from lmkv.integrations.vllm.lazy import LazyOffload
 from lmkv.integrations.vllm.specs import BlockNames, LoadSpec, StepPlan, StoreSpec
 from lmkv.lookup.client import LookupClient
 from lmkv.metrics import recorder
+from lmkv.metrics.record import record_lookup
 from lmkv.tokens import Identity
 
 logger = logging.getLogger(__name__)
@@ -146,19 +147,10 @@ class SchedulerSide:
             del self._pending[req_id]
             hit = self._round(max(0, min(result, limit)))
             self._hits[req_id] = hit
-            self._record_lookup(req_id, hit, limit)
+            record_lookup(limit, hit, self._asked.pop(req_id, time.perf_counter()))
             if result > 0:
                 self._held.add(req_id)
         return max(0, hit - num_computed)
-
-    def _record_lookup(self, req_id: str, hit: int, asked: int) -> None:
-        metrics = recorder()
-        metrics.add("lookups_total")
-        metrics.add("lookup_hit_tokens_total", hit)
-        metrics.add("lookup_miss_tokens_total", asked - hit)
-        sent = self._asked.pop(req_id, None)
-        if sent is not None:
-            metrics.observe("lookup_seconds", time.perf_counter() - sent)
 
     def _resume(self, req_id: str, preemptions: int) -> None:
         """vLLM preempted ``req_id`` (freed its blocks, zeroed its computed tokens) and

@@ -24,6 +24,7 @@ from lmkv.integrations.vllm.metadata import (
 from lmkv.lookup.responder import LookupResponder
 from lmkv.lookup.sockets import LookupEndpoints
 from lmkv.metrics import recorder
+from lmkv.metrics.record import record_load, record_store
 
 logger = logging.getLogger(__name__)
 
@@ -145,13 +146,9 @@ class WorkerSide:
             self.counters.loads += 1
             self.counters.loaded_tokens += loaded
             self.counters.failed_blocks += len(failed)
-        metrics = recorder()
-        metrics.observe("load_seconds", time.perf_counter() - start)
-        metrics.add("loads_total")
-        metrics.add("loaded_tokens_total", loaded)
-        metrics.add("load_bytes_total", loaded * self._token_bytes)
+        record_load(loaded, loaded * self._token_bytes, start)
         if got < want:
-            metrics.add("failed_load_tokens_total", want - max(got, spec.skip_tokens))
+            recorder().add("failed_load_tokens_total", want - max(got, spec.skip_tokens))
         return failed
 
     def save(self, meta: LMKVConnectorMetadata) -> None:
@@ -199,11 +196,7 @@ class WorkerSide:
             with self._lock:
                 self.counters.stores += 1
                 self.counters.stored_tokens += n
-            metrics = recorder()
-            metrics.observe("store_seconds", time.perf_counter() - start)
-            metrics.add("stores_total")
-            metrics.add("stored_tokens_total", n)
-            metrics.add("store_bytes_total", n * self._token_bytes)
+            record_store(n, n * self._token_bytes, start)
         except Exception:
             logger.exception("lmkv: storing request %s failed", spec.req_id)
 
