@@ -13,6 +13,7 @@ from typing import Any
 
 from lmkv.errors import LMKVError
 from lmkv.metrics.catalog import BY_NAME, TIER_SOURCES
+from lmkv.redact import redact_url
 
 PREFIX = "lmkv_"
 
@@ -28,7 +29,8 @@ def scrape(url: str, timeout_s: float = 5.0) -> tuple[dict[str, Any], list[dict[
             text = reply.read().decode()
     except (urllib.error.URLError, OSError, ValueError) as exc:
         reason = getattr(exc, "reason", None) or exc
-        raise LMKVError(f"no lmkv metrics endpoint answers at {target}: {reason}") from None
+        raise LMKVError(f"no lmkv metrics endpoint answers at {redact_url(target)}: "
+                       f"{reason}") from None
     counters: dict[str, float] = {}
     gauges: dict[str, float] = {}
     hists: dict[str, dict[str, Any]] = {}
