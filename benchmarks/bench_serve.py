@@ -18,7 +18,8 @@ tokens, divided by ``--trace-shrink``; the same id is the same token block;
 
 **Sizing.** vLLM's KV cache is set in blocks (``--num-gpu-blocks-override``,
 128 tokens a block on CPU): the small cache (``--small-blocks``, default a
-third of the working set, at least one longest prompt) cannot hold every
+third of the working set, at least room for the longest prompt once per
+request in flight) cannot hold every
 user's conversation, so users evict each other between their rounds; the big
 one (``--big-blocks``, default the working set and half again) holds it all.
 lmkv's tiers are sized to hold the whole working set. Every server gets
@@ -267,10 +268,19 @@ def size(args: Any, longest: int, unique_tokens: int, block_bytes: int) -> Sizin
     max_len = math.ceil((longest + args.answer_tokens + 64) / BLOCK) * BLOCK
     need = math.ceil(max_len / BLOCK)
     working = math.ceil(unique_tokens / BLOCK)
-    small = args.small_blocks or max(need + 1, working // 3)
+    # The small cache runs the requests the client keeps in flight at once, so
+    # TTFT measures reuse, not vLLM's queue for room; the working set still
+    # exceeds it, so users evict each other between their rounds.
+    lanes = min(args.concurrency if args.rate is None else args.max_num_seqs,
+                args.max_num_seqs)
+    small = args.small_blocks or max(lanes * need + 1, working // 3)
     big = args.big_blocks or max(small + 1, working * 3 // 2 + need)
     if small < need:
         raise BenchError(f"--small-blocks {small}: the longest prompt needs {need} blocks")
+    if small >= working:
+        raise BenchError(f"the small KV cache ({small} blocks) holds the whole working set "
+                         f"({working} blocks): no pressure; add --users or set "
+                         f"--small-blocks below {working}")
     return Sizing(block_bytes, unique_tokens, max_len, small, big)
 
 

@@ -64,3 +64,19 @@ def test_targets_compare_configurations_of_one_run() -> None:
     assert by["(c)/(a) requests/s"]["met"] is True
     assert by["(c)/(g) TTFT p50"]["value"] is None  # (g) refused: no figure, no verdict
     assert by["(d)/(c) TTFT p50"]["met"] is None
+
+
+def test_the_small_cache_runs_every_request_in_flight_and_stays_under_the_working_set(
+) -> None:
+    import bench_serve
+
+    def small(*flags: str, longest: int = 2300, unique: int = 11_200) -> int:
+        args = bench_serve.parse_args(list(flags))
+        return bench_serve.size(args, longest, unique, 1 << 20).small_blocks
+
+    need = -(-(2300 + 16 + 64) // 128)  # the longest prompt, its answer and a margin
+    assert small("--answer-tokens", "16", "--concurrency", "1") == 88 // 3
+    assert small("--answer-tokens", "16", "--concurrency", "2") == 2 * need + 1
+    assert small("--answer-tokens", "16", "--concurrency", "2", "--small-blocks", "29") == 29
+    with pytest.raises(BenchError, match="no pressure"):
+        small("--answer-tokens", "16", "--concurrency", "5", "--max-num-seqs", "5")
