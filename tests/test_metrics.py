@@ -75,6 +75,27 @@ def test_tier_figures_come_from_the_sources_as_deltas_and_gauges() -> None:
     assert rec.totals().tiers == []
 
 
+def test_two_engines_of_one_process_give_one_row_per_tier() -> None:
+    rec = Recorder(tier_interval_s=0)
+    first = _Engine([{"tier": 0, "type": "cpu", "usage_bytes": 100, "capacity_bytes": 1000,
+                      "hits": 5, "puts": 2, "available": 1},
+                     {"tier": 1, "type": "fs", "usage_bytes": 10, "capacity_bytes": None,
+                      "available": 1}])
+    second = _Engine([{"tier": 0, "type": "cpu", "usage_bytes": 50, "capacity_bytes": 500,
+                       "hits": 1, "puts": 3, "available": 0},
+                      {"tier": 1, "type": "fs", "usage_bytes": 20, "capacity_bytes": 64,
+                       "available": 1}])
+    rec.add_tier_source(first.stats)
+    rec.add_tier_source(second.stats)
+    rows = {(r["tier"], r["type"]): r for r in rec.tiers()}
+    assert len(rows) == 2  # Prometheus takes one sample per label set
+    assert rows[0, "cpu"] == {"tier": 0, "type": "cpu", "usage_bytes": 150,
+                              "capacity_bytes": 1500, "hits": 6, "puts": 5, "available": 0}
+    assert rows[1, "fs"]["usage_bytes"] == 30
+    assert rows[1, "fs"]["capacity_bytes"] is None  # one of them is unbounded
+    assert rows[1, "fs"]["available"] == 1
+
+
 def test_a_failing_source_gives_no_rows_and_no_error() -> None:
     rec = Recorder(tier_interval_s=0)
 

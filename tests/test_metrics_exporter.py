@@ -48,7 +48,7 @@ def test_every_catalog_metric_is_served_with_what_was_recorded(served) -> None:
     rec, server = served
     assert server.host == "127.0.0.1"  # closed by default: loopback
     engine = _Engine([{"tier": 0, "type": "cpu", "usage_bytes": 100, "capacity_bytes": None,
-                       "hits": 5, "available": 1}])
+                       "hits": 5, "puts": 4, "admission_rejects": 2, "available": 1}])
     rec.add_tier_source(engine.stats)
     rec.add("lookup_hit_tokens_total", 256)
     rec.add("lookup_miss_tokens_total", 64)
@@ -77,6 +77,8 @@ def test_every_catalog_metric_is_served_with_what_was_recorded(served) -> None:
     tier = (("tier", "0"), ("type", "cpu"))
     assert got[("lmkv_tier_usage_bytes", tier)] == 100
     assert got[("lmkv_tier_hits_total", tier)] == 5
+    assert got[("lmkv_tier_puts_total", tier)] == 4
+    assert got[("lmkv_tier_admission_rejects_total", tier)] == 2
     assert ("lmkv_tier_capacity_bytes", tier) not in got  # unbounded: absent
 
 

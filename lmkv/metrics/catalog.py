@@ -68,6 +68,9 @@ CATALOG: tuple[Metric, ...] = (
     _tier("tier_entries", "gauge", "Entries a tier holds."),
     _tier("tier_hits_total", "counter", "Chunks a tier found."),
     _tier("tier_misses_total", "counter", "Chunks asked of a tier and not found."),
+    _tier("tier_puts_total", "counter", "Chunks a tier stored."),
+    _tier("tier_admission_rejects_total", "counter",
+          "Chunks offered to a tier before their admit_after-th sighting (not stored)."),
     _tier("tier_evictions_total", "counter", "Chunks a tier evicted to make room."),
     _tier("tier_errors_total", "counter", "Operations a tier failed (it degrades to misses)."),
     _tier("tier_dropped_writes_total", "counter",
@@ -87,6 +90,7 @@ BY_NAME = {m.name: m for m in CATALOG}
 TIER_SOURCES = {
     "tier_usage_bytes": "usage_bytes", "tier_capacity_bytes": "capacity_bytes",
     "tier_entries": "entries", "tier_hits_total": "hits", "tier_misses_total": "misses",
+    "tier_puts_total": "puts", "tier_admission_rejects_total": "admission_rejects",
     "tier_evictions_total": "evictions", "tier_errors_total": "errors",
     "tier_dropped_writes_total": "dropped_writes", "tier_corrupt_frames_total": "corrupt_frames",
     "tier_bytes_in_total": "bytes_in", "tier_bytes_out_total": "bytes_out",

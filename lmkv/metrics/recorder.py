@@ -142,6 +142,7 @@ class Recorder:
                 rows.extend(fn())
             except Exception as exc:  # a closed or unreachable engine: no rows
                 logger.debug("lmkv metrics: tier stats failed: %s", exc)
+        rows = merge_tier_rows(rows)
         with self._lock:
             self._sources = [r for r in self._sources if r in live or r not in sources]
             self._tier_cache = (now, rows)
@@ -199,6 +200,31 @@ class Recorder:
 
 
 _DEFAULT = Recorder()
+
+
+def merge_tier_rows(rows: TierStats) -> TierStats:
+    """One row per (tier, type): the engines of one process (two ``CacheEngine``s,
+    say) each report their tier 0, and Prometheus takes one sample per label set.
+    Figures add up, except ``available`` (down if any is down) and a capacity of
+    None (unbounded if any is)."""
+    merged: dict[tuple[str, str], dict[str, Any]] = {}
+    for row in rows:
+        mark = (str(row.get("tier")), str(row.get("type")))
+        into = merged.get(mark)
+        if into is None:
+            merged[mark] = dict(row)
+            continue
+        for name, value in row.items():
+            have = into.get(name)
+            if name in ("tier", "type"):
+                continue
+            if name == "available":
+                into[name] = min(have if have is not None else 1, value)
+            elif value is None or have is None:
+                into[name] = None if name in into or value is None else value
+            elif isinstance(value, (int, float)) and isinstance(have, (int, float)):
+                into[name] = have + value
+    return list(merged.values())
 
 
 def recorder() -> Recorder:
