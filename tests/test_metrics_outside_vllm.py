@@ -175,3 +175,30 @@ def test_lmkv_server_with_its_metrics_port_taken_is_one_line(tmp_path) -> None:
     assert done.stderr.strip().splitlines() == [
         f"lmkv: error: metrics exporter: cannot listen on 127.0.0.1:{port}: "
         "Address already in use"]
+
+
+def test_metrics_on_a_non_loopback_host_are_logged_loudly(monkeypatch, caplog) -> None:
+    """No socket is bound here (tests stay on loopback): ``serve_metrics`` is replaced
+    by one that reports a non-loopback address, to check what the engine says."""
+    import types
+
+    import lmkv.engines.open as opener
+    import lmkv.metrics.exporter as exporter
+
+    asked = []
+
+    def fake(port: int, host: str = "127.0.0.1"):
+        asked.append((port, host))
+        return types.SimpleNamespace(host=host, url=f"http://{host}:{port}")
+
+    monkeypatch.setattr(exporter, "serve_metrics", fake)
+    config = load_config(env={}, overrides={"lmkv.metrics.port": 9100,
+                                            "lmkv.metrics.host": "10.1.2.3"})
+    with caplog.at_level("WARNING", logger="lmkv.engines.open"):
+        opener.start_metrics(config, worker_id=1)
+    assert asked == [(9101, "10.1.2.3")]
+    assert any("not loopback" in r.getMessage() and "10.1.2.3" in r.getMessage()
+               for r in caplog.records)
+    caplog.clear()
+    opener.start_metrics(load_config(env={}, overrides={"lmkv.metrics.port": 9100}))
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]

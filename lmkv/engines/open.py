@@ -11,6 +11,8 @@ opens starts it, later ones find it running.
 
 from __future__ import annotations
 
+import logging
+
 from lmkv.config import LMKVConfig
 from lmkv.engines.connector import resolve_connector
 from lmkv.engines.local import LocalEngine
@@ -18,6 +20,8 @@ from lmkv.engines.protocol import Engine
 from lmkv.engines.remote import RemoteEngine
 from lmkv.gpu import GPUConnector, KVSpec
 from lmkv.storage import StorageManager
+
+logger = logging.getLogger(__name__)
 
 
 def open_engine(config: LMKVConfig, spec: KVSpec, *, model_name: str,
@@ -62,4 +66,9 @@ def start_metrics(config: LMKVConfig, worker_id: int = 0) -> None:
 
         raise ConfigError(f"metrics.port = {port}: worker {worker_id} would serve port "
                           f"{port + worker_id}; allowed: a port at most {65535 - worker_id}")
-    serve_metrics(port + worker_id if port else 0, config.metrics.host)
+    served = serve_metrics(port + worker_id if port else 0, config.metrics.host)
+    from lmkv.config import is_loopback_host
+
+    if not is_loopback_host(served.host):
+        logger.warning("lmkv: metrics served on %s (metrics.host is not loopback, as "
+                       "configured): whoever reaches it reads the cache figures", served.url)
