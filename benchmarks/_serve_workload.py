@@ -13,9 +13,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from lmkv.errors import LMKVError
+from lmkv.replay.defaults import MOONCAKE_BLOCK_SIZE
 from lmkv.testing.serve import VllmServe
-
-TRACE_BLOCK = 512  # tokens per Mooncake hash id
 
 
 class BenchError(LMKVError):
@@ -60,7 +59,7 @@ class Conversations:
 def trace_prompts(path: str, shrink: int, limit: int, max_len: int) -> list[tuple[list[int], int]]:
     """A Mooncake trace's first ``limit`` lines as (token ids, output tokens):
     each hash id becomes a block of ``512 // shrink`` token ids seeded by the id."""
-    block = max(1, TRACE_BLOCK // shrink)
+    block = max(1, MOONCAKE_BLOCK_SIZE // shrink)
     out: list[tuple[list[int], int]] = []
     try:
         with open(path) as f:

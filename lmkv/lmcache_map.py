@@ -332,10 +332,6 @@ def find_option(name: str, *, extra: bool = False) -> LMCacheOption | None:
     return option
 
 
-def env_name(name: str) -> str:
-    return ENV_PREFIX + name.upper()
-
-
 # -- translation ---------------------------------------------------------------------
 
 @dataclass

@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import builtins
 import os
 import subprocess
 import sys
 import textwrap
 import time
-
-import pytest
 
 from lmkv.memory.shm import SharedSegment
 from lmkv.testing import serve
@@ -26,20 +23,6 @@ PAGE = textwrap.dedent("""\
 
 
 def test_parse_prometheus_sums_over_labels() -> None:
-    parsed = serve.parse_prometheus(PAGE)
-    assert parsed["vllm:prefix_cache_hits_total"] == 512.0
-    assert parsed["vllm:lmkv_tier_usage_bytes"] == 128.0
-
-
-def test_parse_prometheus_without_prometheus_client(monkeypatch: pytest.MonkeyPatch) -> None:
-    real_import = builtins.__import__
-
-    def no_client(name: str, *args: object, **kwargs: object) -> object:
-        if name.startswith("prometheus_client"):
-            raise ImportError(name)
-        return real_import(name, *args, **kwargs)
-
-    monkeypatch.setattr(builtins, "__import__", no_client)
     parsed = serve.parse_prometheus(PAGE)
     assert parsed["vllm:prefix_cache_hits_total"] == 512.0
     assert parsed["vllm:lmkv_tier_usage_bytes"] == 128.0

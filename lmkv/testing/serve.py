@@ -74,24 +74,12 @@ def free_port() -> int:
 
 # -- Prometheus text ----------------------------------------------------------------------------
 
-_SAMPLE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(\{.*\})?\s+(\S+)")
-
-
 def parse_prometheus(text: str) -> dict[str, float]:
     """Each sample name of a Prometheus text page -> its value summed over labels
-    (engines, tiers): ``{"vllm:prefix_cache_hits_total": 512.0, ...}``.
+    (engines, tiers): ``{"vllm:prefix_cache_hits_total": 512.0, ...}``."""
+    from prometheus_client.parser import text_string_to_metric_families
 
-    Uses prometheus_client's parser when it is installed (vLLM brings it),
-    else reads the sample lines itself."""
     out: dict[str, float] = {}
-    try:
-        from prometheus_client.parser import text_string_to_metric_families
-    except ImportError:
-        for line in text.splitlines():
-            match = _SAMPLE.match(line)
-            if match and not line.startswith("#"):
-                out[match[1]] = out.get(match[1], 0.0) + float(match[3])
-        return out
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             out[sample.name] = out.get(sample.name, 0.0) + float(sample.value)
