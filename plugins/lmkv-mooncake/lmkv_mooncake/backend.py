@@ -40,7 +40,6 @@ from lmkv_mooncake.client import (
     TierClosed,
     raise_for,
 )
-from lmkv_mooncake.memory import Registered
 from lmkv_mooncake.options import MooncakeOptions
 from lmkv_mooncake.writer import Writer
 
@@ -70,13 +69,13 @@ class MooncakeBackend(StorageBackend):
             breaker=Breaker(options.retry_after_s, 4 * options.retry_after_s), log=logger)
         # Registered staging: frame headers, and chunks from unregistered memory.
         self.staging = MemoryAllocator(int(options.local_buffer_size), pin_memory=False)
-        self.registered = Registered()
         self._pins: dict[str, int] = {}
         self._pins_lock = threading.Lock()
         self._close_lock = threading.Lock()
         self._closing = False
         self._frame_hint = 0  # the largest frame seen: sizes get windows
         self.link = Link(options, self.faults, on_setup=self._registered_staging)
+        self.registered = self.link.registered
         atexit.register(self.link.close)  # an engine that exits unmounts its segment
         self._writer = Writer(self.link, context.serializer, self.staging, self.registered,
                               self.store_key)
@@ -239,16 +238,19 @@ class MooncakeBackend(StorageBackend):
                 "zero_copy_put_bytes": self._writer.zero_copy_bytes}
 
     def close(self) -> None:
-        """Wait up to ``close_timeout_s`` for puts in flight, then drop the rest,
-        unmount this process's segment and disconnect; returns promptly even when
-        the master is gone."""
+        """Wait up to ``close_timeout_s`` for puts in flight, then drop the rest and
+        start unmounting this process's segment (``client.join_closing`` waits for
+        that; it runs at interpreter exit too); returns promptly even when the
+        master is gone."""
         with self._close_lock:
             if self._closing:
                 return
             self._closing = True
         self._writer.close(self.options.close_timeout_s)
-        self.faults.close()
         self._gets.shutdown(wait=False, cancel_futures=True)
+        with self.faults.guard("close", "staging left registered"), self.link.using() as store:
+            self.registered.unregister(store, self.staging.arena.data_ptr())
+        self.faults.close()
         self.link.close()
         atexit.unregister(self.link.close)
         with self._pins_lock:

@@ -16,13 +16,16 @@ restarted master by itself; nothing here has to reconnect.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 from lmkv.faults import BreakerOpen, TierFaults, TierUnavailable
+from lmkv_mooncake.memory import Registered
 from lmkv_mooncake.options import MooncakeOptions
 
 logger = logging.getLogger(__name__)
@@ -103,71 +106,48 @@ def replicate_config(options: MooncakeOptions) -> Any:
     return config
 
 
-class Link:
-    """The store, set up on a background thread, and the breaker in front of it."""
+def _client_of(options: MooncakeOptions) -> tuple:
+    """What makes two tiers' clients the same client: the connection, the segment."""
+    return (options.master_address, options.metadata_server, options.local_hostname,
+            options.protocol, options.device_name, int(options.global_segment_size),
+            int(options.local_buffer_size))
 
-    def __init__(self, options: MooncakeOptions, faults: TierFaults,
-                 on_setup: Callable[[Any], None] | None = None) -> None:
+
+class _Client:
+    """One Mooncake client (one store, one segment) shared by every tier of this
+    process with the same connection options: Mooncake wants one per process,
+    and a second would mount a second segment and pay a second setup."""
+
+    def __init__(self, options: MooncakeOptions, cls: type, faults: TierFaults) -> None:
         self.options = options
-        self.faults = faults
-        self._cls = store_class()  # fail at start, in one line, without the package
-        self._on_setup = on_setup
-        self._store: Any = None
-        self._ready = threading.Event()
-        self._stop = threading.Event()
-        self._lock = threading.Condition()
-        self._busy = 0  # calls in progress (``using``)
+        self.faults = faults  # the first tier's: setup retries are noted there
+        self.users = 0
+        self.store: Any = None
+        self.ready = threading.Event()
+        self.stop = threading.Event()
+        self.lock = threading.Condition()
+        self.busy = 0  # calls in progress
         self.closed = False
-        self._thread = threading.Thread(target=self._connect, name="lmkv-mooncake-setup",
-                                        daemon=True)
-        self._thread.start()
-
-    def wait_ready(self, timeout_s: float) -> bool:
-        return self._ready.wait(timeout_s)
-
-    @property
-    def usable(self) -> bool:
-        """False when closed, not set up yet or while the breaker is open."""
-        return self._ready.is_set() and not self.closed and not self.faults.breaker.is_open
-
-    @contextmanager
-    def using(self) -> Iterator[Any]:
-        """The set-up store, for the block's calls; ``BreakerOpen`` while the
-        breaker is open or the store is not set up yet, ``TierClosed`` once
-        closed. ``close`` waits for the blocks in progress before it frees the
-        store (a call into a closed store would touch freed memory)."""
-        with self._lock:
-            if self.closed:
-                raise TierClosed("the mooncake tier is closed")
-            if not self._ready.is_set():
-                raise NotConnected(f"not connected to master {self.options.master_address} yet")
-            self.faults.check()
-            self._busy += 1
-        try:
-            yield self._store
-        finally:
-            with self._lock:
-                self._busy -= 1
-                self._lock.notify_all()
+        self.registered = Registered()  # memory registered with this store
+        self._cls = cls
+        threading.Thread(target=self._connect, name="lmkv-mooncake-setup", daemon=True).start()
 
     def _connect(self) -> None:
         o = self.options
         backoff = o.retry_after_s
-        while not self._stop.is_set():
+        while not self.stop.is_set():
             store = self._cls()
             # Mooncake's own local buffer is where batch_get_buffer lands frames.
             code = store.setup(o.local_hostname, o.metadata_server, int(o.global_segment_size),
                                int(o.local_buffer_size), o.protocol, o.device_name,
                                o.master_address)
             if code == 0:
-                with self._lock:
+                with self.lock:
                     if self.closed:  # closed while setting up: undo it here
                         store.close()
                         return
-                    if self._on_setup is not None:
-                        self._on_setup(store)
-                    self._store = store
-                    self._ready.set()
+                    self.store = store
+                    self.ready.set()
                 logger.info("lmkv mooncake tier: connected to master %s (%s, segment of "
                             "%d bytes)", o.master_address, o.protocol,
                             int(o.global_segment_size))
@@ -175,24 +155,125 @@ class Link:
             store.close()
             self.faults.note("setup", "setting up with master %s answered %d; retrying in "
                              "%.1fs", o.master_address, code, backoff)
-            self._stop.wait(backoff)
+            self.stop.wait(backoff)
             backoff = min(backoff * 2, 4 * o.retry_after_s)
 
-    def close(self, wait_s: float = CLOSE_WAIT_S) -> None:
-        """Unmount this process's segment and disconnect (idempotent; a setup in
-        progress is left to its thread, which closes what it gets). Calls in
-        progress get ``wait_s`` to end; past it the store is left open (the
-        master unmounts it when its heartbeats stop) rather than freed under them."""
-        with self._lock:
-            self.closed = True
-            self._stop.set()
-            if not self._lock.wait_for(lambda: self._busy == 0, wait_s):
-                logger.warning("lmkv mooncake tier: calls still in progress after %.0fs; "
-                               "leaving the store to the master's client timeout", wait_s)
+    def close(self) -> None:
+        """Unmount the segment and disconnect, once calls in progress end (they
+        get CLOSE_WAIT_S; past it the store is left open, the master unmounts it
+        when its heartbeats stop, rather than freed under them)."""
+        try:
+            with self.lock:
+                self.closed = True
+                self.stop.set()
+                if not self.lock.wait_for(lambda: self.busy == 0, CLOSE_WAIT_S):
+                    logger.warning("lmkv mooncake tier: calls still in progress after %.0fs; "
+                                   "leaving the store to the master's client timeout",
+                                   CLOSE_WAIT_S)
+                    return
+                store, self.store = self.store, None
+            if store is not None:
+                store.close()  # holds the GIL for a second or two (Mooncake 0.3.13)
+        except Exception:  # closing must never raise into shutdown
+            logger.exception("lmkv mooncake tier: closing the store failed")
+        finally:
+            with _CLOSING_LOCK:
+                _CLOSING.discard(threading.current_thread())
+
+
+_CLIENTS: dict[tuple, _Client] = {}
+_CLIENTS_LOCK = threading.Lock()
+
+
+class Link:
+    """One tier's handle on its process's shared client, and the tier's breaker
+    in front of it."""
+
+    def __init__(self, options: MooncakeOptions, faults: TierFaults,
+                 on_setup: Callable[[Any], None] | None = None) -> None:
+        self.options = options
+        self.faults = faults
+        cls = store_class()  # fail at start, in one line, without the package
+        self._on_setup = on_setup
+        self._set_up = False
+        self.closed = False
+        with _CLIENTS_LOCK:
+            client = _CLIENTS.get(_client_of(options))
+            if client is None or client.closed:
+                client = _CLIENTS[_client_of(options)] = _Client(options, cls, faults)
+            client.users += 1
+        self._client = client
+        self.registered = client.registered
+
+    def wait_ready(self, timeout_s: float) -> bool:
+        return self._client.ready.wait(timeout_s)
+
+    @property
+    def usable(self) -> bool:
+        """False when closed, not set up yet or while the breaker is open."""
+        return (self._client.ready.is_set() and not self.closed
+                and not self.faults.breaker.is_open)
+
+    @contextmanager
+    def using(self) -> Iterator[Any]:
+        """The set-up store, for the block's calls; ``BreakerOpen`` while the
+        breaker is open or the store is not set up yet, ``TierClosed`` once
+        closed. Closing waits for the blocks in progress before it frees the
+        store (a call into a closed store would touch freed memory)."""
+        client = self._client
+        with client.lock:
+            if self.closed or client.closed:
+                raise TierClosed("the mooncake tier is closed")
+            if not client.ready.is_set():
+                raise NotConnected(f"not connected to master {self.options.master_address} yet")
+            self.faults.check()
+            client.busy += 1
+            if not self._set_up:
+                self._set_up = True
+                if self._on_setup is not None:
+                    self._on_setup(client.store)
+        try:
+            yield client.store
+        finally:
+            with client.lock:
+                client.busy -= 1
+                client.lock.notify_all()
+
+    def close(self) -> None:
+        """Leave the shared client; the last tier to leave starts unmounting the
+        segment and disconnecting, and returns (``join_closing`` waits for it,
+        and runs at interpreter exit). Idempotent."""
+        client = self._client
+        with _CLIENTS_LOCK:
+            if self.closed:
                 return
-            store, self._store = self._store, None
-        if store is not None:
-            try:
-                store.close()
-            except Exception:  # closing must never raise into shutdown
-                logger.exception("lmkv mooncake tier: closing the store failed")
+            self.closed = True
+            client.users -= 1
+            if client.users:
+                return
+            if _CLIENTS.get(_client_of(self.options)) is client:
+                del _CLIENTS[_client_of(self.options)]
+        thread = threading.Thread(target=client.close, name="lmkv-mooncake-close", daemon=True)
+        with _CLOSING_LOCK:
+            _CLOSING.add(thread)
+        thread.start()
+
+
+_CLOSING: set[threading.Thread] = set()
+_CLOSING_LOCK = threading.Lock()
+
+
+def join_closing(timeout_s: float = CLOSE_WAIT_S + 5) -> bool:
+    """Wait for the stores being closed (segments unmounted); False past ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with _CLOSING_LOCK:
+            threads = list(_CLOSING)
+        if not threads:
+            return True
+        threads[0].join(max(0.0, deadline - time.monotonic()))
+        if time.monotonic() >= deadline:
+            return False
+
+
+atexit.register(join_closing)

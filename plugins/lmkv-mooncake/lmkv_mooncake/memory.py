@@ -56,3 +56,14 @@ class Registered:
             self._starts.insert(i, ptr)
             self._ends.insert(i, ptr + nbytes)
             return True
+
+    def unregister(self, store: Any, ptr: int) -> None:
+        """Forget the span starting at ``ptr`` (its memory is about to be freed)."""
+        with self._lock:
+            if ptr not in self._starts:
+                return
+            i = self._starts.index(ptr)
+            del self._starts[i], self._ends[i]
+            code = store.unregister_buffer(ptr)
+            if code != 0:
+                logger.warning("lmkv mooncake tier: unregistering %#x answered %d", ptr, code)

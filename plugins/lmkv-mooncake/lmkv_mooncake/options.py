@@ -22,6 +22,7 @@ __all__ = ["MooncakeOptions"]
 #: ``host:port``, ``[v6]:port``; the master may also be ``etcd://...`` (HA masters).
 _HOST_PORT = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5})$")
 MIN_BUFFER_BYTES = 1 << 20
+MIN_SEGMENT_BYTES = 16 << 20
 
 
 def _env(name: str, default: str) -> str:
@@ -91,6 +92,14 @@ class MooncakeOptions(PluginOptions):
         if value == "P2PHANDSHAKE" or (sep and rest and scheme in ("http", "https", "etcd")):
             return value
         raise ValueError("must be http://host:port/metadata, etcd://host:port or P2PHANDSHAKE")
+
+    @field_validator("global_segment_size")
+    @classmethod
+    def _check_segment(cls, size: ByteSize) -> ByteSize:
+        if 0 < size < MIN_SEGMENT_BYTES:
+            raise ValueError("must be 0 (a pure client) or at least 16MiB (Mooncake's "
+                             "smallest segment)")
+        return size
 
     @field_validator("local_hostname")
     @classmethod

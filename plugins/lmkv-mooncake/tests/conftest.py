@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import os
-import uuid
 from collections.abc import Callable, Iterator
 
 import pytest
-from mooncake_servers import AVAILABLE, SKIP_REASON, MooncakeMaster
+from mooncake_servers import AVAILABLE, SKIP_REASON, MooncakeMaster, new_tier
 
 import lmkv.memory
-from lmkv import BackendContext
-from lmkv.memory import MemoryAllocator
 
 
 @pytest.fixture(autouse=True)
@@ -37,21 +34,23 @@ def mooncake_master(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Moonca
     master.stop()
 
 
+@pytest.fixture(scope="session")
+def shared_client(mooncake_master: MooncakeMaster) -> Iterator[None]:
+    """Keeps the process's Mooncake client for the master's default options open
+    for the session: tiers made meanwhile share it, so closing one does not pay
+    Mooncake's close (a second or two, holding the GIL)."""
+    tier = new_tier(mooncake_master)
+    yield
+    tier.close()
+
+
 @pytest.fixture
 def make_tier(mooncake_master: MooncakeMaster) -> Iterator[Callable[..., object]]:
     """Tiers of the session's master, each under its own key prefix; closed after."""
-    from lmkv_backends.serde.naive import NaiveSerializer
-    from lmkv_mooncake import MooncakeBackend, MooncakeOptions
-
     made = []
 
-    def make(master: MooncakeMaster | None = None, **options: object) -> MooncakeBackend:
-        master = master or mooncake_master
-        arena = MemoryAllocator(16 << 20, pin_memory=False)
-        options.setdefault("key_prefix", f"t-{uuid.uuid4().hex[:8]}:")
-        tier = MooncakeBackend(MooncakeOptions(**master.options(**options)),
-                               BackendContext(serializer=NaiveSerializer(),
-                                              allocate=arena.allocate))
+    def make(master: MooncakeMaster | None = None, **options: object) -> object:
+        tier = new_tier(master or mooncake_master, **options)
         made.append(tier)
         return tier
 

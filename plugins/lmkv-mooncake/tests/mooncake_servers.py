@@ -15,8 +15,12 @@ import subprocess
 import sys
 import time
 import urllib.request
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
+
+from lmkv import BackendContext
+from lmkv.memory import MemoryAllocator
 
 
 def _find_master() -> str | None:
@@ -126,3 +130,14 @@ class MooncakeMaster:
         assert match, "the master's summary has no Mem Storage figure"
         scale = {"B": 1, "KB": 1 << 10, "MB": 1 << 20, "GB": 1 << 30, "TB": 1 << 40}
         return int(float(match.group(1)) * scale[match.group(2)])
+
+
+def new_tier(master: MooncakeMaster, **options: object) -> object:
+    """A tier of ``master`` under its own key prefix (unless given), with its own arena."""
+    from lmkv_backends.serde.naive import NaiveSerializer
+    from lmkv_mooncake import MooncakeBackend, MooncakeOptions
+
+    arena = MemoryAllocator(16 << 20, pin_memory=False)
+    options.setdefault("key_prefix", f"t-{uuid.uuid4().hex[:8]}:")
+    return MooncakeBackend(MooncakeOptions(**master.options(**options)),
+                           BackendContext(serializer=NaiveSerializer(), allocate=arena.allocate))

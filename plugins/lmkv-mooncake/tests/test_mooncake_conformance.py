@@ -2,33 +2,23 @@
 
 from __future__ import annotations
 
-import uuid
-
 import pytest
-from mooncake_servers import MooncakeMaster
+from mooncake_servers import MooncakeMaster, new_tier
 
-from lmkv import BackendContext, StorageBackend
-from lmkv.memory import MemoryAllocator
+from lmkv import StorageBackend
 from lmkv.testing import StorageBackendConformance
 from lmkv.tokens import CacheKey
-from lmkv_backends.serde.naive import NaiveSerializer
 
 
 class TestMooncake(StorageBackendConformance):
     master: MooncakeMaster
 
     @pytest.fixture(autouse=True)
-    def _master(self, mooncake_master: MooncakeMaster) -> None:
+    def _master(self, mooncake_master: MooncakeMaster, shared_client: None) -> None:
         self.master = mooncake_master
 
     def make_backend(self) -> StorageBackend:
-        from lmkv_mooncake import MooncakeBackend, MooncakeOptions
-
-        arena = MemoryAllocator(16 << 20, pin_memory=False)
-        options = self.master.options(key_prefix=f"conf-{uuid.uuid4().hex[:8]}:")
-        return MooncakeBackend(MooncakeOptions(**options),
-                               BackendContext(serializer=NaiveSerializer(),
-                                              allocate=arena.allocate))
+        return new_tier(self.master)
 
     def corrupt_entry(self, backend: StorageBackend, key: CacheKey) -> bool:
         """Flip a payload bit, with the store's own client (get, remove, put)."""
