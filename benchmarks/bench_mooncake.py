@@ -259,6 +259,7 @@ def main() -> None:
         lookup = timed(lambda: tier.batched_async_contains("bench", keys), lambda: None,
                        args.rounds * 4)
         client.store = counting._store
+        direct = tier.stats()["direct_gets"]
         own.close()
         tier.close()
         redis_tier.close()
@@ -274,6 +275,7 @@ def main() -> None:
           "   (target >= 0.9)")
     print(f"  tier / redis tier:  put {t['put'] / r['put']:.2f}   get {t['get'] / r['get']:.2f}"
           "   (target >= 1)")
+    print(f"  tier gets read straight into lmkv's arena: {direct} chunks")
     print(f"  lookup of 128 keys: {hits} hits, {lookup * 1e3:.2f} ms, store calls {calls} "
           "(target: one batch_is_exist)")
 

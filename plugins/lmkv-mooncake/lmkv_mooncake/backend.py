@@ -31,6 +31,7 @@ from lmkv.backend import BackendContext, StorageBackend, done_future
 from lmkv.faults import Breaker, TierFaults
 from lmkv.memory import MemoryAllocator, MemoryObj
 from lmkv.plugin_base import OptionsArg
+from lmkv.serde import read_header
 from lmkv.tokens import CacheKey
 from lmkv_mooncake.client import (
     OBJECT_NOT_FOUND,
@@ -40,6 +41,7 @@ from lmkv_mooncake.client import (
     TierClosed,
     raise_for,
 )
+from lmkv_mooncake.direct import FOUND, OTHER_LAYOUT, Layout, read_direct
 from lmkv_mooncake.options import MooncakeOptions
 from lmkv_mooncake.writer import Writer
 
@@ -74,6 +76,10 @@ class MooncakeBackend(StorageBackend):
         self._close_lock = threading.Lock()
         self._closing = False
         self._frame_hint = 0  # the largest frame seen: sizes get windows
+        # The layout of the last frame read (direct gets guess the next from it).
+        self._direct = bool(context.serializer.raw_payload and context.allocate is not None)
+        self._layout: Layout | None = None
+        self.direct_gets = 0  # chunks read straight into the arena
         self.link = Link(options, self.faults, on_setup=self._registered_staging)
         self.registered = self.link.registered
         atexit.register(self.link.close)  # an engine that exits unmounts its segment
@@ -165,6 +171,10 @@ class MooncakeBackend(StorageBackend):
         try:
             with self.faults.guard("get", "answering misses"), self.link.using() as store:
                 start = 0
+                if self._layout is not None:
+                    start, why = self._read_direct(store, keys, objs)
+                    if why != OTHER_LAYOUT:
+                        start = len(keys)  # all read, or the prefix ended
                 while start < len(keys):
                     window = keys[start:start + self._window()]
                     if not self._get_window(store, window, objs):
@@ -177,6 +187,26 @@ class MooncakeBackend(StorageBackend):
         self.counters.hits += len(objs)
         self.counters.misses += len(objs) < len(keys)
         return objs
+
+    def _read_direct(self, store: Any, keys: Sequence[CacheKey], out: list[MemoryObj]
+                     ) -> tuple[int, str]:
+        layout = self._layout
+        assert layout is not None and self.context.allocate is not None
+        window = max(1, int(self.options.local_buffer_size) // 2 // layout.header_len)
+        read = 0
+        while read < len(keys):
+            part = keys[read:read + window]
+            got, why = read_direct(
+                store, [self.store_key(k) for k in part], part, layout, self.context.allocate,
+                self.staging, self.registered, self.options.register_arena, self.drop_corrupt,
+                out)
+            read += got
+            self.direct_gets += got
+            self.counters.bytes_out += got * (layout.header_len + layout.payload_len)
+            if why != FOUND:
+                return read, why
+        self.faults.succeeded()
+        return read, FOUND
 
     def _get_window(self, store: Any, keys: Sequence[CacheKey], out: list[MemoryObj]) -> bool:
         """Fetch ``keys`` with one call and decode them into ``out``; False at the
@@ -192,6 +222,8 @@ class MooncakeBackend(StorageBackend):
                 obj = self.decode_frame(key, frame)
                 if obj is None:
                     return False
+                if self._direct:
+                    self._layout = Layout.of(read_header(frame, key))
                 self.counters.bytes_out += size
                 out.append(obj)
             self.faults.succeeded()
@@ -235,7 +267,8 @@ class MooncakeBackend(StorageBackend):
             pinned = len(self._pins)
         return {**super().stats(), "pinned_keys": pinned,
                 "pending_put_bytes": self._writer.pending_bytes,
-                "zero_copy_put_bytes": self._writer.zero_copy_bytes}
+                "zero_copy_put_bytes": self._writer.zero_copy_bytes,
+                "direct_gets": self.direct_gets}
 
     def close(self) -> None:
         """Wait up to ``close_timeout_s`` for puts in flight, then drop the rest and

@@ -149,3 +149,34 @@ def test_addresses_default_to_mooncakes_environment(monkeypatch: pytest.MonkeyPa
     monkeypatch.setenv("MOONCAKE_PROTOCOL", "rdma")
     options = MooncakeOptions()
     assert options.master_address == "10.1.2.3:50051" and options.protocol == "rdma"
+
+
+def test_direct_gets_check_every_frame_and_fall_back_on_another_layout(
+        make_tier: object, shared_client: None) -> None:
+    tier = make_tier()
+    assert put(tier, [1, 2, 3]) == 3
+    assert torch.equal(read(tier, 1), chunk(1))  # staged: learns the layout
+    assert torch.equal(read(tier, 2), chunk(2))  # straight into the arena
+    assert tier.stats()["direct_gets"] == 1
+
+    other = torch.arange(64, dtype=torch.float32).reshape(4, 16)  # another shape and dtype
+    assert tier.batched_submit_put([key(9)], [tensor_obj(other)]).result(timeout=60) == 1
+    objs = tier.batched_get_non_blocking("l", [key(3), key(9)]).result(timeout=60)
+    try:
+        assert [tuple(o.shape) for o in objs] == [tuple(chunk(3).shape), (4, 16)]
+        assert torch.equal(objs[0].tensor, chunk(3)) and torch.equal(objs[1].tensor, other)
+    finally:
+        for obj in objs:
+            obj.ref_down()
+
+    assert torch.equal(read(tier, 1), chunk(1))  # relearn the chunk layout
+    with tier.link.using() as store:  # flip a payload bit behind the tier's back
+        name = tier.store_key(key(2))
+        frame = bytearray(store.get(name))
+        frame[-3] ^= 1
+        assert store.remove(name, True) == 0 and store.put(name, bytes(frame)) == 0
+    direct = tier.stats()["direct_gets"]
+    assert read(tier, 2) is None
+    stats = tier.stats()
+    assert stats["corrupt_frames"] == 1 and stats["direct_gets"] == direct
+    assert not tier.contains(key(2))
