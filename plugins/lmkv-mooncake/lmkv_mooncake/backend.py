@@ -158,9 +158,10 @@ class MooncakeBackend(StorageBackend):
 
     def _window(self) -> int:
         """Keys per ``batch_get_buffer``: what fits in this thread's share of
-        Mooncake's local buffer, by the largest frame seen."""
+        Mooncake's local buffer, by the largest frame seen (one key until a
+        frame was seen: a batch larger than the buffer would fail whole)."""
         if not self._frame_hint:
-            return 1 << 30
+            return 1
         share = int(self.options.local_buffer_size) // GET_THREADS
         return max(1, share // self._frame_hint)
 

@@ -40,6 +40,9 @@ from lmkv_mooncake.memory import Registered, address
 
 logger = logging.getLogger(__name__)
 
+#: Frame bytes per batched put: the next window is framed while this one is sent.
+PIPELINE_BYTES = 32 << 20
+
 
 class _Window:
     """Frames of one batched put: names, buffer lists and the staging they use."""
@@ -50,6 +53,7 @@ class _Window:
         self.sizes: list[list[int]] = []
         self.frame_lens: list[int] = []
         self.staging: list[MemoryObj] = []
+        self.nbytes = 0
 
     def release(self) -> None:
         for obj in self.staging:
@@ -70,6 +74,7 @@ class Writer:
         self.counters = link.faults.counters
         self._config: Any = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmkv-mooncake-put")
+        self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmkv-mooncake-send")
         self._lock = threading.Lock()
         self._in_flight: set[Future] = set()
         self.pending_bytes = 0
@@ -143,6 +148,8 @@ class Writer:
 
     def _write_to(self, store: Any, keys: Sequence[CacheKey], objs: Sequence[MemoryObj],
                   done: list[int]) -> None:
+        """Frame window after window while the previous window is on the wire
+        (Mooncake's calls release the GIL): the checksums cost no extra time."""
         names = [self.name_of(k) for k in keys]
         present = store.batch_is_exist(names)
         for code in present:
@@ -150,23 +157,40 @@ class Writer:
         self.faults.succeeded()
         done[0] = done[1] = sum(1 for code in present if code == 1)
         window = _Window()
+        sending: Future | None = None
+
+        def send() -> None:
+            nonlocal window, sending
+            if sending is not None:
+                sending, previous = None, sending
+                previous.result()  # one window on the wire at a time; raises its fault
+            if window.names:
+                sending = self._sender.submit(self._flush, store, window, done)
+                window = _Window()
+
         try:
             for i, code in enumerate(present):
                 if code == 1:
                     continue
+                if window.nbytes >= PIPELINE_BYTES:
+                    send()
                 if self._add(store, window, names[i], keys[i], objs[i]):
                     continue
-                if window.names:  # staging full: send what we have, then try again
-                    self._flush(store, window, done)
-                    if self._add(store, window, names[i], keys[i], objs[i]):
-                        continue
+                send()  # staging full: send what we have, wait for the window before
+                if sending is not None:
+                    sending, previous = None, sending
+                    previous.result()
+                if self._add(store, window, names[i], keys[i], objs[i]):
+                    continue
                 done[1] += 1
                 self.counters.dropped_writes += 1
                 self.faults.note("too-large", "the frame of %s does not fit in the staging "
                                  "buffer (local_buffer_size); dropped", names[i])
-            if window.names:
-                self._flush(store, window, done)
+            send()
+            send()
         finally:
+            if sending is not None:
+                wait([sending])  # its staging is released by _flush itself
             window.release()
 
     def _add(self, store: Any, window: _Window, name: str, key: CacheKey,
@@ -201,6 +225,7 @@ class Writer:
         window.ptrs.append(ptrs)
         window.sizes.append(sizes)
         window.frame_lens.append(sum(sizes))
+        window.nbytes += sum(sizes)
         return True
 
     def _flush(self, store: Any, window: _Window, done: list[int]) -> None:
@@ -241,3 +266,4 @@ class Writer:
         if in_flight and timeout_s > 0:
             wait(in_flight, timeout=timeout_s)
         self._executor.shutdown(wait=False, cancel_futures=True)
+        self._sender.shutdown(wait=False)
