@@ -129,15 +129,14 @@ class Counting:
         return call
 
 
-def timed(fn: Callable[[], object], setup: Callable[[], object], rounds: int) -> float:
-    """Fastest of ``rounds`` (after one warm-up) timed calls, ``setup`` untimed before each."""
+def timed(fn: Callable[[], object], rounds: int) -> float:
+    """Fastest of ``rounds`` timed calls, after one warm-up."""
+    fn()
     best = float("inf")
-    for i in range(rounds + 1):
-        setup()
+    for _ in range(rounds):
         t0 = time.perf_counter()
         fn()
-        if i:
-            best = min(best, time.perf_counter() - t0)
+        best = min(best, time.perf_counter() - t0)
     return best
 
 
@@ -240,13 +239,23 @@ def main() -> None:
             local_buffer_size=batch + 16 * MiB, key_prefix="bench:"), context)
         redis_tier = RedisBackend(RedisOptions(url=where["redis"], key_prefix="bench:"), context)
         own = OwnBench(where, frames)
-        results: dict[str, dict[str, float]] = {}
-        for label, bench in (("tier", TierBench(tier, objs)), ("own", own),
-                             ("redis", TierBench(redis_tier, objs))):
-            put = timed(bench.put, bench.fresh, args.rounds)
-            get = timed(bench.get, lambda: None, args.rounds)
-            results[label] = {"put": gbps(batch, put), "get": gbps(batch, get)}
-            bench.fresh()  # frees the pool for the next
+        benches = {"tier": TierBench(tier, objs), "own": own,
+                   "redis": TierBench(redis_tier, objs)}
+        # Rounds interleave the three (a busy machine slows them all alike); the
+        # first round warms up and is not counted.
+        best = {label: {"put": float("inf"), "get": float("inf")} for label in benches}
+        for round_ in range(args.rounds + 1):
+            for label, bench in benches.items():
+                bench.fresh()  # removes the previous round's entries: the pool stays small
+                for op in ("put", "get"):
+                    t0 = time.perf_counter()
+                    getattr(bench, op)()
+                    if round_:
+                        best[label][op] = min(best[label][op], time.perf_counter() - t0)
+        for bench in benches.values():
+            bench.fresh()
+        results = {label: {op: gbps(batch, t) for op, t in ops.items()}
+                   for label, ops in best.items()}
 
         small = [arena.allocate((2, 2, 16, 2, 32), torch.float16) for _ in range(128)]
         keys = [CacheKey(META, f"lookup-{i}".encode().ljust(32, b".")) for i in range(128)]
@@ -256,15 +265,15 @@ def main() -> None:
         client.store = counting
         hits = tier.batched_async_contains("bench", keys)
         calls = dict(counting.calls)
-        lookup = timed(lambda: tier.batched_async_contains("bench", keys), lambda: None,
-                       args.rounds * 4)
+        lookup = timed(lambda: tier.batched_async_contains("bench", keys), args.rounds * 4)
         client.store = counting._store
         direct = tier.stats()["direct_gets"]
         own.close()
         tier.close()
         redis_tier.close()
 
-    print(f"{args.chunks} chunks of {chunk_bytes // MiB} MiB per batch, best of {args.rounds}, "
+    print(f"{args.chunks} chunks of {chunk_bytes // MiB} MiB per batch, best of {args.rounds} "
+          "interleaved rounds, "
           "TCP on loopback, pure clients of one holder segment")
     for label, name in (("tier", "lmkv mooncake tier"), ("own", "Mooncake's own client"),
                         ("redis", "lmkv redis tier")):
