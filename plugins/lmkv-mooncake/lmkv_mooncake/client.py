@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from lmkv.errors import PluginError
 from lmkv.faults import BreakerOpen, TierFaults, TierUnavailable
 from lmkv_mooncake.memory import Registered
 from lmkv_mooncake.options import MooncakeOptions
@@ -54,8 +55,9 @@ UNREACHABLE_CODES = frozenset({-800, -900, -1010})
 CLOSE_WAIT_S = 10.0
 
 
-class MooncakeMissing(ImportError):
-    """Neither Mooncake client package is installed."""
+class MooncakeMissing(PluginError, ImportError):
+    """Neither Mooncake client package is installed (an LMKVError: the CLI
+    prints it as one line)."""
 
 
 class MooncakeError(OSError):
