@@ -81,66 +81,6 @@ def build_adapters(model_dir: str, out_dir: str) -> dict[str, str]:
     return paths
 
 
-class MooncakePool:
-    """A mooncake_master on loopback and a holder process lending it one segment
-    (the vLLM processes are pure clients: what the writer stored outlives it)."""
-
-    def __init__(self, tmp: str) -> None:
-        import shutil
-        import socket
-
-        def port() -> int:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                return s.getsockname()[1]
-
-        master = str(Path(sys.executable).with_name("mooncake_master"))
-        if not os.path.exists(master):
-            master = shutil.which("mooncake_master") or master
-        rpc, http, metrics = port(), port(), port()
-        self.options = {"master_address": f"127.0.0.1:{rpc}",
-                        "metadata_server": f"http://127.0.0.1:{http}/metadata",
-                        "local_hostname": "127.0.0.1", "global_segment_size": 0,
-                        "local_buffer_size": "64MiB", "key_prefix": "e2e:"}
-        log = open(os.path.join(tmp, "mooncake.log"), "wb")  # noqa: SIM115
-        self.procs = [subprocess.Popen(
-            [master, "--rpc_address", "127.0.0.1", "--rpc_port", str(rpc),
-             "--enable_http_metadata_server=true", "--http_metadata_server_host", "127.0.0.1",
-             "--http_metadata_server_port", str(http), "--metrics_host", "127.0.0.1",
-             "--metrics_port", str(metrics)], stdout=log, stderr=subprocess.STDOUT)]
-        import time
-        deadline = time.monotonic() + 30
-        while True:
-            with socket.socket() as s:
-                if s.connect_ex(("127.0.0.1", http)) == 0:
-                    break
-            if time.monotonic() > deadline:
-                raise RuntimeError("mooncake_master did not come up")
-            time.sleep(0.05)
-        holder = ("import sys; from mooncake.store import MooncakeDistributedStore as S; "
-                  f"s = S(); code = s.setup('127.0.0.1', '{self.options['metadata_server']}', "
-                  f"256 << 20, 16 << 20, 'tcp', '', '127.0.0.1:{rpc}'); "
-                  "print('ready' if code == 0 else code, flush=True); sys.stdin.read(); s.close()")
-        self.procs.append(subprocess.Popen([sys.executable, "-c", holder], stdin=subprocess.PIPE,
-                                           stdout=subprocess.PIPE, stderr=log, text=True))
-        if self.procs[-1].stdout.readline().strip() != "ready":
-            self.close()
-            raise RuntimeError("the Mooncake holder could not set up")
-
-    @staticmethod
-    def available() -> bool:
-        import importlib.util
-        return all(importlib.util.find_spec(m) is not None
-                   for m in ("mooncake", "lmkv_mooncake"))
-
-    def close(self) -> None:
-        for proc in reversed(self.procs):
-            if proc.stdin is not None:
-                proc.stdin.close()
-            proc.terminate()
-            proc.wait(30)
-
-
 def run(model_dir: str, mode: str) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -306,6 +246,7 @@ def main() -> int:
         from lmkv.testing.server import spawn_server
         server, env["E2E_SERVER_ADDRESS"] = spawn_server(
             tmp, "tiers:\n  - type: cpu\n    options: {max_bytes: 256MiB}\n", env=env)
+        from lmkv.testing.mooncake import MooncakePool
         pool = MooncakePool(tmp) if MooncakePool.available() else None
         if pool is None:
             print("NOTE: lmkv-mooncake or the Mooncake client is not installed in this venv: "
