@@ -282,7 +282,7 @@ class MooncakeBackend(StorageBackend):
             self._closing = True
         self._writer.close(self.options.close_timeout_s)
         self._gets.shutdown(wait=False, cancel_futures=True)
-        if self.link.usable:  # (closed at interpreter exit already: the store is going)
+        if not self.link.closed:  # (closed at interpreter exit already: the store is going)
             with self.faults.guard("close", "staging left registered"), \
                     self.link.using() as store:
                 self.registered.unregister(store, self.staging.arena.data_ptr())
