@@ -22,6 +22,9 @@ print(*(n for n in ('torchvision', 'torchaudio', 'torchcodec') if u.find_spec(n)
 # lmkv with its own deps: only those vLLM does not bring get installed
 # (pluggy, xxhash, zstandard); torch and the rest stay vLLM's.
 "${PIP[@]}" install -q -e . -c scripts/constraints-dev.txt
+# The Mooncake tier and its CPU client (aiohttp, requests, msgpack: nothing that
+# touches vLLM's torch) for the e2e's two vLLM processes sharing one pool.
+"${PIP[@]}" install -q -e "plugins/lmkv-mooncake[cpu]" -c scripts/constraints-dev.txt
 # pytest for tests/vllm/test_*.py (vLLM's own Request objects and block hashes);
 # peft builds the e2e's LoRA adapters (--no-deps: everything it needs is vLLM's
 # already, and nothing may replace vLLM's torch).

@@ -9,3 +9,6 @@ PYTHON=${PYTHON:-python3}
 .venv/bin/python -m pip install -q "torch==2.13.0"
 .venv/bin/python -m pip install -q -e ".[transformers,s3,dev,plot]" -c scripts/constraints-dev.txt
 .venv/bin/python -m pip install -q -e plugins/lmkv-redis
+# The Mooncake tier with its CPU client build (mooncake-transfer-engine-non-cuda:
+# the client library and mooncake_master; needs libibverbs1 librdmacm1 libnuma1).
+.venv/bin/python -m pip install -q -e "plugins/lmkv-mooncake[cpu]" -c scripts/constraints-dev.txt

@@ -146,7 +146,7 @@ def test_no_module_imports_a_higher_layer() -> None:
 
 
 def test_the_core_never_imports_a_plugin() -> None:
-    plugins = ("lmkv_backends", "lmkv_policies", "lmkv_kernels", "lmkv_redis")
+    plugins = ("lmkv_backends", "lmkv_policies", "lmkv_kernels", "lmkv_redis", "lmkv_mooncake")
     offenders = sorted(f"{m} imports {t}" for m, ts in GRAPH.items() for t in ts
                        if m.split(".")[0] == "lmkv" and not m.startswith("lmkv.testing")
                        and t.split(".")[0] in plugins)
@@ -198,7 +198,7 @@ def test_the_cycle_finder_finds_cycles() -> None:
     assert _cycles({"a": {"b"}, "b": set()}) == []
 
 
-@pytest.mark.parametrize("plugin", ["lmkv-redis"])
+@pytest.mark.parametrize("plugin", ["lmkv-redis", "lmkv-mooncake"])
 def test_plugin_packages_have_no_cycles_and_stay_at_their_layer(plugin: str) -> None:
     package = plugin.replace("-", "_")
     modules = _modules({package: ROOT / "plugins" / plugin})

@@ -61,6 +61,7 @@ KINDS: dict[str, PluginKind] = {
 # Plugins that lmkv knows of but does not ship: (kind, name) -> distribution.
 KNOWN_PLUGINS: dict[tuple[str, str], str] = {
     ("storage_backend", "redis"): "lmkv-redis",
+    ("storage_backend", "mooncake"): "lmkv-mooncake",
 }
 
 

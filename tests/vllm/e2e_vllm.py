@@ -16,6 +16,10 @@ processes share a disk tier: the first stores the first prompt's KV; the second,
 started afterwards with an empty cpu tier, must load the shared prefix from disk.
 Then server mode: an ``lmkv server`` owns the tiers; one vLLM process stores
 through it, and a second one, started afterwards, loads the prefix from it.
+Then a Mooncake pool (when lmkv-mooncake and a Mooncake client are installed,
+as scripts/setup-vllm.sh does): a ``mooncake_master`` on loopback and a holder
+process lending the pool its memory; one vLLM process stores through the
+``mooncake`` tier, a second one, started afterwards, loads the prefix from it.
 Then tenants: the first prompt under ``cache_salt`` "a", then the second under
 "b", under none and under "a": only the same salt may load the shared prefix,
 and every output equals the baseline's. Last, LoRA: two adapters with random
@@ -99,6 +103,10 @@ def run(model_dir: str, mode: str) -> dict:
     if mode.startswith("disk"):
         extra["lmkv.tiers"] = [{"type": "cpu", "options": {"max_bytes": "256MiB"}},
                                {"type": "fs", "options": {"url": os.environ["E2E_DISK_TIER_DIR"]}}]
+    if mode.startswith("mooncake"):
+        extra["lmkv.tiers"] = [{"type": "cpu", "options": {"max_bytes": "256MiB"}},
+                               {"type": "mooncake",
+                                "options": json.loads(os.environ["E2E_MOONCAKE"])}]
     if mode.startswith("server"):
         extra.update({"lmkv.mode": "server",
                       "lmkv.server.address": os.environ["E2E_SERVER_ADDRESS"]})
@@ -153,13 +161,13 @@ def run(model_dir: str, mode: str) -> dict:
             outputs.append(generate(second, salt))
             loaded.append(counters.loaded_tokens - before)
         return {"outputs": outputs, "loaded": loaded}
-    if mode.startswith(("disk", "server")):
+    if mode.startswith(("disk", "server", "mooncake")):
         from vllm.distributed.kv_transfer import get_kv_transfer_group
 
         worker = get_kv_transfer_group().worker_side
         # the writer only stores; the reader, a fresh process, only asks
         outputs = [generate(first if mode.endswith("writer") else second)]
-        if mode.startswith("disk"):
+        if mode.startswith(("disk", "mooncake")):
             assert worker.engine.storage.flush(60), "the disk writes did not finish"
         return {"outputs": outputs, "worker_counters": vars(worker.counters),
                 "metrics": _metrics(llm)}
@@ -238,10 +246,22 @@ def main() -> int:
         from lmkv.testing.server import spawn_server
         server, env["E2E_SERVER_ADDRESS"] = spawn_server(
             tmp, "tiers:\n  - type: cpu\n    options: {max_bytes: 256MiB}\n", env=env)
+        from lmkv.testing.mooncake import MooncakePool
+        pool = MooncakePool(tmp) if MooncakePool.available() else None
+        if pool is None:
+            print("NOTE: lmkv-mooncake or the Mooncake client is not installed in this venv: "
+                  "skipping the mooncake rows (scripts/setup-vllm.sh installs them)")
+        else:
+            env["E2E_MOONCAKE"] = json.dumps(pool.options)
+        modes = ["baseline", "eager", "lazy", "async", "corrupt", "load-fails",
+                 "disk-writer", "disk-reader", "server-writer", "server-reader",
+                 *(["mooncake-writer", "mooncake-reader"] if pool else []),
+                 "salt", "lora-baseline", "lora"]
+        only = os.environ.get("E2E_ONLY")  # a comma-separated subset, while developing
+        if only:
+            modes = [m for m in modes if m in only.split(",")]
         try:
-            for mode in ("baseline", "eager", "lazy", "async", "corrupt", "load-fails",
-                         "disk-writer", "disk-reader", "server-writer", "server-reader",
-                         "salt", "lora-baseline", "lora"):
+            for mode in modes:
                 out = os.path.join(tmp, f"{mode}.json")
                 rc = subprocess.call([sys.executable, __file__, "--run", mode, model_dir, out],
                                      env=env)
@@ -251,6 +271,8 @@ def main() -> int:
                 with open(out) as f:
                     results[mode] = json.load(f)
         finally:
+            if pool is not None:
+                pool.close()
             server.terminate()
             server_rc = server.wait(60)
             server_log = "".join(Path(p).read_text()
@@ -258,6 +280,8 @@ def main() -> int:
     if server_rc != 0:
         print(f"FAIL: the lmkv server exited {server_rc}:\n{server_log}")
         return 1
+    if only:
+        return _check_subset(results)
     base = results["baseline"]
     print("baseline outputs:", base["outputs"])
     # Every whole block the prompts share (2.5 chunks): what vLLM's prefix cache hits.
@@ -296,7 +320,8 @@ def main() -> int:
             fails["worker_counters"]["failed_blocks"] != expected_hit // BLOCK:
         print("FAIL (load-fails): failed loads were not reported and recomputed")
         ok = False
-    for tier in ("disk", "server"):  # a second process reuses what the first stored
+    shared = ("disk", "server", *(("mooncake",) if "mooncake-reader" in results else ()))
+    for tier in shared:  # a second process reuses what the first stored
         writer, reader = results[f"{tier}-writer"], results[f"{tier}-reader"]
         print(f"{tier} writer worker_counters:", writer["worker_counters"])
         print(f"{tier} reader (a second vLLM process) worker_counters:",
@@ -323,6 +348,26 @@ def main() -> int:
         print("FAIL (lora): an adapter or the base model loaded another's KV, or the "
               "adapter's reused KV changed its output")
         ok = False
+    print("PASS" if ok else "FAILED")
+    return 0 if ok else 1
+
+
+def _check_subset(results: dict) -> int:
+    """``E2E_ONLY=baseline,mooncake-writer,mooncake-reader``: the sharing check alone."""
+    base = results["baseline"]
+    expected_hit = min((len(prompts()[1]) - 1) // BLOCK, PREFIX // BLOCK) * BLOCK
+    ok = True
+    for tier in ("disk", "server", "mooncake"):
+        if f"{tier}-reader" not in results:
+            continue
+        writer, reader = results[f"{tier}-writer"], results[f"{tier}-reader"]
+        print(f"{tier} writer:", writer["worker_counters"])
+        print(f"{tier} reader:", reader["worker_counters"], reader["outputs"])
+        if writer["worker_counters"]["stored_tokens"] < expected_hit or \
+                reader["worker_counters"]["loaded_tokens"] != expected_hit or \
+                reader["outputs"][0] != base["outputs"][1]:
+            print(f"FAIL ({tier}): the second process did not reuse the first one's KV exactly")
+            ok = False
     print("PASS" if ok else "FAILED")
     return 0 if ok else 1
 

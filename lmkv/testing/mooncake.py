@@ -1,0 +1,89 @@
+"""A Mooncake pool on loopback for end-to-end runs and benchmarks: a
+``mooncake_master`` (every listener on 127.0.0.1) and a holder process that
+lends the pool one segment, so the engines are pure clients and what one
+stored outlives it. Needs the Mooncake client (``lmkv-mooncake[cpu]``);
+nothing here imports the plugin.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def master_binary() -> str | None:
+    """``mooncake_master`` beside this Python, else on the PATH."""
+    beside = Path(sys.executable).with_name("mooncake_master")
+    return str(beside) if beside.exists() else shutil.which("mooncake_master")
+
+
+class MooncakePool:
+    """A master and a holder lending ``segment_bytes``; ``options`` are the
+    ``mooncake`` tier options of a pure client of it."""
+
+    def __init__(self, tmp: str, segment_bytes: int = 256 << 20,
+                 key_prefix: str = "lmkv:") -> None:
+        master = master_binary()
+        if master is None:
+            raise RuntimeError("mooncake_master not found: pip install 'lmkv-mooncake[cpu]'")
+        rpc, http, metrics = _port(), _port(), _port()
+        self.options = {"master_address": f"127.0.0.1:{rpc}",
+                        "metadata_server": f"http://127.0.0.1:{http}/metadata",
+                        "local_hostname": "127.0.0.1", "global_segment_size": 0,
+                        "local_buffer_size": "64MiB", "key_prefix": key_prefix}
+        log = open(os.path.join(tmp, "mooncake.log"), "ab")  # noqa: SIM115 (the processes own it)
+        self.procs = [subprocess.Popen(
+            [master, "--rpc_address", "127.0.0.1", "--rpc_port", str(rpc),
+             "--enable_http_metadata_server=true", "--http_metadata_server_host", "127.0.0.1",
+             "--http_metadata_server_port", str(http), "--metrics_host", "127.0.0.1",
+             "--metrics_port", str(metrics)], stdout=log, stderr=subprocess.STDOUT)]
+        deadline = time.monotonic() + 30
+        while not all(_answers(p) for p in (rpc, http)):
+            if self.procs[0].poll() is not None or time.monotonic() > deadline:
+                self.close()
+                raise RuntimeError(f"mooncake_master did not come up: see {log.name}")
+            time.sleep(0.05)
+        holder = ("import sys; from mooncake.store import MooncakeDistributedStore as S; "
+                  f"s = S(); code = s.setup('127.0.0.1', '{self.options['metadata_server']}', "
+                  f"{segment_bytes}, 16 << 20, 'tcp', '', '127.0.0.1:{rpc}'); "
+                  "print('ready' if code == 0 else code, flush=True); sys.stdin.read(); s.close()")
+        self.procs.append(subprocess.Popen([sys.executable, "-c", holder], stdin=subprocess.PIPE,
+                                           stdout=subprocess.PIPE, stderr=log, text=True))
+        log.close()
+        if self.procs[-1].stdout.readline().strip() != "ready":
+            self.close()
+            raise RuntimeError("the Mooncake holder could not set up")
+
+    @staticmethod
+    def available() -> bool:
+        """The Mooncake client, the plugin and ``mooncake_master`` are installed."""
+        return master_binary() is not None and all(
+            importlib.util.find_spec(m) is not None for m in ("mooncake", "lmkv_mooncake"))
+
+    def close(self) -> None:
+        for proc in reversed(self.procs):
+            if proc.stdin is not None:
+                proc.stdin.close()
+            proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def _answers(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0

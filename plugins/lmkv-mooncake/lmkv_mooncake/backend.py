@@ -1,0 +1,294 @@
+"""The ``mooncake`` tier: lmkv frames in a Mooncake Store pool.
+
+Every batch is one call into the store: a lookup of 128 keys is one
+``batch_is_exist`` (one round trip to the master), a get is one
+``batch_get_buffer`` (the master names the replicas, the transfer engine
+moves every frame into Mooncake's registered local buffer, from which each is
+checked and decoded into lmkv's arena), a put is one existence check and one
+``batch_put_from_multi_buffers`` per staging window (see ``writer``).
+
+Pins are local: this process counts them so it knows what it is about to
+read. The store evicts by its own policy (and holds a lease on an entry while
+it is read); a pinned entry the store evicted is simply a miss.
+
+Faults follow lmkv's one policy (``lmkv.faults``): a failed call is a counted,
+rate-logged miss or dropped write; a master out of reach opens the tier's
+breaker for ``retry_after_s``. A frame that fails its checks (checksum, key
+digest, shape) is a miss and is removed from the pool.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import logging
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from lmkv.backend import BackendContext, StorageBackend, done_future
+from lmkv.faults import Breaker, TierFaults
+from lmkv.memory import MemoryAllocator, MemoryObj
+from lmkv.plugin_base import OptionsArg
+from lmkv.serde import read_header
+from lmkv.tokens import CacheKey
+from lmkv_mooncake.client import (
+    OBJECT_NOT_FOUND,
+    Link,
+    MasterUnreachable,
+    MooncakeError,
+    TierClosed,
+    raise_for,
+)
+from lmkv_mooncake.direct import FOUND, OTHER_LAYOUT, Layout, read_direct
+from lmkv_mooncake.options import MooncakeOptions
+from lmkv_mooncake.writer import Writer
+
+logger = logging.getLogger(__name__)
+
+#: Gets of concurrent lookups run side by side (they share Mooncake's local buffer).
+GET_THREADS = 2
+#: Everything a call can fail with at run time: a miss or a dropped write.
+FAULTS: tuple[type[BaseException], ...] = (MooncakeError, TierClosed, OSError)
+
+
+class MooncakeBackend(StorageBackend):
+    name = "mooncake"
+    Options = MooncakeOptions
+
+    options: MooncakeOptions
+
+    def __init__(self, options: OptionsArg = None, context: BackendContext | None = None) -> None:
+        super().__init__(options, context)
+        options, context = self.options, self.context
+        if context.serializer is None:
+            raise ValueError("the mooncake tier needs a serializer")
+        self.where = options.master_address
+        self.faults = TierFaults(
+            self.counters, f"mooncake tier (master {self.where})", absorbed=FAULTS,
+            unreachable=(MasterUnreachable,),
+            breaker=Breaker(options.retry_after_s, 4 * options.retry_after_s), log=logger)
+        # Registered staging: frame headers, and chunks from unregistered memory.
+        self.staging = MemoryAllocator(int(options.local_buffer_size), pin_memory=False)
+        self._pins: dict[str, int] = {}
+        self._pins_lock = threading.Lock()
+        self._close_lock = threading.Lock()
+        self._closing = False
+        self._frame_hint = 0  # the largest frame seen: sizes get windows
+        # The layout of the last frame read (direct gets guess the next from it).
+        self._direct = bool(context.serializer.raw_payload and context.allocate is not None)
+        self._layout: Layout | None = None
+        self.direct_gets = 0  # chunks read straight into the arena
+        self.link = Link(options, self.faults, on_setup=self._registered_staging)
+        self.registered = self.link.registered
+        atexit.register(self.link.close)  # an engine that exits unmounts its segment
+        self._writer = Writer(self.link, context.serializer, self.staging, self.registered,
+                              self.store_key)
+        self._gets = ThreadPoolExecutor(max_workers=GET_THREADS,
+                                        thread_name_prefix="lmkv-mooncake-get")
+        if not self.link.wait_ready(options.connect_timeout_s):
+            logger.warning("lmkv mooncake tier: master %s not answering yet; misses until it "
+                           "does", self.where)
+
+    def _registered_staging(self, store: Any) -> None:
+        arena = self.staging.arena
+        self.registered.register(store, arena.data_ptr(), arena.numel())
+
+    def __repr__(self) -> str:
+        return f"MooncakeBackend(master={self.where}, protocol={self.options.protocol})"
+
+    def store_key(self, key: CacheKey) -> str:
+        return self.options.key_prefix + key.to_string()
+
+    # -- lookups ------------------------------------------------------------------
+    def contains(self, key: CacheKey, pin: bool = False) -> bool:
+        return self.batched_async_contains("", [key], pin=pin) == 1
+
+    def batched_async_contains(self, lookup_id: str, keys: Sequence[CacheKey],
+                               pin: bool = False) -> int:
+        """One ``batch_is_exist`` for all of ``keys``: the leading run of hits."""
+        if not keys:
+            return 0
+        names = [self.store_key(k) for k in keys]
+        hits = 0
+        with self.faults.guard("lookup", "answering misses"):
+            with self.link.using() as store:
+                codes = store.batch_is_exist(names)
+            for code in codes:
+                if code != 1:
+                    raise_for("batch_is_exist", code)
+                    break
+                hits += 1
+            self.faults.succeeded()
+        if pin and hits:
+            with self._pins_lock:
+                for name in names[:hits]:
+                    self._pins[name] = self._pins.get(name, 0) + 1
+        return hits
+
+    def pin(self, key: CacheKey) -> bool:
+        return self.contains(key, pin=True)
+
+    def unpin(self, key: CacheKey) -> bool:
+        """Release one pin of this process; False when it held none on ``key``."""
+        name = self.store_key(key)
+        with self._pins_lock:
+            count = self._pins.get(name)
+            if count is None:
+                return False
+            if count == 1:
+                del self._pins[name]
+            else:
+                self._pins[name] = count - 1
+            return True
+
+    # -- gets -----------------------------------------------------------------------
+    def get_blocking(self, key: CacheKey) -> MemoryObj | None:
+        objs = self._get_prefix([key])
+        return objs[0] if objs else None
+
+    def batched_get_non_blocking(self, lookup_id: str, keys: Sequence[CacheKey]) -> Future:
+        if not keys:
+            return done_future([])
+        try:
+            return self._gets.submit(self._get_prefix, list(keys))
+        except RuntimeError:  # closed
+            return done_future([])
+
+    def _window(self) -> int:
+        """Keys per ``batch_get_buffer``: what fits in this thread's share of
+        Mooncake's local buffer, by the largest frame seen (one key until a
+        frame was seen: a batch larger than the buffer would fail whole)."""
+        if not self._frame_hint:
+            return 1
+        share = int(self.options.local_buffer_size) // GET_THREADS
+        return max(1, share // self._frame_hint)
+
+    def _get_prefix(self, keys: Sequence[CacheKey]) -> list[MemoryObj]:
+        """The leading entries found, decoded window by window; a fault answers
+        the prefix decoded so far."""
+        objs: list[MemoryObj] = []
+        try:
+            with self.faults.guard("get", "answering misses"), self.link.using() as store:
+                start = 0
+                if self._layout is not None:
+                    start, why = self._read_direct(store, keys, objs)
+                    if why != OTHER_LAYOUT:
+                        start = len(keys)  # all read, or the prefix ended
+                while start < len(keys):
+                    window = keys[start:start + self._window()]
+                    if not self._get_window(store, window, objs):
+                        break
+                    start += len(window)
+        except BaseException:  # a bug: give the buffers back, then let it show
+            for obj in objs:
+                obj.ref_down()
+            raise
+        self.counters.hits += len(objs)
+        self.counters.misses += len(objs) < len(keys)
+        return objs
+
+    def _read_direct(self, store: Any, keys: Sequence[CacheKey], out: list[MemoryObj]
+                     ) -> tuple[int, str]:
+        layout = self._layout
+        assert layout is not None and self.context.allocate is not None
+        window = max(1, int(self.options.local_buffer_size) // 2 // layout.header_len)
+        read = 0
+        while read < len(keys):
+            part = keys[read:read + window]
+            got, why = read_direct(
+                store, [self.store_key(k) for k in part], part, layout, self.context.allocate,
+                self.staging, self.registered, self.options.register_arena, self.drop_corrupt,
+                out)
+            read += got
+            self.direct_gets += got
+            self.counters.bytes_out += got * (layout.header_len + layout.payload_len)
+            if why != FOUND:
+                return read, why
+        self.faults.succeeded()
+        return read, FOUND
+
+    def _get_window(self, store: Any, keys: Sequence[CacheKey], out: list[MemoryObj]) -> bool:
+        """Fetch ``keys`` with one call and decode them into ``out``; False at the
+        first that is absent or not a valid frame (a corrupt one is dropped)."""
+        handles = store.batch_get_buffer([self.store_key(k) for k in keys])
+        try:
+            for key, handle in zip(keys, handles, strict=True):
+                if handle is None:  # absent, evicted, or its transfer failed
+                    return False
+                size = handle.size()
+                self._frame_hint = max(self._frame_hint, size)
+                frame = memoryview((ctypes.c_ubyte * size).from_address(handle.ptr())).cast("B")
+                obj = self.decode_frame(key, frame)
+                if obj is None:
+                    return False
+                if self._direct:
+                    self._layout = Layout.of(read_header(frame, key))
+                self.counters.bytes_out += size
+                out.append(obj)
+            self.faults.succeeded()
+            return True
+        finally:
+            del handles  # gives Mooncake's local buffer back
+
+    # -- puts -----------------------------------------------------------------------
+    def batched_submit_put(self, keys: Sequence[CacheKey], objs: Sequence[MemoryObj],
+                           parents: Sequence[CacheKey | None] | None = None) -> Future:
+        # The store evicts by its own policy: parents are not used here.
+        return self._writer.submit(list(keys), list(objs))
+
+    # -- removal --------------------------------------------------------------------
+    def remove(self, key: CacheKey) -> bool:
+        """Delete ``key`` from the pool, pinned or not (pins are local), leased or
+        not (a corrupt entry must go even while another reader holds it)."""
+        name = self.store_key(key)
+        removed = False
+        with self.faults.guard("remove", "entry left in place"):
+            with self.link.using() as store:
+                size = store.get_size(name)
+                code = store.remove(name, True)
+            if code == OBJECT_NOT_FOUND:
+                return False
+            raise_for("remove", code)
+            removed = True
+            if size > 0:
+                self._writer.forget(size)
+        return removed
+
+    # -- figures --------------------------------------------------------------------
+    @property
+    def usage_bytes(self) -> int:
+        """Frame bytes this process added to the pool (new entries it wrote, less
+        entries it removed). Blind to the store's eviction and other processes."""
+        return max(0, self._writer.net_bytes)
+
+    def stats(self) -> dict[str, int | None]:
+        with self._pins_lock:
+            pinned = len(self._pins)
+        return {**super().stats(), "pinned_keys": pinned,
+                "pending_put_bytes": self._writer.pending_bytes,
+                "zero_copy_put_bytes": self._writer.zero_copy_bytes,
+                "direct_gets": self.direct_gets}
+
+    def close(self) -> None:
+        """Wait up to ``close_timeout_s`` for puts in flight, then drop the rest and
+        start unmounting this process's segment (``client.join_closing`` waits for
+        that; it runs at interpreter exit too); returns promptly even when the
+        master is gone."""
+        with self._close_lock:
+            if self._closing:
+                return
+            self._closing = True
+        self._writer.close(self.options.close_timeout_s)
+        self._gets.shutdown(wait=False, cancel_futures=True)
+        if not self.link.closed:  # (closed at interpreter exit already: the store is going)
+            with self.faults.guard("close", "staging left registered"), \
+                    self.link.using() as store:
+                self.registered.unregister(store, self.staging.arena.data_ptr())
+        self.faults.close()
+        self.link.close()
+        atexit.unregister(self.link.close)
+        with self._pins_lock:
+            self._pins.clear()
+        super().close()

@@ -1,0 +1,281 @@
+"""The mooncake tier's link to the store: the client library, its return codes
+and the tier's breaker around every call.
+
+Mooncake's Python client reports faults as negative return codes, not
+exceptions; ``raise_for`` turns a code into ``MooncakeError`` (absorbed: a
+miss or a dropped write) or ``MasterUnreachable`` (the master or the
+transfer path is gone: it opens the breaker, so a dead master costs one
+failed call per backoff interval, not one per engine step).
+
+The store is set up on a background thread (Mooncake's ``setup`` retries for
+about 90 s when the master is down): the tier waits ``connect_timeout_s`` for
+it at start, then answers misses until it is up, never a failed start and
+never an engine thread held. Mooncake's client re-registers its segment with a
+restarted master by itself; nothing here has to reconnect.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from lmkv.errors import PluginError
+from lmkv.faults import BreakerOpen, TierFaults, TierUnavailable
+from lmkv_mooncake.memory import Registered
+from lmkv_mooncake.options import MooncakeOptions
+
+logger = logging.getLogger(__name__)
+
+PACKAGES = ("mooncake-transfer-engine-non-cuda (CPU hosts: pip install 'lmkv-mooncake[cpu]') "
+            "or mooncake-transfer-engine (GPU hosts: pip install 'lmkv-mooncake[gpu]')")
+
+#: Mooncake's error codes (mooncake-store types.h) that the tier tells apart.
+OBJECT_NOT_FOUND = -704
+OBJECT_ALREADY_EXISTS = -705
+BUFFER_TOO_SMALL = -600  # INVALID_PARAMS: what a get into a too small buffer answers
+CODE_NAMES = {
+    -1: "INTERNAL_ERROR", -10: "BUFFER_OVERFLOW", -101: "SEGMENT_NOT_FOUND",
+    -200: "NO_AVAILABLE_HANDLE", -400: "INVALID_KEY", -500: "WRITE_FAIL",
+    -600: "INVALID_PARAMS", -700: "INVALID_WRITE", -701: "INVALID_READ",
+    -702: "INVALID_REPLICA", -703: "REPLICA_IS_NOT_READY", -704: "OBJECT_NOT_FOUND",
+    -705: "OBJECT_ALREADY_EXISTS", -706: "OBJECT_HAS_LEASE", -800: "TRANSFER_FAIL",
+    -900: "RPC_FAIL", -1010: "UNAVAILABLE_IN_CURRENT_STATUS",
+}
+#: Codes that say the master (or the path to a segment) is gone, not one entry
+#: (with every code from -900 to -999: the RPC layer's).
+UNREACHABLE_CODES = frozenset({-800, -900, -1010})
+
+
+#: How long ``Link.close`` waits for calls in progress.
+CLOSE_WAIT_S = 10.0
+
+
+class MooncakeMissing(PluginError, ImportError):
+    """Neither Mooncake client package is installed (an LMKVError: the CLI
+    prints it as one line)."""
+
+
+class MooncakeError(OSError):
+    """A Mooncake call failed for this request (absorbed: a miss or a dropped write)."""
+
+    def __init__(self, op: str, code: int) -> None:
+        super().__init__(f"{op} answered {code} ({CODE_NAMES.get(code, 'error')})")
+        self.code = code
+
+
+class MasterUnreachable(TierUnavailable):
+    """The master or the transfer path cannot be reached: opens the breaker."""
+
+
+class NotConnected(BreakerOpen):
+    """The store is not set up yet: a miss, not attempted (so not an error)."""
+
+
+class TierClosed(ConnectionError):
+    """The tier is closed: no store any more (absorbed like any connection fault)."""
+
+
+def store_class() -> type:
+    """``MooncakeDistributedStore``; ``MooncakeMissing`` (one line naming both
+    packages) when neither build of the client is installed."""
+    try:
+        from mooncake.store import MooncakeDistributedStore
+    except ImportError as exc:
+        raise MooncakeMissing(f"the mooncake tier needs the Mooncake client: install "
+                              f"{PACKAGES} ({exc})") from None
+    return MooncakeDistributedStore
+
+
+def raise_for(op: str, code: int) -> None:
+    """Raise for a negative Mooncake return code (no-op for a success)."""
+    if code >= 0:
+        return
+    if code in UNREACHABLE_CODES or -999 <= code <= -900:  # RPC_FAIL, RPC timeouts
+        raise MasterUnreachable(f"{op} answered {code} ({CODE_NAMES[code]})")
+    raise MooncakeError(op, code)
+
+
+def replicate_config(options: MooncakeOptions) -> Any:
+    from mooncake.store import ReplicateConfig
+
+    config = ReplicateConfig()
+    config.replica_num = options.replica_num
+    return config
+
+
+def _client_of(options: MooncakeOptions) -> tuple:
+    """What makes two tiers' clients the same client: the connection, the segment."""
+    return (options.master_address, options.metadata_server, options.local_hostname,
+            options.protocol, options.device_name, int(options.global_segment_size),
+            int(options.local_buffer_size))
+
+
+class _Client:
+    """One Mooncake client (one store, one segment) shared by every tier of this
+    process with the same connection options: Mooncake wants one per process,
+    and a second would mount a second segment and pay a second setup."""
+
+    def __init__(self, options: MooncakeOptions, cls: type, faults: TierFaults) -> None:
+        self.options = options
+        self.faults = faults  # the first tier's: setup retries are noted there
+        self.users = 0
+        self.store: Any = None
+        self.ready = threading.Event()
+        self.stop = threading.Event()
+        self.lock = threading.Condition()
+        self.busy = 0  # calls in progress
+        self.closed = False
+        self.registered = Registered()  # memory registered with this store
+        self._cls = cls
+        threading.Thread(target=self._connect, name="lmkv-mooncake-setup", daemon=True).start()
+
+    def _connect(self) -> None:
+        o = self.options
+        backoff = o.retry_after_s
+        while not self.stop.is_set():
+            store = self._cls()
+            # Mooncake's own local buffer is where batch_get_buffer lands frames.
+            code = store.setup(o.local_hostname, o.metadata_server, int(o.global_segment_size),
+                               int(o.local_buffer_size), o.protocol, o.device_name,
+                               o.master_address)
+            if code == 0:
+                with self.lock:
+                    if self.closed:  # closed while setting up: undo it here
+                        store.close()
+                        return
+                    self.store = store
+                    self.ready.set()
+                logger.info("lmkv mooncake tier: connected to master %s (%s, segment of "
+                            "%d bytes)", o.master_address, o.protocol,
+                            int(o.global_segment_size))
+                return
+            store.close()
+            self.faults.note("setup", "setting up with master %s answered %d; retrying in "
+                             "%.1fs", o.master_address, code, backoff)
+            self.stop.wait(backoff)
+            backoff = min(backoff * 2, 4 * o.retry_after_s)
+
+    def close(self) -> None:
+        """Unmount the segment and disconnect, once calls in progress end (they
+        get CLOSE_WAIT_S; past it the store is left open, the master unmounts it
+        when its heartbeats stop, rather than freed under them)."""
+        try:
+            with self.lock:
+                self.closed = True
+                self.stop.set()
+                if not self.lock.wait_for(lambda: self.busy == 0, CLOSE_WAIT_S):
+                    logger.warning("lmkv mooncake tier: calls still in progress after %.0fs; "
+                                   "leaving the store to the master's client timeout",
+                                   CLOSE_WAIT_S)
+                    return
+                store, self.store = self.store, None
+            if store is not None:
+                store.close()  # holds the GIL for a second or two (Mooncake 0.3.13)
+        except Exception:  # closing must never raise into shutdown
+            logger.exception("lmkv mooncake tier: closing the store failed")
+        finally:
+            with _CLOSING_LOCK:
+                _CLOSING.discard(threading.current_thread())
+
+
+_CLIENTS: dict[tuple, _Client] = {}
+_CLIENTS_LOCK = threading.Lock()
+
+
+class Link:
+    """One tier's handle on its process's shared client, and the tier's breaker
+    in front of it."""
+
+    def __init__(self, options: MooncakeOptions, faults: TierFaults,
+                 on_setup: Callable[[Any], None] | None = None) -> None:
+        self.options = options
+        self.faults = faults
+        cls = store_class()  # fail at start, in one line, without the package
+        self._on_setup = on_setup
+        self._set_up = False
+        self.closed = False
+        with _CLIENTS_LOCK:
+            client = _CLIENTS.get(_client_of(options))
+            if client is None or client.closed:
+                client = _CLIENTS[_client_of(options)] = _Client(options, cls, faults)
+            client.users += 1
+        self._client = client
+        self.registered = client.registered
+
+    def wait_ready(self, timeout_s: float) -> bool:
+        return self._client.ready.wait(timeout_s)
+
+    @property
+    def usable(self) -> bool:
+        """False when closed, not set up yet or while the breaker is open."""
+        return (self._client.ready.is_set() and not self.closed
+                and not self.faults.breaker.is_open)
+
+    @contextmanager
+    def using(self) -> Iterator[Any]:
+        """The set-up store, for the block's calls; ``BreakerOpen`` while the
+        breaker is open or the store is not set up yet, ``TierClosed`` once
+        closed. Closing waits for the blocks in progress before it frees the
+        store (a call into a closed store would touch freed memory)."""
+        client = self._client
+        with client.lock:
+            if self.closed or client.closed:
+                raise TierClosed("the mooncake tier is closed")
+            if not client.ready.is_set():
+                raise NotConnected(f"not connected to master {self.options.master_address} yet")
+            self.faults.check()
+            client.busy += 1
+            if not self._set_up:
+                self._set_up = True
+                if self._on_setup is not None:
+                    self._on_setup(client.store)
+        try:
+            yield client.store
+        finally:
+            with client.lock:
+                client.busy -= 1
+                client.lock.notify_all()
+
+    def close(self) -> None:
+        """Leave the shared client; the last tier to leave starts unmounting the
+        segment and disconnecting, and returns (``join_closing`` waits for it,
+        and runs at interpreter exit). Idempotent."""
+        client = self._client
+        with _CLIENTS_LOCK:
+            if self.closed:
+                return
+            self.closed = True
+            client.users -= 1
+            if client.users:
+                return
+            if _CLIENTS.get(_client_of(self.options)) is client:
+                del _CLIENTS[_client_of(self.options)]
+        thread = threading.Thread(target=client.close, name="lmkv-mooncake-close", daemon=True)
+        with _CLOSING_LOCK:
+            _CLOSING.add(thread)
+        thread.start()
+
+
+_CLOSING: set[threading.Thread] = set()
+_CLOSING_LOCK = threading.Lock()
+
+
+def join_closing(timeout_s: float = CLOSE_WAIT_S + 5) -> bool:
+    """Wait for the stores being closed (segments unmounted); False past ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with _CLOSING_LOCK:
+            threads = list(_CLOSING)
+        if not threads:
+            return True
+        threads[0].join(max(0.0, deadline - time.monotonic()))
+        if time.monotonic() >= deadline:
+            return False
+
+
+atexit.register(join_closing)

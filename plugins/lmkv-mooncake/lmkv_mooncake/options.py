@@ -1,0 +1,116 @@
+"""Options of the ``mooncake`` tier (``tiers.N.options`` in an lmkv config).
+
+Addresses default to Mooncake's own environment variables (``MOONCAKE_MASTER``,
+``MOONCAKE_TE_META_DATA_SERVER``, ``MOONCAKE_PROTOCOL``, ``MOONCAKE_DEVICE``,
+``MOONCAKE_LOCAL_HOSTNAME``), so one deployment's settings serve every client;
+lmkv's own ``LMKV_TIERS__N__OPTIONS__<FIELD>`` overrides work as for any tier.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Literal
+
+from pydantic import ByteSize, ConfigDict, Field, PositiveFloat, field_validator
+
+from lmkv.plugin_base import PluginOptions
+from lmkv.units import ByteCount
+
+__all__ = ["MooncakeOptions"]
+
+#: ``host:port``, ``[v6]:port``; the master may also be ``etcd://...`` (HA masters).
+_HOST_PORT = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5})$")
+MIN_BUFFER_BYTES = 1 << 20
+MIN_SEGMENT_BYTES = 16 << 20
+
+
+def _env(name: str, default: str) -> str:
+    return os.environ.get(name) or default
+
+
+class MooncakeOptions(PluginOptions):
+    # A timeout or backoff of inf (or nan) never ends: only finite numbers.
+    model_config = ConfigDict(allow_inf_nan=False)
+
+    master_address: str = Field(default_factory=lambda: _env("MOONCAKE_MASTER",
+                                                             "127.0.0.1:50051"))
+    """The master's RPC address, ``host:port`` (or ``etcd://host:port[;host:port]``
+    for highly available masters). Default: ``$MOONCAKE_MASTER``."""
+    metadata_server: str = Field(default_factory=lambda: _env(
+        "MOONCAKE_TE_META_DATA_SERVER", "http://127.0.0.1:8080/metadata"))
+    """Where transfer engines find each other's segments: the master's HTTP
+    metadata server (``http://host:port/metadata``), ``etcd://host:port`` or
+    ``P2PHANDSHAKE``. Default: ``$MOONCAKE_TE_META_DATA_SERVER``."""
+    local_hostname: str = Field(default_factory=lambda: _env("MOONCAKE_LOCAL_HOSTNAME",
+                                                             "127.0.0.1"))
+    """The address other clients reach this one's segment at (an IP of this host
+    on the cluster network). Default: ``$MOONCAKE_LOCAL_HOSTNAME``."""
+    protocol: Literal["tcp", "rdma"] = Field(
+        default_factory=lambda: _env("MOONCAKE_PROTOCOL", "tcp"))  # type: ignore[arg-type]
+    """Transport between segments: ``tcp`` anywhere, ``rdma`` on InfiniBand/RoCE."""
+    device_name: str = Field(default_factory=lambda: _env("MOONCAKE_DEVICE", ""))
+    """RDMA device(s), comma-separated (``mlx5_0,mlx5_1``); empty for TCP or auto."""
+    global_segment_size: ByteCount = Field(default=ByteSize(1 << 30), ge=0)
+    """Memory this process contributes to the pool (its segment); 0 for a pure
+    client of a pool that dedicated store processes hold."""
+    local_buffer_size: ByteCount = Field(default=ByteSize(256 << 20), ge=MIN_BUFFER_BYTES)
+    """Registered staging memory for frames in flight (the largest frame must fit)."""
+    replica_num: int = Field(default=1, ge=1, le=16)
+    """Copies of each entry the store keeps (on different segments)."""
+    key_prefix: str = "lmkv:"
+    """Namespace: every key this tier writes starts with it."""
+    register_arena: bool = True
+    """Register lmkv's chunk arena with the store so puts read chunks in place
+    (no staging copy; RDMA needs registered memory)."""
+    connect_timeout_s: float = Field(default=5.0, ge=0)
+    """How long start-up waits for the store to be set up; past it the tier
+    answers misses until the master answers (setup goes on in the background)."""
+    retry_after_s: PositiveFloat = 1.0
+    """After the master is found unreachable, answer misses without asking it for
+    this long (growing to 4x while it stays down), then probe again."""
+    close_timeout_s: float = Field(default=2.0, ge=0)
+    """``close()`` waits this long for puts in flight, then drops them."""
+    max_pending_bytes: ByteCount = Field(default=ByteSize(1 << 30), ge=0)
+    """Bytes of submitted puts not yet written; past it new puts are dropped and
+    counted (a slow pool must not hold the cpu tier's buffers forever)."""
+
+    @field_validator("master_address")
+    @classmethod
+    def _check_master(cls, value: str) -> str:
+        if value.startswith("etcd://"):
+            return value
+        match = _HOST_PORT.match(value)
+        if match is None or not 0 < int(match.group(2)) < 65536:
+            raise ValueError("must be host:port (port 1-65535) or etcd://host:port[;...]")
+        return value
+
+    @field_validator("metadata_server")
+    @classmethod
+    def _check_metadata(cls, value: str) -> str:
+        scheme, sep, rest = value.partition("://")
+        if value == "P2PHANDSHAKE" or (sep and rest and scheme in ("http", "https", "etcd")):
+            return value
+        raise ValueError("must be http://host:port/metadata, etcd://host:port or P2PHANDSHAKE")
+
+    @field_validator("global_segment_size")
+    @classmethod
+    def _check_segment(cls, size: ByteSize) -> ByteSize:
+        if 0 < size < MIN_SEGMENT_BYTES:
+            raise ValueError("must be 0 (a pure client) or at least 16MiB (Mooncake's "
+                             "smallest segment)")
+        return size
+
+    @field_validator("local_hostname")
+    @classmethod
+    def _check_hostname(cls, value: str) -> str:
+        if not value or any(c.isspace() for c in value):
+            raise ValueError("must be a host name or IP address of this machine")
+        return value
+
+    @field_validator("key_prefix")
+    @classmethod
+    def _check_prefix(cls, prefix: str) -> str:
+        if any(c.isspace() for c in prefix):
+            raise ValueError("must not contain whitespace")
+        return prefix

@@ -1,0 +1,269 @@
+"""Puts of the mooncake tier: asynchronous, one batched call per window.
+
+``submit`` takes a reference on every MemoryObj and returns at once; a
+background thread asks the master which entries already exist (one
+``batch_is_exist``: another engine may have stored them, and nothing is sent
+twice), frames the rest and stores a window of them with one
+``batch_put_from_multi_buffers``: each frame goes as its header (copied into
+the tier's registered staging arena) and its payload read in place from lmkv's
+arena when that is registered (else copied into staging too). The future
+resolves to the number of entries stored (already present counts) and never
+raises for a Mooncake fault.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from functools import partial
+from typing import Any
+
+import numpy as np
+import torch
+
+from lmkv.backend import done_future
+from lmkv.faults import TierFaults
+from lmkv.memory import MemoryAllocator, MemoryObj
+from lmkv.serde import Serializer
+from lmkv.tokens import CacheKey
+from lmkv_mooncake.client import (
+    OBJECT_ALREADY_EXISTS,
+    UNREACHABLE_CODES,
+    Link,
+    MooncakeError,
+    raise_for,
+    replicate_config,
+)
+from lmkv_mooncake.memory import Registered, address
+
+logger = logging.getLogger(__name__)
+
+#: Frame bytes per batched put: the next window is framed while this one is sent.
+PIPELINE_BYTES = 32 << 20
+
+
+class _Window:
+    """Frames of one batched put: names, buffer lists and the staging they use."""
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+        self.ptrs: list[list[int]] = []
+        self.sizes: list[list[int]] = []
+        self.frame_lens: list[int] = []
+        self.staging: list[MemoryObj] = []
+        self.nbytes = 0
+
+    def release(self) -> None:
+        for obj in self.staging:
+            obj.ref_down()
+        self.staging.clear()
+
+
+class Writer:
+    def __init__(self, link: Link, serializer: Serializer, staging: MemoryAllocator,
+                 registered: Registered, name_of: Any) -> None:
+        self.link = link
+        self.options = link.options
+        self.serializer = serializer
+        self.staging = staging
+        self.registered = registered
+        self.name_of = name_of
+        self.faults: TierFaults = link.faults
+        self.counters = link.faults.counters
+        self._config: Any = None
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmkv-mooncake-put")
+        self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmkv-mooncake-send")
+        self._lock = threading.Lock()
+        self._in_flight: set[Future] = set()
+        self.pending_bytes = 0
+        self.net_bytes = 0  # see MooncakeBackend.usage_bytes
+        self.zero_copy_bytes = 0  # payload bytes read in place (no staging copy)
+        self._closing = False
+
+    def forget(self, nbytes: int) -> None:
+        with self._lock:
+            self.net_bytes -= nbytes
+
+    # -- submission (caller's thread) ----------------------------------------------
+    def submit(self, keys: list[CacheKey], objs: list[MemoryObj]) -> Future:
+        if len(keys) != len(objs):
+            raise ValueError(f"{len(keys)} keys for {len(objs)} chunks")
+        if not keys:
+            return done_future(0)
+        nbytes = sum(obj.nbytes for obj in objs)
+        with self._lock:
+            full = self.pending_bytes and (
+                self.pending_bytes + nbytes > self.options.max_pending_bytes)
+            accepted = not full and not self._closing and self.link.usable
+            if accepted:
+                self.pending_bytes += nbytes
+        if not accepted:
+            self.counters.dropped_writes += len(keys)
+            if full:
+                self.faults.note("queue-full", "%d bytes of puts still pending; dropping %d "
+                                 "writes", self.pending_bytes, len(keys))
+            return done_future(0)
+        for obj in objs:
+            obj.ref_up()
+        result: Future = Future()
+        try:
+            job = self._executor.submit(self._write, keys, objs)
+        except RuntimeError:  # closed meanwhile
+            job = Future()
+            job.cancel()
+        with self._lock:
+            self._in_flight.add(job)
+        job.add_done_callback(partial(self._finished, objs, nbytes, result))
+        return result
+
+    def _finished(self, objs: list[MemoryObj], nbytes: int, result: Future, job: Future) -> None:
+        for obj in objs:
+            obj.ref_down()
+        with self._lock:
+            self.pending_bytes -= nbytes
+            self._in_flight.discard(job)
+        if job.cancelled():
+            self.counters.dropped_writes += len(objs)
+            result.set_result(0)
+        elif job.exception() is not None:  # a bug, not a Mooncake fault: let it show
+            result.set_exception(job.exception())
+        else:
+            result.set_result(job.result())
+
+    # -- writing (background thread) ------------------------------------------------
+    def _write(self, keys: Sequence[CacheKey], objs: Sequence[MemoryObj]) -> int:
+        done = [0, 0]  # entries stored, entries settled (stored or counted as dropped)
+        with self.faults.guard("put", "dropping the batch's remaining writes"):
+            self._write_all(keys, objs, done)
+        self.counters.dropped_writes += len(keys) - done[1]
+        self.counters.puts += done[0]
+        return done[0]
+
+    def _write_all(self, keys: Sequence[CacheKey], objs: Sequence[MemoryObj],
+                   done: list[int]) -> None:
+        with self.link.using() as store:
+            self._write_to(store, keys, objs, done)
+
+    def _write_to(self, store: Any, keys: Sequence[CacheKey], objs: Sequence[MemoryObj],
+                  done: list[int]) -> None:
+        """Frame window after window while the previous window is on the wire
+        (Mooncake's calls release the GIL): the checksums cost no extra time."""
+        names = [self.name_of(k) for k in keys]
+        present = store.batch_is_exist(names)
+        for code in present:
+            raise_for("batch_is_exist", code)
+        self.faults.succeeded()
+        done[0] = done[1] = sum(1 for code in present if code == 1)
+        window = _Window()
+        sending: Future | None = None
+
+        def send() -> None:
+            nonlocal window, sending
+            if sending is not None:
+                sending, previous = None, sending
+                previous.result()  # one window on the wire at a time; raises its fault
+            if window.names:
+                sending = self._sender.submit(self._flush, store, window, done)
+                window = _Window()
+
+        try:
+            for i, code in enumerate(present):
+                if code == 1:
+                    continue
+                if window.nbytes >= PIPELINE_BYTES:
+                    send()
+                if self._add(store, window, names[i], keys[i], objs[i]):
+                    continue
+                send()  # staging full: send what we have, wait for the window before
+                if sending is not None:
+                    sending, previous = None, sending
+                    previous.result()
+                if self._add(store, window, names[i], keys[i], objs[i]):
+                    continue
+                done[1] += 1
+                self.counters.dropped_writes += 1
+                self.faults.note("too-large", "the frame of %s does not fit in the staging "
+                                 "buffer (local_buffer_size); dropped", names[i])
+            send()
+            send()
+        finally:
+            if sending is not None:
+                wait([sending])  # its staging is released by _flush itself
+            window.release()
+
+    def _add(self, store: Any, window: _Window, name: str, key: CacheKey,
+             obj: MemoryObj) -> bool:
+        """Frame ``obj`` into ``window``; False when staging has no room for it."""
+        if self.options.register_arena and obj.allocator is not None \
+                and obj.allocator is not self.staging:
+            arena = obj.allocator.arena
+            self.registered.register(store, arena.data_ptr(), arena.numel())
+        buffers = [(b, *address(b)) for b in self.serializer.serialize(obj, key)]
+        buffers = [(b, p, n) for b, p, n in buffers if n]
+        copied = sum(n for _, p, n in buffers if not self.registered.covers(p, n))
+        block = None
+        if copied:
+            block = self.staging.allocate((copied,), torch.uint8)
+            if block is None:
+                return False
+            window.staging.append(block)
+            base = block.tensor.data_ptr()
+            dest = block.tensor.numpy()
+        ptrs, sizes, offset = [], [], 0
+        for buffer, ptr, nbytes in buffers:
+            if block is not None and not self.registered.covers(ptr, nbytes):
+                dest[offset:offset + nbytes] = np.frombuffer(buffer, dtype=np.uint8)
+                ptrs.append(base + offset)
+                offset += nbytes
+            else:
+                ptrs.append(ptr)
+                self.zero_copy_bytes += nbytes
+            sizes.append(nbytes)
+        window.names.append(name)
+        window.ptrs.append(ptrs)
+        window.sizes.append(sizes)
+        window.frame_lens.append(sum(sizes))
+        window.nbytes += sum(sizes)
+        return True
+
+    def _flush(self, store: Any, window: _Window, done: list[int]) -> None:
+        """Store the window's frames; a refused entry is a counted fault, a master
+        out of reach raises (the batch's remaining writes are dropped)."""
+        if self._config is None:
+            self._config = replicate_config(self.options)
+        try:
+            codes = store.batch_put_from_multi_buffers(window.names, window.ptrs, window.sizes,
+                                                       self._config)
+        finally:
+            window.release()
+        unreachable = None
+        for name, frame_len, code in zip(window.names, window.frame_lens, codes, strict=True):
+            done[1] += 1
+            if code >= 0:
+                done[0] += 1
+                self.counters.bytes_in += frame_len
+                with self._lock:
+                    self.net_bytes += frame_len
+            elif code == OBJECT_ALREADY_EXISTS:  # another writer got there first
+                done[0] += 1
+            elif code in UNREACHABLE_CODES or -999 <= code <= -900:
+                self.counters.dropped_writes += 1
+                unreachable = unreachable or code
+            else:  # refused (no space, ...): that entry is dropped, the rest go on
+                self.counters.dropped_writes += 1
+                self.faults.fault("put", MooncakeError("put", code), "write dropped", name)
+        window.names, window.ptrs, window.sizes, window.frame_lens = [], [], [], []
+        if unreachable is not None:
+            raise_for("batch_put_from_multi_buffers", unreachable)
+
+    def close(self, timeout_s: float) -> None:
+        """Refuse new puts; give those in flight ``timeout_s`` to finish, cancel the rest."""
+        with self._lock:
+            self._closing = True
+            in_flight = list(self._in_flight)
+        if in_flight and timeout_s > 0:
+            wait(in_flight, timeout=timeout_s)
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        self._sender.shutdown(wait=False)

@@ -1,0 +1,143 @@
+"""A real mooncake_master on loopback ports, started and stopped by the tests.
+
+Its RPC server, its HTTP metadata server and its metrics server all bind to
+127.0.0.1 (the metadata server would otherwise listen on every interface).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from lmkv import BackendContext
+from lmkv.memory import MemoryAllocator
+
+
+def _find_master() -> str | None:
+    beside = Path(sys.executable).parent / "mooncake_master"
+    return str(beside) if beside.exists() else shutil.which("mooncake_master")
+
+
+MOONCAKE_MASTER = _find_master()
+
+
+def have_client() -> bool:
+    try:
+        import mooncake.store  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+SKIP_REASON = ("mooncake_master or the Mooncake client is not installed "
+               "(pip install 'lmkv-mooncake[cpu]'; scripts/setup.sh does)")
+AVAILABLE = MOONCAKE_MASTER is not None and have_client()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class MooncakeMaster:
+    directory: Path
+    rpc_port: int = 0
+    http_port: int = 0
+    metrics_port: int = 0
+    proc: subprocess.Popen | None = None
+
+    def __post_init__(self) -> None:
+        self.rpc_port = self.rpc_port or free_port()
+        self.http_port = self.http_port or free_port()
+        self.metrics_port = self.metrics_port or free_port()
+        self.directory.mkdir(parents=True, exist_ok=True)
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.rpc_port}"
+
+    @property
+    def metadata_url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}/metadata"
+
+    def options(self, **extra: object) -> dict:
+        """Tier options for a client of this master (a small segment and buffer)."""
+        return {"master_address": self.address, "metadata_server": self.metadata_url,
+                "local_hostname": "127.0.0.1", "global_segment_size": "64MiB",
+                "local_buffer_size": "32MiB", "retry_after_s": 0.2, **extra}
+
+    def start(self) -> MooncakeMaster:
+        assert MOONCAKE_MASTER is not None
+        log = open(self.directory / "master.log", "ab")  # noqa: SIM115 (the process owns it)
+        self.proc = subprocess.Popen(
+            [MOONCAKE_MASTER, "--rpc_address", "127.0.0.1", "--rpc_port", str(self.rpc_port),
+             "--enable_http_metadata_server=true", "--http_metadata_server_host", "127.0.0.1",
+             "--http_metadata_server_port", str(self.http_port),
+             "--metrics_host", "127.0.0.1", "--metrics_port", str(self.metrics_port),
+             "--client_ttl", "3"],
+            stdout=log, stderr=subprocess.STDOUT, cwd=self.directory,
+            start_new_session=True)
+        log.close()
+        deadline = time.monotonic() + 30
+        while not self._answers():
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"mooncake_master exited: see {self.directory}/master.log")
+            if time.monotonic() > deadline:
+                raise RuntimeError("mooncake_master did not come up in 30 s")
+            time.sleep(0.05)
+        return self
+
+    def _answers(self) -> bool:
+        for port in (self.rpc_port, self.http_port):
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", port)) != 0:
+                    return False
+        return True
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    def summary(self) -> str:
+        with urllib.request.urlopen(
+                f"http://127.0.0.1:{self.metrics_port}/metrics/summary", timeout=5) as reply:
+            return reply.read().decode()
+
+    def mounted_bytes(self) -> int:
+        """Memory the pool's mounted segments hold ("Mem Storage: used / TOTAL")."""
+        match = re.search(r"Mem Storage: [^/]+/ ([0-9.]+) (B|KB|MB|GB|TB)", self.summary())
+        assert match, "the master's summary has no Mem Storage figure"
+        scale = {"B": 1, "KB": 1 << 10, "MB": 1 << 20, "GB": 1 << 30, "TB": 1 << 40}
+        return int(float(match.group(1)) * scale[match.group(2)])
+
+
+def new_tier(master: MooncakeMaster, **options: object) -> object:
+    """A tier of ``master`` under its own key prefix (unless given), with its own arena."""
+    from lmkv_backends.serde.naive import NaiveSerializer
+    from lmkv_mooncake import MooncakeBackend, MooncakeOptions
+
+    arena = MemoryAllocator(16 << 20, pin_memory=False)
+    options.setdefault("key_prefix", f"t-{uuid.uuid4().hex[:8]}:")
+    return MooncakeBackend(MooncakeOptions(**master.options(**options)),
+                           BackendContext(serializer=NaiveSerializer(), allocate=arena.allocate))
