@@ -287,3 +287,23 @@ def test_the_example_in_docs_kernels_md_runs() -> None:
     text = (ROOT / "docs" / "kernels.md").read_text()
     (block,) = re.findall(r"```python\n(.*?)```", text, flags=re.S)
     exec(compile(block, "docs/kernels.md", "exec"), {})
+
+
+def test_vllm_s_rank_4_mla_page_is_copied_as_the_rank_3_form() -> None:
+    """vLLM's logical ``[B, 1, N, latent]`` MLA page: the same copies once named
+    (by shape it reads as the cpu layout with one head)."""
+    gen = torch.Generator().manual_seed(11)
+    flat = make_caches("mla", 6, 4, torch.bfloat16, gen)
+    paged = [c[:, None] for c in flat]
+    assert layout_of(paged[0]) == "cpu" and geometry(paged[0], "mla") == geometry(flat[0])
+    ids = [4, 0, 5]
+    want, got = chunks_of(11, [5, 6], torch.bfloat16, "mla"), chunks_of(11, [5, 6],
+                                                                         torch.bfloat16, "mla")
+    gather_blocks(flat, ids, want)
+    gather_blocks(paged, ids, got, layout="mla")
+    assert all(torch.equal(bits(a), bits(b)) for (_, a), (_, b) in zip(got, want, strict=True))
+    out = [torch.zeros_like(c) for c in paged]
+    scatter_blocks(out, ids, got, skip_tokens=2, layout="mla")
+    ref = [torch.zeros_like(c) for c in flat]
+    scatter_blocks(ref, ids, want, skip_tokens=2)
+    assert all(torch.equal(bits(a[:, 0]), bits(b)) for a, b in zip(out, ref, strict=True))

@@ -154,3 +154,16 @@ def test_layers_with_different_strides_are_refused_in_one_line(triton_impl: Modu
     with pytest.raises(ValueError, match="different strides") as info:
         triton_impl.gather_blocks([caches[0], odd], ids, fresh(chunks), "flash")
     assert "\n" not in str(info.value)
+
+
+def test_triton_copies_vllm_s_rank_4_mla_page(triton_impl: ModuleType) -> None:
+    caches, ids, chunks, skip = case("mla", torch.bfloat16, 6)
+    paged = [c[:, None] for c in caches]  # [B, 1, N, latent]
+    want, got = fresh(chunks), fresh(chunks)
+    torch_ref.gather_blocks(caches, ids, want, "mla")
+    triton_impl.gather_blocks(paged, ids, got, "mla")
+    assert same([b for _, b in got], [b for _, b in want])
+    dst, dst_ref = [torch.zeros_like(c) for c in paged], [torch.zeros_like(c) for c in caches]
+    triton_impl.scatter_blocks(dst, ids, got, skip, "mla")
+    torch_ref.scatter_blocks(dst_ref, ids, want, skip, "mla")
+    assert same([c[:, 0] for c in dst], dst_ref)

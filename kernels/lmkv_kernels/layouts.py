@@ -12,7 +12,14 @@ worker asks the connector, never the shapes). One tensor per layer:
   backend; K in the first ``head_dim`` elements of each row, V in the rest);
 - ``mla``: ``[num_blocks, block_size, latent_dim]`` (multi-head latent attention,
   DeepSeek: one latent vector per token instead of K and V, the same on every
-  tensor-parallel rank).
+  tensor-parallel rank), or ``[num_blocks, 1, block_size, latent_dim]`` (vLLM's
+  logical ``[B, H, N, C]`` page with its one head slot: named only, as the
+  shape is also the cpu layout's with one head).
+
+Any strides are fine: vLLM 0.2x+ hands every backend's cache over as the
+logical ``[num_blocks, kv_heads, block_size, 2 * head_dim]`` (the ``cpu``
+layout's shape) in the backend's physical order (a permuted view), which the
+copies follow.
 
 A layout's chunk buffer is ``[layers, planes, tokens, kv_heads, head_dim]``:
 ``planes`` is 2 (K, V) for the first three and 1 for ``mla``, whose buffer is
@@ -60,7 +67,7 @@ class PagedGeometry:
 
     @property
     def shape(self) -> tuple[int, ...]:
-        """The cache shape this geometry has in its layout."""
+        """The cache shape this geometry has in its layout (``mla``: the rank-3 form)."""
         return shape_of(self.layout, self.num_blocks, self.block_size, self.kv_heads,
                         self.head_dim)
 
@@ -110,7 +117,7 @@ def geometry(cache: torch.Tensor, layout: Layout | None = None) -> PagedGeometry
     if layout == "flashinfer":
         return PagedGeometry("flashinfer", shape[0], shape[2], shape[3], shape[4])
     if layout == "mla":
-        return PagedGeometry("mla", shape[0], shape[1], 1, shape[2])
+        return PagedGeometry("mla", shape[0], shape[-2], 1, shape[-1])
     return PagedGeometry("cpu", shape[0], shape[2], shape[1], shape[3] // 2)
 
 
@@ -120,12 +127,14 @@ def _fits(layout: Layout, shape: tuple[int, ...]) -> bool:
     if layout == "flashinfer":
         return len(shape) == 5 and shape[1] == 2
     if layout == "mla":
-        return len(shape) == 3
+        return len(shape) == 3 or (len(shape) == 4 and shape[1] == 1)
     return len(shape) == 4 and shape[3] % 2 == 0
 
 
 def _detect(shape: tuple[int, ...]) -> Layout:
-    fits = [layout for layout in LAYOUTS if _fits(layout, shape)]
+    if len(shape) == 3:
+        return "mla"  # (a rank-4 mla cache is named: by shape it is a cpu one)
+    fits = [layout for layout in LAYOUTS if layout != "mla" and _fits(layout, shape)]
     if len(fits) == 1:
         return fits[0]
     if fits:  # [2, 2, ...]: flash with 2 blocks or flashinfer with 2 blocks
@@ -147,6 +156,6 @@ def as_blocks(cache: torch.Tensor, layout: Layout) -> torch.Tensor:
     if layout == "flashinfer":
         return cache.transpose(0, 1)
     if layout == "mla":
-        return cache[None, :, :, None]
+        return cache[None, :, :, None] if cache.dim() == 3 else cache[None].transpose(2, 3)
     num_blocks, heads, block_size, _ = cache.shape
     return cache.view(num_blocks, heads, block_size, 2, -1).permute(3, 0, 2, 1, 4)

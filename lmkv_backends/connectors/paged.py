@@ -80,16 +80,20 @@ class PagedConnector(GPUConnector):
         spec = self.spec
         check(len(kv_caches) == spec.num_layers,
               f"{len(kv_caches)} KV caches; this engine stores {spec.num_layers} layers")
-        g = lmkv_kernels.geometry(kv_caches[0], self.layout)
+        first = kv_caches[0]
+        g = lmkv_kernels.geometry(first, self.layout)
+        shape = first.shape
+        for cache in kv_caches:
+            if cache.shape == shape and cache.dtype == spec.dtype:
+                continue  # (the messages cost more than the checks on this hot path)
+            check(cache.shape == shape, f"KV caches of shapes {tuple(shape)} and "
+                  f"{tuple(cache.shape)}; all layers' must be one")
+            check(cache.dtype == spec.dtype, f"KV dtype {cache.dtype}; expected {spec.dtype}")
         expected = shape_of(g.layout, g.num_blocks, g.block_size, spec.num_kv_heads,
                             spec.head_dim)
-        for cache in kv_caches:
-            if cache.shape == expected and cache.dtype == spec.dtype:
-                continue  # (the messages cost more than the checks on this hot path)
-            check(tuple(cache.shape) == expected,
-                  f"KV cache of shape {tuple(cache.shape)}; the {g.layout} layout "
-                  f"is {g.form} = {expected}")
-            check(cache.dtype == spec.dtype, f"KV dtype {cache.dtype}; expected {spec.dtype}")
+        check(g.kv_heads == spec.num_kv_heads and g.head_dim == spec.head_dim,
+              f"KV cache of shape {tuple(shape)}; the {g.layout} layout is {g.form} "
+              f"= {expected}")
         check(g.planes == spec.kv_planes,
               f"{g.layout} caches hold {g.planes} vector(s) per token and head; this "
               f"engine's KV holds {spec.kv_planes}")
