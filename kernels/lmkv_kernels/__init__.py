@@ -40,6 +40,11 @@ Semantics, the same for every implementation:
   return: synchronize that stream before reading a gathered buffer or
   reusing a scattered one.
 
+Dense per-layer KV (transformers' ``(K, V)`` pairs ``[batch, kv_heads, seq,
+head_dim]``) is copied by ``gather_dense``/``scatter_dense``: one strided
+``copy_`` per layer and plane, in torch on every device (a copy engine or
+memcpy does it at full speed; no kernel would do better).
+
 ``implementation(device)`` picks the module that does the copies for caches
 on ``device``: ``lmkv_kernels.triton_impl`` (Triton kernels) for CUDA caches
 where Triton is installed, else ``lmkv_kernels.torch_ref`` (torch ops, any
@@ -71,8 +76,8 @@ from lmkv_kernels.layouts import (
 )
 
 __all__ = ["KERNELS", "LAYOUTS", "Kernels", "Layout", "PagedGeometry", "check_layout",
-           "gather_blocks", "geometry", "implementation", "layout_of", "planes_of",
-           "scatter_blocks"]
+           "gather_blocks", "gather_dense", "geometry", "implementation", "layout_of",
+           "planes_of", "scatter_blocks", "scatter_dense"]
 
 Kernels = Literal["auto", "triton", "torch"]
 KERNELS: tuple[Kernels, ...] = ("auto", "triton", "torch")
@@ -125,3 +130,16 @@ def scatter_blocks(caches: Sequence[torch.Tensor], block_ids: Sequence[int] | to
     if caches:
         implementation(caches[0].device, kernels).scatter_blocks(caches, block_ids, chunks,
                                                                  skip_tokens, layout)
+
+
+def gather_dense(kv: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                 chunks: Sequence[tuple[int, torch.Tensor]], batch_index: int = 0) -> None:
+    """Copy each chunk's tokens of sequence ``batch_index`` from per-layer ``(K, V)``
+    tensors ``[batch, kv_heads, seq, head_dim]`` into its buffer."""
+    torch_ref.gather_dense(kv, chunks, batch_index)
+
+
+def scatter_dense(kv: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                  chunks: Sequence[tuple[int, torch.Tensor]], batch_index: int = 0) -> None:
+    """Copy each chunk's buffer into sequence ``batch_index`` of per-layer ``(K, V)``."""
+    torch_ref.scatter_dense(kv, chunks, batch_index)

@@ -201,3 +201,25 @@ def _block_order(blocks: int, block_size: int, heads: int, tokens: int, first: i
     head = torch.arange(heads, device=device).view(1, heads, 1, 1)
     kv = torch.arange(2, device=device).view(1, 1, 1, 2)
     return ((kv * tokens + t) * heads + head).flatten()
+
+
+# -- dense per-layer KV (transformers): one strided copy per layer and plane ---------------------
+
+def gather_dense(kv: Sequence[tuple[torch.Tensor, torch.Tensor]], chunks: Chunks,
+                 batch_index: int = 0) -> None:
+    for start, buf in chunks:
+        stop = start + buf.shape[2]
+        for layer, pair in enumerate(kv):
+            for plane, t in enumerate(pair):
+                buf[layer, plane].copy_(t[batch_index, :, start:stop].transpose(0, 1),
+                                        non_blocking=True)
+
+
+def scatter_dense(kv: Sequence[tuple[torch.Tensor, torch.Tensor]], chunks: Chunks,
+                  batch_index: int = 0) -> None:
+    for start, buf in chunks:
+        stop = start + buf.shape[2]
+        for layer, pair in enumerate(kv):
+            for plane, t in enumerate(pair):
+                t[batch_index, :, start:stop].copy_(buf[layer, plane].transpose(0, 1),
+                                                    non_blocking=True)
