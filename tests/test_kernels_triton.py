@@ -167,3 +167,17 @@ def test_triton_copies_vllm_s_rank_4_mla_page(triton_impl: ModuleType) -> None:
     triton_impl.scatter_blocks(dst, ids, got, skip, "mla")
     torch_ref.scatter_blocks(dst_ref, ids, want, skip, "mla")
     assert same([c[:, 0] for c in dst], dst_ref)
+
+
+def test_rows_move_in_the_widest_words_their_strides_and_addresses_allow(
+        triton_impl: ModuleType) -> None:
+    def words(cache: torch.Tensor, buf: torch.Tensor) -> tuple[int, int]:
+        return triton_impl._words([cache], [buf], cache.stride(), cache.shape[-1])
+
+    bf16 = torch.zeros(2, 4, 16, 2, 8, dtype=torch.bfloat16)  # rows of 16 bytes
+    assert words(bf16, torch.zeros(8, dtype=torch.bfloat16)) == (8, 4)
+    assert words(bf16[..., :6], torch.zeros(8, dtype=torch.bfloat16)) == (4, 2)
+    assert words(bf16, torch.zeros(9, dtype=torch.bfloat16)[1:]) == (2, 1)  # odd address
+    assert words(bf16.transpose(3, 4), torch.zeros(8, dtype=torch.bfloat16)) == (2, 1)
+    assert words(bf16.view(torch.float8_e4m3fn)[..., :3],
+                 torch.zeros(8, dtype=torch.uint8)) == (1, 1)

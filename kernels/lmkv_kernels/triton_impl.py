@@ -4,8 +4,9 @@
 One kernel launch per call moves every token of every chunk and layer, in
 either direction, for every layout: a layout is only the strides of its
 ``[planes, num_blocks, block_size, kv_heads, head_dim]`` view
-(``layouts.as_blocks``), and elements move as integers of their width (bf16 as
-int16, fp8 as int8: bit-exact whatever the dtype). Layers and chunk buffers
+(``layouts.as_blocks``), and elements move as integers: of their width (bf16
+as int16, fp8 as int8), or several at once where rows, strides and addresses
+allow (up to 8 bytes a load): bit-exact whatever the dtype. Layers and chunk buffers
 are reached through tables of their addresses, so neither needs to be one
 tensor. Per token the host side computes, on the caches' device, where the
 token lives in the cache (its block's offset plus its slot's) and in its
@@ -33,11 +34,10 @@ from lmkv_kernels.layouts import Layout, as_blocks, geometry
 Chunks = Sequence[tuple[int, torch.Tensor]]
 BlockIds = Sequence[int] | torch.Tensor
 
-#: Elements move as the signed integers of their width.
-_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+#: Words (one element or several) move as the signed integers of their width.
 _TL_INT = {1: tl.int8, 2: tl.int16, 4: tl.int32, 8: tl.int64}
-#: Elements a program moves per plane and step, about: enough to keep loads in
-#: flight, small enough for registers.
+#: Words a program moves per plane, head and step, about: enough to keep loads
+#: in flight, small enough for registers.
 _TILE = 4096
 
 
@@ -45,37 +45,38 @@ _TILE = 4096
 def _copy_kernel(cache_table, buf_table, cache_tok, buf_chunk, buf_tok, buf_len, n_tokens,
                  s_plane, s_head, s_dim,
                  HEADS: tl.constexpr, DIM: tl.constexpr, PLANES: tl.constexpr,
-                 ELEM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_J: tl.constexpr,
+                 WORD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
                  GATHER: tl.constexpr):
     """Copy ``BLOCK_T`` tokens of layer ``program_id(1)`` between the paged cache
-    (element ``cache_tok[i] + plane * s_plane + head * s_head + dim * s_dim``
-    of the layer's cache) and their chunk buffers (contiguous ``[layers,
-    planes, buf_len[i], HEADS, DIM]``, token ``buf_tok[i]`` of buffer
-    ``buf_chunk[i]``); ``GATHER``: cache to buffer, else buffer to cache."""
+    (word ``cache_tok[i] + plane * s_plane + head * s_head + dim * s_dim`` of
+    the layer's cache) and their chunk buffers (contiguous ``[layers, planes,
+    buf_len[i], HEADS, DIM]`` words, token ``buf_tok[i]`` of buffer
+    ``buf_chunk[i]``); ``GATHER``: cache to buffer, else buffer to cache. A
+    word is an integer of type ``WORD``: one element or several (``_words``)."""
     tile = tl.program_id(0)
     layer = tl.program_id(1)
     tokens = tile * BLOCK_T + tl.arange(0, BLOCK_T)
     live = tokens < n_tokens
-    cache = tl.load(cache_table + layer).to(tl.pointer_type(ELEM))
+    cache = tl.load(cache_table + layer).to(tl.pointer_type(WORD))
     cache_at = tl.load(cache_tok + tokens, mask=live, other=0)
     chunk = tl.load(buf_chunk + tokens, mask=live, other=0)
     length = tl.load(buf_len + tokens, mask=live, other=0).to(tl.int64)
-    buf_at = tl.load(buf_tok + tokens, mask=live, other=0).to(tl.int64) * (HEADS * DIM)
-    buf = tl.load(buf_table + chunk, mask=live, other=0).to(tl.pointer_type(ELEM))
-    plane_size = length * (HEADS * DIM)  # elements of one plane of one layer in the chunk
-    buf_at += layer * PLANES * plane_size
-    for j0 in range(0, HEADS * DIM, BLOCK_J):
-        j = j0 + tl.arange(0, BLOCK_J)
-        head = j // DIM
-        cache_j = head.to(tl.int64) * s_head + (j - head * DIM).to(tl.int64) * s_dim
-        mask = live[:, None] & (j < HEADS * DIM)[None, :]
-        for plane in tl.static_range(PLANES):
-            c = cache + (cache_at + plane * s_plane)[:, None] + cache_j[None, :]
-            b = (buf + buf_at + plane * plane_size)[:, None] + j[None, :]
-            if GATHER:
-                tl.store(b, tl.load(c, mask=mask), mask=mask)
-            else:
-                tl.store(c, tl.load(b, mask=mask), mask=mask)
+    buf = tl.load(buf_table + chunk, mask=live, other=0).to(tl.pointer_type(WORD))
+    plane_size = length * (HEADS * DIM)  # words of one plane of one layer in the chunk
+    buf_at = (tl.load(buf_tok + tokens, mask=live, other=0).to(tl.int64) * (HEADS * DIM)
+              + layer * PLANES * plane_size)
+    for head in range(HEADS):
+        for d0 in range(0, DIM, BLOCK_D):
+            d = d0 + tl.arange(0, BLOCK_D)
+            mask = live[:, None] & (d < DIM)[None, :]
+            for plane in tl.static_range(PLANES):
+                c = (cache + (cache_at + plane * s_plane + head * s_head))[:, None] \
+                    + (d * s_dim)[None, :]
+                b = (buf + (buf_at + plane * plane_size + head * DIM))[:, None] + d[None, :]
+                if GATHER:
+                    tl.store(b, tl.load(c, mask=mask), mask=mask)
+                else:
+                    tl.store(c, tl.load(b, mask=mask), mask=mask)
 
 
 def gather_blocks(caches: Sequence[torch.Tensor], block_ids: BlockIds, chunks: Chunks,
@@ -111,14 +112,17 @@ def _direct(buf: torch.Tensor, device: torch.device) -> bool:
 def _launch(caches: Sequence[torch.Tensor], block_ids: BlockIds, chunks: Chunks,
             skip_tokens: int, layout: Layout | None, *, gather: bool) -> None:
     g = geometry(caches[0], layout)
-    device, size = caches[0].device, caches[0].element_size()
+    device = caches[0].device
     views = [as_blocks(cache, g.layout) for cache in caches]
     strides = views[0].stride()
     if any(view.stride() != strides for view in views):
         # (never from vLLM: its layers share one allocation's layout)
         raise ValueError("paged KV caches with different strides; the Triton copies "
                          "need one layout for all layers (use the torch reference)")
-    s_plane, s_block, s_slot, s_head, s_dim = strides
+    word, factor = _words(caches, [buf for _, buf in chunks], strides, g.head_dim)
+    s_plane, s_block, s_slot, s_head, s_dim = (s // factor if i < 4 else s
+                                               for i, s in enumerate(strides))
+    dim = g.head_dim // factor
     cache_tok, buf_chunk, buf_tok, buf_len = _token_tables(block_ids, chunks, skip_tokens,
                                                            g.block_size, s_block, s_slot,
                                                            device)
@@ -129,14 +133,33 @@ def _launch(caches: Sequence[torch.Tensor], block_ids: BlockIds, chunks: Chunks,
                                device=device)
     buf_table = torch.tensor([buf.data_ptr() for _, buf in chunks], dtype=torch.int64,
                              device=device)
-    row = g.kv_heads * g.head_dim
-    block_j = min(triton.next_power_of_2(row), _TILE)
-    block_t = max(1, min(_TILE // block_j, triton.next_power_of_2(n_tokens)))
+    block_d = min(triton.next_power_of_2(dim), _TILE)
+    block_t = max(1, min(_TILE // block_d, triton.next_power_of_2(n_tokens)))
     grid = (triton.cdiv(n_tokens, block_t), len(caches))
     _copy_kernel[grid](cache_table, buf_table, cache_tok, buf_chunk, buf_tok, buf_len,
                        n_tokens, s_plane, s_head, s_dim,
-                       HEADS=g.kv_heads, DIM=g.head_dim, PLANES=g.planes,
-                       ELEM=_TL_INT[size], BLOCK_T=block_t, BLOCK_J=block_j, GATHER=gather)
+                       HEADS=g.kv_heads, DIM=dim, PLANES=g.planes, WORD=_TL_INT[word],
+                       BLOCK_T=block_t, BLOCK_D=block_d, GATHER=gather)
+
+
+def _words(caches: Sequence[torch.Tensor], buffers: Sequence[torch.Tensor],
+           strides: tuple[int, ...], head_dim: int) -> tuple[int, int]:
+    """``(bytes a word, elements a word)``: the widest integer (up to 8 bytes)
+    that a head's row, every stride but the last and every cache and buffer
+    address are multiples of, where a row is contiguous; one element
+    otherwise. Wider words move a bf16 row in a quarter of the loads and
+    stores, bits unchanged."""
+    size = caches[0].element_size()
+    if strides[-1] != 1:
+        return size, 1
+    addresses = [t.data_ptr() for t in (*caches, *buffers)]
+    for word in (8, 4, 2):
+        if word <= size:
+            break
+        if ((head_dim * size) % word == 0 and all(s * size % word == 0 for s in strides[:-1])
+                and all(a % word == 0 for a in addresses)):
+            return word, word // size
+    return size, 1
 
 
 def _token_tables(block_ids: BlockIds, chunks: Chunks, skip_tokens: int, block_size: int,
