@@ -307,3 +307,11 @@ def test_vllm_s_rank_4_mla_page_is_copied_as_the_rank_3_form() -> None:
     ref = [torch.zeros_like(c) for c in flat]
     scatter_blocks(ref, ids, want, skip_tokens=2)
     assert all(torch.equal(bits(a[:, 0]), bits(b)) for a, b in zip(out, ref, strict=True))
+
+
+def test_lmkv_kernels_is_no_config_key() -> None:
+    """``LMKV_*`` variables are config keys, except the reserved ones."""
+    from lmkv.config import KERNELS_ENV, load_config
+
+    assert KERNELS_ENV == lmkv_kernels.ENV
+    load_config(env={"LMKV_KERNELS": "torch"})  # no "unknown key 'kernels'"
