@@ -17,8 +17,9 @@ contiguous buffer on the caches' device, then one transfer per chunk, as in
 the reference. Named ``triton_impl`` so that it never shadows the ``triton``
 package; imported only when chosen (``lmkv_kernels.implementation``), so
 Triton stays optional. Runs on CUDA, and on CPU tensors under Triton's
-interpreter (``TRITON_INTERPRET=1`` in the environment before ``triton`` is
-first imported: what ``tests/test_kernels_triton.py`` does).
+interpreter: ``TRITON_INTERPRET=1`` must be in the environment when this
+module is imported, as ``triton.jit`` reads it when it decorates the kernel
+(``tests/test_kernels_triton.py`` sets it and reloads the module).
 """
 
 from __future__ import annotations
@@ -134,7 +135,7 @@ def _launch(caches: Sequence[torch.Tensor], block_ids: BlockIds, chunks: Chunks,
     buf_table = torch.tensor([buf.data_ptr() for _, buf in chunks], dtype=torch.int64,
                              device=device)
     block_d = min(triton.next_power_of_2(dim), _TILE)
-    block_t = max(1, min(_TILE // block_d, triton.next_power_of_2(n_tokens)))
+    block_t = max(1, _TILE // block_d)  # (whatever n_tokens: one compiled kernel a shape)
     grid = (triton.cdiv(n_tokens, block_t), len(caches))
     _copy_kernel[grid](cache_table, buf_table, cache_tok, buf_chunk, buf_tok, buf_len,
                        n_tokens, s_plane, s_head, s_dim,
