@@ -5,16 +5,17 @@ Sections (``--sections``, default all):
 - ``transfer``: store (``PagedConnector.to_chunks``: paged caches to chunk
   buffers in one pinned host arena) and load (``from_chunks``: back) of 2048 /
   8192 / 32768 tokens of Llama-3-8B-shaped KV (32 layers, 8 KV heads, head size
-  128, bf16: 128 KiB a token) in vLLM's flash layout, 16-token blocks, a
-  shuffled block table, 256-token chunks; against ``torch`` ``copy_`` of the
-  same bytes between one contiguous device tensor and pinned host memory (the
-  PCIe/NVLink limit). Ratio = pinned copy time / lmkv time (target >= 0.9 at
-  8192 tokens and more), for the Triton kernels and for the torch reference.
-- ``kernels``: the Triton kernels (``lmkv_kernels.triton_impl``) against the torch
-  reference (``lmkv_kernels.torch_ref``), both device to device (chunk buffers
-  on the GPU: only the copies count), every layout, bf16 and fp8, a shuffled
-  block table; checked bit for bit before they are timed. Ratio = reference
-  time / Triton time (target >= 1.5).
+  128, bf16: 128 KiB a token) in the flash layout and in vLLM 0.32's GPU page
+  (``PAGES``), 16-token blocks, a shuffled block table, 256-token chunks;
+  against ``torch`` ``copy_`` of the same bytes between one contiguous device
+  tensor and pinned host memory (the PCIe/NVLink limit). Ratio = pinned copy
+  time / lmkv time (target >= 0.9 at 8192 tokens and more), for the Triton
+  kernels and for the torch reference.
+- ``kernels``: the Triton kernels (``lmkv_kernels.triton_impl``) against the
+  torch reference (``lmkv_kernels.torch_ref``), both device to device (chunk
+  buffers on the GPU: only the copies count), every layout and vLLM 0.32's GPU
+  page, bf16 and fp8, a shuffled block table; checked bit for bit before they
+  are timed. Ratio = reference time / Triton time (target >= 1.5).
 - ``layerwise``: forward time of a small model with and without concurrent
   layer-by-layer loads (not written yet: see ``layerwise_section``).
 
@@ -54,6 +55,10 @@ LAYERS, KV_HEADS, HEAD_DIM = 32, 8, 128
 BLOCK = 16  # vLLM's default block size
 CHUNK = 256  # lmkv's default chunk size
 TRANSFER_TOKENS = (2048, 8192, 32768)
+#: The paged caches measured: lmkv_kernels' layouts, and ``vllm``: vLLM 0.32's
+#: GPU page, the cpu layout's ``[B, H, N, 2D]`` as a view of ``[B, N, H, 2D]``
+#: memory (what its FlashAttention backend allocates).
+PAGES = ("flash", "vllm")
 
 
 @dataclass(frozen=True)
@@ -108,25 +113,40 @@ def transfer_section(run: Run, token_counts: tuple[int, ...], layers: int, heads
 
     spec = KVSpec(layers, heads, head_dim, torch.bfloat16)
     print(f"\n== transfer: {layers} layers x {heads} KV heads x {head_dim}, {spec.dtype}, "
-          f"{spec.chunk_nbytes(1)} bytes a token; flash layout, {BLOCK}-token blocks "
-          f"(shuffled), {CHUNK}-token chunks in one pinned arena ==")
+          f"{spec.chunk_nbytes(1)} bytes a token; {BLOCK}-token blocks (shuffled), "
+          f"{CHUNK}-token chunks in one pinned arena ==")
     print("   ratio = torch copy_ time (contiguous device <-> pinned host) / lmkv time; "
           "target >= 0.9 at 8192 tokens and more")
-    for tokens in token_counts:
-        transfer_one(run, spec, tokens)
-        if run.device.type == "cuda":
-            torch.cuda.empty_cache()
+    for page in PAGES:
+        for tokens in token_counts:
+            transfer_one(run, spec, tokens, page)
+            if run.device.type == "cuda":
+                torch.cuda.empty_cache()
 
 
-def transfer_one(run: Run, spec: KVSpec, tokens: int) -> None:
+def paged_caches(page: str, layers: int, num_blocks: int, heads: int, dim: int,
+                 dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+    """Random bits in ``page`` form (``PAGES``), one tensor per layer."""
+    from lmkv_kernels.layouts import shape_of
+
+    layout = "cpu" if page == "vllm" else page
+    shape = shape_of(layout, num_blocks, BLOCK, heads, dim)
+    if page == "vllm":  # [B, N, H, 2D] in memory, seen as [B, H, N, 2D]
+        shape = (shape[0], shape[2], shape[1], shape[3])
+    caches = [torch.randint(0, 256, (*shape, dtype.itemsize), dtype=torch.uint8,
+                            device=device).view(dtype).view(shape) for _ in range(layers)]
+    return [c.transpose(1, 2) for c in caches] if page == "vllm" else caches
+
+
+def transfer_one(run: Run, spec: KVSpec, tokens: int, page: str) -> None:
     from lmkv.gpu import ChunkSpan, ConnectorContext
     from lmkv_backends.connectors.paged import PagedConnector
 
     dtype = spec.dtype
     blocks = -(-tokens // BLOCK)
     num_blocks = blocks + blocks // 2 + 1  # room for the table to spread out
-    caches = [torch.randn(2, num_blocks, BLOCK, spec.num_kv_heads, spec.head_dim,
-                          device=run.device, dtype=dtype) for _ in range(spec.num_layers)]
+    caches = paged_caches(page, spec.num_layers, num_blocks, spec.num_kv_heads,
+                          spec.head_dim, dtype, run.device)
     table = shuffled_table(blocks, num_blocks)
     nbytes = spec.chunk_nbytes(tokens)
     arena = run.host(nbytes)
@@ -140,10 +160,11 @@ def transfer_one(run: Run, spec: KVSpec, tokens: int) -> None:
     device_flat = torch.empty(nbytes, dtype=torch.uint8, device=run.device)
     d2h_ms = run.time_ms(lambda: arena.copy_(device_flat, non_blocking=True))
     h2d_ms = run.time_ms(lambda: device_flat.copy_(arena, non_blocking=True))
-    print(f"  {tokens} tokens, {nbytes / (1 << 20):.0f} MiB: pinned copy "
+    print(f"  {page} page, {tokens} tokens, {nbytes / (1 << 20):.0f} MiB: pinned copy "
           f"D2H {gbps(nbytes, d2h_ms):.1f} GB/s, H2D {gbps(nbytes, h2d_ms):.1f} GB/s")
     for kernels in ("triton", "torch"):
-        conn = PagedConnector({"kernels": kernels}, ConnectorContext(spec))
+        conn = PagedConnector({"kernels": kernels, "layout": "cpu" if page == "vllm"
+                               else page}, ConnectorContext(spec))
         store_ms = run.time_ms(lambda c=conn: c.to_chunks(spans, kv_caches=caches,
                                                           block_ids=table))
         load_ms = run.time_ms(lambda c=conn: c.from_chunks(spans, kv_caches=caches,
@@ -165,24 +186,23 @@ def kernels_section(run: Run, tokens: int, layers: int, heads: int, head_dim: in
           "the device ==")
     print("   ratio = reference time / Triton time; target >= 1.5")
     ok = True
-    for layout in LAYOUTS:
-        h, d = (1, latent) if layout == "mla" else (heads, head_dim)
+    for page in (*LAYOUTS, "vllm"):
+        h, d = (1, latent) if page == "mla" else (heads, head_dim)
         for dtype in (torch.bfloat16, torch.float8_e4m3fn):
-            ok = kernels_one(run, layout, dtype, tokens, layers, h, d) and ok
+            ok = kernels_one(run, page, dtype, tokens, layers, h, d) and ok
     return ok
 
 
-def kernels_one(run: Run, layout: str, dtype: torch.dtype, tokens: int, layers: int,
+def kernels_one(run: Run, page: str, dtype: torch.dtype, tokens: int, layers: int,
                 heads: int, dim: int) -> bool:
     from lmkv_kernels import torch_ref, triton_impl
-    from lmkv_kernels.layouts import planes_of, shape_of
+    from lmkv_kernels.layouts import planes_of
 
     blocks = -(-tokens // BLOCK)
     num_blocks = 2 * blocks
     table = shuffled_table(blocks, num_blocks, seed=1)
-    shape = shape_of(layout, num_blocks, BLOCK, heads, dim)
-    caches = [torch.randint(0, 256, (*shape, dtype.itemsize), dtype=torch.uint8,
-                            device=run.device).view(dtype).view(shape) for _ in range(layers)]
+    caches = paged_caches(page, layers, num_blocks, heads, dim, dtype, run.device)
+    layout = "cpu" if page == "vllm" else page
     planes = planes_of(layout)
 
     def buffers() -> list[tuple[int, torch.Tensor]]:
@@ -202,7 +222,7 @@ def kernels_one(run: Run, layout: str, dtype: torch.dtype, tokens: int, layers: 
     torch_ref.scatter_blocks(back_ref, table, ref, 0, layout)
     triton_impl.scatter_blocks(back_tri, table, ref, 0, layout)
     if not (same([b for _, b in ref], [b for _, b in tri]) and same(back_ref, back_tri)):
-        print(f"  {layout:10s} {dtype!s:22s}: MISMATCH between Triton and the reference "
+        print(f"  {page:10s} {dtype!s:22s}: MISMATCH between Triton and the reference "
               "(not timed)")
         return False
     nbytes = sum(buf.numel() * buf.element_size() for _, buf in ref)
@@ -210,7 +230,7 @@ def kernels_one(run: Run, layout: str, dtype: torch.dtype, tokens: int, layers: 
                     for f in (torch_ref.gather_blocks, triton_impl.gather_blocks))
     s_ref, s_tri = (run.time_ms(lambda f=f: f(back_tri, table, ref, 0, layout))
                     for f in (torch_ref.scatter_blocks, triton_impl.scatter_blocks))
-    print(f"  {layout:10s} {dtype!s:22s}: gather ref {g_ref:7.3f} ms, triton "
+    print(f"  {page:10s} {dtype!s:22s}: gather ref {g_ref:7.3f} ms, triton "
           f"{g_tri:7.3f} ms ({gbps(nbytes, g_tri):6.0f} GB/s) {g_ref / g_tri:5.2f}x | "
           f"scatter ref {s_ref:7.3f} ms, triton {s_tri:7.3f} ms "
           f"({gbps(nbytes, s_tri):6.0f} GB/s) {s_ref / s_tri:5.2f}x")

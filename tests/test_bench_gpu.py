@@ -36,5 +36,5 @@ def test_the_dry_run_runs_every_section_and_the_kernels_match() -> None:
     assert "MISMATCH" not in out.stdout
     for heading in ("== transfer", "== kernels", "== layerwise"):
         assert heading in out.stdout
-    for layout in ("flash ", "flashinfer ", "cpu ", "mla "):
+    for layout in ("flash ", "flashinfer ", "cpu ", "mla ", "vllm "):
         assert f"\n  {layout}" in out.stdout
