@@ -51,3 +51,13 @@ def check_kv_cache_groups(kv_cache_config: Any, model: str,
         raise ConfigError(f"lmkv cannot serve model {model!r}: its KV cache has "
                           f"{len(kinds)} group(s) ({', '.join(kinds)}); lmkv stores one "
                           f"group of full attention ({names}) only")
+    spec = groups[0].kv_cache_spec
+    # A page of packed or compressed states (DeepSeek's sparse MLA) is not one
+    # vector per token and head: lmkv's copies would misplace it.
+    if (getattr(spec, "tokens_per_state", 1) != 1
+            or getattr(spec, "state_content_bytes", None) is not None):
+        raise ConfigError(f"lmkv cannot serve model {model!r}: its KV cache packs or "
+                          "compresses tokens (tokens_per_state "
+                          f"{getattr(spec, 'tokens_per_state', 1)}, state_content_bytes "
+                          f"{getattr(spec, 'state_content_bytes', None)}); lmkv stores one "
+                          "vector per token and head")
