@@ -50,7 +50,9 @@ CONFIG_ENV = "LMKV_CONFIG"
 #: (``GPUConnector.kv_kind``): ``hf`` for transformers' per-layer tensors,
 #: ``paged`` for vLLM's paged caches.
 DEFAULT_CONNECTORS: dict[str, str] = {"hf": "hf", "paged": "paged"}
-RESERVED_ENV = frozenset({CONFIG_ENV, LOAD_ENV, DISABLE_ENV, LOG_LEVEL_ENV})
+#: Read by ``lmkv_kernels`` (which copies run: auto, triton, torch), not a config key.
+KERNELS_ENV = "LMKV_KERNELS"
+RESERVED_ENV = frozenset({CONFIG_ENV, LOAD_ENV, DISABLE_ENV, LOG_LEVEL_ENV, KERNELS_ENV})
 DOTTED_PREFIX = "lmkv."
 CONFIG_FILE_KEY = "config_file"
 

@@ -2,9 +2,11 @@
 
 Every chunk buffer has the canonical shape ``[num_layers, 2, num_tokens,
 num_kv_heads, head_dim]`` (K at index 0, V at 1): the layout tag ``l2thd`` in
-each key. Connectors translate an engine's own layout (transformers per-layer
-tensors, vLLM paged caches) to and from it, so KV stored by one engine layout
-can be loaded into another.
+each key. MLA's KV, one latent vector per token, is ``[num_layers, 1,
+num_tokens, 1, latent_dim]`` (``KVSpec.kv_planes`` 1, tag ``l1thd``).
+Connectors translate an engine's own layout (transformers per-layer tensors,
+vLLM paged caches) to and from it, so KV stored by one engine layout can be
+loaded into another.
 """
 
 from __future__ import annotations
@@ -29,13 +31,25 @@ class KVSpec:
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
+    #: Vectors per token and KV head: 2 (K and V); 1 for MLA's latent (then
+    #: ``num_kv_heads`` is 1 and ``head_dim`` the latent's size).
+    kv_planes: int = 2
+    #: Ranks that hold this very KV: MLA's latent is replicated on every
+    #: tensor-parallel rank, so its keys name it once for all of them
+    #: (``lmkv.engines.keys.engine_chunker``) instead of once per rank.
+    replicas: int = 1
 
     def chunk_shape(self, num_tokens: int) -> tuple[int, int, int, int, int]:
-        return (self.num_layers, 2, num_tokens, self.num_kv_heads, self.head_dim)
+        return (self.num_layers, self.kv_planes, num_tokens, self.num_kv_heads, self.head_dim)
 
     def chunk_nbytes(self, num_tokens: int) -> int:
-        return (self.num_layers * 2 * num_tokens * self.num_kv_heads * self.head_dim
-                * self.dtype.itemsize)
+        return (self.num_layers * self.kv_planes * num_tokens * self.num_kv_heads
+                * self.head_dim * self.dtype.itemsize)
+
+    @property
+    def chunk_layout(self) -> str:
+        """The chunk layout tag in keys: ``l2thd``, or ``l1thd`` for one plane (MLA)."""
+        return CHUNK_LAYOUT if self.kv_planes == 2 else f"l{self.kv_planes}thd"
 
 
 @dataclass(frozen=True)
@@ -53,6 +67,10 @@ class ConnectorContext:
 
     #: The engine's KV: layers, KV heads, head size, dtype.
     spec: KVSpec
+    #: The layout of the engine's KV where the integration knows it (vLLM's
+    #: attention backend: ``flash``, ``flashinfer``, ``cpu``, ``mla``); None: the
+    #: connector reads it from the tensors.
+    kv_layout: str | None = None
 
 
 class GPUConnector(Plugin, ABC):

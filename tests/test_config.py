@@ -100,8 +100,12 @@ BAD = [
     ({"lmkv.tiers.0.eviction": "mru"}, "tiers.0.eviction.type = 'mru': unknown eviction policy"),
     ({"lmkv.serializer": "pickle"}, "serializer.type = 'pickle': unknown serializer 'pickle'; "
                                     "available: int8, naive, zstd"),
-    ({"lmkv.gpu_connector": {"type": "paged", "options": {"layout": "cpu"}}},  # read, not set
-     "config key 'gpu_connector.options.layout' (from lmkv.gpu_connector): unknown key"),
+    ({"lmkv.gpu_connector": {"type": "paged", "options": {"layout": "hnd"}}},
+     "config key 'gpu_connector.options.layout' = 'hnd' (from lmkv.gpu_connector): input "
+     "should be 'auto', 'flash', 'flashinfer', 'cpu' or 'mla'"),
+    ({"lmkv.gpu_connector": {"type": "paged", "options": {"layuot": "cpu"}}},
+     "config key 'gpu_connector.options.layuot' (from lmkv.gpu_connector): unknown key; "
+     "did you mean 'layout'? allowed: kernels, layout"),
     ({"lmkv.tiers": []}, "config key 'tiers' = [] (from lmkv.tiers): list should have at least"),
     ({"lmkv.tiers.3.type": "cpu"}, "config key 'tiers.3.type' (from lmkv.tiers.3.type): "
                                    "index 3 skips entries"),
@@ -289,7 +293,8 @@ def test_unknown_keys_list_the_allowed_ones(overrides: dict, expected: str) -> N
 
 
 RESERVED = ("the LMKV_ prefix is reserved for lmkv: every LMKV_* variable is a config key or "
-            "one of LMKV_CONFIG, LMKV_DISABLE_PLUGINS, LMKV_LOAD_PLUGINS, LMKV_LOG_LEVEL")
+            "one of LMKV_CONFIG, LMKV_DISABLE_PLUGINS, LMKV_KERNELS, LMKV_LOAD_PLUGINS, "
+            "LMKV_LOG_LEVEL")
 
 
 @pytest.mark.parametrize("env,expected", [

@@ -1,13 +1,18 @@
 """lmkv's copy kernels: between paged KV caches and lmkv's chunk buffers.
 
 Installed as ``lmkv_kernels`` (never ``kernels``: Hugging Face ships a package
-of that name). It imports torch and the standard library only, so an engine
-integration or a connector plugin can use it without the rest of lmkv.
+of that name). It imports torch and the standard library only (Triton, when
+installed, on the first copy of CUDA caches), so an engine integration or a
+connector plugin can use it without the rest of lmkv.
 
 Layouts (``lmkv_kernels.layouts``): one cache tensor per layer, ``flash``
-``[2, num_blocks, block_size, kv_heads, head_dim]`` or ``cpu``
-``[num_blocks, kv_heads, block_size, 2 * head_dim]``, told apart by rank.
-A chunk buffer is ``[layers, 2, tokens, kv_heads, head_dim]`` (K at 0, V at 1).
+``[2, num_blocks, block_size, kv_heads, head_dim]``, ``flashinfer``
+``[num_blocks, 2, block_size, kv_heads, head_dim]``, ``cpu``
+``[num_blocks, kv_heads, block_size, 2 * head_dim]`` or ``mla``
+``[num_blocks, block_size, latent_dim]``. A chunk buffer is ``[layers, planes,
+tokens, kv_heads, head_dim]``: K at plane 0 and V at 1, or for ``mla`` the
+latent as ``[layers, 1, tokens, 1, latent_dim]``. Dtypes: any whose bits can be
+moved as they are (bf16, fp16, fp32 and fp8 e4m3 are tested).
 
 Semantics, the same for every implementation:
 
@@ -18,6 +23,9 @@ Semantics, the same for every implementation:
 - ``chunks`` is a sequence of ``(start, buffer)``: ``buffer`` holds the request's
   tokens ``[start, start + buffer.shape[2])``. Buffers may be strided and may live
   on another device than the caches (pinned host memory, typically).
+- ``layout``: the caches' layout where the caller knows it (vLLM's attention
+  backend, a connector option); None reads it from the shape, which fails
+  (one line) where flash and flashinfer cannot be told apart.
 - ``gather_blocks(caches, block_ids, chunks)`` copies each chunk's tokens from
   the caches into its buffer (the store path).
 - ``scatter_blocks(caches, block_ids, chunks, skip_tokens=0)`` copies each
@@ -32,41 +40,106 @@ Semantics, the same for every implementation:
   return: synchronize that stream before reading a gathered buffer or
   reusing a scattered one.
 
+Dense per-layer KV (transformers' ``(K, V)`` pairs ``[batch, kv_heads, seq,
+head_dim]``) is copied by ``gather_dense``/``scatter_dense``: one strided
+``copy_`` per layer and plane, in torch on every device (a copy engine or
+memcpy does it at full speed; no kernel would do better).
+
 ``implementation(device)`` picks the module that does the copies for caches
-on ``device``; today that is always ``lmkv_kernels.torch_ref`` (torch ops, any
-device, the reference). A Triton module providing the same two functions can
-be chosen there for CUDA caches without changing any caller.
+on ``device``: ``lmkv_kernels.triton_impl`` (Triton kernels) for CUDA caches
+where Triton is installed, else ``lmkv_kernels.torch_ref`` (torch ops, any
+device: the reference every implementation matches bit for bit).
+``LMKV_KERNELS=torch`` (or ``kernels="torch"``) forces the reference,
+``triton`` forces Triton (an error where it is not installed), ``auto`` is the
+default.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import os
 from collections.abc import Sequence
 from types import ModuleType
+from typing import Literal
 
 import torch
 
 from lmkv_kernels import torch_ref
-from lmkv_kernels.layouts import LAYOUTS, Layout, PagedGeometry, geometry, layout_of
+from lmkv_kernels.layouts import (
+    LAYOUTS,
+    Layout,
+    PagedGeometry,
+    check_layout,
+    geometry,
+    layout_of,
+    planes_of,
+)
 
-__all__ = ["LAYOUTS", "Layout", "PagedGeometry", "gather_blocks", "geometry",
-           "implementation", "layout_of", "scatter_blocks"]
+__all__ = ["KERNELS", "LAYOUTS", "Kernels", "Layout", "PagedGeometry", "check_layout",
+           "gather_blocks", "gather_dense", "geometry", "implementation", "layout_of",
+           "planes_of", "scatter_blocks", "scatter_dense"]
+
+Kernels = Literal["auto", "triton", "torch"]
+KERNELS: tuple[Kernels, ...] = ("auto", "triton", "torch")
+#: The environment variable that chooses the implementation when a caller does not.
+ENV = "LMKV_KERNELS"
 
 
-def implementation(device: torch.device) -> ModuleType:
-    """The module whose ``gather_blocks``/``scatter_blocks`` serve caches on ``device``."""
-    return torch_ref
+def triton_available() -> bool:
+    """Whether Triton is installed (checked without importing it)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def implementation(device: torch.device | str, kernels: Kernels | None = None) -> ModuleType:
+    """The module whose ``gather_blocks``/``scatter_blocks`` serve caches on ``device``.
+
+    ``kernels``: ``auto`` (Triton for CUDA caches where it is installed, else the
+    reference), ``triton`` (Triton on any device: CUDA, or CPU tensors under
+    ``TRITON_INTERPRET=1``), ``torch`` (the reference); None reads ``LMKV_KERNELS``
+    (default ``auto``). ValueError (one line) for any other choice, or ``triton``
+    where Triton is not installed.
+    """
+    choice = kernels if kernels is not None else (os.environ.get(ENV) or "auto")
+    if choice not in KERNELS:
+        where = "kernels" if kernels is not None else ENV
+        raise ValueError(f"{where} = {choice!r}: expected one of {', '.join(KERNELS)}")
+    if choice == "torch":
+        return torch_ref
+    if choice == "auto" and (torch.device(device).type != "cuda" or not triton_available()):
+        return torch_ref
+    if not triton_available():
+        raise ValueError("kernels = 'triton' but Triton is not installed (pip install triton)")
+    from lmkv_kernels import triton_impl
+
+    return triton_impl
 
 
 def gather_blocks(caches: Sequence[torch.Tensor], block_ids: Sequence[int] | torch.Tensor,
-                  chunks: Sequence[tuple[int, torch.Tensor]]) -> None:
+                  chunks: Sequence[tuple[int, torch.Tensor]], *, layout: Layout | None = None,
+                  kernels: Kernels | None = None) -> None:
     """Copy each chunk's tokens from the paged ``caches`` into its buffer."""
     if caches:
-        implementation(caches[0].device).gather_blocks(caches, block_ids, chunks)
+        implementation(caches[0].device, kernels).gather_blocks(caches, block_ids, chunks,
+                                                                layout)
 
 
 def scatter_blocks(caches: Sequence[torch.Tensor], block_ids: Sequence[int] | torch.Tensor,
-                   chunks: Sequence[tuple[int, torch.Tensor]], skip_tokens: int = 0) -> None:
+                   chunks: Sequence[tuple[int, torch.Tensor]], skip_tokens: int = 0, *,
+                   layout: Layout | None = None, kernels: Kernels | None = None) -> None:
     """Copy each chunk's buffer into the paged ``caches``, tokens from ``skip_tokens`` on."""
     if caches:
-        implementation(caches[0].device).scatter_blocks(caches, block_ids, chunks,
-                                                        skip_tokens)
+        implementation(caches[0].device, kernels).scatter_blocks(caches, block_ids, chunks,
+                                                                 skip_tokens, layout)
+
+
+def gather_dense(kv: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                 chunks: Sequence[tuple[int, torch.Tensor]], batch_index: int = 0) -> None:
+    """Copy each chunk's tokens of sequence ``batch_index`` from per-layer ``(K, V)``
+    tensors ``[batch, kv_heads, seq, head_dim]`` into its buffer."""
+    torch_ref.gather_dense(kv, chunks, batch_index)
+
+
+def scatter_dense(kv: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                  chunks: Sequence[tuple[int, torch.Tensor]], batch_index: int = 0) -> None:
+    """Copy each chunk's buffer into sequence ``batch_index`` of per-layer ``(K, V)``."""
+    torch_ref.scatter_dense(kv, chunks, batch_index)

@@ -13,16 +13,22 @@ from collections.abc import Sequence
 
 import torch
 
-from lmkv_kernels.layouts import PagedGeometry, as_blocks, geometry
+from lmkv_kernels.layouts import Layout, PagedGeometry, as_blocks, geometry
 
 Chunks = Sequence[tuple[int, torch.Tensor]]
 BlockIds = Sequence[int] | torch.Tensor
 
+#: Dtypes torch's index copies lack (``index_copy_`` has no fp8 on the CPU):
+#: copied as the unsigned integers of their width, bit for bit.
+_BITWISE = {torch.float8_e4m3fn: torch.uint8, torch.float8_e5m2: torch.uint8}
 
-def gather_blocks(caches: Sequence[torch.Tensor], block_ids: BlockIds, chunks: Chunks) -> None:
+
+def gather_blocks(caches: Sequence[torch.Tensor], block_ids: BlockIds, chunks: Chunks,
+                  layout: Layout | None = None) -> None:
     if not chunks:
         return
-    g = geometry(caches[0])
+    g = geometry(caches[0], layout)
+    caches, chunks = _bitwise(caches, chunks)
     end = max(start + buf.shape[2] for start, buf in chunks)
     device, d, heads = caches[0].device, g.head_dim, g.kv_heads
     rows = _rows(caches, g)
@@ -45,17 +51,18 @@ def gather_blocks(caches: Sequence[torch.Tensor], block_ids: BlockIds, chunks: C
                 for block, count, offset, length, t in pieces:
                     t0 = t - start
                     part = out[layer, :, t0:t0 + count * length]
-                    part = part.view(2, count, length, heads, d)
+                    part = part.view(g.planes, count, length, heads, d)
                     part.copy_(blocks[:, block:block + count, offset:offset + length])
         if out is not buf:
             buf.copy_(out, non_blocking=True)
 
 
 def scatter_blocks(caches: Sequence[torch.Tensor], block_ids: BlockIds, chunks: Chunks,
-                   skip_tokens: int = 0) -> None:
+                   skip_tokens: int = 0, layout: Layout | None = None) -> None:
     if not chunks:
         return
-    g = geometry(caches[0])
+    g = geometry(caches[0], layout)
+    caches, chunks = _bitwise(caches, chunks)
     end = max(start + buf.shape[2] for start, buf in chunks)
     device, d, heads, block_size = caches[0].device, g.head_dim, g.kv_heads, g.block_size
     ids = _as_list(block_ids)
@@ -91,8 +98,20 @@ def scatter_blocks(caches: Sequence[torch.Tensor], block_ids: BlockIds, chunks: 
                     part = chunk[:, t0:t0 + length]
                     as_blocks(cache, g.layout)[:, block, offset:offset + length].copy_(part)
                 else:  # whole blocks (for flash, contiguous for K and for V: a memcpy)
-                    part = chunk[:, t0:t0 + count * length].view(2, count, length, heads, d)
+                    part = chunk[:, t0:t0 + count * length]
+                    part = part.view(g.planes, count, length, heads, d)
                     as_blocks(cache, g.layout)[:, block:block + count].copy_(part)
+
+
+def _bitwise(caches: Sequence[torch.Tensor], chunks: Chunks
+             ) -> tuple[Sequence[torch.Tensor], Chunks]:
+    """Caches and buffers as integers of their width where torch cannot index
+    their dtype (views: the same memory)."""
+    as_int = _BITWISE.get(caches[0].dtype)
+    if as_int is None:
+        return caches, chunks
+    return ([cache.view(as_int) for cache in caches],
+            [(start, buf.view(as_int)) for start, buf in chunks])
 
 
 def _rows(caches: Sequence[torch.Tensor], g: PagedGeometry) -> list[torch.Tensor] | None:
@@ -100,28 +119,36 @@ def _rows(caches: Sequence[torch.Tensor], g: PagedGeometry) -> list[torch.Tensor
     layout: rows of ``head_dim`` elements, K or V of one head and token (row
     ``((block * kv_heads + head) * block_size + offset) * 2 + kv``); flash: rows
     of ``kv_heads * head_dim``, K or V of one token (row ``(kv * num_blocks +
-    block) * block_size + offset``). Copying whole rows by index
+    block) * block_size + offset``); flashinfer: the same rows (row ``(block * 2
+    + kv) * block_size + offset``); mla: rows of the latent, one per token (row
+    ``block * block_size + offset``). Copying whole rows by index
     (``index_select``) runs at about memcpy speed, where a strided ``copy_``
     runs short inner loops on the cpu layout (1.3-2x slower) and takes a copy
     per block of a fragmented block table."""
     if not all(cache.is_contiguous() for cache in caches):
         return None
-    row = g.head_dim * (g.kv_heads if g.layout == "flash" else 1)
+    row = g.head_dim * (g.kv_heads if g.layout in ("flash", "flashinfer") else 1)
     return [cache.view(-1, row) for cache in caches]
 
 
 def _gather_index(block_ids: BlockIds, end: int, cache: torch.Tensor,
                   g: PagedGeometry) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(token_rows [end, 1], kv_head_rows [2, 1, kv_heads or 1])``: their sum is
-    the cache row (see ``_rows``) of each row of a chunk buffer in that order."""
+    """``(token_rows [end, 1], kv_head_rows [planes, 1, kv_heads or 1])``: their sum
+    is the cache row (see ``_rows``) of each row of a chunk buffer in that order."""
     block_size, heads = g.block_size, g.kv_heads
     n_blocks = -(-end // block_size)
     ids = torch.as_tensor(block_ids[:n_blocks]).to(cache.device, torch.int64)[:, None]
     offsets = torch.arange(block_size, device=cache.device)
-    kv = torch.arange(2, device=cache.device)[:, None, None]
+    kv = torch.arange(g.planes, device=cache.device)[:, None, None]
     if g.layout == "flash":
         token_rows = ids * block_size + offsets
         kv_head_rows = kv * (g.num_blocks * block_size)
+    elif g.layout == "flashinfer":
+        token_rows = ids * (2 * block_size) + offsets
+        kv_head_rows = kv * block_size
+    elif g.layout == "mla":
+        token_rows = ids * block_size + offsets
+        kv_head_rows = kv
     else:
         token_rows = (ids * (heads * block_size) + offsets) * 2
         kv_head_rows = kv + torch.arange(heads, device=cache.device) * (2 * block_size)
@@ -174,3 +201,25 @@ def _block_order(blocks: int, block_size: int, heads: int, tokens: int, first: i
     head = torch.arange(heads, device=device).view(1, heads, 1, 1)
     kv = torch.arange(2, device=device).view(1, 1, 1, 2)
     return ((kv * tokens + t) * heads + head).flatten()
+
+
+# -- dense per-layer KV (transformers): one strided copy per layer and plane ---------------------
+
+def gather_dense(kv: Sequence[tuple[torch.Tensor, torch.Tensor]], chunks: Chunks,
+                 batch_index: int = 0) -> None:
+    for start, buf in chunks:
+        stop = start + buf.shape[2]
+        for layer, pair in enumerate(kv):
+            for plane, t in enumerate(pair):
+                buf[layer, plane].copy_(t[batch_index, :, start:stop].transpose(0, 1),
+                                        non_blocking=True)
+
+
+def scatter_dense(kv: Sequence[tuple[torch.Tensor, torch.Tensor]], chunks: Chunks,
+                  batch_index: int = 0) -> None:
+    for start, buf in chunks:
+        stop = start + buf.shape[2]
+        for layer, pair in enumerate(kv):
+            for plane, t in enumerate(pair):
+                t[batch_index, :, start:stop].copy_(buf[layer, plane].transpose(0, 1),
+                                                    non_blocking=True)

@@ -55,8 +55,13 @@ def engine_chunker(config: LMKVConfig, spec: KVSpec, model_name: str, connector:
     """The chunker (keys) of an engine: the same in every mode, so that engines in
     either mode name a chunk the same way. ``block_size``: the engine's block
     (``hit_block_size``)."""
-    meta = KeyMeta(config.model_name or model_name, world_size, worker_id,
-                   dtype_name(spec.dtype), connector.chunk_layout,
+    # KV replicated on several ranks (MLA on tensor-parallel ranks: vLLM numbers
+    # those consecutively) is named once for all of them: by the group of ranks
+    # (a pipeline stage), whose layers differ.
+    replicas = max(spec.replicas, 1)
+    layout = connector.chunk_layout if spec.kv_planes == 2 else spec.chunk_layout
+    meta = KeyMeta(config.model_name or model_name, max(world_size // replicas, 1),
+                   worker_id // replicas, dtype_name(spec.dtype), layout,
                    kv_geometry(spec.num_layers, spec.num_kv_heads, spec.head_dim))
     return TokenChunker(meta, config.chunk_size, config.save_partial_chunk,
                         hit_block_size(config, block_size))

@@ -1,5 +1,6 @@
 """Transformers-style KV: per-layer ``(K, V)`` tensors, copied to and from
-lmkv's chunk buffers ``[layers, 2, tokens, kv_heads, head_dim]`` on any torch device."""
+lmkv's chunk buffers ``[layers, 2, tokens, kv_heads, head_dim]`` on any torch
+device by the ``lmkv_kernels`` dense copies."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from typing import Any
 
 import torch
 
+import lmkv_kernels
 from lmkv.gpu import ChunkSpan, GPUConnector
 from lmkv_backends.connectors.common import check, sync
 
@@ -43,13 +45,7 @@ class HFConnector(GPUConnector):
     def to_chunks(self, spans: Sequence[ChunkSpan], *, kv: KVPairs,
                   batch_index: int = 0, **_: Any) -> None:
         self._validate(kv, max((s.end for s in spans), default=0), batch_index)
-        for span in spans:
-            buf = span.buffer
-            for layer, (k, v) in enumerate(kv):
-                buf[layer, 0].copy_(k[batch_index, :, span.start:span.end].transpose(0, 1),
-                                    non_blocking=True)
-                buf[layer, 1].copy_(v[batch_index, :, span.start:span.end].transpose(0, 1),
-                                    non_blocking=True)
+        lmkv_kernels.gather_dense(kv, [(s.start, s.buffer) for s in spans], batch_index)
         if kv:
             sync(kv[0][0].device)
 
@@ -65,13 +61,7 @@ class HFConnector(GPUConnector):
                   for _ in range(spec.num_layers)]
             batch_index = 0
         self._validate(kv, max((s.end for s in spans), default=0), batch_index)
-        for span in spans:
-            buf = span.buffer
-            for layer, (k, v) in enumerate(kv):
-                k[batch_index, :, span.start:span.end].copy_(buf[layer, 0].transpose(0, 1),
-                                                             non_blocking=True)
-                v[batch_index, :, span.start:span.end].copy_(buf[layer, 1].transpose(0, 1),
-                                                             non_blocking=True)
+        lmkv_kernels.scatter_dense(kv, [(s.start, s.buffer) for s in spans], batch_index)
         if kv:
             sync(kv[0][0].device)  # the chunk buffers are released after this returns
         return list(kv)

@@ -1,61 +1,102 @@
 """vLLM-style paged KV caches, copied to and from lmkv's chunk buffers
-``[layers, 2, tokens, kv_heads, head_dim]`` by the ``lmkv_kernels`` copies.
+``[layers, planes, tokens, kv_heads, head_dim]`` by the ``lmkv_kernels`` copies.
 
-The connector checks what it is given (once a call, one line when wrong) and
-reads the caches' layout from their shapes (``lmkv_kernels.layouts``): the
-vLLM worker asks it (``PagedConnector.spec_from``) instead of telling it.
+The connector checks what it is given (once a call, one line when wrong). The
+caches' layout is, in this order: the connector's ``layout`` option, the
+layout the integration knows (``ConnectorContext.kv_layout``: vLLM's attention
+backend), else the caches' shapes (``lmkv_kernels.layouts``). Every layout
+lmkv_kernels knows is served here: a new layout is a kernel and a reference
+there, never a new connector.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
 import lmkv_kernels
-from lmkv.gpu import ChunkSpan, GPUConnector, KVSpec
+from lmkv.gpu import ChunkSpan, ConnectorContext, GPUConnector, KVSpec
+from lmkv.plugin_base import OptionsArg, PluginOptions
 from lmkv_backends.connectors.common import check, sync
-from lmkv_kernels.layouts import shape_of
+from lmkv_kernels.layouts import PagedGeometry, shape_of
+
+
+class PagedOptions(PluginOptions):
+    layout: Literal["auto", "flash", "flashinfer", "cpu", "mla"] = "auto"
+    """The caches' layout; ``auto``: the one the integration names (vLLM's
+    attention backend), else the one their shape shows (an error where flash
+    and flashinfer cannot be told apart)."""
+    kernels: Literal["auto", "triton", "torch"] = "auto"
+    """Which copies run (``lmkv_kernels.implementation``): ``auto`` is Triton for
+    CUDA caches where it is installed, else the torch reference; ``torch``
+    forces the reference; ``triton`` forces Triton."""
+
+
+def _spec(g: PagedGeometry, num_layers: int, dtype: torch.dtype) -> KVSpec:
+    return KVSpec(num_layers, g.kv_heads, g.head_dim, dtype, kv_planes=g.planes)
 
 
 class PagedConnector(GPUConnector):
     """vLLM-style paged KV caches addressed by block ids.
 
     Keyword arguments: ``kv_caches`` (one tensor per layer, all in one layout:
-    ``flash`` ``[2, num_blocks, block_size, kv_heads, head_dim]`` or ``cpu``
-    ``[num_blocks, kv_heads, block_size, 2 * head_dim]``, read from the shapes)
-    and ``block_ids`` (the request's block table: token ``t`` lives in block
-    ``block_ids[t // block_size]`` at offset ``t % block_size``). Partial
-    blocks and chunks that straddle blocks are fine.
+    ``flash`` ``[2, num_blocks, block_size, kv_heads, head_dim]``, ``flashinfer``
+    ``[num_blocks, 2, block_size, kv_heads, head_dim]``, ``cpu`` ``[num_blocks,
+    kv_heads, block_size, 2 * head_dim]`` or ``mla`` ``[num_blocks, block_size,
+    latent_dim]``) and ``block_ids`` (the request's block table: token ``t``
+    lives in block ``block_ids[t // block_size]`` at offset ``t % block_size``).
+    Partial blocks and chunks that straddle blocks are fine.
     """
 
     name = "paged"
     kv_kind = "paged"
     writes_in_place = True
+    Options = PagedOptions
 
     @classmethod
-    def spec_from(cls, *, kv_caches: Sequence[torch.Tensor], **_: Any) -> KVSpec:
-        """The spec of vLLM's paged caches, their layout read from their shapes."""
+    def spec_from(cls, *, kv_caches: Sequence[torch.Tensor], kv_layout: str | None = None,
+                  **_: Any) -> KVSpec:
+        """The spec of vLLM's paged caches in ``kv_layout`` (None: read from their
+        shapes)."""
         check(len(kv_caches) > 0, "no KV caches; expected one paged cache per layer")
-        g = lmkv_kernels.geometry(kv_caches[0])
-        return KVSpec(len(kv_caches), g.kv_heads, g.head_dim, kv_caches[0].dtype)
+        g = lmkv_kernels.geometry(kv_caches[0], kv_layout)  # type: ignore[arg-type]
+        return _spec(g, len(kv_caches), kv_caches[0].dtype)
 
-    def _validate(self, kv_caches: Sequence[torch.Tensor], block_ids: Any, end: int) -> None:
+    def __init__(self, options: OptionsArg, context: ConnectorContext) -> None:
+        super().__init__(options, context)
+        options = self.options
+        assert isinstance(options, PagedOptions)
+        layout = options.layout if options.layout != "auto" else context.kv_layout
+        self.layout: lmkv_kernels.Layout | None = (
+            None if layout is None else lmkv_kernels.check_layout(layout))
+        self.kernels: lmkv_kernels.Kernels | None = (
+            None if options.kernels == "auto" else options.kernels)
+
+    def _validate(self, kv_caches: Sequence[torch.Tensor], block_ids: Any,
+                  end: int) -> PagedGeometry:
         """Check the caches against the spec and the block table against ``end``."""
         spec = self.spec
         check(len(kv_caches) == spec.num_layers,
               f"{len(kv_caches)} KV caches; this engine stores {spec.num_layers} layers")
-        g = lmkv_kernels.geometry(kv_caches[0])
+        first = kv_caches[0]
+        g = lmkv_kernels.geometry(first, self.layout)
+        shape = first.shape
+        for cache in kv_caches:
+            if cache.shape == shape and cache.dtype == spec.dtype:
+                continue  # (the messages cost more than the checks on this hot path)
+            check(cache.shape == shape, f"KV caches of shapes {tuple(shape)} and "
+                  f"{tuple(cache.shape)}; all layers' must be one")
+            check(cache.dtype == spec.dtype, f"KV dtype {cache.dtype}; expected {spec.dtype}")
         expected = shape_of(g.layout, g.num_blocks, g.block_size, spec.num_kv_heads,
                             spec.head_dim)
-        for cache in kv_caches:
-            if cache.shape == expected and cache.dtype == spec.dtype:
-                continue  # (the messages cost more than the checks on this hot path)
-            check(tuple(cache.shape) == expected,
-                  f"KV cache of shape {tuple(cache.shape)}; the {g.layout} layout "
-                  f"is {g.form} = {expected}")
-            check(cache.dtype == spec.dtype, f"KV dtype {cache.dtype}; expected {spec.dtype}")
+        check(g.kv_heads == spec.num_kv_heads and g.head_dim == spec.head_dim,
+              f"KV cache of shape {tuple(shape)}; the {g.layout} layout is {g.form} "
+              f"= {expected}")
+        check(g.planes == spec.kv_planes,
+              f"{g.layout} caches hold {g.planes} vector(s) per token and head; this "
+              f"engine's KV holds {spec.kv_planes}")
         check(len(block_ids) * g.block_size >= end,
               f"{len(block_ids)} blocks of {g.block_size} tokens cannot hold {end} tokens")
         used = block_ids[:-(-end // g.block_size)]
@@ -64,11 +105,13 @@ class PagedConnector(GPUConnector):
                 else (min(used), max(used))
             check(low >= 0 and high < g.num_blocks,
                   f"block ids {low}..{high} out of range: the caches hold {g.num_blocks} blocks")
+        return g
 
     def to_chunks(self, spans: Sequence[ChunkSpan], *, kv_caches: Sequence[torch.Tensor],
                   block_ids: Sequence[int] | torch.Tensor, **_: Any) -> None:
-        self._validate(kv_caches, block_ids, max((s.end for s in spans), default=0))
-        lmkv_kernels.gather_blocks(kv_caches, block_ids, [(s.start, s.buffer) for s in spans])
+        g = self._validate(kv_caches, block_ids, max((s.end for s in spans), default=0))
+        lmkv_kernels.gather_blocks(kv_caches, block_ids, [(s.start, s.buffer) for s in spans],
+                                   layout=g.layout, kernels=self.kernels)
         sync(kv_caches[0].device)  # the buffers are published to other threads next
 
     def from_chunks(self, spans: Sequence[ChunkSpan], *, kv_caches: Sequence[torch.Tensor],
@@ -76,8 +119,9 @@ class PagedConnector(GPUConnector):
                     **_: Any) -> None:
         """``skip_tokens``: leave the request's first tokens alone (the engine
         already holds them, possibly in blocks other requests share)."""
-        self._validate(kv_caches, block_ids, max((s.end for s in spans), default=0))
+        g = self._validate(kv_caches, block_ids, max((s.end for s in spans), default=0))
         lmkv_kernels.scatter_blocks(kv_caches, block_ids,
-                                    [(s.start, s.buffer) for s in spans], skip_tokens)
+                                    [(s.start, s.buffer) for s in spans], skip_tokens,
+                                    layout=g.layout, kernels=self.kernels)
         sync(kv_caches[0].device)  # the chunk buffers are released after this returns
         return None

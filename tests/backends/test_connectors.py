@@ -302,3 +302,71 @@ def test_block_ids_outside_the_caches_are_refused(layout: str, bad: int) -> None
             conn.to_chunks(spans, kv_caches=caches, block_ids=ids)
     assert all(torch.equal(a, b) for a, b in zip(caches, before, strict=True))
     conn.to_chunks(spans, kv_caches=caches, block_ids=[0, 3, bad])  # beyond `end`: unused
+
+
+# -- every lmkv_kernels layout through the one paged connector ---------------------------------
+
+def test_flash_kv_loads_into_a_flashinfer_cache_named_by_the_integration() -> None:
+    """The integration names the layout (``ConnectorContext.kv_layout``): a 2-block
+    flashinfer cache, whose shape flash would fit as well, is copied as flashinfer."""
+    total, block = 24, 16
+    flash = make_paged("flash", 4, block)
+    spans = spans_for(total, 16)
+    PagedConnector(None, ConnectorContext(SPEC)).to_chunks(spans, kv_caches=flash,
+                                                           block_ids=[2, 0])
+    flashinfer = [torch.zeros(2, 2, block, H, D) for _ in range(L)]
+    with pytest.raises(ValueError, match="could be the flash or the flashinfer layout"):
+        PagedConnector(None, ConnectorContext(SPEC)).from_chunks(
+            spans, kv_caches=flashinfer, block_ids=[1, 0])
+    for conn in (PagedConnector(None, ConnectorContext(SPEC, kv_layout="flashinfer")),
+                 PagedConnector({"layout": "flashinfer"}, ConnectorContext(SPEC))):
+        conn.from_chunks(spans, kv_caches=flashinfer, block_ids=[1, 0])
+        ks, vs = token_kv(flash, "flash", [2, 0], block, total)
+        for layer, cache in enumerate(flashinfer):
+            for t in range(total):
+                b, o = [1, 0][t // block], t % block
+                assert torch.equal(cache[b, 0, o], ks[layer][t])
+                assert torch.equal(cache[b, 1, o], vs[layer][t])
+    assert PagedConnector.spec_from(kv_caches=flashinfer, kv_layout="flashinfer") == SPEC
+
+
+def test_the_layout_option_wins_over_the_integration_s() -> None:
+    conn = PagedConnector({"layout": "cpu", "kernels": "torch"},
+                          ConnectorContext(SPEC, kv_layout="flash"))
+    assert conn.layout == "cpu" and conn.kernels == "torch"
+    assert PagedConnector(None, ConnectorContext(SPEC)).layout is None
+
+
+@pytest.mark.parametrize("rank", [3, 4])
+def test_mla_caches_are_one_latent_per_token(rank: int) -> None:
+    """MLA: ``[num_blocks, block_size, latent]`` (or vLLM's ``[B, 1, N, latent]``,
+    named), chunks ``[layers, 1, tokens, 1, latent]``."""
+    latent, block, total = 24, 16, 40
+    caches = [torch.randn(5, block, latent) for _ in range(L)]
+    named = "mla" if rank == 4 else None
+    if rank == 4:
+        caches = [c[:, None] for c in caches]
+    spec = PagedConnector.spec_from(kv_caches=caches, kv_layout=named)
+    assert spec == KVSpec(L, 1, latent, torch.float32, kv_planes=1)
+    assert spec.chunk_shape(7) == (L, 1, 7, 1, latent) and spec.chunk_layout == "l1thd"
+    conn = PagedConnector(None, ConnectorContext(spec, kv_layout=named))
+    spans = [ChunkSpan(s, min(s + 16, total), torch.empty(spec.chunk_shape(min(16, total - s))))
+             for s in range(0, total, 16)]
+    ids = [4, 1, 3]
+    conn.to_chunks(spans, kv_caches=caches, block_ids=ids)
+    flat = [c.view(5, block, latent) for c in caches]
+    for span in spans:
+        for layer in range(L):
+            for t in range(span.start, span.end):
+                assert torch.equal(span.buffer[layer, 0, t - span.start, 0],
+                                   flat[layer][ids[t // block], t % block])
+    out = [torch.zeros_like(c) for c in caches]
+    conn.from_chunks(spans, kv_caches=out, block_ids=ids)
+    for a, b in zip(out, caches, strict=True):
+        rows = [ids[t // block] * block + t % block for t in range(total)]
+        assert torch.equal(a.reshape(-1, latent)[rows], b.reshape(-1, latent)[rows])
+        assert int((a != 0).any(-1).sum()) == total  # and nothing else
+    with pytest.raises(ValueError, match=r"1 vector.*this engine's KV holds 2"):
+        PagedConnector(None, ConnectorContext(KVSpec(L, 1, latent, torch.float32),
+                                              kv_layout="mla")).to_chunks(
+            spans, kv_caches=caches, block_ids=ids)

@@ -210,3 +210,23 @@ def test_prefetch_after_close_is_a_miss() -> None:
     engine = make_engine()
     engine.close()
     assert engine.lookup_and_prefetch(list(range(64)), "late").result(5) == 0
+
+
+def test_mla_kv_is_named_once_for_the_ranks_that_replicate_it() -> None:
+    """MLA's latent is the same on every tensor-parallel rank (``KVSpec.replicas``):
+    one key for those ranks, so each chunk is stored once; pipeline stages
+    (ranks ``replicas`` apart) still differ, as do engines without replicas."""
+    from lmkv.engines.keys import engine_chunker
+    from lmkv.gpu import GPUConnector
+
+    config = load_config(env={})
+    mla = KVSpec(num_layers=2, num_kv_heads=1, head_dim=24, dtype=torch.bfloat16,
+                 kv_planes=1, replicas=2)
+
+    def meta(spec: KVSpec, rank: int):
+        return engine_chunker(config, spec, "m", GPUConnector, 4, rank).meta
+
+    assert meta(mla, 0) == meta(mla, 1) != meta(mla, 2) == meta(mla, 3)
+    assert (meta(mla, 3).world_size, meta(mla, 3).worker_id) == (2, 1)
+    assert meta(mla, 0).kv_layout == "l1thd"
+    assert meta(SPEC, 0) != meta(SPEC, 1) and meta(SPEC, 0).kv_layout == "l2thd"

@@ -110,11 +110,26 @@ def test_hybrid_models_are_refused_at_start_with_one_line() -> None:
         MLAAttentionSpec,
         SlidingWindowSpec,
     )
-    check_kv_cache_groups(_config(FullAttentionSpec), "llama", FullAttentionSpec)  # served
+    served = (FullAttentionSpec, MLAAttentionSpec)
+    check_kv_cache_groups(_config(FullAttentionSpec), "llama", served)
+    check_kv_cache_groups(_config(MLAAttentionSpec), "deepseek", served)  # one latent a token
     for kinds in ((FullAttentionSpec, SlidingWindowSpec), (MambaSpec,),
-                  (FullAttentionSpec, MambaSpec), (SlidingWindowSpec,), (MLAAttentionSpec,)):
+                  (FullAttentionSpec, MambaSpec), (SlidingWindowSpec,),
+                  (MLAAttentionSpec, MLAAttentionSpec)):
         with pytest.raises(ConfigError) as err:
-            check_kv_cache_groups(_config(*kinds), "org/hybrid-7b", FullAttentionSpec)
+            check_kv_cache_groups(_config(*kinds), "org/hybrid-7b", served)
         message = str(err.value)
         assert "\n" not in message and "org/hybrid-7b" in message
         assert all(kind.__name__ in message for kind in kinds)
+
+
+
+def test_mla_pages_of_packed_or_compressed_states_are_refused() -> None:
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+    for field, value in (("tokens_per_state", 4), ("state_content_bytes", 656)):
+        config = _config(MLAAttentionSpec)
+        object.__setattr__(config.kv_cache_groups[0].kv_cache_spec, field, value)
+        with pytest.raises(ConfigError, match=f"packs or compresses tokens.*{value}") as err:
+            check_kv_cache_groups(config, "deepseek-v4", (MLAAttentionSpec,))
+        assert "\n" not in str(err.value)

@@ -72,7 +72,7 @@ def test_caches_whose_heads_are_not_the_models_are_refused(tmp_path) -> None:
 
 def test_caches_in_no_known_layout_are_refused(tmp_path) -> None:
     side = worker(tmp_path)
-    with pytest.raises(ValueError, match="expected the flash layout"):
+    with pytest.raises(ValueError, match="expected a layout of flash"):
         side.register({"layer.0": torch.zeros(3, BLOCKS, BLOCK, HEADS, DIM)})
     side.close()
 
@@ -106,5 +106,38 @@ def test_a_store_stops_before_a_block_whose_load_failed_in_the_same_step(tmp_pat
         side.load(SimpleNamespace(loads=[], stores=[]))
         side.save(SimpleNamespace(loads=[], stores=[StoreSpec("r", prompt, [0, 1, 2])]))
         assert side.engine.lookup(prompt) == 48
+    finally:
+        side.close()
+
+
+def test_an_mla_model_s_latent_is_copied_and_keyed_once_for_its_tp_ranks(tmp_path) -> None:
+    """vLLM's MLA page ``[B, 1, N, latent]`` (one head slot: by shape, a cpu
+    cache) is named mla by the worker; rank 1 of 2 tensor-parallel ranks keys
+    its chunks as rank 0 does, as the latent is the same on both."""
+    latent = 24
+    config = load_config(env={}, overrides={"lmkv.chunk_size": 16,
+                                            "lmkv.lookup.runtime_dir": str(tmp_path)})
+    vllm_config = SimpleNamespace(
+        model_config=SimpleNamespace(model="m", max_model_len=256, use_mla=True,
+                                     get_head_size=lambda: latent),
+        parallel_config=SimpleNamespace(world_size=2, rank=1, tensor_parallel_size=2),
+        kv_transfer_config=SimpleNamespace(engine_id="w1"),
+        cache_config=SimpleNamespace(block_size=BLOCK))
+    side = WorkerSide(config, vllm_config)
+    side.register({f"layer.{i}": torch.randn(BLOCKS, 1, BLOCK, latent) for i in range(LAYERS)})
+    try:
+        assert side.engine.spec == KVSpec(LAYERS, 1, latent, torch.float32, kv_planes=1,
+                                          replicas=2)
+        meta = side.engine.chunker.meta
+        assert (meta.world_size, meta.worker_id, meta.kv_layout) == (1, 0, "l1thd")
+        tokens = list(range(32))
+        assert side.engine.store(tokens, kv_caches=side.kv_caches, block_ids=[4, 1]) == 32
+        before = [c.clone() for c in side.kv_caches]
+        for c in side.kv_caches:
+            c.zero_()
+        got = side.engine.retrieve(tokens, kv_caches=side.kv_caches, block_ids=[4, 1])
+        assert got.num_tokens == 32
+        for c, b in zip(side.kv_caches, before, strict=True):
+            assert torch.equal(c[[4, 1]], b[[4, 1]])
     finally:
         side.close()

@@ -16,7 +16,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 from vllm.v1.core.kv_cache_utils import get_block_hash
-from vllm.v1.kv_cache_interface import FullAttentionSpec
+from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 
 from lmkv.integrations.vllm.config import config_from_extra
 from lmkv.integrations.vllm.events import (
@@ -40,7 +40,8 @@ class LMKVConnector(KVConnectorBase_V1):
                  kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         config = config_from_extra(self._kv_transfer_config.kv_connector_extra_config)
-        check_kv_cache_groups(kv_cache_config, vllm_config.model_config.model, FullAttentionSpec)
+        check_kv_cache_groups(kv_cache_config, vllm_config.model_config.model,
+                              (FullAttentionSpec, MLAAttentionSpec))
         if config.lazy_offload and not vllm_config.cache_config.enable_prefix_caching:
             raise ValueError("lmkv.lazy_offload needs vLLM's prefix caching (the block "
                              "hashes it verifies); enable it or turn lazy offload off")

@@ -35,15 +35,29 @@ def request_identity(request: Any, chunk_size: int) -> Identity | None:
     return identity or None
 
 
-def check_kv_cache_groups(kv_cache_config: Any, model: str, served: type) -> None:
-    """ConfigError unless the model's KV cache is one group of ``served`` (vLLM's
-    ``FullAttentionSpec``, exactly): the only layout whose every block lmkv can
-    store and load (sliding-window, Mamba, MLA and mixed models keep other state)."""
+def check_kv_cache_groups(kv_cache_config: Any, model: str,
+                          served: type | tuple[type, ...]) -> None:
+    """ConfigError unless the model's KV cache is one group of a ``served`` kind
+    (exactly: vLLM's ``FullAttentionSpec`` or ``MLAAttentionSpec``): the only
+    layouts whose every block lmkv can store and load (sliding-window, Mamba and
+    mixed models keep other state)."""
     groups = getattr(kv_cache_config, "kv_cache_groups", None)
     if not groups:
         return  # vLLM gave no KV cache config to this role: nothing to check
     kinds = [type(group.kv_cache_spec).__name__ for group in groups]
-    if len(groups) != 1 or type(groups[0].kv_cache_spec) is not served:
+    served = served if isinstance(served, tuple) else (served,)
+    if len(groups) != 1 or type(groups[0].kv_cache_spec) not in served:
+        names = " or ".join(kind.__name__ for kind in served)
         raise ConfigError(f"lmkv cannot serve model {model!r}: its KV cache has "
                           f"{len(kinds)} group(s) ({', '.join(kinds)}); lmkv stores one "
-                          "group of full attention (FullAttentionSpec) only")
+                          f"group of full attention ({names}) only")
+    spec = groups[0].kv_cache_spec
+    # A page of packed or compressed states (DeepSeek's sparse MLA) is not one
+    # vector per token and head: lmkv's copies would misplace it.
+    if (getattr(spec, "tokens_per_state", 1) != 1
+            or getattr(spec, "state_content_bytes", None) is not None):
+        raise ConfigError(f"lmkv cannot serve model {model!r}: its KV cache packs or "
+                          "compresses tokens (tokens_per_state "
+                          f"{getattr(spec, 'tokens_per_state', 1)}, state_content_bytes "
+                          f"{getattr(spec, 'state_content_bytes', None)}); lmkv stores one "
+                          "vector per token and head")

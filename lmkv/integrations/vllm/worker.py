@@ -49,6 +49,11 @@ class WorkerSide:
         self.world_size = parallel.world_size
         self.rank = getattr(parallel, "rank", 0) % max(self.world_size, 1)
         self.engine_id = str(vllm_config.kv_transfer_config.engine_id)
+        # MLA's page reads as one head of the cpu layout: named. Its latent is the
+        # same on every tensor-parallel rank: keyed once for them (KVSpec.replicas).
+        mla = bool(getattr(vllm_config.model_config, "use_mla", False))
+        self.kv_layout = "mla" if mla else None
+        self.kv_replicas = getattr(parallel, "tensor_parallel_size", 1) if mla else 1
         self.counters = WorkerCounters()
         self._token_bytes = 0  # KV bytes of one token in this worker's caches
         self._step_failed: set[int] = set()  # blocks this step's synchronous loads missed
@@ -69,13 +74,14 @@ class WorkerSide:
         # plugin's kernels, say); by default the built-in one. The connector reads
         # the caches' layout and geometry: the worker never looks at their shapes.
         resolved = resolve_connector_class(self.config, "paged")
-        spec = resolved.cls.spec_from(kv_caches=self.kv_caches)
+        spec = resolved.cls.spec_from(kv_caches=self.kv_caches, kv_layout=self.kv_layout)
+        spec = replace(spec, replicas=self.kv_replicas)
         if spec.head_dim != self.head_size:
             raise ValueError(f"lmkv: the paged KV caches hold heads of {spec.head_dim} "
                              f"elements; the model's head size is {self.head_size}")
         self._token_bytes = spec.chunk_nbytes(1)
         self.engine = open_engine(self.config, spec, model_name=self.model_name,
-                                  connector=resolved.create(ConnectorContext(spec)),
+                                  connector=resolved.create(ConnectorContext(spec, self.kv_layout)),
                                   world_size=self.world_size, worker_id=self.rank,
                                   block_size=self.block_size,
                                   record_metrics=False)  # recorded here, in vLLM's terms
