@@ -17,6 +17,7 @@ from lmkv.engines.connector import resolve_connector_class
 from lmkv.gpu import ConnectorContext
 from lmkv.integrations.vllm.layerwise import (
     LAYER_TIMEOUT_S,
+    CopyCancelled,
     LayeredConnector,
     LoadStep,
     Pace,
@@ -250,6 +251,9 @@ class WorkerSide:
                                        identity=spec.identity, kv_caches=self.kv_caches,
                                        block_ids=spec.block_ids,
                                        skip_tokens=spec.skip_tokens, **paced).num_tokens
+        except CopyCancelled:  # (the step's layerwise loads were given up on)
+            logger.warning("lmkv: loading request %s was given up on", spec.req_id)
+            got = 0
         except Exception:
             logger.exception("lmkv: loading request %s failed", spec.req_id)
             got = 0
