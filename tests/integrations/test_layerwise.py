@@ -144,3 +144,16 @@ def test_giving_a_load_step_up_fails_every_block_of_the_loads_not_finished() -> 
     assert step.gate.ready == LAYERS and step.done.is_set() and step.guard.cancelled
     step.load_done({5})  # a load that ends after the give-up changes nothing
     assert step.failed == {1, 3, 4}
+
+
+def test_the_key_is_a_boolean_and_a_bad_value_is_one_line() -> None:
+    from lmkv.errors import ConfigError
+    from lmkv.integrations.vllm.config import config_from_extra
+
+    assert config_from_extra({}).layerwise is False
+    assert config_from_extra({"lmkv.layerwise": True}).layerwise is True
+    assert config_from_extra({"lmcache.use_layerwise": "true"}).layerwise is True
+    with pytest.raises(ConfigError) as info:
+        config_from_extra({"lmkv.layerwise": "sometimes"})
+    assert str(info.value) == ("config key 'layerwise' = 'sometimes' (from lmkv.layerwise): "
+                               "must be true or false")
