@@ -28,7 +28,8 @@ in its own subprocess:
   loader thread's time and the time the forward waited for layers (the part
   of the load the forward did not hide). Its own table, after the main one.
 
-``--configs a,b`` runs a subset (``prefix-cache`` always runs: it is the baseline);
+``--configs a,b`` runs a subset (``prefix-cache`` always runs: it is the baseline,
+except in a run of ``lmkv-layerwise`` alone, whose table has its own);
 ``--repeats N`` takes the median of N (default 3).
 
 ``--split`` picks where a warm prompt leaves the stored one:
@@ -334,7 +335,9 @@ def main() -> int:
     parser.add_argument("--fs-page-cache", choices=("true", "false"), default="",
                         help="the fs tier's page_cache option in lmkv-2proc")
     args = parser.parse_args()
-    configs = ["prefix-cache", *(c for c in args.configs.split(",") if c != "prefix-cache")]
+    asked = [c for c in args.configs.split(",") if c != "prefix-cache"]
+    # prefix-cache is the main table's baseline; a run of separate tables only skips it
+    configs = asked if asked and set(asked) <= set(SEPARATE) else ["prefix-cache", *asked]
     unknown = set(configs) - set(CONFIGS)
     if unknown:
         raise SystemExit(f"unknown configs {sorted(unknown)}; known: {', '.join(CONFIGS)}")
@@ -367,7 +370,7 @@ def main() -> int:
                     server.terminate()
                     server.wait(60)
     separate = {m: results.pop(m) for m in SEPARATE if m in results}
-    ok = report(results, [c for c in configs if c not in SEPARATE])
+    ok = report(results, [c for c in configs if c not in SEPARATE]) if results else True
     if "lmkv-layerwise" in separate:
         ok = report_layerwise(separate["lmkv-layerwise"]) and ok
     print(f"total {time.perf_counter() - t_start:.0f} s")
