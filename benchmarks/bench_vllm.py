@@ -283,9 +283,11 @@ def report_layerwise(r: dict) -> bool:
           f"layer-by-layer loads of the same warm prompts, median of "
           f"{len(r[str(LAYERWISE_LENGTHS[0])]['cold'])} each, alternating")
     print("load ms = the load's own time (whole: in start_load_kv; layerwise: the loader "
-          "thread); waited ms = what the forward waited for KV; hidden = 1 - waited/load")
+          "thread); waited ms = what the forward waited for KV; hidden = 1 - waited/load; "
+          "saved = (whole - layerwise TTFT) / whole load: the share of the whole-model load "
+          "the pipelining took off TTFT")
     print(f"{'tokens':>7}{'cold':>9}{'whole':>9}{'layerw.':>9}{'lw/whole':>9}{'Δ ms':>8}"
-          f"{'load w':>8}{'load lw':>8}{'waited':>8}{'hidden':>8}")
+          f"{'load w':>8}{'load lw':>8}{'waited':>8}{'hidden':>8}{'saved':>8}")
     ok = True
     for n in LAYERWISE_LENGTHS:
         x = r[str(n)]
@@ -294,7 +296,7 @@ def report_layerwise(r: dict) -> bool:
         hidden = 1 - waited / load_lw if load_lw else float("nan")
         print(f"{n:>7}{med(x['cold']):>9.1f}{whole:>9.1f}{lw:>9.1f}{lw / whole:>9.3f}"
               f"{lw - whole:>+8.1f}{med(x['whole']['loader']):>8.1f}{load_lw:>8.1f}"
-              f"{waited:>8.1f}{hidden:>8.0%}")
+              f"{waited:>8.1f}{hidden:>8.0%}{(whole - lw) / med(x['whole']['loader']):>8.0%}")
         for v in ("whole", "layerwise"):
             if any(t != n for t in x[v]["loaded"]):
                 print(f"  WARNING ({v}, {n}): a warm prompt did not load its {n}-token prefix: "

@@ -184,3 +184,40 @@ def test_without_layerwise_nothing_waits_and_nothing_is_copied_per_layer(tmp_pat
         assert side._load_step is None and side._store_step is None
     finally:
         side.close()
+
+
+def test_layerwise_through_an_lmkv_server(tmp_path) -> None:
+    """Server mode: the chunk views the server lends are scattered layer by layer,
+    and a layered store publishes through the server; a second worker loads it."""
+    import os
+    import sys
+
+    from lmkv.testing.server import spawn_server
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    server, address = spawn_server(tmp_path, "tiers:\n  - type: cpu\n    options: "
+                                   "{max_bytes: 64MiB}\n", env=env)
+    keys = {"lmkv.layerwise": True, "lmkv.mode": "server", "lmkv.server.address": address,
+            "lmkv.server.timeout_ms": 5000}
+    writer, reader = worker(tmp_path, **keys), worker(tmp_path, **keys)
+    try:
+        writer.register(caches("flash"))
+        reader.register(caches("flash"))
+        tokens = list(range(32))
+        step = meta(stores=[StoreSpec("r", tokens, [2, 5])])
+        for name in NAMES:
+            writer.layer_saved(name, step)
+        writer.save(step)
+        assert writer.counters.layerwise_stores == 1
+        reader.load(meta([LoadSpec("r2", tokens, [1, 3])]))
+        for name in NAMES:
+            reader.wait_layer(name)
+        assert reader.take_failed_blocks() == set()
+        assert reader.counters.loaded_tokens == 32
+        for w, r in zip(writer.kv_caches, reader.kv_caches, strict=True):
+            assert torch.equal(w[:, [2, 5]], r[:, [1, 3]])
+    finally:
+        writer.close()
+        reader.close()
+        server.terminate()
+        server.wait(60)
