@@ -97,6 +97,10 @@ def test_a_layered_load_equals_the_whole_load_and_reports_each_layer() -> None:
     for a, b in zip(whole, by_layer, strict=True):
         assert torch.equal(a, b)
     assert not conn.writes_in_place  # one call for every chunk of a retrieve
+    pace = Pace(CopyGuard())
+    conn.from_chunks(spans, kv_caches=by_layer, block_ids=blocks, pace=pace)
+    with pytest.raises(RuntimeError, match="more than one call"):
+        conn.from_chunks(spans, kv_caches=by_layer, block_ids=blocks, pace=pace)
 
 
 def test_a_layered_store_copies_a_layer_only_once_it_is_produced() -> None:

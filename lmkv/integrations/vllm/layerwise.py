@@ -116,6 +116,7 @@ class Pace:
         self.source = source
         self.progress = progress
         self.timeout_s = timeout_s
+        self.used = False  # a pace serves one call: its progress covers every chunk
 
     @contextlib.contextmanager
     def layer(self, index: int) -> Iterator[None]:
@@ -181,6 +182,10 @@ class LayeredConnector(GPUConnector):
 
     def _by_layer(self, copy: Callable[..., Any], spans: Sequence[ChunkSpan], pace: Pace,
                   kv: dict[str, Any]) -> None:
+        if pace.used:  # layers already reported done would lack these chunks: the
+            # caller fails the whole load (vLLM recomputes its blocks) rather than that
+            raise RuntimeError("lmkv: a layerwise copy got its chunks in more than one call")
+        pace.used = True
         caches = kv.pop("kv_caches")
         if len(caches) != self.spec.num_layers:
             raise ValueError(f"{len(caches)} KV caches; this engine stores "
