@@ -221,3 +221,12 @@ def test_layerwise_through_an_lmkv_server(tmp_path) -> None:
         reader.close()
         server.terminate()
         server.wait(60)
+
+
+def test_the_connector_asks_for_piecewise_cuda_graphs_only_when_layerwise() -> None:
+    from lmkv.integrations.vllm.connector import LMKVConnector
+
+    assert LMKVConnector.requires_piecewise_for_cudagraph({"lmkv.layerwise": True})
+    assert LMKVConnector.requires_piecewise_for_cudagraph({"lmcache.use_layerwise": "true"})
+    assert not LMKVConnector.requires_piecewise_for_cudagraph({})
+    assert not LMKVConnector.requires_piecewise_for_cudagraph({"lmkv.layerwise": "no!"})
