@@ -25,7 +25,15 @@ in its own subprocess:
   a fresh server; a fresh second process measures (warm from the server's
   shared-memory arena).
 
-``--configs a,b`` runs a subset (``prefix-cache`` always runs: it is the baseline);
+* ``lmkv-layerwise``: ``LMKVConnector`` with ``lmkv.layerwise: true``, cpu tier;
+  one process, at 2048 and 4096 tokens, each warm prompt measured with
+  whole-model loads (the per-layer path switched off) and layer-by-layer loads,
+  alternating, median of ``max(--repeats, 5)``: TTFT of each, their ratio, the
+  loader thread's time and the time the forward waited for layers (the part
+  of the load the forward did not hide). Its own table, after the main one.
+
+``--configs a,b`` runs a subset (``prefix-cache`` always runs: it is the baseline,
+except in a run of ``lmkv-layerwise`` alone, whose table has its own);
 ``--repeats N`` takes the median of N (default 3).
 
 ``--split`` picks where a warm prompt leaves the stored one:
@@ -68,7 +76,9 @@ FS_PAGE_CACHE = os.environ.get("BENCH_FS_PAGE_CACHE", "")  # "": the tier's defa
 CHUNK = 256
 MAX_MODEL_LEN = 4608
 CONFIGS = ("prefix-cache", "example-conn", "lmkv", "lmkv-2proc", "lmkv-mooncake-2proc",
-           "lmkv-server", "lmkv-server-2proc")
+           "lmkv-server", "lmkv-server-2proc", "lmkv-layerwise")
+LAYERWISE_LENGTHS = (2048, 4096)
+SEPARATE = ("lmkv-layerwise",)  # configurations with their own table
 
 
 def tokens(tag: str, n: int) -> list[int]:
@@ -123,8 +133,8 @@ def make_llm(model_dir: str, mode: str, tmp: str):  # type: ignore[no-untyped-de
     elif mode.startswith("lmkv"):
         # huge pages for the one-process engine that serves hits from memory; the
         # disk reader fills a fresh arena, where first touches of huge pages cost more
-        tiers: list = [{"type": "cpu", "options": {"max_bytes": "2GiB",
-                                                   "huge_pages": mode == "lmkv"}}]
+        tiers: list = [{"type": "cpu", "options": {
+            "max_bytes": "2GiB", "huge_pages": mode in ("lmkv", "lmkv-layerwise")}}]
         if mode.startswith("lmkv-2proc"):
             fs: dict = {"url": os.path.join(tmp, "lmkv-fs")}
             if FS_PAGE_CACHE:
@@ -133,6 +143,8 @@ def make_llm(model_dir: str, mode: str, tmp: str):  # type: ignore[no-untyped-de
         if mode.startswith("lmkv-mooncake"):
             tiers.append({"type": "mooncake", "options": json.loads(os.environ["BENCH_MOONCAKE"])})
         extra = {"lmkv.chunk_size": CHUNK, "lmkv.tiers": tiers}
+        if mode == "lmkv-layerwise":
+            extra["lmkv.layerwise"] = True
         if mode.startswith("lmkv-server"):
             extra = {"lmkv.chunk_size": CHUNK, "lmkv.mode": "server",
                      "lmkv.server.address": os.environ["BENCH_SERVER_ADDRESS"],
@@ -188,6 +200,8 @@ def run(model_dir: str, mode: str, tmp: str) -> dict:
         return (time.perf_counter() - t0) * 1e3, out[0].num_cached_tokens
 
     ttft(tokens("warm-up", 64))  # one short unrelated request first
+    if mode == "lmkv-layerwise":
+        return run_layerwise(worker, ttft)
     if mode.endswith("-writer"):  # only stores the prompts the reader will extend
         for length in LENGTHS:
             for i in range(REPEATS):
@@ -215,6 +229,89 @@ def run(model_dir: str, mode: str, tmp: str) -> dict:
     if worker is not None:
         result["worker_counters"] = vars(worker.counters)
     return result
+
+
+def run_layerwise(worker, ttft) -> dict:  # type: ignore[no-untyped-def]
+    """Whole-model against layer-by-layer loads of the same warm prompts in one
+    process. ``worker.layered`` set to None is the whole-model path (the worker
+    loads in ``start_load_kv`` and the forward never waits per layer); restored,
+    the layerwise one. Each repeat runs both, in alternating order."""
+    layered = worker.layered
+    spent = {"loader": 0.0, "waited": 0.0}
+
+    def timed(name: str, fn):  # type: ignore[no-untyped-def]
+        def call(*args):  # type: ignore[no-untyped-def]
+            t0 = time.perf_counter()
+            try:
+                return fn(*args)
+            finally:
+                spent[name] += (time.perf_counter() - t0) * 1e3
+        return call
+
+    worker._load_layered = timed("loader", worker._load_layered)
+    worker.wait_layer = timed("waited", worker.wait_layer)
+    load = worker.load
+
+    def whole_load(meta):  # type: ignore[no-untyped-def]  # the load in start_load_kv
+        t0 = time.perf_counter()
+        load(meta)
+        spent["loader"] += (time.perf_counter() - t0) * 1e3
+        spent["waited"] += (time.perf_counter() - t0) * 1e3  # the forward waits it all
+    repeats = max(REPEATS, 5)
+    result: dict = {}
+    for length in LAYERWISE_LENGTHS:
+        cold = [ttft(cold_prompt(length, i))[0] for i in range(repeats)]
+        rows: dict = {v: {"warm": [], "loaded": [], "loader": [], "waited": []}
+                      for v in ("whole", "layerwise")}
+        for i in range(repeats):
+            order = ("whole", "layerwise") if i % 2 == 0 else ("layerwise", "whole")
+            for variant in order:
+                worker.layered = layered if variant == "layerwise" else None
+                worker.load = load if variant == "layerwise" else whole_load
+                spent.update(dict.fromkeys(spent, 0.0))
+                before = worker.counters.loaded_tokens
+                ms, _ = ttft(warm_prompt(length, i))
+                row = rows[variant]
+                row["warm"].append(ms)
+                row["loaded"].append(worker.counters.loaded_tokens - before)
+                row["loader"].append(spent["loader"])
+                row["waited"].append(spent["waited"])
+        result[str(length)] = {"cold": cold, **rows}
+    worker.layered, worker.load = layered, load
+    result["worker_counters"] = vars(worker.counters)
+    return result
+
+
+def report_layerwise(r: dict) -> bool:
+    """The layerwise table; False when a warm prompt did not load its prefix."""
+    med = statistics.median
+    print(f"\nlmkv.layerwise, one process: whole-model loads (in start_load_kv) vs "
+          f"layer-by-layer loads of the same warm prompts, median of "
+          f"{len(r[str(LAYERWISE_LENGTHS[0])]['cold'])} each, alternating")
+    print("load ms = the load's own time (whole: in start_load_kv; layerwise: the loader "
+          "thread); waited ms = what the forward waited for KV; hidden = 1 - waited/load; "
+          "saved = (whole - layerwise TTFT) / whole load: the share of the whole-model load "
+          "the pipelining took off TTFT")
+    print(f"{'tokens':>7}{'cold':>9}{'whole':>9}{'layerw.':>9}{'lw/whole':>9}{'Δ ms':>8}"
+          f"{'load w':>8}{'load lw':>8}{'waited':>8}{'hidden':>8}{'saved':>8}")
+    ok = True
+    for n in LAYERWISE_LENGTHS:
+        x = r[str(n)]
+        whole, lw = med(x["whole"]["warm"]), med(x["layerwise"]["warm"])
+        load_lw, waited = med(x["layerwise"]["loader"]), med(x["layerwise"]["waited"])
+        hidden = 1 - waited / load_lw if load_lw else float("nan")
+        print(f"{n:>7}{med(x['cold']):>9.1f}{whole:>9.1f}{lw:>9.1f}{lw / whole:>9.3f}"
+              f"{lw - whole:>+8.1f}{med(x['whole']['loader']):>8.1f}{load_lw:>8.1f}"
+              f"{waited:>8.1f}{hidden:>8.0%}{(whole - lw) / med(x['whole']['loader']):>8.0%}")
+        for v in ("whole", "layerwise"):
+            if any(t != n for t in x[v]["loaded"]):
+                print(f"  WARNING ({v}, {n}): a warm prompt did not load its {n}-token prefix: "
+                      f"{x[v]['loaded']}")
+                ok = False
+    print("samples (ms):", {n: {v: [round(t, 1) for t in r[str(n)][v]["warm"]]
+                                for v in ("whole", "layerwise")} for n in LAYERWISE_LENGTHS})
+    print("lmkv-layerwise worker counters:", r["worker_counters"])
+    return ok
 
 
 def sub(mode: str, model_dir: str, tmp: str, env: dict) -> dict:
@@ -246,7 +343,9 @@ def main() -> int:
     parser.add_argument("--fs-page-cache", choices=("true", "false"), default="",
                         help="the fs tier's page_cache option in lmkv-2proc")
     args = parser.parse_args()
-    configs = ["prefix-cache", *(c for c in args.configs.split(",") if c != "prefix-cache")]
+    asked = [c for c in args.configs.split(",") if c != "prefix-cache"]
+    # prefix-cache is the main table's baseline; a run of separate tables only skips it
+    configs = asked if asked and set(asked) <= set(SEPARATE) else ["prefix-cache", *asked]
     unknown = set(configs) - set(CONFIGS)
     if unknown:
         raise SystemExit(f"unknown configs {sorted(unknown)}; known: {', '.join(CONFIGS)}")
@@ -286,7 +385,10 @@ def main() -> int:
                 if server is not None:
                     server.terminate()
                     server.wait(60)
-    ok = report(results, configs)
+    separate = {m: results.pop(m) for m in SEPARATE if m in results}
+    ok = report(results, [c for c in configs if c not in SEPARATE]) if results else True
+    if "lmkv-layerwise" in separate:
+        ok = report_layerwise(separate["lmkv-layerwise"]) and ok
     print(f"total {time.perf_counter() - t_start:.0f} s")
     return 0 if ok else 1
 

@@ -181,6 +181,8 @@ class LMKVConfig(_Model):
     lookup: LookupConfig = Field(default_factory=LookupConfig)
     mode: Literal["in_process", "server"] = "in_process"
     async_load: bool = False
+    # vLLM connector: load and store layer by layer beside the forward (docs/vllm.md).
+    layerwise: bool = False
     # vLLM connector: store the KV of generated tokens too (docs/vllm.md).
     store_decode: bool = False
     server: ServerConnection = Field(default_factory=ServerConnection)

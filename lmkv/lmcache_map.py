@@ -121,14 +121,6 @@ def _policy(value: Any) -> Any:
     return value if isinstance(value, dict) else _text(value)
 
 
-def _same_unless_true(reason: str) -> Parse:
-    def parse(value: Any) -> bool:
-        if _bool(value):
-            raise NotCarried(reason)
-        return False
-    return parse
-
-
 def _store_decode(value: Any) -> bool:
     return _bool(value)
 
@@ -166,6 +158,9 @@ OPTIONS: tuple[LMCacheOption, ...] = (
                   key="chunk_size", parse=_positive_int),
     LMCacheOption(("enable_async_loading",), "key", "`async_load`",
                   "loads run beside other requests' steps", key="async_load", parse=_bool),
+    LMCacheOption(("use_layerwise",), "key", "`layerwise`",
+                  "loads and stores run layer by layer beside the forward (vLLM)",
+                  key="layerwise", parse=_bool),
     LMCacheOption(("lookup_timeout_ms",), "key", "`lookup.timeout_ms`",
                   "a lookup not answered in time is a miss", key="lookup.timeout_ms",
                   parse=_positive_int),
@@ -212,11 +207,6 @@ OPTIONS: tuple[LMCacheOption, ...] = (
                   "lmkv stores a prompt's tail cut at vLLM's block and matches hits at the "
                   "block; `save_partial_chunk: true` also stores a tail of partial blocks",
                   parse=_bool),
-    LMCacheOption(("use_layerwise",), "same", "nothing to set (`false`)",
-                  "`true`: none (lmkv loads whole chunks before the step's forward, not "
-                  "layer by layer)",
-                  parse=_same_unless_true("lmkv loads whole chunks before the step's "
-                                          "forward, not layer by layer")),
     LMCacheOption(("error_handling",), "same", "nothing to set",
                   "always on: a fault is a miss and vLLM recomputes", parse=_bool),
     # -- no equivalent -------------------------------------------------------------------

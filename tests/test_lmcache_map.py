@@ -124,7 +124,6 @@ def test_keys_carry_over_with_their_values() -> None:
     ({"enable_blending": True}, "enable_blending", "CacheBlend"),
     ({"enable_pd": True, "pd_role": "sender"}, "pd_role", "NixlConnector"),
     ({"remote_serde": "cachegen"}, "remote_serde", "int8"),
-    ({"use_layerwise": True}, "use_layerwise", "layer by layer"),
     ({"cache_policy": "MRU"}, "cache_policy", "lru, lfu, arc, s3fifo"),
     ({"local_cpu": False}, "local_cpu", "memory tier"),
     ({"brand_new_option": 1}, "brand_new_option", "not an LMCache option"),
@@ -152,7 +151,7 @@ def test_a_familys_settings_are_moot_while_its_switch_is_off() -> None:
 
 
 def test_lmkvs_behaviour_already_is_carried_not_dropped() -> None:
-    result = translate({"save_unfull_chunk": False, "use_layerwise": False,
+    result = translate({"save_unfull_chunk": False,
                         "error_handling": True}, tiers=False)
     assert result.dropped == [] and result.settings == {}
 

@@ -40,9 +40,10 @@ def test_misspelt_lmkv_key_names_the_allowed_keys() -> None:
 def test_lmcache_keys_with_an_lmkv_key_are_mapped() -> None:
     config = config_from_extra({"lmcache.chunk_size": 128, "lmcache.enable_async_loading":
                                 "true", "lmcache.lookup_timeout_ms": 500,
-                                "lmcache.save_unfull_chunk": True})
-    assert (config.chunk_size, config.async_load, config.lookup.timeout_ms) == \
-        (128, True, 500)
+                                "lmcache.save_unfull_chunk": True,
+                                "lmcache.use_layerwise": True})
+    assert (config.chunk_size, config.async_load, config.lookup.timeout_ms,
+            config.layerwise) == (128, True, 500, True)
 
 
 def test_lmcache_features_left_off_are_accepted() -> None:
@@ -72,7 +73,6 @@ def test_lmcache_storage_keys_are_an_error_naming_the_tiers_to_set() -> None:
     ("lmcache.enable_blending", True, "CacheBlend"),
     ("lmcache.pd_role", "sender", "NixlConnector"),
     ("lmcache.remote_url", "lm://host:65432", "lmkv server"),
-    ("lmcache.use_layerwise", True, "layer by layer"),
     ("lmcache.mp.host", "tcp://localhost", "server.address"),
     ("lmcache.mp.mq_timeout", 60, "server.timeout_ms"),
     ("lmcache.no_such_option", 1, "not an LMCache option"),

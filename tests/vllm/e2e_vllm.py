@@ -6,7 +6,10 @@ Each vLLM run is a subprocess: a baseline without lmkv, then lmkv with eager
 offload (vLLM prefix caching off), then lmkv with lazy offload (FIFO,
 threshold 1; prefix caching on, as lazy offload verifies block hashes), then
 with asynchronous loads (``lmkv.async_load``: vLLM schedules the second request
-once the worker reported its load finished). A run whose loads all fail must
+once the worker reported its load finished), then layer by layer (``lmkv.layerwise``: vLLM
+must call the per-layer hooks, and the loads and stores must run layer by
+layer; then, in the same process, its loads fail: the second prompt again
+must still generate the baseline's tokens). A run whose loads all fail must
 report the blocks and generate the baseline's tokens (vLLM recomputes). The
 second prompt shares a long prefix with the first and must load it from lmkv
 and generate exactly the baseline's tokens (greedy). In the lazy run a filler
@@ -100,6 +103,8 @@ def run(model_dir: str, mode: str) -> dict:
                       "lmcache.mp.lazy_offload_threshold": 1})
     if mode == "async":
         extra["lmkv.async_load"] = True
+    if mode.startswith("layerwise"):
+        extra["lmkv.layerwise"] = True
     if mode.startswith("disk"):
         extra["lmkv.tiers"] = [{"type": "cpu", "options": {"max_bytes": "256MiB"}},
                                {"type": "fs", "options": {"url": os.environ["E2E_DISK_TIER_DIR"]}}]
@@ -171,6 +176,7 @@ def run(model_dir: str, mode: str) -> dict:
             assert worker.engine.storage.flush(60), "the disk writes did not finish"
         return {"outputs": outputs, "worker_counters": vars(worker.counters),
                 "metrics": _metrics(llm)}
+    waits = _count_layer_waits() if mode.startswith("layerwise") else None
     outputs = [generate(first)]  # stored (eager) or buffered (lazy) before the second
     if mode == "lazy":
         generate(list(range(20, 120)))  # a step with scheduled tokens: the store goes out
@@ -179,7 +185,16 @@ def run(model_dir: str, mode: str) -> dict:
     result: dict = {"outputs": outputs, "metrics": _metrics(llm)}
     if mode != "baseline":
         from vllm.distributed.kv_transfer import get_kv_transfer_group
-        result["worker_counters"] = vars(get_kv_transfer_group().worker_side.counters)
+        result["worker_counters"] = dict(vars(get_kv_transfer_group().worker_side.counters))
+        if waits is not None:
+            result["layer_waits"] = waits[0]
+        if mode == "layerwise":  # the failing-load control, in the same process
+            counters = get_kv_transfer_group().worker_side.counters
+            failed, loaded = counters.failed_blocks, counters.loaded_tokens
+            _failing_loads()
+            result["failing"] = {"outputs": [outputs[0], generate(second)],
+                                 "failed_blocks": counters.failed_blocks - failed,
+                                 "loaded_tokens": counters.loaded_tokens - loaded}
         sched = _scheduler_side(llm)
         if sched is not None:
             result["scheduler_counters"] = {k: v for k, v in vars(sched.counters).items()
@@ -203,6 +218,21 @@ def _corrupt_loads() -> None:
         return original(self, spans, **kv)
 
     PagedConnector.from_chunks = noisy  # type: ignore[method-assign]
+
+
+def _count_layer_waits() -> list[int]:
+    """Count vLLM's calls of ``wait_for_layer_load`` (the per-layer hook is used)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    connector = get_kv_transfer_group()
+    wait, count = connector.wait_for_layer_load, [0]
+
+    def counted(layer_name: str) -> None:
+        count[0] += 1
+        wait(layer_name)
+
+    connector.wait_for_layer_load = counted  # type: ignore[method-assign]
+    return count
 
 
 def _failing_loads() -> None:
@@ -253,7 +283,7 @@ def main() -> int:
                   "skipping the mooncake rows (scripts/setup-vllm.sh installs them)")
         else:
             env["E2E_MOONCAKE"] = json.dumps(pool.options)
-        modes = ["baseline", "eager", "lazy", "async", "corrupt", "load-fails",
+        modes = ["baseline", "eager", "lazy", "async", "layerwise", "corrupt", "load-fails",
                  "disk-writer", "disk-reader", "server-writer", "server-reader",
                  *(["mooncake-writer", "mooncake-reader"] if pool else []),
                  "salt", "lora-baseline", "lora"]
@@ -287,7 +317,7 @@ def main() -> int:
     # Every whole block the prompts share (2.5 chunks): what vLLM's prefix cache hits.
     expected_hit = min((len(prompts()[1]) - 1) // BLOCK, PREFIX // BLOCK) * BLOCK
     ok = True
-    for mode in ("eager", "lazy", "async"):
+    for mode in ("eager", "lazy", "async", "layerwise"):
         lm = results[mode]
         counters = lm["worker_counters"]
         print(f"{mode} outputs:", lm["outputs"])
@@ -313,13 +343,24 @@ def main() -> int:
             corrupt["outputs"][1] == base["outputs"][1]:
         print("FAIL (corrupt): noisy loaded KV did not change the output: the check is blind")
         ok = False
-    fails = results["load-fails"]
-    print("load-fails (every load raises) outputs:", fails["outputs"],
-          "worker_counters:", fails["worker_counters"])
-    if fails["outputs"] != base["outputs"] or \
-            fails["worker_counters"]["failed_blocks"] != expected_hit // BLOCK:
-        print("FAIL (load-fails): failed loads were not reported and recomputed")
+    layerwise = results["layerwise"]
+    print("layerwise: vLLM's wait_for_layer_load calls:", layerwise["layer_waits"])
+    if not layerwise["worker_counters"]["layerwise_loads"] or \
+            not layerwise["worker_counters"]["layerwise_stores"] or not layerwise["layer_waits"]:
+        print("FAIL (layerwise): the loads or stores did not run layer by layer")
         ok = False
+    failing = layerwise["failing"]
+    results["layerwise-load-fails"] = {
+        "outputs": failing["outputs"],
+        "worker_counters": {k: v for k, v in failing.items() if k != "outputs"}}
+    for mode in ("load-fails", "layerwise-load-fails"):
+        fails = results[mode]
+        print(f"{mode} (every load raises) outputs:", fails["outputs"],
+              "worker_counters:", fails["worker_counters"])
+        if fails["outputs"] != base["outputs"] or \
+                fails["worker_counters"]["failed_blocks"] != expected_hit // BLOCK:
+            print(f"FAIL ({mode}): failed loads were not reported and recomputed")
+            ok = False
     shared = ("disk", "server", *(("mooncake",) if "mooncake-reader" in results else ()))
     for tier in shared:  # a second process reuses what the first stored
         writer, reader = results[f"{tier}-writer"], results[f"{tier}-reader"]

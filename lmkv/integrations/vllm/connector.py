@@ -82,8 +82,9 @@ class LMKVConnector(KVConnectorBase_V1):
             from lmkv.integrations.vllm.worker import WorkerSide
             self.worker_side = WorkerSide(config, vllm_config)
         self._stats = StatsTaker(self.worker_side.rank if self.worker_side else None)
-        logger.info("lmkv connector (%s) ready: chunk size %d, %s offload", role.name,
-                    config.chunk_size, "lazy" if config.lazy_offload else "eager")
+        logger.info("lmkv connector (%s) ready: chunk size %d, %s offload%s", role.name,
+                    config.chunk_size, "lazy" if config.lazy_offload else "eager",
+                    ", layerwise loads and stores" if config.layerwise else "")
 
     # -- worker side -------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -96,11 +97,21 @@ class LMKVConnector(KVConnectorBase_V1):
         self.worker_side.load(self._meta())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return
+        if self.lmkv_config.layerwise:  # else the loads finished in start_load_kv
+            self.worker_side.wait_layer(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any,
                       **kwargs: Any) -> None:
-        return  # whole-model stores in wait_for_save
+        if self.lmkv_config.layerwise:  # else whole-model stores in wait_for_save
+            self.worker_side.layer_saved(layer_name, self._meta())
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """The per-layer waits and saves of ``lmkv.layerwise`` run between graph pieces."""
+        try:
+            return config_from_extra(extra_config).layerwise
+        except Exception:  # a bad config fails with its one line where vLLM builds us
+            return False
 
     def wait_for_save(self) -> None:
         meta = self._meta()

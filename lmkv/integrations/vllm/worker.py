@@ -15,6 +15,14 @@ from lmkv.config import LMKVConfig
 from lmkv.engines import Engine, open_engine
 from lmkv.engines.connector import resolve_connector_class
 from lmkv.gpu import ConnectorContext
+from lmkv.integrations.vllm.layerwise import (
+    LAYER_TIMEOUT_S,
+    CopyCancelled,
+    LayeredConnector,
+    LoadStep,
+    Pace,
+    StoreStep,
+)
 from lmkv.integrations.vllm.metadata import (
     LMKVConnectorMetadata,
     LMKVWorkerMetadata,
@@ -36,6 +44,8 @@ class WorkerCounters:
     stores: int = 0
     stored_tokens: int = 0
     failed_blocks: int = 0
+    layerwise_loads: int = 0  # loads copied layer by layer (lmkv.layerwise)
+    layerwise_stores: int = 0  # stores copied layer by layer as the forward ran
 
 
 class WorkerSide:
@@ -67,9 +77,19 @@ class WorkerSide:
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="lmkv-async-load")
         self._loaded: list[tuple[str, set[int]]] = []  # async loads finished, unreported
         self._saved: set[str] = set()  # finished requests' last stores done, unreported
+        # lmkv.layerwise (layerwise.py): this step's layer-by-layer loads and stores.
+        self.layered: LayeredConnector | None = None
+        self.layer_timeout_s = LAYER_TIMEOUT_S
+        self._layer_index: dict[str, int] = {}
+        self._load_step: LoadStep | None = None
+        self._store_step: StoreStep | None = None
+        if config.layerwise:
+            self._layer_loader = ThreadPoolExecutor(1, thread_name_prefix="lmkv-layer-load")
+            self._layer_saver = ThreadPoolExecutor(1, thread_name_prefix="lmkv-layer-store")
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.kv_caches = list(kv_caches.values())
+        self._layer_index = {name: i for i, name in enumerate(kv_caches)}
         # lmkv.gpu_connector picks another connector for vLLM's paged caches (a
         # plugin's kernels, say); by default the built-in one. The connector reads
         # the caches' layout and geometry: the worker never looks at their shapes.
@@ -80,8 +100,11 @@ class WorkerSide:
             raise ValueError(f"lmkv: the paged KV caches hold heads of {spec.head_dim} "
                              f"elements; the model's head size is {self.head_size}")
         self._token_bytes = spec.chunk_nbytes(1)
+        connector = resolved.create(ConnectorContext(spec, self.kv_layout))
+        if self.config.layerwise:
+            connector = self.layered = LayeredConnector.around(connector, resolved.create)
         self.engine = open_engine(self.config, spec, model_name=self.model_name,
-                                  connector=resolved.create(ConnectorContext(spec, self.kv_layout)),
+                                  connector=connector,
                                   world_size=self.world_size, worker_id=self.rank,
                                   block_size=self.block_size,
                                   record_metrics=False)  # recorded here, in vLLM's terms
@@ -100,15 +123,109 @@ class WorkerSide:
         """Synchronous loads now (this step's forward reads them); asynchronous
         ones in the background, reported by ``take_finished_loads``."""
         assert self.engine is not None, "register_kv_caches was not called"
+        self._finish_loads()  # (the last step's, if nothing collected them)
         self._step_failed = set()  # a new step: its synchronous loads start afresh
+        layered = []
         for spec in meta.loads:
             if spec.async_load:
                 self._loader.submit(self._load_async, spec)
+            elif self.layered is not None:
+                layered.append(spec)
             else:
                 failed = self._load(spec)
                 with self._lock:
                     self._failed |= failed
                 self._step_failed |= failed
+        if layered:  # the forward starts now; wait_layer holds each layer back
+            step = self._load_step = LoadStep(len(self.kv_caches), self.block_size, layered)
+            self._layer_loader.submit(self._load_layered, step)
+
+    # -- lmkv.layerwise ------------------------------------------------------------
+    def _load_layered(self, step: LoadStep) -> None:
+        """The loader thread: the step's loads in order, each layer by layer; the
+        last one's progress opens the layers to the forward."""
+        try:
+            for i, spec in enumerate(step.specs):
+                progress = step.gate.advance if i == len(step.specs) - 1 else None
+                failed = self._load(spec, Pace(step.guard, progress=progress,
+                                               timeout_s=self.layer_timeout_s))
+                step.load_done(failed)
+                with self._lock:
+                    self.counters.layerwise_loads += 1
+        except BaseException:  # _load catches what a load raises; this is a last resort
+            logger.exception("lmkv: the layerwise loader failed")
+            step.give_up()
+        finally:
+            step.end()
+
+    def wait_layer(self, layer_name: str) -> None:
+        """``wait_for_layer_load``: until this step's loads have ``layer_name``. Past
+        ``layer_timeout_s`` the step's loads are given up on: their blocks are
+        reported failed (vLLM recomputes them) and no copy of them runs any more."""
+        step, index = self._load_step, self._layer_index.get(layer_name)
+        if step is None or index is None:
+            return
+        if not step.gate.wait(index, self.layer_timeout_s):
+            logger.warning("lmkv: layer %s not loaded within %g s; recomputing the "
+                           "step's loaded blocks", layer_name, self.layer_timeout_s)
+            step.give_up()
+
+    def _finish_loads(self) -> None:
+        """Collect this step's layerwise loads (their failed blocks go out with the
+        step); a loader that does not finish in time is given up on."""
+        step, self._load_step = self._load_step, None
+        if step is None:
+            return
+        failed = step.failed if step.done.wait(self.layer_timeout_s) else step.give_up()
+        with self._lock:
+            self._failed |= failed
+        self._step_failed |= failed
+
+    def layer_saved(self, layer_name: str, meta: LMKVConnectorMetadata) -> None:
+        """``save_kv_layer``: the forward wrote ``layer_name``'s KV. The first call
+        of a step starts its eager stores on the store thread, each copying a layer
+        once the forward produced it; ``save`` publishes them."""
+        index = self._layer_index.get(layer_name)
+        if self.layered is None or index is None:
+            return
+        step = self._store_step
+        if step is None:
+            step = self._store_step = StoreStep(len(self.kv_caches))
+            eager = [s for s in meta.stores if s.store_id is None and s.token_ids]
+            if eager:
+                step.future = self._layer_saver.submit(self._store_layered, step, eager,
+                                                       self._load_step)
+        step.layer_produced(index)
+
+    def _store_layered(self, step: StoreStep, specs: list[StoreSpec],
+                       loads: LoadStep | None) -> None:
+        """The store thread: wait for the step's loads (a block that failed to load
+        cuts the stores, ``_untainted``), then store each spec layer by layer."""
+        failed: set[int] = set()
+        if loads is not None:
+            failed = loads.failed if loads.done.wait(self.layer_timeout_s) else loads.give_up()
+        for spec in specs:
+            if step.guard.cancelled:
+                return
+            self._store(self._untainted(spec, failed),
+                        Pace(step.guard, source=step.produced, timeout_s=self.layer_timeout_s))
+            with self._lock:
+                self.counters.layerwise_stores += 1
+
+    def _finish_stores(self) -> bool:
+        """Wait for this step's layerwise stores (every layer is produced once the
+        forward is done); True when the step's eager stores ran that way. A store
+        not done in time is cancelled (no copy runs after this returns) and dropped."""
+        step, self._store_step = self._store_step, None
+        if step is None or step.future is None:
+            return False
+        step.produced.open_all()
+        try:
+            step.future.result(self.layer_timeout_s)
+        except Exception:
+            logger.warning("lmkv: this step's layerwise stores did not finish; dropped")
+            step.guard.cancel()
+        return True
 
     def _load_async(self, spec: LoadSpec) -> None:
         failed: set[int] = set()
@@ -129,15 +246,20 @@ class WorkerSide:
                 self._failed |= failed
         return {req_id for req_id, _ in done}
 
-    def _load(self, spec: LoadSpec) -> set[int]:
-        """Load one request's KV; the blocks that did not load."""
+    def _load(self, spec: LoadSpec, pace: Pace | None = None) -> set[int]:
+        """Load one request's KV (layer by layer with ``pace``); the blocks that did
+        not load."""
         want = len(spec.token_ids)
         start = time.perf_counter()
+        paced = {"pace": pace} if pace is not None else {}
         try:
             got = self.engine.retrieve(spec.token_ids, lookup_id=spec.req_id,
                                        identity=spec.identity, kv_caches=self.kv_caches,
                                        block_ids=spec.block_ids,
-                                       skip_tokens=spec.skip_tokens).num_tokens
+                                       skip_tokens=spec.skip_tokens, **paced).num_tokens
+        except CopyCancelled:  # (the step's layerwise loads were given up on)
+            logger.warning("lmkv: loading request %s was given up on", spec.req_id)
+            got = 0
         except Exception:
             logger.exception("lmkv: loading request %s failed", spec.req_id)
             got = 0
@@ -162,17 +284,20 @@ class WorkerSide:
         stores, whose blocks the scheduler protects until confirmed, in the
         background, off the step's path."""
         assert self.engine is not None, "register_kv_caches was not called"
+        self._finish_loads()
+        layered = self._finish_stores()  # this step's eager stores, copied meanwhile
         for spec in meta.stores:
-            spec = self._untainted(spec)
+            spec = self._untainted(spec, self._step_failed)
             if spec.store_id is None:
-                self._store(spec)
+                if not layered:
+                    self._store(spec)
                 if spec.release:  # reported even when failed: vLLM frees the blocks
                     with self._lock:
                         self._saved.add(spec.req_id)
             else:
                 self._saver.submit(self._store_lazy, spec)
 
-    def _untainted(self, spec: StoreSpec) -> StoreSpec:
+    def _untainted(self, spec: StoreSpec, failed: set[int]) -> StoreSpec:
         """``spec`` cut before its first block whose load failed in this step.
 
         A failed block holds stale bytes, and this step's forward computed every
@@ -180,10 +305,10 @@ class WorkerSide:
         (``get_block_ids_with_load_errors``), but storing now would keep the wrong
         KV under the right tokens. The cut is at a block boundary; a cut to nothing
         stores nothing (the spec still confirms, so held blocks are freed)."""
-        if not self._step_failed:
+        if not failed:
             return spec
         for i, block in enumerate(spec.block_ids):
-            if block in self._step_failed:
+            if block in failed:
                 cut = min(len(spec.token_ids), i * self.block_size)
                 if cut < len(spec.token_ids):
                     logger.warning("lmkv: request %s: not storing past token %d (a block "
@@ -192,13 +317,14 @@ class WorkerSide:
                 return spec
         return spec
 
-    def _store(self, spec: StoreSpec) -> None:
+    def _store(self, spec: StoreSpec, pace: Pace | None = None) -> None:
         if not spec.token_ids:
             return
         start = time.perf_counter()
+        paced = {"pace": pace} if pace is not None else {}
         try:
             n = self.engine.store(spec.token_ids, identity=spec.identity,
-                                  kv_caches=self.kv_caches, block_ids=spec.block_ids)
+                                  kv_caches=self.kv_caches, block_ids=spec.block_ids, **paced)
             with self._lock:
                 self.counters.stores += 1
                 self.counters.stored_tokens += n
@@ -227,12 +353,16 @@ class WorkerSide:
         return LMKVWorkerMetadata(done)
 
     def take_failed_blocks(self) -> set[int]:
+        self._finish_loads()  # (wait_for_save may come later: speculative decoding)
         with self._lock:
             failed, self._failed = self._failed, set()
         return failed
 
     def close(self) -> None:
         self._loader.shutdown(wait=True)
+        if self.config.layerwise:
+            self._layer_loader.shutdown(wait=True)
+            self._layer_saver.shutdown(wait=True)
         self._saver.shutdown(wait=True)  # lazy stores in flight finish first
         logger.info("lmkv worker counters: %s", vars(self.counters))
         if self.responder is not None:
