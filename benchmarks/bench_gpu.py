@@ -17,7 +17,7 @@ Sections (``--sections``, default all):
   page, bf16 and fp8, a shuffled block table; checked bit for bit before they
   are timed. Ratio = reference time / Triton time (target >= 1.5).
 - ``layerwise``: forward time of a small model with and without concurrent
-  layer-by-layer loads (not written yet: see ``layerwise_section``).
+  layer-by-layer loads (``bench_gpu_layerwise.py``).
 
 Timing: CUDA events around each call on the current stream, after warm-up
 calls, median of ``--iters``; every call ends synchronized (the connector
@@ -241,11 +241,16 @@ def kernels_one(run: Run, page: str, dtype: torch.dtype, tokens: int, layers: in
 
 def layerwise_section(run: Run) -> None:
     """The forward time of a real small model with and without concurrent
-    layer-by-layer loads (target: the loads hide >= 80% of their time behind the
-    forward). Not written yet: it belongs to the layerwise mode's work (issue 13,
-    part 3), which adds it here; keep its figures ratios to a baseline of the
-    same run, as above."""
-    print("\n== layerwise: not measured yet (see layerwise_section) ==")
+    layer-by-layer loads on a transfer stream (target: the loads hide >= 80% of
+    their time behind the forward): ``bench_gpu_layerwise.layerwise_overlap``,
+    every figure against the forward alone and the load alone of the same run."""
+    if run.dry:
+        print("\n== layerwise: needs CUDA streams (not run in a dry run) ==")
+        return
+    from bench_gpu_layerwise import layerwise_overlap
+
+    print("\n== layerwise ==")
+    layerwise_overlap()
 
 
 SECTIONS = ("transfer", "kernels", "layerwise")
