@@ -39,10 +39,21 @@ import torch
 class Transfer:
     """One issued copy; ``done`` is None when it ran synchronously (already done)."""
 
-    __slots__ = ("done",)
+    __slots__ = ("_cuda", "_device", "done")
 
-    def __init__(self, done: Any = None) -> None:
+    def __init__(self, done: Any = None, cuda: Any = None,
+                 device: torch.device | None = None) -> None:
         self.done = done
+        self._cuda = cuda
+        self._device = device
+
+    def order_before_compute(self) -> None:
+        """Make the kernels queued from now on the compute stream (the caller's
+        current stream) run after this copy: a wait on the GPU, the host goes on.
+        ``load`` does this at once; a loader that issues many loads ahead (layer
+        by layer) calls it when the layer that reads this KV is about to be queued."""
+        if self.done is not None:
+            self._cuda.current_stream(self._device).wait_event(self.done)
 
     def ready(self) -> bool:
         """Whether the copy has completed (never blocks)."""
@@ -81,11 +92,12 @@ class TransferStream:
         far; publish its buffers only after ``wait()`` (or once ``ready()``)."""
         return self._issue(copy, compute_waits=False)
 
-    def load(self, copy: Callable[[], None]) -> Transfer:
+    def load(self, copy: Callable[[], None], *, compute_waits: bool = True) -> Transfer:
         """Run ``copy`` (host → device) after what the compute stream has queued so
-        far, and make the compute stream's later kernels wait for it; release or
-        reuse the host buffers only after ``wait()``."""
-        return self._issue(copy, compute_waits=True)
+        far, and make the compute stream's later kernels wait for it (with
+        ``compute_waits=False``: once the caller says so, ``order_before_compute``);
+        release or reuse the host buffers only after ``wait()``."""
+        return self._issue(copy, compute_waits=compute_waits)
 
     def _issue(self, copy: Callable[[], None], *, compute_waits: bool) -> Transfer:
         if self._stream is None:
@@ -100,9 +112,10 @@ class TransferStream:
             copy()
         done = cuda.Event()
         done.record(self._stream)
+        transfer = Transfer(done, cuda, self.device)
         if compute_waits:
             compute.wait_event(done)
-        return Transfer(done)
+        return transfer
 
 
 _streams: dict[torch.device, TransferStream] = {}

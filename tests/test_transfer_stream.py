@@ -130,6 +130,20 @@ def test_a_load_makes_the_compute_stream_wait_for_its_event_on_the_gpu(no_device
     assert ("synchronize", "e1") in cuda.log
 
 
+def test_loads_issued_ahead_make_the_compute_stream_wait_only_when_told() -> None:
+    # layer by layer: every layer's load is issued first, the compute stream waits
+    # for layer i's only before layer i is queued
+    cuda = FakeCuda()
+    stream = TransferStream("cuda:0", cuda=cuda)
+    layers = [stream.load(cuda.copy, compute_waits=False) for _ in range(2)]
+    assert not any(e[:2] == ("wait_event", "compute") for e in cuda.log)
+    layers[0].order_before_compute()
+    assert cuda.log[-1] == ("wait_event", "compute", "e1")  # layer 0's copy event
+    layers[1].order_before_compute()
+    assert cuda.log[-1] == ("wait_event", "compute", "e3")
+    DONE.order_before_compute()  # a synchronous copy: nothing to wait for
+
+
 def test_waiting_for_a_copy_that_is_done_does_not_block() -> None:
     cuda = FakeCuda()
     transfer = TransferStream("cuda:0", cuda=cuda).store(cuda.copy)
