@@ -239,3 +239,20 @@ def test_without_cuda_the_copies_run_at_once_and_are_bit_exact(no_device_sync) -
         # the cpu layout [blocks, heads, block_size, 2 * head_dim]: tokens 0..95 are
         # the first 6 blocks; compare them byte for byte
         assert torch.equal(src.view(torch.uint8), dst.view(torch.uint8))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none here: "
+                    "the stubbed tests above check the ordering)")
+def test_on_a_gpu_paged_stores_and_loads_are_bit_exact_without_a_device_sync(
+        no_device_sync) -> None:
+    stream = stream_for("cuda")
+    assert not stream.synchronous
+    caches = [torch.randn(2, 8, 16, 2, 16, device="cuda").half() for _ in range(2)]  # flash
+    target = [torch.zeros_like(c) for c in caches]
+    with _paged_engine() as engine:
+        tokens = list(range(64))
+        assert engine.store(tokens, kv_caches=caches, block_ids=[3, 1, 6, 0]) == 64
+        assert engine.retrieve(tokens, kv_caches=target, block_ids=[7, 2, 5, 4]).num_tokens == 64
+    torch.cuda.current_stream().synchronize()  # (the test's own read, not lmkv's)
+    for src, dst in zip(caches, target, strict=True):
+        assert torch.equal(src[:, [3, 1, 6, 0]].cpu(), dst[:, [7, 2, 5, 4]].cpu())
