@@ -10,7 +10,8 @@ bytes in and out with torch. Two kinds, tried in this order:
   server (its user, root) can open, and only while the server holds the fd; it
   needs no unlinking and nothing of it outlives the last mapping. Copies out of
   it take a TLB miss per 2 MiB instead of per 4 KiB (/dev/shm gets no
-  transparent huge pages on most hosts), which roughly doubles their speed.
+  transparent huge pages on most hosts), and a client fills its page tables
+  with one fault per 2 MiB (``benchmarks/bench_shm_pages.py`` compares both).
 - **/dev/shm** (``lmkv-<pid>-<random>``, 4 KiB pages): the creator unlinks the
   segment on close; if the creator is killed, Python's resource tracker (a
   helper process of the creator) unlinks it, so no segment outlives its server
