@@ -17,7 +17,8 @@ bytes in and out with torch. Two kinds, tried in this order:
   helper process of the creator) unlinks it, so no segment outlives its server
   in /dev/shm.
 
-When huge pages cannot be had, exactly one log line says why. The free-memory
+When huge pages cannot be had, the segment says why (``no_huge_pages``), and
+the lmkv server's listening line shows it. The free-memory
 figures an arena is checked against (/dev/shm, the machine's memory) live here too.
 
 Only stdlib and torch are imported here: the cpu tier imports this module.
@@ -88,7 +89,10 @@ class SharedSegment:
     """One mapped segment and a flat uint8 tensor over it.
 
     ``name`` is what a client passes to ``attach``; ``page_size`` is the size of
-    the pages behind it (``mmap.PAGESIZE``, or the huge page size).
+    the pages behind it (``mmap.PAGESIZE``, or the huge page size);
+    ``no_huge_pages`` says why a segment its creator made is not on huge pages
+    ("" otherwise): the lmkv server's listening line shows it, the one line that
+    says so (a line of its own would precede a start-up error's one line).
     """
 
     def __init__(self, name: str, buffer: SharedMemory | mmap.mmap, *, owner: bool,
@@ -98,6 +102,7 @@ class SharedSegment:
         self.owner = owner
         self.name = name
         self.page_size = page_size
+        self.no_huge_pages = ""
         view = buffer.buf if isinstance(buffer, SharedMemory) else buffer
         self.size = buffer.size if isinstance(buffer, SharedMemory) else len(buffer)
         self.tensor = torch.frombuffer(view, dtype=torch.uint8) if self.size else \
@@ -111,7 +116,7 @@ class SharedSegment:
     @classmethod
     def create(cls, size: int, *, huge_pages: bool = True) -> SharedSegment:
         """A new segment of at least ``size`` bytes, on huge pages where the host has
-        enough reserved (else one log line says why); SharedMemoryUnavailable when
+        enough reserved (else ``no_huge_pages`` says why); SharedMemoryUnavailable when
         there is no room for it at all. ``huge_pages=False``: /dev/shm, not tried
         (benchmarks compare the two)."""
         if size <= 0:
@@ -131,10 +136,11 @@ class SharedSegment:
             raise SharedMemoryUnavailable(
                 f"shared memory: cannot create a segment of {size} bytes: "
                 f"{exc.strerror or exc}") from None
-        if why_not:
-            logger.info("lmkv shared arena: %.1f MiB on %d KiB pages in %s (%s)",
-                        size / (1 << 20), mmap.PAGESIZE >> 10, SHM_DIR, why_not)
-        return cls(name, shm, owner=True)
+        logger.debug("created shared-memory segment %s (%d bytes; %s)", name, size,
+                     why_not or "huge pages not asked for")
+        segment = cls(name, shm, owner=True)
+        segment.no_huge_pages = why_not
+        return segment
 
     @classmethod
     def _create_huge(cls, size: int) -> tuple[SharedSegment | None, str]:

@@ -15,8 +15,10 @@ import pytest
 import torch
 
 from lmkv.backend import ArenaPlacement, BackendContext
+from lmkv.config import load_config
 from lmkv.memory import MemoryAllocator
 from lmkv.memory.shm import HugePages, SharedMemoryUnavailable, SharedSegment, huge_pages
+from lmkv.server.main import build_storage, tiers_line
 from lmkv_backends.tiers.cpu import CPUBackend
 from lmkv_policies.lru import LRUPolicy
 from tests.server.procs import REPO, child_env, lmkv_segments
@@ -167,8 +169,9 @@ def test_the_arena_goes_on_huge_pages_when_the_host_has_them_reserved(
         fallback = SharedSegment.create((left + 1) * page)
         assert not fallback.huge_pages and fallback.name in lmkv_segments()
         fallback.close()
-        [line] = _shm_lines(caplog)
-        assert f"the arena needs {left + 1}" in line and "sysctl vm.nr_hugepages=" in line
+        assert f"the arena needs {left + 1}" in fallback.no_huge_pages
+        assert "sysctl vm.nr_hugepages=" in fallback.no_huge_pages
+        assert not _shm_lines(caplog)  # said once, by the server's listening line
     finally:
         name = segment.name
         segment.close()
@@ -178,19 +181,24 @@ def test_the_arena_goes_on_huge_pages_when_the_host_has_them_reserved(
         SharedSegment.attach(name)  # its creator closed it: nobody can map it any more
 
 
-def test_without_enough_huge_pages_the_arena_falls_back_with_one_log_line(
+def test_without_enough_huge_pages_the_server_says_why_in_its_one_listening_line(
         monkeypatch, caplog) -> None:
-    caplog.set_level(logging.INFO, logger="lmkv.memory.shm")
+    caplog.set_level(logging.INFO)
     monkeypatch.setattr("lmkv.memory.shm.huge_pages",
                         lambda: HugePages(page_size=2 << 20, total=3, available=1))
-    segment = SharedSegment.create(8 << 20)  # 4 pages
+    config = load_config(env={}, overrides={"tiers": [{"type": "cpu",
+                                                       "options": {"max_bytes": "8MiB"}}]})
+    storage = build_storage(config)  # as the lmkv server opens its tiers
     try:
+        segment = storage.tiers[0].shared_segment
         assert not segment.huge_pages and segment.name in lmkv_segments()
-        assert _shm_lines(caplog) == [
-            "lmkv shared arena: 8.0 MiB on 4 KiB pages in /dev/shm (huge pages: 1 of 2 MiB "
-            "available, the arena needs 4; reserve them with `sysctl vm.nr_hugepages=6`)"]
+        assert tiers_line(storage) == (
+            f"tiers: cpu (8.0 MiB); arena: 8.0 MiB in shared memory {segment.name} (4 KiB "
+            f"pages; huge pages: 1 of 2 MiB available, the arena needs 4; reserve them with "
+            f"`sysctl vm.nr_hugepages=6`)")
+        assert not caplog.records  # no line of its own (a start-up error is one line)
     finally:
-        segment.close()
+        storage.close()
 
 
 def test_attach_maps_only_lmkv_huge_page_segments(tmp_path) -> None:
