@@ -189,7 +189,11 @@ def tiers_line(storage: StorageManager) -> str:
     if memory is None or not memory.capacity_bytes:
         arena = "no memory tier"
     elif segment is not None:
-        arena = f"{_mib(memory.capacity_bytes)} in shared memory {segment.name}"
+        pages = f"{segment.page_size >> 20} MiB huge" if segment.huge_pages \
+            else f"{segment.page_size >> 10} KiB"
+        why = f"; {segment.no_huge_pages}" if segment.no_huge_pages else ""
+        arena = (f"{_mib(memory.capacity_bytes)} in shared memory {segment.name} "
+                 f"({pages} pages{why})")
     else:
         arena = f"{_mib(memory.capacity_bytes)}, inline data path only"
     return f"tiers: {tiers or 'none'}; arena: {arena}"

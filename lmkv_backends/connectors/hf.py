@@ -11,7 +11,8 @@ import torch
 
 import lmkv_kernels
 from lmkv.gpu import ChunkSpan, GPUConnector
-from lmkv_backends.connectors.common import check, sync
+from lmkv.transfer_stream import stream_for
+from lmkv_backends.connectors.common import check
 
 KVPairs = Sequence[tuple[torch.Tensor, torch.Tensor]]
 
@@ -45,9 +46,10 @@ class HFConnector(GPUConnector):
     def to_chunks(self, spans: Sequence[ChunkSpan], *, kv: KVPairs,
                   batch_index: int = 0, **_: Any) -> None:
         self._validate(kv, max((s.end for s in spans), default=0), batch_index)
-        lmkv_kernels.gather_dense(kv, [(s.start, s.buffer) for s in spans], batch_index)
-        if kv:
-            sync(kv[0][0].device)
+        chunks = [(s.start, s.buffer) for s in spans]
+        if kv:  # on the transfer stream; the buffers are published after its event
+            stream_for(kv[0][0].device).store(
+                lambda: lmkv_kernels.gather_dense(kv, chunks, batch_index)).wait()
 
     def from_chunks(self, spans: Sequence[ChunkSpan], *, kv: KVPairs | None = None,
                     batch_index: int = 0, device: torch.device | str | None = None,
@@ -61,7 +63,8 @@ class HFConnector(GPUConnector):
                   for _ in range(spec.num_layers)]
             batch_index = 0
         self._validate(kv, max((s.end for s in spans), default=0), batch_index)
-        lmkv_kernels.scatter_dense(kv, [(s.start, s.buffer) for s in spans], batch_index)
-        if kv:
-            sync(kv[0][0].device)  # the chunk buffers are released after this returns
+        chunks = [(s.start, s.buffer) for s in spans]
+        if kv:  # the compute stream waits for the copy; the buffers are released after it
+            stream_for(kv[0][0].device).load(
+                lambda: lmkv_kernels.scatter_dense(kv, chunks, batch_index)).wait()
         return list(kv)

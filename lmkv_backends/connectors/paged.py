@@ -19,7 +19,8 @@ import torch
 import lmkv_kernels
 from lmkv.gpu import ChunkSpan, ConnectorContext, GPUConnector, KVSpec
 from lmkv.plugin_base import OptionsArg, PluginOptions
-from lmkv_backends.connectors.common import check, sync
+from lmkv.transfer_stream import stream_for
+from lmkv_backends.connectors.common import check
 from lmkv_kernels.layouts import PagedGeometry, shape_of
 
 
@@ -110,9 +111,12 @@ class PagedConnector(GPUConnector):
     def to_chunks(self, spans: Sequence[ChunkSpan], *, kv_caches: Sequence[torch.Tensor],
                   block_ids: Sequence[int] | torch.Tensor, **_: Any) -> None:
         g = self._validate(kv_caches, block_ids, max((s.end for s in spans), default=0))
-        lmkv_kernels.gather_blocks(kv_caches, block_ids, [(s.start, s.buffer) for s in spans],
-                                   layout=g.layout, kernels=self.kernels)
-        sync(kv_caches[0].device)  # the buffers are published to other threads next
+        chunks = [(s.start, s.buffer) for s in spans]
+        # On the transfer stream, after the forward that wrote the KV (lmkv.transfer_stream);
+        # the buffers are published to tiers and other threads next: after its event.
+        stream_for(kv_caches[0].device).store(
+            lambda: lmkv_kernels.gather_blocks(kv_caches, block_ids, chunks, layout=g.layout,
+                                               kernels=self.kernels)).wait()
 
     def from_chunks(self, spans: Sequence[ChunkSpan], *, kv_caches: Sequence[torch.Tensor],
                     block_ids: Sequence[int] | torch.Tensor, skip_tokens: int = 0,
@@ -120,8 +124,10 @@ class PagedConnector(GPUConnector):
         """``skip_tokens``: leave the request's first tokens alone (the engine
         already holds them, possibly in blocks other requests share)."""
         g = self._validate(kv_caches, block_ids, max((s.end for s in spans), default=0))
-        lmkv_kernels.scatter_blocks(kv_caches, block_ids,
-                                    [(s.start, s.buffer) for s in spans], skip_tokens,
-                                    layout=g.layout, kernels=self.kernels)
-        sync(kv_caches[0].device)  # the chunk buffers are released after this returns
+        chunks = [(s.start, s.buffer) for s in spans]
+        # The compute stream's later kernels wait for the copy on the GPU; the chunk
+        # buffers are released after this returns: after its event.
+        stream_for(kv_caches[0].device).load(
+            lambda: lmkv_kernels.scatter_blocks(kv_caches, block_ids, chunks, skip_tokens,
+                                                layout=g.layout, kernels=self.kernels)).wait()
         return None

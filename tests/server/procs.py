@@ -55,7 +55,17 @@ def free_port() -> int:
 
 
 def lmkv_segments() -> set[str]:
-    return {p.name for p in SHM_DIR.glob("lmkv-*")} if SHM_DIR.is_dir() else set()
+    """The names of the lmkv segments alive now: in /dev/shm, and the huge-page ones
+    (``/proc/<pid>/fd/<n>``, live while their creator holds them) on a host that
+    has huge pages reserved."""
+    names = {p.name for p in SHM_DIR.glob("lmkv-*")} if SHM_DIR.is_dir() else set()
+    for fd in Path("/proc").glob("[0-9]*/fd/*"):
+        try:
+            if os.readlink(fd).startswith("/memfd:lmkv-"):
+                names.add(str(fd))
+        except OSError:  # gone meanwhile, or another user's
+            continue
+    return names
 
 
 def wait_for(predicate, timeout_s: float = 15.0, interval_s: float = 0.05):

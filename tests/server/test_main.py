@@ -70,6 +70,7 @@ def test_the_memory_tier_gets_shared_memory_unless_the_config_says_otherwise() -
 def test_without_room_for_a_segment_the_server_keeps_a_private_arena(monkeypatch,
                                                                       caplog) -> None:
     monkeypatch.setattr("lmkv.memory.shm._free_shm_bytes", lambda: 0)
+    monkeypatch.setattr("lmkv.memory.shm.huge_pages", lambda: None)  # none reserved either
     config = load_config(env={}, overrides={"tiers": [{"type": "cpu",
                                                        "options": {"max_bytes": "1MiB"}}]})
     storage = build_storage(config)
