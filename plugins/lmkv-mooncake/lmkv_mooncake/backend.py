@@ -49,8 +49,10 @@ logger = logging.getLogger(__name__)
 
 #: Gets of concurrent lookups run side by side (they share Mooncake's local buffer).
 GET_THREADS = 2
-#: Frame bytes per direct-get window: the next window moves while this one is checked.
-PIPELINE_BYTES = 32 << 20
+#: Frame bytes per direct-get window: the next window moves while this one is checked
+#: (a larger batch keeps Mooncake's transfer parallelism; 32, 64 and 128 MiB windows
+#: measured alike within this machine's noise, 0.7-1.1 of the own client).
+PIPELINE_BYTES = 128 << 20
 #: Everything a call can fail with at run time: a miss or a dropped write.
 FAULTS: tuple[type[BaseException], ...] = (MooncakeError, TierClosed, OSError)
 
