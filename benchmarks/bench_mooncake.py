@@ -17,6 +17,7 @@ put and get, >= the redis tier; the lookup in one call).
 
     python benchmarks/bench_mooncake.py            # about a minute
     python benchmarks/bench_mooncake.py --quick
+    python benchmarks/bench_mooncake.py --no-zero-copy   # + the tier copying through staging
 """
 
 from __future__ import annotations
@@ -213,6 +214,9 @@ def main() -> None:
     parser.add_argument("--chunks", type=int, default=4, help="32 MiB chunks per batch")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="2 chunks, 2 rounds")
+    parser.add_argument("--no-zero-copy", action="store_true",
+                        help="also run the tier with register_arena: false (chunks go "
+                             "through staging copies both ways), as its own row")
     args = parser.parse_args()
     if args.quick:
         args.chunks, args.rounds = 2, 2
@@ -237,10 +241,18 @@ def main() -> None:
             master_address=where["master"], metadata_server=where["metadata"],
             local_hostname="127.0.0.1", global_segment_size=0,
             local_buffer_size=batch + 16 * MiB, key_prefix="bench:"), context)
+        copying = None
+        if args.no_zero_copy:
+            copying = MooncakeBackend(MooncakeOptions(
+                master_address=where["master"], metadata_server=where["metadata"],
+                local_hostname="127.0.0.1", global_segment_size=0, register_arena=False,
+                local_buffer_size=batch + 32 * MiB, key_prefix="copy:"), context)
         redis_tier = RedisBackend(RedisOptions(url=where["redis"], key_prefix="bench:"), context)
         own = OwnBench(where, frames)
         benches = {"tier": TierBench(tier, objs), "own": own,
                    "redis": TierBench(redis_tier, objs)}
+        if copying is not None:
+            benches["copy"] = TierBench(copying, objs)
         # Rounds interleave the three (a busy machine slows them all alike); the
         # first round warms up and is not counted.
         best = {label: {"put": float("inf"), "get": float("inf")} for label in benches}
@@ -270,13 +282,17 @@ def main() -> None:
         direct = tier.stats()["direct_gets"]
         own.close()
         tier.close()
+        if copying is not None:
+            copying.close()
         redis_tier.close()
 
     print(f"{args.chunks} chunks of {chunk_bytes // MiB} MiB per batch, best of {args.rounds} "
           "interleaved rounds, "
           "TCP on loopback, pure clients of one holder segment")
-    for label, name in (("tier", "lmkv mooncake tier"), ("own", "Mooncake's own client"),
-                        ("redis", "lmkv redis tier")):
+    for label, name in (("tier", "lmkv mooncake tier"), ("copy", "tier, register_arena off"),
+                        ("own", "Mooncake's own client"), ("redis", "lmkv redis tier")):
+        if label not in results:
+            continue
         r = results[label]
         print(f"  {name:24s} put {r['put']:6.2f} GB/s   get {r['get']:6.2f} GB/s")
     t, o, r = results["tier"], results["own"], results["redis"]
@@ -284,6 +300,10 @@ def main() -> None:
           "   (target >= 0.9)")
     print(f"  tier / redis tier:  put {t['put'] / r['put']:.2f}   get {t['get'] / r['get']:.2f}"
           "   (target >= 1)")
+    if "copy" in results:
+        c = results["copy"]
+        print(f"  zero-copy / staging copies: put {t['put'] / c['put']:.2f}   "
+              f"get {t['get'] / c['get']:.2f}")
     print(f"  tier gets read straight into lmkv's arena: {direct} chunks")
     print(f"  lookup of 128 keys: {hits} hits, {lookup * 1e3:.2f} ms, store calls {calls} "
           "(target: one batch_is_exist)")

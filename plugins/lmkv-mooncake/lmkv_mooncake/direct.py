@@ -44,44 +44,81 @@ class Layout:
                    header.payload_len)
 
 
-#: What a direct read of one key came to.
+#: Why a direct read stopped.
 FOUND, ABSENT, OTHER_LAYOUT = "found", "absent", "other"
 
 
-def read_direct(store: Any, names: Sequence[str], keys: Sequence[CacheKey], layout: Layout,
-                allocate: Allocate, staging: MemoryAllocator, registered: Registered,
-                register_arena: bool, drop_corrupt: Callable[[CacheKey, object], None],
-                out: list[MemoryObj]) -> tuple[int, str]:
-    """Read ``keys`` into fresh arena buffers; returns how many were appended to
-    ``out`` and why it stopped (FOUND: all of them)."""
-    objs: list[MemoryObj] = []
-    header_block = staging.allocate((layout.header_len * len(keys),), torch.uint8)
+@dataclass
+class Fetched:
+    """One window on its way: fresh arena buffers the store has filled (or
+    ``codes`` None: no room or unregistered memory, nothing was asked)."""
+
+    keys: Sequence[CacheKey]
+    objs: list[MemoryObj | None]
+    header_block: MemoryObj | None
+    codes: list[int] | None
+
+    def release(self) -> None:
+        """Give back every buffer not handed over (idempotent)."""
+        objs, self.objs = self.objs, []
+        for obj in objs:
+            if obj is not None:
+                obj.ref_down()
+        if self.header_block is not None:
+            self.header_block.ref_down()
+            self.header_block = None
+
+
+def fetch(store: Any, names: Sequence[str], keys: Sequence[CacheKey], layout: Layout,
+          allocate: Allocate, staging: MemoryAllocator, registered: Registered,
+          register_arena: bool) -> Fetched:
+    """Allocate ``keys``' buffers and have the store scatter their frames into
+    them (one ``batch_get_into_multi_buffers``); nothing is checked yet."""
+    fetched = Fetched(keys, [], staging.allocate((layout.header_len * len(keys),), torch.uint8),
+                      None)
     try:
         for _ in keys:
             obj = allocate(layout.shape, layout.dtype)
             if obj is None:
-                break
-            objs.append(obj)
-        if len(objs) < len(keys) or header_block is None:
-            return 0, OTHER_LAYOUT  # no room: the staged way sorts it out
-        arena = objs[0].allocator
+                return fetched  # no room: the staged way sorts it out
+            fetched.objs.append(obj)
+        if fetched.header_block is None:
+            return fetched
+        arena = fetched.objs[0].allocator
         if arena is not None and register_arena:
             registered.register(store, arena.arena.data_ptr(), arena.arena.numel())
-        if not all(registered.covers(o.tensor.data_ptr(), layout.payload_len) for o in objs):
-            return 0, OTHER_LAYOUT
-        base = header_block.tensor.data_ptr()
+        if not all(registered.covers(o.tensor.data_ptr(), layout.payload_len)
+                   for o in fetched.objs):
+            return fetched
+        base = fetched.header_block.tensor.data_ptr()
         hlen, plen = layout.header_len, layout.payload_len
-        codes = store.batch_get_into_multi_buffers(
-            list(names), [[base + i * hlen, o.tensor.data_ptr()] for i, o in enumerate(objs)],
-            [[hlen, plen]] * len(objs))
-        headers = header_block.tensor.numpy()
+        fetched.codes = store.batch_get_into_multi_buffers(
+            list(names), [[base + i * hlen, o.tensor.data_ptr()]
+                          for i, o in enumerate(fetched.objs)],
+            [[hlen, plen]] * len(fetched.objs))
+        return fetched
+    except BaseException:
+        fetched.release()
+        raise
+
+
+def settle(fetched: Fetched, layout: Layout, drop_corrupt: Callable[[CacheKey, object], None],
+           out: list[MemoryObj]) -> tuple[int, str]:
+    """Check each fetched frame (header bound to its key and of the guessed
+    layout, payload checksum) and append the good leading ones to ``out``;
+    returns how many and why it stopped (FOUND: all). Releases the rest."""
+    try:
+        if fetched.codes is None:
+            return 0, OTHER_LAYOUT
+        hlen, plen = layout.header_len, layout.payload_len
+        headers = fetched.header_block.tensor.numpy()
         taken = 0
-        for i, (key, code) in enumerate(zip(keys, codes, strict=True)):
+        for i, (key, code) in enumerate(zip(fetched.keys, fetched.codes, strict=True)):
             if code == OBJECT_NOT_FOUND:
                 return taken, ABSENT
             if code != hlen + plen:
                 return taken, OTHER_LAYOUT  # another size (or a failure the staged way reports)
-            obj = objs[i]
+            obj = fetched.objs[i]
             try:
                 header = read_header(memoryview(headers[i * hlen:(i + 1) * hlen]), key,
                                      frame_len=code)
@@ -92,12 +129,8 @@ def read_direct(store: Any, names: Sequence[str], keys: Sequence[CacheKey], layo
                 drop_corrupt(key, exc)
                 return taken, ABSENT
             out.append(obj)
-            objs[i] = None  # type: ignore[call-overload]  # handed over
+            fetched.objs[i] = None  # handed over
             taken += 1
         return taken, FOUND
     finally:
-        for obj in objs:
-            if obj is not None:
-                obj.ref_down()
-        if header_block is not None:
-            header_block.ref_down()
+        fetched.release()

@@ -40,8 +40,10 @@ from lmkv_mooncake.memory import Registered, address
 
 logger = logging.getLogger(__name__)
 
-#: Frame bytes per batched put: the next window is framed while this one is sent.
-PIPELINE_BYTES = 32 << 20
+#: Frame bytes per batched put: the next window is framed while this one is sent
+#: (a larger batch keeps Mooncake's transfer parallelism; 32, 64 and 128 MiB windows
+#: measured alike within this machine's noise, 0.7-1.1 of the own client).
+PIPELINE_BYTES = 128 << 20
 
 
 class _Window:

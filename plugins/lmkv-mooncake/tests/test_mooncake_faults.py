@@ -180,3 +180,30 @@ def test_direct_gets_check_every_frame_and_fall_back_on_another_layout(
     stats = tier.stats()
     assert stats["corrupt_frames"] == 1 and stats["direct_gets"] == direct
     assert not tier.contains(key(2))
+
+
+def test_pipelined_windows_put_and_get_every_chunk_and_give_back_the_rest(
+        make_tier: object, shared_client: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Windows of one chunk: puts frame the next while one is sent, direct gets
+    fetch the next while one is checked; a read that stops early releases the
+    window fetched past it."""
+    import lmkv_mooncake.backend
+    import lmkv_mooncake.writer
+
+    monkeypatch.setattr(lmkv_mooncake.writer, "PIPELINE_BYTES", 1)
+    monkeypatch.setattr(lmkv_mooncake.backend, "PIPELINE_BYTES", 1)
+    tier = make_tier()
+    assert put(tier, [0, 1, 2, 4, 5]) == 5
+    assert torch.equal(read(tier, 0), chunk(0))  # learns the layout
+    arena = tier.context.allocate.__self__
+    used = arena.used_bytes
+    objs = tier.batched_get_non_blocking("l", [key(i) for i in range(6)]).result(timeout=60)
+    try:
+        assert len(objs) == 3
+        for i, obj in enumerate(objs):
+            assert torch.equal(obj.tensor, chunk(i))
+    finally:
+        for obj in objs:
+            obj.ref_down()
+    assert tier.stats()["direct_gets"] == 3
+    assert arena.used_bytes == used  # the window fetched past key 3 was given back
