@@ -139,6 +139,32 @@ def test_triton_copies_strided_caches_and_buffers(triton_impl: ModuleType, layou
     assert same(dst, dst_ref)
 
 
+def test_staged_buffers_go_in_bounded_batches(triton_impl: ModuleType, monkeypatch) -> None:
+    """Buffers the kernel cannot address (strided here; pinned host memory on a
+    GPU) are staged on the caches' device at most ``STAGING_BYTES`` at a time,
+    one launch a batch: the copies stay the reference's, bit for bit."""
+    caches, ids, chunks, skip = case("cpu", torch.float32, 7)
+    launches = []
+    real = triton_impl._launch
+    monkeypatch.setattr(triton_impl, "_launch",
+                        lambda caches, ids, batch, *a, **k: (launches.append(len(batch)),
+                                                             real(caches, ids, batch, *a, **k)))
+    largest = max(buf.numel() * buf.element_size() for _, buf in chunks)
+    monkeypatch.setattr(triton_impl, "STAGING_BYTES", largest)
+    want = fresh(chunks)
+    torch_ref.gather_blocks(caches, ids, want, "cpu")
+    got = [(start, torch.zeros(buf.shape[1], buf.shape[0], *buf.shape[2:],
+                               dtype=buf.dtype).transpose(0, 1)) for start, buf in chunks]
+    triton_impl.gather_blocks(caches, ids, got, "cpu")
+    assert same([b for _, b in got], [b for _, b in want])
+    assert len(launches) > 1 and sum(launches) == len(chunks)
+    launches.clear()
+    dst, dst_ref = [c.clone() for c in caches], [c.clone() for c in caches]
+    triton_impl.scatter_blocks(dst, ids, got, skip, "cpu")
+    torch_ref.scatter_blocks(dst_ref, ids, want, skip, "cpu")
+    assert same(dst, dst_ref)
+
+
 def test_the_selector_runs_triton_on_request(triton_impl: ModuleType) -> None:
     """``kernels="triton"`` runs the kernels on CPU tensors (interpreted here)."""
     caches, ids, chunks, _ = case("flash", torch.float16, 3)

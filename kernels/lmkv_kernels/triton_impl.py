@@ -80,29 +80,52 @@ def _copy_kernel(cache_table, buf_table, cache_tok, buf_chunk, buf_tok, buf_len,
                     tl.store(c, tl.load(b, mask=mask), mask=mask)
 
 
+#: The most bytes of chunk buffers staged on the caches' device at once, for
+#: buffers the kernel cannot address (pinned host memory): a load of 32768
+#: Llama-8B tokens is 4 GiB, which must not land outside the engine's memory
+#: budget in one piece. Each batch is one launch.
+STAGING_BYTES = 256 << 20
+
+
 def gather_blocks(caches: Sequence[torch.Tensor], block_ids: BlockIds, chunks: Chunks,
                   layout: Layout | None = None) -> None:
     if not chunks:
         return
     device = caches[0].device
-    outs = [buf if _direct(buf, device) else
-            torch.empty(buf.shape, dtype=buf.dtype, device=device) for _, buf in chunks]
-    _launch(caches, block_ids, [(start, out) for (start, _), out in zip(chunks, outs,
-                                                                         strict=True)],
-            0, layout, gather=True)
-    for (_, buf), out in zip(chunks, outs, strict=True):
-        if out is not buf:
-            buf.copy_(out, non_blocking=True)
+    for batch in _batches(chunks, device):
+        outs = [buf if _direct(buf, device) else
+                torch.empty(buf.shape, dtype=buf.dtype, device=device) for _, buf in batch]
+        _launch(caches, block_ids, [(start, out) for (start, _), out in zip(batch, outs,
+                                                                             strict=True)],
+                0, layout, gather=True)
+        for (_, buf), out in zip(batch, outs, strict=True):
+            if out is not buf:  # (its memory is reused in stream order: after this copy)
+                buf.copy_(out, non_blocking=True)
 
 
 def scatter_blocks(caches: Sequence[torch.Tensor], block_ids: BlockIds, chunks: Chunks,
                    skip_tokens: int = 0, layout: Layout | None = None) -> None:
     device = caches[0].device
-    chunks = [(start, buf if _direct(buf, device) else
-               buf.to(device, non_blocking=True).contiguous())
-              for start, buf in chunks if start + buf.shape[2] > skip_tokens]
-    if chunks:
-        _launch(caches, block_ids, chunks, skip_tokens, layout, gather=False)
+    wanted = [(start, buf) for start, buf in chunks if start + buf.shape[2] > skip_tokens]
+    for batch in _batches(wanted, device):
+        staged = [(start, buf if _direct(buf, device) else
+                   buf.to(device, non_blocking=True).contiguous()) for start, buf in batch]
+        _launch(caches, block_ids, staged, skip_tokens, layout, gather=False)
+
+
+def _batches(chunks: Chunks, device: torch.device) -> list[list[tuple[int, torch.Tensor]]]:
+    """``chunks`` in runs whose staged copies (the buffers not ``_direct``) take at
+    most ``STAGING_BYTES``; one chunk per run at least."""
+    out: list[list[tuple[int, torch.Tensor]]] = []
+    size = 0
+    for start, buf in chunks:
+        need = 0 if _direct(buf, device) else buf.numel() * buf.element_size()
+        if not out or (size + need > STAGING_BYTES and size):
+            out.append([])
+            size = 0
+        out[-1].append((start, buf))
+        size += need
+    return out
 
 
 def _direct(buf: torch.Tensor, device: torch.device) -> bool:
