@@ -84,6 +84,7 @@ class MooncakeBackend(StorageBackend):
         self._direct = bool(context.serializer.raw_payload and context.allocate is not None)
         self._layout: Layout | None = None
         self.direct_gets = 0  # chunks read straight into the arena
+        self.quarantined_chunks = 0  # arena buffers a failed transfer may still write into
         self.link = Link(options, self.faults, on_setup=self._registered_staging)
         self.registered = self.link.registered
         atexit.register(self.link.close)  # an engine that exits unmounts its segment
@@ -213,7 +214,7 @@ class MooncakeBackend(StorageBackend):
         def start(window: Sequence[CacheKey]) -> Future:
             return self._fetches.submit(
                 fetch, store, [self.store_key(k) for k in window], window, layout, allocate,
-                self.staging, self.registered, self.options.register_arena)
+                self.staging, self.registered, self.options.register_arena, self._quarantine)
 
         read, why = 0, FOUND
         pending: Future | None = start(windows[0])
@@ -235,6 +236,14 @@ class MooncakeBackend(StorageBackend):
                     pending.result().release()
         self.faults.succeeded()
         return read, FOUND
+
+    def _quarantine(self, objs: list[MemoryObj]) -> None:
+        """Keep the buffers of a failed direct get out of the arena (``Link.quarantine``)."""
+        self.link.quarantine(objs)
+        chunks = sum(1 for obj in objs if obj.allocator is not self.staging)
+        self.quarantined_chunks += chunks
+        self.faults.note("quarantine", "a failed get may still write into %d arena buffers: "
+                         "kept out of the arena until the store is closed", chunks)
 
     def _get_window(self, store: Any, keys: Sequence[CacheKey], out: list[MemoryObj]) -> bool:
         """Fetch ``keys`` with one call and decode them into ``out``; False at the
@@ -296,7 +305,8 @@ class MooncakeBackend(StorageBackend):
         return {**super().stats(), "pinned_keys": pinned,
                 "pending_put_bytes": self._writer.pending_bytes,
                 "zero_copy_put_bytes": self._writer.zero_copy_bytes,
-                "direct_gets": self.direct_gets}
+                "direct_gets": self.direct_gets,
+                "quarantined_chunks": self.quarantined_chunks}
 
     def close(self) -> None:
         """Wait up to ``close_timeout_s`` for puts in flight, then drop the rest and

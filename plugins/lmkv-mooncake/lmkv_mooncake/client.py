@@ -37,6 +37,7 @@ PACKAGES = ("mooncake-transfer-engine-non-cuda (CPU hosts: pip install 'lmkv-moo
 #: Mooncake's error codes (mooncake-store types.h) that the tier tells apart.
 OBJECT_NOT_FOUND = -704
 OBJECT_ALREADY_EXISTS = -705
+TRANSFER_FAIL = -800  # also what a get of a smaller object into larger buffers answers
 BUFFER_TOO_SMALL = -600  # INVALID_PARAMS: what a get into a too small buffer answers
 CODE_NAMES = {
     -1: "INTERNAL_ERROR", -10: "BUFFER_OVERFLOW", -101: "SEGMENT_NOT_FOUND",
@@ -131,6 +132,8 @@ class _Client:
         self.busy = 0  # calls in progress
         self.closed = False
         self.registered = Registered()  # memory registered with this store
+        # Buffers a failed transfer may still write into (see ``Link.quarantine``).
+        self.quarantined: list[Any] = []
         self._cls = cls
         threading.Thread(target=self._connect, name="lmkv-mooncake-setup", daemon=True).start()
 
@@ -176,6 +179,11 @@ class _Client:
                 store, self.store = self.store, None
             if store is not None:
                 store.close()  # holds the GIL for a second or two (Mooncake 0.3.13)
+            # The transfer engine is gone: nothing writes into quarantined buffers now.
+            with self.lock:
+                quarantined, self.quarantined = self.quarantined, []
+            for obj in quarantined:
+                obj.ref_down()
         except Exception:  # closing must never raise into shutdown
             logger.exception("lmkv mooncake tier: closing the store failed")
         finally:
@@ -206,6 +214,16 @@ class Link:
             client.users += 1
         self._client = client
         self.registered = client.registered
+
+    def quarantine(self, objs: list[Any]) -> None:
+        """Keep ``objs`` (MemoryObjs the store was asked to write into by a call
+        that failed) out of their allocator: Mooncake 0.3.13 gives no way to
+        cancel or wait for a transfer, so after a failed call one may still be
+        writing into them, and a block reused by another chunk would be
+        overwritten (wrong KV). They are freed once this process's store is
+        closed, never when it was left open (calls still in progress)."""
+        with self._client.lock:
+            self._client.quarantined.extend(objs)
 
     def wait_ready(self, timeout_s: float) -> bool:
         return self._client.ready.wait(timeout_s)

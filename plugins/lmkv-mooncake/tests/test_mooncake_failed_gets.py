@@ -1,0 +1,104 @@
+"""Gets whose transfer or call fails: buffers the store may still write into
+stay out of the arena, RPC-class failures open the breaker, and a frame of
+another layout is never dropped by the direct path."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+import torch
+from test_mooncake_faults import chunk, key, put, read
+
+from lmkv.memory import tensor_obj
+
+
+class FailingStore:
+    """The real store, but the named get calls answer ``fail`` after doing
+    their work (a transfer that failed late, or is still running)."""
+
+    def __init__(self, store: Any, fail: dict[str, Callable[[Any], Any]]) -> None:
+        self._store = store
+        self._fail = fail
+        self.calls: list[str] = []
+
+    def __getattr__(self, name: str) -> Any:
+        real = getattr(self._store, name)
+        if name not in self._fail:
+            return real
+
+        def call(*args: Any) -> Any:
+            self.calls.append(name)
+            return self._fail[name](real(*args))
+        return call
+
+
+def failing(tier: Any, monkeypatch: pytest.MonkeyPatch,
+            **fail: Callable[[Any], Any]) -> FailingStore:
+    using = tier.link.using
+    holder: dict[str, FailingStore] = {}
+
+    @contextmanager
+    def wrapped() -> Iterator[Any]:
+        with using() as store:
+            proxy = holder.setdefault("store", FailingStore(store, fail))
+            yield proxy
+
+    monkeypatch.setattr(tier.link, "using", wrapped)
+    with tier.link.using() as store:
+        return store
+
+
+def test_a_failed_direct_get_quarantines_its_buffers(
+        make_tier: Any, shared_client: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    tier = make_tier()
+    assert put(tier, [1, 2, 3]) == 3
+    assert torch.equal(read(tier, 1), chunk(1))  # learns the layout
+    arena = tier.context.allocate.__self__
+    used = arena.used_bytes
+    store = failing(tier, monkeypatch,
+                    batch_get_into_multi_buffers=lambda codes: [-800] * len(codes))
+    for obj in tier.batched_get_non_blocking("l", [key(2), key(3)]).result(timeout=60):
+        obj.ref_down()
+    assert store.calls[0] == "batch_get_into_multi_buffers"
+    # The store may still be writing into them: not reused by another chunk.
+    assert arena.used_bytes == used + 2 * chunk(2).numel() * 2
+    assert tier.stats()["quarantined_chunks"] == 2
+
+
+def test_quarantined_buffers_are_freed_once_the_store_is_closed(
+        mooncake_master: Any, shared_client: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    from mooncake_servers import new_tier
+
+    from lmkv_mooncake.client import join_closing
+
+    tier = new_tier(mooncake_master, global_segment_size="16MiB")  # its own client
+    try:
+        assert put(tier, [1, 2]) == 2
+        assert torch.equal(read(tier, 1), chunk(1))
+        arena = tier.context.allocate.__self__
+        used = arena.used_bytes
+        failing(tier, monkeypatch, batch_get_into_multi_buffers=lambda codes: [-1] * len(codes))
+        read(tier, 2)
+        assert arena.used_bytes > used
+    finally:
+        tier.close()
+    assert join_closing(30)
+    assert arena.used_bytes == used
+
+
+def test_a_missing_or_resized_frame_gives_its_buffers_back(
+        make_tier: Any, shared_client: None) -> None:
+    tier = make_tier()
+    assert put(tier, [1]) == 1
+    assert torch.equal(read(tier, 1), chunk(1))
+    arena = tier.context.allocate.__self__
+    used = arena.used_bytes
+    other = torch.arange(64, dtype=torch.float32).reshape(4, 16)
+    assert tier.batched_submit_put([key(9)], [tensor_obj(other)]).result(timeout=60) == 1
+    assert read(tier, 8) is None  # not found
+    assert torch.equal(read(tier, 9), other)  # another size: staged
+    assert arena.used_bytes == used
+    assert tier.stats()["quarantined_chunks"] == 0
