@@ -223,7 +223,7 @@ class MooncakeBackend(StorageBackend):
                 assert pending is not None
                 fetched: Fetched = pending.result()
                 pending = start(windows[i + 1]) if i + 1 < len(windows) else None
-                got, why = settle(fetched, layout, self.drop_corrupt, out)
+                got, why = settle(fetched, layout, out)
                 read += got
                 self.direct_gets += got
                 self.counters.bytes_out += got * frame

@@ -6,7 +6,9 @@ next ones most likely have (every chunk of a model has the same shape but the
 last): it allocates each chunk's buffer from lmkv's (registered) arena and
 asks the store to scatter each frame into [header staging, chunk buffer] with
 one ``batch_get_into_multi_buffers``. The header is then checked against the
-key and the guessed layout and the payload against its checksum, in place.
+key and the guessed layout and the payload against its checksum, in place; a
+frame that fails those checks is read again the staged way, which drops it
+only if it is corrupt by its own length.
 
 A frame of another size or shape is not a fault: the read stops there and the
 rest goes the staged way (``batch_get_buffer``), which learns the new layout.
@@ -148,8 +150,7 @@ def _sizes_told_apart(store: Any, names: Sequence[str], codes: list[int],
     return codes
 
 
-def settle(fetched: Fetched, layout: Layout, drop_corrupt: Callable[[CacheKey, object], None],
-           out: list[MemoryObj]) -> tuple[int, str]:
+def settle(fetched: Fetched, layout: Layout, out: list[MemoryObj]) -> tuple[int, str]:
     """Check each fetched frame (header bound to its key and of the guessed
     layout, payload checksum) and append the good leading ones to ``out``;
     returns how many and why it stopped (FOUND: all). Releases (or
@@ -172,9 +173,12 @@ def settle(fetched: Fetched, layout: Layout, drop_corrupt: Callable[[CacheKey, o
                 if Layout.of(header) != layout:
                     return taken, OTHER_LAYOUT
                 verify_payload(header, memoryview(obj.byte_view().numpy()))
-            except CorruptFrameError as exc:
-                drop_corrupt(key, exc)
-                return taken, ABSENT
+            except CorruptFrameError:
+                # Read under a guessed layout, a valid frame of another shape (a
+                # longer header, the same total size) or a torn read fails here too:
+                # the staged read checks the frame by its own length and drops it
+                # only if it is corrupt there.
+                return taken, OTHER_LAYOUT
             out.append(obj)
             fetched.objs[i] = None  # handed over
             taken += 1

@@ -102,3 +102,19 @@ def test_a_missing_or_resized_frame_gives_its_buffers_back(
     assert torch.equal(read(tier, 9), other)  # another size: staged
     assert arena.used_bytes == used
     assert tier.stats()["quarantined_chunks"] == 0
+
+
+def test_a_valid_frame_with_a_longer_header_is_read_staged_not_dropped(
+        make_tier: Any, shared_client: None) -> None:
+    """Six dimensions (a header 8 bytes longer) and a payload 8 bytes shorter: the
+    frame has the chunk layout's total size, so the direct read gets it whole and
+    its guessed header is truncated."""
+    tier = make_tier()
+    assert put(tier, [1]) == 1
+    assert torch.equal(read(tier, 1), chunk(1))  # learns the layout
+    other = torch.arange(4092, dtype=torch.float16).reshape(1, 1, 1, 1, 4, 1023)
+    assert other.numel() * 2 == chunk(1).numel() * 2 - 8
+    assert tier.batched_submit_put([key(9)], [tensor_obj(other)]).result(timeout=60) == 1
+    assert torch.equal(read(tier, 9), other)
+    assert tier.stats()["corrupt_frames"] == 0
+    assert tier.contains(key(9))
