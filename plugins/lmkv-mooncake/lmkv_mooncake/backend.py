@@ -251,7 +251,8 @@ class MooncakeBackend(StorageBackend):
         handles = store.batch_get_buffer([self.store_key(k) for k in keys])
         try:
             for key, handle in zip(keys, handles, strict=True):
-                if handle is None:  # absent, evicted, or its transfer failed
+                if handle is None:  # absent, evicted, or its get failed
+                    self._why_missing(store, key)
                     return False
                 size = handle.size()
                 self._frame_hint = max(self._frame_hint, size)
@@ -267,6 +268,17 @@ class MooncakeBackend(StorageBackend):
             return True
         finally:
             del handles  # gives Mooncake's local buffer back
+
+    def _why_missing(self, store: Any, key: CacheKey) -> None:
+        """``batch_get_buffer`` answers None for an absent entry and for a failed
+        get alike: ask whether the entry exists (one call, at the end of a read
+        only). Raises the tier's fault for a failure: unreachable (the breaker
+        opens) when the master does not answer, else a counted error."""
+        code = store.is_exist(self.store_key(key))
+        raise_for("is_exist", code)
+        if code == 1:
+            raise MooncakeError("batch_get_buffer", -1, "batch_get_buffer failed for an entry "
+                                "that exists (see Mooncake's log)")
 
     # -- puts -----------------------------------------------------------------------
     def batched_submit_put(self, keys: Sequence[CacheKey], objs: Sequence[MemoryObj],

@@ -64,8 +64,8 @@ class MooncakeMissing(PluginError, ImportError):
 class MooncakeError(OSError):
     """A Mooncake call failed for this request (absorbed: a miss or a dropped write)."""
 
-    def __init__(self, op: str, code: int) -> None:
-        super().__init__(f"{op} answered {code} ({CODE_NAMES.get(code, 'error')})")
+    def __init__(self, op: str, code: int, what: str | None = None) -> None:
+        super().__init__(what or f"{op} answered {code} ({CODE_NAMES.get(code, 'error')})")
         self.code = code
 
 

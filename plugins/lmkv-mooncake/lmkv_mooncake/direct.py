@@ -32,7 +32,12 @@ from lmkv.errors import CorruptFrameError
 from lmkv.memory import Allocate, MemoryAllocator, MemoryObj
 from lmkv.serde import FrameHeader, read_header, verify_payload
 from lmkv.tokens import CacheKey
-from lmkv_mooncake.client import BUFFER_TOO_SMALL, OBJECT_NOT_FOUND, TRANSFER_FAIL
+from lmkv_mooncake.client import (
+    BUFFER_TOO_SMALL,
+    OBJECT_NOT_FOUND,
+    TRANSFER_FAIL,
+    raise_for,
+)
 from lmkv_mooncake.memory import Registered
 
 
@@ -153,8 +158,9 @@ def _sizes_told_apart(store: Any, names: Sequence[str], codes: list[int],
 def settle(fetched: Fetched, layout: Layout, out: list[MemoryObj]) -> tuple[int, str]:
     """Check each fetched frame (header bound to its key and of the guessed
     layout, payload checksum) and append the good leading ones to ``out``;
-    returns how many and why it stopped (FOUND: all). Releases (or
-    quarantines, see ``Fetched.release``) the rest."""
+    returns how many and why it stopped (FOUND: all), or raises the fault of a
+    failed transfer (``raise_for``). Releases (or quarantines, see
+    ``Fetched.release``) the rest."""
     try:
         if fetched.codes is None:
             return 0, OTHER_LAYOUT
@@ -165,7 +171,11 @@ def settle(fetched: Fetched, layout: Layout, out: list[MemoryObj]) -> tuple[int,
             if code == OBJECT_NOT_FOUND:
                 return taken, ABSENT
             if code != hlen + plen:
-                return taken, OTHER_LAYOUT  # another size (or a failure the staged way reports)
+                if code >= 0 or code == BUFFER_TOO_SMALL:
+                    return taken, OTHER_LAYOUT  # another size: the staged way reads it
+                # A failed transfer or call: the tier's fault (RPC-class codes open
+                # the breaker), not retried staged; the buffers are quarantined.
+                raise_for("batch_get_into_multi_buffers", code)
             obj = fetched.objs[i]
             try:
                 header = read_header(memoryview(headers[i * hlen:(i + 1) * hlen]), key,

@@ -60,12 +60,42 @@ def test_a_failed_direct_get_quarantines_its_buffers(
     used = arena.used_bytes
     store = failing(tier, monkeypatch,
                     batch_get_into_multi_buffers=lambda codes: [-800] * len(codes))
-    for obj in tier.batched_get_non_blocking("l", [key(2), key(3)]).result(timeout=60):
-        obj.ref_down()
-    assert store.calls[0] == "batch_get_into_multi_buffers"
+    assert tier.batched_get_non_blocking("l", [key(2), key(3)]).result(timeout=60) == []
+    assert store.calls == ["batch_get_into_multi_buffers"]  # not retried staged
     # The store may still be writing into them: not reused by another chunk.
     assert arena.used_bytes == used + 2 * chunk(2).numel() * 2
     assert tier.stats()["quarantined_chunks"] == 2
+    assert tier.faults.breaker.is_open  # TRANSFER_FAIL: the path to the data is gone
+
+
+@pytest.mark.parametrize("code", [-900, -1010])
+def test_an_rpc_failure_of_a_direct_get_opens_the_breaker(
+        make_tier: Any, shared_client: None, monkeypatch: pytest.MonkeyPatch,
+        code: int) -> None:
+    tier = make_tier()
+    assert put(tier, [1, 2]) == 2
+    assert torch.equal(read(tier, 1), chunk(1))
+    errors = tier.stats()["errors"]
+    store = failing(tier, monkeypatch,
+                    batch_get_into_multi_buffers=lambda codes: [code] * len(codes))
+    assert read(tier, 2) is None
+    assert store.calls == ["batch_get_into_multi_buffers"]
+    assert tier.faults.breaker.is_open
+    assert tier.stats()["errors"] == errors + 1
+
+
+def test_a_staged_get_that_fails_is_a_fault_not_a_silent_miss(
+        make_tier: Any, shared_client: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    tier = make_tier()
+    assert put(tier, [1]) == 1
+    store = failing(tier, monkeypatch, batch_get_buffer=lambda handles: [None] * len(handles))
+    assert read(tier, 1) is None  # the entry exists: its get failed
+    assert tier.stats()["errors"] == 1 and not tier.faults.breaker.is_open
+    assert read(tier, 5) is None  # absent: a plain miss
+    assert tier.stats()["errors"] == 1
+    store._fail["is_exist"] = lambda code: -900  # the master does not answer
+    assert read(tier, 1) is None
+    assert tier.faults.breaker.is_open
 
 
 def test_quarantined_buffers_are_freed_once_the_store_is_closed(
@@ -81,7 +111,7 @@ def test_quarantined_buffers_are_freed_once_the_store_is_closed(
         arena = tier.context.allocate.__self__
         used = arena.used_bytes
         failing(tier, monkeypatch, batch_get_into_multi_buffers=lambda codes: [-1] * len(codes))
-        read(tier, 2)
+        assert read(tier, 2) is None
         assert arena.used_bytes > used
     finally:
         tier.close()
