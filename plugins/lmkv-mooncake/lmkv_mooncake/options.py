@@ -4,6 +4,8 @@ Addresses default to Mooncake's own environment variables (``MOONCAKE_MASTER``,
 ``MOONCAKE_TE_META_DATA_SERVER``, ``MOONCAKE_PROTOCOL``, ``MOONCAKE_DEVICE``,
 ``MOONCAKE_LOCAL_HOSTNAME``), so one deployment's settings serve every client;
 lmkv's own ``LMKV_TIERS__N__OPTIONS__<FIELD>`` overrides work as for any tier.
+Those defaults are validated like given values: a bad one is the usual one-line
+error at start, naming the variable.
 """
 
 from __future__ import annotations
@@ -30,8 +32,9 @@ def _env(name: str, default: str) -> str:
 
 
 class MooncakeOptions(PluginOptions):
-    # A timeout or backoff of inf (or nan) never ends: only finite numbers.
-    model_config = ConfigDict(allow_inf_nan=False)
+    # A timeout or backoff of inf (or nan) never ends: only finite numbers. Defaults
+    # are validated too: they come from Mooncake's environment variables.
+    model_config = ConfigDict(allow_inf_nan=False, validate_default=True)
 
     master_address: str = Field(default_factory=lambda: _env("MOONCAKE_MASTER",
                                                              "127.0.0.1:50051"))
@@ -82,7 +85,8 @@ class MooncakeOptions(PluginOptions):
             return value
         match = _HOST_PORT.match(value)
         if match is None or not 0 < int(match.group(2)) < 65536:
-            raise ValueError("must be host:port (port 1-65535) or etcd://host:port[;...]")
+            raise ValueError("must be host:port (port 1-65535) or etcd://host:port[;...]"
+                             " (default: $MOONCAKE_MASTER)")
         return value
 
     @field_validator("metadata_server")
@@ -91,7 +95,23 @@ class MooncakeOptions(PluginOptions):
         scheme, sep, rest = value.partition("://")
         if value == "P2PHANDSHAKE" or (sep and rest and scheme in ("http", "https", "etcd")):
             return value
-        raise ValueError("must be http://host:port/metadata, etcd://host:port or P2PHANDSHAKE")
+        raise ValueError("must be http://host:port/metadata, etcd://host:port or P2PHANDSHAKE"
+                         " (default: $MOONCAKE_TE_META_DATA_SERVER)")
+
+    @field_validator("protocol", mode="before")
+    @classmethod
+    def _check_protocol(cls, value: object) -> object:
+        if value not in ("tcp", "rdma"):
+            raise ValueError("must be tcp or rdma (default: $MOONCAKE_PROTOCOL)")
+        return value
+
+    @field_validator("device_name")
+    @classmethod
+    def _check_device(cls, value: str) -> str:
+        if any(c.isspace() for c in value):
+            raise ValueError("must be RDMA device names, comma-separated, without "
+                             "whitespace (default: $MOONCAKE_DEVICE)")
+        return value
 
     @field_validator("global_segment_size")
     @classmethod
@@ -105,7 +125,8 @@ class MooncakeOptions(PluginOptions):
     @classmethod
     def _check_hostname(cls, value: str) -> str:
         if not value or any(c.isspace() for c in value):
-            raise ValueError("must be a host name or IP address of this machine")
+            raise ValueError("must be a host name or IP address of this machine"
+                             " (default: $MOONCAKE_LOCAL_HOSTNAME)")
         return value
 
     @field_validator("key_prefix")

@@ -1,0 +1,45 @@
+"""Options from Mooncake's environment variables are checked like given ones:
+a bad value is one line at start (through the real CLI), naming the variable."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+CONFIG = "tiers: [{type: cpu, options: {max_bytes: 1MiB}}, {type: mooncake}]\n"
+
+
+@pytest.mark.parametrize(("variable", "value", "field"), [
+    ("MOONCAKE_PROTOCOL", "udp", "protocol"),
+    ("MOONCAKE_MASTER", "garbage", "master_address"),
+    ("MOONCAKE_TE_META_DATA_SERVER", "10.0.0.1:8080", "metadata_server"),
+    ("MOONCAKE_LOCAL_HOSTNAME", "a host", "local_hostname"),
+    ("MOONCAKE_DEVICE", "mlx5_0 mlx5_1", "device_name"),
+])
+def test_a_bad_mooncake_variable_is_one_line_at_start(
+        tmp_path: Path, variable: str, value: str, field: str) -> None:
+    config = tmp_path / "c.yaml"
+    config.write_text(CONFIG)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("LMKV_", "MOONCAKE_"))}
+    env[variable] = value
+    done = subprocess.run([sys.executable, "-m", "lmkv", "config", "check", str(config)],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    assert f"'tiers.1.options.{field}'" in lines[0] and f"${variable}" in lines[0]
+
+
+def test_a_bad_default_fails_in_python_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pydantic import ValidationError
+
+    from lmkv_mooncake import MooncakeOptions
+
+    monkeypatch.setenv("MOONCAKE_PROTOCOL", "udp")
+    with pytest.raises(ValidationError, match="MOONCAKE_PROTOCOL"):
+        MooncakeOptions()
+    assert MooncakeOptions(protocol="rdma").protocol == "rdma"  # a given value wins
