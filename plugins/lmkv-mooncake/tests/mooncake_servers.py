@@ -44,6 +44,45 @@ SKIP_REASON = ("mooncake_master or the Mooncake client is not installed "
 AVAILABLE = MOONCAKE_MASTER is not None and have_client()
 
 
+def listening_addresses() -> list[tuple[str, int]]:
+    """(address, port) of every TCP socket this process listens on, from
+    /proc/net/tcp{,6} matched by inode against /proc/self/fd (Linux only)."""
+    import ipaddress
+
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:["):-1])
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        if not os.path.exists(table):
+            continue
+        with open(table) as rows:
+            for row in rows.readlines()[1:]:
+                fields = row.split()
+                if fields[3] != "0A" or fields[9] not in inodes:  # 0A: LISTEN
+                    continue
+                hex_addr, hex_port = fields[1].split(":")
+                raw = bytes.fromhex(hex_addr)
+                # The kernel prints each 32-bit word in host (little-endian) order.
+                raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+                found.append((str(ipaddress.ip_address(raw)), int(hex_port, 16)))
+    return found
+
+
+def off_loopback(addresses: list[tuple[str, int]]) -> list[tuple[str, int]]:
+    import ipaddress
+
+    return [(a, p) for a, p in addresses if not ipaddress.ip_address(a).is_loopback
+            and not (ipaddress.ip_address(a).version == 6
+                     and ipaddress.ip_address(a).ipv4_mapped is not None
+                     and ipaddress.ip_address(a).ipv4_mapped.is_loopback)]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
