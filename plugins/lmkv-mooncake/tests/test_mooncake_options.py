@@ -43,3 +43,20 @@ def test_a_bad_default_fails_in_python_too(monkeypatch: pytest.MonkeyPatch) -> N
     with pytest.raises(ValidationError, match="MOONCAKE_PROTOCOL"):
         MooncakeOptions()
     assert MooncakeOptions(protocol="rdma").protocol == "rdma"  # a given value wins
+
+
+@pytest.mark.parametrize("required", [False, True])
+def test_a_missing_mooncake_skips_or_under_lmkv_require_mooncake_fails(
+        monkeypatch: pytest.MonkeyPatch, required: bool) -> None:
+    import mooncake_servers
+
+    monkeypatch.setattr(mooncake_servers, "AVAILABLE", False)
+    monkeypatch.setattr(mooncake_servers, "REQUIRED", required)
+    expected = pytest.fail.Exception if required else pytest.skip.Exception
+    with pytest.raises(expected, match="not installed"):
+        mooncake_servers.require_mooncake()
+
+
+def test_ci_requires_mooncake() -> None:
+    ci = (Path(__file__).parents[3] / ".ci" / "run").read_text()
+    assert "export LMKV_REQUIRE_MOONCAKE=1" in ci
