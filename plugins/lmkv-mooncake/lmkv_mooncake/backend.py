@@ -31,6 +31,7 @@ from lmkv.backend import BackendContext, StorageBackend, done_future
 from lmkv.faults import Breaker, TierFaults
 from lmkv.memory import MemoryAllocator, MemoryObj
 from lmkv.plugin_base import OptionsArg
+from lmkv.redact import Redactor, secrets_in
 from lmkv.serde import read_header
 from lmkv.tokens import CacheKey
 from lmkv_mooncake.client import (
@@ -68,11 +69,15 @@ class MooncakeBackend(StorageBackend):
         options, context = self.options, self.context
         if context.serializer is None:
             raise ValueError("the mooncake tier needs a serializer")
-        self.where = options.master_address
+        # An etcd or HTTP address may carry credentials: never printed.
+        redact = Redactor([*secrets_in(options.master_address),
+                           *secrets_in(options.metadata_server)])
+        self.where = redact(options.master_address)
         self.faults = TierFaults(
             self.counters, f"mooncake tier (master {self.where})", absorbed=FAULTS,
             unreachable=(MasterUnreachable,),
-            breaker=Breaker(options.retry_after_s, 4 * options.retry_after_s), log=logger)
+            breaker=Breaker(options.retry_after_s, 4 * options.retry_after_s),
+            redact=redact, log=logger)
         # Registered staging: frame headers, and chunks from unregistered memory.
         self.staging = MemoryAllocator(int(options.local_buffer_size), pin_memory=False)
         self._pins: dict[str, int] = {}

@@ -154,12 +154,12 @@ class _Client:
                     self.store = store
                     self.ready.set()
                 logger.info("lmkv mooncake tier: connected to master %s (%s, segment of "
-                            "%d bytes)", o.master_address, o.protocol,
+                            "%d bytes)", self.faults.redact(o.master_address), o.protocol,
                             int(o.global_segment_size))
                 return
             store.close()
             self.faults.note("setup", "setting up with master %s answered %d; retrying in "
-                             "%.1fs", o.master_address, code, backoff)
+                             "%.1fs", self.faults.redact(o.master_address), code, backoff)
             self.stop.wait(backoff)
             backoff = min(backoff * 2, 4 * o.retry_after_s)
 
@@ -245,7 +245,8 @@ class Link:
             if self.closed or client.closed:
                 raise TierClosed("the mooncake tier is closed")
             if not client.ready.is_set():
-                raise NotConnected(f"not connected to master {self.options.master_address} yet")
+                raise NotConnected("not connected to master "
+                                   f"{self.faults.redact(self.options.master_address)} yet")
             self.faults.check()
             client.busy += 1
             if not self._set_up:

@@ -60,3 +60,48 @@ def test_a_missing_mooncake_skips_or_under_lmkv_require_mooncake_fails(
 def test_ci_requires_mooncake() -> None:
     ci = (Path(__file__).parents[3] / ".ci" / "run").read_text()
     assert "export LMKV_REQUIRE_MOONCAKE=1" in ci
+
+
+class RefusingStore:
+    """A Mooncake store whose setup always fails (no master is reached)."""
+
+    def setup(self, *args: object) -> int:
+        return -900
+
+    def close(self) -> None:
+        pass
+
+
+def test_credentials_in_addresses_are_never_printed(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+    import time
+
+    import lmkv_mooncake.client
+    from lmkv import BackendContext
+    from lmkv_backends.serde.naive import NaiveSerializer
+    from lmkv_mooncake import MooncakeBackend, MooncakeOptions
+
+    monkeypatch.setattr(lmkv_mooncake.client, "store_class", lambda: RefusingStore)
+    caplog.set_level(logging.INFO)
+    options = MooncakeOptions(
+        master_address="etcd://admin:S3cretPw1@127.0.0.1:2379",
+        metadata_server="http://admin:S3cretPw2@127.0.0.1:1/metadata",
+        connect_timeout_s=0.3, retry_after_s=0.05)
+    tier = MooncakeBackend(options, BackendContext(serializer=NaiveSerializer()))
+    try:
+        assert tier.batched_async_contains("l", [_key()]) == 0  # not connected: a miss
+        tier.faults.fault("get", OSError(f"failed for {options.metadata_server}"), "miss")
+        time.sleep(0.2)
+        shown = "\n".join([repr(tier), tier.faults.where, repr(options),
+                           *(r.getMessage() for r in caplog.records)])
+    finally:
+        tier.close()
+    assert "setting up with master" in shown  # the setup retries were logged
+    assert "S3cretPw" not in shown, shown
+
+
+def _key() -> object:
+    from lmkv.tokens import CacheKey, KeyMeta
+
+    return CacheKey(KeyMeta("m", 1, 0, "float16", "l2thd"), bytes(32))
