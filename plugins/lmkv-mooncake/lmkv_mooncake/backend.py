@@ -127,7 +127,7 @@ class MooncakeBackend(StorageBackend):
         hits = 0
         with self.faults.guard("lookup", "answering misses"):
             with self.link.using() as store:
-                codes = store.batch_is_exist(names)
+                codes = self.link.call("batch_is_exist", store.batch_is_exist, names)
             for code in codes:
                 if code != 1:
                     raise_for("batch_is_exist", code)
@@ -219,7 +219,8 @@ class MooncakeBackend(StorageBackend):
         def start(window: Sequence[CacheKey]) -> Future:
             return self._fetches.submit(
                 fetch, store, [self.store_key(k) for k in window], window, layout, allocate,
-                self.staging, self.registered, self.options.register_arena, self._quarantine)
+                self.staging, self.registered, self.options.register_arena, self._quarantine,
+                self.link.call)
 
         read, why = 0, FOUND
         pending: Future | None = start(windows[0])
@@ -253,7 +254,8 @@ class MooncakeBackend(StorageBackend):
     def _get_window(self, store: Any, keys: Sequence[CacheKey], out: list[MemoryObj]) -> bool:
         """Fetch ``keys`` with one call and decode them into ``out``; False at the
         first that is absent or not a valid frame (a corrupt one is dropped)."""
-        handles = store.batch_get_buffer([self.store_key(k) for k in keys])
+        handles = self.link.call("batch_get_buffer", store.batch_get_buffer,
+                                 [self.store_key(k) for k in keys])
         try:
             for key, handle in zip(keys, handles, strict=True):
                 if handle is None:  # absent, evicted, or its get failed
@@ -279,7 +281,7 @@ class MooncakeBackend(StorageBackend):
         get alike: ask whether the entry exists (one call, at the end of a read
         only). Raises the tier's fault for a failure: unreachable (the breaker
         opens) when the master does not answer, else a counted error."""
-        code = store.is_exist(self.store_key(key))
+        code = self.link.call("is_exist", store.is_exist, self.store_key(key))
         raise_for("is_exist", code)
         if code == 1:
             raise MooncakeError("batch_get_buffer", -1, "batch_get_buffer failed for an entry "
@@ -299,8 +301,8 @@ class MooncakeBackend(StorageBackend):
         removed = False
         with self.faults.guard("remove", "entry left in place"):
             with self.link.using() as store:
-                size = store.get_size(name)
-                code = store.remove(name, True)
+                size = self.link.call("get_size", store.get_size, name)
+                code = self.link.call("remove", store.remove, name, True)
             if code == OBJECT_NOT_FOUND:
                 return False
             raise_for("remove", code)

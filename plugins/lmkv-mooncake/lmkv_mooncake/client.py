@@ -21,6 +21,8 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import contextmanager
 from typing import Any
 
@@ -214,6 +216,42 @@ class Link:
             client.users += 1
         self._client = client
         self.registered = client.registered
+
+    def call(self, op: str, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)``, a call into the store, given ``call_timeout_s``: past it,
+        ``MasterUnreachable`` (the breaker opens). Mooncake cannot cancel a call,
+        so it runs on a helper thread that counts as a call in progress until it
+        returns (closing never frees the store under it)."""
+        timeout = self.options.call_timeout_s
+        if not timeout:
+            return fn(*args)
+        client = self._client
+        with client.lock:
+            client.busy += 1
+        result: Future = Future()
+
+        def run() -> None:
+            try:
+                result.set_result(fn(*args))
+            except BaseException as exc:  # handed to the caller
+                result.set_exception(exc)
+            finally:
+                with client.lock:
+                    client.busy -= 1
+                    client.lock.notify_all()
+
+        try:
+            threading.Thread(target=run, name="lmkv-mooncake-call", daemon=True).start()
+        except BaseException:
+            with client.lock:
+                client.busy -= 1
+                client.lock.notify_all()
+            raise
+        try:
+            return result.result(timeout)
+        except FutureTimeout:
+            raise MasterUnreachable(f"{op} did not answer in {timeout:g}s "
+                                    "(call_timeout_s)") from None
 
     def quarantine(self, objs: list[Any]) -> None:
         """Keep ``objs`` (MemoryObjs the store was asked to write into by a call

@@ -104,9 +104,11 @@ class Fetched:
 
 def fetch(store: Any, names: Sequence[str], keys: Sequence[CacheKey], layout: Layout,
           allocate: Allocate, staging: MemoryAllocator, registered: Registered,
-          register_arena: bool, quarantine: Callable[[list[MemoryObj]], None]) -> Fetched:
+          register_arena: bool, quarantine: Callable[[list[MemoryObj]], None],
+          call: Callable[..., Any]) -> Fetched:
     """Allocate ``keys``' buffers and have the store scatter their frames into
-    them (one ``batch_get_into_multi_buffers``); nothing is checked yet."""
+    them (one ``batch_get_into_multi_buffers``, through ``call``: ``Link.call``);
+    nothing is checked yet."""
     fetched = Fetched(keys, [], staging.allocate((layout.header_len * len(keys),), torch.uint8),
                       None, quarantine)
     try:
@@ -126,19 +128,18 @@ def fetch(store: Any, names: Sequence[str], keys: Sequence[CacheKey], layout: La
         base = fetched.header_block.tensor.data_ptr()
         hlen, plen = layout.header_len, layout.payload_len
         fetched.asked = True
-        codes = store.batch_get_into_multi_buffers(
-            list(names), [[base + i * hlen, o.tensor.data_ptr()]
-                          for i, o in enumerate(fetched.objs)],
-            [[hlen, plen]] * len(fetched.objs))
-        fetched.codes = _sizes_told_apart(store, names, list(codes), hlen + plen)
+        ptrs = [[base + i * hlen, o.tensor.data_ptr()] for i, o in enumerate(fetched.objs)]
+        codes = call("batch_get_into_multi_buffers", store.batch_get_into_multi_buffers,
+                     list(names), ptrs, [[hlen, plen]] * len(fetched.objs))
+        fetched.codes = _sizes_told_apart(store, call, names, list(codes), hlen + plen)
         return fetched
     except BaseException:
         fetched.release()
         raise
 
 
-def _sizes_told_apart(store: Any, names: Sequence[str], codes: list[int],
-                      frame_len: int) -> list[int]:
+def _sizes_told_apart(store: Any, call: Callable[..., Any], names: Sequence[str],
+                      codes: list[int], frame_len: int) -> list[int]:
     """Mooncake 0.3.13 answers a frame smaller than the buffers with TRANSFER_FAIL,
     refused before any transfer starts, just as it answers a transfer that
     failed. Up to the first code that is not a frame, ask the entry's size: one
@@ -148,7 +149,7 @@ def _sizes_told_apart(store: Any, names: Sequence[str], codes: list[int],
         if code == frame_len:
             continue
         if code == TRANSFER_FAIL:
-            size = store.get_size(names[i])
+            size = call("get_size", store.get_size, names[i])
             if size > 0 and size != frame_len:
                 codes[i] = size
         break

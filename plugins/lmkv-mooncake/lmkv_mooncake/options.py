@@ -69,6 +69,12 @@ class MooncakeOptions(PluginOptions):
     connect_timeout_s: float = Field(default=5.0, ge=0)
     """How long start-up waits for the store to be set up; past it the tier
     answers misses until the master answers (setup goes on in the background)."""
+    call_timeout_s: float = Field(default=5.0, ge=0)
+    """The longest one call into the store (a batched lookup, put or get) may take;
+    past it the tier answers misses (or drops the writes) and the master counts as
+    unreachable: the breaker opens. 0: no limit. A transfer that timed out may
+    still run: the buffers of a direct get are kept out of the arena (see
+    ``quarantined_chunks``)."""
     retry_after_s: PositiveFloat = 1.0
     """After the master is found unreachable, answer misses without asking it for
     this long (growing to 4x while it stays down), then probe again."""

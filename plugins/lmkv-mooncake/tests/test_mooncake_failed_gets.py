@@ -148,3 +148,32 @@ def test_a_valid_frame_with_a_longer_header_is_read_staged_not_dropped(
     assert torch.equal(read(tier, 9), other)
     assert tier.stats()["corrupt_frames"] == 0
     assert tier.contains(key(9))
+
+
+def slow(seconds: float) -> Callable[[Any], Any]:
+    import time
+
+    def answer(result: Any) -> Any:
+        time.sleep(seconds)
+        return result
+    return answer
+
+
+def test_a_call_past_call_timeout_s_opens_the_breaker_and_quarantines(
+        make_tier: Any, shared_client: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    tier = make_tier(call_timeout_s=0.3)
+    assert put(tier, [1, 2]) == 2
+    assert torch.equal(read(tier, 1), chunk(1))  # learns the layout
+    failing(tier, monkeypatch, batch_get_into_multi_buffers=slow(2))
+    assert read(tier, 2) is None
+    assert tier.faults.breaker.is_open
+    assert tier.stats()["quarantined_chunks"] == 1  # the transfer may still run
+
+
+def test_a_slow_lookup_is_a_miss_and_opens_the_breaker(
+        make_tier: Any, shared_client: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    tier = make_tier(call_timeout_s=0.3)
+    assert put(tier, [1]) == 1
+    failing(tier, monkeypatch, batch_is_exist=slow(2))
+    assert tier.batched_async_contains("l", [key(1)]) == 0
+    assert tier.faults.breaker.is_open
