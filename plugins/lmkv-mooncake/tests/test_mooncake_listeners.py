@@ -3,8 +3,8 @@
 The master's listeners are bound to loopback by the tests (``mooncake_servers``).
 The client's own transfer engine (its RPC port and the TcpTransport data port)
 binds as Mooncake 0.3.13 decides: every interface, whatever ``local_hostname``
-or ``MC_TCP_BIND_ADDRESS`` say (that variable only picks the address a
-P2P-handshake client advertises). docs/security.md says so; this test fails
+or ``MC_TCP_BIND_ADDRESS`` say (setting it to 127.0.0.1 changes neither
+listener). docs/security.md says so; this test fails
 (strict xfail) the day Mooncake binds them to ``local_hostname``, so the docs
 and the tier can then say "closed by default".
 """
