@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -193,6 +194,50 @@ class _Client:
                 _CLOSING.discard(threading.current_thread())
 
 
+class _Helpers:
+    """Daemon threads that run store calls for ``Link.call`` (a hung call must
+    not hold interpreter exit, as an executor's threads would): one more is
+    started when none is idle, and one idle for a minute ends."""
+
+    IDLE_S = 60.0
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._idle = 0
+
+    def run(self, result: Future, fn: Callable[..., Any], args: tuple,
+            finished: Callable[[], None]) -> None:
+        with self._lock:
+            start = self._idle == 0
+            if not start:
+                self._idle -= 1  # this job is that thread's
+        self._jobs.put((result, fn, args, finished))
+        if start:
+            threading.Thread(target=self._work, name="lmkv-mooncake-call", daemon=True).start()
+
+    def _work(self) -> None:
+        while True:
+            try:
+                result, fn, args, finished = self._jobs.get(timeout=self.IDLE_S)
+            except queue.Empty:
+                with self._lock:
+                    if self._idle > 0:
+                        self._idle -= 1
+                        return
+                continue  # a job is on its way to this thread
+            try:
+                result.set_result(fn(*args))
+            except BaseException as exc:  # handed to the caller
+                result.set_exception(exc)
+            finally:
+                finished()
+            with self._lock:
+                self._idle += 1
+
+
+_HELPERS = _Helpers()
+
 _CLIENTS: dict[tuple, _Client] = {}
 _CLIENTS_LOCK = threading.Lock()
 
@@ -220,7 +265,7 @@ class Link:
     def call(self, op: str, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)``, a call into the store, given ``call_timeout_s``: past it,
         ``MasterUnreachable`` (the breaker opens). Mooncake cannot cancel a call,
-        so it runs on a helper thread that counts as a call in progress until it
+        so it runs on a helper thread and counts as a call in progress until it
         returns (closing never frees the store under it)."""
         timeout = self.options.call_timeout_s
         if not timeout:
@@ -228,25 +273,13 @@ class Link:
         client = self._client
         with client.lock:
             client.busy += 1
-        result: Future = Future()
-
-        def run() -> None:
-            try:
-                result.set_result(fn(*args))
-            except BaseException as exc:  # handed to the caller
-                result.set_exception(exc)
-            finally:
-                with client.lock:
-                    client.busy -= 1
-                    client.lock.notify_all()
-
-        try:
-            threading.Thread(target=run, name="lmkv-mooncake-call", daemon=True).start()
-        except BaseException:
+        def finished() -> None:
             with client.lock:
                 client.busy -= 1
                 client.lock.notify_all()
-            raise
+
+        result: Future = Future()
+        _HELPERS.run(result, fn, args, finished)
         try:
             return result.result(timeout)
         except FutureTimeout:

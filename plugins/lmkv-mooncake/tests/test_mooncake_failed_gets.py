@@ -159,11 +159,19 @@ def slow(seconds: float) -> Callable[[Any], Any]:
     return answer
 
 
+def short_timeout(tier: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``call_timeout_s`` of 0.3 s from now on (set up under the default: a loaded
+    machine must not time out the setup's calls)."""
+    monkeypatch.setattr(tier.link, "options",
+                        tier.link.options.model_copy(update={"call_timeout_s": 0.3}))
+
+
 def test_a_call_past_call_timeout_s_opens_the_breaker_and_quarantines(
         make_tier: Any, shared_client: None, monkeypatch: pytest.MonkeyPatch) -> None:
-    tier = make_tier(call_timeout_s=0.3)
+    tier = make_tier()
     assert put(tier, [1, 2]) == 2
     assert torch.equal(read(tier, 1), chunk(1))  # learns the layout
+    short_timeout(tier, monkeypatch)
     failing(tier, monkeypatch, batch_get_into_multi_buffers=slow(2))
     assert read(tier, 2) is None
     assert tier.faults.breaker.is_open
@@ -172,8 +180,9 @@ def test_a_call_past_call_timeout_s_opens_the_breaker_and_quarantines(
 
 def test_a_slow_lookup_is_a_miss_and_opens_the_breaker(
         make_tier: Any, shared_client: None, monkeypatch: pytest.MonkeyPatch) -> None:
-    tier = make_tier(call_timeout_s=0.3)
+    tier = make_tier()
     assert put(tier, [1]) == 1
+    short_timeout(tier, monkeypatch)
     failing(tier, monkeypatch, batch_is_exist=slow(2))
     assert tier.batched_async_contains("l", [key(1)]) == 0
     assert tier.faults.breaker.is_open
