@@ -186,12 +186,19 @@ class MooncakeMaster:
         return int(float(match.group(1)) * scale[match.group(2)])
 
 
+_ARENAS: list[MemoryAllocator] = []
+
+
 def new_tier(master: MooncakeMaster, **options: object) -> object:
     """A tier of ``master`` under its own key prefix (unless given), with its own arena."""
     from lmkv_backends.serde.naive import NaiveSerializer
     from lmkv_mooncake import MooncakeBackend, MooncakeOptions
 
     arena = MemoryAllocator(16 << 20, pin_memory=False)
+    # Kept for the session: the process's shared Mooncake client keeps the arena
+    # registered, and a later arena at an overlapping address would be refused
+    # (-600), sending its chunks through staging instead of the direct path.
+    _ARENAS.append(arena)
     options.setdefault("key_prefix", f"t-{uuid.uuid4().hex[:8]}:")
     return MooncakeBackend(MooncakeOptions(**master.options(**options)),
                            BackendContext(serializer=NaiveSerializer(), allocate=arena.allocate))
