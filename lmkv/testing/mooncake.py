@@ -1,8 +1,10 @@
 """A Mooncake pool on loopback for end-to-end runs and benchmarks: a
-``mooncake_master`` (every listener on 127.0.0.1) and a holder process that
-lends the pool one segment, so the engines are pure clients and what one
-stored outlives it. Needs the Mooncake client (``lmkv-mooncake[cpu]``);
-nothing here imports the plugin.
+``mooncake_master`` (its RPC, metadata and metrics listeners on 127.0.0.1) and
+a holder process that lends the pool one segment, so the engines are pure
+clients and what one stored outlives it. Traffic goes to 127.0.0.1 only, but
+the holder's (and every client's) transfer engine listens on every interface:
+Mooncake 0.3.13 gives no way to bind it (docs/security.md). Needs the Mooncake
+client (``lmkv-mooncake[cpu]``); nothing here imports the plugin.
 """
 
 from __future__ import annotations

@@ -31,6 +31,7 @@ from lmkv.backend import BackendContext, StorageBackend, done_future
 from lmkv.faults import Breaker, TierFaults
 from lmkv.memory import MemoryAllocator, MemoryObj
 from lmkv.plugin_base import OptionsArg
+from lmkv.redact import Redactor, secrets_in
 from lmkv.serde import read_header
 from lmkv.tokens import CacheKey
 from lmkv_mooncake.client import (
@@ -68,11 +69,15 @@ class MooncakeBackend(StorageBackend):
         options, context = self.options, self.context
         if context.serializer is None:
             raise ValueError("the mooncake tier needs a serializer")
-        self.where = options.master_address
+        # An etcd or HTTP address may carry credentials: never printed.
+        redact = Redactor([*secrets_in(options.master_address),
+                           *secrets_in(options.metadata_server)])
+        self.where = redact(options.master_address)
         self.faults = TierFaults(
             self.counters, f"mooncake tier (master {self.where})", absorbed=FAULTS,
             unreachable=(MasterUnreachable,),
-            breaker=Breaker(options.retry_after_s, 4 * options.retry_after_s), log=logger)
+            breaker=Breaker(options.retry_after_s, 4 * options.retry_after_s),
+            redact=redact, log=logger)
         # Registered staging: frame headers, and chunks from unregistered memory.
         self.staging = MemoryAllocator(int(options.local_buffer_size), pin_memory=False)
         self._pins: dict[str, int] = {}
@@ -84,6 +89,7 @@ class MooncakeBackend(StorageBackend):
         self._direct = bool(context.serializer.raw_payload and context.allocate is not None)
         self._layout: Layout | None = None
         self.direct_gets = 0  # chunks read straight into the arena
+        self.quarantined_chunks = 0  # arena buffers a failed transfer may still write into
         self.link = Link(options, self.faults, on_setup=self._registered_staging)
         self.registered = self.link.registered
         atexit.register(self.link.close)  # an engine that exits unmounts its segment
@@ -121,7 +127,7 @@ class MooncakeBackend(StorageBackend):
         hits = 0
         with self.faults.guard("lookup", "answering misses"):
             with self.link.using() as store:
-                codes = store.batch_is_exist(names)
+                codes = self.link.call("batch_is_exist", store.batch_is_exist, names)
             for code in codes:
                 if code != 1:
                     raise_for("batch_is_exist", code)
@@ -213,7 +219,8 @@ class MooncakeBackend(StorageBackend):
         def start(window: Sequence[CacheKey]) -> Future:
             return self._fetches.submit(
                 fetch, store, [self.store_key(k) for k in window], window, layout, allocate,
-                self.staging, self.registered, self.options.register_arena)
+                self.staging, self.registered, self.options.register_arena, self._quarantine,
+                self.link.call)
 
         read, why = 0, FOUND
         pending: Future | None = start(windows[0])
@@ -222,7 +229,7 @@ class MooncakeBackend(StorageBackend):
                 assert pending is not None
                 fetched: Fetched = pending.result()
                 pending = start(windows[i + 1]) if i + 1 < len(windows) else None
-                got, why = settle(fetched, layout, self.drop_corrupt, out)
+                got, why = settle(fetched, layout, out)
                 read += got
                 self.direct_gets += got
                 self.counters.bytes_out += got * frame
@@ -236,13 +243,23 @@ class MooncakeBackend(StorageBackend):
         self.faults.succeeded()
         return read, FOUND
 
+    def _quarantine(self, objs: list[MemoryObj]) -> None:
+        """Keep the buffers of a failed direct get out of the arena (``Link.quarantine``)."""
+        self.link.quarantine(objs)
+        chunks = sum(1 for obj in objs if obj.allocator is not self.staging)
+        self.quarantined_chunks += chunks
+        self.faults.note("quarantine", "a failed get may still write into %d arena buffers: "
+                         "kept out of the arena until the store is closed", chunks)
+
     def _get_window(self, store: Any, keys: Sequence[CacheKey], out: list[MemoryObj]) -> bool:
         """Fetch ``keys`` with one call and decode them into ``out``; False at the
         first that is absent or not a valid frame (a corrupt one is dropped)."""
-        handles = store.batch_get_buffer([self.store_key(k) for k in keys])
+        handles = self.link.call("batch_get_buffer", store.batch_get_buffer,
+                                 [self.store_key(k) for k in keys])
         try:
             for key, handle in zip(keys, handles, strict=True):
-                if handle is None:  # absent, evicted, or its transfer failed
+                if handle is None:  # absent, evicted, or its get failed
+                    self._why_missing(store, key)
                     return False
                 size = handle.size()
                 self._frame_hint = max(self._frame_hint, size)
@@ -259,6 +276,17 @@ class MooncakeBackend(StorageBackend):
         finally:
             del handles  # gives Mooncake's local buffer back
 
+    def _why_missing(self, store: Any, key: CacheKey) -> None:
+        """``batch_get_buffer`` answers None for an absent entry and for a failed
+        get alike: ask whether the entry exists (one call, at the end of a read
+        only). Raises the tier's fault for a failure: unreachable (the breaker
+        opens) when the master does not answer, else a counted error."""
+        code = self.link.call("is_exist", store.is_exist, self.store_key(key))
+        raise_for("is_exist", code)
+        if code == 1:
+            raise MooncakeError("batch_get_buffer", -1, "batch_get_buffer failed for an entry "
+                                "that exists (see Mooncake's log)")
+
     # -- puts -----------------------------------------------------------------------
     def batched_submit_put(self, keys: Sequence[CacheKey], objs: Sequence[MemoryObj],
                            parents: Sequence[CacheKey | None] | None = None) -> Future:
@@ -273,8 +301,8 @@ class MooncakeBackend(StorageBackend):
         removed = False
         with self.faults.guard("remove", "entry left in place"):
             with self.link.using() as store:
-                size = store.get_size(name)
-                code = store.remove(name, True)
+                size = self.link.call("get_size", store.get_size, name)
+                code = self.link.call("remove", store.remove, name, True)
             if code == OBJECT_NOT_FOUND:
                 return False
             raise_for("remove", code)
@@ -296,7 +324,8 @@ class MooncakeBackend(StorageBackend):
         return {**super().stats(), "pinned_keys": pinned,
                 "pending_put_bytes": self._writer.pending_bytes,
                 "zero_copy_put_bytes": self._writer.zero_copy_bytes,
-                "direct_gets": self.direct_gets}
+                "direct_gets": self.direct_gets,
+                "quarantined_chunks": self.quarantined_chunks}
 
     def close(self) -> None:
         """Wait up to ``close_timeout_s`` for puts in flight, then drop the rest and

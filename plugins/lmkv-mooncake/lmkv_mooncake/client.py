@@ -18,9 +18,12 @@ from __future__ import annotations
 
 import atexit
 import logging
+import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import contextmanager
 from typing import Any
 
@@ -37,6 +40,7 @@ PACKAGES = ("mooncake-transfer-engine-non-cuda (CPU hosts: pip install 'lmkv-moo
 #: Mooncake's error codes (mooncake-store types.h) that the tier tells apart.
 OBJECT_NOT_FOUND = -704
 OBJECT_ALREADY_EXISTS = -705
+TRANSFER_FAIL = -800  # also what a get of a smaller object into larger buffers answers
 BUFFER_TOO_SMALL = -600  # INVALID_PARAMS: what a get into a too small buffer answers
 CODE_NAMES = {
     -1: "INTERNAL_ERROR", -10: "BUFFER_OVERFLOW", -101: "SEGMENT_NOT_FOUND",
@@ -63,8 +67,8 @@ class MooncakeMissing(PluginError, ImportError):
 class MooncakeError(OSError):
     """A Mooncake call failed for this request (absorbed: a miss or a dropped write)."""
 
-    def __init__(self, op: str, code: int) -> None:
-        super().__init__(f"{op} answered {code} ({CODE_NAMES.get(code, 'error')})")
+    def __init__(self, op: str, code: int, what: str | None = None) -> None:
+        super().__init__(what or f"{op} answered {code} ({CODE_NAMES.get(code, 'error')})")
         self.code = code
 
 
@@ -131,6 +135,8 @@ class _Client:
         self.busy = 0  # calls in progress
         self.closed = False
         self.registered = Registered()  # memory registered with this store
+        # Buffers a failed transfer may still write into (see ``Link.quarantine``).
+        self.quarantined: list[Any] = []
         self._cls = cls
         threading.Thread(target=self._connect, name="lmkv-mooncake-setup", daemon=True).start()
 
@@ -151,12 +157,12 @@ class _Client:
                     self.store = store
                     self.ready.set()
                 logger.info("lmkv mooncake tier: connected to master %s (%s, segment of "
-                            "%d bytes)", o.master_address, o.protocol,
+                            "%d bytes)", self.faults.redact(o.master_address), o.protocol,
                             int(o.global_segment_size))
                 return
             store.close()
             self.faults.note("setup", "setting up with master %s answered %d; retrying in "
-                             "%.1fs", o.master_address, code, backoff)
+                             "%.1fs", self.faults.redact(o.master_address), code, backoff)
             self.stop.wait(backoff)
             backoff = min(backoff * 2, 4 * o.retry_after_s)
 
@@ -176,12 +182,61 @@ class _Client:
                 store, self.store = self.store, None
             if store is not None:
                 store.close()  # holds the GIL for a second or two (Mooncake 0.3.13)
+            # The transfer engine is gone: nothing writes into quarantined buffers now.
+            with self.lock:
+                quarantined, self.quarantined = self.quarantined, []
+            for obj in quarantined:
+                obj.ref_down()
         except Exception:  # closing must never raise into shutdown
             logger.exception("lmkv mooncake tier: closing the store failed")
         finally:
             with _CLOSING_LOCK:
                 _CLOSING.discard(threading.current_thread())
 
+
+class _Helpers:
+    """Daemon threads that run store calls for ``Link.call`` (a hung call must
+    not hold interpreter exit, as an executor's threads would): one more is
+    started when none is idle, and one idle for a minute ends."""
+
+    IDLE_S = 60.0
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._idle = 0
+
+    def run(self, result: Future, fn: Callable[..., Any], args: tuple,
+            finished: Callable[[], None]) -> None:
+        with self._lock:
+            start = self._idle == 0
+            if not start:
+                self._idle -= 1  # this job is that thread's
+        self._jobs.put((result, fn, args, finished))
+        if start:
+            threading.Thread(target=self._work, name="lmkv-mooncake-call", daemon=True).start()
+
+    def _work(self) -> None:
+        while True:
+            try:
+                result, fn, args, finished = self._jobs.get(timeout=self.IDLE_S)
+            except queue.Empty:
+                with self._lock:
+                    if self._idle > 0:
+                        self._idle -= 1
+                        return
+                continue  # a job is on its way to this thread
+            try:
+                result.set_result(fn(*args))
+            except BaseException as exc:  # handed to the caller
+                result.set_exception(exc)
+            finally:
+                finished()
+            with self._lock:
+                self._idle += 1
+
+
+_HELPERS = _Helpers()
 
 _CLIENTS: dict[tuple, _Client] = {}
 _CLIENTS_LOCK = threading.Lock()
@@ -207,6 +262,40 @@ class Link:
         self._client = client
         self.registered = client.registered
 
+    def call(self, op: str, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)``, a call into the store, given ``call_timeout_s``: past it,
+        ``MasterUnreachable`` (the breaker opens). Mooncake cannot cancel a call,
+        so it runs on a helper thread and counts as a call in progress until it
+        returns (closing never frees the store under it)."""
+        timeout = self.options.call_timeout_s
+        if not timeout:
+            return fn(*args)
+        client = self._client
+        with client.lock:
+            client.busy += 1
+        def finished() -> None:
+            with client.lock:
+                client.busy -= 1
+                client.lock.notify_all()
+
+        result: Future = Future()
+        _HELPERS.run(result, fn, args, finished)
+        try:
+            return result.result(timeout)
+        except FutureTimeout:
+            raise MasterUnreachable(f"{op} did not answer in {timeout:g}s "
+                                    "(call_timeout_s)") from None
+
+    def quarantine(self, objs: list[Any]) -> None:
+        """Keep ``objs`` (MemoryObjs the store was asked to write into by a call
+        that failed) out of their allocator: Mooncake 0.3.13 gives no way to
+        cancel or wait for a transfer, so after a failed call one may still be
+        writing into them, and a block reused by another chunk would be
+        overwritten (wrong KV). They are freed once this process's store is
+        closed, never when it was left open (calls still in progress)."""
+        with self._client.lock:
+            self._client.quarantined.extend(objs)
+
     def wait_ready(self, timeout_s: float) -> bool:
         return self._client.ready.wait(timeout_s)
 
@@ -227,7 +316,8 @@ class Link:
             if self.closed or client.closed:
                 raise TierClosed("the mooncake tier is closed")
             if not client.ready.is_set():
-                raise NotConnected(f"not connected to master {self.options.master_address} yet")
+                raise NotConnected("not connected to master "
+                                   f"{self.faults.redact(self.options.master_address)} yet")
             self.faults.check()
             client.busy += 1
             if not self._set_up:

@@ -6,10 +6,18 @@ next ones most likely have (every chunk of a model has the same shape but the
 last): it allocates each chunk's buffer from lmkv's (registered) arena and
 asks the store to scatter each frame into [header staging, chunk buffer] with
 one ``batch_get_into_multi_buffers``. The header is then checked against the
-key and the guessed layout and the payload against its checksum, in place.
+key and the guessed layout and the payload against its checksum, in place; a
+frame that fails those checks is read again the staged way, which drops it
+only if it is corrupt by its own length.
 
 A frame of another size or shape is not a fault: the read stops there and the
 rest goes the staged way (``batch_get_buffer``), which learns the new layout.
+
+A window whose call answered anything but a frame, a size mismatch or "not
+found" (a transfer or RPC failure) is not given back to the arena: Mooncake
+0.3.13 cannot cancel or wait for a transfer, so one may still be writing into
+those buffers, and a block reused by another chunk would hold wrong KV. They
+are quarantined (``Link.quarantine``) until the store is closed.
 """
 
 from __future__ import annotations
@@ -24,7 +32,12 @@ from lmkv.errors import CorruptFrameError
 from lmkv.memory import Allocate, MemoryAllocator, MemoryObj
 from lmkv.serde import FrameHeader, read_header, verify_payload
 from lmkv.tokens import CacheKey
-from lmkv_mooncake.client import OBJECT_NOT_FOUND
+from lmkv_mooncake.client import (
+    BUFFER_TOO_SMALL,
+    OBJECT_NOT_FOUND,
+    TRANSFER_FAIL,
+    raise_for,
+)
 from lmkv_mooncake.memory import Registered
 
 
@@ -48,6 +61,14 @@ class Layout:
 FOUND, ABSENT, OTHER_LAYOUT = "found", "absent", "other"
 
 
+def transfer_over(code: int) -> bool:
+    """Whether a get that answered ``code`` is known to have stopped writing into
+    its buffers: a frame read (its size, whatever it is), too small buffers
+    (refused before any transfer) or no such object. Every other code is a failed
+    transfer or call, which may still be writing."""
+    return code >= 0 or code in (OBJECT_NOT_FOUND, BUFFER_TOO_SMALL)
+
+
 @dataclass
 class Fetched:
     """One window on its way: fresh arena buffers the store has filled (or
@@ -57,25 +78,39 @@ class Fetched:
     objs: list[MemoryObj | None]
     header_block: MemoryObj | None
     codes: list[int] | None
+    quarantine: Callable[[list[MemoryObj]], None]
+    asked: bool = False  # the store was called (it may have written into the buffers)
+
+    @property
+    def idle(self) -> bool:
+        """Whether the store is known to be done with this window's buffers."""
+        if not self.asked:
+            return True
+        return self.codes is not None and all(transfer_over(c) for c in self.codes)
 
     def release(self) -> None:
-        """Give back every buffer not handed over (idempotent)."""
-        objs, self.objs = self.objs, []
-        for obj in objs:
-            if obj is not None:
-                obj.ref_down()
+        """Give back every buffer not handed over, or quarantine them when a
+        transfer into them may still run (idempotent)."""
+        objs = [o for o in self.objs if o is not None]
         if self.header_block is not None:
-            self.header_block.ref_down()
-            self.header_block = None
+            objs.append(self.header_block)
+        self.objs, self.header_block = [], None
+        if objs and not self.idle:
+            self.quarantine(objs)
+            return
+        for obj in objs:
+            obj.ref_down()
 
 
 def fetch(store: Any, names: Sequence[str], keys: Sequence[CacheKey], layout: Layout,
           allocate: Allocate, staging: MemoryAllocator, registered: Registered,
-          register_arena: bool) -> Fetched:
+          register_arena: bool, quarantine: Callable[[list[MemoryObj]], None],
+          call: Callable[..., Any]) -> Fetched:
     """Allocate ``keys``' buffers and have the store scatter their frames into
-    them (one ``batch_get_into_multi_buffers``); nothing is checked yet."""
+    them (one ``batch_get_into_multi_buffers``, through ``call``: ``Link.call``);
+    nothing is checked yet."""
     fetched = Fetched(keys, [], staging.allocate((layout.header_len * len(keys),), torch.uint8),
-                      None)
+                      None, quarantine)
     try:
         for _ in keys:
             obj = allocate(layout.shape, layout.dtype)
@@ -92,21 +127,41 @@ def fetch(store: Any, names: Sequence[str], keys: Sequence[CacheKey], layout: La
             return fetched
         base = fetched.header_block.tensor.data_ptr()
         hlen, plen = layout.header_len, layout.payload_len
-        fetched.codes = store.batch_get_into_multi_buffers(
-            list(names), [[base + i * hlen, o.tensor.data_ptr()]
-                          for i, o in enumerate(fetched.objs)],
-            [[hlen, plen]] * len(fetched.objs))
+        fetched.asked = True
+        ptrs = [[base + i * hlen, o.tensor.data_ptr()] for i, o in enumerate(fetched.objs)]
+        codes = call("batch_get_into_multi_buffers", store.batch_get_into_multi_buffers,
+                     list(names), ptrs, [[hlen, plen]] * len(fetched.objs))
+        fetched.codes = _sizes_told_apart(store, call, names, list(codes), hlen + plen)
         return fetched
     except BaseException:
         fetched.release()
         raise
 
 
-def settle(fetched: Fetched, layout: Layout, drop_corrupt: Callable[[CacheKey, object], None],
-           out: list[MemoryObj]) -> tuple[int, str]:
+def _sizes_told_apart(store: Any, call: Callable[..., Any], names: Sequence[str],
+                      codes: list[int], frame_len: int) -> list[int]:
+    """Mooncake 0.3.13 answers a frame smaller than the buffers with TRANSFER_FAIL,
+    refused before any transfer starts, just as it answers a transfer that
+    failed. Up to the first code that is not a frame, ask the entry's size: one
+    that is not ``frame_len`` is a size mismatch (its size replaces the code);
+    any other stays a failure."""
+    for i, code in enumerate(codes):
+        if code == frame_len:
+            continue
+        if code == TRANSFER_FAIL:
+            size = call("get_size", store.get_size, names[i])
+            if size > 0 and size != frame_len:
+                codes[i] = size
+        break
+    return codes
+
+
+def settle(fetched: Fetched, layout: Layout, out: list[MemoryObj]) -> tuple[int, str]:
     """Check each fetched frame (header bound to its key and of the guessed
     layout, payload checksum) and append the good leading ones to ``out``;
-    returns how many and why it stopped (FOUND: all). Releases the rest."""
+    returns how many and why it stopped (FOUND: all), or raises the fault of a
+    failed transfer (``raise_for``). Releases (or quarantines, see
+    ``Fetched.release``) the rest."""
     try:
         if fetched.codes is None:
             return 0, OTHER_LAYOUT
@@ -117,7 +172,11 @@ def settle(fetched: Fetched, layout: Layout, drop_corrupt: Callable[[CacheKey, o
             if code == OBJECT_NOT_FOUND:
                 return taken, ABSENT
             if code != hlen + plen:
-                return taken, OTHER_LAYOUT  # another size (or a failure the staged way reports)
+                if code >= 0 or code == BUFFER_TOO_SMALL:
+                    return taken, OTHER_LAYOUT  # another size: the staged way reads it
+                # A failed transfer or call: the tier's fault (RPC-class codes open
+                # the breaker), not retried staged; the buffers are quarantined.
+                raise_for("batch_get_into_multi_buffers", code)
             obj = fetched.objs[i]
             try:
                 header = read_header(memoryview(headers[i * hlen:(i + 1) * hlen]), key,
@@ -125,9 +184,12 @@ def settle(fetched: Fetched, layout: Layout, drop_corrupt: Callable[[CacheKey, o
                 if Layout.of(header) != layout:
                     return taken, OTHER_LAYOUT
                 verify_payload(header, memoryview(obj.byte_view().numpy()))
-            except CorruptFrameError as exc:
-                drop_corrupt(key, exc)
-                return taken, ABSENT
+            except CorruptFrameError:
+                # Read under a guessed layout, a valid frame of another shape (a
+                # longer header, the same total size) or a torn read fails here too:
+                # the staged read checks the frame by its own length and drops it
+                # only if it is corrupt there.
+                return taken, OTHER_LAYOUT
             out.append(obj)
             fetched.objs[i] = None  # handed over
             taken += 1

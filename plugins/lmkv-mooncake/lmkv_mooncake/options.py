@@ -4,6 +4,8 @@ Addresses default to Mooncake's own environment variables (``MOONCAKE_MASTER``,
 ``MOONCAKE_TE_META_DATA_SERVER``, ``MOONCAKE_PROTOCOL``, ``MOONCAKE_DEVICE``,
 ``MOONCAKE_LOCAL_HOSTNAME``), so one deployment's settings serve every client;
 lmkv's own ``LMKV_TIERS__N__OPTIONS__<FIELD>`` overrides work as for any tier.
+Those defaults are validated like given values: a bad one is the usual one-line
+error at start, naming the variable.
 """
 
 from __future__ import annotations
@@ -30,8 +32,9 @@ def _env(name: str, default: str) -> str:
 
 
 class MooncakeOptions(PluginOptions):
-    # A timeout or backoff of inf (or nan) never ends: only finite numbers.
-    model_config = ConfigDict(allow_inf_nan=False)
+    # A timeout or backoff of inf (or nan) never ends: only finite numbers. Defaults
+    # are validated too: they come from Mooncake's environment variables.
+    model_config = ConfigDict(allow_inf_nan=False, validate_default=True)
 
     master_address: str = Field(default_factory=lambda: _env("MOONCAKE_MASTER",
                                                              "127.0.0.1:50051"))
@@ -66,6 +69,12 @@ class MooncakeOptions(PluginOptions):
     connect_timeout_s: float = Field(default=5.0, ge=0)
     """How long start-up waits for the store to be set up; past it the tier
     answers misses until the master answers (setup goes on in the background)."""
+    call_timeout_s: float = Field(default=5.0, ge=0)
+    """The longest one call into the store (a batched lookup, put or get) may take;
+    past it the tier answers misses (or drops the writes) and the master counts as
+    unreachable: the breaker opens. 0: no limit. A transfer that timed out may
+    still run: the buffers of a direct get are kept out of the arena (see
+    ``quarantined_chunks``)."""
     retry_after_s: PositiveFloat = 1.0
     """After the master is found unreachable, answer misses without asking it for
     this long (growing to 4x while it stays down), then probe again."""
@@ -82,7 +91,8 @@ class MooncakeOptions(PluginOptions):
             return value
         match = _HOST_PORT.match(value)
         if match is None or not 0 < int(match.group(2)) < 65536:
-            raise ValueError("must be host:port (port 1-65535) or etcd://host:port[;...]")
+            raise ValueError("must be host:port (port 1-65535) or etcd://host:port[;...]"
+                             " (default: $MOONCAKE_MASTER)")
         return value
 
     @field_validator("metadata_server")
@@ -91,7 +101,23 @@ class MooncakeOptions(PluginOptions):
         scheme, sep, rest = value.partition("://")
         if value == "P2PHANDSHAKE" or (sep and rest and scheme in ("http", "https", "etcd")):
             return value
-        raise ValueError("must be http://host:port/metadata, etcd://host:port or P2PHANDSHAKE")
+        raise ValueError("must be http://host:port/metadata, etcd://host:port or P2PHANDSHAKE"
+                         " (default: $MOONCAKE_TE_META_DATA_SERVER)")
+
+    @field_validator("protocol", mode="before")
+    @classmethod
+    def _check_protocol(cls, value: object) -> object:
+        if value not in ("tcp", "rdma"):
+            raise ValueError("must be tcp or rdma (default: $MOONCAKE_PROTOCOL)")
+        return value
+
+    @field_validator("device_name")
+    @classmethod
+    def _check_device(cls, value: str) -> str:
+        if any(c.isspace() for c in value):
+            raise ValueError("must be RDMA device names, comma-separated, without "
+                             "whitespace (default: $MOONCAKE_DEVICE)")
+        return value
 
     @field_validator("global_segment_size")
     @classmethod
@@ -105,7 +131,8 @@ class MooncakeOptions(PluginOptions):
     @classmethod
     def _check_hostname(cls, value: str) -> str:
         if not value or any(c.isspace() for c in value):
-            raise ValueError("must be a host name or IP address of this machine")
+            raise ValueError("must be a host name or IP address of this machine"
+                             " (default: $MOONCAKE_LOCAL_HOSTNAME)")
         return value
 
     @field_validator("key_prefix")

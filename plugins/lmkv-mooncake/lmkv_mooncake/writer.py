@@ -153,7 +153,7 @@ class Writer:
         """Frame window after window while the previous window is on the wire
         (Mooncake's calls release the GIL): the checksums cost no extra time."""
         names = [self.name_of(k) for k in keys]
-        present = store.batch_is_exist(names)
+        present = self.link.call("batch_is_exist", store.batch_is_exist, names)
         for code in present:
             raise_for("batch_is_exist", code)
         self.faults.succeeded()
@@ -236,8 +236,11 @@ class Writer:
         if self._config is None:
             self._config = replicate_config(self.options)
         try:
-            codes = store.batch_put_from_multi_buffers(window.names, window.ptrs, window.sizes,
-                                                       self._config)
+            # A put that timed out may still read its buffers after they are
+            # reused: what it stores then fails its checksums (a miss, removed).
+            codes = self.link.call("batch_put_from_multi_buffers",
+                                   store.batch_put_from_multi_buffers, window.names,
+                                   window.ptrs, window.sizes, self._config)
         finally:
             window.release()
         unreachable = None

@@ -6,7 +6,7 @@ import os
 from collections.abc import Callable, Iterator
 
 import pytest
-from mooncake_servers import AVAILABLE, SKIP_REASON, MooncakeMaster, new_tier
+from mooncake_servers import MooncakeMaster, new_tier, require_mooncake
 
 import lmkv.memory
 
@@ -27,8 +27,7 @@ def _no_lmkv_env(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.fixture(scope="session")
 def mooncake_master(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MooncakeMaster]:
     """One master for the session (tests keep apart by key prefix)."""
-    if not AVAILABLE:
-        pytest.skip(SKIP_REASON)
+    require_mooncake()
     master = MooncakeMaster(tmp_path_factory.mktemp("mooncake")).start()
     yield master
     master.stop()

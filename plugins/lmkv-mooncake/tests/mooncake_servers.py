@@ -42,6 +42,60 @@ def have_client() -> bool:
 SKIP_REASON = ("mooncake_master or the Mooncake client is not installed "
                "(pip install 'lmkv-mooncake[cpu]'; scripts/setup.sh does)")
 AVAILABLE = MOONCAKE_MASTER is not None and have_client()
+#: CI sets LMKV_REQUIRE_MOONCAKE=1: a broken install fails instead of skipping
+#: (read at import: the tests' fixtures clear LMKV_* variables).
+REQUIRED = os.environ.get("LMKV_REQUIRE_MOONCAKE") == "1"
+
+
+def require_mooncake() -> None:
+    """Skip the calling test when Mooncake is missing, or fail it under
+    LMKV_REQUIRE_MOONCAKE=1."""
+    import pytest
+
+    if AVAILABLE:
+        return
+    if REQUIRED:
+        pytest.fail(f"LMKV_REQUIRE_MOONCAKE=1 but {SKIP_REASON}")
+    pytest.skip(SKIP_REASON)
+
+
+def listening_addresses() -> list[tuple[str, int]]:
+    """(address, port) of every TCP socket this process listens on, from
+    /proc/net/tcp{,6} matched by inode against /proc/self/fd (Linux only)."""
+    import ipaddress
+
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:["):-1])
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        if not os.path.exists(table):
+            continue
+        with open(table) as rows:
+            for row in rows.readlines()[1:]:
+                fields = row.split()
+                if fields[3] != "0A" or fields[9] not in inodes:  # 0A: LISTEN
+                    continue
+                hex_addr, hex_port = fields[1].split(":")
+                raw = bytes.fromhex(hex_addr)
+                # The kernel prints each 32-bit word in host (little-endian) order.
+                raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+                found.append((str(ipaddress.ip_address(raw)), int(hex_port, 16)))
+    return found
+
+
+def off_loopback(addresses: list[tuple[str, int]]) -> list[tuple[str, int]]:
+    import ipaddress
+
+    return [(a, p) for a, p in addresses if not ipaddress.ip_address(a).is_loopback
+            and not (ipaddress.ip_address(a).version == 6
+                     and ipaddress.ip_address(a).ipv4_mapped is not None
+                     and ipaddress.ip_address(a).ipv4_mapped.is_loopback)]
 
 
 def free_port() -> int:
@@ -132,12 +186,19 @@ class MooncakeMaster:
         return int(float(match.group(1)) * scale[match.group(2)])
 
 
+_ARENAS: list[MemoryAllocator] = []
+
+
 def new_tier(master: MooncakeMaster, **options: object) -> object:
     """A tier of ``master`` under its own key prefix (unless given), with its own arena."""
     from lmkv_backends.serde.naive import NaiveSerializer
     from lmkv_mooncake import MooncakeBackend, MooncakeOptions
 
     arena = MemoryAllocator(16 << 20, pin_memory=False)
+    # Kept for the session: the process's shared Mooncake client keeps the arena
+    # registered, and a later arena at an overlapping address would be refused
+    # (-600), sending its chunks through staging instead of the direct path.
+    _ARENAS.append(arena)
     options.setdefault("key_prefix", f"t-{uuid.uuid4().hex[:8]}:")
     return MooncakeBackend(MooncakeOptions(**master.options(**options)),
                            BackendContext(serializer=NaiveSerializer(), allocate=arena.allocate))

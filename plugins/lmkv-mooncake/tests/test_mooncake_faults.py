@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from mooncake_servers import AVAILABLE, SKIP_REASON, MooncakeMaster
+from mooncake_servers import MooncakeMaster, require_mooncake
 
 from lmkv.memory import tensor_obj
 from lmkv.tokens import CacheKey, KeyMeta
@@ -51,8 +51,7 @@ def eventually(condition: object, deadline_s: float = 60.0) -> bool:
 
 @pytest.fixture
 def own_master(tmp_path: Path) -> MooncakeMaster:
-    if not AVAILABLE:
-        pytest.skip(SKIP_REASON)
+    require_mooncake()
     master = MooncakeMaster(tmp_path / "master").start()
     yield master
     master.stop()

@@ -1,0 +1,188 @@
+"""Gets whose transfer or call fails: buffers the store may still write into
+stay out of the arena, RPC-class failures open the breaker, and a frame of
+another layout is never dropped by the direct path."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+import torch
+from test_mooncake_faults import chunk, key, put, read
+
+from lmkv.memory import tensor_obj
+
+
+class FailingStore:
+    """The real store, but the named get calls answer ``fail`` after doing
+    their work (a transfer that failed late, or is still running)."""
+
+    def __init__(self, store: Any, fail: dict[str, Callable[[Any], Any]]) -> None:
+        self._store = store
+        self._fail = fail
+        self.calls: list[str] = []
+
+    def __getattr__(self, name: str) -> Any:
+        real = getattr(self._store, name)
+        if name not in self._fail:
+            return real
+
+        def call(*args: Any) -> Any:
+            self.calls.append(name)
+            return self._fail[name](real(*args))
+        return call
+
+
+def failing(tier: Any, monkeypatch: pytest.MonkeyPatch,
+            **fail: Callable[[Any], Any]) -> FailingStore:
+    using = tier.link.using
+    holder: dict[str, FailingStore] = {}
+
+    @contextmanager
+    def wrapped() -> Iterator[Any]:
+        with using() as store:
+            proxy = holder.setdefault("store", FailingStore(store, fail))
+            yield proxy
+
+    monkeypatch.setattr(tier.link, "using", wrapped)
+    with tier.link.using() as store:
+        return store
+
+
+def test_a_failed_direct_get_quarantines_its_buffers(
+        make_tier: Any, shared_client: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    tier = make_tier()
+    assert put(tier, [1, 2, 3]) == 3
+    assert torch.equal(read(tier, 1), chunk(1))  # learns the layout
+    arena = tier.context.allocate.__self__
+    used = arena.used_bytes
+    store = failing(tier, monkeypatch,
+                    batch_get_into_multi_buffers=lambda codes: [-800] * len(codes))
+    assert tier.batched_get_non_blocking("l", [key(2), key(3)]).result(timeout=60) == []
+    assert store.calls == ["batch_get_into_multi_buffers"]  # not retried staged
+    # The store may still be writing into them: not reused by another chunk.
+    assert arena.used_bytes == used + 2 * chunk(2).numel() * 2
+    assert tier.stats()["quarantined_chunks"] == 2
+    assert tier.faults.breaker.is_open  # TRANSFER_FAIL: the path to the data is gone
+
+
+@pytest.mark.parametrize("code", [-900, -1010])
+def test_an_rpc_failure_of_a_direct_get_opens_the_breaker(
+        make_tier: Any, shared_client: None, monkeypatch: pytest.MonkeyPatch,
+        code: int) -> None:
+    tier = make_tier()
+    assert put(tier, [1, 2]) == 2
+    assert torch.equal(read(tier, 1), chunk(1))
+    errors = tier.stats()["errors"]
+    store = failing(tier, monkeypatch,
+                    batch_get_into_multi_buffers=lambda codes: [code] * len(codes))
+    assert read(tier, 2) is None
+    assert store.calls == ["batch_get_into_multi_buffers"]
+    assert tier.faults.breaker.is_open
+    assert tier.stats()["errors"] == errors + 1
+
+
+def test_a_staged_get_that_fails_is_a_fault_not_a_silent_miss(
+        make_tier: Any, shared_client: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    tier = make_tier()
+    assert put(tier, [1]) == 1
+    store = failing(tier, monkeypatch, batch_get_buffer=lambda handles: [None] * len(handles))
+    assert read(tier, 1) is None  # the entry exists: its get failed
+    assert tier.stats()["errors"] == 1 and not tier.faults.breaker.is_open
+    assert read(tier, 5) is None  # absent: a plain miss
+    assert tier.stats()["errors"] == 1
+    store._fail["is_exist"] = lambda code: -900  # the master does not answer
+    assert read(tier, 1) is None
+    assert tier.faults.breaker.is_open
+
+
+def test_quarantined_buffers_are_freed_once_the_store_is_closed(
+        mooncake_master: Any, shared_client: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    from mooncake_servers import new_tier
+
+    from lmkv_mooncake.client import join_closing
+
+    tier = new_tier(mooncake_master, global_segment_size="16MiB")  # its own client
+    try:
+        assert put(tier, [1, 2]) == 2
+        assert torch.equal(read(tier, 1), chunk(1))
+        arena = tier.context.allocate.__self__
+        used = arena.used_bytes
+        failing(tier, monkeypatch, batch_get_into_multi_buffers=lambda codes: [-1] * len(codes))
+        assert read(tier, 2) is None
+        assert arena.used_bytes > used
+    finally:
+        tier.close()
+    assert join_closing(30)
+    assert arena.used_bytes == used
+
+
+def test_a_missing_or_resized_frame_gives_its_buffers_back(
+        make_tier: Any, shared_client: None) -> None:
+    tier = make_tier()
+    assert put(tier, [1]) == 1
+    assert torch.equal(read(tier, 1), chunk(1))
+    arena = tier.context.allocate.__self__
+    used = arena.used_bytes
+    other = torch.arange(64, dtype=torch.float32).reshape(4, 16)
+    assert tier.batched_submit_put([key(9)], [tensor_obj(other)]).result(timeout=60) == 1
+    assert read(tier, 8) is None  # not found
+    assert torch.equal(read(tier, 9), other)  # another size: staged
+    assert arena.used_bytes == used
+    assert tier.stats()["quarantined_chunks"] == 0
+
+
+def test_a_valid_frame_with_a_longer_header_is_read_staged_not_dropped(
+        make_tier: Any, shared_client: None) -> None:
+    """Six dimensions (a header 8 bytes longer) and a payload 8 bytes shorter: the
+    frame has the chunk layout's total size, so the direct read gets it whole and
+    its guessed header is truncated."""
+    tier = make_tier()
+    assert put(tier, [1]) == 1
+    assert torch.equal(read(tier, 1), chunk(1))  # learns the layout
+    other = torch.arange(4092, dtype=torch.float16).reshape(1, 1, 1, 1, 4, 1023)
+    assert other.numel() * 2 == chunk(1).numel() * 2 - 8
+    assert tier.batched_submit_put([key(9)], [tensor_obj(other)]).result(timeout=60) == 1
+    assert torch.equal(read(tier, 9), other)
+    assert tier.stats()["corrupt_frames"] == 0
+    assert tier.contains(key(9))
+
+
+def slow(seconds: float) -> Callable[[Any], Any]:
+    import time
+
+    def answer(result: Any) -> Any:
+        time.sleep(seconds)
+        return result
+    return answer
+
+
+def short_timeout(tier: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``call_timeout_s`` of 0.3 s from now on (set up under the default: a loaded
+    machine must not time out the setup's calls)."""
+    monkeypatch.setattr(tier.link, "options",
+                        tier.link.options.model_copy(update={"call_timeout_s": 0.3}))
+
+
+def test_a_call_past_call_timeout_s_opens_the_breaker_and_quarantines(
+        make_tier: Any, shared_client: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    tier = make_tier()
+    assert put(tier, [1, 2]) == 2
+    assert torch.equal(read(tier, 1), chunk(1))  # learns the layout
+    short_timeout(tier, monkeypatch)
+    failing(tier, monkeypatch, batch_get_into_multi_buffers=slow(2))
+    assert read(tier, 2) is None
+    assert tier.faults.breaker.is_open
+    assert tier.stats()["quarantined_chunks"] == 1  # the transfer may still run
+
+
+def test_a_slow_lookup_is_a_miss_and_opens_the_breaker(
+        make_tier: Any, shared_client: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    tier = make_tier()
+    assert put(tier, [1]) == 1
+    short_timeout(tier, monkeypatch)
+    failing(tier, monkeypatch, batch_is_exist=slow(2))
+    assert tier.batched_async_contains("l", [key(1)]) == 0
+    assert tier.faults.breaker.is_open
