@@ -230,3 +230,72 @@ def test_the_connector_asks_for_piecewise_cuda_graphs_only_when_layerwise() -> N
     assert LMKVConnector.requires_piecewise_for_cudagraph({"lmcache.use_layerwise": "true"})
     assert not LMKVConnector.requires_piecewise_for_cudagraph({})
     assert not LMKVConnector.requires_piecewise_for_cudagraph({"lmkv.layerwise": "no!"})
+
+
+class _ThreadedCuda:
+    """``torch.cuda`` STUBBED (no GPU here), with torch's per-thread current stream:
+    the test's thread is vLLM's forward thread (its stream "forward"); lmkv's own
+    threads see the default stream, as they do under vLLM."""
+
+    def __new__(cls):  # type: ignore[no-untyped-def]
+        from tests.test_transfer_stream import FakeCuda, FakeStream
+
+        class Threaded(FakeCuda):
+            def __init__(self) -> None:
+                super().__init__()
+                self._local = threading.local()
+                self.forward_thread = threading.get_ident()
+                self.forward = FakeStream(self, "forward")
+                self.default = FakeStream(self, "default")
+
+            @property
+            def current(self):  # type: ignore[no-untyped-def]
+                mine = getattr(self._local, "stream", None)
+                if mine is not None:
+                    return mine
+                return self.forward if threading.get_ident() == self.forward_thread \
+                    else self.default
+
+            @current.setter
+            def current(self, stream) -> None:  # type: ignore[no-untyped-def]
+                if hasattr(self, "_local"):
+                    self._local.stream = None if stream in (self.forward, self.default) \
+                        else stream
+
+        return Threaded()
+
+
+def test_copies_from_lmkv_threads_wait_for_the_forward_stream_not_their_own(
+        tmp_path, monkeypatch) -> None:
+    """CUDA STUBBED: the copies run for real on CPU tensors; what is checked is that
+    every copy issued on lmkv's loader and store threads waits for an event recorded
+    on the forward's stream (for a layerwise store: the one recorded when that layer
+    was produced), never for the calling thread's default stream."""
+    from lmkv import transfer_stream
+    from lmkv.transfer_stream import TransferStream
+
+    cuda = _ThreadedCuda()
+    monkeypatch.setitem(transfer_stream._streams, torch.device("cpu"),
+                        TransferStream("cpu", cuda=cuda))
+    side = layered(tmp_path)
+    try:
+        tokens = list(range(32))
+        step = meta(stores=[StoreSpec("r", tokens, [2, 5])])
+        produced = []
+        for name in NAMES:  # the forward thread: each layer's event on its stream
+            side.layer_saved(name, step)
+            produced.append(next(e[1] for e in reversed(cuda.log) if e[0] == "record"))
+        side.save(step)
+        side.load(meta([LoadSpec("r2", tokens, [1, 3])]))  # the layerwise loader thread
+        for name in NAMES:
+            side.wait_layer(name)
+        assert side.take_failed_blocks() == set()
+        recorded = {e[1]: e[2] for e in cuda.log if e[0] == "record"}
+        waits = [e[2] for e in cuda.log if e[:2] == ("wait_event", "transfer")]
+        assert len(waits) == 4  # two layers stored, two loaded
+        assert waits[:2] == produced  # each layer's store after its own forward event
+        assert all(recorded[e] == "forward" for e in waits), (waits, recorded)
+        # and the loads made the forward's stream wait for their copies
+        assert sum(1 for e in cuda.log if e[:2] == ("wait_event", "forward")) == 2
+    finally:
+        side.close()

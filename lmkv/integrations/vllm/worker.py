@@ -33,6 +33,7 @@ from lmkv.lookup.responder import LookupResponder
 from lmkv.lookup.sockets import LookupEndpoints
 from lmkv.metrics import recorder
 from lmkv.metrics.record import record_load, record_store
+from lmkv.transfer_stream import TransferStream, stream_for
 
 logger = logging.getLogger(__name__)
 
@@ -125,30 +126,43 @@ class WorkerSide:
         assert self.engine is not None, "register_kv_caches was not called"
         self._finish_loads()  # (the last step's, if nothing collected them)
         self._step_failed = set()  # a new step: its synchronous loads start afresh
+        forward = self._forward_stream()  # this is the forward's thread
         layered = []
         for spec in meta.loads:
             if spec.async_load:
-                self._loader.submit(self._load_async, spec)
+                self._loader.submit(self._load_async, spec, forward)
             elif self.layered is not None:
                 layered.append(spec)
             else:
-                failed = self._load(spec)
+                failed = self._load(spec, after=forward)
                 with self._lock:
                     self._failed |= failed
                 self._step_failed |= failed
         if layered:  # the forward starts now; wait_layer holds each layer back
             step = self._load_step = LoadStep(len(self.kv_caches), self.block_size, layered)
-            self._layer_loader.submit(self._load_layered, step)
+            self._layer_loader.submit(self._load_layered, step, forward)
+
+    def _transfer(self) -> TransferStream | None:
+        return stream_for(self.kv_caches[0].device) if self.kv_caches else None
+
+    def _forward_stream(self) -> Any:
+        """The calling thread's current CUDA stream, called on vLLM's forward
+        thread: the stream its forward runs on (torch's current stream is per
+        thread, and vLLM sets its own for that thread only). lmkv's loader and
+        store threads order their copies after it (``after=``); None without CUDA."""
+        transfer = self._transfer()
+        return transfer.current() if transfer is not None else None
 
     # -- lmkv.layerwise ------------------------------------------------------------
-    def _load_layered(self, step: LoadStep) -> None:
+    def _load_layered(self, step: LoadStep, forward: Any = None) -> None:
         """The loader thread: the step's loads in order, each layer by layer; the
         last one's progress opens the layers to the forward."""
         try:
             for i, spec in enumerate(step.specs):
                 progress = step.gate.advance if i == len(step.specs) - 1 else None
                 failed = self._load(spec, Pace(step.guard, progress=progress,
-                                               timeout_s=self.layer_timeout_s))
+                                               timeout_s=self.layer_timeout_s),
+                                    after=forward)
                 step.load_done(failed)
                 with self._lock:
                     self.counters.layerwise_loads += 1
@@ -189,18 +203,24 @@ class WorkerSide:
         if self.layered is None or index is None:
             return
         step = self._store_step
+        transfer = self._transfer()
         if step is None:
             step = self._store_step = StoreStep(len(self.kv_caches))
             eager = [s for s in meta.stores if s.store_id is None and s.token_ids]
             if eager:
-                step.future = self._layer_saver.submit(self._store_layered, step, eager,
-                                                       self._load_step)
-        step.layer_produced(index)
+                step.future = self._layer_saver.submit(
+                    self._store_layered, step, eager, self._load_step,
+                    transfer.current() if transfer is not None else None)
+        # On the forward's stream, after the kernels that wrote this layer: the store
+        # thread's copy of the layer waits for this event, not its own thread's stream.
+        step.layer_produced(index, transfer.mark() if transfer is not None else None)
 
     def _store_layered(self, step: StoreStep, specs: list[StoreSpec],
-                       loads: LoadStep | None) -> None:
+                       loads: LoadStep | None, forward: Any = None) -> None:
         """The store thread: wait for the step's loads (a block that failed to load
-        cuts the stores, ``_untainted``), then store each spec layer by layer."""
+        cuts the stores, ``_untainted``), then store each spec layer by layer, each
+        layer's copy after the forward's event for it (``forward``, the forward's
+        stream, for a layer opened without one)."""
         failed: set[int] = set()
         if loads is not None:
             failed = loads.failed if loads.done.wait(self.layer_timeout_s) else loads.give_up()
@@ -208,7 +228,8 @@ class WorkerSide:
             if step.guard.cancelled:
                 return
             self._store(self._untainted(spec, failed),
-                        Pace(step.guard, source=step.produced, timeout_s=self.layer_timeout_s))
+                        Pace(step.guard, source=step.produced, timeout_s=self.layer_timeout_s,
+                             events=step.events), after=forward)
             with self._lock:
                 self.counters.layerwise_stores += 1
 
@@ -227,10 +248,10 @@ class WorkerSide:
             step.guard.cancel()
         return True
 
-    def _load_async(self, spec: LoadSpec) -> None:
+    def _load_async(self, spec: LoadSpec, forward: Any = None) -> None:
         failed: set[int] = set()
         try:
-            failed = self._load(spec)
+            failed = self._load(spec, after=forward)
         finally:  # reported even when failed: vLLM then recomputes the failed blocks
             with self._lock:
                 self._loaded.append((spec.req_id, failed))
@@ -246,12 +267,12 @@ class WorkerSide:
                 self._failed |= failed
         return {req_id for req_id, _ in done}
 
-    def _load(self, spec: LoadSpec, pace: Pace | None = None) -> set[int]:
-        """Load one request's KV (layer by layer with ``pace``); the blocks that did
-        not load."""
+    def _load(self, spec: LoadSpec, pace: Pace | None = None, after: Any = None) -> set[int]:
+        """Load one request's KV (layer by layer with ``pace``; after the forward's
+        stream ``after``); the blocks that did not load."""
         want = len(spec.token_ids)
         start = time.perf_counter()
-        paced = {"pace": pace} if pace is not None else {}
+        paced = _paced(pace, after)
         try:
             got = self.engine.retrieve(spec.token_ids, lookup_id=spec.req_id,
                                        identity=spec.identity, kv_caches=self.kv_caches,
@@ -286,16 +307,17 @@ class WorkerSide:
         assert self.engine is not None, "register_kv_caches was not called"
         self._finish_loads()
         layered = self._finish_stores()  # this step's eager stores, copied meanwhile
+        forward = self._forward_stream()  # this is the forward's thread
         for spec in meta.stores:
             spec = self._untainted(spec, self._step_failed)
             if spec.store_id is None:
                 if not layered:
-                    self._store(spec)
+                    self._store(spec, after=forward)
                 if spec.release:  # reported even when failed: vLLM frees the blocks
                     with self._lock:
                         self._saved.add(spec.req_id)
             else:
-                self._saver.submit(self._store_lazy, spec)
+                self._saver.submit(self._store_lazy, spec, forward)
 
     def _untainted(self, spec: StoreSpec, failed: set[int]) -> StoreSpec:
         """``spec`` cut before its first block whose load failed in this step.
@@ -317,11 +339,11 @@ class WorkerSide:
                 return spec
         return spec
 
-    def _store(self, spec: StoreSpec, pace: Pace | None = None) -> None:
+    def _store(self, spec: StoreSpec, pace: Pace | None = None, after: Any = None) -> None:
         if not spec.token_ids:
             return
         start = time.perf_counter()
-        paced = {"pace": pace} if pace is not None else {}
+        paced = _paced(pace, after)
         try:
             n = self.engine.store(spec.token_ids, identity=spec.identity,
                                   kv_caches=self.kv_caches, block_ids=spec.block_ids, **paced)
@@ -332,8 +354,8 @@ class WorkerSide:
         except Exception:
             logger.exception("lmkv: storing request %s failed", spec.req_id)
 
-    def _store_lazy(self, spec: StoreSpec) -> None:
-        self._store(spec)
+    def _store_lazy(self, spec: StoreSpec, forward: Any = None) -> None:
+        self._store(spec, after=forward)
         with self._lock:  # confirmed even when failed: frees the blocks
             self._done[spec.store_id] = 1
 
@@ -369,3 +391,14 @@ class WorkerSide:
             self.responder.close()
         if self.engine is not None:
             self.engine.close()
+
+
+def _paced(pace: Pace | None, after: Any) -> dict[str, Any]:
+    """The connector keywords a copy adds: its ``pace`` (layerwise) and ``after``
+    (the forward's stream), each only when set."""
+    kw: dict[str, Any] = {}
+    if pace is not None:
+        kw["pace"] = pace
+    if after is not None:
+        kw["after"] = after
+    return kw
