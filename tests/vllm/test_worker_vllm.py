@@ -141,3 +141,30 @@ def test_an_mla_model_s_latent_is_copied_and_keyed_once_for_its_tp_ranks(tmp_pat
             assert torch.equal(c[[4, 1]], b[[4, 1]])
     finally:
         side.close()
+
+
+@pytest.mark.parametrize("cp", [{"decode_context_parallel_size": 2},
+                                {"prefill_context_parallel_size": 2}])
+def test_an_mla_model_under_context_parallelism_is_refused_in_one_line(tmp_path, cp) -> None:
+    """Context parallelism shards an MLA group's tokens over its tensor-parallel
+    ranks, whose latents lmkv keys once: refused at start (vLLM's own ParallelConfig)."""
+    from vllm.config import ParallelConfig
+
+    from lmkv.errors import ConfigError
+
+    config = load_config(env={}, overrides={"lmkv.chunk_size": 16,
+                                            "lmkv.lookup.runtime_dir": str(tmp_path)})
+
+    def vllm_config(mla: bool, parallel):  # type: ignore[no-untyped-def]
+        return SimpleNamespace(
+            model_config=SimpleNamespace(model="m", max_model_len=256, use_mla=mla,
+                                         get_head_size=lambda: 24),
+            parallel_config=parallel, kv_transfer_config=SimpleNamespace(engine_id="w1"),
+            cache_config=SimpleNamespace(block_size=BLOCK))
+
+    with pytest.raises(ConfigError) as err:
+        WorkerSide(config, vllm_config(True, ParallelConfig(tensor_parallel_size=2, **cp)))
+    line = str(err.value)
+    assert "\n" not in line and "context_parallel_size=2" in line and "MLA" in line
+    WorkerSide(config, vllm_config(False, ParallelConfig(tensor_parallel_size=2, **cp))).close()
+    WorkerSide(config, vllm_config(True, ParallelConfig(tensor_parallel_size=2))).close()

@@ -14,6 +14,7 @@ import torch
 from lmkv.config import LMKVConfig
 from lmkv.engines import Engine, open_engine
 from lmkv.engines.connector import resolve_connector_class
+from lmkv.errors import ConfigError
 from lmkv.gpu import ConnectorContext
 from lmkv.integrations.vllm.layerwise import (
     LAYER_TIMEOUT_S,
@@ -64,6 +65,8 @@ class WorkerSide:
         # same on every tensor-parallel rank: keyed once for them (KVSpec.replicas).
         mla = bool(getattr(vllm_config.model_config, "use_mla", False))
         self.kv_layout = "mla" if mla else None
+        if mla:
+            _refuse_context_parallel(parallel)
         self.kv_replicas = getattr(parallel, "tensor_parallel_size", 1) if mla else 1
         self.counters = WorkerCounters()
         self._token_bytes = 0  # KV bytes of one token in this worker's caches
@@ -391,6 +394,21 @@ class WorkerSide:
             self.responder.close()
         if self.engine is not None:
             self.engine.close()
+
+
+def _refuse_context_parallel(parallel: Any) -> None:
+    """MLA keys a tensor-parallel group's latent once (``KVSpec.replicas``): right
+    only while every rank of the group holds every token. Context parallelism
+    (vLLM's decode_/prefill_context_parallel_size) shards the tokens over those
+    ranks: one key would then name different KV on each. Refused, not guessed."""
+    sizes = {name: int(getattr(parallel, name, 1) or 1)
+             for name in ("decode_context_parallel_size", "prefill_context_parallel_size")}
+    bad = [f"{name}={n}" for name, n in sizes.items() if n > 1]
+    if bad:
+        raise ConfigError(f"lmkv: an MLA model with context parallelism ({', '.join(bad)}) "
+                          "is not supported: its ranks hold different tokens under one key; "
+                          "allowed: decode_context_parallel_size and "
+                          "prefill_context_parallel_size 1")
 
 
 def _paced(pace: Pace | None, after: Any) -> dict[str, Any]:
