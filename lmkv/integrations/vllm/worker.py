@@ -57,6 +57,7 @@ class WorkerSide:
         self.head_size = vllm_config.model_config.get_head_size()
         self.max_model_len = vllm_config.model_config.max_model_len
         self.block_size = vllm_config.cache_config.block_size  # the unit of block ids
+        self.cache_config = vllm_config.cache_config
         parallel = vllm_config.parallel_config
         self.world_size = parallel.world_size
         self.rank = getattr(parallel, "rank", 0) % max(self.world_size, 1)
@@ -92,6 +93,7 @@ class WorkerSide:
             self._layer_saver = ThreadPoolExecutor(1, thread_name_prefix="lmkv-layer-store")
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        kv_caches = _named_fp8(kv_caches, self.cache_config)
         self.kv_caches = list(kv_caches.values())
         self._layer_index = {name: i for i, name in enumerate(kv_caches)}
         # lmkv.gpu_connector picks another connector for vLLM's paged caches (a
@@ -394,6 +396,37 @@ class WorkerSide:
             self.responder.close()
         if self.engine is not None:
             self.engine.close()
+
+
+# vLLM allocates these KV caches as bytes (torch.uint8), whatever the format: the
+# caches are viewed (the same memory) as the format they hold, so that the
+# chunk's key names it (keys carry the dtype) and e4m3 and e5m2 never share keys.
+_FP8_VIEWS = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
+              "fp8_e5m2": torch.float8_e5m2}
+
+
+def _named_fp8(kv_caches: dict[str, torch.Tensor], cache_config: Any
+               ) -> dict[str, torch.Tensor]:
+    """``kv_caches`` viewed as their fp8 format when vLLM allocated them as bytes.
+
+    ConfigError (one line) for what bytes cannot name: another format vLLM keeps
+    in uint8 (packed or with scales inside), or fp8 scales computed per run
+    (``calculate_kv_scales``, older vLLMs): equal tokens would give different
+    bytes under the same key."""
+    cache_dtype = str(getattr(cache_config, "cache_dtype", "auto") or "auto")
+    if cache_dtype.startswith("fp8") and getattr(cache_config, "calculate_kv_scales", False):
+        raise ConfigError(f"lmkv: cache_dtype {cache_dtype} with calculate_kv_scales is not "
+                          "supported: the scales differ per run, so equal tokens give "
+                          "different KV; allowed: calculate_kv_scales off (fixed scales)")
+    first = next(iter(kv_caches.values()), None)
+    if first is None or first.dtype != torch.uint8:
+        return kv_caches
+    view = _FP8_VIEWS.get(cache_dtype)
+    if view is None:
+        raise ConfigError(f"lmkv: cache_dtype {cache_dtype} (KV kept as bytes) is not "
+                          f"supported; allowed: auto, float16, bfloat16, "
+                          f"{', '.join(_FP8_VIEWS)}")
+    return {name: cache.view(view) for name, cache in kv_caches.items()}
 
 
 def _refuse_context_parallel(parallel: Any) -> None:
