@@ -299,3 +299,43 @@ def test_copies_from_lmkv_threads_wait_for_the_forward_stream_not_their_own(
         assert sum(1 for e in cuda.log if e[:2] == ("wait_event", "forward")) == 2
     finally:
         side.close()
+
+
+def test_a_layered_store_through_the_inline_data_path_stores_every_batch(tmp_path) -> None:
+    """Server mode without shared memory: a store goes out in batches of what one
+    request holds (here one chunk each), each filled by its own connector call; a
+    layered store copies every batch, not only the first."""
+    import os
+    import sys
+
+    from lmkv.testing.server import spawn_server
+
+    chunk_bytes = 2 * 2 * 16 * 2 * 8 * 4  # layers, K/V, tokens, heads, dim, float32
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    server, address = spawn_server(  # room for one chunk a request (and the header room)
+        tmp_path, "tiers:\n  - type: cpu\n    options: {max_bytes: 64MiB}\n", env=env,
+        args=["--max-request-bytes", str((1 << 16) + chunk_bytes + chunk_bytes // 2)])
+    keys = {"lmkv.layerwise": True, "lmkv.mode": "server", "lmkv.server.address": address,
+            "lmkv.server.timeout_ms": 5000, "lmkv.server.data_path": "inline"}
+    writer, reader = worker(tmp_path, **keys), worker(tmp_path, **keys)
+    try:
+        writer.register(caches("flash"))
+        reader.register(caches("flash"))
+        tokens = list(range(32))  # two chunks: two batches
+        step = meta(stores=[StoreSpec("r", tokens, [2, 5])])
+        for name in NAMES:
+            writer.layer_saved(name, step)
+        writer.save(step)
+        assert writer.counters.stored_tokens == 32
+        assert reader.engine.lookup(tokens) == 32
+        reader.load(meta([LoadSpec("r2", tokens, [1, 3])]))
+        for name in NAMES:
+            reader.wait_layer(name)
+        assert reader.take_failed_blocks() == set()
+        for w, r in zip(writer.kv_caches, reader.kv_caches, strict=True):
+            assert torch.equal(w[:, [2, 5]], r[:, [1, 3]])
+    finally:
+        writer.close()
+        reader.close()
+        server.terminate()
+        server.wait(60)

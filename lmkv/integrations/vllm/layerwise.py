@@ -122,7 +122,7 @@ class Pace:
         self.source = source
         self.progress = progress
         self.timeout_s = timeout_s
-        self.used = False  # a pace serves one call: its progress covers every chunk
+        self.used = False  # a load's pace serves one call: its progress covers every chunk
 
     @contextlib.contextmanager
     def layer(self, index: int) -> Iterator[None]:
@@ -178,19 +178,24 @@ class LayeredConnector(GPUConnector):
         if pace is None:
             self.whole.to_chunks(spans, **kv)
         else:
-            self._by_layer(self.per_layer.to_chunks, spans, pace, kv)
+            self._by_layer(self.per_layer.to_chunks, spans, pace, kv, once=False)
 
     def from_chunks(self, spans: Sequence[ChunkSpan], *, pace: Pace | None = None,
                     **kv: Any) -> Any:
         if pace is None:
             return self.whole.from_chunks(spans, **kv)
-        self._by_layer(self.per_layer.from_chunks, spans, pace, kv)
+        self._by_layer(self.per_layer.from_chunks, spans, pace, kv, once=True)
         return None
 
     def _by_layer(self, copy: Callable[..., Any], spans: Sequence[ChunkSpan], pace: Pace,
-                  kv: dict[str, Any]) -> None:
-        if pace.used:  # layers already reported done would lack these chunks: the
-            # caller fails the whole load (vLLM recomputes its blocks) rather than that
+                  kv: dict[str, Any], *, once: bool) -> None:
+        """Copy ``spans`` layer by layer. ``once``: a load, whose pace's progress
+        opens layers to the forward, takes every chunk in one call. A store may
+        come in several (the server's inline data path fills it batch by batch):
+        each copies its chunks layer by layer, each layer after the forward
+        produced it."""
+        if once and pace.used:  # a load: layers already reported done would lack these
+            # chunks; the caller fails the whole load (vLLM recomputes its blocks)
             raise RuntimeError("lmkv: a layerwise copy got its chunks in more than one call")
         pace.used = True
         caches = kv.pop("kv_caches")
