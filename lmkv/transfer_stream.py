@@ -21,9 +21,10 @@ transfer is ordered against the compute stream by CUDA events only:
 The compute stream is the stream the engine's forward runs on. torch's current
 stream is per thread, and vLLM sets its own stream for the forward thread only:
 a store or load issued from another thread (lmkv's loader and store threads)
-must name it with ``after=``, the forward's stream (captured on the forward
-thread: ``current()``) or an event recorded there (``mark()``, one per layer
-for layerwise stores). Without ``after=`` the calling thread's current stream
+must name it with ``after=``: the forward's stream (captured on the forward
+thread: ``current()``) or an event recorded there (``mark()``: the vLLM worker
+marks one per step for its loader and store threads, and one per layer for
+layerwise stores). Without ``after=`` the calling thread's current stream
 is the compute stream, right only on the forward thread itself.
 
 Without CUDA (caches on the CPU, or a torch without CUDA) the same calls run the
@@ -121,8 +122,10 @@ class TransferStream:
         """Run ``copy`` (host → device) after what the compute stream has queued so
         far (``after`` as for ``store``), and make the compute stream's later
         kernels wait for it (with ``compute_waits=False``: once the caller says so,
-        ``order_before_compute``; with ``after`` an event, the calling thread's
-        current stream waits); release or reuse the host buffers only after ``wait()``."""
+        ``order_before_compute``; with ``after`` an event there is no stream to make
+        wait: the caller lets the compute read the KV only once ``wait()`` returned,
+        as lmkv's loader threads do); release or reuse the host buffers only after
+        ``wait()``."""
         return self._issue(copy, compute_waits=compute_waits, after=after)
 
     def _issue(self, copy: Callable[[], None], *, compute_waits: bool,
@@ -132,8 +135,7 @@ class TransferStream:
             return DONE
         cuda = self._cuda
         if after is not None and not hasattr(after, "wait_event"):  # an event
-            ready = after
-            compute = cuda.current_stream(self.device)
+            ready, compute = after, None  # the caller orders the reads itself
         else:  # a stream (or the calling thread's): what it queued so far
             compute = after if after is not None else cuda.current_stream(self.device)
             ready = cuda.Event()
@@ -144,7 +146,7 @@ class TransferStream:
         done = cuda.Event()
         done.record(self._stream)
         transfer = Transfer(done, cuda, self.device)
-        if compute_waits:
+        if compute_waits and compute is not None:
             compute.wait_event(done)
         return transfer
 

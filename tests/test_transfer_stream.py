@@ -270,11 +270,13 @@ def test_after_names_the_forward_stream_or_its_event_instead_of_the_callers(
     stream.store(cuda.copy, after=event)
     assert cuda.log[0] == ("wait_event", "transfer", "e0")
     assert not any(e[0] == "record" and e[2] == "compute" for e in cuda.log)
+    stream.load(cuda.copy, after=event)  # no stream named: none made to wait
+    assert not any(e[0] == "wait_event" and e[1] != "transfer" for e in cuda.log)
     cuda.log.clear()
     stream.load(cuda.copy, after=forward)
-    assert cuda.log[0] == ("record", "e2", "forward")
-    assert cuda.log[1] == ("wait_event", "transfer", "e2")
-    assert cuda.log[-1] == ("wait_event", "forward", "e3")
+    assert cuda.log[0] == ("record", "e3", "forward")
+    assert cuda.log[1] == ("wait_event", "transfer", "e3")
+    assert cuda.log[-1] == ("wait_event", "forward", "e4")
     cuda.current = forward
     assert stream.current() is forward
-    assert stream.mark().name == "e4" and cuda.log[-1] == ("record", "e4", "forward")
+    assert stream.mark().name == "e5" and cuda.log[-1] == ("record", "e5", "forward")

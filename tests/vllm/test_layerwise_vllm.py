@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -295,8 +296,25 @@ def test_copies_from_lmkv_threads_wait_for_the_forward_stream_not_their_own(
         assert len(waits) == 4  # two layers stored, two loaded
         assert waits[:2] == produced  # each layer's store after its own forward event
         assert all(recorded[e] == "forward" for e in waits), (waits, recorded)
-        # and the loads made the forward's stream wait for their copies
-        assert sum(1 for e in cuda.log if e[:2] == ("wait_event", "forward")) == 2
+        # nothing is ordered on the loader and store threads' own (default) stream
+        assert not any("default" in e for e in cuda.log), cuda.log
+        # a lazy store (the lazy-store thread) and an asynchronous load (the
+        # async-load thread): each after the event marked on the forward's stream
+        cuda.log.clear()
+        side.save(meta(stores=[StoreSpec("lazy", list(range(100, 132)), [0, 3],
+                                         store_id="s1")]))
+        side.load(meta([LoadSpec("r3", tokens, [4, 1], async_load=True)]))
+        deadline = time.monotonic() + 30
+        loaded, confirmed = set(), None
+        while (not loaded or confirmed is None) and time.monotonic() < deadline:
+            loaded |= side.take_finished_loads() or set()
+            confirmed = confirmed or side.take_worker_meta()
+            time.sleep(0.01)
+        assert loaded == {"r3"} and confirmed is not None
+        recorded = {e[1]: e[2] for e in cuda.log if e[0] == "record"}
+        waits = [e[2] for e in cuda.log if e[:2] == ("wait_event", "transfer")]
+        assert len(waits) == 2 and all(recorded[e] == "forward" for e in waits)
+        assert not any("default" in e for e in cuda.log), cuda.log
     finally:
         side.close()
 

@@ -265,6 +265,14 @@ class StoreStep:
         self.events: dict[int, Any] = {}  # layer -> event on the forward's stream
         self.future: Any = None
 
+    def open_all(self, event: Any = None) -> None:
+        """Every layer is produced (the forward is done; ``event``, on its stream,
+        stands for the layers that reported no event of their own)."""
+        if event is not None:
+            for index in range(self.produced.num_layers):
+                self.events.setdefault(index, event)
+        self.produced.open_all()
+
     def layer_produced(self, index: int, event: Any = None) -> None:
         """Layer ``index``'s KV is queued on the forward's stream (``event``, recorded
         there then: its copy waits for it; None without CUDA); layers open in order

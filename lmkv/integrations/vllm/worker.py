@@ -34,7 +34,7 @@ from lmkv.lookup.responder import LookupResponder
 from lmkv.lookup.sockets import LookupEndpoints
 from lmkv.metrics import recorder
 from lmkv.metrics.record import record_load, record_store
-from lmkv.transfer_stream import TransferStream, stream_for
+from lmkv.transfer_stream import stream_for
 
 logger = logging.getLogger(__name__)
 
@@ -131,35 +131,38 @@ class WorkerSide:
         assert self.engine is not None, "register_kv_caches was not called"
         self._finish_loads()  # (the last step's, if nothing collected them)
         self._step_failed = set()  # a new step: its synchronous loads start afresh
-        forward = self._forward_stream()  # this is the forward's thread
+        # On the forward's thread: what its stream queued so far (none of this
+        # step's layers yet). The loader threads' copies wait for it, not for their
+        # own thread's stream; the forward reads a loaded layer only after the host
+        # saw its copy done (the layer's gate, or the finished-loads report).
+        ready = self._mark()
         layered = []
         for spec in meta.loads:
             if spec.async_load:
-                self._loader.submit(self._load_async, spec, forward)
+                self._loader.submit(self._load_async, spec, ready)
             elif self.layered is not None:
                 layered.append(spec)
-            else:
-                failed = self._load(spec, after=forward)
+            else:  # here, on the forward's thread: its stream waits for the copy
+                failed = self._load(spec)
                 with self._lock:
                     self._failed |= failed
                 self._step_failed |= failed
         if layered:  # the forward starts now; wait_layer holds each layer back
             step = self._load_step = LoadStep(len(self.kv_caches), self.block_size, layered)
-            self._layer_loader.submit(self._load_layered, step, forward)
+            self._layer_loader.submit(self._load_layered, step, ready)
 
-    def _transfer(self) -> TransferStream | None:
-        return stream_for(self.kv_caches[0].device) if self.kv_caches else None
-
-    def _forward_stream(self) -> Any:
-        """The calling thread's current CUDA stream, called on vLLM's forward
-        thread: the stream its forward runs on (torch's current stream is per
-        thread, and vLLM sets its own for that thread only). lmkv's loader and
-        store threads order their copies after it (``after=``); None without CUDA."""
-        transfer = self._transfer()
-        return transfer.current() if transfer is not None else None
+    def _mark(self) -> Any:
+        """An event recorded now on the calling thread's current CUDA stream; called
+        on vLLM's forward thread, "what the forward queued so far" on the stream it
+        runs on (torch's current stream is per thread, and vLLM makes its stream
+        current on that thread only). lmkv's loader and store threads order their
+        copies after it (``after=``); None without CUDA."""
+        if not self.kv_caches:
+            return None
+        return stream_for(self.kv_caches[0].device).mark()
 
     # -- lmkv.layerwise ------------------------------------------------------------
-    def _load_layered(self, step: LoadStep, forward: Any = None) -> None:
+    def _load_layered(self, step: LoadStep, ready: Any = None) -> None:
         """The loader thread: the step's loads in order, each layer by layer; the
         last one's progress opens the layers to the forward."""
         try:
@@ -167,7 +170,7 @@ class WorkerSide:
                 progress = step.gate.advance if i == len(step.specs) - 1 else None
                 failed = self._load(spec, Pace(step.guard, progress=progress,
                                                timeout_s=self.layer_timeout_s),
-                                    after=forward)
+                                    after=ready)
                 step.load_done(failed)
                 with self._lock:
                     self.counters.layerwise_loads += 1
@@ -208,24 +211,21 @@ class WorkerSide:
         if self.layered is None or index is None:
             return
         step = self._store_step
-        transfer = self._transfer()
         if step is None:
             step = self._store_step = StoreStep(len(self.kv_caches))
             eager = [s for s in meta.stores if s.store_id is None and s.token_ids]
             if eager:
-                step.future = self._layer_saver.submit(
-                    self._store_layered, step, eager, self._load_step,
-                    transfer.current() if transfer is not None else None)
+                step.future = self._layer_saver.submit(self._store_layered, step, eager,
+                                                       self._load_step)
         # On the forward's stream, after the kernels that wrote this layer: the store
         # thread's copy of the layer waits for this event, not its own thread's stream.
-        step.layer_produced(index, transfer.mark() if transfer is not None else None)
+        step.layer_produced(index, self._mark())
 
     def _store_layered(self, step: StoreStep, specs: list[StoreSpec],
-                       loads: LoadStep | None, forward: Any = None) -> None:
+                       loads: LoadStep | None) -> None:
         """The store thread: wait for the step's loads (a block that failed to load
         cuts the stores, ``_untainted``), then store each spec layer by layer, each
-        layer's copy after the forward's event for it (``forward``, the forward's
-        stream, for a layer opened without one)."""
+        layer's copy after the forward's event for it (``StoreStep.events``)."""
         failed: set[int] = set()
         if loads is not None:
             failed = loads.failed if loads.done.wait(self.layer_timeout_s) else loads.give_up()
@@ -234,7 +234,7 @@ class WorkerSide:
                 return
             self._store(self._untainted(spec, failed),
                         Pace(step.guard, source=step.produced, timeout_s=self.layer_timeout_s,
-                             events=step.events), after=forward)
+                             events=step.events))
             with self._lock:
                 self.counters.layerwise_stores += 1
 
@@ -245,7 +245,7 @@ class WorkerSide:
         step, self._store_step = self._store_step, None
         if step is None or step.future is None:
             return False
-        step.produced.open_all()
+        step.open_all(self._mark())  # (on the forward's thread: its forward is queued)
         try:
             step.future.result(self.layer_timeout_s)
         except Exception:
@@ -253,10 +253,10 @@ class WorkerSide:
             step.guard.cancel()
         return True
 
-    def _load_async(self, spec: LoadSpec, forward: Any = None) -> None:
+    def _load_async(self, spec: LoadSpec, ready: Any = None) -> None:
         failed: set[int] = set()
         try:
-            failed = self._load(spec, after=forward)
+            failed = self._load(spec, after=ready)
         finally:  # reported even when failed: vLLM then recomputes the failed blocks
             with self._lock:
                 self._loaded.append((spec.req_id, failed))
@@ -273,8 +273,8 @@ class WorkerSide:
         return {req_id for req_id, _ in done}
 
     def _load(self, spec: LoadSpec, pace: Pace | None = None, after: Any = None) -> set[int]:
-        """Load one request's KV (layer by layer with ``pace``; after the forward's
-        stream ``after``); the blocks that did not load."""
+        """Load one request's KV (layer by layer with ``pace``; after the event
+        ``after`` on the forward's stream); the blocks that did not load."""
         want = len(spec.token_ids)
         start = time.perf_counter()
         paced = _paced(pace, after)
@@ -312,17 +312,17 @@ class WorkerSide:
         assert self.engine is not None, "register_kv_caches was not called"
         self._finish_loads()
         layered = self._finish_stores()  # this step's eager stores, copied meanwhile
-        forward = self._forward_stream()  # this is the forward's thread
+        ready = self._mark()  # on the forward's thread: after the step's forward
         for spec in meta.stores:
             spec = self._untainted(spec, self._step_failed)
             if spec.store_id is None:
                 if not layered:
-                    self._store(spec, after=forward)
+                    self._store(spec, after=ready)
                 if spec.release:  # reported even when failed: vLLM frees the blocks
                     with self._lock:
                         self._saved.add(spec.req_id)
             else:
-                self._saver.submit(self._store_lazy, spec, forward)
+                self._saver.submit(self._store_lazy, spec, ready)
 
     def _untainted(self, spec: StoreSpec, failed: set[int]) -> StoreSpec:
         """``spec`` cut before its first block whose load failed in this step.
@@ -359,8 +359,8 @@ class WorkerSide:
         except Exception:
             logger.exception("lmkv: storing request %s failed", spec.req_id)
 
-    def _store_lazy(self, spec: StoreSpec, forward: Any = None) -> None:
-        self._store(spec, after=forward)
+    def _store_lazy(self, spec: StoreSpec, ready: Any = None) -> None:
+        self._store(spec, after=ready)
         with self._lock:  # confirmed even when failed: frees the blocks
             self._done[spec.store_id] = 1
 
@@ -446,7 +446,7 @@ def _refuse_context_parallel(parallel: Any) -> None:
 
 def _paced(pace: Pace | None, after: Any) -> dict[str, Any]:
     """The connector keywords a copy adds: its ``pace`` (layerwise) and ``after``
-    (the forward's stream), each only when set."""
+    (an event on the forward's stream), each only when set."""
     kw: dict[str, Any] = {}
     if pace is not None:
         kw["pace"] = pace
