@@ -18,8 +18,12 @@ What it does, per load size N (``--load-tokens``, default 2048, 8192, 32768):
   ``lmkv_kernels.scatter_blocks`` does for this layout, written inline so that
   no host synchronisation can hide in it; the kernels have their own section
   in bench_gpu.py);
-* the layerwise pipeline as lmkv runs it on CUDA: every layer's copy is issued
-  on a dedicated transfer stream, in layer order, each followed by an event;
+* a model of a layerwise pipeline, written inline here: it does NOT run lmkv's
+  code path (lmkv's vLLM worker copies through the paged connector on its
+  loader thread, one layer at a time, and opens a layer to the forward once
+  that layer's copy event completed; see docs/gpu.md). This model issues every
+  layer's copy on a dedicated transfer stream, in layer order, each followed
+  by an event;
   a forward pre-hook on decoder layer ``i`` makes the compute stream wait for
   event ``i`` (``wait_event``: no host synchronisation), so layer ``i``
   computes while later layers still copy. Every event is recorded before the

@@ -107,12 +107,17 @@ class GPUConnector(Plugin, ABC):
 
     @abstractmethod
     def to_chunks(self, spans: Sequence[ChunkSpan], **kv: Any) -> None:
-        """Copy the engine's KV of each span into its buffer (store path)."""
+        """Copy the engine's KV of each span into its buffer (store path).
+
+        ``after=`` (when given): the stream the engine's forward runs on, or a CUDA
+        event recorded there, that the copy must follow instead of the calling
+        thread's current stream (``lmkv.transfer_stream``): the caller may be
+        another thread than the forward's."""
 
     @abstractmethod
     def from_chunks(self, spans: Sequence[ChunkSpan], **kv: Any) -> Any:
         """Copy each span's buffer into the engine's KV (retrieve path).
 
         Returns the KV it wrote to when the connector builds it itself (see the
-        connector's docs), else None.
+        connector's docs), else None. ``after=``: as for ``to_chunks``.
         """

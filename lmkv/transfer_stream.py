@@ -7,8 +7,8 @@ stream) blocks the host until *every* kernel queued so far has run. Here each
 transfer is ordered against the compute stream by CUDA events only:
 
 - **store** (device → pinned host arena): an event ``ready`` is recorded on the
-  compute stream (the caller's current stream) when the store is issued, that
-  is after the forward that wrote the KV was queued; the transfer stream waits
+  compute stream when the store is issued, that is after the forward that wrote
+  the KV was queued; the transfer stream waits
   for ``ready`` (on the GPU, the host does not wait), then runs the copy and
   records ``done``. The chunk buffers may be published (handed to tiers and to
   other threads) only once ``done`` has completed: ``Transfer.wait()`` polls
@@ -17,6 +17,15 @@ transfer is ordered against the compute stream by CUDA events only:
   for ``done`` (``wait_event``, on the GPU) so that kernels queued after the
   load, the layers that read this KV, run after the copy. The host buffers may
   be reused or released once ``done`` has completed (``Transfer.wait()``).
+
+The compute stream is the stream the engine's forward runs on. torch's current
+stream is per thread, and vLLM sets its own stream for the forward thread only:
+a store or load issued from another thread (lmkv's loader and store threads)
+must name it with ``after=``: the forward's stream (captured on the forward
+thread: ``current()``) or an event recorded there (``mark()``: the vLLM worker
+marks one per step for its loader and store threads, and one per layer for
+layerwise stores). Without ``after=`` the calling thread's current stream
+is the compute stream, right only on the forward thread itself.
 
 Without CUDA (caches on the CPU, or a torch without CUDA) the same calls run the
 copy at once, on the calling thread, and return a transfer that is already
@@ -87,33 +96,57 @@ class TransferStream:
         """True when copies run at once on the calling thread (no CUDA)."""
         return self._stream is None
 
-    def store(self, copy: Callable[[], None]) -> Transfer:
+    def current(self) -> Any:
+        """The calling thread's current stream (None without CUDA): called on the
+        forward thread, the compute stream to hand other threads as ``after=``."""
+        return None if self._stream is None else self._cuda.current_stream(self.device)
+
+    def mark(self) -> Any:
+        """An event recorded now on the calling thread's current stream (None
+        without CUDA): on the forward thread, "what the forward queued so far"."""
+        if self._stream is None:
+            return None
+        event = self._cuda.Event()
+        event.record(self._cuda.current_stream(self.device))
+        return event
+
+    def store(self, copy: Callable[[], None], *, after: Any = None) -> Transfer:
         """Run ``copy`` (device → host) after what the compute stream has queued so
-        far; publish its buffers only after ``wait()`` (or once ``ready()``)."""
-        return self._issue(copy, compute_waits=False)
+        far (``after``: that stream, or an event recorded on it; default the calling
+        thread's current stream); publish its buffers only after ``wait()`` (or
+        once ``ready()``)."""
+        return self._issue(copy, compute_waits=False, after=after)
 
-    def load(self, copy: Callable[[], None], *, compute_waits: bool = True) -> Transfer:
+    def load(self, copy: Callable[[], None], *, compute_waits: bool = True,
+             after: Any = None) -> Transfer:
         """Run ``copy`` (host → device) after what the compute stream has queued so
-        far, and make the compute stream's later kernels wait for it (with
-        ``compute_waits=False``: once the caller says so, ``order_before_compute``);
-        release or reuse the host buffers only after ``wait()``."""
-        return self._issue(copy, compute_waits=compute_waits)
+        far (``after`` as for ``store``), and make the compute stream's later
+        kernels wait for it (with ``compute_waits=False``: once the caller says so,
+        ``order_before_compute``; with ``after`` an event there is no stream to make
+        wait: the caller lets the compute read the KV only once ``wait()`` returned,
+        as lmkv's loader threads do); release or reuse the host buffers only after
+        ``wait()``."""
+        return self._issue(copy, compute_waits=compute_waits, after=after)
 
-    def _issue(self, copy: Callable[[], None], *, compute_waits: bool) -> Transfer:
+    def _issue(self, copy: Callable[[], None], *, compute_waits: bool,
+               after: Any = None) -> Transfer:
         if self._stream is None:
             copy()
             return DONE
         cuda = self._cuda
-        compute = cuda.current_stream(self.device)
-        ready = cuda.Event()
-        ready.record(compute)
+        if after is not None and not hasattr(after, "wait_event"):  # an event
+            ready, compute = after, None  # the caller orders the reads itself
+        else:  # a stream (or the calling thread's): what it queued so far
+            compute = after if after is not None else cuda.current_stream(self.device)
+            ready = cuda.Event()
+            ready.record(compute)
         self._stream.wait_event(ready)
         with cuda.stream(self._stream):  # tensors made inside belong to this stream
             copy()
         done = cuda.Event()
         done.record(self._stream)
         transfer = Transfer(done, cuda, self.device)
-        if compute_waits:
+        if compute_waits and compute is not None:
             compute.wait_event(done)
         return transfer
 

@@ -12,6 +12,7 @@ before it times them.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import random
@@ -207,3 +208,44 @@ def test_rows_move_in_the_widest_words_their_strides_and_addresses_allow(
     assert words(bf16.transpose(3, 4), torch.zeros(8, dtype=torch.bfloat16)) == (2, 1)
     assert words(bf16.view(torch.float8_e4m3fn)[..., :3],
                  torch.zeros(8, dtype=torch.uint8)) == (1, 1)
+
+
+def test_index_tables_go_to_cuda_pinned_and_non_blocking_on_the_caches_device(
+        triton_impl: ModuleType, monkeypatch) -> None:
+    """CUDA STUBBED (no GPU here): a table is pinned, then copied without blocking
+    (a pageable copy would block the host until the transfer stream, waiting for
+    the forward, got there); launches run with the caches' device current. On CPU
+    tensors (the interpreter) every table of a launch goes through ``_to_device``."""
+    log: list[tuple] = []
+    table = torch.arange(4)
+    monkeypatch.setattr(torch.Tensor, "pin_memory",
+                        lambda self: (log.append(("pin",)), self)[1])
+    real_to = torch.Tensor.to
+
+    def to(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if args and isinstance(args[0], torch.device) and args[0].type == "cuda":
+            log.append(("to", str(args[0]), kwargs.get("non_blocking", False)))
+            return self
+        return real_to(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "to", to)
+    triton_impl._to_device(table, torch.device("cuda", 1))
+    assert log == [("pin",), ("to", "cuda:1", True)]
+    monkeypatch.setattr(torch.cuda, "device",
+                        lambda device: (log.append(("device", str(device))),
+                                        contextlib.nullcontext())[1])
+    with triton_impl._on_device(torch.device("cuda", 1)):
+        pass
+    assert log[-1] == ("device", "cuda:1")
+    monkeypatch.undo()
+    moved: list[torch.device] = []
+    real = triton_impl._to_device
+    monkeypatch.setattr(triton_impl, "_to_device",
+                        lambda t, device: (moved.append(device), real(t, device))[1])
+    caches = [torch.randn(4, 2, 16, 2 * 8) for _ in range(2)]  # cpu layout
+    buf = torch.empty(2, 2, 16, 2, 8)
+    triton_impl.gather_blocks(caches, [3], [(0, buf)], layout="cpu")
+    assert moved == [torch.device("cpu")] * 6  # cache_tok, chunk, in_chunk, length, 2 tables
+    want = torch.empty_like(buf)
+    torch_ref.gather_blocks(caches, [3], [(0, want)], "cpu")
+    assert torch.equal(buf, want)

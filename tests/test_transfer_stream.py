@@ -256,3 +256,27 @@ def test_on_a_gpu_paged_stores_and_loads_are_bit_exact_without_a_device_sync(
     torch.cuda.current_stream().synchronize()  # (the test's own read, not lmkv's)
     for src, dst in zip(caches, target, strict=True):
         assert torch.equal(src[:, [3, 1, 6, 0]].cpu(), dst[:, [7, 2, 5, 4]].cpu())
+
+
+def test_after_names_the_forward_stream_or_its_event_instead_of_the_callers(
+        no_device_sync) -> None:
+    # CUDA STUBBED: the caller's current stream ("compute" here) is not the forward's:
+    # a store after the forward's event waits for that event only; a load after the
+    # forward's stream records there and makes that stream wait for the copy.
+    cuda = FakeCuda()
+    stream = TransferStream("cuda:0", cuda=cuda)
+    forward = FakeStream(cuda, "forward")
+    event = cuda.Event()  # e0: as recorded on the forward's stream by mark()
+    stream.store(cuda.copy, after=event)
+    assert cuda.log[0] == ("wait_event", "transfer", "e0")
+    assert not any(e[0] == "record" and e[2] == "compute" for e in cuda.log)
+    stream.load(cuda.copy, after=event)  # no stream named: none made to wait
+    assert not any(e[0] == "wait_event" and e[1] != "transfer" for e in cuda.log)
+    cuda.log.clear()
+    stream.load(cuda.copy, after=forward)
+    assert cuda.log[0] == ("record", "e3", "forward")
+    assert cuda.log[1] == ("wait_event", "transfer", "e3")
+    assert cuda.log[-1] == ("wait_event", "forward", "e4")
+    cuda.current = forward
+    assert stream.current() is forward
+    assert stream.mark().name == "e5" and cuda.log[-1] == ("record", "e5", "forward")

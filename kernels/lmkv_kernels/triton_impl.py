@@ -8,9 +8,11 @@ either direction, for every layout: a layout is only the strides of its
 as int16, fp8 as int8), or several at once where rows, strides and addresses
 allow (up to 8 bytes a load): bit-exact whatever the dtype. Layers and chunk buffers
 are reached through tables of their addresses, so neither needs to be one
-tensor. Per token the host side computes, on the caches' device, where the
-token lives in the cache (its block's offset plus its slot's) and in its
-chunk; a program copies ``BLOCK_T`` tokens of one layer.
+tensor. Per token the host computes where the token lives in the cache (its
+block's offset plus its slot's) and in its chunk, and copies those tables to
+the caches' device (from pinned memory, without blocking the host); launches
+run with the caches' device current. A program copies ``BLOCK_T`` tokens of
+one layer.
 
 Chunk buffers on another device (pinned host memory) or strided go through a
 contiguous buffer on the caches' device, then one transfer per chunk, as in
@@ -24,7 +26,9 @@ module is imported, as ``triton.jit`` reads it when it decorates the kernel
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import triton
@@ -135,6 +139,29 @@ def _direct(buf: torch.Tensor, device: torch.device) -> bool:
 
 def _launch(caches: Sequence[torch.Tensor], block_ids: BlockIds, chunks: Chunks,
             skip_tokens: int, layout: Layout | None, *, gather: bool) -> None:
+    # Triton launches on the current CUDA device: the caches' (the calling thread's
+    # current device may be another, on a multi-GPU host).
+    with _on_device(caches[0].device):
+        _launch_on(caches, block_ids, chunks, skip_tokens, layout, gather=gather)
+
+
+def _on_device(device: torch.device) -> contextlib.AbstractContextManager[Any]:
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def _to_device(table: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host-built index table on ``device``. To CUDA from pinned memory, without
+    blocking: a copy from pageable memory would block the host until the transfer
+    stream got there, that is until the forward it waits for is done. The pinned
+    staging memory comes from torch's caching host allocator, which does not reuse
+    it before the copy that reads it has run (an event on the current stream)."""
+    if device.type != "cuda":
+        return table.to(device)
+    return table.pin_memory().to(device, non_blocking=True)
+
+
+def _launch_on(caches: Sequence[torch.Tensor], block_ids: BlockIds, chunks: Chunks,
+               skip_tokens: int, layout: Layout | None, *, gather: bool) -> None:
     g = geometry(caches[0], layout)
     device = caches[0].device
     views = [as_blocks(cache, g.layout) for cache in caches]
@@ -153,10 +180,10 @@ def _launch(caches: Sequence[torch.Tensor], block_ids: BlockIds, chunks: Chunks,
     n_tokens = cache_tok.numel()
     if n_tokens == 0:
         return
-    cache_table = torch.tensor([c.data_ptr() for c in caches], dtype=torch.int64,
-                               device=device)
-    buf_table = torch.tensor([buf.data_ptr() for _, buf in chunks], dtype=torch.int64,
-                             device=device)
+    cache_table = _to_device(torch.tensor([c.data_ptr() for c in caches], dtype=torch.int64),
+                             device)
+    buf_table = _to_device(torch.tensor([buf.data_ptr() for _, buf in chunks],
+                                        dtype=torch.int64), device)
     block_d = min(triton.next_power_of_2(dim), _TILE)
     block_t = max(1, _TILE // block_d)  # (whatever n_tokens: one compiled kernel a shape)
     grid = (triton.cdiv(n_tokens, block_t), len(caches))
@@ -206,5 +233,6 @@ def _token_tables(block_ids: BlockIds, chunks: Chunks, skip_tokens: int, block_s
     ids = torch.as_tensor(ids if len(ids) else [], dtype=torch.int64)
     ids = ids.to("cpu", torch.int64)
     cache_tok = ids[token // block_size] * s_block + (token % block_size) * s_slot
-    return (cache_tok.to(device), chunk.to(device, torch.int32),
-            in_chunk.to(device, torch.int32), lengths[chunk].to(device, torch.int32))
+    return (_to_device(cache_tok, device), _to_device(chunk.to(torch.int32), device),
+            _to_device(in_chunk.to(torch.int32), device),
+            _to_device(lengths[chunk].to(torch.int32), device))

@@ -12,6 +12,12 @@ bytes in and out with torch. Two kinds, tried in this order:
   it take a TLB miss per 2 MiB instead of per 4 KiB (/dev/shm gets no
   transparent huge pages on most hosts), and a client fills its page tables
   with one fault per 2 MiB (``benchmarks/bench_shm_pages.py`` compares both).
+  The name handed to clients also carries the memfd's full random name and its
+  device and inode (``/proc/<pid>/fd/<n>#lmkv-<pid>-<hex>#<dev>:<ino>``): a
+  client maps the descriptor only if it links to exactly that memfd and the file
+  it opened is that inode. Without the check, a pid seen from another pid
+  namespace on the same host (containers sharing hostname and boot id), or a
+  pid reused, could name another lmkv server's arena.
 - **/dev/shm** (``lmkv-<pid>-<random>``, 4 KiB pages): the creator unlinks the
   segment on close; if the creator is killed, Python's resource tracker (a
   helper process of the creator) unlinks it, so no segment outlives its server
@@ -47,10 +53,9 @@ logger = logging.getLogger(__name__)
 
 SHM_DIR = "/dev/shm"
 NAME_PREFIX = "lmkv-"
-#: How a huge-page segment is named to clients: a descriptor of the server's.
-_HUGE_NAME = re.compile(r"/proc/(\d+)/fd/(\d+)")
-#: What such a descriptor must link to (memfd names are shown like this).
-_MEMFD_TARGET = f"/memfd:{NAME_PREFIX}"
+#: How a huge-page segment is named to clients: a descriptor of the server's, the
+#: memfd's name, and the memfd's device and inode.
+_HUGE_NAME = re.compile(rf"(/proc/\d+/fd/\d+)#({NAME_PREFIX}\d+-[0-9a-f]+)#(\d+):(\d+)")
 #: The host setting that reserves huge pages (docs/server.md).
 HUGE_PAGES_SETTING = "sysctl vm.nr_hugepages"
 
@@ -169,8 +174,8 @@ class SharedSegment:
                 os.close(fd)
             return None, f"huge pages: {exc.strerror or exc}"
         logger.debug("created huge-page segment %s (%d bytes)", name, len(mapping))
-        return cls(f"/proc/{os.getpid()}/fd/{fd}", mapping, owner=True,
-                   page_size=pages.page_size, fd=fd), ""
+        return cls(huge_segment_name(f"/proc/{os.getpid()}/fd/{fd}", name, os.fstat(fd)),
+                   mapping, owner=True, page_size=pages.page_size, fd=fd), ""
 
     @classmethod
     def attach(cls, name: str, min_size: int = 0) -> SharedSegment:
@@ -195,22 +200,29 @@ class SharedSegment:
 
     @classmethod
     def _attach_huge(cls, name: str, min_size: int) -> SharedSegment:
-        """Map a huge-page segment through its creator's descriptor. Only an lmkv
-        memfd is mapped: a name pointing anywhere else (a file of this user) is refused
-        rather than written into."""
-        if not _HUGE_NAME.fullmatch(name):
+        """Map a huge-page segment through its creator's descriptor. Only the memfd
+        the name describes is mapped: a descriptor linking anywhere else (a file of
+        this user, another server's memfd under a pid seen from another namespace
+        or reused) is refused rather than written into."""
+        match = _HUGE_NAME.fullmatch(name)
+        if match is None:
             raise SharedMemoryUnavailable(f"shared memory: {name!r} is not a segment name")
+        path, memfd, dev, ino = match.groups()
         try:
-            target = os.readlink(name)
-            if not target.startswith(_MEMFD_TARGET):
+            # Linux shows a memfd's link as "/memfd:<name> (deleted)".
+            if os.readlink(path) != f"/memfd:{memfd} (deleted)":
                 raise SharedMemoryUnavailable(
-                    f"shared memory: {name!r} is not an lmkv segment")
-            fd = os.open(name, os.O_RDWR | os.O_CLOEXEC)
+                    f"shared memory: {name!r} is not that lmkv segment")
+            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
         except OSError as exc:
             raise SharedMemoryUnavailable(
                 f"shared memory: cannot map {name!r}: {exc.strerror or exc}") from None
         try:
-            size = os.fstat(fd).st_size
+            st = os.fstat(fd)
+            if (st.st_dev, st.st_ino) != (int(dev), int(ino)):  # (relinked meanwhile)
+                raise SharedMemoryUnavailable(
+                    f"shared memory: {name!r} is not that lmkv segment")
+            size = st.st_size
             if size < max(min_size, 1):
                 raise SharedMemoryUnavailable(
                     f"shared memory: {name!r} has {size} bytes, expected {min_size}")
@@ -246,6 +258,12 @@ class SharedSegment:
     def __repr__(self) -> str:
         return (f"SharedSegment({self.name!r}, size={self.size}, owner={self.owner}, "
                 f"page_size={self.page_size})")
+
+
+def huge_segment_name(path: str, memfd_name: str, st: os.stat_result) -> str:
+    """What clients are handed for a memfd segment: the descriptor's ``path``, the
+    memfd's name, and its device and inode (``st``), checked by ``attach``."""
+    return f"{path}#{memfd_name}#{st.st_dev}:{st.st_ino}"
 
 
 def _free_shm_bytes() -> int | None:

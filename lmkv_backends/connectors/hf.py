@@ -44,16 +44,16 @@ class HFConnector(GPUConnector):
                 check(0 <= batch_index < t.shape[0], f"batch_index {batch_index} out of range")
 
     def to_chunks(self, spans: Sequence[ChunkSpan], *, kv: KVPairs,
-                  batch_index: int = 0, **_: Any) -> None:
+                  batch_index: int = 0, after: Any = None, **_: Any) -> None:
         self._validate(kv, max((s.end for s in spans), default=0), batch_index)
         chunks = [(s.start, s.buffer) for s in spans]
         if kv:  # on the transfer stream; the buffers are published after its event
             stream_for(kv[0][0].device).store(
-                lambda: lmkv_kernels.gather_dense(kv, chunks, batch_index)).wait()
+                lambda: lmkv_kernels.gather_dense(kv, chunks, batch_index), after=after).wait()
 
     def from_chunks(self, spans: Sequence[ChunkSpan], *, kv: KVPairs | None = None,
                     batch_index: int = 0, device: torch.device | str | None = None,
-                    **_: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+                    after: Any = None, **_: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
         spec = self.spec
         if kv is None:
             total = max((s.end for s in spans), default=0)
@@ -66,5 +66,6 @@ class HFConnector(GPUConnector):
         chunks = [(s.start, s.buffer) for s in spans]
         if kv:  # the compute stream waits for the copy; the buffers are released after it
             stream_for(kv[0][0].device).load(
-                lambda: lmkv_kernels.scatter_dense(kv, chunks, batch_index)).wait()
+                lambda: lmkv_kernels.scatter_dense(kv, chunks, batch_index),
+                after=after).wait()
         return list(kv)

@@ -109,25 +109,31 @@ class PagedConnector(GPUConnector):
         return g
 
     def to_chunks(self, spans: Sequence[ChunkSpan], *, kv_caches: Sequence[torch.Tensor],
-                  block_ids: Sequence[int] | torch.Tensor, **_: Any) -> None:
+                  block_ids: Sequence[int] | torch.Tensor, after: Any = None,
+                  **_: Any) -> None:
+        """``after``: the forward's stream or an event on it (``TransferStream.store``),
+        when the caller is not the forward's thread."""
         g = self._validate(kv_caches, block_ids, max((s.end for s in spans), default=0))
         chunks = [(s.start, s.buffer) for s in spans]
         # On the transfer stream, after the forward that wrote the KV (lmkv.transfer_stream);
         # the buffers are published to tiers and other threads next: after its event.
         stream_for(kv_caches[0].device).store(
             lambda: lmkv_kernels.gather_blocks(kv_caches, block_ids, chunks, layout=g.layout,
-                                               kernels=self.kernels)).wait()
+                                               kernels=self.kernels), after=after).wait()
 
     def from_chunks(self, spans: Sequence[ChunkSpan], *, kv_caches: Sequence[torch.Tensor],
                     block_ids: Sequence[int] | torch.Tensor, skip_tokens: int = 0,
-                    **_: Any) -> None:
+                    after: Any = None, **_: Any) -> None:
         """``skip_tokens``: leave the request's first tokens alone (the engine
-        already holds them, possibly in blocks other requests share)."""
+        already holds them, possibly in blocks other requests share). ``after``:
+        the forward's stream (``TransferStream.load``), when the caller is not the
+        forward's thread."""
         g = self._validate(kv_caches, block_ids, max((s.end for s in spans), default=0))
         chunks = [(s.start, s.buffer) for s in spans]
         # The compute stream's later kernels wait for the copy on the GPU; the chunk
         # buffers are released after this returns: after its event.
         stream_for(kv_caches[0].device).load(
             lambda: lmkv_kernels.scatter_blocks(kv_caches, block_ids, chunks, skip_tokens,
-                                                layout=g.layout, kernels=self.kernels)).wait()
+                                                layout=g.layout, kernels=self.kernels),
+            after=after).wait()
         return None

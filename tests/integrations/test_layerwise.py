@@ -101,6 +101,12 @@ def test_a_layered_load_equals_the_whole_load_and_reports_each_layer() -> None:
     conn.from_chunks(spans, kv_caches=by_layer, block_ids=blocks, pace=pace)
     with pytest.raises(RuntimeError, match="more than one call"):
         conn.from_chunks(spans, kv_caches=by_layer, block_ids=blocks, pace=pace)
+    # a store may come in several calls (the server's inline path, batch by batch)
+    store = Pace(CopyGuard())
+    out = [torch.zeros_like(chunk), torch.zeros_like(chunk)]
+    for buf in out:
+        conn.to_chunks([ChunkSpan(0, 8, buf)], kv_caches=by_layer, block_ids=blocks, pace=store)
+    assert torch.equal(out[0], chunk) and torch.equal(out[1], chunk)
 
 
 def test_a_layered_store_copies_a_layer_only_once_it_is_produced() -> None:

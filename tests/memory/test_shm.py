@@ -17,7 +17,13 @@ import torch
 from lmkv.backend import ArenaPlacement, BackendContext
 from lmkv.config import load_config
 from lmkv.memory import MemoryAllocator
-from lmkv.memory.shm import HugePages, SharedMemoryUnavailable, SharedSegment, huge_pages
+from lmkv.memory.shm import (
+    HugePages,
+    SharedMemoryUnavailable,
+    SharedSegment,
+    huge_pages,
+    huge_segment_name,
+)
 from lmkv.server.main import build_storage, tiers_line
 from lmkv_backends.tiers.cpu import CPUBackend
 from lmkv_policies.lru import LRUPolicy
@@ -146,10 +152,11 @@ def test_the_arena_goes_on_huge_pages_when_the_host_has_them_reserved(
     try:
         assert segment.huge_pages and segment.page_size == page
         assert segment.size == 3 * page  # whole pages
-        assert re.fullmatch(rf"/proc/{os.getpid()}/fd/\d+", segment.name)
+        assert re.fullmatch(rf"/proc/{os.getpid()}/fd/\d+#lmkv-{os.getpid()}-[0-9a-f]+#\d+:\d+",
+                            segment.name)
         assert segment.name in lmkv_segments() and not _shm_lines(caplog)
         assert huge_pages().available == reserved_huge_pages.available - 3  # taken now
-        assert oct(os.stat(segment.name).st_mode & 0o777) == oct(0o600)
+        assert oct(os.stat(segment.name.partition("#")[0]).st_mode & 0o777) == oct(0o600)
         segment.tensor[-1] = 7
         # another process maps it by the name clients are handed, and writes into it
         code = ("import sys; from lmkv.memory.shm import SharedSegment; "
@@ -206,7 +213,41 @@ def test_attach_maps_only_lmkv_huge_page_segments(tmp_path) -> None:
         SharedSegment.attach("/etc/passwd")
     with open(tmp_path / "mine", "wb+") as f:  # a file of this user, not a segment
         f.truncate(4096)
-        with pytest.raises(SharedMemoryUnavailable, match="not an lmkv segment"):
-            SharedSegment.attach(f"/proc/{os.getpid()}/fd/{f.fileno()}")
+        path = f"/proc/{os.getpid()}/fd/{f.fileno()}"
+        with pytest.raises(SharedMemoryUnavailable, match="not that lmkv segment"):
+            SharedSegment.attach(huge_segment_name(path, "lmkv-1-abcd", os.fstat(f.fileno())))
     with pytest.raises(SharedMemoryUnavailable, match="cannot map"):
-        SharedSegment.attach(f"/proc/{os.getpid()}/fd/999999")
+        SharedSegment.attach(f"/proc/{os.getpid()}/fd/999999#lmkv-1-abcd#1:2")
+
+
+def test_attach_maps_only_the_memfd_its_name_describes() -> None:
+    """A descriptor path may link to another lmkv server's memfd (a pid seen from
+    another pid namespace on the same host, a pid reused): attach checks the
+    memfd's full name and its inode. Plain memfds stand in for huge-page ones
+    (none reserved here); the checks are the same."""
+    pid = os.getpid()
+    mine = os.memfd_create(f"lmkv-{pid}-abcd1234", os.MFD_CLOEXEC)
+    other = os.memfd_create(f"lmkv-{pid + 1}-00ff00ff", os.MFD_CLOEXEC)  # another server's
+    try:
+        for fd in (mine, other):
+            os.ftruncate(fd, 4096)
+        good = huge_segment_name(f"/proc/{pid}/fd/{mine}", f"lmkv-{pid}-abcd1234",
+                                 os.fstat(mine))
+        segment = SharedSegment.attach(good, 4096)
+        assert segment.size == 4096
+        segment.close()
+        # the descriptor links to another lmkv memfd: refused
+        with pytest.raises(SharedMemoryUnavailable, match="not that lmkv segment"):
+            SharedSegment.attach(huge_segment_name(f"/proc/{pid}/fd/{other}",
+                                                   f"lmkv-{pid}-abcd1234", os.fstat(mine)))
+        # the right link text but another file (a memfd of the same name): refused
+        st = os.fstat(mine)
+        forged = huge_segment_name(f"/proc/{pid}/fd/{mine}", f"lmkv-{pid}-abcd1234",
+                                   os.stat_result((*st[:1], st.st_ino + 1, *st[2:])))
+        with pytest.raises(SharedMemoryUnavailable, match="not that lmkv segment"):
+            SharedSegment.attach(forged)
+        with pytest.raises(SharedMemoryUnavailable, match="not a segment name"):
+            SharedSegment.attach(f"/proc/{pid}/fd/{mine}")  # no memfd name or inode
+    finally:
+        os.close(mine)
+        os.close(other)

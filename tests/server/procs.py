@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from lmkv.memory.shm import huge_segment_name
 from lmkv.rpc.client import ServerClient
 from lmkv.tokens import CacheKey, KeyMeta, prefix_hashes
 
@@ -61,8 +62,10 @@ def lmkv_segments() -> set[str]:
     names = {p.name for p in SHM_DIR.glob("lmkv-*")} if SHM_DIR.is_dir() else set()
     for fd in Path("/proc").glob("[0-9]*/fd/*"):
         try:
-            if os.readlink(fd).startswith("/memfd:lmkv-"):
-                names.add(str(fd))
+            target = os.readlink(fd)
+            if target.startswith("/memfd:lmkv-"):  # named as clients are handed it
+                memfd = target.removeprefix("/memfd:").removesuffix(" (deleted)")
+                names.add(huge_segment_name(str(fd), memfd, os.stat(fd)))
         except OSError:  # gone meanwhile, or another user's
             continue
     return names

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -230,3 +231,129 @@ def test_the_connector_asks_for_piecewise_cuda_graphs_only_when_layerwise() -> N
     assert LMKVConnector.requires_piecewise_for_cudagraph({"lmcache.use_layerwise": "true"})
     assert not LMKVConnector.requires_piecewise_for_cudagraph({})
     assert not LMKVConnector.requires_piecewise_for_cudagraph({"lmkv.layerwise": "no!"})
+
+
+class _ThreadedCuda:
+    """``torch.cuda`` STUBBED (no GPU here), with torch's per-thread current stream:
+    the test's thread is vLLM's forward thread (its stream "forward"); lmkv's own
+    threads see the default stream, as they do under vLLM."""
+
+    def __new__(cls):  # type: ignore[no-untyped-def]
+        from tests.test_transfer_stream import FakeCuda, FakeStream
+
+        class Threaded(FakeCuda):
+            def __init__(self) -> None:
+                super().__init__()
+                self._local = threading.local()
+                self.forward_thread = threading.get_ident()
+                self.forward = FakeStream(self, "forward")
+                self.default = FakeStream(self, "default")
+
+            @property
+            def current(self):  # type: ignore[no-untyped-def]
+                mine = getattr(self._local, "stream", None)
+                if mine is not None:
+                    return mine
+                return self.forward if threading.get_ident() == self.forward_thread \
+                    else self.default
+
+            @current.setter
+            def current(self, stream) -> None:  # type: ignore[no-untyped-def]
+                if hasattr(self, "_local"):
+                    self._local.stream = None if stream in (self.forward, self.default) \
+                        else stream
+
+        return Threaded()
+
+
+def test_copies_from_lmkv_threads_wait_for_the_forward_stream_not_their_own(
+        tmp_path, monkeypatch) -> None:
+    """CUDA STUBBED: the copies run for real on CPU tensors; what is checked is that
+    every copy issued on lmkv's loader and store threads waits for an event recorded
+    on the forward's stream (for a layerwise store: the one recorded when that layer
+    was produced), never for the calling thread's default stream."""
+    from lmkv import transfer_stream
+    from lmkv.transfer_stream import TransferStream
+
+    cuda = _ThreadedCuda()
+    monkeypatch.setitem(transfer_stream._streams, torch.device("cpu"),
+                        TransferStream("cpu", cuda=cuda))
+    side = layered(tmp_path)
+    try:
+        tokens = list(range(32))
+        step = meta(stores=[StoreSpec("r", tokens, [2, 5])])
+        produced = []
+        for name in NAMES:  # the forward thread: each layer's event on its stream
+            side.layer_saved(name, step)
+            produced.append(next(e[1] for e in reversed(cuda.log) if e[0] == "record"))
+        side.save(step)
+        side.load(meta([LoadSpec("r2", tokens, [1, 3])]))  # the layerwise loader thread
+        for name in NAMES:
+            side.wait_layer(name)
+        assert side.take_failed_blocks() == set()
+        recorded = {e[1]: e[2] for e in cuda.log if e[0] == "record"}
+        waits = [e[2] for e in cuda.log if e[:2] == ("wait_event", "transfer")]
+        assert len(waits) == 4  # two layers stored, two loaded
+        assert waits[:2] == produced  # each layer's store after its own forward event
+        assert all(recorded[e] == "forward" for e in waits), (waits, recorded)
+        # nothing is ordered on the loader and store threads' own (default) stream
+        assert not any("default" in e for e in cuda.log), cuda.log
+        # a lazy store (the lazy-store thread) and an asynchronous load (the
+        # async-load thread): each after the event marked on the forward's stream
+        cuda.log.clear()
+        side.save(meta(stores=[StoreSpec("lazy", list(range(100, 132)), [0, 3],
+                                         store_id="s1")]))
+        side.load(meta([LoadSpec("r3", tokens, [4, 1], async_load=True)]))
+        deadline = time.monotonic() + 30
+        loaded, confirmed = set(), None
+        while (not loaded or confirmed is None) and time.monotonic() < deadline:
+            loaded |= side.take_finished_loads() or set()
+            confirmed = confirmed or side.take_worker_meta()
+            time.sleep(0.01)
+        assert loaded == {"r3"} and confirmed is not None
+        recorded = {e[1]: e[2] for e in cuda.log if e[0] == "record"}
+        waits = [e[2] for e in cuda.log if e[:2] == ("wait_event", "transfer")]
+        assert len(waits) == 2 and all(recorded[e] == "forward" for e in waits)
+        assert not any("default" in e for e in cuda.log), cuda.log
+    finally:
+        side.close()
+
+
+def test_a_layered_store_through_the_inline_data_path_stores_every_batch(tmp_path) -> None:
+    """Server mode without shared memory: a store goes out in batches of what one
+    request holds (here one chunk each), each filled by its own connector call; a
+    layered store copies every batch, not only the first."""
+    import os
+    import sys
+
+    from lmkv.testing.server import spawn_server
+
+    chunk_bytes = 2 * 2 * 16 * 2 * 8 * 4  # layers, K/V, tokens, heads, dim, float32
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    server, address = spawn_server(  # room for one chunk a request (and the header room)
+        tmp_path, "tiers:\n  - type: cpu\n    options: {max_bytes: 64MiB}\n", env=env,
+        args=["--max-request-bytes", str((1 << 16) + chunk_bytes + chunk_bytes // 2)])
+    keys = {"lmkv.layerwise": True, "lmkv.mode": "server", "lmkv.server.address": address,
+            "lmkv.server.timeout_ms": 5000, "lmkv.server.data_path": "inline"}
+    writer, reader = worker(tmp_path, **keys), worker(tmp_path, **keys)
+    try:
+        writer.register(caches("flash"))
+        reader.register(caches("flash"))
+        tokens = list(range(32))  # two chunks: two batches
+        step = meta(stores=[StoreSpec("r", tokens, [2, 5])])
+        for name in NAMES:
+            writer.layer_saved(name, step)
+        writer.save(step)
+        assert writer.counters.stored_tokens == 32
+        assert reader.engine.lookup(tokens) == 32
+        reader.load(meta([LoadSpec("r2", tokens, [1, 3])]))
+        for name in NAMES:
+            reader.wait_layer(name)
+        assert reader.take_failed_blocks() == set()
+        for w, r in zip(writer.kv_caches, reader.kv_caches, strict=True):
+            assert torch.equal(w[:, [2, 5]], r[:, [1, 3]])
+    finally:
+        writer.close()
+        reader.close()
+        server.terminate()
+        server.wait(60)

@@ -141,3 +141,79 @@ def test_an_mla_model_s_latent_is_copied_and_keyed_once_for_its_tp_ranks(tmp_pat
             assert torch.equal(c[[4, 1]], b[[4, 1]])
     finally:
         side.close()
+
+
+@pytest.mark.parametrize("cp", [{"decode_context_parallel_size": 2},
+                                {"prefill_context_parallel_size": 2}])
+def test_an_mla_model_under_context_parallelism_is_refused_in_one_line(tmp_path, cp) -> None:
+    """Context parallelism shards an MLA group's tokens over its tensor-parallel
+    ranks, whose latents lmkv keys once: refused at start (vLLM's own ParallelConfig)."""
+    from vllm.config import ParallelConfig
+
+    from lmkv.errors import ConfigError
+
+    config = load_config(env={}, overrides={"lmkv.chunk_size": 16,
+                                            "lmkv.lookup.runtime_dir": str(tmp_path)})
+
+    def vllm_config(mla: bool, parallel):  # type: ignore[no-untyped-def]
+        return SimpleNamespace(
+            model_config=SimpleNamespace(model="m", max_model_len=256, use_mla=mla,
+                                         get_head_size=lambda: 24),
+            parallel_config=parallel, kv_transfer_config=SimpleNamespace(engine_id="w1"),
+            cache_config=SimpleNamespace(block_size=BLOCK))
+
+    with pytest.raises(ConfigError) as err:
+        WorkerSide(config, vllm_config(True, ParallelConfig(tensor_parallel_size=2, **cp)))
+    line = str(err.value)
+    assert "\n" not in line and "context_parallel_size=2" in line and "MLA" in line
+    WorkerSide(config, vllm_config(False, ParallelConfig(tensor_parallel_size=2, **cp))).close()
+    WorkerSide(config, vllm_config(True, ParallelConfig(tensor_parallel_size=2))).close()
+
+
+def _fp8_side(tmp_path, cache_config):  # type: ignore[no-untyped-def]
+    config = load_config(env={}, overrides={"lmkv.chunk_size": 16,
+                                            "lmkv.lookup.runtime_dir": str(tmp_path)})
+    return WorkerSide(config, SimpleNamespace(
+        model_config=SimpleNamespace(model="m", max_model_len=256, get_head_size=lambda: DIM),
+        parallel_config=SimpleNamespace(world_size=1, rank=0),
+        kv_transfer_config=SimpleNamespace(engine_id="w1"), cache_config=cache_config))
+
+
+def test_fp8_caches_vllm_keeps_as_bytes_are_keyed_by_their_format(tmp_path) -> None:
+    """vLLM allocates fp8, fp8_e4m3 and fp8_e5m2 caches all as torch.uint8: the
+    worker names the format (e4m3 and e5m2 KV never share a key) and copies the
+    bytes unchanged; a byte format it cannot name is refused in one line."""
+    from vllm.config import CacheConfig
+
+    from lmkv.errors import ConfigError
+
+    shape = (2, BLOCKS, BLOCK, HEADS, DIM)
+    raw = {f"layer.{i}": torch.randint(0, 256, shape, dtype=torch.uint8) for i in range(LAYERS)}
+    keys = {}
+    for cache_dtype, dtype in (("fp8", torch.float8_e4m3fn), ("fp8_e5m2", torch.float8_e5m2)):
+        side = _fp8_side(tmp_path, CacheConfig(block_size=BLOCK, cache_dtype=cache_dtype))
+        side.register({n: c.clone() for n, c in raw.items()})
+        try:
+            assert side.engine.spec.dtype == dtype
+            tokens = list(range(32))
+            assert side.engine.store(tokens, kv_caches=side.kv_caches, block_ids=[4, 1]) == 32
+            keys[cache_dtype] = side.engine.chunker.meta.dtype
+            for c in side.kv_caches:
+                c.view(torch.uint8).zero_()
+            assert side.engine.retrieve(tokens, kv_caches=side.kv_caches,
+                                        block_ids=[4, 1]).num_tokens == 32
+            for c, r in zip(side.kv_caches, raw.values(), strict=True):
+                assert torch.equal(c.view(torch.uint8)[:, [4, 1]], r[:, [4, 1]])
+        finally:
+            side.close()
+    assert keys == {"fp8": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
+    side = _fp8_side(tmp_path, CacheConfig(block_size=BLOCK, cache_dtype="turboquant_k8v4"))
+    with pytest.raises(ConfigError, match="turboquant_k8v4") as err:
+        side.register(raw)
+    assert "\n" not in str(err.value)
+    side.close()
+    old = SimpleNamespace(block_size=BLOCK, cache_dtype="fp8", calculate_kv_scales=True)
+    side = _fp8_side(tmp_path, old)  # (an older vLLM's flag: not in 0.32's CacheConfig)
+    with pytest.raises(ConfigError, match="calculate_kv_scales"):
+        side.register(raw)
+    side.close()

@@ -107,16 +107,22 @@ class CopyGuard:
 class Pace:
     """What ``LayeredConnector`` is handed for one call: before layer ``i`` it waits
     for ``source`` to have it (stores: the forward produced it; loads: none), copies
-    under ``guard`` and then reports ``i + 1`` layers done to ``progress``."""
+    under ``guard`` and then reports ``i + 1`` layers done to ``progress``.
+
+    ``events`` (stores): layer ``i``'s CUDA event, recorded on the forward's stream
+    when the forward produced it (``StoreStep.layer_produced``); layer ``i``'s copy
+    waits for it on the GPU. Read only after ``source`` has layer ``i``."""
 
     def __init__(self, guard: CopyGuard, *, source: LayerGate | None = None,
                  progress: Callable[[int], None] | None = None,
-                 timeout_s: float = LAYER_TIMEOUT_S) -> None:
+                 timeout_s: float = LAYER_TIMEOUT_S,
+                 events: dict[int, Any] | None = None) -> None:
         self.guard = guard
+        self.events = events
         self.source = source
         self.progress = progress
         self.timeout_s = timeout_s
-        self.used = False  # a pace serves one call: its progress covers every chunk
+        self.used = False  # a load's pace serves one call: its progress covers every chunk
 
     @contextlib.contextmanager
     def layer(self, index: int) -> Iterator[None]:
@@ -140,10 +146,12 @@ class LayeredConnector(GPUConnector):
     one-layer spec, on the chunk buffers' layer ``i`` (a view) and vLLM's cache
     of layer ``i``.
 
-    CUDA hook: ``transfer_context`` (a no-op here) is entered around every layer
-    copy; the transfer-stream module puts its stream there, and then ``Pace``
-    progress should follow an event recorded on that stream rather than the
-    copy's return (the connector's own ``sync`` waits for the current stream).
+    CUDA: each layer's copy runs on the transfer stream (``lmkv.transfer_stream``,
+    inside the wrapped connector) and returns once its event completed, so
+    ``Pace`` progress follows the copy. The copies are issued from lmkv's threads,
+    not the forward's: the caller passes the forward's stream as ``after=`` (part
+    of ``kv``), and a store's pace the event recorded on it when the forward
+    produced each layer (``Pace.events``), which that layer's copy waits for.
     """
 
     name = "layered"
@@ -157,8 +165,6 @@ class LayeredConnector(GPUConnector):
         self.spec = whole.spec
         self.chunk_layout = whole.chunk_layout
         self.kv_kind = whole.kv_kind
-        self.transfer_context: Callable[[], contextlib.AbstractContextManager[Any]] = \
-            contextlib.nullcontext
 
     @classmethod
     def around(cls, whole: GPUConnector, create: Callable[[ConnectorContext], GPUConnector]
@@ -172,19 +178,24 @@ class LayeredConnector(GPUConnector):
         if pace is None:
             self.whole.to_chunks(spans, **kv)
         else:
-            self._by_layer(self.per_layer.to_chunks, spans, pace, kv)
+            self._by_layer(self.per_layer.to_chunks, spans, pace, kv, once=False)
 
     def from_chunks(self, spans: Sequence[ChunkSpan], *, pace: Pace | None = None,
                     **kv: Any) -> Any:
         if pace is None:
             return self.whole.from_chunks(spans, **kv)
-        self._by_layer(self.per_layer.from_chunks, spans, pace, kv)
+        self._by_layer(self.per_layer.from_chunks, spans, pace, kv, once=True)
         return None
 
     def _by_layer(self, copy: Callable[..., Any], spans: Sequence[ChunkSpan], pace: Pace,
-                  kv: dict[str, Any]) -> None:
-        if pace.used:  # layers already reported done would lack these chunks: the
-            # caller fails the whole load (vLLM recomputes its blocks) rather than that
+                  kv: dict[str, Any], *, once: bool) -> None:
+        """Copy ``spans`` layer by layer. ``once``: a load, whose pace's progress
+        opens layers to the forward, takes every chunk in one call. A store may
+        come in several (the server's inline data path fills it batch by batch):
+        each copies its chunks layer by layer, each layer after the forward
+        produced it."""
+        if once and pace.used:  # a load: layers already reported done would lack these
+            # chunks; the caller fails the whole load (vLLM recomputes its blocks)
             raise RuntimeError("lmkv: a layerwise copy got its chunks in more than one call")
         pace.used = True
         caches = kv.pop("kv_caches")
@@ -193,8 +204,9 @@ class LayeredConnector(GPUConnector):
                              f"{self.spec.num_layers} layers")
         for index, cache in enumerate(caches):
             layer = [ChunkSpan(s.start, s.end, s.buffer[index:index + 1]) for s in spans]
-            with pace.layer(index), self.transfer_context():
-                copy(layer, kv_caches=[cache], **kv)
+            with pace.layer(index):
+                after = pace.events.get(index) if pace.events is not None else None
+                copy(layer, kv_caches=[cache], **(kv if after is None else {**kv, "after": after}))
 
 
 class LoadStep:
@@ -250,11 +262,23 @@ class StoreStep:
         self.produced = LayerGate(num_layers)
         self.guard = CopyGuard()
         self._seen: set[int] = set()
+        self.events: dict[int, Any] = {}  # layer -> event on the forward's stream
         self.future: Any = None
 
-    def layer_produced(self, index: int) -> None:
-        """Layer ``index``'s KV is written; layers open in order of index (a layer
-        produced out of order waits for the ones before it)."""
+    def open_all(self, event: Any = None) -> None:
+        """Every layer is produced (the forward is done; ``event``, on its stream,
+        stands for the layers that reported no event of their own)."""
+        if event is not None:
+            for index in range(self.produced.num_layers):
+                self.events.setdefault(index, event)
+        self.produced.open_all()
+
+    def layer_produced(self, index: int, event: Any = None) -> None:
+        """Layer ``index``'s KV is queued on the forward's stream (``event``, recorded
+        there then: its copy waits for it; None without CUDA); layers open in order
+        of index (a layer produced out of order waits for the ones before it)."""
+        if event is not None:
+            self.events[index] = event  # before the gate opens the layer
         self._seen.add(index)
         n = self.produced.ready
         while n in self._seen:

@@ -14,6 +14,7 @@ import torch
 from lmkv.config import LMKVConfig
 from lmkv.engines import Engine, open_engine
 from lmkv.engines.connector import resolve_connector_class
+from lmkv.errors import ConfigError
 from lmkv.gpu import ConnectorContext
 from lmkv.integrations.vllm.layerwise import (
     LAYER_TIMEOUT_S,
@@ -33,6 +34,7 @@ from lmkv.lookup.responder import LookupResponder
 from lmkv.lookup.sockets import LookupEndpoints
 from lmkv.metrics import recorder
 from lmkv.metrics.record import record_load, record_store
+from lmkv.transfer_stream import stream_for
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +57,7 @@ class WorkerSide:
         self.head_size = vllm_config.model_config.get_head_size()
         self.max_model_len = vllm_config.model_config.max_model_len
         self.block_size = vllm_config.cache_config.block_size  # the unit of block ids
+        self.cache_config = vllm_config.cache_config
         parallel = vllm_config.parallel_config
         self.world_size = parallel.world_size
         self.rank = getattr(parallel, "rank", 0) % max(self.world_size, 1)
@@ -63,6 +66,8 @@ class WorkerSide:
         # same on every tensor-parallel rank: keyed once for them (KVSpec.replicas).
         mla = bool(getattr(vllm_config.model_config, "use_mla", False))
         self.kv_layout = "mla" if mla else None
+        if mla:
+            _refuse_context_parallel(parallel)
         self.kv_replicas = getattr(parallel, "tensor_parallel_size", 1) if mla else 1
         self.counters = WorkerCounters()
         self._token_bytes = 0  # KV bytes of one token in this worker's caches
@@ -88,6 +93,7 @@ class WorkerSide:
             self._layer_saver = ThreadPoolExecutor(1, thread_name_prefix="lmkv-layer-store")
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        kv_caches = _named_fp8(kv_caches, self.cache_config)
         self.kv_caches = list(kv_caches.values())
         self._layer_index = {name: i for i, name in enumerate(kv_caches)}
         # lmkv.gpu_connector picks another connector for vLLM's paged caches (a
@@ -125,30 +131,46 @@ class WorkerSide:
         assert self.engine is not None, "register_kv_caches was not called"
         self._finish_loads()  # (the last step's, if nothing collected them)
         self._step_failed = set()  # a new step: its synchronous loads start afresh
+        # On the forward's thread: what its stream queued so far (none of this
+        # step's layers yet). The loader threads' copies wait for it, not for their
+        # own thread's stream; the forward reads a loaded layer only after the host
+        # saw its copy done (the layer's gate, or the finished-loads report).
+        ready = self._mark()
         layered = []
         for spec in meta.loads:
             if spec.async_load:
-                self._loader.submit(self._load_async, spec)
+                self._loader.submit(self._load_async, spec, ready)
             elif self.layered is not None:
                 layered.append(spec)
-            else:
+            else:  # here, on the forward's thread: its stream waits for the copy
                 failed = self._load(spec)
                 with self._lock:
                     self._failed |= failed
                 self._step_failed |= failed
         if layered:  # the forward starts now; wait_layer holds each layer back
             step = self._load_step = LoadStep(len(self.kv_caches), self.block_size, layered)
-            self._layer_loader.submit(self._load_layered, step)
+            self._layer_loader.submit(self._load_layered, step, ready)
+
+    def _mark(self) -> Any:
+        """An event recorded now on the calling thread's current CUDA stream; called
+        on vLLM's forward thread, "what the forward queued so far" on the stream it
+        runs on (torch's current stream is per thread, and vLLM makes its stream
+        current on that thread only). lmkv's loader and store threads order their
+        copies after it (``after=``); None without CUDA."""
+        if not self.kv_caches:
+            return None
+        return stream_for(self.kv_caches[0].device).mark()
 
     # -- lmkv.layerwise ------------------------------------------------------------
-    def _load_layered(self, step: LoadStep) -> None:
+    def _load_layered(self, step: LoadStep, ready: Any = None) -> None:
         """The loader thread: the step's loads in order, each layer by layer; the
         last one's progress opens the layers to the forward."""
         try:
             for i, spec in enumerate(step.specs):
                 progress = step.gate.advance if i == len(step.specs) - 1 else None
                 failed = self._load(spec, Pace(step.guard, progress=progress,
-                                               timeout_s=self.layer_timeout_s))
+                                               timeout_s=self.layer_timeout_s),
+                                    after=ready)
                 step.load_done(failed)
                 with self._lock:
                     self.counters.layerwise_loads += 1
@@ -195,12 +217,15 @@ class WorkerSide:
             if eager:
                 step.future = self._layer_saver.submit(self._store_layered, step, eager,
                                                        self._load_step)
-        step.layer_produced(index)
+        # On the forward's stream, after the kernels that wrote this layer: the store
+        # thread's copy of the layer waits for this event, not its own thread's stream.
+        step.layer_produced(index, self._mark())
 
     def _store_layered(self, step: StoreStep, specs: list[StoreSpec],
                        loads: LoadStep | None) -> None:
         """The store thread: wait for the step's loads (a block that failed to load
-        cuts the stores, ``_untainted``), then store each spec layer by layer."""
+        cuts the stores, ``_untainted``), then store each spec layer by layer, each
+        layer's copy after the forward's event for it (``StoreStep.events``)."""
         failed: set[int] = set()
         if loads is not None:
             failed = loads.failed if loads.done.wait(self.layer_timeout_s) else loads.give_up()
@@ -208,7 +233,8 @@ class WorkerSide:
             if step.guard.cancelled:
                 return
             self._store(self._untainted(spec, failed),
-                        Pace(step.guard, source=step.produced, timeout_s=self.layer_timeout_s))
+                        Pace(step.guard, source=step.produced, timeout_s=self.layer_timeout_s,
+                             events=step.events))
             with self._lock:
                 self.counters.layerwise_stores += 1
 
@@ -219,7 +245,7 @@ class WorkerSide:
         step, self._store_step = self._store_step, None
         if step is None or step.future is None:
             return False
-        step.produced.open_all()
+        step.open_all(self._mark())  # (on the forward's thread: its forward is queued)
         try:
             step.future.result(self.layer_timeout_s)
         except Exception:
@@ -227,10 +253,10 @@ class WorkerSide:
             step.guard.cancel()
         return True
 
-    def _load_async(self, spec: LoadSpec) -> None:
+    def _load_async(self, spec: LoadSpec, ready: Any = None) -> None:
         failed: set[int] = set()
         try:
-            failed = self._load(spec)
+            failed = self._load(spec, after=ready)
         finally:  # reported even when failed: vLLM then recomputes the failed blocks
             with self._lock:
                 self._loaded.append((spec.req_id, failed))
@@ -246,12 +272,12 @@ class WorkerSide:
                 self._failed |= failed
         return {req_id for req_id, _ in done}
 
-    def _load(self, spec: LoadSpec, pace: Pace | None = None) -> set[int]:
-        """Load one request's KV (layer by layer with ``pace``); the blocks that did
-        not load."""
+    def _load(self, spec: LoadSpec, pace: Pace | None = None, after: Any = None) -> set[int]:
+        """Load one request's KV (layer by layer with ``pace``; after the event
+        ``after`` on the forward's stream); the blocks that did not load."""
         want = len(spec.token_ids)
         start = time.perf_counter()
-        paced = {"pace": pace} if pace is not None else {}
+        paced = _paced(pace, after)
         try:
             got = self.engine.retrieve(spec.token_ids, lookup_id=spec.req_id,
                                        identity=spec.identity, kv_caches=self.kv_caches,
@@ -286,16 +312,17 @@ class WorkerSide:
         assert self.engine is not None, "register_kv_caches was not called"
         self._finish_loads()
         layered = self._finish_stores()  # this step's eager stores, copied meanwhile
+        ready = self._mark()  # on the forward's thread: after the step's forward
         for spec in meta.stores:
             spec = self._untainted(spec, self._step_failed)
             if spec.store_id is None:
                 if not layered:
-                    self._store(spec)
+                    self._store(spec, after=ready)
                 if spec.release:  # reported even when failed: vLLM frees the blocks
                     with self._lock:
                         self._saved.add(spec.req_id)
             else:
-                self._saver.submit(self._store_lazy, spec)
+                self._saver.submit(self._store_lazy, spec, ready)
 
     def _untainted(self, spec: StoreSpec, failed: set[int]) -> StoreSpec:
         """``spec`` cut before its first block whose load failed in this step.
@@ -317,11 +344,11 @@ class WorkerSide:
                 return spec
         return spec
 
-    def _store(self, spec: StoreSpec, pace: Pace | None = None) -> None:
+    def _store(self, spec: StoreSpec, pace: Pace | None = None, after: Any = None) -> None:
         if not spec.token_ids:
             return
         start = time.perf_counter()
-        paced = {"pace": pace} if pace is not None else {}
+        paced = _paced(pace, after)
         try:
             n = self.engine.store(spec.token_ids, identity=spec.identity,
                                   kv_caches=self.kv_caches, block_ids=spec.block_ids, **paced)
@@ -332,8 +359,8 @@ class WorkerSide:
         except Exception:
             logger.exception("lmkv: storing request %s failed", spec.req_id)
 
-    def _store_lazy(self, spec: StoreSpec) -> None:
-        self._store(spec)
+    def _store_lazy(self, spec: StoreSpec, ready: Any = None) -> None:
+        self._store(spec, after=ready)
         with self._lock:  # confirmed even when failed: frees the blocks
             self._done[spec.store_id] = 1
 
@@ -369,3 +396,60 @@ class WorkerSide:
             self.responder.close()
         if self.engine is not None:
             self.engine.close()
+
+
+# vLLM allocates these KV caches as bytes (torch.uint8), whatever the format: the
+# caches are viewed (the same memory) as the format they hold, so that the
+# chunk's key names it (keys carry the dtype) and e4m3 and e5m2 never share keys.
+_FP8_VIEWS = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
+              "fp8_e5m2": torch.float8_e5m2}
+
+
+def _named_fp8(kv_caches: dict[str, torch.Tensor], cache_config: Any
+               ) -> dict[str, torch.Tensor]:
+    """``kv_caches`` viewed as their fp8 format when vLLM allocated them as bytes.
+
+    ConfigError (one line) for what bytes cannot name: another format vLLM keeps
+    in uint8 (packed or with scales inside), or fp8 scales computed per run
+    (``calculate_kv_scales``, older vLLMs): equal tokens would give different
+    bytes under the same key."""
+    cache_dtype = str(getattr(cache_config, "cache_dtype", "auto") or "auto")
+    if cache_dtype.startswith("fp8") and getattr(cache_config, "calculate_kv_scales", False):
+        raise ConfigError(f"lmkv: cache_dtype {cache_dtype} with calculate_kv_scales is not "
+                          "supported: the scales differ per run, so equal tokens give "
+                          "different KV; allowed: calculate_kv_scales off (fixed scales)")
+    first = next(iter(kv_caches.values()), None)
+    if first is None or first.dtype != torch.uint8:
+        return kv_caches
+    view = _FP8_VIEWS.get(cache_dtype)
+    if view is None:
+        raise ConfigError(f"lmkv: cache_dtype {cache_dtype} (KV kept as bytes) is not "
+                          f"supported; allowed: auto, float16, bfloat16, "
+                          f"{', '.join(_FP8_VIEWS)}")
+    return {name: cache.view(view) for name, cache in kv_caches.items()}
+
+
+def _refuse_context_parallel(parallel: Any) -> None:
+    """MLA keys a tensor-parallel group's latent once (``KVSpec.replicas``): right
+    only while every rank of the group holds every token. Context parallelism
+    (vLLM's decode_/prefill_context_parallel_size) shards the tokens over those
+    ranks: one key would then name different KV on each. Refused, not guessed."""
+    sizes = {name: int(getattr(parallel, name, 1) or 1)
+             for name in ("decode_context_parallel_size", "prefill_context_parallel_size")}
+    bad = [f"{name}={n}" for name, n in sizes.items() if n > 1]
+    if bad:
+        raise ConfigError(f"lmkv: an MLA model with context parallelism ({', '.join(bad)}) "
+                          "is not supported: its ranks hold different tokens under one key; "
+                          "allowed: decode_context_parallel_size and "
+                          "prefill_context_parallel_size 1")
+
+
+def _paced(pace: Pace | None, after: Any) -> dict[str, Any]:
+    """The connector keywords a copy adds: its ``pace`` (layerwise) and ``after``
+    (an event on the forward's stream), each only when set."""
+    kw: dict[str, Any] = {}
+    if pace is not None:
+        kw["pace"] = pace
+    if after is not None:
+        kw["after"] = after
+    return kw
