@@ -1,7 +1,7 @@
 """Puts of the mooncake tier: asynchronous, one batched call per window.
 
-``submit`` takes a reference on every MemoryObj and returns at once; a
-background thread asks the master which entries already exist (one
+``submit`` (``lmkv.put_queue.PutQueue``) takes a reference on every MemoryObj
+and returns at once; a background thread asks the master which entries already exist (one
 ``batch_is_exist``: another engine may have stored them, and nothing is sent
 twice), frames the rest and stores a window of them with one
 ``batch_put_from_multi_buffers``: each frame goes as its header (copied into
@@ -14,18 +14,15 @@ raises for a Mooncake fault.
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from functools import partial
 from typing import Any
 
 import numpy as np
 import torch
 
-from lmkv.backend import done_future
-from lmkv.faults import TierFaults
 from lmkv.memory import MemoryAllocator, MemoryObj
+from lmkv.put_queue import PutQueue
 from lmkv.serde import Serializer
 from lmkv.tokens import CacheKey
 from lmkv_mooncake.client import (
@@ -63,76 +60,23 @@ class _Window:
         self.staging.clear()
 
 
-class Writer:
+class Writer(PutQueue):
     def __init__(self, link: Link, serializer: Serializer, staging: MemoryAllocator,
                  registered: Registered, name_of: Any) -> None:
+        super().__init__(link.faults, link.options.max_pending_bytes, "lmkv-mooncake-put")
         self.link = link
         self.options = link.options
         self.serializer = serializer
         self.staging = staging
         self.registered = registered
         self.name_of = name_of
-        self.faults: TierFaults = link.faults
-        self.counters = link.faults.counters
         self._config: Any = None
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmkv-mooncake-put")
         self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmkv-mooncake-send")
-        self._lock = threading.Lock()
-        self._in_flight: set[Future] = set()
-        self.pending_bytes = 0
-        self.net_bytes = 0  # see MooncakeBackend.usage_bytes
         self.zero_copy_bytes = 0  # payload bytes read in place (no staging copy)
-        self._closing = False
 
-    def forget(self, nbytes: int) -> None:
-        with self._lock:
-            self.net_bytes -= nbytes
-
-    # -- submission (caller's thread) ----------------------------------------------
-    def submit(self, keys: list[CacheKey], objs: list[MemoryObj]) -> Future:
-        if len(keys) != len(objs):
-            raise ValueError(f"{len(keys)} keys for {len(objs)} chunks")
-        if not keys:
-            return done_future(0)
-        nbytes = sum(obj.nbytes for obj in objs)
-        with self._lock:
-            full = self.pending_bytes and (
-                self.pending_bytes + nbytes > self.options.max_pending_bytes)
-            accepted = not full and not self._closing and self.link.usable
-            if accepted:
-                self.pending_bytes += nbytes
-        if not accepted:
-            self.counters.dropped_writes += len(keys)
-            if full:
-                self.faults.note("queue-full", "%d bytes of puts still pending; dropping %d "
-                                 "writes", self.pending_bytes, len(keys))
-            return done_future(0)
-        for obj in objs:
-            obj.ref_up()
-        result: Future = Future()
-        try:
-            job = self._executor.submit(self._write, keys, objs)
-        except RuntimeError:  # closed meanwhile
-            job = Future()
-            job.cancel()
-        with self._lock:
-            self._in_flight.add(job)
-        job.add_done_callback(partial(self._finished, objs, nbytes, result))
-        return result
-
-    def _finished(self, objs: list[MemoryObj], nbytes: int, result: Future, job: Future) -> None:
-        for obj in objs:
-            obj.ref_down()
-        with self._lock:
-            self.pending_bytes -= nbytes
-            self._in_flight.discard(job)
-        if job.cancelled():
-            self.counters.dropped_writes += len(objs)
-            result.set_result(0)
-        elif job.exception() is not None:  # a bug, not a Mooncake fault: let it show
-            result.set_exception(job.exception())
-        else:
-            result.set_result(job.result())
+    @property
+    def usable(self) -> bool:
+        return self.link.usable
 
     # -- writing (background thread) ------------------------------------------------
     def _write(self, keys: Sequence[CacheKey], objs: Sequence[MemoryObj]) -> int:
@@ -264,11 +208,5 @@ class Writer:
             raise_for("batch_put_from_multi_buffers", unreachable)
 
     def close(self, timeout_s: float) -> None:
-        """Refuse new puts; give those in flight ``timeout_s`` to finish, cancel the rest."""
-        with self._lock:
-            self._closing = True
-            in_flight = list(self._in_flight)
-        if in_flight and timeout_s > 0:
-            wait(in_flight, timeout=timeout_s)
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        super().close(timeout_s)
         self._sender.shutdown(wait=False)

@@ -1,7 +1,7 @@
 """Puts of the redis tier: asynchronous, one pipeline per ``pipeline_bytes``.
 
-``submit`` takes a reference on every MemoryObj and returns at once; a
-background thread serializes each chunk (the frame's payload is a view of the
+``submit`` (``lmkv.put_queue.PutQueue``) takes a reference on every MemoryObj
+and returns at once; a background thread serializes each chunk (the frame's payload is a view of the
 chunk's memory: nothing is copied on the way to the socket), writes the batch
 and then releases the references. A write that fails is dropped and counted;
 the future resolves to the number of entries stored and never raises for a
@@ -12,14 +12,10 @@ fault policy (with its counters), never the backend.
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, wait
-from functools import partial
 
-from lmkv.backend import done_future
-from lmkv.faults import TierFaults
 from lmkv.memory import MemoryObj
+from lmkv.put_queue import PutQueue
 from lmkv.serde import Serializer
 from lmkv.tokens import CacheKey
 from lmkv_redis.connection import Connection
@@ -29,72 +25,17 @@ from lmkv_redis.wire import bulk
 logger = logging.getLogger(__name__)
 
 
-class Writer:
+class Writer(PutQueue):
     def __init__(self, connection: Connection, serializer: Serializer) -> None:
+        super().__init__(connection.faults, connection.options.max_pending_bytes,
+                         "lmkv-redis-put")
         self.connection = connection
         self.serializer = serializer
-        self.faults: TierFaults = connection.faults
-        self.counters = connection.faults.counters
         self.options = connection.options
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmkv-redis-put")
-        self._lock = threading.Lock()
-        self._in_flight: set[Future] = set()
-        self.pending_bytes = 0
-        self.net_bytes = 0  # see RedisBackend.usage_bytes
-        self._closing = False
 
-    def forget(self, nbytes: int) -> None:
-        with self._lock:
-            self.net_bytes -= nbytes
-
-    # -- submission (caller's thread) ----------------------------------------------
-    def submit(self, keys: list[CacheKey], objs: list[MemoryObj]) -> Future:
-        if len(keys) != len(objs):
-            raise ValueError(f"{len(keys)} keys for {len(objs)} chunks")
-        counters = self.counters
-        if not keys:
-            return done_future(0)
-        nbytes = sum(obj.nbytes for obj in objs)
-        with self._lock:
-            full = self.pending_bytes and (
-                self.pending_bytes + nbytes > self.options.max_pending_bytes)
-            if not full and not self._closing and self.connection.usable:
-                self.pending_bytes += nbytes
-                accepted = True
-            else:
-                accepted = False
-        if not accepted:
-            counters.dropped_writes += len(keys)
-            if full:
-                self.faults.note("queue-full", "%d bytes of puts still pending; "
-                                         "dropping %d writes", self.pending_bytes, len(keys))
-            return done_future(0)
-        for obj in objs:
-            obj.ref_up()
-        result: Future = Future()
-        try:
-            job = self._executor.submit(self._write, keys, objs)
-        except RuntimeError:  # closed meanwhile
-            job = Future()
-            job.cancel()
-        with self._lock:
-            self._in_flight.add(job)
-        job.add_done_callback(partial(self._finished, objs, nbytes, result))
-        return result
-
-    def _finished(self, objs: list[MemoryObj], nbytes: int, result: Future, job: Future) -> None:
-        for obj in objs:
-            obj.ref_down()
-        with self._lock:
-            self.pending_bytes -= nbytes
-            self._in_flight.discard(job)
-        if job.cancelled():
-            self.counters.dropped_writes += len(objs)
-            result.set_result(0)
-        elif job.exception() is not None:  # a bug, not a Redis fault: let it show
-            result.set_exception(job.exception())
-        else:
-            result.set_result(job.result())
+    @property
+    def usable(self) -> bool:
+        return self.connection.usable
 
     # -- writing (background thread) ------------------------------------------------
     def _write(self, keys: Sequence[CacheKey], objs: Sequence[MemoryObj]) -> int:
@@ -171,12 +112,3 @@ class Writer:
             for parts in orphans:
                 pipe.execute_command("DEL", *parts)
             self.connection.execute(pipe)
-
-    def close(self, timeout_s: float) -> None:
-        """Refuse new puts; give those in flight ``timeout_s`` to finish, cancel the rest."""
-        with self._lock:
-            self._closing = True
-            in_flight = list(self._in_flight)
-        if in_flight and timeout_s > 0:
-            wait(in_flight, timeout=timeout_s)
-        self._executor.shutdown(wait=False, cancel_futures=True)
