@@ -278,8 +278,8 @@ def main() -> int:
             tmp, "tiers:\n  - type: cpu\n    options: {max_bytes: 256MiB}\n", env=env)
         from lmkv.testing.mooncake import MooncakePool
         pool = MooncakePool(tmp) if MooncakePool.available() else None
-        if pool is None and os.environ.get("LMKV_REQUIRE_MOONCAKE") == "1":
-            raise SystemExit("LMKV_REQUIRE_MOONCAKE=1 but lmkv-mooncake or the Mooncake "
+        if pool is None and os.environ.get("CI_REQUIRE_MOONCAKE") == "1":
+            raise SystemExit("CI_REQUIRE_MOONCAKE=1 but lmkv-mooncake or the Mooncake "
                              "client is not installed in this venv (scripts/setup-vllm.sh "
                              "installs them)")
         if pool is None:

@@ -42,20 +42,20 @@ def have_client() -> bool:
 SKIP_REASON = ("mooncake_master or the Mooncake client is not installed "
                "(pip install 'lmkv-mooncake[cpu]'; scripts/setup.sh does)")
 AVAILABLE = MOONCAKE_MASTER is not None and have_client()
-#: CI sets LMKV_REQUIRE_MOONCAKE=1: a broken install fails instead of skipping
-#: (read at import: the tests' fixtures clear LMKV_* variables).
-REQUIRED = os.environ.get("LMKV_REQUIRE_MOONCAKE") == "1"
+#: CI sets CI_REQUIRE_MOONCAKE=1: a broken install fails instead of skipping
+#: (not LMKV_*: that prefix is reserved for lmkv config keys).
+REQUIRED = os.environ.get("CI_REQUIRE_MOONCAKE") == "1"
 
 
 def require_mooncake() -> None:
     """Skip the calling test when Mooncake is missing, or fail it under
-    LMKV_REQUIRE_MOONCAKE=1."""
+    CI_REQUIRE_MOONCAKE=1."""
     import pytest
 
     if AVAILABLE:
         return
     if REQUIRED:
-        pytest.fail(f"LMKV_REQUIRE_MOONCAKE=1 but {SKIP_REASON}")
+        pytest.fail(f"CI_REQUIRE_MOONCAKE=1 but {SKIP_REASON}")
     pytest.skip(SKIP_REASON)
 
 

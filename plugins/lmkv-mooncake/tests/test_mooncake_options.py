@@ -59,7 +59,7 @@ def test_a_missing_mooncake_skips_or_under_lmkv_require_mooncake_fails(
 
 def test_ci_requires_mooncake() -> None:
     ci = (Path(__file__).parents[3] / ".ci" / "run").read_text()
-    assert "export LMKV_REQUIRE_MOONCAKE=1" in ci
+    assert "export CI_REQUIRE_MOONCAKE=1" in ci
 
 
 class RefusingStore:
