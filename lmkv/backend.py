@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from lmkv import affinity
 from lmkv.errors import CorruptFrameError
 from lmkv.faults import TierCounters, TierFaults
 from lmkv.memory import Allocate, MemoryAllocator, MemoryObj
@@ -234,6 +235,14 @@ class StorageBackend(Plugin, ABC):
         """
         return self._background(self._get_prefix, list(keys))
 
+    def batched_get_direct(self, lookup_id: str, keys: Sequence[CacheKey]) -> Future | None:
+        """``batched_get_non_blocking`` for a caller that reads chunks itself: the
+        leading objects found, each a ``lmkv.direct.DirectChunk`` (left in the
+        tier, read on demand) or a MemoryObj (read in anyway: an alias, say).
+        None (the default): this tier always reads chunks in; the caller then
+        uses ``batched_get_non_blocking``."""
+        return None
+
     def _get_prefix(self, keys: Sequence[CacheKey]) -> list[MemoryObj]:
         out: list[MemoryObj] = []
         for key in keys:
@@ -247,7 +256,8 @@ class StorageBackend(Plugin, ABC):
         with self._executor_lock:
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(
-                    max_workers=1, thread_name_prefix=f"lmkv-{self.name}")
+                    max_workers=1, thread_name_prefix=f"lmkv-{self.name}",
+                    initializer=affinity.apply)
             return self._executor.submit(fn, *args)
 
     # -- the fault policy (lmkv.faults) -------------------------------------

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from functools import partial
 
+from lmkv import affinity
 from lmkv.backend import done_future
 from lmkv.faults import TierFaults
 from lmkv.memory import MemoryObj
@@ -33,7 +34,8 @@ class PutQueue(ABC):
         self.faults = faults
         self.counters = faults.counters
         self.max_pending_bytes = max_pending_bytes
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=thread_name)
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=thread_name,
+                                            initializer=affinity.apply)
         self._lock = threading.Lock()
         self._in_flight: set[Future] = set()
         self.pending_bytes = 0  # bytes of batches submitted and not finished

@@ -20,10 +20,12 @@ from typing import Any
 
 import torch
 
+from lmkv import affinity
 from lmkv.admission import AdmissionGate
 from lmkv.aliases import Alias, alias_target, is_alias, make_alias
 from lmkv.backend import ArenaPlacement, BackendContext, StorageBackend, done_future, submit_put
 from lmkv.config import LMKVConfig
+from lmkv.direct import memory_prefix
 from lmkv.memory import MemoryObj, release, tensor_obj
 from lmkv.policy import EvictionContext
 from lmkv.prefetch import EventManager, PrefetchTask, WeightedSemaphore
@@ -52,7 +54,8 @@ class StorageManager:
             for t, n in zip(self.tiers, admit_after or [1] * len(self.tiers), strict=True)]
         self._writers = [WriteThrough(t, write_queue_chunks) for t in self.tiers[1:]]
         self.events = EventManager()
-        self._executor = ThreadPoolExecutor(prefetch_threads, thread_name_prefix="lmkv-prefetch")
+        self._executor = ThreadPoolExecutor(prefetch_threads, thread_name_prefix="lmkv-prefetch",
+                                            initializer=affinity.apply)
         self._semaphore: WeightedSemaphore | None = None
         self._closed = False
 
@@ -200,7 +203,7 @@ class StorageManager:
 
     def lookup_and_prefetch(self, lookup_id: str, keys: Sequence[CacheKey],
                             chunk_ends: Sequence[int], keys_per_chunk: int = 1,
-                            partials: Partials | None = None) -> Future:
+                            partials: Partials | None = None, direct: bool = False) -> Future:
         """Start fetching the stored prefix of ``keys``; resolves to the hit tokens.
 
         ``chunk_ends[i]`` is the cumulative token count after chunk ``i``;
@@ -209,13 +212,16 @@ class StorageManager:
         blocks; after the last whole chunk hit, the longest of the next chunk's
         that resolves is served too (its chunk then holds more tokens than the
         hit: the caller uses the leading ones). The chunks are then taken with
-        ``take_prefetched`` or released with ``release_prefetched``.
+        ``take_prefetched`` or released with ``release_prefetched``. ``direct``: the
+        caller reads chunks into its KV itself, so tiers below the first that can
+        leave them in place do (``lmkv.direct.DirectChunk``; whole chunks only, not
+        promoted).
         """
         if self._closed:
             return done_future(0)
         task = self.events.start(lookup_id, keys)
         self._executor.submit(self._prefetch, task, list(keys), list(chunk_ends), keys_per_chunk,
-                              partials)
+                              partials, direct and keys_per_chunk == 1)
         return task.future
 
     def take_prefetched(self, lookup_id: str, keys: Sequence[CacheKey] | None = None,
@@ -245,11 +251,12 @@ class StorageManager:
         return self.take_prefetched(lookup_id, keys) or []
 
     def _prefetch(self, task: PrefetchTask, keys: list[CacheKey], chunk_ends: list[int],
-                  keys_per_chunk: int, partials: Partials | None) -> None:
+                  keys_per_chunk: int, partials: Partials | None, direct: bool = False) -> None:
         try:
             plans = self._plan(task.lookup_id, keys, keys_per_chunk)
             longer: list[int] = []
-            objs = self._fetch(task.lookup_id, plans, keys_per_chunk, longer) if plans else []
+            objs = (self._fetch(task.lookup_id, plans, keys_per_chunk, longer, direct)
+                    if plans else [])
             chunks = len(objs) // keys_per_chunk
             hit = chunk_ends[chunks - 1] if chunks else 0
             if partials is not None and keys_per_chunk == 1 and chunks < len(keys):
@@ -372,9 +379,10 @@ class StorageManager:
         return plans
 
     def _fetch(self, lookup_id: str, plans: list[tuple[StorageBackend, list[CacheKey]]],
-               kpc: int, longer: list[int] | None = None) -> list[MemoryObj]:
+               kpc: int, longer: list[int] | None = None, direct: bool = False
+               ) -> list[MemoryObj]:
         objs: list[MemoryObj] = []
-        for _, ks, got in self._iter_fetch(lookup_id, plans, kpc):
+        for _, ks, got in self._iter_fetch(lookup_id, plans, kpc, direct):
             found: list[int] = []
             resolved = self._resolved(ks, got, found) if kpc == 1 else got
             if longer is not None:
@@ -401,7 +409,8 @@ class StorageManager:
                 return
 
     def _iter_fetch(self, lookup_id: str, plans: list[tuple[StorageBackend, list[CacheKey]]],
-                    kpc: int) -> Iterator[tuple[StorageBackend, list[CacheKey], list[MemoryObj]]]:
+                    kpc: int, direct: bool = False
+                    ) -> Iterator[tuple[StorageBackend, list[CacheKey], list[MemoryObj]]]:
         """Start every planned get, then yield each tier's chunks in order.
 
         A tier that returns fewer chunks than planned ends the answer there:
@@ -410,7 +419,8 @@ class StorageManager:
         """
         chunks = sum(len(ks) for _, ks in plans) // kpc
         taken = self._semaphore.acquire(chunks) if self._semaphore else 0
-        futures = [self._start_get(tier, lookup_id, ks) for tier, ks in plans]
+        futures = [self._start_get(tier, lookup_id, ks, direct and tier is not self.tiers[0])
+                   for tier, ks in plans]
         done = 0
         short = False
         before: CacheKey | None = None  # the key before this plan's first
@@ -424,8 +434,9 @@ class StorageManager:
                     release(got)
                     continue
                 short = len(got) < len(ks)  # evicted between contains and get
-                if tier is not self.tiers[0]:
-                    self._promote(ks[:len(got)], got, chain_parents(ks[:len(got)], before, kpc))
+                if tier is not self.tiers[0]:  # what is in memory, up to a direct chunk
+                    n = memory_prefix(got)
+                    self._promote(ks[:n], got[:n], chain_parents(ks[:n], before, kpc))
                 before = ks[len(ks) - kpc] if len(ks) >= kpc else before
                 yield tier, ks, got
         finally:  # also when the consumer stops early: release what it did not take
@@ -436,9 +447,11 @@ class StorageManager:
             if self._semaphore:
                 self._semaphore.release(taken)
 
-    def _start_get(self, tier: StorageBackend, lookup_id: str, keys: list[CacheKey]) -> Future:
+    def _start_get(self, tier: StorageBackend, lookup_id: str, keys: list[CacheKey],
+                   direct: bool = False) -> Future:
         try:
-            return tier.batched_get_non_blocking(lookup_id, keys)
+            future = tier.batched_get_direct(lookup_id, keys) if direct else None
+            return future or tier.batched_get_non_blocking(lookup_id, keys)
         except Exception as exc:
             future: Future = Future()
             future.set_exception(exc)

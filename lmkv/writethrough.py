@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Sequence
 
+from lmkv import affinity
 from lmkv.backend import StorageBackend, submit_put
 from lmkv.logutil import RateLimitedLog
 from lmkv.memory import MemoryObj
@@ -65,6 +66,7 @@ class WriteThrough:
         return self._pending
 
     def _run(self) -> None:
+        affinity.apply()
         while True:
             item = self._queue.get()
             if item is _STOP:

@@ -29,6 +29,8 @@ from typing import Any
 
 from lmkv.aliases import chunk_aliases
 from lmkv.config import LMKVConfig
+from lmkv.direct import memory_prefix
+from lmkv.engines.direct import DirectLoads
 from lmkv.engines.keys import engine_chunker, fits_spec
 from lmkv.engines.protocol import EngineCounters, RetrieveResult
 from lmkv.gpu import ChunkSpan, GPUConnector, KVSpec
@@ -47,7 +49,11 @@ class LocalEngine:
     def __init__(self, config: LMKVConfig, spec: KVSpec, *, model_name: str,
                  connector: GPUConnector, storage: StorageManager,
                  world_size: int = 1, worker_id: int = 0, block_size: int | None = None,
-                 record_metrics: bool = True) -> None:
+                 record_metrics: bool = True, direct_reads: bool = False) -> None:
+        """``direct_reads``: the KV the connector copies into is in host memory and a
+        load that fails part-way is recomputed by the caller (vLLM's CPU build), so
+        lookups may leave chunks in a disk tier for ``retrieve`` to read straight
+        into it (``lmkv.direct``)."""
         self.config = config
         self.spec = spec
         self.connector = connector
@@ -57,6 +63,8 @@ class LocalEngine:
         self.counters = EngineCounters()
         storage.set_chunk_bytes(spec.chunk_nbytes(config.chunk_size))
         self.record_metrics = record_metrics
+        self.direct = DirectLoads(connector) if direct_reads and connector.writes_in_place \
+            else None
         if record_metrics:
             recorder().add_tier_source(self.stats)
 
@@ -155,7 +163,8 @@ class LocalEngine:
         """
         chunks = self.chunker.chunk(tokens, identity=identity)
         return self.storage.lookup_and_prefetch(lookup_id, chunks.keys, chunks.ends,
-                                                partials=self._partials(chunks))
+                                                partials=self._partials(chunks),
+                                                direct=self.direct is not None)
 
     def lookup_and_prefetch_hashes(self, lookup_id: str, chunk_hashes: Sequence[bytes],
                                    chunk_ends: Sequence[int],
@@ -172,7 +181,8 @@ class LocalEngine:
                              block_tokens)
                     if partial_hashes and block_tokens == self.chunker.block_size else None)
         return self.storage.lookup_and_prefetch(lookup_id, keys, chunk_ends,
-                                                partials=partials)
+                                                partials=partials,
+                                                direct=self.direct is not None)
 
     def release_lookup(self, lookup_id: str) -> None:
         self.storage.release_prefetched(lookup_id)
@@ -207,10 +217,15 @@ class LocalEngine:
                 ends[len(objs) - 1] = chunks.starts[len(objs) - 1] + tail[2]
         fitting = self._fitting(chunks, 0, objs, ends)
         if not fitting:
+            release(objs)
             return RetrieveResult(0, None)
         try:
             spans = [ChunkSpan(s, e, t)
                      for s, e, t in zip(chunks.starts, ends, fitting, strict=False)]
+            if memory_prefix(objs) < len(spans):  # chunks left in a disk tier
+                assert self.direct is not None
+                loaded = self.direct.load(spans, objs, kv)
+                return RetrieveResult(spans[loaded - 1].end if loaded else 0, None)
             result = self.connector.from_chunks(spans, **kv)
         finally:
             release(objs)
@@ -269,6 +284,8 @@ class LocalEngine:
         return self.storage.stats()
 
     def close(self) -> None:
+        if self.direct is not None:
+            self.direct.close()
         self.storage.close()
 
     def __enter__(self) -> LocalEngine:

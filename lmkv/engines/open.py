@@ -27,7 +27,8 @@ logger = logging.getLogger(__name__)
 def open_engine(config: LMKVConfig, spec: KVSpec, *, model_name: str,
                 connector: GPUConnector | None = None, kv_kind: str | None = None,
                 world_size: int = 1, worker_id: int = 0,
-                block_size: int | None = None, record_metrics: bool = True) -> Engine:
+                block_size: int | None = None, record_metrics: bool = True,
+                direct_reads: bool = False) -> Engine:
     """An engine for ``spec`` (the KV's geometry and dtype) under ``config``.
 
     ``connector``: a connector built by the caller (tests, benchmarks); without
@@ -39,6 +40,7 @@ def open_engine(config: LMKVConfig, spec: KVSpec, *, model_name: str,
     ``record_metrics``: a local engine records its lookups, loads and stores
     (``lmkv.metrics``); False where the caller records them itself (the vLLM
     connector), so nothing counts twice. A remote engine's figures are the server's.
+    ``direct_reads``: see ``LocalEngine`` (a remote engine reads through the server).
     """
     if config.metrics.port is not None:
         start_metrics(config, worker_id)
@@ -51,7 +53,7 @@ def open_engine(config: LMKVConfig, spec: KVSpec, *, model_name: str,
     return LocalEngine(config, spec, model_name=model_name, connector=connector,
                        storage=StorageManager.from_config(config), world_size=world_size,
                        worker_id=worker_id, block_size=block_size,
-                       record_metrics=record_metrics)
+                       record_metrics=record_metrics, direct_reads=direct_reads)
 
 
 def start_metrics(config: LMKVConfig, worker_id: int = 0) -> None:

@@ -50,6 +50,7 @@ from typing import Any
 import zmq
 from pydantic import ValidationError
 
+from lmkv import affinity
 from lmkv.auth import CurveAuthenticator
 from lmkv.config import LMKVConfig, LookupConfig
 from lmkv.engines.keys import hit_block_size
@@ -445,6 +446,7 @@ class LookupClient:
 
     # -- the receiving thread --------------------------------------------------
     def _run(self) -> None:
+        affinity.apply()
         sock = self._responses
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)

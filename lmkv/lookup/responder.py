@@ -39,6 +39,7 @@ from functools import partial
 
 import zmq
 
+from lmkv import affinity
 from lmkv.auth import CurveAuthenticator, CurveKeys
 from lmkv.config import LookupConfig
 from lmkv.engines.protocol import Engine
@@ -172,6 +173,7 @@ class LookupResponder:
 
     # -- receiving -------------------------------------------------------------
     def _run(self) -> None:
+        affinity.apply()
         sock = self._requests
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
@@ -268,6 +270,7 @@ class LookupResponder:
         self._answer(lookup_id, 0)
 
     def _run_bulk(self) -> None:
+        affinity.apply()
         while True:
             with self._lane:
                 while not self._bulk and not self._stop.is_set():

@@ -19,13 +19,16 @@ from __future__ import annotations
 
 import enum
 import logging
+import os
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import AbstractContextManager
 from functools import partial
 
+from lmkv import affinity
 from lmkv.backend import BackendContext, StorageBackend
+from lmkv.direct import DirectChunk
 from lmkv.errors import ConfigError, CorruptFrameError
 from lmkv.faults import TierFaults
 from lmkv.memory import MemoryObj
@@ -98,8 +101,10 @@ class FSBackend(StorageBackend):
         self._pending: set[Future] = set()  # put batches not finished
         self._pending_lock = threading.Lock()
         threads = options.threads
-        self._readers = ThreadPoolExecutor(threads, thread_name_prefix="lmkv-fs-read")
-        self._writers = ThreadPoolExecutor(threads, thread_name_prefix="lmkv-fs-write")
+        self._readers = ThreadPoolExecutor(threads, thread_name_prefix="lmkv-fs-read",
+                                           initializer=affinity.apply)
+        self._writers = ThreadPoolExecutor(threads, thread_name_prefix="lmkv-fs-write",
+                                           initializer=affinity.apply)
         if self.store.trust_index:
             self._load_index()  # local: the directory is the index, read it before serving
         else:
@@ -303,15 +308,64 @@ class FSBackend(StorageBackend):
         self.counters.bytes_out += size
         return obj
 
-    def batched_get_non_blocking(self, lookup_id: str, keys: Sequence[CacheKey]) -> Future:
+    def batched_get_non_blocking(self, lookup_id: str, keys: Sequence[CacheKey],
+                                 get: Callable[[CacheKey], object] | None = None) -> Future:
         jobs: list[Future] = []
         for key in keys:
-            job = self._submit(self._readers, self.get_blocking, key)
+            job = self._submit(self._readers, get or self.get_blocking, key)
             if job is None:  # closed: what was started still counts as a prefix
                 self.counters.misses += 1
                 break
             jobs.append(job)
         return gather(jobs, leading_objects)
+
+    def batched_get_direct(self, lookup_id: str, keys: Sequence[CacheKey]) -> Future | None:
+        """Entries on local disk left in place (``lmkv.direct``): each key's header
+        is read and checked now, its payload when the engine reads it."""
+        if not (self._raw_reads and self.options.direct_reads
+                and isinstance(self.store, LocalStore)):
+            return None
+        return self.batched_get_non_blocking(lookup_id, keys, self._get_direct)
+
+    def _get_direct(self, key: CacheKey) -> DirectChunk | MemoryObj | None:
+        if self._closed:
+            self.counters.misses += 1
+            return None
+        store = self.store
+        assert isinstance(store, LocalStore)
+        name = entry_name(key)
+        opened = None
+        with self._guard("read", key):
+            try:
+                opened = store.open_payload(name, key, self.context.serializer.serializer_id)
+            except FileNotFoundError:
+                self.index.discard(key)
+            except NotAnEntry as exc:
+                self._special(key, exc)
+            except CorruptFrameError as exc:
+                self.drop_corrupt(key, exc)
+        if opened is None:
+            self.counters.misses += 1
+            return None
+        fd, header, size = opened
+        if len(header.shape) != 5:  # not a chunk's KV (an alias): read it in
+            os.close(fd)
+            return self.get_blocking(key)
+        chunk = DirectChunk(key, header.shape, header.dtype, header.checksum,
+                            partial(store.read_payload, fd, header),
+                            partial(self._direct_failed, key), partial(os.close, fd))
+        self.index.adopt(key, size)
+        self.index.touch(key)
+        self.counters.hits += 1
+        self.counters.bytes_out += size
+        return chunk
+
+    def _direct_failed(self, key: CacheKey, exc: BaseException) -> None:
+        """A direct read's piece failed or its checksum differed: as for a get."""
+        if isinstance(exc, CorruptFrameError):
+            self.drop_corrupt(key, exc)
+        else:
+            self.faults.fault("read", exc, "the load stops there", key)
 
     # -- the rest -----------------------------------------------------------------------
     def remove(self, key: CacheKey) -> bool:

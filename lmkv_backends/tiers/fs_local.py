@@ -29,7 +29,7 @@ from functools import partial
 
 from lmkv.errors import CorruptFrameError
 from lmkv.memory import Allocate, MemoryObj, nbytes_of
-from lmkv.serde import read_header, verify_payload
+from lmkv.serde import FrameHeader, read_header, verify_payload
 from lmkv.tokens import CacheKey
 from lmkv_backends.tiers.fs_index import NotAnEntry, key_of
 
@@ -56,6 +56,8 @@ class LocalStore:
     trust_index = True
     #: ``read_into`` reads a raw payload straight into a chunk buffer
     reads_into = True
+    #: ``open_payload`` / ``read_payload`` leave it where it is until asked
+    reads_direct = True
 
     def __init__(self, root: str, durable: bool, page_cache: bool, file_mode: int,
                  dir_mode: int) -> None:
@@ -210,6 +212,36 @@ class LocalStore:
             return obj, size
         finally:
             os.close(fd)
+
+    def open_payload(self, name: str, key: CacheKey, serializer_id: int
+                     ) -> tuple[int, FrameHeader, int]:
+        """Open a raw-payload frame and check its header (as ``read_into`` does):
+        ``(descriptor, header, size)``; the payload is left to ``read_payload``
+        and the descriptor to the caller to close. Raises as ``read_into``."""
+        fd, size = open_entry(self.path(name))
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+            header = read_header(memoryview(os.pread(fd, min(size, HEAD_READ), 0)), key, size)
+            if header.serializer_id != serializer_id:
+                raise CorruptFrameError(f"frame was written by serializer id "
+                                        f"{header.serializer_id}, not {serializer_id}")
+            if header.payload_len != nbytes_of(header.shape, header.dtype):
+                raise CorruptFrameError("payload length does not match dtype and shape")
+            if not header.payload_len:
+                raise CorruptFrameError(f"frame holds no elements (shape {header.shape})")
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd, header, size
+
+    def read_payload(self, fd: int, header: FrameHeader, offset: int, view: memoryview
+                     ) -> None:
+        """Fill ``view`` with the payload's bytes from ``offset`` (CorruptFrameError
+        when the entry ends before)."""
+        if offset < 0 or offset + view.nbytes > header.payload_len:
+            raise ValueError(f"bytes {offset}..{offset + view.nbytes} are outside the "
+                             f"payload of {header.payload_len}")
+        _read_exact(fd, view, header.header_len + offset)
 
     def read_frame(self, name: str) -> bytearray:
         fd, size = open_entry(self.path(name))

@@ -65,6 +65,12 @@ class FSOptions(PluginOptions):
     """Local disk: keep entries in the OS page cache after reading or writing them,
     so another process (a restarted engine, a second one) reads them from memory.
     Off: pages are handed back (the memory tier above holds those chunks already)."""
+    direct_reads: bool = True
+    """Local disk: an engine whose KV is in host memory (vLLM's CPU build) reads
+    entries straight into its KV, a few MiB at a time through a small buffer of
+    its own, verified as they go (``lmkv.direct``), instead of into the memory
+    tier's arena first; such reads are not promoted into the tier above. Off:
+    every read goes through a chunk buffer and is promoted."""
     io_threads: PositiveInt | None = None
     """Parallel I/O per direction; default 4 on local disk, 16 for remote URLs."""
     endpoint_url: str | None = None

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from lmkv import affinity
 from lmkv.config import LMKVConfig
 from lmkv.engines import Engine, open_engine
 from lmkv.engines.connector import resolve_connector_class
@@ -78,8 +79,10 @@ class WorkerSide:
         self._failed: set[int] = set()
         self._done: dict[str, int] = {}  # lazy stores finished since the last report
         self._lock = threading.Lock()
-        self._saver = ThreadPoolExecutor(1, thread_name_prefix="lmkv-lazy-store")
-        self._loader = ThreadPoolExecutor(1, thread_name_prefix="lmkv-async-load")
+        self._saver = ThreadPoolExecutor(1, thread_name_prefix="lmkv-lazy-store",
+                                         initializer=affinity.apply)
+        self._loader = ThreadPoolExecutor(1, thread_name_prefix="lmkv-async-load",
+                                          initializer=affinity.apply)
         self._loaded: list[tuple[str, set[int]]] = []  # async loads finished, unreported
         self._saved: set[str] = set()  # finished requests' last stores done, unreported
         # lmkv.layerwise (layerwise.py): this step's layer-by-layer loads and stores.
@@ -89,8 +92,10 @@ class WorkerSide:
         self._load_step: LoadStep | None = None
         self._store_step: StoreStep | None = None
         if config.layerwise:
-            self._layer_loader = ThreadPoolExecutor(1, thread_name_prefix="lmkv-layer-load")
-            self._layer_saver = ThreadPoolExecutor(1, thread_name_prefix="lmkv-layer-store")
+            self._layer_loader = ThreadPoolExecutor(1, thread_name_prefix="lmkv-layer-load",
+                                                    initializer=affinity.apply)
+            self._layer_saver = ThreadPoolExecutor(1, thread_name_prefix="lmkv-layer-store",
+                                                   initializer=affinity.apply)
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         kv_caches = _named_fp8(kv_caches, self.cache_config)
@@ -107,13 +112,20 @@ class WorkerSide:
                              f"elements; the model's head size is {self.head_size}")
         self._token_bytes = spec.chunk_nbytes(1)
         connector = resolved.create(ConnectorContext(spec, self.kv_layout))
+        # vLLM's CPU build may bind this thread to one CPU; lmkv's threads (started
+        # from here on) run on every CPU of the rank instead (lmkv.affinity).
+        affinity.share(affinity.engine_cpus())
         if self.config.layerwise:
             connector = self.layered = LayeredConnector.around(connector, resolved.create)
         self.engine = open_engine(self.config, spec, model_name=self.model_name,
                                   connector=connector,
                                   world_size=self.world_size, worker_id=self.rank,
                                   block_size=self.block_size,
-                                  record_metrics=False)  # recorded here, in vLLM's terms
+                                  record_metrics=False,  # recorded here, in vLLM's terms
+                                  # KV in host memory, failed loads recomputed: disk
+                                  # tiers' chunks are read straight into it (lmkv.direct)
+                                  direct_reads=(self.kv_caches[0].device.type == "cpu"
+                                                and not self.config.layerwise))
         recorder().add_tier_source(self.engine.stats)
         endpoints = LookupEndpoints.from_config(self.config.lookup, self.engine_id,
                                                 self.world_size)

@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
+from lmkv import affinity
 from lmkv.backend import BackendContext, StorageBackend, done_future
 from lmkv.faults import Breaker, TierFaults
 from lmkv.memory import MemoryAllocator, MemoryObj
@@ -96,10 +97,12 @@ class MooncakeBackend(StorageBackend):
         self._writer = Writer(self.link, context.serializer, self.staging, self.registered,
                               self.store_key)
         self._gets = ThreadPoolExecutor(max_workers=GET_THREADS,
-                                        thread_name_prefix="lmkv-mooncake-get")
+                                        thread_name_prefix="lmkv-mooncake-get",
+                                        initializer=affinity.apply)
         # Transfers of direct gets, one ahead of each get's checks.
         self._fetches = ThreadPoolExecutor(max_workers=GET_THREADS,
-                                           thread_name_prefix="lmkv-mooncake-fetch")
+                                           thread_name_prefix="lmkv-mooncake-fetch",
+                                           initializer=affinity.apply)
         if not self.link.wait_ready(options.connect_timeout_s):
             logger.warning("lmkv mooncake tier: master %s not answering yet; misses until it "
                            "does", self.where)

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
+from lmkv import affinity
 from lmkv.backend import BackendContext, StorageBackend, done_future
 from lmkv.faults import Breaker, TierFaults
 from lmkv.memory import MemoryObj
@@ -78,7 +79,8 @@ class RedisBackend(StorageBackend):
         self._reader = Reader(self.connection)
         self._info = ServerInfo(self.connection)
         self._gets = ThreadPoolExecutor(max_workers=GET_THREADS,
-                                        thread_name_prefix="lmkv-redis-get")
+                                        thread_name_prefix="lmkv-redis-get",
+                                        initializer=affinity.apply)
         self._sweeping = threading.Lock()  # held while an empty-value check runs
         self._last_sweep = 0.0
 

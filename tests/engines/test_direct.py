@@ -1,0 +1,173 @@
+"""Direct reads (lmkv.direct): a fresh engine whose KV is in host memory reads a
+disk tier's entries straight into its paged caches, verified, never promoted;
+a corrupt, truncated or swapped entry ends the load before it (the rest is
+recomputed) and never lands as KV of another prompt."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from lmkv import KVSpec, load_config
+from lmkv.direct import DirectChunk
+from lmkv.engines.local import LocalEngine
+from lmkv.testing.engines import open_local_engine
+from lmkv_backends.tiers.fs_index import entry_name
+
+SPEC = KVSpec(num_layers=4, num_kv_heads=2, head_dim=16, dtype=torch.float16)
+CHUNK = 32
+BLOCK = 16
+LAYER_BYTES = 2 * CHUNK * 2 * 16 * 2  # planes x tokens x heads x dim x fp16
+
+
+def config(root: Path, **fs_options):
+    return load_config(env={}, overrides={
+        "lmkv.chunk_size": CHUNK, "lmkv.gpu_connector": "paged",
+        "lmkv.tiers": [{"type": "cpu", "options": {"max_bytes": "4MiB"}},
+                       {"type": "fs", "options": {"url": str(root), **fs_options}}]})
+
+
+def engine(root: Path, direct: bool = True, **fs_options) -> LocalEngine:
+    return open_local_engine(config(root, **fs_options), SPEC, model_name="direct",
+                             kv_kind="paged", block_size=BLOCK, direct_reads=direct)
+
+
+def caches(seed: int | None = None) -> list[torch.Tensor]:
+    """cpu-layout paged caches ``[blocks, heads, block, 2 * dim]``: 16 blocks."""
+    if seed is None:
+        return [torch.zeros(16, 2, BLOCK, 32).half() for _ in range(SPEC.num_layers)]
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(16, 2, BLOCK, 32, generator=gen).half() for _ in range(4)]
+
+
+def stored(root: Path, tokens: list[int], seed: int = 1) -> list[torch.Tensor]:
+    """A first process's store: the KV of ``tokens`` in blocks 0.. of its caches."""
+    src = caches(seed)
+    with engine(root, direct=False) as writer:
+        assert writer.store(tokens, kv_caches=src, block_ids=list(range(16))) == len(tokens)
+        assert writer.storage.flush(10)
+    return src
+
+
+def blocks_equal(src, dst, pairs) -> bool:
+    return all(torch.equal(s[a], d[b]) for s, d in zip(src, dst, strict=True) for a, b in pairs)
+
+
+def load(reader: LocalEngine, tokens: list[int], target, block_ids, lookup_id: str = "r",
+         **kv):
+    hit = reader.lookup_and_prefetch(tokens, lookup_id).result(10)
+    got = reader.retrieve(tokens, lookup_id=lookup_id, kv_caches=target, block_ids=block_ids,
+                          **kv).num_tokens
+    return hit, got
+
+
+@pytest.mark.parametrize("piece_bytes", [LAYER_BYTES, 3 * LAYER_BYTES, 1 << 20])
+def test_a_fresh_engine_reads_disk_chunks_straight_into_its_kv(tmp_path: Path,
+                                                               piece_bytes: int) -> None:
+    tokens = list(range(4 * CHUNK))
+    src = stored(tmp_path, tokens)
+    with engine(tmp_path) as reader:
+        assert reader.direct is not None
+        reader.direct.piece_bytes = piece_bytes  # one layer, 3 (+1), all at once
+        taken = []
+        original = reader.storage.take_prefetched
+
+        def spy(*args, **kwargs):
+            objs = original(*args, **kwargs)
+            taken.extend(objs or [])
+            return objs
+
+        reader.storage.take_prefetched = spy
+        target = caches()
+        blocks = [9, 3, 12, 0, 5, 7, 1, 14]
+        assert load(reader, tokens, target, blocks) == (128, 128)
+        assert taken and all(isinstance(o, DirectChunk) for o in taken)
+        assert blocks_equal(src, target, list(zip(range(8), blocks, strict=True)))
+        assert reader.storage.tiers[0].usage_bytes == 0  # never promoted
+
+
+def test_skipped_tokens_and_a_shorter_hit_are_left_alone(tmp_path: Path) -> None:
+    tokens = list(range(4 * CHUNK))
+    src = stored(tmp_path, tokens)
+    with engine(tmp_path) as reader:
+        target = caches(seed=9)
+        before = [c.clone() for c in target]
+        blocks = [2, 4, 6, 8, 10, 11]  # 6 blocks: the prompt's first 96 tokens
+        prompt = tokens[:90] + [7777] * 6
+        hit, got = load(reader, prompt, target, blocks, skip_tokens=BLOCK)
+        # two whole chunks read direct, then the next chunk's first block (a block-
+        # granular hit: read into memory, the chunk cut to it)
+        assert (hit, got) == (80, 80)
+        assert blocks_equal(before, target, [(2, 2)])  # skipped: untouched
+        assert blocks_equal(src, target, [(1, 4), (2, 6), (3, 8), (4, 10)])
+        assert blocks_equal(before, target, [(11, 11)])
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "swap"])
+def test_a_damaged_entry_ends_the_load_before_it(tmp_path: Path, damage: str) -> None:
+    tokens = list(range(4 * CHUNK))
+    src = stored(tmp_path, tokens)
+    other = list(range(5000, 5000 + 4 * CHUNK))
+    stored(tmp_path, other, seed=2)
+    with engine(tmp_path) as reader:
+        keys = reader.chunker.chunk(tokens).keys
+        path = tmp_path / entry_name(keys[2])
+        if damage == "swap":  # another prompt's entry under this key's name
+            os.replace(tmp_path / entry_name(reader.chunker.chunk(other).keys[2]), path)
+        hit = reader.lookup_and_prefetch(tokens, "r").result(10)
+        if damage == "flip":  # after the lookup checked the header: caught by the checksum
+            with open(path, "r+b") as f:
+                f.seek(-3, os.SEEK_END)
+                byte = f.read(1)
+                f.seek(-3, os.SEEK_END)
+                f.write(bytes([byte[0] ^ 0xFF]))
+        elif damage == "truncate":
+            os.truncate(path, os.path.getsize(path) - 100)
+        target = caches()
+        blocks = list(range(8))
+        got = reader.retrieve(tokens, lookup_id="r", kv_caches=target,
+                              block_ids=blocks).num_tokens
+        assert got == 64
+        assert hit == (64 if damage == "swap" else 128)
+        assert blocks_equal(src, target, [(b, b) for b in range(4)])
+        fs = reader.storage.tiers[1]
+        assert fs.counters.corrupt_frames == 1
+        assert not path.exists()  # dropped
+        # The next lookup is a clean miss there, never the damaged KV.
+        assert reader.lookup_and_prefetch(tokens, "again").result(10) == 64
+        reader.release_lookup("again")
+
+
+def test_released_lookups_give_their_files_back(tmp_path: Path) -> None:
+    tokens = list(range(4 * CHUNK))
+    stored(tmp_path, tokens)
+    with engine(tmp_path) as reader:
+        fds = len(os.listdir("/proc/self/fd"))
+        for i in range(5):
+            assert reader.lookup_and_prefetch(tokens, f"r{i}").result(10) == 128
+            reader.release_lookup(f"r{i}")
+        reader.storage.events.cleanup("none")
+        assert len(os.listdir("/proc/self/fd")) <= fds
+
+
+def test_direct_reads_off_reads_through_the_arena_and_promotes(tmp_path: Path) -> None:
+    tokens = list(range(4 * CHUNK))
+    src = stored(tmp_path, tokens)
+    with engine(tmp_path, direct_reads=False) as reader:
+        target = caches()
+        assert load(reader, tokens, target, list(range(8))) == (128, 128)
+        assert blocks_equal(src, target, [(b, b) for b in range(8)])
+        assert reader.storage.tiers[0].usage_bytes > 0  # promoted
+
+
+def test_an_engine_without_direct_reads_never_gets_direct_chunks(tmp_path: Path) -> None:
+    tokens = list(range(4 * CHUNK))
+    src = stored(tmp_path, tokens)
+    with engine(tmp_path, direct=False) as reader:
+        assert reader.direct is None
+        target = caches()
+        assert load(reader, tokens, target, list(range(8))) == (128, 128)
+        assert blocks_equal(src, target, [(b, b) for b in range(8)])
