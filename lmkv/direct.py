@@ -42,6 +42,10 @@ PIECE_BYTES = 4 << 20
 ReadAt = Callable[[int, memoryview], None]
 
 
+class ChunkReleased(Exception):
+    """A direct chunk was read after its holder released it (a load given up on)."""
+
+
 class DirectChunk:
     """One stored chunk, verified up to its payload, read on demand.
 
@@ -50,7 +54,10 @@ class DirectChunk:
     ``OSError``); ``failed(exc)`` is the tier's answer to a piece that could not
     be read or a checksum that did not match (count it, drop the entry);
     ``close()`` gives the handle back, once, on ``ref_down`` or when the object
-    is collected. ``tensor`` is a meta tensor of the chunk's shape and dtype: it
+    is collected; a ``ref_down`` while a piece is being read leaves the close to
+    that read (the handle is never closed, or its number reused, under it), and
+    a read after ``ref_down`` raises ``ChunkReleased`` without telling the tier.
+    ``tensor`` is a meta tensor of the chunk's shape and dtype: it
     answers shape checks and holds no data.
     """
 
@@ -67,6 +74,8 @@ class DirectChunk:
         self._failed = failed
         self._lock = threading.Lock()
         self._closer = weakref.finalize(self, close)
+        self._reading = False
+        self._released = False
         self.ref_count = 1
 
     @property
@@ -85,6 +94,9 @@ class DirectChunk:
         """Give the handle back (``lmkv.memory.release`` calls this)."""
         with self._lock:
             self.ref_count = max(0, self.ref_count - 1)
+            self._released = True
+            if self._reading:  # that read closes it when it returns
+                return
         self._closer()
 
     @property
@@ -109,10 +121,25 @@ class DirectChunk:
             raise ValueError(f"staging must be a flat uint8 tensor of at least {nbytes} bytes")
         buf = staging[:nbytes]
         view = memoryview(buf.numpy())
+        with self._lock:
+            if self._released:
+                raise ChunkReleased(self.key.to_string())
+            self._reading = True
+        failure: BaseException | None = None
         try:
             self._read_at(first * self.layer_bytes, view)
         except (CorruptFrameError, OSError) as exc:
-            raise self._failure(exc) from None
+            failure = exc
+        finally:
+            with self._lock:
+                self._reading = False
+                released = self._released
+            if released:
+                self._closer()
+        if released:  # what it read is nobody's; a failure is not the entry's fault
+            raise ChunkReleased(self.key.to_string())
+        if failure is not None:
+            raise self._failure(failure) from None
         hasher.update(view)
         return buf.view(self.dtype).view(layers, *self.shape[1:])
 

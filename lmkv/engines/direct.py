@@ -58,7 +58,7 @@ class DirectLoads:
         number of chunks loaded: all of them unless a direct chunk failed."""
         direct = [obj for obj in objs[:len(spans)] if isinstance(obj, DirectChunk)]
         slots = self._take_slots(max(chunk.layer_bytes for chunk in direct))
-        piece_bytes = min(self.piece_bytes, slots[0].numel())
+        piece_bytes = min(self.piece_bytes, *(slot.numel() for slot in slots))
         pipe = _Pipe(slots)
         job = self._reader.submit(_read_all, direct, piece_bytes, pipe)
         try:
@@ -77,9 +77,9 @@ class DirectLoads:
             return n
         finally:
             pipe.stop()
-            try:
-                job.result(timeout=PIECE_TIMEOUT_S)
-            except FutureTimeout:  # a read still hangs: its buffers stay with it
+            try:  # a reader that hung already is not waited for again
+                job.result(timeout=0 if pipe.hung else PIECE_TIMEOUT_S)
+            except FutureTimeout:  # its buffers stay with it; its chunks are released
                 logger.warning("lmkv: a direct read did not end in %.0f s", PIECE_TIMEOUT_S)
             else:
                 self._give_slots(slots)
@@ -93,6 +93,7 @@ class DirectLoads:
             try:
                 item = pipe.ready.get(timeout=PIECE_TIMEOUT_S)
             except queue.Empty:
+                pipe.hung = True
                 raise TimeoutError(f"lmkv: no direct read in {PIECE_TIMEOUT_S:.0f} s") from None
             if isinstance(item, BaseException):
                 if isinstance(item, CorruptFrameError):
@@ -148,6 +149,7 @@ class _Pipe:
         for slot in slots:
             self.free.put(slot)
         self.stopped = threading.Event()
+        self.hung = False  # a piece did not come in time
 
     def stop(self) -> None:
         self.stopped.set()

@@ -97,6 +97,11 @@ class FSBackend(StorageBackend):
         capacity = int(options.max_bytes) if options.max_bytes is not None else None
         self.index = EntryIndex(context.eviction_policy, capacity)
         self._raw_reads = self.store.reads_into and context.serializer.raw_payload
+        # Entries held open for direct reads (lookups not yet loaded): at most a
+        # quarter of the process's descriptors; past that, reads go to the arena.
+        self._direct_lock = threading.Lock()
+        self._direct_open = 0
+        self._direct_cap = max(16, _descriptor_limit() // 4)
         self._closed = False
         self._pending: set[Future] = set()  # put batches not finished
         self._pending_lock = threading.Lock()
@@ -348,17 +353,34 @@ class FSBackend(StorageBackend):
             self.counters.misses += 1
             return None
         fd, header, size = opened
-        if len(header.shape) != 5:  # not a chunk's KV (an alias): read it in
+        with self._direct_lock:
+            held = self._direct_open < self._direct_cap
+            if held:
+                self._direct_open += 1
+        if len(header.shape) != 5 or not held:  # an alias, or descriptors run short:
+            if held:                              # read it in
+                self._direct_closed()
             os.close(fd)
             return self.get_blocking(key)
         chunk = DirectChunk(key, header.shape, header.dtype, header.checksum,
                             partial(store.read_payload, fd, header),
-                            partial(self._direct_failed, key), partial(os.close, fd))
+                            partial(self._direct_failed, key),
+                            partial(self._close_direct, store, fd))
         self.index.adopt(key, size)
         self.index.touch(key)
         self.counters.hits += 1
         self.counters.bytes_out += size
         return chunk
+
+    def _close_direct(self, store: LocalStore, fd: int) -> None:
+        try:
+            store.close_payload(fd)
+        finally:
+            self._direct_closed()
+
+    def _direct_closed(self) -> None:
+        with self._direct_lock:
+            self._direct_open -= 1
 
     def _direct_failed(self, key: CacheKey, exc: BaseException) -> None:
         """A direct read's piece failed or its checksum differed: as for a get."""
@@ -418,3 +440,12 @@ class FSBackend(StorageBackend):
         with self._guard("close"):
             self.store.close()
         super().close()
+
+
+def _descriptor_limit() -> int:
+    try:
+        import resource
+    except ImportError:  # not a Unix
+        return 1024
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return 1024 if soft == resource.RLIM_INFINITY else int(soft)

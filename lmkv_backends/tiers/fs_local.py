@@ -243,6 +243,15 @@ class LocalStore:
                              f"payload of {header.payload_len}")
         _read_exact(fd, view, header.header_len + offset)
 
+    def close_payload(self, fd: int) -> None:
+        """Give back a descriptor of ``open_payload`` (its pages too, without the
+        page cache)."""
+        try:
+            if not self.page_cache:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
     def read_frame(self, name: str) -> bytearray:
         fd, size = open_entry(self.path(name))
         try:
@@ -280,6 +289,8 @@ def open_entry(path: str) -> tuple[int, int]:
         try:
             mode = os.lstat(path).st_mode
         except OSError:
+            raise exc from None
+        if stat.S_ISREG(mode):  # a regular file that could not be opened (EMFILE, EACCES)
             raise exc from None
         raise NotAnEntry(f"{os.path.basename(path)} is a {_kind(mode)}, not an entry file"
                          ) from None

@@ -171,3 +171,90 @@ def test_an_engine_without_direct_reads_never_gets_direct_chunks(tmp_path: Path)
         target = caches()
         assert load(reader, tokens, target, list(range(8))) == (128, 128)
         assert blocks_equal(src, target, [(b, b) for b in range(8)])
+
+
+def test_a_release_during_a_read_closes_after_it_and_blames_nobody(tmp_path: Path) -> None:
+    import threading
+
+    import xxhash
+
+    from lmkv.direct import ChunkReleased
+
+    tokens = list(range(4 * CHUNK))
+    stored(tmp_path, tokens)
+    with engine(tmp_path) as reader:
+        fs = reader.storage.tiers[1]
+        key = reader.chunker.chunk(tokens).keys[0]
+        chunk = fs.batched_get_direct("x", [key]).result(10)[0]
+        assert isinstance(chunk, DirectChunk)
+        entered, go = threading.Event(), threading.Event()
+        read_at = chunk._read_at
+
+        def slow(offset, view):  # the disk is slow: the load is given up on meanwhile
+            entered.set()
+            go.wait(10)
+            read_at(offset, view)
+
+        chunk._read_at = slow
+        errors = []
+
+        def read() -> None:
+            try:
+                chunk.read_piece(0, 1, torch.zeros(LAYER_BYTES, dtype=torch.uint8),
+                                 xxhash.xxh3_64())
+            except BaseException as exc:
+                errors.append(exc)
+
+        thread = threading.Thread(target=read)
+        thread.start()
+        assert entered.wait(10)
+        chunk.ref_down()  # while the read is in flight: the descriptor stays open
+        assert chunk._closer.alive
+        go.set()
+        thread.join(10)
+        assert len(errors) == 1 and isinstance(errors[0], ChunkReleased)
+        assert not chunk._closer.alive  # closed by the read, after it
+        assert fs.counters.corrupt_frames == 0 and fs.contains(key)
+        assert fs._direct_open == 0
+
+
+def test_past_the_descriptor_cap_chunks_are_read_in(tmp_path: Path) -> None:
+    tokens = list(range(4 * CHUNK))
+    src = stored(tmp_path, tokens)
+    with engine(tmp_path) as reader:
+        fs = reader.storage.tiers[1]
+        fs._direct_cap = 2
+        got = fs.batched_get_direct("x", reader.chunker.chunk(tokens).keys).result(10)
+        assert len(got) == 4  # (opened in parallel: which two stay open varies)
+        assert sum(isinstance(o, DirectChunk) for o in got) == 2
+        for obj in got:
+            obj.ref_down()
+        assert fs._direct_open == 0
+        target = caches()
+        assert load(reader, tokens, target, list(range(8))) == (128, 128)
+        assert blocks_equal(src, target, [(b, b) for b in range(8)])
+
+
+def test_an_entry_that_cannot_be_opened_is_a_fault_not_a_foreign_file(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import errno
+
+    from lmkv_backends.tiers import fs_local
+
+    tokens = list(range(CHUNK))
+    stored(tmp_path, tokens)
+    with engine(tmp_path) as reader:
+        fs = reader.storage.tiers[1]
+        key = reader.chunker.chunk(tokens).keys[0]
+        real_open = fs_local.os.open
+
+        def no_descriptors(path, *args, **kwargs):
+            if str(path).startswith(str(tmp_path)):
+                raise OSError(errno.EMFILE, "Too many open files")
+            return real_open(path, *args, **kwargs)
+
+        monkeypatch.setattr(fs_local.os, "open", no_descriptors)
+        assert fs.get_blocking(key) is None
+        assert fs.counters.errors == 1 and fs.special_files == 0
+        monkeypatch.undo()
+        assert fs.contains(key)  # still indexed: read again once descriptors are back
