@@ -185,13 +185,7 @@ class LocalStore:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
             head = os.pread(fd, min(size, HEAD_READ), 0)
             header = read_header(memoryview(head), key, size)
-            if header.serializer_id != serializer_id:
-                raise CorruptFrameError(f"frame was written by serializer id "
-                                        f"{header.serializer_id}, not {serializer_id}")
-            if header.payload_len != nbytes_of(header.shape, header.dtype):
-                raise CorruptFrameError("payload length does not match dtype and shape")
-            if not header.payload_len:
-                raise CorruptFrameError(f"frame holds no elements (shape {header.shape})")
+            _check_raw(header, serializer_id)
             try:
                 obj = allocate(header.shape, header.dtype)
             except (ValueError, RuntimeError, OverflowError) as exc:  # a shape no view takes
@@ -222,13 +216,7 @@ class LocalStore:
         try:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
             header = read_header(memoryview(os.pread(fd, min(size, HEAD_READ), 0)), key, size)
-            if header.serializer_id != serializer_id:
-                raise CorruptFrameError(f"frame was written by serializer id "
-                                        f"{header.serializer_id}, not {serializer_id}")
-            if header.payload_len != nbytes_of(header.shape, header.dtype):
-                raise CorruptFrameError("payload length does not match dtype and shape")
-            if not header.payload_len:
-                raise CorruptFrameError(f"frame holds no elements (shape {header.shape})")
+            _check_raw(header, serializer_id)
         except BaseException:
             os.close(fd)
             raise
@@ -275,6 +263,18 @@ class LocalStore:
 
     def close(self) -> None:
         pass
+
+
+def _check_raw(header: FrameHeader, serializer_id: int) -> None:
+    """A raw-payload frame's header: written by ``serializer_id``, its payload
+    exactly its shape and dtype, and not empty (CorruptFrameError otherwise)."""
+    if header.serializer_id != serializer_id:
+        raise CorruptFrameError(f"frame was written by serializer id "
+                                f"{header.serializer_id}, not {serializer_id}")
+    if header.payload_len != nbytes_of(header.shape, header.dtype):
+        raise CorruptFrameError("payload length does not match dtype and shape")
+    if not header.payload_len:
+        raise CorruptFrameError(f"frame holds no elements (shape {header.shape})")
 
 
 def open_entry(path: str) -> tuple[int, int]:

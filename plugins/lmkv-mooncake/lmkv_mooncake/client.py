@@ -27,6 +27,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import contextmanager
 from typing import Any
 
+from lmkv import affinity
 from lmkv.errors import PluginError
 from lmkv.faults import BreakerOpen, TierFaults, TierUnavailable
 from lmkv_mooncake.memory import Registered
@@ -141,6 +142,9 @@ class _Client:
         threading.Thread(target=self._connect, name="lmkv-mooncake-setup", daemon=True).start()
 
     def _connect(self) -> None:
+        # The store's own threads (transfers, polling) start here and inherit this
+        # thread's CPUs: the engine's, not the one its main thread is bound to.
+        affinity.apply()
         o = self.options
         backoff = o.retry_after_s
         while not self.stop.is_set():
@@ -217,6 +221,7 @@ class _Helpers:
             threading.Thread(target=self._work, name="lmkv-mooncake-call", daemon=True).start()
 
     def _work(self) -> None:
+        affinity.apply()
         while True:
             try:
                 result, fn, args, finished = self._jobs.get(timeout=self.IDLE_S)
