@@ -21,7 +21,10 @@ tier (durable, the tier's ``page_cache`` setting) and writes the safetensors
 files; a fresh reader process opens the tier (its index comes from the
 directory), reads the chunks into a fresh arena and copies them into one
 destination tensor (as a connector copies into the paged cache), then loads the
-safetensors files and copies them the same way. ``--touched-arena`` touches the
+safetensors files and copies them the same way. A third fresh process reads the
+chunks directly (``direct``: the fs tier's ``direct_reads``, piece by piece
+through one staging buffer into the destination, as an engine whose KV is in
+host memory does; ``dir/st`` against the safetensors files). ``--touched-arena`` touches the
 reader's arena before timing (as a page-locked arena on a GPU host, or one that
 served earlier reads, is): the difference is the first-touch cost of fresh
 memory. Settings:
@@ -54,6 +57,7 @@ from pathlib import Path
 import torch
 
 from lmkv.backend import BackendContext
+from lmkv.direct import PIECE_BYTES, DirectChunk
 from lmkv.memory import MemoryAllocator, MemoryObj
 from lmkv.tokens import CacheKey, KeyMeta
 from lmkv_backends.serde.naive import NaiveSerializer
@@ -231,6 +235,37 @@ def cross_reader(work: Path, n: int, page_cache: bool, touched: bool) -> dict[st
     return out
 
 
+def cross_direct_reader(work: Path, n: int, page_cache: bool, touched: bool
+                        ) -> dict[str, float]:
+    """A fresh process: open the tier and read every chunk directly (``lmkv.direct``:
+    piece by piece through one staging buffer, checksummed there) into the
+    destination, as an engine whose KV is in host memory does."""
+    full, keys = vllm_chunks(n)
+    dst = torch.empty_like(full)
+    dst.zero_()
+    staging = torch.zeros(PIECE_BYTES, dtype=torch.uint8)  # touched once, as the engine's
+    arena = MemoryAllocator(1 << 20, pin_memory=False)  # (direct reads take none)
+    out: dict[str, float] = {}
+    start = time.perf_counter()
+    tier = make_tier(work / "entries", arena, None, page_cache)
+    hits = tier.batched_async_contains("bench", keys)
+    future = tier.batched_get_direct("bench", keys)
+    assert future is not None, "the fs tier offers no direct reads here"
+    got = future.result()
+    out["direct_open_ms"] = (time.perf_counter() - start) * 1e3
+    for i, chunk in enumerate(got):
+        assert isinstance(chunk, DirectChunk)
+        view = _chunk(dst, i)
+        for first, piece in chunk.pieces(staging):
+            view[first:first + piece.shape[0]].copy_(piece)
+    out["direct_ms"] = (time.perf_counter() - start) * 1e3
+    assert hits == n and len(got) == n and torch.equal(dst, full), "direct reads: wrong KV"
+    for chunk in got:
+        chunk.ref_down()
+    tier.close()
+    return out
+
+
 def cross_process_main(args: argparse.Namespace) -> None:
     n = args.chunks
     mib = n * _chunk(vllm_chunks(1)[0], 0).nbytes / (1 << 20)
@@ -258,19 +293,27 @@ def cross_process_main(args: argparse.Namespace) -> None:
                 reader = json.loads(subprocess.run(
                     [*base, "--role", "reader", "--work", str(work), *flag], check=True,
                     capture_output=True, text=True).stdout)
-                rows[setting].append({**writer, **reader})
+                if setting == "cold":  # the direct reader starts cold too
+                    drop_cache([*work.joinpath("entries").iterdir()])
+                direct = json.loads(subprocess.run(
+                    [*base, "--role", "direct", "--work", str(work), *flag], check=True,
+                    capture_output=True, text=True).stdout)
+                rows[setting].append({**writer, **reader, **direct})
             finally:
                 shutil.rmtree(work, ignore_errors=True)
-    print(f"{'setting':<19}{'fs open':>9}{'fs read':>9}{'fs +copy':>10}{'st read':>9}"
-          f"{'st +copy':>10}{'fs/st':>7}{'fs write':>10}{'st write':>10}   (medians, ms)")
+    print(f"{'setting':<19}{'fs open':>9}{'fs read':>9}{'fs +copy':>10}{'direct':>8}"
+          f"{'st read':>9}{'st +copy':>10}{'fs/st':>7}{'dir/st':>7}{'fs write':>10}"
+          f"{'st write':>10}   (medians, ms)")
     for setting, got in rows.items():
         med = {k: statistics.median(r[k] for r in got) for k in got[0]}
         print(f"{setting:<19}{med['fs_open_ms']:>9.1f}{med['fs_read_ms']:>9.1f}"
-              f"{med['fs_ms']:>10.1f}{med['st_read_ms']:>9.1f}{med['st_ms']:>10.1f}"
-              f"{med['fs_ms'] / med['st_ms']:>7.2f}{med['fs_write_ms']:>10.1f}"
+              f"{med['fs_ms']:>10.1f}{med['direct_ms']:>8.1f}{med['st_read_ms']:>9.1f}"
+              f"{med['st_ms']:>10.1f}{med['fs_ms'] / med['st_ms']:>7.2f}"
+              f"{med['direct_ms'] / med['st_ms']:>7.2f}{med['fs_write_ms']:>10.1f}"
               f"{med['st_write_ms']:>10.1f}")
     print("fs read = open + lookup + reads into a fresh arena; +copy = then copied into one "
-          "destination tensor; fs write is durable (fdatasync), st write is not")
+          "destination tensor; direct = open + lookup + direct reads (lmkv.direct) into it; "
+          "fs write is durable (fdatasync), st write is not")
     print(f"cold: page cache dropped with {method}; load average {os.getloadavg()[0]:.1f}")
 
 
@@ -285,14 +328,16 @@ def main() -> None:
                         help="a fresh second process reads what a first one stored")
     parser.add_argument("--touched-arena", action="store_true",
                         help="--cross-process: the reader's arena is touched before timing")
-    parser.add_argument("--role", choices=("writer", "reader"), help=argparse.SUPPRESS)
+    parser.add_argument("--role", choices=("writer", "reader", "direct"),
+                        help=argparse.SUPPRESS)
     parser.add_argument("--work", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--page-cache", choices=("true", "false"), default="true",
                         help="the tier's page_cache option (durable write and cold read)")
     args = parser.parse_args()
     if args.role:  # one side of --cross-process, in its own process
         torch.set_num_threads(1)  # copies on one thread: two fight over a busy machine
-        role = cross_writer if args.role == "writer" else cross_reader
+        role = {"writer": cross_writer, "reader": cross_reader,
+                "direct": cross_direct_reader}[args.role]
         print(json.dumps(role(args.work, args.chunks, args.page_cache == "true",
                               args.touched_arena)))
         return
