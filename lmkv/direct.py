@@ -76,7 +76,6 @@ class DirectChunk:
         self._closer = weakref.finalize(self, close)
         self._reading = False
         self._released = False
-        self.ref_count = 1
 
     @property
     def shape(self) -> torch.Size:
@@ -93,7 +92,6 @@ class DirectChunk:
     def ref_down(self) -> None:
         """Give the handle back (``lmkv.memory.release`` calls this)."""
         with self._lock:
-            self.ref_count = max(0, self.ref_count - 1)
             self._released = True
             if self._reading:  # that read closes it when it returns
                 return
@@ -165,10 +163,6 @@ class DirectChunk:
 
     def __repr__(self) -> str:
         return f"DirectChunk(shape={tuple(self.shape)}, dtype={self.dtype})"
-
-
-def is_direct(obj: MemoryObj | DirectChunk) -> bool:
-    return isinstance(obj, DirectChunk)
 
 
 def memory_prefix(objs: list[MemoryObj | DirectChunk]) -> int:

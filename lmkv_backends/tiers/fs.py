@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import AbstractContextManager
 from functools import partial
+from typing import Any
 
 from lmkv import affinity
 from lmkv.backend import BackendContext, StorageBackend
@@ -283,30 +284,44 @@ class FSBackend(StorageBackend):
 
     # -- get ------------------------------------------------------------------------
     def get_blocking(self, key: CacheKey) -> MemoryObj | None:
+        found = self._read(key, self._read_in)
+        return None if found is None else self._served(key, *found)
+
+    def _read_in(self, name: str, key: CacheKey) -> tuple[MemoryObj | None, int]:
+        """The entry read into a chunk buffer: ``(buffer, entry size)``; no buffer
+        when the arena has no room."""
+        if self._raw_reads:
+            return self.store.read_into(name, key, self.context.serializer.serializer_id,
+                                        self.context.allocate)
+        frame = self.store.read_frame(name)
+        return self.decode(key, frame), len(frame)
+
+    def _read(self, key: CacheKey, read: Callable[[str, CacheKey], tuple[Any, int]]
+              ) -> tuple[Any, int] | None:
+        """``read(entry name, key)`` under the tier's fault policy: what it read and
+        the entry's size, or None for a miss (counted). A missing entry is
+        forgotten, something that is not an entry file noted, a corrupt one
+        dropped."""
         if self._closed:
             self.counters.misses += 1
             return None
-        name = entry_name(key)
-        obj: MemoryObj | None = None
-        size = 0
+        found: tuple[Any, int] | None = None
         with self._guard("read", key):
             try:
-                if self._raw_reads:
-                    obj, size = self.store.read_into(
-                        name, key, self.context.serializer.serializer_id, self.context.allocate)
-                else:
-                    frame = self.store.read_frame(name)
-                    size = len(frame)
-                    obj = self.decode(key, frame)
+                found = read(entry_name(key), key)
             except FileNotFoundError:
                 self.index.discard(key)
             except NotAnEntry as exc:
                 self._special(key, exc)
             except CorruptFrameError as exc:  # read straight into a buffer, or decoded
                 self.drop_corrupt(key, exc)
-        if obj is None:
+        if found is None or found[0] is None:
             self.counters.misses += 1
             return None
+        return found
+
+    def _served(self, key: CacheKey, obj: Any, size: int) -> Any:
+        """Count a hit of ``size`` bytes on ``key``; ``obj``, what it served."""
         self.index.adopt(key, size)
         self.index.touch(key)
         self.counters.hits += 1
@@ -333,26 +348,13 @@ class FSBackend(StorageBackend):
         return self.batched_get_non_blocking(lookup_id, keys, self._get_direct)
 
     def _get_direct(self, key: CacheKey) -> DirectChunk | MemoryObj | None:
-        if self._closed:
-            self.counters.misses += 1
-            return None
         store = self.store
         assert isinstance(store, LocalStore)
-        name = entry_name(key)
-        opened = None
-        with self._guard("read", key):
-            try:
-                opened = store.open_payload(name, key, self.context.serializer.serializer_id)
-            except FileNotFoundError:
-                self.index.discard(key)
-            except NotAnEntry as exc:
-                self._special(key, exc)
-            except CorruptFrameError as exc:
-                self.drop_corrupt(key, exc)
-        if opened is None:
-            self.counters.misses += 1
+        serializer_id = self.context.serializer.serializer_id
+        found = self._read(key, lambda name, k: store.open_payload(name, k, serializer_id))
+        if found is None:
             return None
-        fd, header, size = opened
+        (fd, header), size = found
         with self._direct_lock:
             held = self._direct_open < self._direct_cap
             if held:
@@ -366,11 +368,7 @@ class FSBackend(StorageBackend):
                             partial(store.read_payload, fd, header),
                             partial(self._direct_failed, key),
                             partial(self._close_direct, store, fd))
-        self.index.adopt(key, size)
-        self.index.touch(key)
-        self.counters.hits += 1
-        self.counters.bytes_out += size
-        return chunk
+        return self._served(key, chunk, size)
 
     def _close_direct(self, store: LocalStore, fd: int) -> None:
         try:
@@ -449,3 +447,4 @@ def _descriptor_limit() -> int:
         return 1024
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     return 1024 if soft == resource.RLIM_INFINITY else int(soft)
+

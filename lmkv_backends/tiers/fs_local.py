@@ -56,8 +56,6 @@ class LocalStore:
     trust_index = True
     #: ``read_into`` reads a raw payload straight into a chunk buffer
     reads_into = True
-    #: ``open_payload`` / ``read_payload`` leave it where it is until asked
-    reads_direct = True
 
     def __init__(self, root: str, durable: bool, page_cache: bool, file_mode: int,
                  dir_mode: int) -> None:
@@ -208,10 +206,11 @@ class LocalStore:
             os.close(fd)
 
     def open_payload(self, name: str, key: CacheKey, serializer_id: int
-                     ) -> tuple[int, FrameHeader, int]:
+                     ) -> tuple[tuple[int, FrameHeader], int]:
         """Open a raw-payload frame and check its header (as ``read_into`` does):
-        ``(descriptor, header, size)``; the payload is left to ``read_payload``
-        and the descriptor to the caller to close. Raises as ``read_into``."""
+        ``((descriptor, header), entry size)``; the payload is left to
+        ``read_payload`` and the descriptor to the caller to close. Raises as
+        ``read_into``."""
         fd, size = open_entry(self.path(name))
         try:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
@@ -223,7 +222,7 @@ class LocalStore:
         except BaseException:
             os.close(fd)
             raise
-        return fd, header, size
+        return (fd, header), size
 
     def read_payload(self, fd: int, header: FrameHeader, offset: int, view: memoryview
                      ) -> None:
