@@ -62,6 +62,10 @@ CATALOG: tuple[Metric, ...] = (
            "Preempted requests that loaded KV from lmkv when they resumed."),
     Metric("lazy_offload_queue_depth", "gauge",
            "Requests waiting in the lazy-offload queue (0 without lazy offload)."),
+    Metric("lazy_offload_rescues_total", "counter",
+           "Lazy stores made in the step vLLM handed their freed blocks to another request."),
+    Metric("lazy_offload_skipped_total", "counter",
+           "Lazy stores dropped because vLLM had already reused their blocks."),
     # tiers
     _tier("tier_usage_bytes", "gauge", "Bytes a tier holds."),
     _tier("tier_capacity_bytes", "gauge", "A tier's capacity in bytes (absent when unbounded)."),

@@ -175,6 +175,151 @@ def test_steps_of_one_request_are_submitted_as_one_store() -> None:
     assert [pool.blocks[i].ref_cnt for i in range(4)] == [1, 1, 1, 1]
 
 
+class WatchingPool(FakePool):
+    """FakePool with vLLM's reuse watchers (``BlockPool.unpin_blocks``): ``hand_out``
+    is ``get_new_blocks`` for given blocks: it calls a block's watcher, then drops
+    the block's hash, as vLLM does."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__(n)
+        self.watchers: dict[int, object] = {}
+
+    def unpin_blocks(self, blocks: list, on_reuse) -> None:  # type: ignore[no-untyped-def]
+        for b in blocks:
+            assert b.ref_cnt > 0
+            b.ref_cnt -= 1
+            self.watchers[b.block_id] = on_reuse
+
+    def hand_out(self, *ids: int) -> None:
+        for i in ids:
+            block = self.blocks[i]
+            assert block.ref_cnt == 0, "handing out a block in use"
+            watcher = self.watchers.pop(i, None)
+            if watcher is not None:
+                watcher(block)
+            block.block_hash = None
+            block.ref_cnt = 1
+
+
+def finish(pool: FakePool, lazy: LazyOffload, req: str, blocks: list[int]) -> None:
+    """vLLM's order: request_finished (``lazy.finished``) while the request holds
+    its blocks, then the blocks are freed."""
+    for b in blocks:
+        pool.blocks[b].ref_cnt += 1  # the request's own reference
+    lazy.finished(req)
+    pool.free_blocks([pool.blocks[b] for b in blocks])
+
+
+def make_watching_lazy(threshold: int = 5) -> tuple[LazyOffload, WatchingPool]:
+    config = load_config(overrides={"lmkv.lazy_offload": True,
+                                    "lmkv.lazy_offload_threshold": threshold})
+    pool = WatchingPool(8)
+    return LazyOffload(config, block_size=4, world_size=1, pool=pool), pool
+
+
+def test_blocks_handed_out_are_rescued_in_that_step() -> None:
+    """Below the policy's threshold nothing is selected; vLLM hands one of the
+    finished request's blocks to another request: that step's plan stores the
+    whole request before the step's forward, and the policy's item is dropped."""
+    lazy, pool = make_watching_lazy(threshold=5)
+    store(pool, lazy, "a", [0, 1, 2], 12)
+    finish(pool, lazy, "a", [0, 1, 2])
+    assert [b.ref_cnt for b in pool.blocks[:3]] == [0, 0, 0]  # freed: nothing held back
+    assert lazy.select(10) == []  # below the threshold, nothing handed out
+    pool.hand_out(2)
+    (spec,) = lazy.select(10)
+    assert spec.before_compute and spec.store_id is None
+    assert spec.token_ids == list(range(12)) and spec.block_ids == [0, 1, 2]
+    assert lazy.rescued == 1 and lazy.select(10) == []  # once
+    assert [b.ref_cnt for b in pool.blocks[:2]] == [0, 0]  # nothing protected
+    for block, req in enumerate("bcde", start=4):  # the policy's item for "a" comes
+        store(pool, lazy, req, [block], 4)        # up later: dropped, not stored twice
+        finish(pool, lazy, req, [block])
+    specs = lazy.select(10) + lazy.select(10) + lazy.select(10)
+    assert "a" not in {s.req_id for s in specs} and not any(s.before_compute for s in specs)
+    assert lazy.skipped == 0  # dropped as stored, not verified and skipped
+
+
+def test_a_reuse_counts_only_in_its_own_step() -> None:
+    """Block 1 is handed out in one step ("a" rescued then). Its next owner "y"
+    finishes later with other KV in it: nothing is rescued for "y" until the pool
+    hands its blocks out again, and its store comes from the policy."""
+    lazy, pool = make_watching_lazy(threshold=1)
+    store(pool, lazy, "a", [0, 1], 8)
+    finish(pool, lazy, "a", [0, 1])
+    pool.hand_out(1)
+    (spec,) = lazy.select(0)
+    assert spec.req_id == "a" and spec.before_compute
+    pool.free_blocks([pool.blocks[1]])  # its new owner held it for a while
+    store(pool, lazy, "y", [1], 4)
+    finish(pool, lazy, "y", [1])
+    (spec,) = lazy.select(1)
+    assert spec.req_id == "y" and not spec.before_compute and lazy.skipped == 0
+
+
+def test_a_rescue_stops_at_the_first_block_that_lost_its_kv() -> None:
+    """A block reused in an earlier step (its KV overwritten since), a block whose
+    hash changed unseen, and a block the step zeroes or copies into before
+    start_load_kv all end the rescue there; nothing past them is stored."""
+    lazy, pool = make_watching_lazy()
+    store(pool, lazy, "a", [0, 1, 2, 3], 16)
+    finish(pool, lazy, "a", [0, 1, 2, 3])
+    pool.hand_out(3)
+    (spec,) = lazy.select(1, overwritten={1})
+    assert spec.token_ids == list(range(4)) and spec.block_ids == [0]
+
+    store(pool, lazy, "b", [4, 5, 6], 12)
+    finish(pool, lazy, "b", [4, 5, 6])
+    pool.blocks[5].block_hash = "changed while we did not watch"
+    pool.hand_out(6)
+    (spec,) = lazy.select(1)
+    assert spec.block_ids == [4] and spec.token_ids == list(range(4))
+
+    store(pool, lazy, "d", [4, 5], 8)  # (4 and 5 hold "d"'s KV now)
+    finish(pool, lazy, "d", [4, 5])
+    pool.blocks[5].block_hash = "someone else's"  # unseen, and then handed out
+    pool.hand_out(5)
+    (spec,) = lazy.select(1)
+    assert spec.req_id == "d" and spec.block_ids == [4]
+
+    store(pool, lazy, "c", [7], 4)
+    finish(pool, lazy, "c", [7])
+    pool.hand_out(7)
+    assert lazy.select(1, overwritten={7}) == [] and lazy.skipped == 1
+
+
+def test_an_empty_step_rescues_but_never_pops_the_policy() -> None:
+    lazy, pool = make_watching_lazy(threshold=1)
+    store(pool, lazy, "a", [0], 4)
+    finish(pool, lazy, "a", [0])
+    pool.hand_out(0)
+    (spec,) = lazy.select(0)
+    assert spec.before_compute
+    store(pool, lazy, "b", [1], 4)
+    finish(pool, lazy, "b", [1])
+    assert lazy.select(0) == []  # the policy is asked only on a step with tokens
+    (spec,) = lazy.select(1)
+    assert spec.req_id == "b" and not spec.before_compute
+
+
+def test_a_request_stored_by_the_policy_is_not_rescued_after() -> None:
+    lazy, pool = make_watching_lazy(threshold=1)
+    store(pool, lazy, "a", [0, 1], 8)
+    finish(pool, lazy, "a", [0, 1])
+    (spec,) = lazy.select(1)
+    lazy.confirmed({spec.store_id: 1})  # protected blocks released
+    pool.hand_out(0, 1)  # the pool still holds the (stale) watchers
+    assert lazy.select(1) == [] and lazy.rescued == 0
+
+
+def test_a_pool_without_reuse_watchers_keeps_the_old_behaviour() -> None:
+    lazy, pool = make_lazy(threshold=1)  # FakePool: no unpin_blocks
+    store(pool, lazy, "a", [0, 1], 8)
+    finish(pool, lazy, "a", [0, 1])
+    pool.blocks[0].block_hash = None  # reused
+    assert lazy.select(1) == [] and lazy.skipped == 1 and lazy.rescued == 0
+
+
 def test_unfinished_request_is_never_marked() -> None:
     lazy, _ = make_lazy()
     lazy.finished("never-stored")  # no pending store: nothing to mark

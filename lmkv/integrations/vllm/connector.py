@@ -94,7 +94,10 @@ class LMKVConnector(KVConnectorBase_V1):
                                                      self.worker_side.block_size)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        self.worker_side.load(self._meta())
+        meta = self._meta()
+        if self.worker_events is not None:  # lazy rescues are stored in load
+            self.worker_events.name([s for s in meta.stores if s.before_compute])
+        self.worker_side.load(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         if self.lmkv_config.layerwise:  # else the loads finished in start_load_kv

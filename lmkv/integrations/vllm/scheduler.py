@@ -249,7 +249,17 @@ class SchedulerSide:
             self._plan_store(req_id, req, computed + out.num_scheduled_tokens.get(req_id, 0),
                              meta)
         if self.lazy is not None:
-            meta.stores.extend(self.lazy.select(out.total_num_scheduled_tokens))
+            lazy = self.lazy
+            before = lazy.rescued, lazy.skipped
+            stores = lazy.select(out.total_num_scheduled_tokens, _overwritten(out))
+            if (lazy.rescued, lazy.skipped) != before:
+                recorder().add("lazy_offload_rescues_total", lazy.rescued - before[0])
+                recorder().add("lazy_offload_skipped_total", lazy.skipped - before[1])
+            if any(s.before_compute for s in stores):
+                # Rescued blocks are handed out this step: the workers copy them in
+                # start_load_kv, which vLLM then calls before the forward.
+                out.has_sync_kv_loads = True
+            meta.stores.extend(stores)
             recorder().set_gauge("lazy_offload_queue_depth", self.lazy.queue_depth)
         return meta
 
@@ -396,3 +406,11 @@ def _known_tokens(request: Any) -> Sequence[int]:
     if tokens is None:
         tokens = request.prompt_token_ids or []
     return tokens
+
+
+def _overwritten(out: Any) -> set[int]:
+    """Blocks this step's workers write before ``start_load_kv``: vLLM zeroes newly
+    allocated blocks for some models and applies copy-on-write copies first."""
+    blocks = set(getattr(out, "new_block_ids_to_zero", None) or ())
+    blocks.update(copy.dst_block_id for copy in getattr(out, "kv_cache_block_copies", None) or ())
+    return blocks

@@ -41,7 +41,10 @@ class StoreSpec:
     """Store the whole chunks of ``token_ids`` from ``block_ids``. Lazy stores carry a
     ``store_id`` the workers confirm (the scheduler then releases the blocks).
     ``release``: a finished request's last store (``store_decode``), whose blocks
-    vLLM keeps until every worker reported it done (``get_finished``)."""
+    vLLM keeps until every worker reported it done (``get_finished``).
+    ``before_compute``: a lazy rescue (``lazy.py``): vLLM handed the blocks to
+    another request this step, so the workers copy them in ``start_load_kv``,
+    before the step's loads and forward write them."""
 
     req_id: str
     token_ids: list[int]
@@ -49,6 +52,7 @@ class StoreSpec:
     store_id: str | None = None
     identity: Identity | None = None
     release: bool = False
+    before_compute: bool = False
     blocks: BlockNames | None = None  # set only when vLLM publishes KV events
 
 

@@ -48,6 +48,7 @@ class WorkerCounters:
     stored_tokens: int = 0
     failed_blocks: int = 0
     layerwise_loads: int = 0  # loads copied layer by layer (lmkv.layerwise)
+    rescued_stores: int = 0  # lazy rescues copied before a step's forward (lazy.py)
     layerwise_stores: int = 0  # stores copied layer by layer as the forward ran
 
 
@@ -143,6 +144,14 @@ class WorkerSide:
         assert self.engine is not None, "register_kv_caches was not called"
         self._finish_loads()  # (the last step's, if nothing collected them)
         self._step_failed = set()  # a new step: its synchronous loads start afresh
+        # Lazy rescues first (lazy.py): vLLM handed their blocks to another request
+        # this step, and this step's loads and forward are about to write them.
+        # The copy is done when _store returns (the connector waits for it).
+        for spec in meta.stores:
+            if spec.before_compute:
+                self._store(spec)
+                with self._lock:
+                    self.counters.rescued_stores += 1
         # On the forward's thread: what its stream queued so far (none of this
         # step's layers yet). The loader threads' copies wait for it, not for their
         # own thread's stream; the forward reads a loaded layer only after the host
@@ -225,7 +234,8 @@ class WorkerSide:
         step = self._store_step
         if step is None:
             step = self._store_step = StoreStep(len(self.kv_caches))
-            eager = [s for s in meta.stores if s.store_id is None and s.token_ids]
+            eager = [s for s in meta.stores
+                     if s.store_id is None and s.token_ids and not s.before_compute]
             if eager:
                 step.future = self._layer_saver.submit(self._store_layered, step, eager,
                                                        self._load_step)
@@ -326,6 +336,8 @@ class WorkerSide:
         layered = self._finish_stores()  # this step's eager stores, copied meanwhile
         ready = self._mark()  # on the forward's thread: after the step's forward
         for spec in meta.stores:
+            if spec.before_compute:  # copied in load, before this step wrote anything
+                continue
             spec = self._untainted(spec, self._step_failed)
             if spec.store_id is None:
                 if not layered:
