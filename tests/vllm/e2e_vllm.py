@@ -417,10 +417,6 @@ def _check_subset(results: dict) -> int:
     return 0 if ok else 1
 
 
-if __name__ == "__main__":
-    if len(sys.argv) == 5 and sys.argv[1] == "--run":
-        res = run(sys.argv[3], sys.argv[2])
-        with open(sys.argv[4], "w") as f:
-            json.dump(res, f)
-        sys.exit(0)
-    sys.exit(main())
+if __name__ == "__main__":  # run as a script: this folder is sys.path[0]
+    from subruns import serve_run
+    serve_run(run, main)

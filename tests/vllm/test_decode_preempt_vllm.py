@@ -21,9 +21,6 @@ only lmkv can bring KV back:
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 
 import pytest
@@ -101,26 +98,10 @@ def run(model_dir: str, mode: str) -> dict:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict:
     pytest.importorskip("vllm")
-    import torch
-
-    from lmkv.integrations.hf_model import build_model, build_tokenizer
+    from tests.vllm.subruns import build_small_model, run_modes
     tmp = tmp_path_factory.mktemp("decode-preempt")
-    model_dir = str(tmp / "model")
-    build_model(hidden_size=256, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=64,
-                intermediate_size=512, max_position_embeddings=1024,
-                dtype=torch.float32).save_pretrained(model_dir)
-    build_tokenizer().save_pretrained(model_dir)
-    cpus = os.environ.get("VLLM_CPU_OMP_THREADS_BIND") or f"0-{(os.cpu_count() or 1) - 1}"
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": cpus,
-           "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    out = {}
-    for mode in ("baseline", "eager", "eager-decode", "lazy-decode"):
-        path = tmp / f"{mode}.json"
-        proc = subprocess.run([sys.executable, __file__, "--run", mode, model_dir, str(path)],
-                              env=env, capture_output=True, text=True, timeout=900)
-        assert proc.returncode == 0, f"the {mode} run failed:\n{proc.stderr[-4000:]}"
-        out[mode] = json.loads(path.read_text())
-    return out
+    return run_modes(__file__, build_small_model(tmp),
+                     ("baseline", "eager", "eager-decode", "lazy-decode"), tmp)
 
 
 def test_store_decode_loads_the_answer_in_the_next_round(results: dict) -> None:
@@ -169,10 +150,6 @@ def test_preempted_requests_resume_from_lmkv(results: dict, mode: str) -> None:
     assert got["worker_counters"]["failed_blocks"] == 0
 
 
-if __name__ == "__main__":
-    if len(sys.argv) == 5 and sys.argv[1] == "--run":
-        res = run(sys.argv[3], sys.argv[2])
-        with open(sys.argv[4], "w") as f:
-            json.dump(res, f)
-        sys.exit(0)
-    sys.exit(f"usage: {sys.argv[0]} --run MODE MODEL_DIR OUT.json")
+if __name__ == "__main__":  # a run of run_modes: this folder is sys.path[0]
+    from subruns import serve_run
+    serve_run(run, lambda: f"usage: {sys.argv[0]} --run MODE MODEL_DIR OUT.json")
