@@ -177,12 +177,24 @@ def test_steps_of_one_request_are_submitted_as_one_store() -> None:
 
 class WatchingPool(FakePool):
     """FakePool with vLLM's reuse watchers (``BlockPool.unpin_blocks``): ``hand_out``
-    is ``get_new_blocks`` for given blocks: it calls a block's watcher, then drops
-    the block's hash, as vLLM does."""
+    is ``get_new_blocks`` for given blocks: it calls a block's watcher while the
+    block's hash is still cached, then drops the hash, as vLLM does; ``reset`` is
+    ``reset_prefix_cache``: the cache map goes first, then the watchers fire."""
 
     def __init__(self, n: int) -> None:
         super().__init__(n)
         self.watchers: dict[int, object] = {}
+        self.resetting = False
+        self.cached_block_hash_to_block = SimpleNamespace(contain=lambda h, bid: (
+            not self.resetting and self.blocks[bid].block_hash == h))
+
+    def reset(self) -> None:
+        self.resetting = True
+        for i in list(self.watchers):
+            self.watchers.pop(i)(self.blocks[i])
+        for block in self.blocks:
+            block.block_hash = None
+        self.resetting = False
 
     def unpin_blocks(self, blocks: list, on_reuse) -> None:  # type: ignore[no-untyped-def]
         for b in blocks:
@@ -206,7 +218,7 @@ def finish(pool: FakePool, lazy: LazyOffload, req: str, blocks: list[int]) -> No
     its blocks, then the blocks are freed."""
     for b in blocks:
         pool.blocks[b].ref_cnt += 1  # the request's own reference
-    lazy.finished(req)
+    lazy.finished(req, blocks)
     pool.free_blocks([pool.blocks[b] for b in blocks])
 
 
@@ -286,6 +298,56 @@ def test_a_rescue_stops_at_the_first_block_that_lost_its_kv() -> None:
     finish(pool, lazy, "c", [7])
     pool.hand_out(7)
     assert lazy.select(1, overwritten={7}) == [] and lazy.skipped == 1
+
+
+def test_a_prefix_cache_reset_is_never_taken_for_a_reuse() -> None:
+    """vLLM's reset_prefix_cache (sleep, weight updates) fires every watcher; the KV
+    may be gone (sleep frees it) or stale (new weights): nothing is rescued, then
+    or when the blocks are handed out later, and the policy finds the hashes gone."""
+    lazy, pool = make_watching_lazy(threshold=1)
+    store(pool, lazy, "a", [0, 1], 8)
+    finish(pool, lazy, "a", [0, 1])
+    pool.reset()
+    assert lazy.select(0) == []
+    pool.hand_out(0, 1)
+    assert lazy.select(1) == [] and lazy.rescued == 0 and lazy.skipped == 1
+
+
+def test_only_blocks_watched_since_the_finish_are_rescued() -> None:
+    """A block the request no longer held at its finish is not watched: it may be
+    handed out and written unseen, and vLLM hashes a block when it allocates it
+    (before the forward writes it), so a matching hash proves nothing. The rescue
+    stops there even though later blocks look intact."""
+    lazy, pool = make_watching_lazy()
+    store(pool, lazy, "a", [0, 1, 2], 12)
+    for b in (0, 2):
+        pool.blocks[b].ref_cnt += 1  # block 1 was already let go (not held at finish)
+    lazy.finished("a", [0, 1, 2])
+    pool.free_blocks([pool.blocks[0], pool.blocks[2]])
+    pool.hand_out(0)
+    (spec,) = lazy.select(1)
+    assert spec.block_ids == [0] and spec.token_ids == list(range(4))
+
+
+def test_a_resumed_request_is_verified_against_its_own_block_table() -> None:
+    """Preempted and resumed on other blocks, a request's later, shorter plan
+    replaces the old one (whose blocks were freed at the preemption); hashes are
+    compared by position in the plan they belong to, and the plan is cut to the
+    blocks vLLM says the request holds at its finish."""
+    lazy, pool = make_watching_lazy(threshold=1)
+    store(pool, lazy, "r", [0, 1, 3], 12)  # first run: blocks 0, 1, 3
+    # Preempted, resumed on blocks 2, 0: block 0 now holds position 1 ("r-1").
+    pool.blocks[2].block_hash, pool.blocks[0].block_hash = "r-0", "r-1"
+    pool.blocks[1].block_hash = "r-1"  # (block 1 still looks like position 1)
+    lazy.add(StoreSpec("r", list(range(8)), [2, 0]), ["r-0", "r-1"])
+    lazy.finished("r")  # (no block table given: no cut at the finish)
+    (spec,) = lazy.select(1)
+    assert spec.block_ids == [2, 0] and spec.token_ids == list(range(8))
+
+    store(pool, lazy, "s", [4, 5, 6], 12)
+    finish(pool, lazy, "s", [4, 5])  # vLLM holds two of the plan's blocks only
+    (spec,) = lazy.select(1)
+    assert spec.block_ids == [4, 5] and spec.token_ids == list(range(8))
 
 
 def test_an_empty_step_rescues_but_never_pops_the_policy() -> None:

@@ -5,7 +5,8 @@ where vLLM is not installed.
 
 - vLLM's own ``BlockPool``: watching a finished request's blocks changes no
   reference count and no free count; ``get_new_blocks`` handing one out makes
-  that step's plan a ``before_compute`` store of the request's intact blocks.
+  that step's plan a ``before_compute`` store of the request's intact blocks;
+  ``reset_prefix_cache`` (which fires the same watchers) rescues nothing.
 - A real vLLM (subprocess, random-weight Llama, CPU build) under KV pressure,
   with a lazy threshold no run reaches: request P finishes, two other prompts
   take its freed blocks, and P's KV is stored in that step (rescued) rather
@@ -61,7 +62,7 @@ def test_rescue_against_vllms_block_pool() -> None:
     lazy.add(StoreSpec("p", list(req.all_token_ids), ids), req.block_hashes)
 
     free_before = pool.get_num_free_blocks()
-    lazy.finished("p")  # vLLM's order: request_finished, then the blocks are freed
+    lazy.finished("p", ids)  # vLLM's order: request_finished, then the blocks are freed
     assert [b.ref_cnt for b in blocks] == [1, 1, 1, 1]
     assert pool.get_num_free_blocks() == free_before
     pool.free_blocks(reversed(blocks))
@@ -76,6 +77,20 @@ def test_rescue_against_vllms_block_pool() -> None:
     assert spec.block_ids == ids and spec.token_ids == list(range(100, 164))
     assert [b.ref_cnt for b in blocks[:3]] == [0, 0, 0]  # nothing held back
     assert lazy.select(10) == []
+
+    # reset_prefix_cache (sleep, weight updates) fires the watchers too: no rescue.
+    req2 = Request("q", list(range(300, 332)), SamplingParams(max_tokens=1), None,
+                   block_hasher=get_request_block_hasher(block, sha256))
+    pool.free_blocks(taken)
+    blocks2 = pool.get_new_blocks(2)
+    pool.cache_full_blocks(req2, blocks2, 0, 2, block, 0)
+    lazy.add(StoreSpec("q", list(req2.all_token_ids), [b.block_id for b in blocks2]),
+             req2.block_hashes)
+    lazy.finished("q", [b.block_id for b in blocks2])
+    pool.free_blocks(reversed(blocks2))
+    assert pool.reset_prefix_cache()
+    pool.get_new_blocks(pool.get_num_free_blocks())
+    assert lazy.select(0) == [] and lazy.rescued == 1
 
 
 # -- a real vLLM under KV pressure --------------------------------------------------

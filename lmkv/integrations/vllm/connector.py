@@ -93,11 +93,21 @@ class LMKVConnector(KVConnectorBase_V1):
             self.worker_events = WorkerEvents.attach(self.worker_side.engine,
                                                      self.worker_side.block_size)
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """vLLM binds each step's metadata before any connector's ``start_load_kv``
+        and before the forward: lazy rescues are copied here (``WorkerSide.rescue``)."""
+        super().bind_connector_metadata(connector_metadata)
+        meta = connector_metadata
+        if self.worker_side is None or not isinstance(meta, LMKVConnectorMetadata):
+            return
+        rescues = [s for s in meta.stores if s.before_compute]
+        if rescues:
+            if self.worker_events is not None:  # before the tiers hear of the chunks
+                self.worker_events.name(rescues)
+            self.worker_side.rescue(meta)
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        meta = self._meta()
-        if self.worker_events is not None:  # lazy rescues are stored in load
-            self.worker_events.name([s for s in meta.stores if s.before_compute])
-        self.worker_side.load(meta)
+        self.worker_side.load(self._meta())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         if self.lmkv_config.layerwise:  # else the loads finished in start_load_kv

@@ -10,11 +10,12 @@ asks the pool to tell it when each block is handed out again
 (``unpin_blocks(..., on_reuse)``, vLLM's watcher for blocks "readable until
 reused"). A block handed out in a scheduling step still holds the old KV until
 that step's worker runs, so the request's store is submitted in that very step
-as a ``before_compute`` store: the workers copy it before the step's loads and
-forward write anything (``worker.load``), and the scheduler makes vLLM call
-``start_load_kv`` before the forward (``has_sync_kv_loads``). Blocks the step
-zeroes or copies into before then are never rescued. Nothing waits: vLLM frees
-as before, and a block is read only at the moment it would be lost.
+as a ``before_compute`` store: the workers copy it when vLLM binds the step's
+metadata, before any connector's loads and the forward (``WorkerSide.rescue``).
+Blocks the step zeroes or copies into before then are never rescued, nor blocks
+not watched since the finish, nor anything after a prefix-cache reset (which
+fires the same watchers). Nothing waits: vLLM frees as before, and a block is
+read only at the moment it would be lost.
 
 Pure Python: vLLM's block pool comes in through ``pool`` (``.blocks[id]`` with
 ``.block_hash``, ``touch(blocks)``, ``free_blocks(blocks)``, and, for rescues,
@@ -27,7 +28,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from lmkv.config import LMKVConfig
@@ -35,6 +36,18 @@ from lmkv.integrations.vllm.specs import StoreSpec
 from lmkv.policy import OffloadContext
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Plan:
+    """A request's store: its longest plan on its current block table, the hash of
+    each block it reads by position (``snapshot[i]`` for ``spec.block_ids[i]``),
+    and, once finished, the blocks watched for reuse."""
+
+    spec: StoreSpec
+    snapshot: list[Any]
+    finished: bool = False
+    watched: set[int] = field(default_factory=set)
 
 
 class LazyOffload:
@@ -47,16 +60,14 @@ class LazyOffload:
         self.world_size = world_size
         self.pool = pool
         self.block_hash_of = block_hash_of
-        self._pending: set[str] = set()  # requests with buffered stores
+        self._pending: set[str] = set()  # requests with buffered stores, not finished
+        self._plans: dict[str, _Plan] = {}  # buffered, not submitted (finished or not)
         self._protected: dict[str, list[Any]] = {}  # store id -> touched blocks
         self._confirmed: dict[str, int] = {}  # store id -> workers that confirmed
         self._ids = itertools.count()
         self.skipped = 0
-        # Rescue (module docstring): each pending request's longest plan and its
-        # blocks' hashes; once finished, the blocks watched for reuse.
-        self._plans: dict[str, tuple[StoreSpec, dict[int, Any]]] = {}
-        self._waiting: dict[str, tuple[StoreSpec, dict[int, Any]]] = {}  # finished
-        self._watchers: dict[int, set[str]] = {}  # block id -> waiting requests
+        # Rescue (module docstring).
+        self._watchers: dict[int, set[str]] = {}  # block id -> finished requests
         self._reused: dict[int, Any] = {}  # handed out since the last step: its hash then
         self._rescued: set[str] = set()  # stored already; the policy's item is dropped
         self.rescued = 0
@@ -66,63 +77,98 @@ class LazyOffload:
     # 1. buffer
     def add(self, spec: StoreSpec, request_block_hashes: Sequence[Any]) -> None:
         """Buffer ``spec`` with the request's hash of every block it reads."""
-        n = -(-len(spec.token_ids) // self.block_size)
-        snapshot = {bid: (request_block_hashes[i] if i < len(request_block_hashes) else None)
-                    for i, bid in enumerate(spec.block_ids[:n])}
-        self.policy.add(spec, snapshot)
+        n = min(-(-len(spec.token_ids) // self.block_size), len(spec.block_ids))
+        snapshot = [request_block_hashes[i] if i < len(request_block_hashes) else None
+                    for i in range(n)]
+        self.policy.add(spec, dict(zip(spec.block_ids, snapshot, strict=False)))
         self._pending.add(spec.req_id)
         kept = self._plans.get(spec.req_id)
-        if kept is None:
-            self._plans[spec.req_id] = (spec, snapshot)
-        else:  # the longest plan (the latest among equals), every block's hash
-            longest = spec if len(spec.token_ids) >= len(kept[0].token_ids) else kept[0]
-            self._plans[spec.req_id] = (longest, {**kept[1], **snapshot})
+        if kept is not None and kept.finished:  # an id used again: the old plan is done
+            self._unwatch(spec.req_id, kept)
+            kept = None
+        # The longest plan (the latest among equals) covers the request's earlier
+        # steps; a plan on another block table (a preempted request resumed) replaces
+        # it: each plan is verified against its own blocks' hashes only.
+        if (kept is None or len(spec.token_ids) >= len(kept.spec.token_ids)
+                or not _same_table(kept.spec.block_ids, spec.block_ids)):
+            self._plans[spec.req_id] = _Plan(spec, snapshot)
 
     # 2. finish
-    def finished(self, req_id: str) -> None:
-        """vLLM finished ``req_id`` and frees its blocks after this returns."""
-        if req_id in self._pending:
-            self._pending.discard(req_id)
-            self.policy.mark_req_finished(req_id)
-            plan = self._plans.pop(req_id, None)
-            if plan is not None:
-                self._watch(req_id, *plan)
+    def finished(self, req_id: str, block_ids: Sequence[int] | None = None) -> None:
+        """vLLM finished ``req_id`` and frees its blocks (``block_ids``) after this
+        returns. The plan is cut where its blocks stop being the request's."""
+        if req_id not in self._pending:
+            return
+        self._pending.discard(req_id)
+        self.policy.mark_req_finished(req_id)
+        plan = self._plans.get(req_id)
+        if plan is None:
+            return
+        plan.finished = True
+        if block_ids is not None:
+            keep = 0
+            while (keep < len(plan.snapshot) and keep < len(block_ids)
+                   and plan.spec.block_ids[keep] == block_ids[keep]):
+                keep += 1
+            if keep < len(plan.snapshot):
+                plan.spec = replace(plan.spec, block_ids=plan.spec.block_ids[:keep],
+                                    token_ids=plan.spec.token_ids[:keep * self.block_size])
+                plan.snapshot = plan.snapshot[:keep]
+        self._watch(req_id, plan)
 
-    def _watch(self, req_id: str, spec: StoreSpec, snapshot: dict[int, Any]) -> None:
-        """Ask the pool to call ``_on_reuse`` when it hands out one of the request's
-        intact blocks. ``touch`` then ``unpin_blocks`` leaves every reference count
-        as it was (the request still holds its blocks here): only the watcher stays."""
+    def _watch(self, req_id: str, plan: _Plan) -> None:
+        """Ask the pool to call ``_on_reuse`` when it hands out one of the leading
+        blocks the request still holds intact. ``touch`` then ``unpin_blocks``
+        leaves every reference count as it was (the request still holds its blocks
+        here): only the watcher stays."""
         unpin = getattr(self.pool, "unpin_blocks", None)
         if unpin is None:  # a vLLM without reuse watchers: no rescue
             return
-        n = -(-len(spec.token_ids) // self.block_size)
-        blocks = [self.pool.blocks[bid] for bid in spec.block_ids[:n]
-                  if self._intact(bid, snapshot.get(bid))]
-        blocks = [b for b in blocks if b.ref_cnt > 0 and not getattr(b, "is_null", False)]
+        blocks = []
+        for i, expected in enumerate(plan.snapshot):
+            block = self.pool.blocks[plan.spec.block_ids[i]]
+            if (block.ref_cnt <= 0 or getattr(block, "is_null", False)
+                    or not self._intact(block.block_id, expected)):
+                break  # a rescue stops at the first block not watched
+            blocks.append(block)
         if not blocks:
             return
-        self._waiting[req_id] = (spec, snapshot)
+        plan.watched = {b.block_id for b in blocks}
         for block in blocks:
             self._watchers.setdefault(block.block_id, set()).add(req_id)
         self.pool.touch(blocks)
         unpin(blocks, self._on_reuse)
 
     def _on_reuse(self, block: Any) -> None:
-        """The pool hands ``block`` out (or resets the prefix cache): called before
-        it drops the block's hash, and before any worker writes the block."""
-        if block.block_id in self._watchers:
+        """Called by the pool before it hands ``block`` out (``get_new_blocks``, the
+        block's hash still cached then), and before any worker writes it; or when it
+        resets the prefix cache (sleep, weight updates): the KV may be gone or
+        stale then, so the watching requests are never rescued."""
+        waiting = self._watchers.get(block.block_id)
+        if not waiting:
+            return
+        if self._handed_out(block):
             self._reused[block.block_id] = block.block_hash
+            return
+        for req_id in list(waiting):
+            plan = self._plans.get(req_id)
+            if plan is not None:
+                self._unwatch(req_id, plan)
 
-    def _unwatch(self, req_id: str) -> tuple[StoreSpec, dict[int, Any]] | None:
-        plan = self._waiting.pop(req_id, None)
-        if plan is not None:
-            for bid in plan[0].block_ids:
-                waiting = self._watchers.get(bid)
-                if waiting is not None:
-                    waiting.discard(req_id)
-                    if not waiting:
-                        del self._watchers[bid]
-        return plan
+    def _handed_out(self, block: Any) -> bool:
+        cached = getattr(self.pool, "cached_block_hash_to_block", None)
+        contain = getattr(cached, "contain", None)
+        return (contain is not None and block.block_hash is not None
+                and bool(contain(block.block_hash, block.block_id)))
+
+    def _unwatch(self, req_id: str, plan: _Plan) -> None:
+        for bid in plan.watched:
+            waiting = self._watchers.get(bid)
+            if waiting is not None:
+                waiting.discard(req_id)
+                if not waiting:
+                    del self._watchers[bid]
+        plan.watched = set()
 
     # 3. select and 4. verify
     def select(self, num_scheduled_tokens: int,
@@ -138,15 +184,14 @@ class LazyOffload:
             if item.req_id in self._rescued:
                 self._rescued.discard(item.req_id)
                 continue
-            self._unwatch(item.req_id)
-            if not item.metas:
+            plan = self._plans.pop(item.req_id, None)
+            if plan is None or not plan.snapshot:
                 continue
-            # The steps of a request aggregate into one store: its longest plan
-            # (the latest among equals, e.g. after a preemption) covers the others.
-            spec = max(reversed(item.metas), key=lambda m: len(m.token_ids))
-            n = -(-len(spec.token_ids) // self.block_size)
-            block_ids = spec.block_ids[:n]
-            if not all(self._intact(bid, item.block_hashes.get(bid)) for bid in block_ids):
+            self._unwatch(item.req_id, plan)
+            spec = plan.spec
+            block_ids = spec.block_ids[:len(plan.snapshot)]
+            if not all(self._intact(bid, h) for bid, h in zip(block_ids, plan.snapshot,
+                                                              strict=True)):
                 self.skipped += 1
                 logger.warning("block hashes mismatch for request %s, skip it", spec.req_id)
                 continue
@@ -158,37 +203,38 @@ class LazyOffload:
         return out
 
     def _rescue(self, overwritten: Collection[int]) -> list[StoreSpec]:
-        """``before_compute`` stores of the waiting requests whose blocks the pool
-        handed out since the last step, each cut before its first block that no
-        longer holds the request's KV."""
+        """``before_compute`` stores of the finished requests whose blocks the pool
+        handed out since the last step, each cut before its first block that may no
+        longer hold the request's KV: one not watched, one written before
+        ``start_load_kv``, or one whose hash differs."""
         reused, self._reused = self._reused, {}
         if not reused:
             return []
         hit = {req for bid in reused for req in self._watchers.get(bid, ())}
         out = []
-        for req_id in [r for r in self._waiting if r in hit]:  # in finishing order
-            spec, snapshot = self._unwatch(req_id)  # type: ignore[misc]
+        for req_id in [r for r in self._plans if r in hit]:  # in arrival order
+            plan = self._plans.pop(req_id)
+            watched = plan.watched
+            self._unwatch(req_id, plan)
             self._rescued.add(req_id)
-            n = -(-len(spec.token_ids) // self.block_size)
             good = 0
-            for bid in spec.block_ids[:n]:
-                expected = snapshot.get(bid)
-                if bid in overwritten:
+            for bid, expected in zip(plan.spec.block_ids, plan.snapshot, strict=False):
+                if bid not in watched or bid in overwritten or expected is None:
                     break
                 if bid in reused:  # its hash when handed out, before vLLM dropped it
                     held = reused[bid]
-                    if expected is None or held is None or self.block_hash_of(held) != expected:
+                    if held is None or self.block_hash_of(held) != expected:
                         break
                 elif not self._intact(bid, expected):
                     break
                 good += 1
-            end = min(len(spec.token_ids), good * self.block_size)
+            end = min(len(plan.spec.token_ids), good * self.block_size)
             if end <= 0:
                 self.skipped += 1
                 continue
             self.rescued += 1
-            out.append(replace(spec, token_ids=spec.token_ids[:end],
-                               block_ids=spec.block_ids[:good], store_id=None,
+            out.append(replace(plan.spec, token_ids=plan.spec.token_ids[:end],
+                               block_ids=plan.spec.block_ids[:good], store_id=None,
                                before_compute=True))
         return out
 
@@ -218,3 +264,9 @@ class LazyOffload:
     @property
     def protected_stores(self) -> int:
         return len(self._protected)
+
+
+def _same_table(a: Sequence[int], b: Sequence[int]) -> bool:
+    """Whether two plans of one request read the same blocks where both reach."""
+    common = min(len(a), len(b))
+    return list(a[:common]) == list(b[:common])

@@ -251,14 +251,12 @@ class SchedulerSide:
         if self.lazy is not None:
             lazy = self.lazy
             before = lazy.rescued, lazy.skipped
+            # Rescued blocks are handed out this step: the workers copy them when
+            # vLLM binds this metadata, before any load or forward writes them.
             stores = lazy.select(out.total_num_scheduled_tokens, _overwritten(out))
             if (lazy.rescued, lazy.skipped) != before:
                 recorder().add("lazy_offload_rescues_total", lazy.rescued - before[0])
                 recorder().add("lazy_offload_skipped_total", lazy.skipped - before[1])
-            if any(s.before_compute for s in stores):
-                # Rescued blocks are handed out this step: the workers copy them in
-                # start_load_kv, which vLLM then calls before the forward.
-                out.has_sync_kv_loads = True
             meta.stores.extend(stores)
             recorder().set_gauge("lazy_offload_queue_depth", self.lazy.queue_depth)
         return meta
@@ -342,12 +340,12 @@ class SchedulerSide:
             req.decode_counted = end
         req.stored = end
 
-    def finished(self, request: Any, block_ids: Sequence[int] = ()) -> bool:
+    def finished(self, request: Any, block_ids: Sequence[int] | None = None) -> bool:
         """vLLM is done with ``request``; ``block_ids``: its blocks of computed tokens.
         True: vLLM must keep those blocks until the workers report (``get_finished``)
         that they stored the request's decode tail (eager ``store_decode`` only)."""
         req_id = request.request_id
-        delay = self._plan_decode_tail(request, list(block_ids))
+        delay = self._plan_decode_tail(request, list(block_ids or ()))
         self._reqs.pop(req_id, None)
         self._loads.pop(req_id, None)
         self._requests.pop(req_id, None)
@@ -360,7 +358,7 @@ class SchedulerSide:
         if self._pending.pop(req_id, None) is not None:
             self.client.cancel(req_id)  # finished (aborted) before the answer came
         if self.lazy is not None:
-            self.lazy.finished(req_id)
+            self.lazy.finished(req_id, block_ids)
         self._hits.pop(req_id, None)
         self._drop_prefetch(req_id)
         return delay
@@ -409,8 +407,9 @@ def _known_tokens(request: Any) -> Sequence[int]:
 
 
 def _overwritten(out: Any) -> set[int]:
-    """Blocks this step's workers write before ``start_load_kv``: vLLM zeroes newly
-    allocated blocks for some models and applies copy-on-write copies first."""
+    """Blocks this step's workers write before they bind the step's connector
+    metadata: vLLM zeroes newly allocated blocks for some models and applies
+    copy-on-write copies first."""
     blocks = set(getattr(out, "new_block_ids_to_zero", None) or ())
     blocks.update(copy.dst_block_id for copy in getattr(out, "kv_cache_block_copies", None) or ())
     return blocks

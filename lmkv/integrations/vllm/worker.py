@@ -138,20 +138,24 @@ class WorkerSide:
                     "block size %d, %s", self.rank, self.world_size, len(self.kv_caches),
                     spec.num_kv_heads, spec.head_dim, spec.dtype, self.block_size, where)
 
+    def rescue(self, meta: LMKVConnectorMetadata) -> None:
+        """Lazy rescues (lazy.py), when vLLM binds the step's metadata: vLLM handed
+        their blocks to another request this step, and nothing of this step has
+        written them yet (its zeroing and copy-on-write targets are left out by the
+        scheduler; every connector's loads and the forward come after the bind).
+        Each copy is done when ``_store`` returns (the connector waits for it)."""
+        assert self.engine is not None, "register_kv_caches was not called"
+        for spec in meta.stores:
+            if spec.before_compute and self._store(spec):
+                with self._lock:
+                    self.counters.rescued_stores += 1
+
     def load(self, meta: LMKVConnectorMetadata) -> None:
         """Synchronous loads now (this step's forward reads them); asynchronous
         ones in the background, reported by ``take_finished_loads``."""
         assert self.engine is not None, "register_kv_caches was not called"
         self._finish_loads()  # (the last step's, if nothing collected them)
         self._step_failed = set()  # a new step: its synchronous loads start afresh
-        # Lazy rescues first (lazy.py): vLLM handed their blocks to another request
-        # this step, and this step's loads and forward are about to write them.
-        # The copy is done when _store returns (the connector waits for it).
-        for spec in meta.stores:
-            if spec.before_compute:
-                self._store(spec)
-                with self._lock:
-                    self.counters.rescued_stores += 1
         # On the forward's thread: what its stream queued so far (none of this
         # step's layers yet). The loader threads' copies wait for it, not for their
         # own thread's stream; the forward reads a loaded layer only after the host
@@ -336,7 +340,7 @@ class WorkerSide:
         layered = self._finish_stores()  # this step's eager stores, copied meanwhile
         ready = self._mark()  # on the forward's thread: after the step's forward
         for spec in meta.stores:
-            if spec.before_compute:  # copied in load, before this step wrote anything
+            if spec.before_compute:  # copied in rescue, before this step wrote anything
                 continue
             spec = self._untainted(spec, self._step_failed)
             if spec.store_id is None:
@@ -368,9 +372,10 @@ class WorkerSide:
                 return spec
         return spec
 
-    def _store(self, spec: StoreSpec, pace: Pace | None = None, after: Any = None) -> None:
+    def _store(self, spec: StoreSpec, pace: Pace | None = None, after: Any = None) -> bool:
+        """Store ``spec``; False when it failed (logged)."""
         if not spec.token_ids:
-            return
+            return True
         start = time.perf_counter()
         paced = _paced(pace, after)
         try:
@@ -382,6 +387,8 @@ class WorkerSide:
             record_store(n, n * self._token_bytes, start)
         except Exception:
             logger.exception("lmkv: storing request %s failed", spec.req_id)
+            return False
+        return True
 
     def _store_lazy(self, spec: StoreSpec, ready: Any = None) -> None:
         self._store(spec, after=ready)
