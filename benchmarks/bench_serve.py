@@ -98,7 +98,8 @@ METRICS = ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total",
            "vllm:external_prefix_cache_hits_total", "vllm:external_prefix_cache_queries_total",
            "vllm:num_preemptions_total", "vllm:lmkv_lookup_hit_tokens_total",
            "vllm:lmkv_lookup_miss_tokens_total", "vllm:lmkv_loaded_tokens_total",
-           "vllm:lmkv_stored_tokens_total", "vllm:lmkv_preempted_resumes_total")
+           "vllm:lmkv_stored_tokens_total", "vllm:lmkv_preempted_resumes_total",
+           "vllm:lmkv_lazy_offload_rescues_total", "vllm:lmkv_lazy_offload_skipped_total")
 
 
 @dataclass(frozen=True)
