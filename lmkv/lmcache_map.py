@@ -365,11 +365,11 @@ def translate(values: Mapping[str, Any], labels: Mapping[str, str] | None = None
     tier_values: dict[str, Any] = {}
     errors = result.errors
     for name, value in values.items():
-        if value is None:  # LMCache reads null as "its default"
-            continue
         option = find_option(name, extra=extra)
-        if option is None:
+        if option is None:  # (null or not: LMCache has no such option either)
             result.dropped.append((name, _UNKNOWN))
+            continue
+        if value is None:  # LMCache reads null as "its default"
             continue
         if option.kind == "none":
             # In a file, a family's settings are moot while its switch is off; in the
@@ -517,10 +517,11 @@ def extra_config_overrides(lmcache: Mapping[str, Any], extra: Mapping[str, Any]
     tier_names = [n for n in lmcache if (o := find_option(n, extra=True)) is not None
                   and o.kind == "tiers" and n not in dropped]
     if tier_names:
-        tiers = json.dumps(result.settings["tiers"])
+        tiers = result.settings.get("tiers")  # (none when every storage key is null)
+        setting = f"\"lmkv.tiers\": {json.dumps(tiers)}" if tiers is not None else "\"lmkv.tiers\""
         lines.append(f"kv_connector_extra_config key(s) "
                      f"{', '.join(labels[n] for n in tier_names)}: lmkv does not read "
-                     f"LMCache's storage keys; set \"lmkv.tiers\": {tiers} instead "
+                     f"LMCache's storage keys; set {setting} instead "
                      "(LMCache's GB are GiB)")
     for name, key in result.carried:
         if key is None:

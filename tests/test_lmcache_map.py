@@ -189,3 +189,26 @@ def test_docs_table_is_the_mapping() -> None:
     assert table == markdown_table(), \
         "docs/vllm.md's LMCache table differs from lmkv/lmcache_map.py; regenerate it: " \
         "python -m lmkv.lmcache_map docs/vllm.md"
+
+
+@pytest.mark.parametrize(("extra", "expect"), [
+    ({"lmcache.no_such_option": None},
+     "key 'lmcache.no_such_option': lmkv does not read it: not an LMCache option"),
+    ({"lmcache.no_such_option": 3},
+     "key 'lmcache.no_such_option': lmkv does not read it: not an LMCache option"),
+    ({"lmcache.max_local_cpu_size": None},
+     "'lmcache.max_local_cpu_size': lmkv does not read LMCache's storage keys; "
+     "set \"lmkv.tiers\" instead"),
+    ({"lmcache.local_disk": None, "lmcache.max_local_disk_size": None},
+     "set \"lmkv.tiers\" instead"),
+    ({"lmcache.max_local_cpu_size": 5},
+     "set \"lmkv.tiers\": [{\"type\": \"cpu\", \"options\": {\"max_bytes\": \"5GiB\"}}] instead"),
+])
+def test_an_extra_config_key_lmkv_does_not_read_is_one_line_null_or_not(
+        extra: dict[str, object], expect: str) -> None:
+    """LMCache reads null as its default, but lmkv reads none of these keys: a null
+    unknown or storage key is refused like any other, never dropped or a traceback."""
+    from lmkv.integrations.vllm.config import config_from_extra
+    with pytest.raises(ConfigError) as info:
+        config_from_extra(extra)
+    assert expect in str(info.value) and "\n" not in str(info.value).strip()
