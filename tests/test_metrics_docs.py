@@ -40,13 +40,17 @@ def test_every_dashboard_expression_names_catalog_metrics() -> None:
     exprs = [t["expr"] for panel in dashboard["panels"] for t in panel.get("targets", [])]
     assert exprs
     for expr in exprs:
-        found = [m.group(0) for m in re.finditer(r"\blmkv_[a-z_]+\b", expr)]
+        found = [m.group(0) for m in re.finditer(r"\$\{prefix\}[a-z_]+\b", expr)]
         assert found, expr
+        assert "lmkv_" not in expr, f"a name without the ${{prefix}} variable: {expr!r}"
         for sample in found:
-            name = sample.removeprefix("lmkv_")
+            name = sample.removeprefix("${prefix}")
             base = re.sub(r"_(bucket|sum|count)$", "", name)
             if base in histograms:
                 name = base
             assert name in names, f"{sample} in {expr!r} is not a catalog metric"
             used.add(name)
     assert histograms <= used  # the latencies have panels
+    # One dashboard for both exporters: lmkv's own (lmkv_*) and vllm serve's (vllm:lmkv_*).
+    (prefix,) = [v for v in dashboard["templating"]["list"] if v["name"] == "prefix"]
+    assert [o["value"] for o in prefix["options"]] == ["lmkv_", "vllm:lmkv_"]

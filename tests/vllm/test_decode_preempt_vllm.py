@@ -91,7 +91,7 @@ def run(model_dir: str, mode: str) -> dict:
         result["scheduler_counters"] = dict(vars(sched.counters))
         result["worker_counters"] = dict(vars(counters))
     result["metrics"] = {m.name: getattr(m, "value", None) for m in llm.get_metrics()
-                         if "preempt" in m.name}
+                         if "preempt" in m.name or "decode_stored" in m.name}
     return result
 
 
@@ -115,6 +115,9 @@ def test_store_decode_loads_the_answer_in_the_next_round(results: dict) -> None:
         assert got["round2_loaded"] == expected, mode
         decode = got["scheduler_counters"]["decode_stored_tokens"]
         assert (decode > 0) == ("decode" in mode), mode
+        # ... and vLLM's metrics carry it (/metrics serves it as ..._total)
+        exported = got["metrics"].get("vllm:lmkv_decode_stored_tokens") or 0
+        assert exported == decode, (mode, got["metrics"])
         assert got["blocks_in_use"] == 0, f"{mode}: blocks never freed"
     assert results["eager-decode"]["round2_loaded"] > results["eager"]["round2_loaded"]
 
@@ -146,6 +149,8 @@ def test_preempted_requests_resume_from_lmkv(results: dict, mode: str) -> None:
     assert sum(v or 0 for v in got["metrics"].values()) > 0, \
         f"vLLM did not preempt: {got['metrics']}"
     assert got["scheduler_counters"]["preempted_resumes"] > 0
+    assert got["metrics"].get("vllm:lmkv_preempted_resumes") \
+        == got["scheduler_counters"]["preempted_resumes"], got["metrics"]
     assert got["concurrent"] == results["baseline"]["concurrent"]
     assert got["worker_counters"]["failed_blocks"] == 0
 
