@@ -148,8 +148,27 @@ async def run_conversations(serve: VllmServe, conv: Conversations, args: Any) ->
     return done
 
 
+def trace_arrivals(path: str, limit: int) -> list[float]:
+    """The first ``limit`` lines' arrival times in seconds after the first line's
+    (Mooncake's ``timestamp`` is in milliseconds; a line without one arrives with
+    the line before it)."""
+    out: list[float] = []
+    with open(path) as f:
+        for number, line in enumerate(itertools.islice(f, limit), 1):
+            try:
+                stamp = float(json.loads(line).get("timestamp", out[-1] * 1e3 if out else 0))
+            except (ValueError, TypeError, AttributeError):
+                raise BenchError(f"--trace {path}:{number}: timestamp is not a number") from None
+            out.append(stamp / 1e3)
+    first = out[0] if out else 0.0
+    return [max(0.0, t - first) for t in out]
+
+
 async def run_trace(serve: VllmServe, prompts: list[tuple[list[int], int]],
-                    args: Any) -> list[Request]:
+                    args: Any, arrivals: list[float] | None = None) -> list[Request]:
+    """Replay ``prompts``: at the trace's ``arrivals`` (seconds, divided by
+    ``args.trace_speed``) when given, else as fast as the gate lets them in; the
+    gate (``--concurrency`` / ``--rate``) caps the requests in flight either way."""
     import openai
     client = openai.AsyncOpenAI(base_url=serve.api_base, api_key="unused", timeout=600)
     gate = Gate(args.concurrency, args.rate, args.seed)
@@ -163,7 +182,12 @@ async def run_trace(serve: VllmServe, prompts: list[tuple[list[int], int]],
         done.append(request)
 
     tasks = []
+    t0 = time.perf_counter()
     for i, (ids, output) in enumerate(prompts):
+        if arrivals is not None:
+            wait = t0 + arrivals[i] / args.trace_speed - time.perf_counter()
+            if wait > 0:
+                await asyncio.sleep(wait)
         async with start_order:
             tasks.append(asyncio.create_task(one(i, ids, output)))
             await asyncio.sleep(0)

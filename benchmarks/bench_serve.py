@@ -14,7 +14,10 @@ at ``--concurrency`` at a time (default), or arrive at ``--rate`` per second
 (Poisson); a user's next round waits for its answer. ``--trace FILE`` replays
 a Mooncake-format trace instead (each ``hash_ids`` entry is a block of 512
 tokens, divided by ``--trace-shrink``; the same id is the same token block;
-``--trace-requests`` first lines; prompts as token ids).
+``--trace-requests`` first lines; prompts as token ids; answers of the trace's
+``output_length`` capped at 64 tokens, so that a replay runs here; arrivals at
+the trace's timestamps with ``--trace-speed X``, X times faster, else as fast
+as ``--concurrency`` / ``--rate`` let them in).
 
 **Sizing.** vLLM's KV cache is set in blocks (``--num-gpu-blocks-override``,
 128 tokens a block on CPU): the small cache (``--small-blocks``, default a
@@ -66,7 +69,14 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from _serve_report import Result, _fmt, plot, table, targets
-from _serve_workload import BenchError, Conversations, run_conversations, run_trace, trace_prompts
+from _serve_workload import (
+    BenchError,
+    Conversations,
+    run_conversations,
+    run_trace,
+    trace_arrivals,
+    trace_prompts,
+)
 
 from lmkv.errors import OneLineArgumentParser, run_reporting_errors
 from lmkv.testing.serve import (
@@ -152,7 +162,7 @@ def plan(config: str, sizing: Sizing, args: Any, tmp: str,
 
 
 def run_config(config: str, model_dir: str, sizing: Sizing, args: Any, tmp: str,
-               workload: Any) -> Result:
+               workload: Any, arrivals: list[float] | None = None) -> Result:
     result = Result(config, DESCRIPTIONS[config])
     server = None
     try:
@@ -183,7 +193,7 @@ def run_config(config: str, model_dir: str, sizing: Sizing, args: Any, tmp: str,
             before = serve.metrics()
             t0 = time.perf_counter()
             if args.trace:
-                done = asyncio.run(run_trace(serve, workload, args))
+                done = asyncio.run(run_trace(serve, workload, args, arrivals))
             else:
                 done = asyncio.run(run_conversations(serve, workload, args))
             result.wall_s = time.perf_counter() - t0
@@ -229,6 +239,9 @@ def parse_args(argv: list[str] | None) -> Any:
     add("--trace", default=None, help="a Mooncake-format JSONL trace to replay instead")
     add("--trace-shrink", type=int, default=16, help="divide the trace's lengths by this")
     add("--trace-requests", type=int, default=40, help="replay the trace's first N lines")
+    add("--trace-speed", type=float, default=None,
+        help="send the trace's requests at its timestamps, this many times faster "
+             "(default: as fast as --concurrency / --rate let them in)")
     add("--small-blocks", type=int, default=None, help="vLLM KV blocks of the small cache")
     add("--big-blocks", type=int, default=None, help="vLLM KV blocks of the big cache")
     add("--chunk-size", type=int, default=256, help="lmkv.chunk_size")
@@ -258,8 +271,9 @@ def parse_args(argv: list[str] | None) -> Any:
                  "layers"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')}: must be a positive integer")
-    if args.scale <= 0 or (args.rate is not None and args.rate <= 0):
-        parser.error("--scale and --rate must be positive")
+    if args.scale <= 0 or (args.rate is not None and args.rate <= 0) \
+            or (args.trace_speed is not None and args.trace_speed <= 0):
+        parser.error("--scale, --rate and --trace-speed must be positive")
     if args.chunk_size % BLOCK:
         parser.error(f"--chunk-size: must be a multiple of vLLM's block ({BLOCK})")
     return args
@@ -303,9 +317,11 @@ def main(args: Any) -> int:
         return replot(args)
     from transformers import AutoTokenizer
 
-    trace = None  # read first: a bad trace line fails before anything is built
+    trace = arrivals = None  # read first: a bad trace line fails before anything is built
     if args.trace:
         trace = trace_prompts(args.trace, args.trace_shrink, args.trace_requests, 16384)
+        if args.trace_speed is not None:
+            arrivals = trace_arrivals(args.trace, args.trace_requests)
     layers, kv_heads, head_dim = args.layers, max(1, args.hidden // 128), 64
     block_bytes = layers * 2 * kv_heads * head_dim * BLOCK * 4  # float32 K and V
     with tempfile.TemporaryDirectory(prefix="lmkv-bench-serve-") as tmp:
@@ -347,7 +363,7 @@ def main(args: Any) -> int:
         results = []
         for config in args.configs:
             print(f"({config}) {DESCRIPTIONS[config]} ...", flush=True)
-            result = run_config(config, model_dir, sizing, args, tmp, workload)
+            result = run_config(config, model_dir, sizing, args, tmp, workload, arrivals)
             results.append(result)
             print(f"  {'refused: ' + result.error if result.error else 'done'} "
                   f"({result.requests} requests in {result.wall_s:.1f} s; "

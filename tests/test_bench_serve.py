@@ -11,7 +11,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 from _serve_report import Result, table, targets
-from _serve_workload import BenchError, trace_prompts
+from _serve_workload import BenchError, run_trace, trace_arrivals, trace_prompts
 
 
 def _trace(tmp_path: Path, *records: dict) -> str:
@@ -33,6 +33,46 @@ def test_a_bad_trace_line_is_one_error_naming_it(tmp_path: Path) -> None:
     path = _trace(tmp_path, {"hash_ids": [1]})
     with pytest.raises(BenchError, match=r"trace\.jsonl:1: not a Mooncake line"):
         trace_prompts(path, shrink=1, limit=10, max_len=4096)
+
+
+def test_trace_arrivals_are_the_timestamps_in_seconds(tmp_path: Path) -> None:
+    path = _trace(tmp_path, {"timestamp": 500, "hash_ids": [1]}, {"timestamp": 2500},
+                  {"hash_ids": [2]}, {"timestamp": 4000})
+    assert trace_arrivals(path, limit=3) == [0.0, 2.0, 2.0]  # a line without one: as before
+    bad = _trace(tmp_path, {"timestamp": "soon"})
+    with pytest.raises(BenchError, match=r"trace\.jsonl:1: timestamp is not a number"):
+        trace_arrivals(bad, limit=1)
+
+
+def test_a_trace_replay_sends_at_the_timestamps_sped_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--trace-speed``: request i leaves at arrivals[i] / speed (here 0, 0.2, 0.4 s
+    at speed 10), the gate still capping what is in flight."""
+    import asyncio
+    import time
+    from types import SimpleNamespace
+
+    import _serve_workload
+
+    sent: list[float] = []
+
+    async def stream(client, model, prompt, max_tokens, request):  # type: ignore[no-untyped-def]
+        sent.append(time.perf_counter())
+        return ""
+
+    class Client:  # the OpenAI client is never reached: _stream is replaced above
+        def __init__(self, **_: object) -> None: ...
+
+        async def close(self) -> None: ...
+
+    monkeypatch.setattr(_serve_workload, "_stream", stream)
+    monkeypatch.setitem(sys.modules, "openai", SimpleNamespace(AsyncOpenAI=Client))
+    serve = SimpleNamespace(api_base="http://127.0.0.1:1/v1", model="m")
+    args = SimpleNamespace(concurrency=4, rate=None, seed=0, trace_speed=10.0)
+    start = time.perf_counter()
+    done = asyncio.run(run_trace(serve, [([1], 1)] * 3, args, [0.0, 2.0, 4.0]))
+    assert len(done) == 3
+    offsets = [t - start for t in sent]  # (lower bounds only: the machine may be slow)
+    assert offsets[1] >= 0.19 and offsets[2] >= 0.39, offsets
 
 
 def _result(config: str, ttfts: list[float], requests_per_s: float,
