@@ -48,6 +48,20 @@ SERVE_ARGS = ("--dtype", "float32", "--max-model-len", "2048", "--enforce-eager"
 LOADED = "vllm:lmkv_loaded_tokens_total"
 
 
+def log_line(serve: VllmServe, *parts: str, wait_s: float = 25.0) -> str | None:
+    """The first line of the server's log holding every one of ``parts`` (vLLM
+    logs its stats, connector figures included, every 10 s by default)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        with open(serve.log_path, errors="replace") as f:
+            for line in f:
+                if all(p in line for p in parts):
+                    return line.strip()
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(1)
+
+
 def prompts() -> tuple[str, str]:
     from lmkv.integrations.hf_model import synthetic_text
     prefix = synthetic_text(500, seed=11)  # ~700 tokens: two whole chunks and more
@@ -122,6 +136,9 @@ def main() -> int:
             check(out == base, f"lmkv: greedy outputs equal the baseline's {out}")
             name, value = loaded_tokens(s)
             check(value > 0, f"lmkv: the repeated prefix was loaded from lmkv ({name} = {value:g})")
+            line = log_line(s, "KV Transfer metrics: ", "loaded_tokens=")
+            check(line is not None, f"lmkv: vLLM's periodic log line carries lmkv's figures "
+                                    f"({line!r})")
 
         serve("lmkv", {"lmkv.tiers": disk}, with_lmkv)
 
