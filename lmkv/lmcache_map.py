@@ -369,14 +369,16 @@ def translate(values: Mapping[str, Any], labels: Mapping[str, str] | None = None
         if option is None:  # (null or not: LMCache has no such option either)
             result.dropped.append((name, _UNKNOWN))
             continue
-        if value is None:  # LMCache reads null as "its default"
-            continue
+        if value is None and option.kind != "none":
+            continue  # LMCache reads null as "its default" (lmkv's, for a key it maps)
         if option.kind == "none":
             # In a file, a family's settings are moot while its switch is off; in the
             # extra config every lmcache.* key asked for must be answered.
             moot = not extra and option.switch is not None and name != option.switch \
                 and _is_off(values.get(option.switch, False))
-            if moot or _is_off(value):  # a feature left off asks for nothing lmkv lacks
+            # A feature left off (or null: LMCache's default, off for a feature lmkv
+            # lacks) asks for nothing lmkv lacks: carried, so the connector logs it.
+            if moot or value is None or _is_off(value):
                 result.carried.append((name, None))
             else:
                 result.dropped.append((name, _plain(option.how)))

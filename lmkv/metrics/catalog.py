@@ -63,7 +63,8 @@ CATALOG: tuple[Metric, ...] = (
     Metric("lazy_offload_queue_depth", "gauge",
            "Requests waiting in the lazy-offload queue (0 without lazy offload)."),
     Metric("lazy_offload_rescues_total", "counter",
-           "Lazy stores made in the step vLLM handed their freed blocks to another request."),
+           "Lazy stores made in the step vLLM handed their freed blocks to another request "
+           "(one cut short at a block that lost its KV counts too)."),
     Metric("lazy_offload_skipped_total", "counter",
            "Lazy stores dropped because vLLM had already reused their blocks."),
     # tiers

@@ -374,6 +374,23 @@ def test_a_request_stored_by_the_policy_is_not_rescued_after() -> None:
     assert lazy.select(1) == [] and lazy.rescued == 0
 
 
+def test_a_request_id_used_again_never_breaks_the_finish(caplog: pytest.LogCaptureFixture
+                                                         ) -> None:
+    """vLLM calls request_finished from its scheduler: a policy that no longer holds
+    the id (an id used again after its item went out) is a warning, not a raise."""
+    lazy, pool = make_watching_lazy(threshold=1)
+    store(pool, lazy, "a", [0], 4)
+    finish(pool, lazy, "a", [0])
+    pool.hand_out(0)
+    (spec,) = lazy.select(0)  # rescued; the policy still holds a's finished item
+    store(pool, lazy, "a", [1], 4)  # the same id again: merged into that item
+    (spec,) = lazy.select(1)  # the item goes out: the new request's plan is stored
+    assert spec.block_ids == [1] and not spec.before_compute
+    with caplog.at_level(logging.WARNING, logger="lmkv"):
+        finish(pool, lazy, "a", [1])  # FIFO no longer holds "a": ValueError inside
+    assert "request 'a' has no pending store" in caplog.text
+
+
 def test_a_pool_without_reuse_watchers_keeps_the_old_behaviour() -> None:
     lazy, pool = make_lazy(threshold=1)  # FakePool: no unpin_blocks
     store(pool, lazy, "a", [0, 1], 8)

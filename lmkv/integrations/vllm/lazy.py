@@ -1,4 +1,4 @@
-"""Lazy offload on the scheduler (ARCHITECTURE.md "Lazy offload"): buffer each
+"""Lazy offload on the scheduler (the project's ARCHITECTURE.md, "Lazy offload"): buffer each
 step's stores with a block-hash snapshot, submit finished requests' stores in
 batches chosen by the offload policy, verify the snapshot, protect the blocks
 until every worker confirms the store, then release them.
@@ -86,6 +86,7 @@ class LazyOffload:
         if kept is not None and kept.finished:  # an id used again: the old plan is done
             self._unwatch(spec.req_id, kept)
             kept = None
+        self._rescued.discard(spec.req_id)  # (its policy item now carries the new request)
         # The longest plan (the latest among equals) covers the request's earlier
         # steps; a plan on another block table (a preempted request resumed) replaces
         # it: each plan is verified against its own blocks' hashes only.
@@ -100,7 +101,12 @@ class LazyOffload:
         if req_id not in self._pending:
             return
         self._pending.discard(req_id)
-        self.policy.mark_req_finished(req_id)
+        try:
+            self.policy.mark_req_finished(req_id)
+        except ValueError as exc:  # (an id used again whose item the policy gave out)
+            logger.warning("lmkv: lazy offload: %s; request %s is not stored", exc, req_id)
+            self._plans.pop(req_id, None)
+            return
         plan = self._plans.get(req_id)
         if plan is None:
             return
@@ -176,7 +182,7 @@ class LazyOffload:
         """The stores to submit this step: rescues on every step (``build_meta``
         calls this once per scheduling step), the policy's choice only on a step
         with scheduled tokens. ``overwritten``: blocks the workers write this step
-        before ``start_load_kv`` (vLLM's zeroing and copy-on-write targets)."""
+        before they bind its metadata (vLLM's zeroing and copy-on-write targets)."""
         out = self._rescue(overwritten)
         if num_scheduled_tokens <= 0:
             return out
@@ -205,8 +211,8 @@ class LazyOffload:
     def _rescue(self, overwritten: Collection[int]) -> list[StoreSpec]:
         """``before_compute`` stores of the finished requests whose blocks the pool
         handed out since the last step, each cut before its first block that may no
-        longer hold the request's KV: one not watched, one written before
-        ``start_load_kv``, or one whose hash differs."""
+        longer hold the request's KV: one not watched, one written before the
+        workers bind the step's metadata, or one whose hash differs."""
         reused, self._reused = self._reused, {}
         if not reused:
             return []

@@ -43,8 +43,8 @@ class StoreSpec:
     ``release``: a finished request's last store (``store_decode``), whose blocks
     vLLM keeps until every worker reported it done (``get_finished``).
     ``before_compute``: a lazy rescue (``lazy.py``): vLLM handed the blocks to
-    another request this step, so the workers copy them in ``start_load_kv``,
-    before the step's loads and forward write them."""
+    another request this step, so the workers copy them when vLLM binds the
+    step's metadata, before the step's loads and forward write them."""
 
     req_id: str
     token_ids: list[int]
