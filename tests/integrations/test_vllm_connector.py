@@ -277,7 +277,7 @@ def test_a_rescue_stops_at_the_first_block_that_lost_its_kv() -> None:
     store(pool, lazy, "a", [0, 1, 2, 3], 16)
     finish(pool, lazy, "a", [0, 1, 2, 3])
     pool.hand_out(3)
-    (spec,) = lazy.select(1, overwritten={1})
+    (spec,) = lazy.select(1, overwritten=lambda: {1})
     assert spec.token_ids == list(range(4)) and spec.block_ids == [0]
 
     store(pool, lazy, "b", [4, 5, 6], 12)
@@ -297,7 +297,7 @@ def test_a_rescue_stops_at_the_first_block_that_lost_its_kv() -> None:
     store(pool, lazy, "c", [7], 4)
     finish(pool, lazy, "c", [7])
     pool.hand_out(7)
-    assert lazy.select(1, overwritten={7}) == [] and lazy.skipped == 1
+    assert lazy.select(1, overwritten=lambda: {7}) == [] and lazy.skipped == 1
 
 
 def test_a_prefix_cache_reset_is_never_taken_for_a_reuse() -> None:

@@ -33,6 +33,7 @@ from typing import Any
 
 from lmkv.config import LMKVConfig
 from lmkv.integrations.vllm.specs import StoreSpec
+from lmkv.metrics import recorder
 from lmkv.policy import OffloadContext
 
 logger = logging.getLogger(__name__)
@@ -46,7 +47,6 @@ class _Plan:
 
     spec: StoreSpec
     snapshot: list[Any]
-    finished: bool = False
     watched: set[int] = field(default_factory=set)
 
 
@@ -81,11 +81,11 @@ class LazyOffload:
         snapshot = [request_block_hashes[i] if i < len(request_block_hashes) else None
                     for i in range(n)]
         self.policy.add(spec, dict(zip(spec.block_ids, snapshot, strict=False)))
-        self._pending.add(spec.req_id)
         kept = self._plans.get(spec.req_id)
-        if kept is not None and kept.finished:  # an id used again: the old plan is done
-            self._unwatch(spec.req_id, kept)
+        if kept is not None and spec.req_id not in self._pending:
+            self._unwatch(spec.req_id, kept)  # an id used again: the old plan is done
             kept = None
+        self._pending.add(spec.req_id)
         self._rescued.discard(spec.req_id)  # (its policy item now carries the new request)
         # The longest plan (the latest among equals) covers the request's earlier
         # steps; a plan on another block table (a preempted request resumed) replaces
@@ -110,7 +110,6 @@ class LazyOffload:
         plan = self._plans.get(req_id)
         if plan is None:
             return
-        plan.finished = True
         if block_ids is not None:
             keep = 0
             while (keep < len(plan.snapshot) and keep < len(block_ids)
@@ -178,11 +177,12 @@ class LazyOffload:
 
     # 3. select and 4. verify
     def select(self, num_scheduled_tokens: int,
-               overwritten: Collection[int] = ()) -> list[StoreSpec]:
+               overwritten: Callable[[], Collection[int]] = tuple) -> list[StoreSpec]:
         """The stores to submit this step: rescues on every step (``build_meta``
         calls this once per scheduling step), the policy's choice only on a step
-        with scheduled tokens. ``overwritten``: blocks the workers write this step
-        before they bind its metadata (vLLM's zeroing and copy-on-write targets)."""
+        with scheduled tokens. ``overwritten()``: blocks the workers write this step
+        before they bind its metadata (vLLM's zeroing and copy-on-write targets),
+        asked only when a rescue is due."""
         out = self._rescue(overwritten)
         if num_scheduled_tokens <= 0:
             return out
@@ -198,7 +198,7 @@ class LazyOffload:
             block_ids = spec.block_ids[:len(plan.snapshot)]
             if not all(self._intact(bid, h) for bid, h in zip(block_ids, plan.snapshot,
                                                               strict=True)):
-                self.skipped += 1
+                self._skip()
                 logger.warning("block hashes mismatch for request %s, skip it", spec.req_id)
                 continue
             store_id = f"{spec.req_id}#{next(self._ids)}"
@@ -208,15 +208,16 @@ class LazyOffload:
             out.append(replace(spec, block_ids=block_ids, store_id=store_id))
         return out
 
-    def _rescue(self, overwritten: Collection[int]) -> list[StoreSpec]:
+    def _rescue(self, overwritten_of: Callable[[], Collection[int]]) -> list[StoreSpec]:
         """``before_compute`` stores of the finished requests whose blocks the pool
         handed out since the last step, each cut before its first block that may no
         longer hold the request's KV: one not watched, one written before the
         workers bind the step's metadata, or one whose hash differs."""
         reused, self._reused = self._reused, {}
-        if not reused:
-            return []
         hit = {req for bid in reused for req in self._watchers.get(bid, ())}
+        if not hit:
+            return []
+        overwritten = overwritten_of()
         out = []
         for req_id in [r for r in self._plans if r in hit]:  # in arrival order
             plan = self._plans.pop(req_id)
@@ -236,13 +237,18 @@ class LazyOffload:
                 good += 1
             end = min(len(plan.spec.token_ids), good * self.block_size)
             if end <= 0:
-                self.skipped += 1
+                self._skip()
                 continue
             self.rescued += 1
+            recorder().add("lazy_offload_rescues_total")
             out.append(replace(plan.spec, token_ids=plan.spec.token_ids[:end],
                                block_ids=plan.spec.block_ids[:good], store_id=None,
                                before_compute=True))
         return out
+
+    def _skip(self) -> None:
+        self.skipped += 1
+        recorder().add("lazy_offload_skipped_total")
 
     def _intact(self, block_id: int, snapshot: Any) -> bool:
         current = self.pool.blocks[block_id].block_hash

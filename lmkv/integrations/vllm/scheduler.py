@@ -249,15 +249,10 @@ class SchedulerSide:
             self._plan_store(req_id, req, computed + out.num_scheduled_tokens.get(req_id, 0),
                              meta)
         if self.lazy is not None:
-            lazy = self.lazy
-            before = lazy.rescued, lazy.skipped
             # Rescued blocks are handed out this step: the workers copy them when
             # vLLM binds this metadata, before any load or forward writes them.
-            stores = lazy.select(out.total_num_scheduled_tokens, _overwritten(out))
-            if (lazy.rescued, lazy.skipped) != before:
-                recorder().add("lazy_offload_rescues_total", lazy.rescued - before[0])
-                recorder().add("lazy_offload_skipped_total", lazy.skipped - before[1])
-            meta.stores.extend(stores)
+            meta.stores.extend(self.lazy.select(out.total_num_scheduled_tokens,
+                                                lambda: _overwritten(out)))
             recorder().set_gauge("lazy_offload_queue_depth", self.lazy.queue_depth)
         return meta
 
