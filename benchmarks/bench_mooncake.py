@@ -18,11 +18,18 @@ put and get, >= the redis tier; the lookup in one call).
     python benchmarks/bench_mooncake.py            # about a minute
     python benchmarks/bench_mooncake.py --quick
     python benchmarks/bench_mooncake.py --no-zero-copy   # + the tier copying through staging
+    python benchmarks/bench_mooncake.py --real-client    # through a mooncake_client
+
+``--real-client`` puts a ``mooncake_client`` (Mooncake's standalone real
+client) where the holder was: it holds the segment, and the tier
+(``client_address``) and the own client (``setup_dummy``, buffers from the
+memory it maps) move bytes through shared memory with it.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import shutil
 import socket
@@ -65,17 +72,18 @@ def wait_port(port: int, proc: subprocess.Popen, what: str) -> None:
         time.sleep(0.05)
 
 
-def master_binary() -> str:
-    beside = Path(sys.executable).parent / "mooncake_master"
-    found = str(beside) if beside.exists() else shutil.which("mooncake_master")
+def master_binary(name: str = "mooncake_master") -> str:
+    beside = Path(sys.executable).parent / name
+    found = str(beside) if beside.exists() else shutil.which(name)
     if found is None:
-        sys.exit("mooncake_master not found: pip install 'lmkv-mooncake[cpu]'")
+        sys.exit(f"{name} not found: pip install 'lmkv-mooncake[cpu]'")
     return found
 
 
 @contextmanager
-def services(pool_bytes: int) -> Iterator[dict]:
-    """A master, a holder process lending ``pool_bytes``, and a redis-server."""
+def services(pool_bytes: int, real_client: bool = False) -> Iterator[dict]:
+    """A master, a holder process lending ``pool_bytes`` (or a ``mooncake_client``
+    holding it), and a redis-server."""
     rpc, http, metrics, redis_port = free_port(), free_port(), free_port(), free_port()
     procs: list[subprocess.Popen] = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -90,7 +98,17 @@ def services(pool_bytes: int) -> Iterator[dict]:
             wait_port(rpc, procs[-1], "mooncake_master")
             wait_port(http, procs[-1], "mooncake_master's metadata server")
             where = {"master": f"127.0.0.1:{rpc}", "metadata": f"http://127.0.0.1:{http}/metadata"}
-            holder = (
+            if real_client:
+                port = free_port()
+                procs.append(subprocess.Popen(
+                    [master_binary("mooncake_client"), "--host", "127.0.0.1", "--port",
+                     str(port), "--master_server_address", where["master"],
+                     "--metadata_server", where["metadata"], "--global_segment_size",
+                     f"{pool_bytes >> 20}MB", "--protocol", "tcp"],
+                    stdout=log, stderr=subprocess.STDOUT))
+                wait_port(port, procs[-1], "mooncake_client")
+                where["client"] = f"127.0.0.1:{port}"
+            holder = "print('ready', flush=True)" if real_client else (
                 "import sys; from mooncake.store import MooncakeDistributedStore as S; s = S(); "
                 f"code = s.setup('127.0.0.1', '{where['metadata']}', {pool_bytes}, 16 << 20, "
                 f"'tcp', '', '{where['master']}'); print('ready' if code == 0 else code, "
@@ -173,12 +191,21 @@ class OwnBench:
         from mooncake.store import MooncakeDistributedStore
 
         self.store = MooncakeDistributedStore()
-        code = self.store.setup("127.0.0.1", where["metadata"], 0, 16 << 20, "tcp", "",
-                                where["master"])
-        assert code == 0, code
         self.sizes = [len(f) for f in frames]
-        self.src = np.frombuffer(b"".join(frames), dtype=np.uint8).copy()
-        self.dst = np.empty_like(self.src)
+        total = sum(self.sizes)
+        if "client" in where:  # a thin client: buffers in the memory the real client maps
+            code = self.store.setup_dummy(2 * total, 16 << 20, where["client"])
+            assert code == 0, code
+            self.src, self.dst = (np.ctypeslib.as_array(
+                (ctypes.c_ubyte * total).from_address(self.store.alloc_from_mem_pool(total)))
+                for _ in range(2))
+            self.src[:] = np.frombuffer(b"".join(frames), dtype=np.uint8)
+        else:
+            code = self.store.setup("127.0.0.1", where["metadata"], 0, 16 << 20, "tcp", "",
+                                    where["master"])
+            assert code == 0, code
+            self.src = np.frombuffer(b"".join(frames), dtype=np.uint8).copy()
+            self.dst = np.empty_like(self.src)
         for buf in (self.src, self.dst):
             assert self.store.register_buffer(buf.ctypes.data, buf.nbytes) == 0
         offsets = np.cumsum([0, *self.sizes[:-1]])
@@ -217,6 +244,9 @@ def main() -> None:
     parser.add_argument("--no-zero-copy", action="store_true",
                         help="also run the tier with register_arena: false (chunks go "
                              "through staging copies both ways), as its own row")
+    parser.add_argument("--real-client", action="store_true",
+                        help="a mooncake_client holds the pool; the tier and the own client "
+                             "are thin clients of it (shared memory, no TCP between them)")
     args = parser.parse_args()
     if args.quick:
         args.chunks, args.rounds = 2, 2
@@ -236,13 +266,16 @@ def main() -> None:
     serializer = NaiveSerializer()
     frames = [b"".join(serializer.serialize(o, CacheKey(META, bytes(32)))) for o in objs]
     context = BackendContext(serializer=serializer, allocate=arena.allocate)
-    with services(pool_bytes=4 * batch + 256 * MiB) as where:
+    with services(pool_bytes=4 * batch + 256 * MiB, real_client=args.real_client) as where:
+        if args.real_client:
+            connection: dict = {"client_address": where["client"]}
+        else:
+            connection = {"master_address": where["master"], "metadata_server": where["metadata"],
+                          "local_hostname": "127.0.0.1", "global_segment_size": 0}
         tier = MooncakeBackend(MooncakeOptions(
-            master_address=where["master"], metadata_server=where["metadata"],
-            local_hostname="127.0.0.1", global_segment_size=0,
-            local_buffer_size=batch + 16 * MiB, key_prefix="bench:"), context)
+            **connection, local_buffer_size=batch + 16 * MiB, key_prefix="bench:"), context)
         copying = None
-        if args.no_zero_copy:
+        if args.no_zero_copy and not args.real_client:
             copying = MooncakeBackend(MooncakeOptions(
                 master_address=where["master"], metadata_server=where["metadata"],
                 local_hostname="127.0.0.1", global_segment_size=0, register_arena=False,
@@ -288,7 +321,8 @@ def main() -> None:
 
     print(f"{args.chunks} chunks of {chunk_bytes // MiB} MiB per batch, best of {args.rounds} "
           "interleaved rounds, "
-          "TCP on loopback, pure clients of one holder segment")
+          + ("thin clients of one mooncake_client (shared memory)" if args.real_client
+             else "TCP on loopback, pure clients of one holder segment"))
     for label, name in (("tier", "lmkv mooncake tier"), ("copy", "tier, register_arena off"),
                         ("own", "Mooncake's own client"), ("redis", "lmkv redis tier")):
         if label not in results:

@@ -29,6 +29,7 @@ from typing import Any
 
 from lmkv import affinity
 from lmkv.backend import BackendContext, StorageBackend, done_future
+from lmkv.errors import ConfigError
 from lmkv.faults import Breaker, TierFaults
 from lmkv.memory import MemoryAllocator, MemoryObj
 from lmkv.plugin_base import OptionsArg
@@ -39,6 +40,7 @@ from lmkv_mooncake.client import (
     OBJECT_NOT_FOUND,
     Link,
     MasterUnreachable,
+    MixedClients,
     MooncakeError,
     TierClosed,
     raise_for,
@@ -73,25 +75,34 @@ class MooncakeBackend(StorageBackend):
         # An etcd or HTTP address may carry credentials: never printed.
         redact = Redactor([*secrets_in(options.master_address),
                            *secrets_in(options.metadata_server)])
-        self.where = redact(options.master_address)
+        self.where = (f"mooncake_client {options.client_address}" if options.client_address
+                      else f"master {redact(options.master_address)}")
         self.faults = TierFaults(
-            self.counters, f"mooncake tier (master {self.where})", absorbed=FAULTS,
+            self.counters, f"mooncake tier ({self.where})", absorbed=FAULTS,
             unreachable=(MasterUnreachable,),
             breaker=Breaker(options.retry_after_s, 4 * options.retry_after_s),
             redact=redact, log=logger)
         # Registered staging: frame headers, and chunks from unregistered memory.
-        self.staging = MemoryAllocator(int(options.local_buffer_size), pin_memory=False)
+        # With a real client it is the memory mapped from it, known once set up.
+        self.staging: MemoryAllocator | None = None if options.client_address else \
+            MemoryAllocator(int(options.local_buffer_size), pin_memory=False)
         self._pins: dict[str, int] = {}
         self._pins_lock = threading.Lock()
         self._close_lock = threading.Lock()
         self._closing = False
         self._frame_hint = 0  # the largest frame seen: sizes get windows
         # The layout of the last frame read (direct gets guess the next from it).
-        self._direct = bool(context.serializer.raw_payload and context.allocate is not None)
+        # (Not with a real client: it cannot write into lmkv's arena.)
+        self._direct = bool(context.serializer.raw_payload and context.allocate is not None
+                            and not options.client_address)
         self._layout: Layout | None = None
         self.direct_gets = 0  # chunks read straight into the arena
         self.quarantined_chunks = 0  # arena buffers a failed transfer may still write into
-        self.link = Link(options, self.faults, on_setup=self._registered_staging)
+        try:
+            self.link = Link(options, self.faults, on_setup=self._registered_staging)
+        except MixedClients as exc:
+            raise ConfigError(f"config key 'tiers.{context.tier_index}.options.client_address'"
+                              f": {exc}") from None
         self.registered = self.link.registered
         atexit.register(self.link.close)  # an engine that exits unmounts its segment
         self._writer = Writer(self.link, context.serializer, self.staging, self.registered,
@@ -104,15 +115,18 @@ class MooncakeBackend(StorageBackend):
                                            thread_name_prefix="lmkv-mooncake-fetch",
                                            initializer=affinity.apply)
         if not self.link.wait_ready(options.connect_timeout_s):
-            logger.warning("lmkv mooncake tier: master %s not answering yet; misses until it "
-                           "does", self.where)
+            logger.warning("lmkv mooncake tier: %s not answering yet; misses until it does",
+                           self.where)
 
     def _registered_staging(self, store: Any) -> None:
+        if self.staging is None:  # a real client's: its tiers share the mapped staging
+            self.staging = self._writer.staging = self.link.shared_staging
+            return
         arena = self.staging.arena
         self.registered.register(store, arena.data_ptr(), arena.numel())
 
     def __repr__(self) -> str:
-        return f"MooncakeBackend(master={self.where}, protocol={self.options.protocol})"
+        return f"MooncakeBackend({self.where}, protocol={self.options.protocol})"
 
     def store_key(self, key: CacheKey) -> str:
         return self.options.key_prefix + key.to_string()
@@ -192,11 +206,7 @@ class MooncakeBackend(StorageBackend):
                     start, why = self._read_direct(store, keys, objs)
                     if why != OTHER_LAYOUT:
                         start = len(keys)  # all read, or the prefix ended
-                while start < len(keys):
-                    window = keys[start:start + self._window()]
-                    if not self._get_window(store, window, objs):
-                        break
-                    start += len(window)
+                self._read_staged(store, keys, start, objs)
         except BaseException:  # a bug: give the buffers back, then let it show
             for obj in objs:
                 obj.ref_down()
@@ -254,11 +264,43 @@ class MooncakeBackend(StorageBackend):
         self.faults.note("quarantine", "a failed get may still write into %d arena buffers: "
                          "kept out of the arena until the store is closed", chunks)
 
-    def _get_window(self, store: Any, keys: Sequence[CacheKey], out: list[MemoryObj]) -> bool:
-        """Fetch ``keys`` with one call and decode them into ``out``; False at the
-        first that is absent or not a valid frame (a corrupt one is dropped)."""
-        handles = self.link.call("batch_get_buffer", store.batch_get_buffer,
-                                 [self.store_key(k) for k in keys])
+    def _read_staged(self, store: Any, keys: Sequence[CacheKey], start: int,
+                     out: list[MemoryObj]) -> None:
+        """Staged gets of ``keys[start:]``, window by window, until one is missing.
+        Once a frame was seen, a window is half this thread's share of Mooncake's
+        local buffer and the next one moves while this one is checked and decoded
+        (the transfer engine, or the real client, copies while this thread hashes)."""
+        def fetch_window(window: Sequence[CacheKey]) -> Any:
+            return self.link.call("batch_get_buffer", store.batch_get_buffer,
+                                  [self.store_key(k) for k in window])
+
+        def size() -> int:
+            return max(1, self._window() // 2) if self._frame_hint else 1
+
+        pending: Future | None = None
+        try:
+            window = keys[start:start + size()]
+            handles = fetch_window(window)
+            while True:
+                start += len(window)
+                following = keys[start:start + size()]
+                if following and self._frame_hint:
+                    pending = self._fetches.submit(fetch_window, following)
+                if not self._get_window(store, window, out, handles) or not following:
+                    return
+                del handles
+                window, handles = following, (pending.result() if pending is not None
+                                              else fetch_window(following))
+                pending = None
+        finally:
+            if pending is not None:  # fetched past where the read stopped: given back
+                wait([pending])
+
+    def _get_window(self, store: Any, keys: Sequence[CacheKey], out: list[MemoryObj],
+                    handles: Any) -> bool:
+        """Decode the frames of ``keys`` (``handles``: one ``batch_get_buffer``'s
+        answer) into ``out``; False at the first that is absent or not a valid frame
+        (a corrupt one is dropped)."""
         try:
             for key, handle in zip(keys, handles, strict=True):
                 if handle is None:  # absent, evicted, or its get failed
@@ -342,7 +384,9 @@ class MooncakeBackend(StorageBackend):
         self._writer.close(self.options.close_timeout_s)
         self._gets.shutdown(wait=False, cancel_futures=True)
         self._fetches.shutdown(wait=False)
-        if not self.link.closed:  # (closed at interpreter exit already: the store is going)
+        if not self.link.closed and not self.options.client_address:
+            # (Closed at interpreter exit already: the store is going. A real
+            # client's shared staging goes with the store.)
             with self.faults.guard("close", "staging left registered"), \
                     self.link.using() as store:
                 self.registered.unregister(store, self.staging.arena.data_ptr())

@@ -17,8 +17,10 @@ restarted master by itself; nothing here has to reconnect.
 from __future__ import annotations
 
 import atexit
+import ctypes
 import logging
 import queue
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -27,9 +29,12 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import contextmanager
 from typing import Any
 
+import torch
+
 from lmkv import affinity
 from lmkv.errors import PluginError
 from lmkv.faults import BreakerOpen, TierFaults, TierUnavailable
+from lmkv.memory import MemoryAllocator
 from lmkv_mooncake.memory import Registered
 from lmkv_mooncake.options import MooncakeOptions
 
@@ -63,6 +68,10 @@ CLOSE_WAIT_S = 10.0
 class MooncakeMissing(PluginError, ImportError):
     """Neither Mooncake client package is installed (an LMKVError: the CLI
     prints it as one line)."""
+
+
+class MixedClients(PluginError, ValueError):
+    """A tier asked for the other kind of Mooncake client than this process has."""
 
 
 class MooncakeError(OSError):
@@ -113,8 +122,20 @@ def replicate_config(options: MooncakeOptions) -> Any:
     return config
 
 
+def _answers(address: str, timeout_s: float = 1.0) -> bool:
+    """Whether something accepts TCP connections at ``host:port``."""
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout_s):
+            return True
+    except OSError:
+        return False
+
+
 def _client_of(options: MooncakeOptions) -> tuple:
     """What makes two tiers' clients the same client: the connection, the segment."""
+    if options.client_address:
+        return ("real-client", options.client_address, int(options.local_buffer_size))
     return (options.master_address, options.metadata_server, options.local_hostname,
             options.protocol, options.device_name, int(options.global_segment_size),
             int(options.local_buffer_size))
@@ -136,6 +157,9 @@ class _Client:
         self.busy = 0  # calls in progress
         self.closed = False
         self.registered = Registered()  # memory registered with this store
+        # With a real client: the staging every tier of this client shares, in
+        # memory mapped from the real client (set up with the store).
+        self.shared_staging: MemoryAllocator | None = None
         # Buffers a failed transfer may still write into (see ``Link.quarantine``).
         self.quarantined: list[Any] = []
         self._cls = cls
@@ -149,10 +173,7 @@ class _Client:
         backoff = o.retry_after_s
         while not self.stop.is_set():
             store = self._cls()
-            # Mooncake's own local buffer is where batch_get_buffer lands frames.
-            code = store.setup(o.local_hostname, o.metadata_server, int(o.global_segment_size),
-                               int(o.local_buffer_size), o.protocol, o.device_name,
-                               o.master_address)
+            code = self._setup(store)
             if code == 0:
                 with self.lock:
                     if self.closed:  # closed while setting up: undo it here
@@ -160,15 +181,47 @@ class _Client:
                         return
                     self.store = store
                     self.ready.set()
-                logger.info("lmkv mooncake tier: connected to master %s (%s, segment of "
-                            "%d bytes)", self.faults.redact(o.master_address), o.protocol,
-                            int(o.global_segment_size))
+                if o.client_address:
+                    logger.info("lmkv mooncake tier: connected to the mooncake_client at %s",
+                                o.client_address)
+                else:
+                    logger.info("lmkv mooncake tier: connected to master %s (%s, segment of "
+                                "%d bytes)", self.faults.redact(o.master_address), o.protocol,
+                                int(o.global_segment_size))
                 return
             store.close()
-            self.faults.note("setup", "setting up with master %s answered %d; retrying in "
-                             "%.1fs", self.faults.redact(o.master_address), code, backoff)
+            peer = (f"the mooncake_client at {o.client_address}" if o.client_address
+                    else f"master {self.faults.redact(o.master_address)}")
+            self.faults.note("setup", "setting up with %s answered %d; retrying in %.1fs",
+                             peer, code, backoff)
             self.stop.wait(backoff)
             backoff = min(backoff * 2, 4 * o.retry_after_s)
+
+    def _setup(self, store: Any) -> int:
+        """Set ``store`` up: embedded (its own transfer engine, segment and local
+        buffer, where ``batch_get_buffer`` lands frames) or, with
+        ``client_address``, as a thin client of the host's real client, with
+        the staging its tiers share allocated from the memory pool it maps."""
+        o = self.options
+        size = int(o.local_buffer_size)
+        if not o.client_address:
+            return store.setup(o.local_hostname, o.metadata_server, int(o.global_segment_size),
+                               size, o.protocol, o.device_name, o.master_address)
+        if not _answers(o.client_address):
+            # Mooncake's setup_dummy holds the GIL for about 4 s while it retries a
+            # real client that is not there: asked only once one listens.
+            return -1
+        code = store.setup_dummy(size, size, o.client_address)
+        if code != 0:
+            return code
+        ptr = store.alloc_from_mem_pool(size)
+        if not ptr or store.register_buffer(ptr, size) != 0:
+            logger.warning("lmkv mooncake tier: the mooncake_client at %s gave no shared "
+                           "staging of %d bytes", o.client_address, size)
+            return -1
+        self.shared_staging = MemoryAllocator(size, pin_memory=False, buffer=torch.frombuffer(
+            (ctypes.c_ubyte * size).from_address(ptr), dtype=torch.uint8))
+        return 0
 
     def close(self) -> None:
         """Unmount the segment and disconnect, once calls in progress end (they
@@ -245,6 +298,11 @@ _HELPERS = _Helpers()
 
 _CLIENTS: dict[tuple, _Client] = {}
 _CLIENTS_LOCK = threading.Lock()
+#: The kind of Mooncake client this process made first, for its whole life:
+#: "thin" (``setup_dummy``) or "embedded" (``setup``). Mooncake 0.3.13 aborts or
+#: crashes in its RPC code when both kinds are used in one process (seen in this
+#: plugin's tests, 2 runs in 3), even after the other kind was closed.
+_KIND: str | None = None
 
 
 class Link:
@@ -259,7 +317,16 @@ class Link:
         self._on_setup = on_setup
         self._set_up = False
         self.closed = False
+        global _KIND
+        kind = "thin" if options.client_address else "embedded"
         with _CLIENTS_LOCK:
+            if _KIND not in (None, kind):
+                raise MixedClients(
+                    "this process already made a Mooncake client of the other kind: thin "
+                    "clients of a mooncake_client (client_address set) and embedded clients "
+                    "(client_address empty) cannot share a process (Mooncake 0.3.13 aborts); "
+                    "give every mooncake tier of a process client_address, or none")
+            _KIND = kind
             client = _CLIENTS.get(_client_of(options))
             if client is None or client.closed:
                 client = _CLIENTS[_client_of(options)] = _Client(options, cls, faults)
@@ -300,6 +367,17 @@ class Link:
         closed, never when it was left open (calls still in progress)."""
         with self._client.lock:
             self._client.quarantined.extend(objs)
+
+    @property
+    def registers_arena(self) -> bool:
+        """Whether chunks' own arenas are registered with the store (a real
+        client reaches only the memory it maps: never then)."""
+        return self.options.register_arena and not self.options.client_address
+
+    @property
+    def shared_staging(self) -> MemoryAllocator | None:
+        """With a real client, the staging its tiers share (once set up)."""
+        return self._client.shared_staging
 
     def wait_ready(self, timeout_s: float) -> bool:
         return self._client.ready.wait(timeout_s)

@@ -14,7 +14,7 @@ import os
 import re
 from typing import Literal
 
-from pydantic import ByteSize, ConfigDict, Field, PositiveFloat, field_validator
+from pydantic import ByteSize, ConfigDict, Field, PositiveFloat, field_validator, model_validator
 
 from lmkv.plugin_base import PluginOptions
 from lmkv.units import ByteCount
@@ -31,11 +31,30 @@ def _env(name: str, default: str) -> str:
     return os.environ.get(name) or default
 
 
+#: What a ``mooncake_client`` (the real client) owns when ``client_address`` is set:
+#: the option here, and the real client's flag that sets it instead.
+REAL_CLIENT_FIELDS = {
+    "master_address": "--master_server_address", "metadata_server": "--metadata_server",
+    "local_hostname": "--host", "protocol": "--protocol", "device_name": "--device_names",
+    "global_segment_size": "--global_segment_size",
+}
+
+
 class MooncakeOptions(PluginOptions):
     # A timeout or backoff of inf (or nan) never ends: only finite numbers. Defaults
     # are validated too: they come from Mooncake's environment variables.
     model_config = ConfigDict(allow_inf_nan=False, validate_default=True)
 
+    client_address: str = ""
+    """``host:port`` of a ``mooncake_client`` (Mooncake's standalone real client)
+    on this host. Set, this process is a thin client of it: the real client holds
+    the segment and talks to the master and the other hosts, and this process
+    moves frames through shared memory it maps from it (no TCP between the
+    engines of one host, and the pool outlives an engine's restart). The
+    connection options (``master_address``, ``metadata_server``,
+    ``local_hostname``, ``protocol``, ``device_name``, ``global_segment_size``)
+    are then the real client's flags, and setting them here is an error. Empty
+    (the default): this process is its own client and may lend a segment."""
     master_address: str = Field(default_factory=lambda: _env("MOONCAKE_MASTER",
                                                              "127.0.0.1:50051"))
     """The master's RPC address, ``host:port`` (or ``etcd://host:port[;host:port]``
@@ -58,14 +77,18 @@ class MooncakeOptions(PluginOptions):
     """Memory this process contributes to the pool (its segment); 0 for a pure
     client of a pool that dedicated store processes hold."""
     local_buffer_size: ByteCount = Field(default=ByteSize(256 << 20), ge=MIN_BUFFER_BYTES)
-    """Registered staging memory for frames in flight (the largest frame must fit)."""
+    """Registered staging memory for frames in flight (the largest frame must fit).
+    With ``client_address``, twice this is mapped from the real client: one for
+    the tier's staging, one for Mooncake's own buffer that gets land in."""
     replica_num: int = Field(default=1, ge=1, le=16)
     """Copies of each entry the store keeps (on different segments)."""
     key_prefix: str = "lmkv:"
     """Namespace: every key this tier writes starts with it."""
     register_arena: bool = True
     """Register lmkv's chunk arena with the store so puts read chunks in place
-    (no staging copy; RDMA needs registered memory)."""
+    (no staging copy; RDMA needs registered memory). Not with ``client_address``:
+    a real client reaches only the shared memory it maps, so chunks are copied
+    through the shared staging buffer."""
     connect_timeout_s: float = Field(default=5.0, ge=0)
     """How long start-up waits for the store to be set up; past it the tier
     answers misses until the master answers (setup goes on in the background)."""
@@ -83,6 +106,25 @@ class MooncakeOptions(PluginOptions):
     max_pending_bytes: ByteCount = Field(default=ByteSize(1 << 30), ge=0)
     """Bytes of submitted puts not yet written; past it new puts are dropped and
     counted (a slow pool must not hold the cpu tier's buffers forever)."""
+
+    @field_validator("client_address")
+    @classmethod
+    def _check_client(cls, value: str) -> str:
+        match = _HOST_PORT.match(value)
+        if value and (match is None or not 0 < int(match.group(2)) < 65536):
+            raise ValueError("must be host:port (port 1-65535) of a mooncake_client on "
+                             "this host, or empty")
+        return value
+
+    @model_validator(mode="after")
+    def _real_client_owns(self) -> MooncakeOptions:
+        if self.client_address:
+            owned = sorted(set(REAL_CLIENT_FIELDS) & self.model_fields_set)
+            if owned:
+                flags = ", ".join(f"{name} ({REAL_CLIENT_FIELDS[name]})" for name in owned)
+                raise ValueError(f"with client_address set, the mooncake_client owns {flags}:"
+                                 f" set it there, not here")
+        return self
 
     @field_validator("master_address")
     @classmethod

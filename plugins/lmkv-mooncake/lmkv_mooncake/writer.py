@@ -61,7 +61,7 @@ class _Window:
 
 
 class Writer(PutQueue):
-    def __init__(self, link: Link, serializer: Serializer, staging: MemoryAllocator,
+    def __init__(self, link: Link, serializer: Serializer, staging: MemoryAllocator | None,
                  registered: Registered, name_of: Any) -> None:
         super().__init__(link.faults, link.options.max_pending_bytes, "lmkv-mooncake-put")
         self.link = link
@@ -142,7 +142,7 @@ class Writer(PutQueue):
     def _add(self, store: Any, window: _Window, name: str, key: CacheKey,
              obj: MemoryObj) -> bool:
         """Frame ``obj`` into ``window``; False when staging has no room for it."""
-        if self.options.register_arena and obj.allocator is not None \
+        if self.link.registers_arena and obj.allocator is not None \
                 and obj.allocator is not self.staging:
             arena = obj.allocator.arena
             self.registered.register(store, arena.data_ptr(), arena.numel())

@@ -31,6 +31,14 @@ def _find_master() -> str | None:
 MOONCAKE_MASTER = _find_master()
 
 
+def _find_real_client() -> str | None:
+    beside = Path(sys.executable).parent / "mooncake_client"
+    return str(beside) if beside.exists() else shutil.which("mooncake_client")
+
+
+MOONCAKE_CLIENT = _find_real_client()
+
+
 def have_client() -> bool:
     try:
         import mooncake.store  # noqa: F401
@@ -186,10 +194,69 @@ class MooncakeMaster:
         return int(float(match.group(1)) * scale[match.group(2)])
 
 
+@dataclass
+class MooncakeRealClient:
+    """A ``mooncake_client`` (Mooncake's standalone real client) of ``master``:
+    it holds the segment; tiers with ``client_address`` map memory from it."""
+
+    master: MooncakeMaster
+    directory: Path
+    port: int = 0
+    segment: str = "256MB"
+    proc: subprocess.Popen | None = None
+
+    def __post_init__(self) -> None:
+        self.port = self.port or free_port()
+        self.directory.mkdir(parents=True, exist_ok=True)
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def options(self, **extra: object) -> dict:
+        """Tier options for a thin client of this real client."""
+        return {"client_address": self.address, "local_buffer_size": "32MiB",
+                "retry_after_s": 0.2, **extra}
+
+    def start(self) -> MooncakeRealClient:
+        assert MOONCAKE_CLIENT is not None
+        log = open(self.directory / "client.log", "ab")  # noqa: SIM115 (the process owns it)
+        self.proc = subprocess.Popen(
+            [MOONCAKE_CLIENT, "--host", "127.0.0.1", "--port", str(self.port),
+             "--master_server_address", self.master.address,
+             "--metadata_server", self.master.metadata_url,
+             "--global_segment_size", self.segment, "--protocol", "tcp"],
+            stdout=log, stderr=subprocess.STDOUT, cwd=self.directory, start_new_session=True)
+        log.close()
+        deadline = time.monotonic() + 30
+        while True:
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", self.port)) == 0:
+                    return self
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"mooncake_client exited: see {self.directory}/client.log")
+            if time.monotonic() > deadline:
+                raise RuntimeError("mooncake_client did not come up in 30 s")
+            time.sleep(0.05)
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
 _ARENAS: list[MemoryAllocator] = []
 
 
-def new_tier(master: MooncakeMaster, **options: object) -> object:
+def new_tier(master: MooncakeMaster | MooncakeRealClient, **options: object) -> object:
     """A tier of ``master`` under its own key prefix (unless given), with its own arena."""
     from lmkv_backends.serde.naive import NaiveSerializer
     from lmkv_mooncake import MooncakeBackend, MooncakeOptions
