@@ -22,7 +22,9 @@ through it, and a second one, started afterwards, loads the prefix from it.
 Then a Mooncake pool (when lmkv-mooncake and a Mooncake client are installed,
 as scripts/setup-vllm.sh does): a ``mooncake_master`` on loopback and a holder
 process lending the pool its memory; one vLLM process stores through the
-``mooncake`` tier, a second one, started afterwards, loads the prefix from it.
+``mooncake`` tier, a second one, started afterwards, loads the prefix from it;
+and the same again through a ``mooncake_client`` holding the pool, both vLLM
+processes thin clients of it (``client_address``).
 Then tenants: the first prompt under ``cache_salt`` "a", then the second under
 "b", under none and under "a": only the same salt may load the shared prefix,
 and every output equals the baseline's. Last, LoRA: two adapters with random
@@ -109,9 +111,9 @@ def run(model_dir: str, mode: str) -> dict:
         extra["lmkv.tiers"] = [{"type": "cpu", "options": {"max_bytes": "256MiB"}},
                                {"type": "fs", "options": {"url": os.environ["E2E_DISK_TIER_DIR"]}}]
     if mode.startswith("mooncake"):
+        pool = "E2E_MOONCAKE_CLIENT" if mode.startswith("mooncake-client") else "E2E_MOONCAKE"
         extra["lmkv.tiers"] = [{"type": "cpu", "options": {"max_bytes": "256MiB"}},
-                               {"type": "mooncake",
-                                "options": json.loads(os.environ["E2E_MOONCAKE"])}]
+                               {"type": "mooncake", "options": json.loads(os.environ[pool])}]
     if mode.startswith("server"):
         extra.update({"lmkv.mode": "server",
                       "lmkv.server.address": os.environ["E2E_SERVER_ADDRESS"]})
@@ -278,6 +280,8 @@ def main() -> int:
             tmp, "tiers:\n  - type: cpu\n    options: {max_bytes: 256MiB}\n", env=env)
         from lmkv.testing.mooncake import MooncakePool
         pool = MooncakePool(tmp) if MooncakePool.available() else None
+        # The same through the host's mooncake_client: both vLLM processes thin clients.
+        client_pool = MooncakePool(tmp, real_client=True) if pool else None
         if pool is None and os.environ.get("CI_REQUIRE_MOONCAKE") == "1":
             raise SystemExit("CI_REQUIRE_MOONCAKE=1 but lmkv-mooncake or the Mooncake "
                              "client is not installed in this venv (scripts/setup-vllm.sh "
@@ -287,9 +291,11 @@ def main() -> int:
                   "skipping the mooncake rows (scripts/setup-vllm.sh installs them)")
         else:
             env["E2E_MOONCAKE"] = json.dumps(pool.options)
+            env["E2E_MOONCAKE_CLIENT"] = json.dumps(client_pool.options)
         modes = ["baseline", "eager", "lazy", "async", "layerwise", "corrupt", "load-fails",
                  "disk-writer", "disk-reader", "server-writer", "server-reader",
-                 *(["mooncake-writer", "mooncake-reader"] if pool else []),
+                 *(["mooncake-writer", "mooncake-reader", "mooncake-client-writer",
+                    "mooncake-client-reader"] if pool else []),
                  "salt", "lora-baseline", "lora"]
         only = os.environ.get("E2E_ONLY")  # a comma-separated subset, while developing
         if only:
@@ -305,8 +311,9 @@ def main() -> int:
                 with open(out) as f:
                     results[mode] = json.load(f)
         finally:
-            if pool is not None:
-                pool.close()
+            for mooncake in (pool, client_pool):
+                if mooncake is not None:
+                    mooncake.close()
             server.terminate()
             server_rc = server.wait(60)
             server_log = "".join(Path(p).read_text()
@@ -365,7 +372,8 @@ def main() -> int:
                 fails["worker_counters"]["failed_blocks"] != expected_hit // BLOCK:
             print(f"FAIL ({mode}): failed loads were not reported and recomputed")
             ok = False
-    shared = ("disk", "server", *(("mooncake",) if "mooncake-reader" in results else ()))
+    shared = ("disk", "server", *(("mooncake", "mooncake-client") if "mooncake-reader" in results
+                                  else ()))
     for tier in shared:  # a second process reuses what the first stored
         writer, reader = results[f"{tier}-writer"], results[f"{tier}-reader"]
         print(f"{tier} writer worker_counters:", writer["worker_counters"])
@@ -402,7 +410,7 @@ def _check_subset(results: dict) -> int:
     base = results["baseline"]
     expected_hit = min((len(prompts()[1]) - 1) // BLOCK, PREFIX // BLOCK) * BLOCK
     ok = True
-    for tier in ("disk", "server", "mooncake"):
+    for tier in ("disk", "server", "mooncake", "mooncake-client"):
         if f"{tier}-reader" not in results:
             continue
         writer, reader = results[f"{tier}-writer"], results[f"{tier}-reader"]
