@@ -69,15 +69,26 @@ class StorageManager:
         tiers: list[StorageBackend] = []
         memory_tier = next((i for i, t in enumerate(plugins.tiers)
                             if t.backend.cls.holds_memory_objs), None)
-        for i, tier in enumerate(plugins.tiers):
-            context = BackendContext(
-                serializer=plugins.serializer.create(SerializerContext()),
-                eviction_policy=tier.eviction.create(EvictionContext(tier_index=i)),
-                allocate=lambda shape, dtype: allocate_from(tiers, shape, dtype),
-                tier_index=i,
-                arena=arena if i == memory_tier else ArenaPlacement.PRIVATE,
-            )
-            tiers.append(tier.backend.create(context))
+        try:
+            for i, tier in enumerate(plugins.tiers):
+                context = BackendContext(
+                    serializer=plugins.serializer.create(SerializerContext()),
+                    eviction_policy=tier.eviction.create(EvictionContext(tier_index=i)),
+                    allocate=lambda shape, dtype: allocate_from(tiers, shape, dtype),
+                    tier_index=i,
+                    arena=arena if i == memory_tier else ArenaPlacement.PRIVATE,
+                )
+                tiers.append(tier.backend.create(context))
+        except BaseException:
+            # A tier that cannot start stops the start: the ones made before it
+            # give back what they hold (threads, connections, arenas) first.
+            for made in reversed(tiers):
+                try:
+                    made.close()
+                except Exception:
+                    logger.exception("lmkv: closing tier %s after a failed start failed",
+                                     type(made).__name__)
+            raise
         return cls(tiers, write_queue_chunks=config.write_through_queue_chunks,
                    admit_after=[t.admit_after for t in config.tiers])
 

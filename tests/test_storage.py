@@ -271,3 +271,31 @@ def test_watch_hears_every_chunk_a_tier_stores_and_drops_and_stops_when_told() -
     objs[0].ref_down()
     assert len(heard) == 5
     manager.close()
+
+
+def test_a_tier_that_cannot_start_closes_the_tiers_made_before_it(
+        monkeypatch: object, tmp_path: object) -> None:
+    import pytest
+
+    from lmkv import load_config
+    from lmkv.errors import ConfigError
+    from lmkv_backends.tiers.fs import FSBackend
+
+    config = load_config(env={}, overrides={"lmkv.tiers": [
+        {"type": "cpu", "options": {"max_bytes": "1MiB"}},
+        {"type": "fs", "options": {"url": str(tmp_path)}}]})
+    closed: list[object] = []
+    real_close = CPUBackend.close
+
+    def close(self: CPUBackend) -> None:
+        closed.append(self)
+        real_close(self)
+
+    def refuse(self: FSBackend, *args: object, **kwargs: object) -> None:
+        raise ConfigError("config key 'tiers.1.options.url': refused by the test")
+
+    monkeypatch.setattr(CPUBackend, "close", close)
+    monkeypatch.setattr(FSBackend, "__init__", refuse)
+    with pytest.raises(ConfigError, match="refused by the test"):
+        StorageManager.from_config(config)
+    assert len(closed) == 1 and isinstance(closed[0], CPUBackend)

@@ -98,8 +98,10 @@ class MooncakePool:
 
     @staticmethod
     def available() -> bool:
-        """The Mooncake client, the plugin and ``mooncake_master`` are installed."""
-        return master_binary() is not None and all(
+        """The Mooncake client, the plugin, ``mooncake_master`` and ``mooncake_client``
+        are installed."""
+        binaries = (master_binary(), master_binary("mooncake_client"))
+        return None not in binaries and all(
             importlib.util.find_spec(m) is not None for m in ("mooncake", "lmkv_mooncake"))
 
     def close(self) -> None:

@@ -279,9 +279,17 @@ def main() -> int:
         server, env["E2E_SERVER_ADDRESS"] = spawn_server(
             tmp, "tiers:\n  - type: cpu\n    options: {max_bytes: 256MiB}\n", env=env)
         from lmkv.testing.mooncake import MooncakePool
-        pool = MooncakePool(tmp) if MooncakePool.available() else None
-        # The same through the host's mooncake_client: both vLLM processes thin clients.
-        client_pool = MooncakePool(tmp, real_client=True) if pool else None
+        pool = client_pool = None
+        try:
+            if MooncakePool.available():
+                pool = MooncakePool(tmp)
+                # The same through the host's mooncake_client: thin clients both.
+                client_pool = MooncakePool(tmp, real_client=True)
+        except BaseException:  # (a pool that cannot start: nothing left running)
+            if pool is not None:
+                pool.close()
+            server.terminate()
+            raise
         if pool is None and os.environ.get("CI_REQUIRE_MOONCAKE") == "1":
             raise SystemExit("CI_REQUIRE_MOONCAKE=1 but lmkv-mooncake or the Mooncake "
                              "client is not installed in this venv (scripts/setup-vllm.sh "

@@ -27,6 +27,8 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
+import torch
+
 from lmkv import affinity
 from lmkv.backend import BackendContext, StorageBackend, done_future
 from lmkv.errors import ConfigError
@@ -45,9 +47,18 @@ from lmkv_mooncake.client import (
     TierClosed,
     raise_for,
 )
-from lmkv_mooncake.direct import FOUND, OTHER_LAYOUT, Fetched, Layout, fetch, settle
+from lmkv_mooncake.direct import (
+    ABSENT,
+    FOUND,
+    OTHER_LAYOUT,
+    Fetched,
+    Layout,
+    fetch,
+    settle,
+    transfer_over,
+)
 from lmkv_mooncake.options import MooncakeOptions
-from lmkv_mooncake.writer import Writer
+from lmkv_mooncake.writer import THIN_PIPELINE_BYTES, Writer
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +94,7 @@ class MooncakeBackend(StorageBackend):
             breaker=Breaker(options.retry_after_s, 4 * options.retry_after_s),
             redact=redact, log=logger)
         # Registered staging: frame headers, and chunks from unregistered memory.
-        # With a real client it is the memory mapped from it, known once set up.
+        # With a real client, the shared memory handed to it, known once set up.
         self.staging: MemoryAllocator | None = None if options.client_address else \
             MemoryAllocator(int(options.local_buffer_size), pin_memory=False)
         self._pins: dict[str, int] = {}
@@ -119,7 +130,7 @@ class MooncakeBackend(StorageBackend):
                            self.where)
 
     def _registered_staging(self, store: Any) -> None:
-        if self.staging is None:  # a real client's: its tiers share the mapped staging
+        if self.staging is None:  # a real client's: its tiers share the staging
             self.staging = self._writer.staging = self.link.shared_staging
             return
         arena = self.staging.arena
@@ -201,12 +212,16 @@ class MooncakeBackend(StorageBackend):
         objs: list[MemoryObj] = []
         try:
             with self.faults.guard("get", "answering misses"), self.link.using() as store:
-                start = 0
-                if self._layout is not None:
-                    start, why = self._read_direct(store, keys, objs)
-                    if why != OTHER_LAYOUT:
-                        start = len(keys)  # all read, or the prefix ended
-                self._read_staged(store, keys, start, objs)
+                if self.options.client_address:
+                    self._read_thin(store, keys, objs)
+                else:
+                    start = 0
+                    if self._layout is not None:
+                        start, why = self._read_direct(store, keys, objs)
+                        if why != OTHER_LAYOUT:
+                            start = len(keys)  # all read, or the prefix ended
+                    if start < len(keys):
+                        self._read_staged(store, keys, start, objs)
         except BaseException:  # a bug: give the buffers back, then let it show
             for obj in objs:
                 obj.ref_down()
@@ -215,25 +230,79 @@ class MooncakeBackend(StorageBackend):
         self.counters.misses += len(objs) < len(keys)
         return objs
 
-    def _read_direct(self, store: Any, keys: Sequence[CacheKey], out: list[MemoryObj]
-                     ) -> tuple[int, str]:
+    def _read_thin(self, store: Any, keys: Sequence[CacheKey], out: list[MemoryObj]) -> None:
+        """Gets of a thin client: frames land in this process's shared staging
+        (never in Mooncake's buffers, whose handles release themselves with a call
+        to the real client that no timeout bounds), are checked there and copied
+        into lmkv's arena. Window by window as for direct gets once a frame's
+        layout is known; a frame of another layout is read alone, by its size."""
+        start = 0
+        while start < len(keys):
+            if self._layout is not None:
+                got, why = self._read_direct(store, keys[start:], out, thin=True)
+                start += got
+                if why != OTHER_LAYOUT or start == len(keys):
+                    return
+            if not self._read_thin_one(store, keys[start], out):
+                return
+            start += 1
+
+    def _read_thin_one(self, store: Any, key: CacheKey, out: list[MemoryObj]) -> bool:
+        """One frame by its size (``get_size``, then ``batch_get_into`` the shared
+        staging), decoded into the arena; its layout is the one guessed next.
+        False when absent, gone meanwhile, corrupt or without room."""
+        assert self.staging is not None
+        name = self.store_key(key)
+        size = self.link.call("get_size", store.get_size, name)
+        if size == OBJECT_NOT_FOUND:
+            return False
+        raise_for("get_size", size)
+        block = self.staging.allocate((size,), torch.uint8)
+        if block is None:
+            return False
+        codes = self.link.call("batch_get_into", store.batch_get_into, [name],
+                               [block.tensor.data_ptr()], [size])
+        if not transfer_over(codes[0]):  # it may still be writing into the block
+            self._quarantine([block])
+            raise_for("batch_get_into", codes[0])
+        try:
+            if codes[0] != size:  # absent, or replaced by another size meanwhile
+                return False
+            frame = memoryview(block.tensor.numpy())
+            obj = self.decode_frame(key, frame)
+            if obj is None:
+                return False
+            if self.context.serializer.raw_payload:
+                self._layout = Layout.of(read_header(frame, key))
+            self.counters.bytes_out += size
+            out.append(obj)
+            return True
+        finally:
+            block.ref_down()
+
+    def _read_direct(self, store: Any, keys: Sequence[CacheKey], out: list[MemoryObj],
+                     thin: bool = False) -> tuple[int, str]:
         """Direct gets (``direct``), window by window: the next window's transfer
         runs while this one's frames are checked (Mooncake releases the GIL), so
-        the checksums cost no extra time. Returns how many were read and why it
-        stopped."""
+        the checksums cost no extra time. ``thin``: into the shared staging, each
+        frame then copied into the arena (``_read_thin``). Returns how many were
+        read and why it stopped."""
         layout = self._layout
-        allocate = self.context.allocate
+        allocate = self.staging.allocate if thin and self.staging else self.context.allocate
         assert layout is not None and allocate is not None
         frame = layout.header_len + layout.payload_len
-        size = max(1, min(PIPELINE_BYTES // frame,
+        size = max(1, min((THIN_PIPELINE_BYTES if thin else PIPELINE_BYTES) // frame,
                           int(self.options.local_buffer_size) // 2 // layout.header_len))
         windows = [keys[i:i + size] for i in range(0, len(keys), size)]
 
         def start(window: Sequence[CacheKey]) -> Future:
-            return self._fetches.submit(
-                fetch, store, [self.store_key(k) for k in window], window, layout, allocate,
-                self.staging, self.registered, self.options.register_arena, self._quarantine,
-                self.link.call)
+            try:
+                return self._fetches.submit(
+                    fetch, store, [self.store_key(k) for k in window], window, layout,
+                    allocate, self.staging, self.registered, self.link.registers_arena,
+                    self._quarantine, self.link.call)
+            except RuntimeError:  # shut down: the tier is closing
+                raise TierClosed("the mooncake tier is closed") from None
 
         read, why = 0, FOUND
         pending: Future | None = start(windows[0])
@@ -242,9 +311,14 @@ class MooncakeBackend(StorageBackend):
                 assert pending is not None
                 fetched: Fetched = pending.result()
                 pending = start(windows[i + 1]) if i + 1 < len(windows) else None
-                got, why = settle(fetched, layout, out)
+                if thin:
+                    got, why = self._copied_out(fetched, layout)
+                    out.extend(got)
+                    got = len(got)
+                else:
+                    got, why = settle(fetched, layout, out)
+                    self.direct_gets += got
                 read += got
-                self.direct_gets += got
                 self.counters.bytes_out += got * frame
                 if why != FOUND:
                     return read, why
@@ -256,13 +330,34 @@ class MooncakeBackend(StorageBackend):
         self.faults.succeeded()
         return read, FOUND
 
+    def _copied_out(self, fetched: Fetched, layout: Layout) -> tuple[list[MemoryObj], str]:
+        """``settle`` a thin window (frames checked in the shared staging), then
+        copy each good frame into a buffer of lmkv's arena: the leading ones
+        there was room for, and why it stopped."""
+        staged: list[MemoryObj] = []
+        _, why = settle(fetched, layout, staged)
+        copies: list[MemoryObj] = []
+        try:
+            for obj in staged:
+                copy = self.context.allocate(layout.shape, layout.dtype) \
+                    if self.context.allocate is not None else None
+                if copy is None:
+                    return copies, ABSENT  # no room: the rest is a miss
+                copy.tensor.copy_(obj.tensor)
+                copies.append(copy)
+        finally:
+            for obj in staged:
+                obj.ref_down()
+        return copies, why
+
     def _quarantine(self, objs: list[MemoryObj]) -> None:
         """Keep the buffers of a failed direct get out of the arena (``Link.quarantine``)."""
         self.link.quarantine(objs)
-        chunks = sum(1 for obj in objs if obj.allocator is not self.staging)
+        thin = bool(self.options.client_address)  # (its chunks land in the staging)
+        chunks = sum(1 for obj in objs if thin or obj.allocator is not self.staging)
         self.quarantined_chunks += chunks
-        self.faults.note("quarantine", "a failed get may still write into %d arena buffers: "
-                         "kept out of the arena until the store is closed", chunks)
+        self.faults.note("quarantine", "a failed get may still write into %d chunk buffers: "
+                         "kept out of use until the store is closed", chunks)
 
     def _read_staged(self, store: Any, keys: Sequence[CacheKey], start: int,
                      out: list[MemoryObj]) -> None:
@@ -277,6 +372,12 @@ class MooncakeBackend(StorageBackend):
         def size() -> int:
             return max(1, self._window() // 2) if self._frame_hint else 1
 
+        def submit(window: Sequence[CacheKey]) -> Future:
+            try:
+                return self._fetches.submit(fetch_window, window)
+            except RuntimeError:  # shut down: the tier is closing
+                raise TierClosed("the mooncake tier is closed") from None
+
         pending: Future | None = None
         try:
             window = keys[start:start + size()]
@@ -285,7 +386,7 @@ class MooncakeBackend(StorageBackend):
                 start += len(window)
                 following = keys[start:start + size()]
                 if following and self._frame_hint:
-                    pending = self._fetches.submit(fetch_window, following)
+                    pending = submit(following)
                 if not self._get_window(store, window, out, handles) or not following:
                     return
                 del handles

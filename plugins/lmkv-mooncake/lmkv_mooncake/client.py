@@ -158,7 +158,8 @@ class _Client:
         self.closed = False
         self.registered = Registered()  # memory registered with this store
         # With a real client: the staging every tier of this client shares, in
-        # memory mapped from the real client (set up with the store).
+        # shared memory this process makes and hands to the real client (set up
+        # with the store).
         self.shared_staging: MemoryAllocator | None = None
         # Buffers a failed transfer may still write into (see ``Link.quarantine``).
         self.quarantined: list[Any] = []
@@ -208,14 +209,14 @@ class _Client:
             return store.setup(o.local_hostname, o.metadata_server, int(o.global_segment_size),
                                size, o.protocol, o.device_name, o.master_address)
         if not _answers(o.client_address):
-            # Mooncake's setup_dummy holds the GIL for about 4 s while it retries a
-            # real client that is not there: asked only once one listens.
+            # Mooncake's setup_dummy spends about 4 s per try on a port nobody
+            # listens on: asked only once one does.
             return -1
         code = store.setup_dummy(size, size, o.client_address)
         if code != 0:
             return code
         ptr = store.alloc_from_mem_pool(size)
-        if not ptr or store.register_buffer(ptr, size) != 0:
+        if not ptr or not self.registered.register(store, ptr, size):
             logger.warning("lmkv mooncake tier: the mooncake_client at %s gave no shared "
                            "staging of %d bytes", o.client_address, size)
             return -1
@@ -329,6 +330,11 @@ class Link:
             _KIND = kind
             client = _CLIENTS.get(_client_of(options))
             if client is None or client.closed:
+                if options.client_address:
+                    # Another real client's idle thin client goes first: with two
+                    # set up, Mooncake 0.3.13's re-registration after a real client
+                    # restarts left this one's shared memory unknown to it.
+                    _close_idle_thin_clients()
                 client = _CLIENTS[_client_of(options)] = _Client(options, cls, faults)
             client.users += 1
         self._client = client
@@ -426,6 +432,12 @@ class Link:
             client.users -= 1
             if client.users:
                 return
+            if self.options.client_address:
+                # Kept for the process's life and reused by the next tier of this
+                # client: Mooncake 0.3.13's close frees neither the memory pool the
+                # staging came from nor its registration, so a thin client closed
+                # and made again would leak a staging per tier (closed at exit).
+                return
             if _CLIENTS.get(_client_of(self.options)) is client:
                 del _CLIENTS[_client_of(self.options)]
         thread = threading.Thread(target=client.close, name="lmkv-mooncake-close", daemon=True)
@@ -452,3 +464,24 @@ def join_closing(timeout_s: float = CLOSE_WAIT_S + 5) -> bool:
 
 
 atexit.register(join_closing)
+
+
+def _close_idle_thin_clients() -> None:
+    """Start closing the thin clients no tier uses (``_CLIENTS_LOCK`` held)."""
+    idle = [key for key, c in _CLIENTS.items() if c.users == 0 and not c.closed]
+    for key in idle:
+        client = _CLIENTS.pop(key)
+        thread = threading.Thread(target=client.close, name="lmkv-mooncake-close", daemon=True)
+        with _CLOSING_LOCK:
+            _CLOSING.add(thread)
+        thread.start()
+
+
+def _close_kept_clients() -> None:
+    """At exit (before ``join_closing`` waits): close the thin clients no tier
+    uses any more."""
+    with _CLIENTS_LOCK:
+        _close_idle_thin_clients()
+
+
+atexit.register(_close_kept_clients)  # runs before join_closing (atexit is last in, first out)

@@ -12,9 +12,20 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import ByteSize, ConfigDict, Field, PositiveFloat, field_validator, model_validator
+from pydantic import (
+    ByteSize,
+    ConfigDict,
+    Field,
+    PositiveFloat,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from lmkv.plugin_base import PluginOptions
 from lmkv.units import ByteCount
@@ -49,7 +60,7 @@ class MooncakeOptions(PluginOptions):
     """``host:port`` of a ``mooncake_client`` (Mooncake's standalone real client)
     on this host. Set, this process is a thin client of it: the real client holds
     the segment and talks to the master and the other hosts, and this process
-    moves frames through shared memory it maps from it (no TCP between the
+    moves frames through shared memory it hands to it (no TCP between the
     engines of one host, and the pool outlives an engine's restart). The
     connection options (``master_address``, ``metadata_server``,
     ``local_hostname``, ``protocol``, ``device_name``, ``global_segment_size``)
@@ -78,8 +89,8 @@ class MooncakeOptions(PluginOptions):
     client of a pool that dedicated store processes hold."""
     local_buffer_size: ByteCount = Field(default=ByteSize(256 << 20), ge=MIN_BUFFER_BYTES)
     """Registered staging memory for frames in flight (the largest frame must fit).
-    With ``client_address``, twice this is mapped from the real client: one for
-    the tier's staging, one for Mooncake's own buffer that gets land in."""
+    With ``client_address``, twice this is shared memory handed to the real
+    client: the staging its tiers share, and Mooncake's own buffer."""
     replica_num: int = Field(default=1, ge=1, le=16)
     """Copies of each entry the store keeps (on different segments)."""
     key_prefix: str = "lmkv:"
@@ -116,15 +127,35 @@ class MooncakeOptions(PluginOptions):
                              "this host, or empty")
         return value
 
-    @model_validator(mode="after")
-    def _real_client_owns(self) -> MooncakeOptions:
-        if self.client_address:
-            owned = sorted(set(REAL_CLIENT_FIELDS) & self.model_fields_set)
-            if owned:
-                flags = ", ".join(f"{name} ({REAL_CLIENT_FIELDS[name]})" for name in owned)
-                raise ValueError(f"with client_address set, the mooncake_client owns {flags}:"
-                                 f" set it there, not here")
-        return self
+    @model_validator(mode="before")
+    @classmethod
+    def _real_client_owns(cls, data: object) -> object:
+        """With ``client_address``, an option the real client owns is an error at
+        that option's own key (one per option given: in a file, an override or an
+        ``LMKV_TIERS__N__OPTIONS__*`` variable; Mooncake's own variables only
+        supply defaults, which stay unused)."""
+        if not isinstance(data, dict) or not data.get("client_address"):
+            return data
+        owned = [name for name in REAL_CLIENT_FIELDS if name in data]
+        if owned:
+            raise ValidationError.from_exception_data(cls.__name__, [InitErrorDetails(
+                type=PydanticCustomError(
+                    "owned_by_real_client", "with client_address set, the mooncake_client's "
+                    "{flag} sets this: set it there, not here",
+                    {"flag": REAL_CLIENT_FIELDS[name]}),
+                loc=(name,), input=data[name]) for name in owned])
+        return data
+
+    @model_serializer(mode="wrap")
+    def _without_real_client_options(self, handler: SerializerFunctionWrapHandler
+                                     ) -> dict[str, Any]:
+        """A dump (``lmkv config check``) leaves out, with ``client_address`` set,
+        the options the real client owns: unused, and refused if given back."""
+        data = handler(self)
+        if self.client_address and isinstance(data, dict):
+            for name in REAL_CLIENT_FIELDS:
+                data.pop(name, None)
+        return data
 
     @field_validator("master_address")
     @classmethod

@@ -41,6 +41,10 @@ logger = logging.getLogger(__name__)
 #: (a larger batch keeps Mooncake's transfer parallelism; 32, 64 and 128 MiB windows
 #: measured alike within this machine's noise, 0.7-1.1 of the own client).
 PIPELINE_BYTES = 128 << 20
+#: The same through a real client: the transfer is a copy by the real client's
+#: process, so small windows let this thread frame (copy into the shared staging,
+#: checksum) the next chunks while it copies these.
+THIN_PIPELINE_BYTES = 16 << 20
 
 
 class _Window:
@@ -73,6 +77,8 @@ class Writer(PutQueue):
         self._config: Any = None
         self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmkv-mooncake-send")
         self.zero_copy_bytes = 0  # payload bytes read in place (no staging copy)
+        self._window_bytes = THIN_PIPELINE_BYTES if self.options.client_address \
+            else PIPELINE_BYTES
 
     @property
     def usable(self) -> bool:
@@ -118,7 +124,7 @@ class Writer(PutQueue):
             for i, code in enumerate(present):
                 if code == 1:
                     continue
-                if window.nbytes >= PIPELINE_BYTES:
+                if window.nbytes >= self._window_bytes:
                     send()
                 if self._add(store, window, names[i], keys[i], objs[i]):
                     continue
@@ -130,8 +136,10 @@ class Writer(PutQueue):
                     continue
                 done[1] += 1
                 self.counters.dropped_writes += 1
-                self.faults.note("too-large", "the frame of %s does not fit in the staging "
-                                 "buffer (local_buffer_size); dropped", names[i])
+                self.faults.note("too-large", "the frame of %s found no room in the staging "
+                                 "buffer (local_buffer_size must hold the largest frame, and "
+                                 "the writes in flight of every tier sharing it); dropped",
+                                 names[i])
             send()
             send()
         finally:

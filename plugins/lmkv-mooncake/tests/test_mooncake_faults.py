@@ -206,3 +206,40 @@ def test_pipelined_windows_put_and_get_every_chunk_and_give_back_the_rest(
             obj.ref_down()
     assert tier.stats()["direct_gets"] == 3
     assert arena.used_bytes == used  # the window fetched past key 3 was given back
+
+
+def test_pipelined_staged_gets_stop_at_the_first_missing_and_give_back_the_rest(
+        mooncake_master: MooncakeMaster, shared_client: None,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A serializer without a raw payload reads staged, through Mooncake's local
+    buffer: windows of one key, the next fetched while one is decoded; a read
+    that stops early gives back the window fetched past it (twenty reads would
+    exhaust the buffer otherwise)."""
+    import uuid
+
+    from lmkv import BackendContext
+    from lmkv.memory import MemoryAllocator
+    from lmkv_backends.serde.zstd import ZstdSerializer
+    from lmkv_mooncake import MooncakeBackend, MooncakeOptions
+
+    monkeypatch.setattr(MooncakeBackend, "_window", lambda self: 2)  # windows of one key
+    arena = MemoryAllocator(16 << 20, pin_memory=False)
+    tier = MooncakeBackend(
+        MooncakeOptions(**mooncake_master.options(key_prefix=f"z-{uuid.uuid4().hex[:8]}:",
+                                                  local_buffer_size="1MiB")),
+        BackendContext(serializer=ZstdSerializer(), allocate=arena.allocate))
+    try:
+        assert put(tier, [0, 1, 2, 4, 5]) == 5
+        for _ in range(20):
+            objs = tier.batched_get_non_blocking("l", [key(i) for i in range(6)]).result(60)
+            try:
+                assert len(objs) == 3
+                for i, obj in enumerate(objs):
+                    assert torch.equal(obj.tensor, chunk(i))
+            finally:
+                for obj in objs:
+                    obj.ref_down()
+            assert arena.used_bytes == 0
+        assert tier.stats()["errors"] == 0 and tier.stats()["direct_gets"] == 0
+    finally:
+        tier.close()
