@@ -343,7 +343,9 @@ class MooncakeBackend(StorageBackend):
                     if self.context.allocate is not None else None
                 if copy is None:
                     return copies, ABSENT  # no room: the rest is a miss
-                copy.tensor.copy_(obj.tensor)
+                # numpy, not torch: torch's copy of a large tensor runs on its
+                # OpenMP threads, which in vLLM's CPU build are the forward's.
+                copy.byte_view().numpy()[:] = obj.byte_view().numpy()
                 copies.append(copy)
         finally:
             for obj in staged:
