@@ -47,16 +47,7 @@ from lmkv_mooncake.client import (
     TierClosed,
     raise_for,
 )
-from lmkv_mooncake.direct import (
-    ABSENT,
-    FOUND,
-    OTHER_LAYOUT,
-    Fetched,
-    Layout,
-    fetch,
-    settle,
-    transfer_over,
-)
+from lmkv_mooncake.direct import ABSENT, FOUND, OTHER_LAYOUT, Fetched, Layout, fetch, settle
 from lmkv_mooncake.options import MooncakeOptions
 from lmkv_mooncake.writer import THIN_PIPELINE_BYTES, Writer
 
@@ -260,12 +251,16 @@ class MooncakeBackend(StorageBackend):
         block = self.staging.allocate((size,), torch.uint8)
         if block is None:
             return False
-        codes = self.link.call("batch_get_into", store.batch_get_into, [name],
-                               [block.tensor.data_ptr()], [size])
-        if not transfer_over(codes[0]):  # it may still be writing into the block
-            self._quarantine([block])
-            raise_for("batch_get_into", codes[0])
         try:
+            codes = self.link.call("batch_get_into", store.batch_get_into, [name],
+                                   [block.tensor.data_ptr()], [size])
+        except BaseException:  # past call_timeout_s: it may still write into the block
+            self._quarantine([block])
+            raise
+        try:
+            # An answer of the real client means its copy is over, failed or not.
+            if codes[0] != OBJECT_NOT_FOUND:
+                raise_for("batch_get_into", codes[0])
             if codes[0] != size:  # absent, or replaced by another size meanwhile
                 return False
             frame = memoryview(block.tensor.numpy())
@@ -291,8 +286,12 @@ class MooncakeBackend(StorageBackend):
         allocate = self.staging.allocate if thin and self.staging else self.context.allocate
         assert layout is not None and allocate is not None
         frame = layout.header_len + layout.payload_len
-        size = max(1, min((THIN_PIPELINE_BYTES if thin else PIPELINE_BYTES) // frame,
-                          int(self.options.local_buffer_size) // 2 // layout.header_len))
+        buffer = int(self.options.local_buffer_size)
+        # Thin: the frames come from the staging the puts of every tier share too;
+        # a get thread holds at most two windows of a quarter of its share.
+        window = min(THIN_PIPELINE_BYTES, buffer // (4 * GET_THREADS)) if thin \
+            else PIPELINE_BYTES
+        size = max(1, min(window // frame, buffer // 2 // layout.header_len))
         windows = [keys[i:i + size] for i in range(0, len(keys), size)]
 
         def start(window: Sequence[CacheKey]) -> Future:
@@ -300,7 +299,7 @@ class MooncakeBackend(StorageBackend):
                 return self._fetches.submit(
                     fetch, store, [self.store_key(k) for k in window], window, layout,
                     allocate, self.staging, self.registered, self.link.registers_arena,
-                    self._quarantine, self.link.call)
+                    self._quarantine, self.link.call, answered_is_over=thin)
             except RuntimeError:  # shut down: the tier is closing
                 raise TierClosed("the mooncake tier is closed") from None
 
@@ -335,9 +334,11 @@ class MooncakeBackend(StorageBackend):
         copy each good frame into a buffer of lmkv's arena: the leading ones
         there was room for, and why it stopped."""
         staged: list[MemoryObj] = []
-        _, why = settle(fetched, layout, staged)
         copies: list[MemoryObj] = []
         try:
+            # (Frames settle hands over before it raises for a later one are
+            # given back below too.)
+            _, why = settle(fetched, layout, staged)
             for obj in staged:
                 copy = self.context.allocate(layout.shape, layout.dtype) \
                     if self.context.allocate is not None else None
@@ -490,8 +491,10 @@ class MooncakeBackend(StorageBackend):
         if not self.link.closed and not self.options.client_address:
             # (Closed at interpreter exit already: the store is going. A real
             # client's shared staging goes with the store.)
+            # Whatever the breaker says: memory left registered and then freed
+            # would make Mooncake refuse a later buffer at an overlapping address.
             with self.faults.guard("close", "staging left registered"), \
-                    self.link.using() as store:
+                    self.link.using(breaker=False) as store:
                 self.registered.unregister(store, self.staging.arena.data_ptr())
         self.faults.close()
         self.link.close()

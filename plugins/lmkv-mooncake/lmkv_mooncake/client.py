@@ -395,11 +395,13 @@ class Link:
                 and not self.faults.breaker.is_open)
 
     @contextmanager
-    def using(self) -> Iterator[Any]:
+    def using(self, breaker: bool = True) -> Iterator[Any]:
         """The set-up store, for the block's calls; ``BreakerOpen`` while the
-        breaker is open or the store is not set up yet, ``TierClosed`` once
-        closed. Closing waits for the blocks in progress before it frees the
-        store (a call into a closed store would touch freed memory)."""
+        breaker is open (unless ``breaker`` is False: a tier closing gives its
+        registrations back whatever the breaker says) or the store is not set up
+        yet, ``TierClosed`` once closed. Closing waits for the blocks in progress
+        before it frees the store (a call into a closed store would touch freed
+        memory)."""
         client = self._client
         with client.lock:
             if self.closed or client.closed:
@@ -407,7 +409,8 @@ class Link:
             if not client.ready.is_set():
                 raise NotConnected("not connected to master "
                                    f"{self.faults.redact(self.options.master_address)} yet")
-            self.faults.check()
+            if breaker:
+                self.faults.check()
             client.busy += 1
             if not self._set_up:
                 self._set_up = True
@@ -432,7 +435,7 @@ class Link:
             client.users -= 1
             if client.users:
                 return
-            if self.options.client_address:
+            if self.options.client_address and client.ready.is_set():
                 # Kept for the process's life and reused by the next tier of this
                 # client: Mooncake 0.3.13's close frees neither the memory pool the
                 # staging came from nor its registration, so a thin client closed

@@ -17,7 +17,9 @@ A window whose call answered anything but a frame, a size mismatch or "not
 found" (a transfer or RPC failure) is not given back to the arena: Mooncake
 0.3.13 cannot cancel or wait for a transfer, so one may still be writing into
 those buffers, and a block reused by another chunk would hold wrong KV. They
-are quarantined (``Link.quarantine``) until the store is closed.
+are quarantined (``Link.quarantine``) until the store is closed. A thin
+client's call (``answered_is_over``) returns only once the real client's copy
+is over, so there only a call that did not answer in time quarantines.
 """
 
 from __future__ import annotations
@@ -80,13 +82,16 @@ class Fetched:
     codes: list[int] | None
     quarantine: Callable[[list[MemoryObj]], None]
     asked: bool = False  # the store was called (it may have written into the buffers)
+    # A thin client's call returns once the real client's copy is over: any code.
+    answered_is_over: bool = False
 
     @property
     def idle(self) -> bool:
         """Whether the store is known to be done with this window's buffers."""
         if not self.asked:
             return True
-        return self.codes is not None and all(transfer_over(c) for c in self.codes)
+        return self.codes is not None and (
+            self.answered_is_over or all(transfer_over(c) for c in self.codes))
 
     def release(self) -> None:
         """Give back every buffer not handed over, or quarantine them when a
@@ -105,12 +110,12 @@ class Fetched:
 def fetch(store: Any, names: Sequence[str], keys: Sequence[CacheKey], layout: Layout,
           allocate: Allocate, staging: MemoryAllocator, registered: Registered,
           register_arena: bool, quarantine: Callable[[list[MemoryObj]], None],
-          call: Callable[..., Any]) -> Fetched:
+          call: Callable[..., Any], answered_is_over: bool = False) -> Fetched:
     """Allocate ``keys``' buffers and have the store scatter their frames into
     them (one ``batch_get_into_multi_buffers``, through ``call``: ``Link.call``);
     nothing is checked yet."""
     fetched = Fetched(keys, [], staging.allocate((layout.header_len * len(keys),), torch.uint8),
-                      None, quarantine)
+                      None, quarantine, answered_is_over=answered_is_over)
     try:
         for _ in keys:
             obj = allocate(layout.shape, layout.dtype)

@@ -112,8 +112,42 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _listening(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+class _Service:
+    """A process the tests start, wait for, kill and stop."""
+
+    proc: subprocess.Popen | None
+
+    def _wait_for(self, ports: tuple[int, ...], what: str, log: Path) -> None:
+        assert self.proc is not None
+        deadline = time.monotonic() + 30
+        while not all(_listening(port) for port in ports):
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{what} exited: see {log}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{what} did not come up in 30 s")
+            time.sleep(0.05)
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
 @dataclass
-class MooncakeMaster:
+class MooncakeMaster(_Service):
     directory: Path
     rpc_port: int = 0
     http_port: int = 0
@@ -152,34 +186,9 @@ class MooncakeMaster:
             stdout=log, stderr=subprocess.STDOUT, cwd=self.directory,
             start_new_session=True)
         log.close()
-        deadline = time.monotonic() + 30
-        while not self._answers():
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"mooncake_master exited: see {self.directory}/master.log")
-            if time.monotonic() > deadline:
-                raise RuntimeError("mooncake_master did not come up in 30 s")
-            time.sleep(0.05)
+        self._wait_for((self.rpc_port, self.http_port), "mooncake_master",
+                       self.directory / "master.log")
         return self
-
-    def _answers(self) -> bool:
-        for port in (self.rpc_port, self.http_port):
-            with socket.socket() as s:
-                if s.connect_ex(("127.0.0.1", port)) != 0:
-                    return False
-        return True
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.kill()
 
     def summary(self) -> str:
         with urllib.request.urlopen(
@@ -195,9 +204,9 @@ class MooncakeMaster:
 
 
 @dataclass
-class MooncakeRealClient:
+class MooncakeRealClient(_Service):
     """A ``mooncake_client`` (Mooncake's standalone real client) of ``master``:
-    it holds the segment; tiers with ``client_address`` map memory from it."""
+    it holds the segment; tiers with ``client_address`` hand it shared memory."""
 
     master: MooncakeMaster
     directory: Path
@@ -228,29 +237,8 @@ class MooncakeRealClient:
              "--global_segment_size", self.segment, "--protocol", "tcp"],
             stdout=log, stderr=subprocess.STDOUT, cwd=self.directory, start_new_session=True)
         log.close()
-        deadline = time.monotonic() + 30
-        while True:
-            with socket.socket() as s:
-                if s.connect_ex(("127.0.0.1", self.port)) == 0:
-                    return self
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"mooncake_client exited: see {self.directory}/client.log")
-            if time.monotonic() > deadline:
-                raise RuntimeError("mooncake_client did not come up in 30 s")
-            time.sleep(0.05)
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.kill()
+        self._wait_for((self.port,), "mooncake_client", self.directory / "client.log")
+        return self
 
 
 _ARENAS: list[MemoryAllocator] = []
@@ -269,3 +257,30 @@ def new_tier(master: MooncakeMaster | MooncakeRealClient, **options: object) -> 
     options.setdefault("key_prefix", f"t-{uuid.uuid4().hex[:8]}:")
     return MooncakeBackend(MooncakeOptions(**master.options(**options)),
                            BackendContext(serializer=NaiveSerializer(), allocate=arena.allocate))
+
+
+class OwnStoreEdits:
+    """``corrupt_entry`` and ``copy_entry`` of the conformance kit, done with the
+    tier's own Mooncake client behind its back."""
+
+    def corrupt_entry(self, backend: object, key: object) -> bool:
+        """Flip a payload bit (get, remove, put)."""
+        store, name = own_store(backend), backend.store_key(key)
+        frame = bytearray(store.get(name))
+        frame[-10] ^= 1
+        assert store.remove(name, True) == 0
+        assert store.put(name, bytes(frame)) == 0
+        return True
+
+    def copy_entry(self, backend: object, source: object, target: object) -> bool:
+        """Store source's whole frame under target's name."""
+        store = own_store(backend)
+        frame = store.get(backend.store_key(source))
+        store.remove(backend.store_key(target), True)
+        assert store.put(backend.store_key(target), frame) == 0
+        return True
+
+
+def own_store(backend: object) -> object:
+    with backend.link.using() as store:  # the tier's own client, behind its back
+        return store

@@ -10,7 +10,6 @@ which the tier refuses, and the rest of this suite makes embedded ones.
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import time
@@ -19,22 +18,20 @@ from pathlib import Path
 
 import pytest
 import torch
-from mooncake_engine_worker import TOKENS, hf_kv
 from mooncake_servers import (
     MOONCAKE_CLIENT,
     MooncakeMaster,
     MooncakeRealClient,
+    OwnStoreEdits,
     new_tier,
     require_mooncake,
 )
-from test_mooncake_faults import chunk, eventually, key, put, read
+from test_mooncake_faults import chunk, key, misses_then_recovery, put, read, reads_prefix
+from test_mooncake_processes import shared_between_processes
 
 from lmkv import StorageBackend
 from lmkv.memory import tensor_obj
 from lmkv.testing import StorageBackendConformance
-from lmkv.tokens import CacheKey
-
-WORKER = Path(__file__).with_name("mooncake_engine_worker.py")
 
 
 def _require_real_client() -> None:
@@ -52,7 +49,7 @@ def real_client(mooncake_master: MooncakeMaster,
     client.stop()
 
 
-class TestMooncakeRealClient(StorageBackendConformance):
+class TestMooncakeRealClient(OwnStoreEdits, StorageBackendConformance):
     client: MooncakeRealClient
 
     @pytest.fixture(autouse=True)
@@ -62,26 +59,6 @@ class TestMooncakeRealClient(StorageBackendConformance):
     def make_backend(self) -> StorageBackend:
         return new_tier(self.client)
 
-    def corrupt_entry(self, backend: StorageBackend, key: CacheKey) -> bool:
-        """Flip a payload bit, with the store's own client (get, remove, put)."""
-        store, name = _own_store(backend), backend.store_key(key)
-        frame = bytearray(store.get(name))
-        frame[-10] ^= 1
-        assert store.remove(name, True) == 0
-        assert store.put(name, bytes(frame)) == 0
-        return True
-
-    def copy_entry(self, backend: StorageBackend, source: CacheKey, target: CacheKey) -> bool:
-        store = _own_store(backend)
-        frame = store.get(backend.store_key(source))
-        store.remove(backend.store_key(target), True)
-        assert store.put(backend.store_key(target), frame) == 0
-        return True
-
-
-def _own_store(backend: StorageBackend) -> object:
-    with backend.link.using() as store:  # the tier's own client, behind its back
-        return store
 
 
 @pytest.fixture
@@ -99,56 +76,17 @@ def own_real_client(tmp_path: Path) -> Iterator[MooncakeRealClient]:
 
 def test_a_real_client_killed_and_restarted_means_misses_then_recovery(
         own_real_client: MooncakeRealClient, make_tier: object) -> None:
+    # Killed, the real client takes its segment and every entry in it.
     tier = make_tier(own_real_client)
-    assert put(tier, [1, 2, 3]) == 3
-    assert torch.equal(read(tier, 1), chunk(1))
+    misses_then_recovery(tier, own_real_client.kill, own_real_client.start)
     assert tier.stats()["direct_gets"] == 0  # it cannot write into lmkv's arena
-
-    own_real_client.kill()  # the segment, and every entry in it, is gone
-    before = tier.stats()
-    assert tier.batched_async_contains("l", [key(1), key(2)]) == 0
-    assert read(tier, 2) is None
-    assert tier.batched_get_non_blocking("l", [key(1), key(2)]).result(timeout=60) == []
-    assert put(tier, [4]) == 0
-    tier.remove(key(3))
-    during = tier.stats()
-    assert during["errors"] > before["errors"]
-    assert during["hits"] == before["hits"]
-
-    own_real_client.start()  # same port, an empty segment
-    assert eventually(lambda: put(tier, [5]) == 1), "the tier did not recover"
-    assert torch.equal(read(tier, 5), chunk(5))
-    assert tier.batched_async_contains("l", [key(5)]) == 1
-    for i in (1, 2, 3, 4):  # lost with the old segment: misses, never wrong KV
-        got = read(tier, i)
-        assert got is None or torch.equal(got, chunk(i))
-
-
-def _worker(mode: str, client: MooncakeRealClient, out: Path) -> dict:
-    options = client.options(key_prefix="real-procs:")
-    proc = subprocess.run([sys.executable, str(WORKER), mode, json.dumps(options), str(out)],
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(out.read_text())
 
 
 def test_two_engine_processes_share_kv_through_the_hosts_real_client(
         own_real_client: MooncakeRealClient, tmp_path: Path) -> None:
     # This process holds no store at all: the KV lives in the real client's
     # segment, so it outlives the engine that stored it.
-    stored = _worker("store", own_real_client, tmp_path / "a.json")
-    assert stored["lookup_before"] == 0 and stored["stored"] == 256 and stored["flushed"]
-    assert stored["tiers"][1]["puts"] == 8
-
-    got = _worker("retrieve", own_real_client, tmp_path / "b.json")
-    assert got["lookup_before"] == 256
-    assert got["retrieved"] == 256
-    cpu, remote = got["tiers"]
-    assert cpu["hits"] == 0 and remote["hits"] == 8 and remote["corrupt_frames"] == 0
-    expected = hf_kv(len(TOKENS))
-    retrieved = torch.load(tmp_path / "b.json.kv")
-    for (k, v), (rk, rv) in zip(expected, retrieved, strict=True):
-        assert torch.equal(rk[0], k[0, :, :256]) and torch.equal(rv[0], v[0, :, :256])
+    shared_between_processes(own_real_client.options(key_prefix="real-procs:"), tmp_path)
 
 
 def test_without_a_real_client_the_tier_starts_and_answers_misses(
@@ -264,15 +202,7 @@ def test_thin_gets_go_window_by_window_and_read_another_layout_alone(
     arena = tier.context.allocate.__self__
     used, staged = arena.used_bytes, tier.staging.used_bytes
     for _ in range(10):
-        objs = tier.batched_get_non_blocking("l", [key(i) for i in range(6)]).result(60)
-        try:
-            assert len(objs) == 3
-            assert all(o.allocator is arena for o in objs)  # copies, not the staging
-            for i, obj in enumerate(objs):
-                assert torch.equal(obj.tensor, chunk(i))
-        finally:
-            for obj in objs:
-                obj.ref_down()
+        reads_prefix(tier, 6, 3, allocator=arena)  # copies, not the staging
         assert arena.used_bytes == used and tier.staging.used_bytes == staged
     objs = tier.batched_get_non_blocking("l", [key(0), key(9), key(1)]).result(60)
     try:

@@ -41,8 +41,8 @@ def failing(tier: Any, monkeypatch: pytest.MonkeyPatch,
     holder: dict[str, FailingStore] = {}
 
     @contextmanager
-    def wrapped() -> Iterator[Any]:
-        with using() as store:
+    def wrapped(breaker: bool = True) -> Iterator[Any]:
+        with using(breaker) as store:
             proxy = holder.setdefault("store", FailingStore(store, fail))
             yield proxy
 

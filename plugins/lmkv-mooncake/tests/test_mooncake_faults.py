@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -57,15 +58,16 @@ def own_master(tmp_path: Path) -> MooncakeMaster:
     master.stop()
 
 
-def test_a_master_killed_and_restarted_means_misses_then_recovery(
-        own_master: MooncakeMaster, make_tier: object) -> None:
-    tier = make_tier(own_master)
+def misses_then_recovery(tier: object, kill: Callable[[], None],
+                         restart: Callable[[], None]) -> None:
+    """Store, ``kill`` the service, check every call is a miss or a dropped write
+    (nothing raises), ``restart`` it empty, check the tier serves again by
+    itself and never answers wrong KV."""
     assert put(tier, [1, 2, 3]) == 3
     assert torch.equal(read(tier, 1), chunk(1))
 
-    own_master.kill()
+    kill()
     before = tier.stats()
-    # Nothing raises: lookups, gets and puts answer misses and dropped writes.
     assert tier.batched_async_contains("l", [key(1), key(2)]) == 0
     assert read(tier, 2) is None
     assert tier.batched_get_non_blocking("l", [key(1), key(2)]).result(timeout=60) == []
@@ -76,13 +78,32 @@ def test_a_master_killed_and_restarted_means_misses_then_recovery(
     assert during["dropped_writes"] >= before["dropped_writes"] + 1
     assert during["hits"] == before["hits"]
 
-    own_master.start()  # same ports, empty: what it held is gone
+    restart()  # same ports, empty: what it held is gone
     assert eventually(lambda: put(tier, [5]) == 1), "the tier did not recover"
     assert torch.equal(read(tier, 5), chunk(5))
     assert tier.batched_async_contains("l", [key(5)]) == 1
-    for i in (1, 2, 3):  # lost with the master's state: misses, never wrong KV
+    for i in (1, 2, 3, 4):  # lost with the old state: misses, never wrong KV
         got = read(tier, i)
         assert got is None or torch.equal(got, chunk(i))
+
+
+def reads_prefix(tier: object, asked: int, found: int, allocator: object = None) -> None:
+    """A batched get of keys 0 to ``asked`` - 1 answers chunks 0 to ``found`` - 1,
+    each its own (from ``allocator`` when given); all released after."""
+    objs = tier.batched_get_non_blocking("l", [key(i) for i in range(asked)]).result(timeout=60)
+    try:
+        assert len(objs) == found
+        for i, obj in enumerate(objs):
+            assert torch.equal(obj.tensor, chunk(i))
+            assert allocator is None or obj.allocator is allocator
+    finally:
+        for obj in objs:
+            obj.ref_down()
+
+
+def test_a_master_killed_and_restarted_means_misses_then_recovery(
+        own_master: MooncakeMaster, make_tier: object) -> None:
+    misses_then_recovery(make_tier(own_master), own_master.kill, own_master.start)
 
 
 @pytest.mark.parametrize("value", [b"not an lmkv frame at all", b"LMKV" + bytes(200), b"x"])
@@ -196,14 +217,7 @@ def test_pipelined_windows_put_and_get_every_chunk_and_give_back_the_rest(
     assert torch.equal(read(tier, 0), chunk(0))  # learns the layout
     arena = tier.context.allocate.__self__
     used = arena.used_bytes
-    objs = tier.batched_get_non_blocking("l", [key(i) for i in range(6)]).result(timeout=60)
-    try:
-        assert len(objs) == 3
-        for i, obj in enumerate(objs):
-            assert torch.equal(obj.tensor, chunk(i))
-    finally:
-        for obj in objs:
-            obj.ref_down()
+    reads_prefix(tier, 6, 3)
     assert tier.stats()["direct_gets"] == 3
     assert arena.used_bytes == used  # the window fetched past key 3 was given back
 
@@ -231,14 +245,7 @@ def test_pipelined_staged_gets_stop_at_the_first_missing_and_give_back_the_rest(
     try:
         assert put(tier, [0, 1, 2, 4, 5]) == 5
         for _ in range(20):
-            objs = tier.batched_get_non_blocking("l", [key(i) for i in range(6)]).result(60)
-            try:
-                assert len(objs) == 3
-                for i, obj in enumerate(objs):
-                    assert torch.equal(obj.tensor, chunk(i))
-            finally:
-                for obj in objs:
-                    obj.ref_down()
+            reads_prefix(tier, 6, 3)
             assert arena.used_bytes == 0
         assert tier.stats()["errors"] == 0 and tier.stats()["direct_gets"] == 0
     finally:
