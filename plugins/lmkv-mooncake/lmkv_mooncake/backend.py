@@ -311,9 +311,9 @@ class MooncakeBackend(StorageBackend):
                 fetched: Fetched = pending.result()
                 pending = start(windows[i + 1]) if i + 1 < len(windows) else None
                 if thin:
-                    got, why = self._copied_out(fetched, layout)
-                    out.extend(got)
-                    got = len(got)
+                    copies, why = self._copied_out(fetched, layout)
+                    out.extend(copies)
+                    got = len(copies)
                 else:
                     got, why = settle(fetched, layout, out)
                     self.direct_gets += got
@@ -489,8 +489,8 @@ class MooncakeBackend(StorageBackend):
         self._gets.shutdown(wait=False, cancel_futures=True)
         self._fetches.shutdown(wait=False)
         if not self.link.closed and not self.options.client_address:
-            # (Closed at interpreter exit already: the store is going. A real
-            # client's shared staging goes with the store.)
+            # (Closed at interpreter exit already: the store is going. A thin
+            # client's staging is shared and kept with its client.)
             # Whatever the breaker says: memory left registered and then freed
             # would make Mooncake refuse a later buffer at an overlapping address.
             with self.faults.guard("close", "staging left registered"), \

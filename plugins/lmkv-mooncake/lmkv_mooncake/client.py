@@ -202,7 +202,8 @@ class _Client:
         """Set ``store`` up: embedded (its own transfer engine, segment and local
         buffer, where ``batch_get_buffer`` lands frames) or, with
         ``client_address``, as a thin client of the host's real client, with
-        the staging its tiers share allocated from the memory pool it maps."""
+        the staging its tiers share allocated from the shared memory pool it
+        hands the real client."""
         o = self.options
         size = int(o.local_buffer_size)
         if not o.client_address:
@@ -407,8 +408,10 @@ class Link:
             if self.closed or client.closed:
                 raise TierClosed("the mooncake tier is closed")
             if not client.ready.is_set():
-                raise NotConnected("not connected to master "
-                                   f"{self.faults.redact(self.options.master_address)} yet")
+                peer = (f"the mooncake_client at {self.options.client_address}"
+                        if self.options.client_address
+                        else f"master {self.faults.redact(self.options.master_address)}")
+                raise NotConnected(f"not connected to {peer} yet")
             if breaker:
                 self.faults.check()
             client.busy += 1
@@ -443,10 +446,7 @@ class Link:
                 return
             if _CLIENTS.get(_client_of(self.options)) is client:
                 del _CLIENTS[_client_of(self.options)]
-        thread = threading.Thread(target=client.close, name="lmkv-mooncake-close", daemon=True)
-        with _CLOSING_LOCK:
-            _CLOSING.add(thread)
-        thread.start()
+        _start_closing(client)
 
 
 _CLOSING: set[threading.Thread] = set()
@@ -469,15 +469,18 @@ def join_closing(timeout_s: float = CLOSE_WAIT_S + 5) -> bool:
 atexit.register(join_closing)
 
 
+def _start_closing(client: _Client) -> None:
+    """Close ``client`` on a thread of its own (``join_closing`` waits for it)."""
+    thread = threading.Thread(target=client.close, name="lmkv-mooncake-close", daemon=True)
+    with _CLOSING_LOCK:
+        _CLOSING.add(thread)
+    thread.start()
+
+
 def _close_idle_thin_clients() -> None:
     """Start closing the thin clients no tier uses (``_CLIENTS_LOCK`` held)."""
-    idle = [key for key, c in _CLIENTS.items() if c.users == 0 and not c.closed]
-    for key in idle:
-        client = _CLIENTS.pop(key)
-        thread = threading.Thread(target=client.close, name="lmkv-mooncake-close", daemon=True)
-        with _CLOSING_LOCK:
-            _CLOSING.add(thread)
-        thread.start()
+    for key in [k for k, c in _CLIENTS.items() if c.users == 0 and not c.closed]:
+        _start_closing(_CLIENTS.pop(key))
 
 
 def _close_kept_clients() -> None:
