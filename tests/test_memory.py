@@ -1,6 +1,9 @@
 from __future__ import annotations
 
+import os
 import sys
+import threading
+import time
 
 import pytest
 import torch
@@ -168,6 +171,127 @@ def test_a_private_arena_is_faulted_in_ahead_of_the_allocator() -> None:
     assert alloc.prefaulter.wait(30) and alloc.prefaulter.done == 17 << 20
     small.ref_down()
     obj.ref_down()
+
+
+def _prefaulting_allocator() -> MemoryAllocator:
+    """An arena faulted in ahead (skips where this kernel cannot)."""
+    import lmkv.memory as memory
+
+    if memory._MADVISE is None:
+        pytest.skip("no libc madvise here")
+    alloc = MemoryAllocator(64 << 20, pin_memory=False, prefault_ahead=16 << 20)
+    obj = alloc.allocate((1 << 20,), torch.uint8)
+    assert alloc.prefaulter is not None and alloc.prefaulter.wait(30)
+    obj.ref_down()
+    if alloc.prefaulter.done == 0:
+        pytest.skip("this kernel has no MADV_POPULATE_WRITE")
+    return alloc
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise populate is Linux's")
+def test_prefaulting_lets_the_other_threads_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Faulting pages in takes the CPU, never the GIL: ``mmap.madvise`` held it for
+    the whole call, and inside vLLM that stalled the lookup's reads for tens of ms
+    (every other thread waited for each 8 MiB step). Another thread, woken as
+    the call starts, must run within its first half (it could only run after
+    the call if the GIL were held)."""
+    import lmkv.memory as memory
+
+    _prefaulting_allocator()
+    step = 256 << 20  # one long call: about 0.1 s
+    monkeypatch.setattr(memory, "PREFAULT_STEP", step)
+    go = threading.Event()
+    ran_at: list[float] = []
+
+    def other() -> None:
+        go.wait()
+        ran_at.append(time.perf_counter())
+
+    real = memory._MADVISE
+    assert real is not None
+    spans: list[tuple[float, float]] = []
+
+    def madvise(addr: int, length: int, advice: int) -> int:
+        if length != step:  # another arena's work, or the last page
+            return real(addr, length, advice)
+        t0 = time.perf_counter()
+        go.set()
+        code = real(addr, length, advice)
+        spans.append((t0, time.perf_counter()))
+        return code
+
+    monkeypatch.setattr(memory, "_MADVISE", madvise)
+    thread = threading.Thread(target=other, daemon=True)
+    thread.start()
+    alloc = MemoryAllocator(512 << 20, pin_memory=False, prefault_ahead=step)
+    obj = alloc.allocate((4096,), torch.uint8)
+    assert alloc.prefaulter is not None and alloc.prefaulter.wait(60)
+    go.set()
+    thread.join(10)
+    assert alloc.prefaulter.done == step + 4096  # one long step, then a page
+    assert len(spans) == 1 and ran_at
+    (t0, t1), = spans
+    assert ran_at[0] - t0 < (t1 - t0) / 2, (ran_at[0] - t0, t1 - t0)
+    obj.ref_down()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise populate is Linux's")
+def test_allocating_never_starts_a_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``Thread.start`` waits for the new thread to run, which under a busy GIL took
+    a lookup's read tens of ms: the process's one prefault thread takes the work."""
+    _prefaulting_allocator()
+    alloc = MemoryAllocator(128 << 20, pin_memory=False, prefault_ahead=16 << 20)
+    started: list[str] = []
+    real_start = threading.Thread.start
+
+    def start(self: threading.Thread) -> None:
+        started.append(self.name)
+        real_start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    objs = [alloc.allocate((8 << 20,), torch.uint8) for _ in range(8)]
+    assert alloc.prefaulter is not None and alloc.prefaulter.wait(30)
+    assert alloc.prefaulter.done == 80 << 20  # 16 MiB past the 64 MiB handed out
+    assert started == []
+    for obj in objs:
+        obj.ref_down()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="fork and madvise are Linux's")
+def test_a_forked_child_prefaults_with_a_thread_of_its_own() -> None:
+    _prefaulting_allocator()  # the parent's prefault thread runs
+    pid = os.fork()
+    if pid == 0:  # the child: the parent's thread is not here
+        code = 1
+        try:
+            alloc = MemoryAllocator(64 << 20, pin_memory=False, prefault_ahead=16 << 20)
+            alloc.allocate((1 << 20,), torch.uint8)
+            if alloc.prefaulter is not None and alloc.prefaulter.wait(30) \
+                    and alloc.prefaulter.done == 17 << 20:
+                code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="fork and madvise are Linux's")
+def test_an_arena_inherited_across_a_fork_is_prefaulted_in_the_child() -> None:
+    _prefaulting_allocator()
+    alloc = MemoryAllocator(512 << 20, pin_memory=False, prefault_ahead=256 << 20)
+    alloc.allocate((4096,), torch.uint8)  # its prefault may be running as we fork
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            assert alloc.prefaulter is not None
+            alloc.allocate((300 << 20,), torch.uint8)  # a step past the parent's target
+            if alloc.prefaulter.wait(30) and alloc.prefaulter.done == 512 << 20:
+                code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
 
 
 def test_no_prefault_unless_asked_or_for_a_given_buffer() -> None:

@@ -16,12 +16,16 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import ctypes
 import logging
 import math
 import mmap
+import os
+import queue
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 
 import torch
@@ -43,6 +47,22 @@ _VIEW_CACHE_MIN = 1024  # views kept whatever the live count (a small working se
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE",
                                23 if sys.platform.startswith("linux") else None)
 PREFAULT_STEP = 8 << 20  # bytes per madvise call of the prefault thread
+
+
+def _libc_madvise() -> Callable[[int, int, int], int] | None:
+    """libc's ``madvise`` through ctypes, which lets go of the GIL for the call.
+    (``mmap.madvise`` holds it: faulting in 8 MiB then stalls every other thread
+    of the process, the lookup's and the engine's, for milliseconds.)"""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_MADVISE = _libc_madvise() if _MADV_POPULATE_WRITE else None
 
 # Tests turn this on so a double release raises; in production it is logged loudly.
 strict_refcounts = False
@@ -209,13 +229,20 @@ class _Prefaulter:
     A fresh page costs a fault on first touch (about 0.45 ms per MiB on the
     development VM: 28 ms of a 64 MiB read from a disk tier into a fresh arena).
     First-fit hands out low offsets first, so the pages past the highest offset
-    handed out so far are the ones the next new chunks land in: a short-lived
-    thread keeps ``ahead`` bytes past it faulted in. A page-locked arena has all
-    its pages from the start; a shared segment is left alone.
+    handed out so far are the ones the next new chunks land in: the process's
+    prefault thread (``_PrefaultThread``) keeps ``ahead`` bytes past it faulted
+    in. A page-locked arena has all its pages from the start; a shared segment
+    is left alone.
+
+    Off the read path means two things: ``reached`` (called by ``allocate``)
+    only hands work over, it never starts a thread (``Thread.start`` waits for
+    the new thread to take the GIL), and the faulting runs without the GIL
+    (``_MADVISE``), so the threads reading chunks in go on meanwhile.
     """
 
-    def __init__(self, mapping: mmap.mmap, capacity: int, ahead: int) -> None:
-        self._mapping = mapping
+    def __init__(self, mapping: mmap.mmap, base: int, capacity: int, ahead: int) -> None:
+        self._mapping = mapping  # kept: the pages at ``base`` stay mapped while faulted in
+        self._base = base
         self._capacity = capacity
         self._ahead = ahead
         self._lock = threading.Lock()
@@ -223,6 +250,8 @@ class _Prefaulter:
         self.done = 0  # faulted in up to here
         self._running = False
         self._failed = False  # the kernel cannot (older than 5.14): stop trying
+        _PREFAULT.ensure()
+        _LIVE.add(self)
 
     def reached(self, end: int) -> None:
         """The allocator handed out memory up to offset ``end``."""
@@ -235,9 +264,13 @@ class _Prefaulter:
             if self._running:
                 return
             self._running = True
-        threading.Thread(target=self._run, name="lmkv-arena-prefault", daemon=True).start()
+        try:
+            _PREFAULT.submit(self)
+        except RuntimeError:  # no thread can start (a forked child at its limit)
+            self.give_up()
 
-    def _run(self) -> None:
+    def run(self) -> None:
+        """Fault in up to the target, step by step (on the prefault thread)."""
         while True:
             with self._lock:
                 start = self.done
@@ -245,16 +278,25 @@ class _Prefaulter:
                     self._running = False
                     return
                 end = min(self._target, start + PREFAULT_STEP)
-            try:
-                self._mapping.madvise(_MADV_POPULATE_WRITE, start, end - start)
-            except (OSError, ValueError) as exc:  # an older kernel; the arena closed
-                logger.debug("lmkv arena: no prefault (%s)", exc)
-                with self._lock:
-                    self._failed = True
-                    self._running = False
+            if _MADVISE is None or _MADVISE(self._base + start, end - start,
+                                            _MADV_POPULATE_WRITE) != 0:
+                # an older kernel (EINVAL), or no libc to call
+                logger.debug("lmkv arena: no prefault (%s)",
+                             os.strerror(ctypes.get_errno()) if _MADVISE else "no madvise")
+                self.give_up()
                 return
             with self._lock:
                 self.done = end
+
+    def give_up(self) -> None:
+        with self._lock:
+            self._failed = True
+            self._running = False
+
+    def _forked(self) -> None:
+        """In a forked child: the parent's thread and its work are not here."""
+        self._lock = threading.Lock()  # (it may have been held by that thread)
+        self._running = False
 
     def wait(self, timeout: float) -> bool:
         """Wait until the thread is idle (tests); False on timeout."""
@@ -265,6 +307,58 @@ class _Prefaulter:
                     return True
             time.sleep(0.001)
         return False
+
+
+class _PrefaultThread:
+    """The one thread of a process that faults arenas in, started with the first
+    prefaulting arena (after a fork, the child's first starts its own)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._jobs: queue.SimpleQueue[_Prefaulter] = queue.SimpleQueue()
+        self._pid = 0  # the process whose thread serves ``_jobs``
+
+    def ensure(self) -> None:
+        """Start the thread unless this process has it."""
+        with self._lock:
+            if self._pid == os.getpid():
+                return
+            self._jobs = queue.SimpleQueue()  # a forked child's: the parent's thread is not here
+            threading.Thread(target=self._serve, args=(self._jobs,), name="lmkv-arena-prefault",
+                             daemon=True).start()
+            self._pid = os.getpid()
+
+    def submit(self, prefaulter: _Prefaulter) -> None:
+        self.ensure()  # a no-op but in a forked child
+        self._jobs.put(prefaulter)
+
+    @staticmethod
+    def _serve(jobs: queue.SimpleQueue[_Prefaulter]) -> None:
+        while True:
+            prefaulter = jobs.get()
+            try:
+                prefaulter.run()
+            except Exception:  # never the thread's end: the next arena still needs it
+                logger.exception("lmkv arena: prefault failed; this arena's pages are "
+                                 "faulted in by first touch from now on")
+                prefaulter.give_up()
+            del prefaulter  # (an arena no allocator uses any more is freed)
+
+
+_PREFAULT = _PrefaultThread()
+_LIVE: weakref.WeakSet[_Prefaulter] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    """The child has none of the parent's threads: it starts its own prefault
+    thread when next needed, and its inherited arenas take work again."""
+    _PREFAULT.__init__()  # type: ignore[misc]
+    for prefaulter in list(_LIVE):
+        prefaulter._forked()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class MemoryAllocator:
@@ -298,8 +392,9 @@ class MemoryAllocator:
         else:
             self.arena = buffer[:self.capacity_bytes]
         self.prefaulter: _Prefaulter | None = None
-        if self._mapping is not None and prefault_ahead > 0 and _MADV_POPULATE_WRITE:
-            self.prefaulter = _Prefaulter(self._mapping, self.capacity_bytes, prefault_ahead)
+        if self._mapping is not None and prefault_ahead > 0 and _MADVISE is not None:
+            self.prefaulter = _Prefaulter(self._mapping, self.arena.data_ptr(),
+                                          self.capacity_bytes, prefault_ahead)
         self._high = 0  # the highest offset handed out so far
         self.lock = threading.Lock()
         # Free blocks, sorted by start; sizes kept alongside for first-fit scans.
