@@ -8,11 +8,13 @@ another into one arena, while a ticker thread stands for the engine's and the
 lookup's other Python threads: it wakes every 0.5 ms and records how late it
 woke at worst (the GIL held elsewhere).
 
-It prints, per series, the median read (allocate + fill), the longest and
-median ticker stalls, and the ratios against the same reads with the prefault
-off (``prefault_ahead: 0``, the pages faulted in by the copy itself) from the
-same run. ``mmap.madvise``, which lmkv used before, held the GIL for each 8 MiB
-step; ``lmkv.memory._MADVISE`` lets go of it.
+It prints, per series, the median read (allocate + fill), the ticker's
+lateness (the median over the reads of each read's worst, and the worst of
+all), and the ratios against the same reads with the prefault off
+(``prefault_ahead: 0``, the pages faulted in by the copy itself) from the same
+run. ``lmkv.memory._MADVISE`` faults pages in without the GIL; ``mmap.madvise``,
+which lmkv used before (up to 77f5e97), held it for each 8 MiB step: run this
+script at that commit for the figures before (docs/benchmarks.md has both).
 
     python benchmarks/bench_prefault.py
     python benchmarks/bench_prefault.py --reads 40
@@ -79,8 +81,8 @@ def series(reads: int, ahead: int) -> dict[str, float]:
             times.append(time.perf_counter() - t0)
             time.sleep(0.02)  # the rest of the request: the prefault thread catches up
         stalls.append(ticker.worst)
-    if arena.prefaulter is not None:
-        arena.prefaulter.wait(30)
+    if arena.prefaulter is not None and not arena.prefaulter.wait(30):
+        raise SystemExit("the prefault thread did not finish in 30 s")
     for obj in kept:
         obj.ref_down()
     return {"read": statistics.median(times) * 1e3,
@@ -97,7 +99,7 @@ def main() -> None:
     mib = CHUNK_BYTES * CHUNKS_PER_READ >> 20
     print(f"{args.reads} reads of {CHUNKS_PER_READ} x {CHUNK_BYTES >> 20} MiB ({mib} MiB) "
           "into a fresh arena; ms, medians unless said")
-    print(f"{'prefault_ahead':<16} {'read':>8} {'stall median':>13} {'stall worst':>12}")
+    print(f"{'prefault_ahead':<16} {'read':>8} {'late, median':>13} {'late, worst':>12}")
     for name, row in (("0 (baseline)", off), (f"{AHEAD >> 20} MiB", on)):
         print(f"{name:<16} {row['read']:8.1f} {row['stall_median']:13.1f} "
               f"{row['stall_worst']:12.1f}")
