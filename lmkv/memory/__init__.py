@@ -235,9 +235,10 @@ class _Prefaulter:
     is left alone.
 
     Off the read path means two things: ``reached`` (called by ``allocate``)
-    only hands work over, it never starts a thread (``Thread.start`` waits for
-    the new thread to take the GIL), and the faulting runs without the GIL
-    (``_MADVISE``), so the threads reading chunks in go on meanwhile.
+    only hands work over (``Thread.start`` waits for the new thread to take the
+    GIL: the thread is started with the arena, and in a forked child by the
+    first ``reached``), and the faulting runs without the GIL (``_MADVISE``),
+    so the threads reading chunks in go on meanwhile.
     """
 
     def __init__(self, mapping: mmap.mmap, base: int, capacity: int, ahead: int) -> None:
