@@ -104,7 +104,8 @@ def main() -> None:
         print(f"{name:<16} {row['read']:8.1f} {row['stall_median']:13.1f} "
               f"{row['stall_worst']:12.1f}")
     print(f"read with the prefault / without: {on['read'] / off['read']:.2f}; "
-          f"worst stall with / without: {on['stall_worst'] / max(off['stall_worst'], 1e-3):.2f}")
+          f"worst lateness with / without: "
+          f"{on['stall_worst'] / max(off['stall_worst'], 1e-3):.2f}")
 
 
 if __name__ == "__main__":

@@ -279,11 +279,10 @@ class _Prefaulter:
                     self._running = False
                     return
                 end = min(self._target, start + PREFAULT_STEP)
-            if _MADVISE is None or _MADVISE(self._base + start, end - start,
-                                            _MADV_POPULATE_WRITE) != 0:
-                # an older kernel (EINVAL), or no libc to call
-                logger.debug("lmkv arena: no prefault (%s)",
-                             os.strerror(ctypes.get_errno()) if _MADVISE else "no madvise")
+            # (made only where _MADVISE is not None)
+            if _MADVISE(self._base + start, end - start, _MADV_POPULATE_WRITE) != 0:
+                # an older kernel (EINVAL): first touches fault pages in from now on
+                logger.debug("lmkv arena: no prefault (%s)", os.strerror(ctypes.get_errno()))
                 self.give_up()
                 return
             with self._lock:
@@ -312,22 +311,25 @@ class _Prefaulter:
 
 class _PrefaultThread:
     """The one thread of a process that faults arenas in, started with the first
-    prefaulting arena (after a fork, the child's first starts its own)."""
+    prefaulting arena (after a fork, the child's first ``submit`` starts its own)."""
 
     def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        """No thread, no work (a forked child has none of its parent's threads)."""
         self._lock = threading.Lock()
         self._jobs: queue.SimpleQueue[_Prefaulter] = queue.SimpleQueue()
-        self._pid = 0  # the process whose thread serves ``_jobs``
+        self._started = False
 
     def ensure(self) -> None:
         """Start the thread unless this process has it."""
         with self._lock:
-            if self._pid == os.getpid():
+            if self._started:
                 return
-            self._jobs = queue.SimpleQueue()  # a forked child's: the parent's thread is not here
             threading.Thread(target=self._serve, args=(self._jobs,), name="lmkv-arena-prefault",
                              daemon=True).start()
-            self._pid = os.getpid()
+            self._started = True
 
     def submit(self, prefaulter: _Prefaulter) -> None:
         self.ensure()  # a no-op but in a forked child
@@ -353,7 +355,7 @@ _LIVE: weakref.WeakSet[_Prefaulter] = weakref.WeakSet()
 def _after_fork_in_child() -> None:
     """The child has none of the parent's threads: it starts its own prefault
     thread when next needed, and its inherited arenas take work again."""
-    _PREFAULT.__init__()  # type: ignore[misc]
+    _PREFAULT.reset()
     for prefaulter in list(_LIVE):
         prefaulter._forked()
 
