@@ -59,6 +59,12 @@ def payload_checksum(payload: object) -> int:
     return xxhash.xxh3_64_intdigest(payload)
 
 
+def header_len(ndim: int) -> int:
+    """Bytes of the header ``write_header`` makes for a chunk of ``ndim`` dimensions
+    (a raw-payload frame's payload starts there)."""
+    return _FIXED.size + ndim * _DIM.size + _HEADER_SUM.size
+
+
 def write_header(serializer_id: int, dtype: torch.dtype, shape: Sequence[int],
                  payload: object, payload_len: int, key: CacheKey) -> bytes:
     if dtype not in DTYPE_CODES:

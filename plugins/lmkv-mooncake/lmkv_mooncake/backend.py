@@ -47,7 +47,17 @@ from lmkv_mooncake.client import (
     TierClosed,
     raise_for,
 )
-from lmkv_mooncake.direct import ABSENT, FOUND, OTHER_LAYOUT, Fetched, Layout, fetch, settle
+from lmkv_mooncake.direct import (
+    ABSENT,
+    FOUND,
+    OTHER_LAYOUT,
+    Fetched,
+    Layout,
+    fetch,
+    fetch_ranged,
+    has_sessions,
+    settle,
+)
 from lmkv_mooncake.options import MooncakeOptions
 from lmkv_mooncake.writer import THIN_PIPELINE_BYTES, Writer
 
@@ -291,17 +301,29 @@ class MooncakeBackend(StorageBackend):
         # a get thread holds at most two windows of a quarter of its share.
         window = min(THIN_PIPELINE_BYTES, buffer // (4 * GET_THREADS)) if thin \
             else PIPELINE_BYTES
-        size = max(1, min(window // frame, buffer // 2 // layout.header_len))
+        # (Counted in payload bytes: 4 chunks of 32 MiB are one 128 MiB window.)
+        size = max(1, min(window // (frame if thin else layout.payload_len),
+                          buffer // 2 // layout.header_len))
         windows = [keys[i:i + size] for i in range(0, len(keys), size)]
 
         def start(window: Sequence[CacheKey]) -> Future:
             try:
-                return self._fetches.submit(
-                    fetch, store, [self.store_key(k) for k in window], window, layout,
-                    allocate, self.staging, self.registered, self.link.registers_arena,
-                    self._quarantine, self.link.call, answered_is_over=thin)
+                return self._fetches.submit(fetch_window, [self.store_key(k) for k in window],
+                                            window)
             except RuntimeError:  # shut down: the tier is closing
                 raise TierClosed("the mooncake tier is closed") from None
+
+        def fetch_window(names: list[str], window: Sequence[CacheKey]) -> Fetched:
+            if not thin and has_sessions(store) and self.link.claim_sessions(names):
+                try:
+                    return fetch_ranged(store, names, window, layout, allocate, self.staging,
+                                        self.registered, self.link.registers_arena,
+                                        self._quarantine, self.link)
+                finally:
+                    self.link.release_sessions(names)
+            return fetch(store, names, window, layout, allocate, self.staging,
+                         self.registered, self.link.registers_arena, self._quarantine,
+                         self.link.call, answered_is_over=thin)
 
         read, why = 0, FOUND
         pending: Future | None = start(windows[0])

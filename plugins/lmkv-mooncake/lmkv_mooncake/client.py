@@ -23,7 +23,7 @@ import queue
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import contextmanager
@@ -163,6 +163,7 @@ class _Client:
         self.shared_staging: MemoryAllocator | None = None
         # Buffers a failed transfer may still write into (see ``Link.quarantine``).
         self.quarantined: list[Any] = []
+        self.sessions: set[str] = set()  # keys with a get session open (``claim_sessions``)
         self._cls = cls
         threading.Thread(target=self._connect, name="lmkv-mooncake-setup", daemon=True).start()
 
@@ -346,12 +347,18 @@ class Link:
         ``MasterUnreachable`` (the breaker opens). Mooncake cannot cancel a call,
         so it runs on a helper thread and counts as a call in progress until it
         returns (closing never frees the store under it)."""
-        timeout = self.options.call_timeout_s
-        if not timeout:
+        if not self.options.call_timeout_s:
             return fn(*args)
+        return self.start(op, fn, *args)()
+
+    def start(self, op: str, fn: Callable[..., Any], *args: Any) -> Callable[[], Any]:
+        """``fn(*args)`` begun on a helper thread (Mooncake's calls let go of the
+        GIL: the caller works meanwhile); the ``wait()`` returned answers as
+        ``call`` does, ``call_timeout_s`` counted from now."""
         client = self._client
         with client.lock:
             client.busy += 1
+
         def finished() -> None:
             with client.lock:
                 client.busy -= 1
@@ -359,11 +366,32 @@ class Link:
 
         result: Future = Future()
         _HELPERS.run(result, fn, args, finished)
-        try:
-            return result.result(timeout)
-        except FutureTimeout:
-            raise MasterUnreachable(f"{op} did not answer in {timeout:g}s "
-                                    "(call_timeout_s)") from None
+        timeout = self.options.call_timeout_s
+        deadline = time.monotonic() + timeout
+
+        def wait() -> Any:
+            try:
+                return result.result(max(0.0, deadline - time.monotonic()) if timeout else None)
+            except FutureTimeout:
+                raise MasterUnreachable(f"{op} did not answer in {timeout:g}s "
+                                        "(call_timeout_s)") from None
+        return wait
+
+    def claim_sessions(self, names: Sequence[str]) -> bool:
+        """Whether this thread may open get sessions on ``names``: Mooncake keeps
+        one session per key and client, so a second get of a key while one is
+        open would end the first's (its ranged reads would then fail). False when
+        another get holds one of them; ``release_sessions`` gives them back."""
+        wanted = set(names)
+        with self._client.lock:
+            if wanted & self._client.sessions:
+                return False
+            self._client.sessions |= wanted
+            return True
+
+    def release_sessions(self, names: Sequence[str]) -> None:
+        with self._client.lock:
+            self._client.sessions -= set(names)
 
     def quarantine(self, objs: list[Any]) -> None:
         """Keep ``objs`` (MemoryObjs the store was asked to write into by a call

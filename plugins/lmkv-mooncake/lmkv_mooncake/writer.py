@@ -9,6 +9,15 @@ the tier's registered staging arena) and its payload read in place from lmkv's
 arena when that is registered (else copied into staging too). The future
 resolves to the number of entries stored (already present counts) and never
 raises for a Mooncake fault.
+
+Where the store has put sessions (Mooncake's ranged calls) and every chunk lies
+in registered memory under a raw-payload serializer, a window goes through one
+instead (``_send_session``): ``batch_put_session_start`` reserves its entries,
+the payloads start moving from lmkv's arena at once, and this thread computes
+the headers (the checksums) meanwhile; the headers follow, and
+``batch_put_session_end`` makes the entries readable. An entry whose payload or
+header did not arrive whole is revoked, never ended: nothing half written is
+ever readable.
 """
 
 from __future__ import annotations
@@ -23,9 +32,10 @@ import torch
 
 from lmkv.memory import MemoryAllocator, MemoryObj
 from lmkv.put_queue import PutQueue
-from lmkv.serde import Serializer
+from lmkv.serde import Serializer, header_len
 from lmkv.tokens import CacheKey
 from lmkv_mooncake.client import (
+    BUFFER_TOO_SMALL,
     OBJECT_ALREADY_EXISTS,
     UNREACHABLE_CODES,
     Link,
@@ -77,6 +87,7 @@ class Writer(PutQueue):
         self._config: Any = None
         self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmkv-mooncake-send")
         self.zero_copy_bytes = 0  # payload bytes read in place (no staging copy)
+        self._unrevoked: set[str] = set()  # put sessions a revoke could not end yet
         self._window_bytes = THIN_PIPELINE_BYTES if self.options.client_address \
             else PIPELINE_BYTES
 
@@ -108,6 +119,21 @@ class Writer(PutQueue):
             raise_for("batch_is_exist", code)
         self.faults.succeeded()
         done[0] = done[1] = sum(1 for code in present if code == 1)
+        todo = [i for i, code in enumerate(present) if code != 1]
+        if self._sessions_fit(store, [objs[i] for i in todo]):
+            if self._unrevoked:
+                self._revoke(store, [])
+            start = 0
+            while start < len(todo):
+                end, nbytes = start, 0
+                while end < len(todo) and (end == start or nbytes < self._window_bytes):
+                    nbytes += objs[todo[end]].nbytes
+                    end += 1
+                self._send_session(store, [names[i] for i in todo[start:end]],
+                                   [keys[i] for i in todo[start:end]],
+                                   [objs[i] for i in todo[start:end]], done)
+                start = end
+            return
         window = _Window()
         sending: Future | None = None
 
@@ -146,6 +172,132 @@ class Writer(PutQueue):
             if sending is not None:
                 wait([sending])  # its staging is released by _flush itself
             window.release()
+
+    def _sessions_fit(self, store: Any, objs: Sequence[MemoryObj]) -> bool:
+        """Whether these chunks can go through put sessions: the store has them,
+        the serializer writes raw payloads, and every chunk lies contiguous in
+        memory registered with the store (lmkv's arena)."""
+        if not (objs and self.serializer.raw_payload and self.link.registers_arena
+                and hasattr(store, "batch_put_session_start")
+                and hasattr(store, "batch_put_from_multi_buffer_ranges")):
+            return False
+        for obj in objs:
+            if obj.allocator is None or obj.allocator is self.staging \
+                    or not obj.tensor.is_contiguous():
+                return False
+            arena = obj.allocator.arena
+            self.registered.register(store, arena.data_ptr(), arena.numel())
+            if not self.registered.covers(obj.tensor.data_ptr(), obj.nbytes):
+                return False
+        return True
+
+    def _send_session(self, store: Any, names: list[str], keys: Sequence[CacheKey],
+                      objs: Sequence[MemoryObj], done: list[int]) -> None:
+        """Store one window through a put session (see the module's doc). A
+        refused entry is a counted fault, a master out of reach raises (the
+        batch's remaining writes are dropped)."""
+        if self._config is None:
+            self._config = replicate_config(self.options)
+        hlens = [header_len(obj.tensor.dim()) for obj in objs]
+        plens = [obj.nbytes for obj in objs]
+        codes = self.link.call("batch_put_session_start", store.batch_put_session_start,
+                               names, [h + p for h, p in zip(hlens, plens, strict=True)],
+                               self._config)
+        opened = [i for i, code in enumerate(codes) if code == 0]
+        ended: set[int] = set()
+        block: MemoryObj | None = None
+        unreachable = None
+        try:
+            for i, code in enumerate(codes):
+                if code == 0:
+                    continue
+                done[1] += 1
+                if code == OBJECT_ALREADY_EXISTS:  # another writer got there first
+                    done[0] += 1
+                elif code in UNREACHABLE_CODES or -999 <= code <= -900:
+                    self.counters.dropped_writes += 1
+                    unreachable = unreachable or code
+                else:
+                    self.counters.dropped_writes += 1
+                    self.faults.fault("put", MooncakeError("put", code), "write dropped",
+                                      names[i])
+            if unreachable is not None:
+                raise_for("batch_put_session_start", unreachable)
+            if not opened:
+                return
+            ranges = store.batch_put_from_multi_buffer_ranges
+            payloads = self.link.start(
+                "batch_put_from_multi_buffer_ranges", ranges, [names[i] for i in opened],
+                [[objs[i].tensor.data_ptr()] for i in opened], [[plens[i]] for i in opened],
+                [[hlens[i]] for i in opened])
+            # While the payloads move: the headers (each a checksum of its payload).
+            block = self.staging.allocate((sum(hlens[i] for i in opened),), torch.uint8)
+            framed: dict[int, int] = {}  # entry -> its header's offset in the block
+            offset = 0
+            for i in opened:
+                if block is None:
+                    break
+                header, *payload = self.serializer.serialize(objs[i], keys[i])
+                if len(header) != hlens[i] or [address(b) for b in payload] != [
+                        (objs[i].tensor.data_ptr(), plens[i])]:
+                    continue  # not header + the chunk's own bytes: revoked below
+                block.tensor.numpy()[offset:offset + hlens[i]] = np.frombuffer(
+                    header, dtype=np.uint8)
+                framed[i] = offset
+                offset += hlens[i]
+            moved = payloads()
+            whole = [i for i, code in zip(opened, moved, strict=True)
+                     if code == plens[i] and i in framed]
+            if whole:
+                base = block.tensor.data_ptr()
+                heads = self.link.call("batch_put_from_multi_buffer_ranges", ranges,
+                                       [names[i] for i in whole],
+                                       [[base + framed[i]] for i in whole],
+                                       [[hlens[i]] for i in whole], [[0]] * len(whole))
+                whole = [i for i, code in zip(whole, heads, strict=True) if code == hlens[i]]
+            if whole:
+                sealed = self.link.call("batch_put_session_end", store.batch_put_session_end,
+                                        [names[i] for i in whole])
+                for i, code in zip(whole, sealed, strict=True):
+                    if code == 0:
+                        ended.add(i)
+                        done[0] += 1
+                        self.counters.bytes_in += hlens[i] + plens[i]
+                        self.zero_copy_bytes += plens[i]
+                        with self._lock:
+                            self.net_bytes += hlens[i] + plens[i]
+            for i in opened:
+                done[1] += 1
+                if i not in ended:
+                    self.counters.dropped_writes += 1
+            if len(ended) < len(opened):
+                self.faults.note("session-put", "%d of %d writes did not arrive whole "
+                                 "through a put session (see Mooncake's log); revoked",
+                                 len(opened) - len(ended), len(opened))
+        finally:
+            if block is not None:
+                block.ref_down()
+            # Reserved, never readable: give the space back.
+            self._revoke(store, [names[i] for i in opened if i not in ended])
+
+    def _revoke(self, store: Any, names: list[str]) -> None:
+        """Revoke the put sessions of ``names``, and of any an earlier revoke left
+        open: Mooncake keeps a session whose revoke the master did not answer, and
+        refuses every later session of that key in this process until one does."""
+        names = [*names, *(n for n in self._unrevoked if n not in names)]
+        if not names:
+            return
+        try:
+            codes = self.link.call("batch_put_session_revoke", store.batch_put_session_revoke,
+                                   names)
+        except Exception:  # (the master is gone: the breaker is told by the caller)
+            self._unrevoked.update(names)
+            return
+        for name, code in zip(names, codes, strict=True):
+            if code in (0, BUFFER_TOO_SMALL):  # revoked, or no such session (any more)
+                self._unrevoked.discard(name)
+            else:
+                self._unrevoked.add(name)
 
     def _add(self, store: Any, window: _Window, name: str, key: CacheKey,
              obj: MemoryObj) -> bool:

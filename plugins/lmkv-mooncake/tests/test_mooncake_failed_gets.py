@@ -1,6 +1,8 @@
 """Gets whose transfer or call fails: buffers the store may still write into
 stay out of the arena, RPC-class failures open the breaker, and a frame of
-another layout is never dropped by the direct path."""
+another layout is never dropped by the direct path. Direct gets go through
+get sessions (ranged calls) where the store has them, and through one batch
+call where it has not (``SESSIONS`` hidden): both ways are tested."""
 
 from __future__ import annotations
 
@@ -14,17 +16,32 @@ from test_mooncake_faults import chunk, key, put, read
 
 from lmkv.memory import tensor_obj
 
+#: The store's get-session calls: hidden, a store without them (the batch call).
+SESSIONS = ("batch_get_session_start", "batch_get_into_multi_buffer_ranges")
+RANGES = "batch_get_into_multi_buffer_ranges"
+BATCH = "batch_get_into_multi_buffers"
+
 
 class FailingStore:
     """The real store, but the named get calls answer ``fail`` after doing
-    their work (a transfer that failed late, or is still running)."""
+    their work (a transfer that failed late, or is still running), the
+    ``instead`` ones answer without it, and the ``hide`` ones are not there."""
 
-    def __init__(self, store: Any, fail: dict[str, Callable[[Any], Any]]) -> None:
+    def __init__(self, store: Any, fail: dict[str, Callable[[Any], Any]],
+                 hide: tuple[str, ...] = (),
+                 instead: dict[str, Callable[..., Any]] | None = None) -> None:
         self._store = store
         self._fail = fail
+        self._hide = hide
+        self._instead = instead or {}
         self.calls: list[str] = []
 
     def __getattr__(self, name: str) -> Any:
+        if name in self._hide:
+            raise AttributeError(name)
+        if name in self._instead:  # answered without the store doing anything
+            self.calls.append(name)
+            return self._instead[name]
         real = getattr(self._store, name)
         if name not in self._fail:
             return real
@@ -35,7 +52,8 @@ class FailingStore:
         return call
 
 
-def failing(tier: Any, monkeypatch: pytest.MonkeyPatch,
+def failing(tier: Any, monkeypatch: pytest.MonkeyPatch, hide: tuple[str, ...] = (),
+            instead: dict[str, Callable[..., Any]] | None = None,
             **fail: Callable[[Any], Any]) -> FailingStore:
     using = tier.link.using
     holder: dict[str, FailingStore] = {}
@@ -43,7 +61,7 @@ def failing(tier: Any, monkeypatch: pytest.MonkeyPatch,
     @contextmanager
     def wrapped(breaker: bool = True) -> Iterator[Any]:
         with using(breaker) as store:
-            proxy = holder.setdefault("store", FailingStore(store, fail))
+            proxy = holder.setdefault("store", FailingStore(store, fail, hide, instead))
             yield proxy
 
     monkeypatch.setattr(tier.link, "using", wrapped)
@@ -58,28 +76,46 @@ def test_a_failed_direct_get_quarantines_its_buffers(
     assert torch.equal(read(tier, 1), chunk(1))  # learns the layout
     arena = tier.context.allocate.__self__
     used = arena.used_bytes
-    store = failing(tier, monkeypatch,
+    store = failing(tier, monkeypatch, hide=SESSIONS,
                     batch_get_into_multi_buffers=lambda codes: [-800] * len(codes))
     assert tier.batched_get_non_blocking("l", [key(2), key(3)]).result(timeout=60) == []
-    assert store.calls == ["batch_get_into_multi_buffers"]  # not retried staged
+    assert store.calls == [BATCH]  # not retried staged
     # The store may still be writing into them: not reused by another chunk.
     assert arena.used_bytes == used + 2 * chunk(2).numel() * 2
     assert tier.stats()["quarantined_chunks"] == 2
     assert tier.faults.breaker.is_open  # TRANSFER_FAIL: the path to the data is gone
 
 
+def test_a_ranged_get_that_answers_a_failure_gives_its_buffers_back(
+        make_tier: Any, shared_client: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ranged call answers once its transfer is over, failed or not: nothing
+    can write into the buffers after it, so they go back to the arena."""
+    tier = make_tier()
+    assert put(tier, [1, 2, 3]) == 3
+    assert torch.equal(read(tier, 1), chunk(1))  # learns the layout
+    arena = tier.context.allocate.__self__
+    used = arena.used_bytes
+    store = failing(tier, monkeypatch, **{RANGES: lambda codes: [-800] * len(codes)})
+    assert tier.batched_get_non_blocking("l", [key(2), key(3)]).result(timeout=60) == []
+    assert store.calls == [RANGES]  # the first ranged call; not retried staged
+    assert arena.used_bytes == used
+    assert tier.stats()["quarantined_chunks"] == 0
+    assert tier.faults.breaker.is_open
+
+
 @pytest.mark.parametrize("code", [-900, -1010])
+@pytest.mark.parametrize("call", [BATCH, RANGES, "batch_get_session_start"])
 def test_an_rpc_failure_of_a_direct_get_opens_the_breaker(
         make_tier: Any, shared_client: None, monkeypatch: pytest.MonkeyPatch,
-        code: int) -> None:
+        code: int, call: str) -> None:
     tier = make_tier()
     assert put(tier, [1, 2]) == 2
     assert torch.equal(read(tier, 1), chunk(1))
     errors = tier.stats()["errors"]
-    store = failing(tier, monkeypatch,
-                    batch_get_into_multi_buffers=lambda codes: [code] * len(codes))
+    store = failing(tier, monkeypatch, hide=SESSIONS if call == BATCH else (),
+                    **{call: lambda codes: [code] * len(codes)})
     assert read(tier, 2) is None
-    assert store.calls == ["batch_get_into_multi_buffers"]
+    assert store.calls == [call]
     assert tier.faults.breaker.is_open
     assert tier.stats()["errors"] == errors + 1
 
@@ -110,7 +146,8 @@ def test_quarantined_buffers_are_freed_once_the_store_is_closed(
         assert torch.equal(read(tier, 1), chunk(1))
         arena = tier.context.allocate.__self__
         used = arena.used_bytes
-        failing(tier, monkeypatch, batch_get_into_multi_buffers=lambda codes: [-1] * len(codes))
+        failing(tier, monkeypatch, hide=SESSIONS,
+                batch_get_into_multi_buffers=lambda codes: [-1] * len(codes))
         assert read(tier, 2) is None
         assert arena.used_bytes > used
     finally:
@@ -166,13 +203,15 @@ def short_timeout(tier: Any, monkeypatch: pytest.MonkeyPatch) -> None:
                         tier.link.options.model_copy(update={"call_timeout_s": 0.3}))
 
 
+@pytest.mark.parametrize("call", [BATCH, RANGES])
 def test_a_call_past_call_timeout_s_opens_the_breaker_and_quarantines(
-        make_tier: Any, shared_client: None, monkeypatch: pytest.MonkeyPatch) -> None:
+        make_tier: Any, shared_client: None, monkeypatch: pytest.MonkeyPatch,
+        call: str) -> None:
     tier = make_tier()
     assert put(tier, [1, 2]) == 2
     assert torch.equal(read(tier, 1), chunk(1))  # learns the layout
     short_timeout(tier, monkeypatch)
-    failing(tier, monkeypatch, batch_get_into_multi_buffers=slow(2))
+    failing(tier, monkeypatch, hide=SESSIONS if call == BATCH else (), **{call: slow(2)})
     assert read(tier, 2) is None
     assert tier.faults.breaker.is_open
     assert tier.stats()["quarantined_chunks"] == 1  # the transfer may still run

@@ -1,0 +1,211 @@
+"""Put and get sessions (Mooncake's ranged calls) against a real master: the
+direct path reads and writes through them, checks every frame as before, never
+takes an object of another size, and never leaves half an entry readable."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+import torch
+from test_mooncake_failed_gets import failing
+from test_mooncake_faults import chunk, eventually, key, put, read
+
+from lmkv.memory import tensor_obj
+from lmkv_backends.serde.naive import NaiveSerializer
+
+PUT_RANGES = "batch_put_from_multi_buffer_ranges"
+
+
+def frame(i: int) -> bytes:
+    return b"".join(bytes(b) for b in NaiveSerializer().serialize(tensor_obj(chunk(i)), key(i)))
+
+
+def put_arena(tier: Any, ids: list[int]) -> int:
+    """Chunks ``ids`` put from lmkv's arena (registered: what put sessions read)."""
+    objs = []
+    for i in ids:
+        obj = tier.context.allocate(chunk(i).shape, chunk(i).dtype)
+        obj.tensor.copy_(chunk(i))
+        objs.append(obj)
+    try:
+        return tier.batched_submit_put([key(i) for i in ids], objs).result(timeout=60)
+    finally:
+        for obj in objs:
+            obj.ref_down()
+
+
+def store_raw(tier: Any, i: int, value: bytes) -> None:
+    """``value`` stored under chunk ``i``'s name, as another writer could."""
+    with tier.link.using() as store:
+        name = tier.store_key(key(i))
+        store.remove(name, True)
+        assert store.put(name, value) == 0
+
+
+def test_direct_gets_read_through_one_get_session(
+        make_tier: Any, shared_client: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    tier = make_tier()
+    assert put(tier, [1, 2, 3, 4]) == 4
+    assert torch.equal(read(tier, 1), chunk(1))  # learns the layout
+    store = failing(tier, monkeypatch, batch_get_session_start=lambda codes: codes)
+    got = tier.batched_get_non_blocking("l", [key(2), key(3), key(4)]).result(timeout=60)
+    try:
+        assert [torch.equal(o.tensor, chunk(i)) for o, i in zip(got, [2, 3, 4], strict=True)] \
+            == [True] * 3
+    finally:
+        for obj in got:
+            obj.ref_down()
+    assert store.calls == ["batch_get_session_start"]
+    assert tier.stats()["direct_gets"] >= 3
+
+
+@pytest.mark.parametrize("extra", [1, 4096])
+def test_an_object_larger_than_the_guess_is_never_taken_direct(
+        make_tier: Any, shared_client: None, extra: int) -> None:
+    """A whole valid frame with bytes after it: every range the guess asks for
+    reads back right, so only the byte past the guess tells it apart. It is read
+    the staged way, which finds the frame corrupt by its own length."""
+    tier = make_tier()
+    assert put(tier, [1]) == 1
+    assert torch.equal(read(tier, 1), chunk(1))  # learns the layout
+    store_raw(tier, 2, frame(2) + b"x" * extra)
+    corrupt = tier.stats()["corrupt_frames"]
+    assert read(tier, 2) is None
+    assert tier.stats()["corrupt_frames"] == corrupt + 1
+    assert not tier.contains(key(2))  # dropped
+
+
+def test_a_shorter_object_is_read_staged_and_a_corrupt_payload_is_a_miss(
+        make_tier: Any, shared_client: None) -> None:
+    tier = make_tier()
+    assert put(tier, [1]) == 1
+    assert torch.equal(read(tier, 1), chunk(1))
+    store_raw(tier, 2, frame(2)[:-100])  # refused by the ranged read, corrupt staged
+    store_raw(tier, 3, frame(3)[:-1] + bytes([frame(3)[-1] ^ 1]))  # last payload byte
+    assert read(tier, 2) is None
+    assert read(tier, 3) is None
+    assert tier.stats()["corrupt_frames"] == 2
+    store_raw(tier, 4, frame(4))  # the same bytes whole: read, direct
+    direct = tier.stats()["direct_gets"]
+    assert torch.equal(read(tier, 4), chunk(4))
+    assert tier.stats()["direct_gets"] == direct + 1
+
+
+def test_gets_of_the_same_keys_at_once_never_end_each_others_session(
+        make_tier: Any, shared_client: None) -> None:
+    """Mooncake keeps one get session per key and client: a get whose keys have
+    one open reads the batch way instead, and every get answers every chunk."""
+    tier = make_tier()
+    ids = list(range(1, 7))
+    assert put(tier, ids) == len(ids)
+    assert torch.equal(read(tier, 1), chunk(1))
+    names = [tier.store_key(key(i)) for i in ids]
+    assert tier.link.claim_sessions(names[:2])
+    assert not tier.link.claim_sessions(names[1:3])  # one of them is held
+    tier.link.release_sessions(names[:2])
+    assert tier.link.claim_sessions(names[1:3])
+    tier.link.release_sessions(names[1:3])
+    wrong: list[str] = []
+
+    def reader() -> None:
+        for _ in range(10):
+            got = tier.batched_get_non_blocking("l", [key(i) for i in ids]).result(timeout=60)
+            if len(got) != len(ids):
+                wrong.append(f"{len(got)} of {len(ids)}")
+            for obj, i in zip(got, ids, strict=False):
+                if not torch.equal(obj.tensor, chunk(i)):
+                    wrong.append(f"chunk {i}")
+                obj.ref_down()
+
+    threads = [threading.Thread(target=reader) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert wrong == []
+    assert tier.stats()["errors"] == 0
+
+
+def test_puts_go_through_one_put_session(
+        make_tier: Any, shared_client: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    tier = make_tier()
+    store = failing(tier, monkeypatch, batch_put_session_start=lambda codes: codes)
+    assert put_arena(tier, [1, 2, 3]) == 3
+    assert store.calls == ["batch_put_session_start"]
+    for i in (1, 2, 3):
+        assert torch.equal(read(tier, i), chunk(i))
+    assert put_arena(tier, [1, 2]) == 2  # present: not sent again
+    assert store.calls == ["batch_put_session_start"]
+
+
+@pytest.mark.parametrize("fails", ["payloads", "headers", "end", "late"])
+def test_a_put_session_that_fails_leaves_nothing_readable_and_gives_the_space_back(
+        make_tier: Any, shared_client: None, monkeypatch: pytest.MonkeyPatch,
+        fails: str) -> None:
+    """Payloads or headers that did not arrive, a session that would not end, or a
+    call past ``call_timeout_s``: the entries are revoked (the same keys can be
+    put again at once, which a session left open refuses) and the writes count
+    as dropped."""
+    tier = make_tier()
+    calls = [0]
+
+    def ranges(codes: list[int]) -> list[int]:
+        calls[0] += 1  # the payloads' call first, then the headers'
+        if (fails == "payloads") == (calls[0] == 1) and fails in ("payloads", "headers"):
+            return [-800] * len(codes)
+        return codes
+
+    fail: dict[str, Any] = {PUT_RANGES: ranges}
+    instead = {}
+    if fails == "end":  # refused: the entries stay reserved, not readable
+        instead["batch_put_session_end"] = lambda names: [-600] * len(names)
+    if fails == "late":
+        from test_mooncake_failed_gets import short_timeout, slow
+
+        short_timeout(tier, monkeypatch)
+        fail[PUT_RANGES] = slow(1)
+    failing(tier, monkeypatch, instead=instead, **fail)
+    dropped = tier.stats()["dropped_writes"]
+    assert put_arena(tier, [1, 2]) == 0
+    assert tier.stats()["dropped_writes"] == dropped + 2
+    monkeypatch.undo()  # the real store, the default call_timeout_s
+    assert not tier.contains(key(1)) and not tier.contains(key(2))
+    assert eventually(lambda: put_arena(tier, [1, 2]) == 2, 10)  # (past the breaker's backoff)
+    assert torch.equal(read(tier, 1), chunk(1)) and torch.equal(read(tier, 2), chunk(2))
+
+
+def test_a_payload_that_changed_under_its_header_is_never_readable(
+        make_tier: Any, shared_client: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The header is computed while the payload moves; the chunk's bytes must be
+    the ones moved. A serializer whose payload is not the chunk's own bytes is
+    refused for that entry (revoked), never stored under a header of other bytes."""
+    tier = make_tier()
+    serializer = tier._writer.serializer
+    real = serializer.serialize
+
+    def copied(obj: Any, k: Any) -> list[Any]:
+        header, payload = real(obj, k)
+        return [header, bytes(payload)]  # the right bytes, elsewhere in memory
+
+    monkeypatch.setattr(serializer, "serialize", copied)
+    assert put_arena(tier, [1]) == 0
+    monkeypatch.undo()
+    assert not tier.contains(key(1))
+    assert put_arena(tier, [1]) == 1
+    assert torch.equal(read(tier, 1), chunk(1))
+
+
+def test_a_revoke_the_master_did_not_answer_is_retried_before_the_next_put(
+        make_tier: Any, shared_client: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mooncake keeps a put session whose revoke failed, and refuses any later
+    session of that key in this process: the tier revokes it again first."""
+    tier = make_tier()
+    failing(tier, monkeypatch, instead={
+        "batch_put_session_revoke": lambda names: [-900] * len(names)},
+        **{PUT_RANGES: lambda codes: [-800] * len(codes)})
+    assert put_arena(tier, [1, 2]) == 0
+    monkeypatch.undo()
+    assert eventually(lambda: put_arena(tier, [1, 2]) == 2, 10)
+    assert torch.equal(read(tier, 1), chunk(1)) and torch.equal(read(tier, 2), chunk(2))
