@@ -12,7 +12,9 @@ engine of a fleet would. Then, in the same run:
   calls (``batch_put_from`` / ``batch_get_into``) and, where the store has
   them, its session calls (one ranged call for every object's bytes), and
   through the redis tier. The tier is compared with the faster of the own
-  client's two for each direction;
+  client's two for each direction, and with its session calls followed
+  (get) or preceded (put) by the xxh3 of every frame the tier must compute:
+  what the tier does, without overlapping the two;
 - a lookup of 128 keys through the tier, counting the calls into the store.
 
 Prints each figure and the ratios (targets: tier >= 0.9 of the own client for
@@ -46,6 +48,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import xxhash
 
 from lmkv.backend import BackendContext
 from lmkv.memory import MemoryAllocator, MemoryObj
@@ -240,22 +243,32 @@ class OwnSessions:
     every object's bytes in one ranged call: its fastest way here), sharing
     ``OwnBench``'s store and buffers."""
 
-    def __init__(self, own: OwnBench) -> None:
+    def __init__(self, own: OwnBench, checked: bool = False) -> None:
         self.own, self.store = own, own.store
+        self.checked = checked  # + an xxh3 of every frame (what the tier must do)
         self.names: list[str] = []
         self.round = 0
+
+    def _check(self, buffer: np.ndarray) -> None:
+        if self.checked:
+            start = 0
+            for size in self.own.sizes:
+                xxhash.xxh3_64_intdigest(buffer[start:start + size])
+                start += size
 
     def fresh(self) -> None:
         for name in self.names:
             self.store.remove(name, True)
         self.round += 1
-        self.names = [f"own-s:{self.round}:{i}" for i in range(len(self.own.sizes))]
+        tag = "own-c" if self.checked else "own-s"
+        self.names = [f"{tag}:{self.round}:{i}" for i in range(len(self.own.sizes))]
 
     def _ranges(self, call: Callable, ptrs: list[int]) -> list[int]:
         return call(self.names, [[p] for p in ptrs], [[n] for n in self.own.sizes],
                     [[0]] * len(ptrs))
 
     def put(self) -> None:
+        self._check(self.own.src)
         assert self.store.batch_put_session_start(self.names, self.own.sizes) == \
             [0] * len(self.names)
         moved = self._ranges(self.store.batch_put_from_multi_buffer_ranges, self.own.src_ptrs)
@@ -267,6 +280,7 @@ class OwnSessions:
         moved = self._ranges(self.store.batch_get_into_multi_buffer_ranges, self.own.dst_ptrs)
         assert moved == self.own.sizes, moved
         self.store.batch_get_session_end(self.names)
+        self._check(self.own.dst)
 
 
 def gbps(nbytes: int, seconds: float) -> float:
@@ -323,6 +337,7 @@ def main() -> None:
                    "redis": TierBench(redis_tier, objs)}
         if not args.real_client and hasattr(own.store, "batch_put_session_start"):
             benches["own-s"] = OwnSessions(own)
+            benches["own-c"] = OwnSessions(own, checked=True)
         if copying is not None:
             benches["copy"] = TierBench(copying, objs)
         # Rounds interleave the three (a busy machine slows them all alike); the
@@ -364,6 +379,7 @@ def main() -> None:
              else "TCP on loopback, pure clients of one holder segment"))
     for label, name in (("tier", "lmkv mooncake tier"), ("copy", "tier, register_arena off"),
                         ("own", "Mooncake's own client"), ("own-s", "own client, sessions"),
+                        ("own-c", "  + checksums after"),
                         ("redis", "lmkv redis tier")):
         if label not in results:
             continue
@@ -375,6 +391,10 @@ def main() -> None:
          for op in ("put", "get")}
     print(f"  tier / own client:  put {t['put'] / o['put']:.2f}   get {t['get'] / o['get']:.2f}"
           "   (target >= 0.9; against its faster calls)")
+    if "own-c" in results:  # the same checks, one after the other: what overlap buys
+        c = results["own-c"]
+        print(f"  tier / own client + checksums after:  put {t['put'] / c['put']:.2f}   "
+              f"get {t['get'] / c['get']:.2f}")
     print(f"  tier / redis tier:  put {t['put'] / r['put']:.2f}   get {t['get'] / r['get']:.2f}"
           "   (target >= 1)")
     if "copy" in results:
