@@ -381,8 +381,9 @@ class MooncakeBackend(StorageBackend):
         thin = bool(self.options.client_address)  # (its chunks land in the staging)
         chunks = sum(1 for obj in objs if thin or obj.allocator is not self.staging)
         self.quarantined_chunks += chunks
-        self.faults.note("quarantine", "a failed get may still write into %d chunk buffers: "
-                         "kept out of use until the store is closed", chunks)
+        self.faults.note("quarantine", "a failed get may still write into %d chunk buffers "
+                         "and %d staging blocks: kept out of use until the store is closed",
+                         chunks, len(objs) - chunks)
 
     def _read_staged(self, store: Any, keys: Sequence[CacheKey], start: int,
                      out: list[MemoryObj]) -> None:

@@ -23,7 +23,7 @@ import queue
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import contextmanager
@@ -46,19 +46,26 @@ PACKAGES = ("mooncake-transfer-engine-non-cuda (CPU hosts: pip install 'lmkv-moo
 #: Mooncake's error codes (mooncake-store types.h) that the tier tells apart.
 OBJECT_NOT_FOUND = -704
 OBJECT_ALREADY_EXISTS = -705
+INVALID_WRITE = -700  # what revoking an entry the master already holds whole answers
 TRANSFER_FAIL = -800  # also what a get of a smaller object into larger buffers answers
 BUFFER_TOO_SMALL = -600  # INVALID_PARAMS: what a get into a too small buffer answers
 CODE_NAMES = {
     -1: "INTERNAL_ERROR", -10: "BUFFER_OVERFLOW", -101: "SEGMENT_NOT_FOUND",
     -200: "NO_AVAILABLE_HANDLE", -400: "INVALID_KEY", -500: "WRITE_FAIL",
-    -600: "INVALID_PARAMS", -700: "INVALID_WRITE", -701: "INVALID_READ",
-    -702: "INVALID_REPLICA", -703: "REPLICA_IS_NOT_READY", -704: "OBJECT_NOT_FOUND",
-    -705: "OBJECT_ALREADY_EXISTS", -706: "OBJECT_HAS_LEASE", -800: "TRANSFER_FAIL",
-    -900: "RPC_FAIL", -1010: "UNAVAILABLE_IN_CURRENT_STATUS",
+    -600: "INVALID_PARAMS", -601: "ILLEGAL_CLIENT", -700: "INVALID_WRITE",
+    -701: "INVALID_READ", -702: "INVALID_REPLICA", -703: "REPLICA_IS_NOT_READY",
+    -704: "OBJECT_NOT_FOUND", -705: "OBJECT_ALREADY_EXISTS", -706: "OBJECT_HAS_LEASE",
+    -707: "LEASE_EXPIRED", -800: "TRANSFER_FAIL", -900: "RPC_FAIL",
+    -1010: "UNAVAILABLE_IN_CURRENT_STATUS",
 }
 #: Codes that say the master (or the path to a segment) is gone, not one entry
 #: (with every code from -900 to -999: the RPC layer's).
 UNREACHABLE_CODES = frozenset({-800, -900, -1010})
+
+
+def unreachable(code: int) -> bool:
+    """Whether ``code`` says the master or the path to a segment is gone."""
+    return code in UNREACHABLE_CODES or -999 <= code <= -900
 
 
 #: How long ``Link.close`` waits for calls in progress.
@@ -109,8 +116,8 @@ def raise_for(op: str, code: int) -> None:
     """Raise for a negative Mooncake return code (no-op for a success)."""
     if code >= 0:
         return
-    if code in UNREACHABLE_CODES or -999 <= code <= -900:  # RPC_FAIL, RPC timeouts
-        raise MasterUnreachable(f"{op} answered {code} ({CODE_NAMES[code]})")
+    if unreachable(code):  # RPC_FAIL, RPC timeouts
+        raise MasterUnreachable(f"{op} answered {code} ({CODE_NAMES.get(code, 'RPC error')})")
     raise MooncakeError(op, code)
 
 
@@ -164,6 +171,10 @@ class _Client:
         # Buffers a failed transfer may still write into (see ``Link.quarantine``).
         self.quarantined: list[Any] = []
         self.sessions: set[str] = set()  # keys with a get session open (``claim_sessions``)
+        # Keys whose put session this process may hold (``claim_puts``): a put's
+        # in progress, or (``unsettled``) one a call left open in Mooncake.
+        self.puts: set[str] = set()
+        self.unsettled: set[str] = set()
         self._cls = cls
         threading.Thread(target=self._connect, name="lmkv-mooncake-setup", daemon=True).start()
 
@@ -392,6 +403,32 @@ class Link:
     def release_sessions(self, names: Sequence[str]) -> None:
         with self._client.lock:
             self._client.sessions -= set(names)
+
+    def claim_puts(self, names: Sequence[str]) -> set[str]:
+        """The ``names`` this thread may open put sessions on: Mooncake keeps one
+        put session per key and client, so a writer must not start, end or revoke
+        one another writer of this process holds, nor one a failed call left
+        open (``take_unsettled`` hands those out). ``release_puts`` gives them
+        back."""
+        with self._client.lock:
+            mine = set(names) - self._client.puts
+            self._client.puts |= mine
+            return mine
+
+    def release_puts(self, names: Iterable[str], unsettled: Iterable[str] = ()) -> None:
+        """Give back claimed ``names``; those in ``unsettled`` (a put session
+        Mooncake may still hold) stay claimed until a writer settles them."""
+        left = set(unsettled)
+        with self._client.lock:
+            self._client.puts -= set(names) - left
+            self._client.unsettled |= left
+
+    def take_unsettled(self) -> list[str]:
+        """Claim every key whose put session a failed call left open (to revoke
+        it); ``release_puts`` gives them back."""
+        with self._client.lock:
+            names, self._client.unsettled = sorted(self._client.unsettled), set()
+            return names
 
     def quarantine(self, objs: list[Any]) -> None:
         """Keep ``objs`` (MemoryObjs the store was asked to write into by a call

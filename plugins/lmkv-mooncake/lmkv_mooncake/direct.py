@@ -75,6 +75,10 @@ class Layout:
                    header.payload_len)
 
 
+#: What a get session answers for an entry it cannot read in place (its lease
+#: ran out, no complete memory replica to read from): the staged way tries it.
+NOT_IN_PLACE = frozenset({-702, -707})  # INVALID_REPLICA, LEASE_EXPIRED
+
 #: Why a direct read stopped.
 FOUND, ABSENT, OTHER_LAYOUT = "found", "absent", "other"
 
@@ -196,22 +200,29 @@ def fetch_ranged(store: Any, names: Sequence[str], keys: Sequence[CacheKey], lay
     ranges = store.batch_get_into_multi_buffer_ranges
     opened = False
     try:
-        if not _allocated(fetched, layout, allocate, store, registered, register_arena):
+        if fetched.header_block is None:
             return fetched
         base = fetched.header_block.tensor.data_ptr()
         codes = list(link.call("batch_get_session_start", store.batch_get_session_start,
                                list(names)))
         opened = True
         live = _leading(range(len(keys)), lambda i: codes[i] == 0)
-        fetched.asked = bool(live)  # from here a call may write into the buffers
         if live:  # a byte past every guessed frame: refused unless the object is larger
+            # (into the header block only: a probe that does not answer in time
+            # leaves nothing but that block quarantined)
+            fetched.asked = True
             past = link.call("batch_get_into_multi_buffer_ranges", ranges,
                              [names[i] for i in live], [[base + hlen * len(keys)]] * len(live),
                              [[1]] * len(live), [[hlen + plen]] * len(live))
+            fetched.asked = False  # answered: that transfer is over
             for i, code in zip(live, past, strict=True):
                 codes[i] = 0 if code == BUFFER_TOO_SMALL else (
                     hlen + plen + 1 if code >= 0 else code)
             live = _leading(live, lambda i: codes[i] == 0)
+        if live and not _allocated(fetched, layout, allocate, store, registered,
+                                   register_arena):
+            return fetched  # codes None: the staged way reads them
+        fetched.asked = bool(live)  # from here a call may write into the buffers
         piece = max(MIN_PIECE_BYTES, RANGE_BYTES // max(1, len(live)))
         bounds = [(a, min(a + piece, plen)) for a in range(0, plen, piece)]
         hashers = {i: xxhash.xxh3_64() for i in live}
@@ -300,8 +311,8 @@ def settle(fetched: Fetched, layout: Layout, out: list[MemoryObj]) -> tuple[int,
             if code == OBJECT_NOT_FOUND:
                 return taken, ABSENT
             if code != hlen + plen:
-                if code >= 0 or code == BUFFER_TOO_SMALL:
-                    return taken, OTHER_LAYOUT  # another size: the staged way reads it
+                if code >= 0 or code == BUFFER_TOO_SMALL or code in NOT_IN_PLACE:
+                    return taken, OTHER_LAYOUT  # another size...: the staged way reads it
                 # A failed transfer or call: the tier's fault (RPC-class codes open
                 # the breaker), not retried staged; the buffers are quarantined.
                 raise_for("batch_get_into_multi_buffers", code)

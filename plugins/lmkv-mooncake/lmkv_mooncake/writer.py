@@ -36,12 +36,13 @@ from lmkv.serde import Serializer, header_len
 from lmkv.tokens import CacheKey
 from lmkv_mooncake.client import (
     BUFFER_TOO_SMALL,
+    INVALID_WRITE,
     OBJECT_ALREADY_EXISTS,
-    UNREACHABLE_CODES,
     Link,
     MooncakeError,
     raise_for,
     replicate_config,
+    unreachable,
 )
 from lmkv_mooncake.memory import Registered, address
 
@@ -55,6 +56,11 @@ PIPELINE_BYTES = 128 << 20
 #: process, so small windows let this thread frame (copy into the shared staging,
 #: checksum) the next chunks while it copies these.
 THIN_PIPELINE_BYTES = 16 << 20
+
+
+def _payload_len(obj: MemoryObj) -> int:
+    """The chunk's own bytes (``obj.nbytes`` is its arena block, rounded up)."""
+    return obj.tensor.numel() * obj.tensor.element_size()
 
 
 class _Window:
@@ -87,7 +93,6 @@ class Writer(PutQueue):
         self._config: Any = None
         self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmkv-mooncake-send")
         self.zero_copy_bytes = 0  # payload bytes read in place (no staging copy)
-        self._unrevoked: set[str] = set()  # put sessions a revoke could not end yet
         self._window_bytes = THIN_PIPELINE_BYTES if self.options.client_address \
             else PIPELINE_BYTES
 
@@ -121,8 +126,7 @@ class Writer(PutQueue):
         done[0] = done[1] = sum(1 for code in present if code == 1)
         todo = [i for i, code in enumerate(present) if code != 1]
         if self._sessions_fit(store, [objs[i] for i in todo]):
-            if self._unrevoked:
-                self._revoke(store, [])
+            self._settle_unsettled(store)
             start = 0
             while start < len(todo):
                 end, nbytes = start, 0
@@ -187,7 +191,7 @@ class Writer(PutQueue):
                 return False
             arena = obj.allocator.arena
             self.registered.register(store, arena.data_ptr(), arena.numel())
-            if not self.registered.covers(obj.tensor.data_ptr(), obj.nbytes):
+            if not self.registered.covers(obj.tensor.data_ptr(), _payload_len(obj)):
                 return False
         return True
 
@@ -196,108 +200,173 @@ class Writer(PutQueue):
         """Store one window through a put session (see the module's doc). A
         refused entry is a counted fault, a master out of reach raises (the
         batch's remaining writes are dropped)."""
+        mine = self.link.claim_puts(names)
+        busy = len(names) - len(mine)  # another tier of this process is putting them
+        done[1] += busy
+        self.counters.dropped_writes += busy
+        keep = [i for i, name in enumerate(names) if name in mine]
+        names, keys, objs = [names[i] for i in keep], [keys[i] for i in keep], \
+            [objs[i] for i in keep]
+        unsettled: set[str] = set()
+        try:
+            if names:
+                self._send_claimed(store, names, keys, objs, done, unsettled)
+        finally:
+            self.link.release_puts(names, unsettled)
+
+    def _send_claimed(self, store: Any, names: list[str], keys: Sequence[CacheKey],
+                      objs: Sequence[MemoryObj], done: list[int], unsettled: set[str]) -> None:
+        """``_send_session`` of claimed ``names``; ``unsettled`` gets the names
+        whose put session may still be open in Mooncake (revoked before a later
+        put)."""
         if self._config is None:
             self._config = replicate_config(self.options)
         hlens = [header_len(obj.tensor.dim()) for obj in objs]
-        plens = [obj.nbytes for obj in objs]
-        codes = self.link.call("batch_put_session_start", store.batch_put_session_start,
-                               names, [h + p for h, p in zip(hlens, plens, strict=True)],
-                               self._config)
-        opened = [i for i, code in enumerate(codes) if code == 0]
+        plens = [_payload_len(obj) for obj in objs]
+        block = self.staging.allocate((sum(hlens),), torch.uint8)
+        if block is None:
+            done[1] += len(names)
+            self.counters.dropped_writes += len(names)
+            self.faults.note("too-large", "the headers of %d frames found no room in the "
+                             "staging buffer (local_buffer_size must hold them, and the writes "
+                             "in flight of every tier sharing it); dropped", len(names))
+            return
+        opened: list[int] = []
         ended: set[int] = set()
-        block: MemoryObj | None = None
-        unreachable = None
         try:
+            try:
+                codes = self.link.call("batch_put_session_start",
+                                       store.batch_put_session_start, names,
+                                       [h + p for h, p in zip(hlens, plens, strict=True)],
+                                       self._config)
+            except BaseException:
+                unsettled.update(names)  # it may still open them, after this answer
+                raise
+            opened = [i for i, code in enumerate(codes) if code == 0]
+            stale, unreachable_code = 0, None
             for i, code in enumerate(codes):
                 if code == 0:
                     continue
                 done[1] += 1
                 if code == OBJECT_ALREADY_EXISTS:  # another writer got there first
                     done[0] += 1
-                elif code in UNREACHABLE_CODES or -999 <= code <= -900:
-                    self.counters.dropped_writes += 1
-                    unreachable = unreachable or code
+                    continue
+                self.counters.dropped_writes += 1
+                if code == BUFFER_TOO_SMALL:  # INVALID_PARAMS: a session left open
+                    stale += 1
+                    unsettled.add(names[i])
+                elif unreachable(code):
+                    unreachable_code = unreachable_code or code
                 else:
-                    self.counters.dropped_writes += 1
                     self.faults.fault("put", MooncakeError("put", code), "write dropped",
                                       names[i])
-            if unreachable is not None:
-                raise_for("batch_put_session_start", unreachable)
-            if not opened:
-                return
-            ranges = store.batch_put_from_multi_buffer_ranges
-            payloads = self.link.start(
-                "batch_put_from_multi_buffer_ranges", ranges, [names[i] for i in opened],
-                [[objs[i].tensor.data_ptr()] for i in opened], [[plens[i]] for i in opened],
-                [[hlens[i]] for i in opened])
-            # While the payloads move: the headers (each a checksum of its payload).
-            block = self.staging.allocate((sum(hlens[i] for i in opened),), torch.uint8)
-            framed: dict[int, int] = {}  # entry -> its header's offset in the block
-            offset = 0
-            for i in opened:
-                if block is None:
-                    break
-                header, *payload = self.serializer.serialize(objs[i], keys[i])
-                if len(header) != hlens[i] or [address(b) for b in payload] != [
-                        (objs[i].tensor.data_ptr(), plens[i])]:
-                    continue  # not header + the chunk's own bytes: revoked below
-                block.tensor.numpy()[offset:offset + hlens[i]] = np.frombuffer(
-                    header, dtype=np.uint8)
-                framed[i] = offset
-                offset += hlens[i]
-            moved = payloads()
-            whole = [i for i, code in zip(opened, moved, strict=True)
-                     if code == plens[i] and i in framed]
-            if whole:
-                base = block.tensor.data_ptr()
-                heads = self.link.call("batch_put_from_multi_buffer_ranges", ranges,
-                                       [names[i] for i in whole],
-                                       [[base + framed[i]] for i in whole],
-                                       [[hlens[i]] for i in whole], [[0]] * len(whole))
-                whole = [i for i, code in zip(whole, heads, strict=True) if code == hlens[i]]
-            if whole:
-                sealed = self.link.call("batch_put_session_end", store.batch_put_session_end,
-                                        [names[i] for i in whole])
-                for i, code in zip(whole, sealed, strict=True):
-                    if code == 0:
-                        ended.add(i)
-                        done[0] += 1
-                        self.counters.bytes_in += hlens[i] + plens[i]
-                        self.zero_copy_bytes += plens[i]
-                        with self._lock:
-                            self.net_bytes += hlens[i] + plens[i]
-            for i in opened:
-                done[1] += 1
-                if i not in ended:
-                    self.counters.dropped_writes += 1
-            if len(ended) < len(opened):
-                self.faults.note("session-put", "%d of %d writes did not arrive whole "
-                                 "through a put session (see Mooncake's log); revoked",
-                                 len(opened) - len(ended), len(opened))
+            if stale:
+                self.faults.note("session-put", "%d writes found a put session of theirs "
+                                 "left open by an earlier call; dropped, the session is "
+                                 "revoked before the next put", stale)
+            if unreachable_code is not None:
+                raise_for("batch_put_session_start", unreachable_code)
+            if opened:
+                self._send_opened(store, names, keys, objs, hlens, plens, block, opened,
+                                  ended, done)
         finally:
-            if block is not None:
-                block.ref_down()
+            block.ref_down()  # (a late transfer reads it only into entries never ended)
             # Reserved, never readable: give the space back.
-            self._revoke(store, [names[i] for i in opened if i not in ended])
+            unsettled |= self._revoke(store, [names[i] for i in opened if i not in ended])
 
-    def _revoke(self, store: Any, names: list[str]) -> None:
-        """Revoke the put sessions of ``names``, and of any an earlier revoke left
-        open: Mooncake keeps a session whose revoke the master did not answer, and
-        refuses every later session of that key in this process until one does."""
-        names = [*names, *(n for n in self._unrevoked if n not in names)]
+    def _send_opened(self, store: Any, names: list[str], keys: Sequence[CacheKey],
+                     objs: Sequence[MemoryObj], hlens: list[int], plens: list[int],
+                     block: MemoryObj, opened: list[int], ended: set[int],
+                     done: list[int]) -> None:
+        """Move the ``opened`` entries' payloads and headers and end their
+        sessions; ``ended`` gets those that are readable now."""
+        ranges = store.batch_put_from_multi_buffer_ranges
+        payloads = self.link.start(
+            "batch_put_from_multi_buffer_ranges", ranges, [names[i] for i in opened],
+            [[objs[i].tensor.data_ptr()] for i in opened], [[plens[i]] for i in opened],
+            [[hlens[i]] for i in opened])
+        # While the payloads move: the headers (each a checksum of its payload).
+        framed: dict[int, int] = {}  # entry -> its header's offset in the block
+        offset = 0
+        for i in opened:
+            header, *payload = self.serializer.serialize(objs[i], keys[i])
+            if len(header) != hlens[i] or [address(b) for b in payload] != [
+                    (objs[i].tensor.data_ptr(), plens[i])]:
+                continue  # not header + the chunk's own bytes: revoked
+            block.tensor.numpy()[offset:offset + hlens[i]] = np.frombuffer(
+                header, dtype=np.uint8)
+            framed[i] = offset
+            offset += hlens[i]
+        moved = payloads()
+        whole = [i for i, code in zip(opened, moved, strict=True)
+                 if code == plens[i] and i in framed]
+        if whole:
+            base = block.tensor.data_ptr()
+            heads = self.link.call("batch_put_from_multi_buffer_ranges", ranges,
+                                   [names[i] for i in whole],
+                                   [[base + framed[i]] for i in whole],
+                                   [[hlens[i]] for i in whole], [[0]] * len(whole))
+            whole = [i for i, code in zip(whole, heads, strict=True) if code == hlens[i]]
+        if whole:
+            sealed = self.link.call("batch_put_session_end", store.batch_put_session_end,
+                                    [names[i] for i in whole])
+            for i, code in zip(whole, sealed, strict=True):
+                if code == 0:
+                    ended.add(i)
+                    done[0] += 1
+                    self.counters.bytes_in += hlens[i] + plens[i]
+                    self.zero_copy_bytes += plens[i]
+                    with self._lock:
+                        self.net_bytes += hlens[i] + plens[i]
+        for i in opened:
+            done[1] += 1
+            if i not in ended:
+                self.counters.dropped_writes += 1
+        if len(ended) < len(opened):
+            self.faults.note("session-put", "%d of %d writes did not arrive whole "
+                             "through a put session (see Mooncake's log); revoked",
+                             len(opened) - len(ended), len(opened))
+
+    def _settle_unsettled(self, store: Any) -> None:
+        """Revoke the put sessions failed calls left open (any writer's of this
+        process): until revoked, Mooncake refuses every later session of the key."""
+        names = self.link.take_unsettled()
+        if names:
+            left: set[str] = set(names)
+            try:
+                left = self._revoke(store, names)
+            finally:
+                self.link.release_puts(names, left)
+
+    def _revoke(self, store: Any, names: list[str]) -> set[str]:
+        """Revoke the put sessions of ``names``; returns those that may still be
+        open (the master did not answer). An entry the master already holds
+        whole (an end that answered late, or whose answer was lost: only whole
+        entries are ended) is ended again instead. Any other refusal leaves the
+        session to Mooncake: a later start of the key answers INVALID_PARAMS,
+        which brings it back here."""
         if not names:
-            return
+            return set()
         try:
             codes = self.link.call("batch_put_session_revoke", store.batch_put_session_revoke,
                                    names)
         except Exception:  # (the master is gone: the breaker is told by the caller)
-            self._unrevoked.update(names)
-            return
+            return set(names)
+        left: set[str] = set()
+        whole = []
         for name, code in zip(names, codes, strict=True):
-            if code in (0, BUFFER_TOO_SMALL):  # revoked, or no such session (any more)
-                self._unrevoked.discard(name)
-            else:
-                self._unrevoked.add(name)
+            if code == INVALID_WRITE:
+                whole.append(name)
+            elif unreachable(code):
+                left.add(name)
+        if whole:
+            try:
+                codes = self.link.call("batch_put_session_end", store.batch_put_session_end,
+                                       whole)
+            except Exception:
+                return left | set(whole)
+            left.update(n for n, code in zip(whole, codes, strict=True) if unreachable(code))
+        return left
 
     def _add(self, store: Any, window: _Window, name: str, key: CacheKey,
              obj: MemoryObj) -> bool:
@@ -347,7 +416,7 @@ class Writer(PutQueue):
                                    window.ptrs, window.sizes, self._config)
         finally:
             window.release()
-        unreachable = None
+        failed = None
         for name, frame_len, code in zip(window.names, window.frame_lens, codes, strict=True):
             done[1] += 1
             if code >= 0:
@@ -357,15 +426,15 @@ class Writer(PutQueue):
                     self.net_bytes += frame_len
             elif code == OBJECT_ALREADY_EXISTS:  # another writer got there first
                 done[0] += 1
-            elif code in UNREACHABLE_CODES or -999 <= code <= -900:
+            elif unreachable(code):
                 self.counters.dropped_writes += 1
-                unreachable = unreachable or code
+                failed = failed or code
             else:  # refused (no space, ...): that entry is dropped, the rest go on
                 self.counters.dropped_writes += 1
                 self.faults.fault("put", MooncakeError("put", code), "write dropped", name)
         window.names, window.ptrs, window.sizes, window.frame_lens = [], [], [], []
-        if unreachable is not None:
-            raise_for("batch_put_from_multi_buffers", unreachable)
+        if failed is not None:
+            raise_for("batch_put_from_multi_buffers", failed)
 
     def close(self, timeout_s: float) -> None:
         super().close(timeout_s)

@@ -4,12 +4,14 @@ takes an object of another size, and never leaves half an entry readable."""
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from typing import Any
 
 import pytest
 import torch
-from test_mooncake_failed_gets import failing
+from test_mooncake_failed_gets import failing, short_timeout, slow
 from test_mooncake_faults import chunk, eventually, key, put, read
 
 from lmkv.memory import tensor_obj
@@ -162,8 +164,6 @@ def test_a_put_session_that_fails_leaves_nothing_readable_and_gives_the_space_ba
     if fails == "end":  # refused: the entries stay reserved, not readable
         instead["batch_put_session_end"] = lambda names: [-600] * len(names)
     if fails == "late":
-        from test_mooncake_failed_gets import short_timeout, slow
-
         short_timeout(tier, monkeypatch)
         fail[PUT_RANGES] = slow(1)
     failing(tier, monkeypatch, instead=instead, **fail)
@@ -209,3 +209,164 @@ def test_a_revoke_the_master_did_not_answer_is_retried_before_the_next_put(
     monkeypatch.undo()
     assert eventually(lambda: put_arena(tier, [1, 2]) == 2, 10)
     assert torch.equal(read(tier, 1), chunk(1)) and torch.equal(read(tier, 2), chunk(2))
+
+
+def session_start(tier: Any, names: list[str], sizes: list[int]) -> list[int]:
+    """A put session opened on ``names`` as another call of this process could."""
+    from lmkv_mooncake.client import replicate_config
+
+    with tier.link.using() as store:
+        return store.batch_put_session_start(names, sizes, replicate_config(tier.link.options))
+
+
+@pytest.mark.parametrize(("shape", "dtype"), [
+    ((3, 5), torch.float16), ((7, 3, 3), torch.float32), ((1,), torch.bfloat16)])
+def test_chunks_of_any_size_go_through_put_and_get_sessions(
+        make_tier: Any, shared_client: None, monkeypatch: pytest.MonkeyPatch,
+        shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    """A chunk's arena block is rounded up; the session moves the chunk's own
+    bytes, whatever its size."""
+    tier = make_tier()
+    store = failing(tier, monkeypatch, batch_put_session_start=lambda codes: codes)
+    values = {i: torch.randn(shape, generator=torch.Generator().manual_seed(i)).to(dtype)
+              for i in (1, 2, 3)}
+    objs = []
+    for value in values.values():
+        obj = tier.context.allocate(shape, dtype)
+        obj.tensor.copy_(value)
+        objs.append(obj)
+    try:
+        assert tier.batched_submit_put([key(i) for i in values], objs).result(timeout=60) == 3
+    finally:
+        for obj in objs:
+            obj.ref_down()
+    assert store.calls == ["batch_put_session_start"]
+    assert tier.stats()["dropped_writes"] == 0
+    for i, value in values.items():  # the first learns the layout, the rest read direct
+        obj = tier.get_blocking(key(i))
+        assert obj is not None
+        try:
+            assert obj.tensor.dtype == dtype and torch.equal(obj.tensor, value)
+        finally:
+            obj.ref_down()
+    assert tier.stats()["direct_gets"] >= 2
+
+
+@pytest.mark.parametrize("late", ["answer", "work"])
+def test_a_session_start_past_call_timeout_s_never_locks_its_keys_out(
+        make_tier: Any, shared_client: None, monkeypatch: pytest.MonkeyPatch,
+        late: str) -> None:
+    """A start that answered too late may have opened its sessions, before its
+    answer or after it: they are revoked before the next put, which stores the
+    keys."""
+    tier = make_tier()
+    short_timeout(tier, monkeypatch)
+    if late == "answer":  # opened at once, answered 1 s later
+        failing(tier, monkeypatch, batch_put_session_start=slow(1))
+    else:  # opened 1 s later
+        real: dict[str, Any] = {}
+
+        def start(*args: Any) -> Any:
+            time.sleep(1)
+            return real["store"].batch_put_session_start(*args)
+
+        real["store"] = failing(tier, monkeypatch,
+                                instead={"batch_put_session_start": start})._store
+    assert put_arena(tier, [1, 2]) == 0
+    time.sleep(1.5)  # the late start is over
+    monkeypatch.undo()
+    assert eventually(lambda: put_arena(tier, [1, 2]) == 2, 10)
+    assert torch.equal(read(tier, 1), chunk(1)) and torch.equal(read(tier, 2), chunk(2))
+
+
+def test_a_revoke_of_an_entry_the_master_holds_whole_ends_it(
+        make_tier: Any, shared_client: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An end whose answer was lost leaves the session open here and the entry
+    whole on the master, which then refuses a revoke (INVALID_WRITE): the entry
+    is ended again (only whole entries are ever ended), never left locked."""
+    tier = make_tier()
+    real: dict[str, Any] = {}
+    ends = [0]
+
+    def end(names: list[str]) -> list[int]:
+        ends[0] += 1
+        if ends[0] == 1:  # lost on its way: the master never saw it
+            return [-900] * len(names)
+        return real["store"].batch_put_session_end(names)
+
+    real["store"] = failing(tier, monkeypatch, instead={
+        "batch_put_session_end": end,
+        "batch_put_session_revoke": lambda names: [-700] * len(names)})._store
+    assert put_arena(tier, [1, 2]) == 0  # (counted as dropped: the end's answer was lost)
+    monkeypatch.undo()
+    assert ends[0] == 2
+    assert torch.equal(read(tier, 1), chunk(1)) and torch.equal(read(tier, 2), chunk(2))
+
+
+def test_a_put_session_left_open_is_revoked_and_its_key_put_again(
+        make_tier: Any, shared_client: None) -> None:
+    """A session this process left open (a revoke the master refused, a call that
+    answered late) makes the start of that key answer INVALID_PARAMS: that write
+    is dropped, the session revoked, and the next put stores the key."""
+    tier = make_tier()
+    assert session_start(tier, [tier.store_key(key(1))], [100]) == [0]
+    assert put_arena(tier, [1, 2]) == 1
+    assert not tier.contains(key(1)) and torch.equal(read(tier, 2), chunk(2))
+    assert put_arena(tier, [1]) == 1
+    assert torch.equal(read(tier, 1), chunk(1))
+
+
+def test_a_put_never_touches_a_put_session_another_writer_holds(
+        make_tier: Any, shared_client: None) -> None:
+    """Put sessions are per key and client: a key another writer of this process
+    is putting is dropped here, never started, ended or revoked under it."""
+    tier = make_tier()
+    name = tier.store_key(key(1))
+    assert tier.link.claim_puts([name]) == {name}
+    assert session_start(tier, [name], [100]) == [0]  # that writer's session
+    try:
+        assert put_arena(tier, [1, 2]) == 1
+        assert tier.link.claim_puts([name]) == set()
+    finally:
+        tier.link.release_puts([name], [name])  # left open: settled by the next put
+    assert not tier.contains(key(1))
+    assert put_arena(tier, [1]) == 1
+    assert torch.equal(read(tier, 1), chunk(1))
+
+
+def test_no_staging_room_for_the_headers_drops_the_window_and_says_so(
+        make_tier: Any, shared_client: None, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    tier = make_tier()
+    monkeypatch.setattr(tier._writer, "staging", _NoRoom(tier._writer.staging))
+    with caplog.at_level(logging.WARNING):
+        assert put_arena(tier, [1, 2]) == 0
+    assert "no room in the staging buffer" in caplog.text
+    assert "see Mooncake's log" not in caplog.text
+    monkeypatch.undo()
+    assert put_arena(tier, [1, 2]) == 2
+
+
+class _NoRoom:
+    """A staging allocator that is full."""
+
+    def __init__(self, staging: Any) -> None:
+        self._staging = staging
+
+    def allocate(self, *args: Any) -> None:
+        return None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._staging, name)
+
+
+@pytest.mark.parametrize("code", [-702, -707])  # INVALID_REPLICA, LEASE_EXPIRED
+def test_a_get_session_refused_for_its_replica_or_lease_reads_staged(
+        make_tier: Any, shared_client: None, monkeypatch: pytest.MonkeyPatch,
+        code: int) -> None:
+    tier = make_tier()
+    assert put(tier, [1, 2]) == 2
+    assert torch.equal(read(tier, 1), chunk(1))  # learns the layout
+    failing(tier, monkeypatch, batch_get_session_start=lambda codes: [code] * len(codes))
+    assert torch.equal(read(tier, 2), chunk(2))
+    assert tier.stats()["errors"] == 0
