@@ -23,7 +23,7 @@ import queue
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import contextmanager
@@ -174,7 +174,7 @@ class _Client:
         # Keys whose put session this process may hold (``claim_puts``): a put's
         # in progress, or (``unsettled``) one a call left open in Mooncake.
         self.puts: set[str] = set()
-        self.unsettled: set[str] = set()
+        self.unsettled: dict[str, bool] = {}  # name -> its end may have been sent
         self._cls = cls
         threading.Thread(target=self._connect, name="lmkv-mooncake-setup", daemon=True).start()
 
@@ -415,19 +415,24 @@ class Link:
             self._client.puts |= mine
             return mine
 
-    def release_puts(self, names: Iterable[str], unsettled: Iterable[str] = ()) -> None:
+    def release_puts(self, names: Iterable[str],
+                     unsettled: Mapping[str, bool] | None = None) -> None:
         """Give back claimed ``names``; those in ``unsettled`` (a put session
-        Mooncake may still hold) stay claimed until a writer settles them."""
-        left = set(unsettled)
+        Mooncake may still hold, each with whether its end may have reached the
+        master) stay claimed until a writer settles them."""
+        left = dict(unsettled or {})
         with self._client.lock:
-            self._client.puts -= set(names) - left
-            self._client.unsettled |= left
+            self._client.puts -= set(names) - left.keys()
+            for name, end_sent in left.items():
+                self._client.unsettled[name] = end_sent or \
+                    self._client.unsettled.get(name, False)
 
-    def take_unsettled(self) -> list[str]:
+    def take_unsettled(self) -> dict[str, bool]:
         """Claim every key whose put session a failed call left open (to revoke
-        it); ``release_puts`` gives them back."""
+        it), with whether its end may have reached the master; ``release_puts``
+        gives them back."""
         with self._client.lock:
-            names, self._client.unsettled = sorted(self._client.unsettled), set()
+            names, self._client.unsettled = self._client.unsettled, {}
             return names
 
     def quarantine(self, objs: list[Any]) -> None:

@@ -76,7 +76,8 @@ class Layout:
 
 
 #: What a get session answers for an entry it cannot read in place (its lease
-#: ran out, no complete memory replica to read from): the staged way tries it.
+#: ran out, no complete memory replica to read from): the staged way tries it
+#: (answered by the batch call instead, a failure like any other).
 NOT_IN_PLACE = frozenset({-702, -707})  # INVALID_REPLICA, LEASE_EXPIRED
 
 #: Why a direct read stopped.
@@ -311,7 +312,8 @@ def settle(fetched: Fetched, layout: Layout, out: list[MemoryObj]) -> tuple[int,
             if code == OBJECT_NOT_FOUND:
                 return taken, ABSENT
             if code != hlen + plen:
-                if code >= 0 or code == BUFFER_TOO_SMALL or code in NOT_IN_PLACE:
+                if code >= 0 or code == BUFFER_TOO_SMALL or (
+                        code in NOT_IN_PLACE and fetched.checksums is not None):
                     return taken, OTHER_LAYOUT  # another size...: the staged way reads it
                 # A failed transfer or call: the tier's fault (RPC-class codes open
                 # the breaker), not retried staged; the buffers are quarantined.

@@ -80,6 +80,19 @@ class _Window:
         self.staging.clear()
 
 
+class _Revoked:
+    """What ``Writer._revoke`` found: ``left``, the sessions that may still be
+    open (the master did not answer), each with whether its end may have
+    reached the master; ``ended``, the entries readable after all (an end that
+    went through, its answer lost); ``absent``, the names no session of this
+    client held."""
+
+    def __init__(self) -> None:
+        self.left: dict[str, bool] = {}
+        self.ended: set[str] = set()
+        self.absent: set[str] = set()
+
+
 class Writer(PutQueue):
     def __init__(self, link: Link, serializer: Serializer, staging: MemoryAllocator | None,
                  registered: Registered, name_of: Any) -> None:
@@ -127,6 +140,11 @@ class Writer(PutQueue):
         todo = [i for i, code in enumerate(present) if code != 1]
         if self._sessions_fit(store, [objs[i] for i in todo]):
             self._settle_unsettled(store)
+            first = {names[i]: i for i in reversed(todo)}
+            copies = len(todo) - len(first)  # a key twice in the batch: sent once,
+            done[0] += copies  # the others count as a writer that got there first
+            done[1] += copies
+            todo = sorted(first.values())
             start = 0
             while start < len(todo):
                 end, nbytes = start, 0
@@ -200,25 +218,26 @@ class Writer(PutQueue):
         """Store one window through a put session (see the module's doc). A
         refused entry is a counted fault, a master out of reach raises (the
         batch's remaining writes are dropped)."""
-        mine = self.link.claim_puts(names)
-        busy = len(names) - len(mine)  # another tier of this process is putting them
-        done[1] += busy
-        self.counters.dropped_writes += busy
-        keep = [i for i, name in enumerate(names) if name in mine]
-        names, keys, objs = [names[i] for i in keep], [keys[i] for i in keep], \
-            [objs[i] for i in keep]
-        unsettled: set[str] = set()
+        mine: set[str] = set()
+        unsettled: dict[str, bool] = {}
         try:
-            if names:
-                self._send_claimed(store, names, keys, objs, done, unsettled)
+            mine = self.link.claim_puts(names)
+            busy = sum(name not in mine for name in names)  # another writer of this
+            done[1] += busy  # process is putting them: not touched here
+            self.counters.dropped_writes += busy
+            keep = [i for i, name in enumerate(names) if name in mine]
+            if keep:
+                self._send_claimed(store, [names[i] for i in keep], [keys[i] for i in keep],
+                                   [objs[i] for i in keep], done, unsettled)
         finally:
-            self.link.release_puts(names, unsettled)
+            self.link.release_puts(mine, unsettled)
 
     def _send_claimed(self, store: Any, names: list[str], keys: Sequence[CacheKey],
-                      objs: Sequence[MemoryObj], done: list[int], unsettled: set[str]) -> None:
+                      objs: Sequence[MemoryObj], done: list[int],
+                      unsettled: dict[str, bool]) -> None:
         """``_send_session`` of claimed ``names``; ``unsettled`` gets the names
         whose put session may still be open in Mooncake (revoked before a later
-        put)."""
+        put), each with whether its end may have reached the master."""
         if self._config is None:
             self._config = replicate_config(self.options)
         hlens = [header_len(obj.tensor.dim()) for obj in objs]
@@ -232,7 +251,9 @@ class Writer(PutQueue):
                              "in flight of every tier sharing it); dropped", len(names))
             return
         opened: list[int] = []
+        stale: list[int] = []  # a session of the key an earlier call left open
         ended: set[int] = set()
+        end_sent: set[int] = set()
         try:
             try:
                 codes = self.link.call("batch_put_session_start",
@@ -240,10 +261,11 @@ class Writer(PutQueue):
                                        [h + p for h, p in zip(hlens, plens, strict=True)],
                                        self._config)
             except BaseException:
-                unsettled.update(names)  # it may still open them, after this answer
+                # It may still open them, after this answer: revoked before a later put.
+                unsettled.update(dict.fromkeys(names, False))
                 raise
             opened = [i for i, code in enumerate(codes) if code == 0]
-            stale, unreachable_code = 0, None
+            unreachable_code = None
             for i, code in enumerate(codes):
                 if code == 0:
                     continue
@@ -252,34 +274,60 @@ class Writer(PutQueue):
                     done[0] += 1
                     continue
                 self.counters.dropped_writes += 1
-                if code == BUFFER_TOO_SMALL:  # INVALID_PARAMS: a session left open
-                    stale += 1
-                    unsettled.add(names[i])
+                if code == BUFFER_TOO_SMALL:  # INVALID_PARAMS: a session left open, or
+                    stale.append(i)  # parameters refused (told apart by its revoke)
                 elif unreachable(code):
                     unreachable_code = unreachable_code or code
                 else:
                     self.faults.fault("put", MooncakeError("put", code), "write dropped",
                                       names[i])
-            if stale:
-                self.faults.note("session-put", "%d writes found a put session of theirs "
-                                 "left open by an earlier call; dropped, the session is "
-                                 "revoked before the next put", stale)
             if unreachable_code is not None:
                 raise_for("batch_put_session_start", unreachable_code)
             if opened:
                 self._send_opened(store, names, keys, objs, hlens, plens, block, opened,
-                                  ended, done)
+                                  ended, end_sent)
         finally:
             block.ref_down()  # (a late transfer reads it only into entries never ended)
             # Reserved, never readable: give the space back.
-            unsettled |= self._revoke(store, [names[i] for i in opened if i not in ended])
+            revoked = self._revoke(store, [names[i] for i in opened + stale if i not in ended],
+                                   {names[i] for i in end_sent})
+            unsettled.update(revoked.left)
+            self._count_opened(names, hlens, plens, opened, ended, revoked, done)
+            refused = [names[i] for i in stale if names[i] in revoked.absent]
+            if refused:  # no session of ours held them: the start refused its parameters
+                self.faults.fault("put", MooncakeError("put", BUFFER_TOO_SMALL),
+                                  f"{len(refused)} writes dropped", refused[0])
+            if len(stale) > len(refused):
+                self.faults.note("session-put", "%d writes found a put session of theirs "
+                                 "left open by an earlier call; dropped, the session revoked",
+                                 len(stale) - len(refused))
+
+    def _count_opened(self, names: list[str], hlens: list[int], plens: list[int],
+                      opened: list[int], ended: set[int], revoked: _Revoked,
+                      done: list[int]) -> None:
+        """Count the entries whose put session opened: stored when ended (by
+        ``_send_opened``, or again by ``_revoke``), else dropped."""
+        stored = [i for i in opened if i in ended or names[i] in revoked.ended]
+        done[0] += len(stored)
+        done[1] += len(opened)
+        self.counters.dropped_writes += len(opened) - len(stored)
+        nbytes = sum(hlens[i] + plens[i] for i in stored)
+        self.counters.bytes_in += nbytes
+        self.zero_copy_bytes += sum(plens[i] for i in stored)
+        with self._lock:
+            self.net_bytes += nbytes
+        if len(stored) < len(opened):
+            self.faults.note("session-put", "%d of %d writes did not arrive whole "
+                             "through a put session (see Mooncake's log); revoked",
+                             len(opened) - len(stored), len(opened))
 
     def _send_opened(self, store: Any, names: list[str], keys: Sequence[CacheKey],
                      objs: Sequence[MemoryObj], hlens: list[int], plens: list[int],
                      block: MemoryObj, opened: list[int], ended: set[int],
-                     done: list[int]) -> None:
+                     end_sent: set[int]) -> None:
         """Move the ``opened`` entries' payloads and headers and end their
-        sessions; ``ended`` gets those that are readable now."""
+        sessions; ``ended`` gets those that are readable now, ``end_sent`` those
+        whose end was asked for."""
         ranges = store.batch_put_from_multi_buffer_ranges
         payloads = self.link.start(
             "batch_put_from_multi_buffer_ranges", ranges, [names[i] for i in opened],
@@ -308,65 +356,62 @@ class Writer(PutQueue):
                                    [[hlens[i]] for i in whole], [[0]] * len(whole))
             whole = [i for i, code in zip(whole, heads, strict=True) if code == hlens[i]]
         if whole:
+            end_sent.update(whole)
             sealed = self.link.call("batch_put_session_end", store.batch_put_session_end,
                                     [names[i] for i in whole])
-            for i, code in zip(whole, sealed, strict=True):
-                if code == 0:
-                    ended.add(i)
-                    done[0] += 1
-                    self.counters.bytes_in += hlens[i] + plens[i]
-                    self.zero_copy_bytes += plens[i]
-                    with self._lock:
-                        self.net_bytes += hlens[i] + plens[i]
-        for i in opened:
-            done[1] += 1
-            if i not in ended:
-                self.counters.dropped_writes += 1
-        if len(ended) < len(opened):
-            self.faults.note("session-put", "%d of %d writes did not arrive whole "
-                             "through a put session (see Mooncake's log); revoked",
-                             len(opened) - len(ended), len(opened))
+            ended.update(i for i, code in zip(whole, sealed, strict=True) if code == 0)
 
     def _settle_unsettled(self, store: Any) -> None:
         """Revoke the put sessions failed calls left open (any writer's of this
-        process): until revoked, Mooncake refuses every later session of the key."""
-        names = self.link.take_unsettled()
-        if names:
-            left: set[str] = set(names)
+        process): until revoked, Mooncake refuses every later session of the key.
+        (An entry ended here was counted as dropped by its own batch.)"""
+        pending = self.link.take_unsettled()
+        if pending:
+            left = pending
             try:
-                left = self._revoke(store, names)
+                left = self._revoke(store, list(pending),
+                                    {name for name, sent in pending.items() if sent}).left
             finally:
-                self.link.release_puts(names, left)
+                self.link.release_puts(pending, left)
 
-    def _revoke(self, store: Any, names: list[str]) -> set[str]:
-        """Revoke the put sessions of ``names``; returns those that may still be
-        open (the master did not answer). An entry the master already holds
-        whole (an end that answered late, or whose answer was lost: only whole
-        entries are ended) is ended again instead. Any other refusal leaves the
-        session to Mooncake: a later start of the key answers INVALID_PARAMS,
-        which brings it back here."""
+    def _revoke(self, store: Any, names: list[str], end_sent: set[str]) -> _Revoked:
+        """Revoke the put sessions of ``names`` (see ``_Revoked``). An entry
+        whose end was asked for (``end_sent``) and that the master holds whole
+        (the end reached it, its answer did not reach us: only whole entries
+        are ever ended) refuses the revoke with INVALID_WRITE: it is ended
+        again instead. Any other refusal leaves the session to Mooncake: a
+        later start of the key answers INVALID_PARAMS, which brings it back
+        here."""
+        revoked = _Revoked()
         if not names:
-            return set()
+            return revoked
         try:
             codes = self.link.call("batch_put_session_revoke", store.batch_put_session_revoke,
                                    names)
         except Exception:  # (the master is gone: the breaker is told by the caller)
-            return set(names)
-        left: set[str] = set()
+            revoked.left = {name: name in end_sent for name in names}
+            return revoked
         whole = []
         for name, code in zip(names, codes, strict=True):
-            if code == INVALID_WRITE:
+            if code == INVALID_WRITE and name in end_sent:
                 whole.append(name)
+            elif code == BUFFER_TOO_SMALL:  # INVALID_PARAMS: no session of ours
+                (revoked.ended if name in end_sent else revoked.absent).add(name)
             elif unreachable(code):
-                left.add(name)
+                revoked.left[name] = name in end_sent
         if whole:
             try:
                 codes = self.link.call("batch_put_session_end", store.batch_put_session_end,
                                        whole)
             except Exception:
-                return left | set(whole)
-            left.update(n for n, code in zip(whole, codes, strict=True) if unreachable(code))
-        return left
+                revoked.left.update(dict.fromkeys(whole, True))
+                return revoked
+            for name, code in zip(whole, codes, strict=True):
+                if code == 0:
+                    revoked.ended.add(name)
+                elif unreachable(code):
+                    revoked.left[name] = True
+        return revoked
 
     def _add(self, store: Any, window: _Window, name: str, key: CacheKey,
              obj: MemoryObj) -> bool:

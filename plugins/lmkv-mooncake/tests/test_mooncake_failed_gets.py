@@ -227,9 +227,12 @@ def test_a_call_past_call_timeout_s_opens_the_breaker_and_quarantines(
     answer = slow(2) if call != RANGES else slow_after(1, 2)  # the probe, then a piece
     failing(tier, monkeypatch, hide=SESSIONS if call == BATCH else (),
             **{BATCH if call == BATCH else RANGES: answer})
+    held = len(tier.link._client.quarantined)
     assert read(tier, 2) is None
     assert tier.faults.breaker.is_open
     assert tier.stats()["quarantined_chunks"] == chunks  # the transfer may still run
+    # and the header staging block it may write into (the probe's only buffer)
+    assert len(tier.link._client.quarantined) == held + chunks + 1
 
 
 def test_a_slow_lookup_is_a_miss_and_opens_the_breaker(

@@ -297,7 +297,9 @@ def test_a_revoke_of_an_entry_the_master_holds_whole_ends_it(
     real["store"] = failing(tier, monkeypatch, instead={
         "batch_put_session_end": end,
         "batch_put_session_revoke": lambda names: [-700] * len(names)})._store
-    assert put_arena(tier, [1, 2]) == 0  # (counted as dropped: the end's answer was lost)
+    dropped = tier.stats()["dropped_writes"]
+    assert put_arena(tier, [1, 2]) == 2  # stored after all
+    assert tier.stats()["dropped_writes"] == dropped
     monkeypatch.undo()
     assert ends[0] == 2
     assert torch.equal(read(tier, 1), chunk(1)) and torch.equal(read(tier, 2), chunk(2))
@@ -307,13 +309,122 @@ def test_a_put_session_left_open_is_revoked_and_its_key_put_again(
         make_tier: Any, shared_client: None) -> None:
     """A session this process left open (a revoke the master refused, a call that
     answered late) makes the start of that key answer INVALID_PARAMS: that write
-    is dropped, the session revoked, and the next put stores the key."""
+    is dropped, the session revoked by the same put, and the next put stores
+    the key."""
     tier = make_tier()
-    assert session_start(tier, [tier.store_key(key(1))], [100]) == [0]
+    name = tier.store_key(key(1))
+    assert session_start(tier, [name], [100]) == [0]
+    errors = tier.stats()["errors"]
     assert put_arena(tier, [1, 2]) == 1
     assert not tier.contains(key(1)) and torch.equal(read(tier, 2), chunk(2))
+    assert tier.stats()["errors"] == errors  # not a refused write: a note
+    assert session_start(tier, [name], [100]) == [0]  # revoked already: it opens
+    with tier.link.using() as store:
+        assert store.batch_put_session_revoke([name]) == [0]
     assert put_arena(tier, [1]) == 1
     assert torch.equal(read(tier, 1), chunk(1))
+
+
+def test_a_start_refusing_its_parameters_is_a_fault_not_a_session_left_open(
+        make_tier: Any, shared_client: None, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """INVALID_PARAMS from a start is a session of the key left open, or the
+    parameters refused: the revoke tells them apart (no session to revoke)."""
+    tier = make_tier()
+    failing(tier, monkeypatch, instead={
+        "batch_put_session_start": lambda names, sizes, config: [-600] * len(names)})
+    errors = tier.stats()["errors"]
+    with caplog.at_level(logging.WARNING):
+        assert put_arena(tier, [1, 2]) == 0
+    assert tier.stats()["errors"] == errors + 1
+    assert "INVALID_PARAMS" in caplog.text and "left open" not in caplog.text
+    assert not tier.link._client.unsettled
+    monkeypatch.undo()
+    assert put_arena(tier, [1, 2]) == 2
+
+
+@pytest.mark.parametrize("code", [-700, -601, -600])  # INVALID_WRITE, ILLEGAL_CLIENT, ...
+def test_a_revoke_refused_never_ends_an_entry_whose_end_was_never_asked_for(
+        make_tier: Any, shared_client: None, monkeypatch: pytest.MonkeyPatch,
+        code: int) -> None:
+    """Payloads that did not arrive: the entries are revoked, never ended, what
+    the revoke answers; the sessions it left open are revoked by later puts."""
+    tier = make_tier()
+    ends: list[list[str]] = []
+    real: dict[str, Any] = {}
+
+    def end(names: list[str]) -> list[int]:
+        ends.append(names)
+        return real["store"].batch_put_session_end(names)
+
+    real["store"] = failing(tier, monkeypatch, instead={
+        "batch_put_session_revoke": lambda names: [code] * len(names),
+        "batch_put_session_end": end},
+        **{PUT_RANGES: lambda codes: [-800] * len(codes)})._store
+    assert put_arena(tier, [1, 2]) == 0
+    assert ends == []
+    assert not tier.contains(key(1)) and not tier.contains(key(2))
+    monkeypatch.undo()
+    assert eventually(lambda: put_arena(tier, [1, 2]) == 2, 10)
+    assert torch.equal(read(tier, 1), chunk(1)) and torch.equal(read(tier, 2), chunk(2))
+
+
+def test_writers_sharing_one_client_put_the_same_keys_at_once(
+        make_tier: Any, shared_client: None) -> None:
+    """Two tiers of one process (one Mooncake client: one put session per key)
+    under the same key prefix, putting overlapping keys from several threads:
+    every key ends up stored with its own bytes, and no put fails."""
+    prefix = f"shared-{time.monotonic_ns()}:"
+    tiers = [make_tier(key_prefix=prefix), make_tier(key_prefix=prefix)]
+    errors = [t.stats()["errors"] for t in tiers]
+    wrong: list[str] = []
+
+    def writer(tier: Any, ids: list[int]) -> None:
+        for _ in range(3):
+            try:
+                put_arena(tier, ids)
+            except Exception as exc:  # (reported by the assert below)
+                wrong.append(repr(exc))
+
+    threads = [threading.Thread(target=writer, args=(t, ids))
+               for t in tiers for ids in ([1, 2, 3, 4], [3, 4, 5, 6], [6, 1, 2, 7])]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert wrong == []
+    assert [t.stats()["errors"] for t in tiers] == errors
+    assert not tiers[0].link._client.puts  # every claim given back
+    for i in range(1, 8):
+        assert eventually(lambda i=i: put_arena(tiers[0], [i]) == 1, 10)
+        for tier in tiers:
+            assert torch.equal(read(tier, i), chunk(i))
+
+
+def test_a_key_twice_in_one_put_is_sent_once(
+        make_tier: Any, shared_client: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    tier = make_tier()
+    started: list[list[str]] = []
+    real: dict[str, Any] = {}
+
+    def start(names: list[str], *args: Any) -> Any:
+        started.append(list(names))
+        return real["store"].batch_put_session_start(names, *args)
+
+    real["store"] = failing(tier, monkeypatch, instead={"batch_put_session_start": start})._store
+    objs = []
+    for i in (1, 2, 1):
+        obj = tier.context.allocate(chunk(i).shape, chunk(i).dtype)
+        obj.tensor.copy_(chunk(i))
+        objs.append(obj)
+    try:
+        assert tier.batched_submit_put([key(1), key(2), key(1)], objs).result(timeout=60) == 3
+    finally:
+        for obj in objs:
+            obj.ref_down()
+    assert started == [[tier.store_key(key(1)), tier.store_key(key(2))]]
+    assert tier.stats()["dropped_writes"] == 0 and tier.stats()["errors"] == 0
+    assert torch.equal(read(tier, 1), chunk(1)) and torch.equal(read(tier, 2), chunk(2))
 
 
 def test_a_put_never_touches_a_put_session_another_writer_holds(
@@ -328,7 +439,7 @@ def test_a_put_never_touches_a_put_session_another_writer_holds(
         assert put_arena(tier, [1, 2]) == 1
         assert tier.link.claim_puts([name]) == set()
     finally:
-        tier.link.release_puts([name], [name])  # left open: settled by the next put
+        tier.link.release_puts([name], {name: False})  # left open: settled by the next put
     assert not tier.contains(key(1))
     assert put_arena(tier, [1]) == 1
     assert torch.equal(read(tier, 1), chunk(1))
