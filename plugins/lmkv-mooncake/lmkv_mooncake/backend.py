@@ -39,6 +39,7 @@ from lmkv.redact import Redactor, secrets_in
 from lmkv.serde import read_header
 from lmkv.tokens import CacheKey
 from lmkv_mooncake.client import (
+    NOT_THERE,
     OBJECT_NOT_FOUND,
     Link,
     MasterUnreachable,
@@ -255,7 +256,7 @@ class MooncakeBackend(StorageBackend):
         assert self.staging is not None
         name = self.store_key(key)
         size = self.link.call("get_size", store.get_size, name)
-        if size == OBJECT_NOT_FOUND:
+        if size in NOT_THERE:
             return False
         raise_for("get_size", size)
         block = self.staging.allocate((size,), torch.uint8)
@@ -269,7 +270,7 @@ class MooncakeBackend(StorageBackend):
             raise
         try:
             # An answer of the real client means its copy is over, failed or not.
-            if codes[0] != OBJECT_NOT_FOUND:
+            if codes[0] not in NOT_THERE:
                 raise_for("batch_get_into", codes[0])
             if codes[0] != size:  # absent, or replaced by another size meanwhile
                 return False

@@ -46,6 +46,10 @@ PACKAGES = ("mooncake-transfer-engine-non-cuda (CPU hosts: pip install 'lmkv-moo
 #: Mooncake's error codes (mooncake-store types.h) that the tier tells apart.
 OBJECT_NOT_FOUND = -704
 OBJECT_ALREADY_EXISTS = -705
+REPLICA_IS_NOT_READY = -703  # an entry still being written (its put not ended)
+#: What a get or size answers for a key with no readable entry, none or one
+#: still being written: a miss, refused before any transfer.
+NOT_THERE = frozenset({OBJECT_NOT_FOUND, REPLICA_IS_NOT_READY})
 INVALID_WRITE = -700  # what revoking an entry the master already holds whole answers
 TRANSFER_FAIL = -800  # also what a get of a smaller object into larger buffers answers
 BUFFER_TOO_SMALL = -600  # INVALID_PARAMS: what a get into a too small buffer answers

@@ -44,7 +44,7 @@ from lmkv.serde import FrameHeader, read_header, verify_payload
 from lmkv.tokens import CacheKey
 from lmkv_mooncake.client import (
     BUFFER_TOO_SMALL,
-    OBJECT_NOT_FOUND,
+    NOT_THERE,
     TRANSFER_FAIL,
     raise_for,
 )
@@ -87,9 +87,10 @@ FOUND, ABSENT, OTHER_LAYOUT = "found", "absent", "other"
 def transfer_over(code: int) -> bool:
     """Whether a get that answered ``code`` is known to have stopped writing into
     its buffers: a frame read (its size, whatever it is), too small buffers
-    (refused before any transfer) or no such object. Every other code is a failed
+    (refused before any transfer) or no readable object (none, or one still being
+    written: refused before any transfer too). Every other code is a failed
     transfer or call, which may still be writing."""
-    return code >= 0 or code in (OBJECT_NOT_FOUND, BUFFER_TOO_SMALL)
+    return code >= 0 or code == BUFFER_TOO_SMALL or code in NOT_THERE
 
 
 @dataclass
@@ -309,7 +310,7 @@ def settle(fetched: Fetched, layout: Layout, out: list[MemoryObj]) -> tuple[int,
         headers = fetched.header_block.tensor.numpy()
         taken = 0
         for i, (key, code) in enumerate(zip(fetched.keys, fetched.codes, strict=True)):
-            if code == OBJECT_NOT_FOUND:
+            if code in NOT_THERE:
                 return taken, ABSENT
             if code != hlen + plen:
                 if code >= 0 or code == BUFFER_TOO_SMALL or (

@@ -481,3 +481,33 @@ def test_a_get_session_refused_for_its_replica_or_lease_reads_staged(
     failing(tier, monkeypatch, batch_get_session_start=lambda codes: [code] * len(codes))
     assert torch.equal(read(tier, 2), chunk(2))
     assert tier.stats()["errors"] == 0
+
+
+@pytest.mark.parametrize("how", ["session", "batch", "staged"])
+def test_a_get_of_an_entry_still_being_written_is_a_miss(
+        make_tier: Any, shared_client: None, monkeypatch: pytest.MonkeyPatch,
+        how: str) -> None:
+    """An entry whose put has not ended (REPLICA_IS_NOT_READY, refused before
+    any transfer): a miss, not an error, nothing quarantined."""
+    from test_mooncake_failed_gets import SESSIONS
+
+    tier = make_tier()
+    assert put(tier, [1]) == 1
+    if how != "staged":
+        assert torch.equal(read(tier, 1), chunk(1))  # learns the layout: direct gets
+    name = tier.store_key(key(2))
+    assert session_start(tier, [name], [len(frame(2))]) == [0]  # another writer's put
+    try:
+        if how == "batch":
+            failing(tier, monkeypatch, hide=SESSIONS)
+        errors = tier.stats()["errors"]
+        assert read(tier, 2) is None
+        assert tier.stats()["errors"] == errors
+        assert tier.stats()["quarantined_chunks"] == 0
+        assert not tier.faults.breaker.is_open
+    finally:
+        monkeypatch.undo()
+        with tier.link.using() as store:
+            assert store.batch_put_session_revoke([name]) == [0]
+    assert put(tier, [2]) == 1
+    assert torch.equal(read(tier, 2), chunk(2))
