@@ -57,6 +57,11 @@ from lmkv_mooncake.memory import Registered
 RANGE_BYTES = 32 << 20
 #: No piece is smaller than this, whatever the window's keys.
 MIN_PIECE_BYTES = 1 << 20
+#: A window of few keys still moves in this many calls (pieces of a quarter of
+#: a frame for one key), so only the last call's pieces are hashed after the
+#: transfer: a get of one 32 MiB chunk went from 1.91-2.28 GB/s in one call to
+#: 2.37-2.84 GB/s in four (a 16-core host, interleaved runs).
+MIN_CALLS = 4
 
 
 @dataclass(frozen=True)
@@ -185,9 +190,9 @@ def fetch_ranged(store: Any, names: Sequence[str], keys: Sequence[CacheKey], lay
                  register_arena: bool, quarantine: Callable[[list[MemoryObj]], None],
                  link: Any) -> Fetched:
     """``fetch`` through one get session: the frames move in pieces of at most
-    ``RANGE_BYTES`` a call, and each call's pieces are hashed while the next call
-    moves. The caller holds the session claim on ``names``
-    (``Link.claim_sessions``).
+    ``RANGE_BYTES`` a call (in ``MIN_CALLS`` calls at least), and each call's
+    pieces are hashed while the next call moves. The caller holds the session
+    claim on ``names`` (``Link.claim_sessions``).
 
     Codes as ``fetch`` gives them, the prefix ending at the first key that is
     not a frame of ``layout``'s size: the session's answer for it (absent, ...),
@@ -225,7 +230,8 @@ def fetch_ranged(store: Any, names: Sequence[str], keys: Sequence[CacheKey], lay
                                    register_arena):
             return fetched  # codes None: the staged way reads them
         fetched.asked = bool(live)  # from here a call may write into the buffers
-        piece = max(MIN_PIECE_BYTES, RANGE_BYTES // max(1, len(live)))
+        piece = max(MIN_PIECE_BYTES, min(RANGE_BYTES // max(1, len(live)),
+                                         -(-plen // MIN_CALLS)))
         bounds = [(a, min(a + piece, plen)) for a in range(0, plen, piece)]
         hashers = {i: xxhash.xxh3_64() for i in live}
 

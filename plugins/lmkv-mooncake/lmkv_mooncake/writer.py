@@ -12,9 +12,11 @@ raises for a Mooncake fault.
 
 Where the store has put sessions (Mooncake's ranged calls) and every chunk lies
 in registered memory under a raw-payload serializer, a window goes through one
-instead (``_send_session``): ``batch_put_session_start`` reserves its entries,
-the payloads start moving from lmkv's arena at once, and this thread computes
-the headers (the checksums) meanwhile; the headers follow, and
+instead (``_send_session``), with no ``batch_is_exist`` first:
+``batch_put_session_start`` reserves its entries (and answers
+OBJECT_ALREADY_EXISTS for those already there), the payloads start moving from
+lmkv's arena at once, and this thread computes the headers (the checksums)
+meanwhile; the headers move as soon as they are computed, and
 ``batch_put_session_end`` makes the entries readable. An entry whose payload or
 header did not arrive whole is revoked, never ended: nothing half written is
 ever readable.
@@ -132,13 +134,10 @@ class Writer(PutQueue):
         """Frame window after window while the previous window is on the wire
         (Mooncake's calls release the GIL): the checksums cost no extra time."""
         names = [self.name_of(k) for k in keys]
-        present = self.link.call("batch_is_exist", store.batch_is_exist, names)
-        for code in present:
-            raise_for("batch_is_exist", code)
-        self.faults.succeeded()
-        done[0] = done[1] = sum(1 for code in present if code == 1)
-        todo = [i for i, code in enumerate(present) if code != 1]
-        if self._sessions_fit(store, [objs[i] for i in todo]):
+        if self._sessions_fit(store, objs):
+            # No batch_is_exist first: a session's start answers OBJECT_ALREADY_EXISTS
+            # for an entry already there (stored by any engine), nothing is sent.
+            todo = list(range(len(keys)))
             self._settle_unsettled(store)
             first = {names[i]: i for i in reversed(todo)}
             copies = len(todo) - len(first)  # a key twice in the batch: sent once,
@@ -156,6 +155,11 @@ class Writer(PutQueue):
                                    [objs[i] for i in todo[start:end]], done)
                 start = end
             return
+        present = self.link.call("batch_is_exist", store.batch_is_exist, names)
+        for code in present:
+            raise_for("batch_is_exist", code)
+        self.faults.succeeded()
+        done[0] = done[1] = sum(1 for code in present if code == 1)
         window = _Window()
         sending: Future | None = None
 
@@ -265,6 +269,8 @@ class Writer(PutQueue):
                 unsettled.update(dict.fromkeys(names, False))
                 raise
             opened = [i for i, code in enumerate(codes) if code == 0]
+            if not any(unreachable(code) for code in codes):
+                self.faults.succeeded()  # the master answered
             unreachable_code = None
             for i, code in enumerate(codes):
                 if code == 0:
@@ -345,16 +351,17 @@ class Writer(PutQueue):
                 header, dtype=np.uint8)
             framed[i] = offset
             offset += hlens[i]
-        moved = payloads()
-        whole = [i for i, code in zip(opened, moved, strict=True)
-                 if code == plens[i] and i in framed]
-        if whole:
-            base = block.tensor.data_ptr()
-            heads = self.link.call("batch_put_from_multi_buffer_ranges", ranges,
-                                   [names[i] for i in whole],
-                                   [[base + framed[i]] for i in whole],
-                                   [[hlens[i]] for i in whole], [[0]] * len(whole))
-            whole = [i for i, code in zip(whole, heads, strict=True) if code == hlens[i]]
+        # The headers move while the payloads may still (disjoint ranges of the
+        # same sessions: Mooncake ends a session only once its writes are over).
+        framing = [i for i in opened if i in framed]
+        base = block.tensor.data_ptr()
+        heads = self.link.start(
+            "batch_put_from_multi_buffer_ranges", ranges, [names[i] for i in framing],
+            [[base + framed[i]] for i in framing], [[hlens[i]] for i in framing],
+            [[0]] * len(framing)) if framing else (lambda: [])
+        moved = dict(zip(opened, payloads(), strict=True))
+        headed = dict(zip(framing, heads(), strict=True))
+        whole = [i for i in framing if moved[i] == plens[i] and headed[i] == hlens[i]]
         if whole:
             end_sent.update(whole)
             sealed = self.link.call("batch_put_session_end", store.batch_put_session_end,

@@ -89,6 +89,18 @@ def test_a_shorter_object_is_read_staged_and_a_corrupt_payload_is_a_miss(
     assert read(tier, 2) is None
     assert read(tier, 3) is None
     assert tier.stats()["corrupt_frames"] == 2
+    # Several keys in one window, the corrupt one among them: each its own digest.
+    store_raw(tier, 3, frame(3)[:-1] + bytes([frame(3)[-1] ^ 1]))
+    store_raw(tier, 5, frame(5))
+    store_raw(tier, 6, frame(6))
+    got = tier.batched_get_non_blocking("l", [key(5), key(6), key(3)]).result(timeout=60)
+    try:
+        assert [torch.equal(o.tensor, chunk(i)) for o, i in zip(got, [5, 6], strict=True)] \
+            == [True, True]
+    finally:
+        for obj in got:
+            obj.ref_down()
+    assert tier.stats()["corrupt_frames"] == 3
     store_raw(tier, 4, frame(4))  # the same bytes whole: read, direct
     direct = tier.stats()["direct_gets"]
     assert torch.equal(read(tier, 4), chunk(4))
@@ -132,14 +144,28 @@ def test_gets_of_the_same_keys_at_once_never_end_each_others_session(
 
 def test_puts_go_through_one_put_session(
         make_tier: Any, shared_client: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One start, the payloads' and the headers' ranged calls, one end, and no
+    ``batch_is_exist`` first: the start answers OBJECT_ALREADY_EXISTS for an
+    entry already there, and nothing of it is sent."""
     tier = make_tier()
-    store = failing(tier, monkeypatch, batch_put_session_start=lambda codes: codes)
+    same = lambda answer: answer  # noqa: E731
+    store = failing(tier, monkeypatch, **dict.fromkeys(
+        ["batch_is_exist", "batch_put_session_start", PUT_RANGES, "batch_put_session_end"],
+        same))
     assert put_arena(tier, [1, 2, 3]) == 3
-    assert store.calls == ["batch_put_session_start"]
+    assert store.calls == ["batch_put_session_start", PUT_RANGES, PUT_RANGES,
+                           "batch_put_session_end"]
+    monkeypatch.undo()
     for i in (1, 2, 3):
         assert torch.equal(read(tier, i), chunk(i))
-    assert put_arena(tier, [1, 2]) == 2  # present: not sent again
-    assert store.calls == ["batch_put_session_start"]
+    store = failing(tier, monkeypatch, **dict.fromkeys(
+        ["batch_is_exist", "batch_put_session_start", PUT_RANGES], same))
+    puts = tier.stats()["puts"]
+    assert put_arena(tier, [1, 2, 4]) == 3  # 1 and 2 present: not sent again
+    assert store.calls == ["batch_put_session_start", PUT_RANGES, PUT_RANGES]
+    assert tier.stats()["dropped_writes"] == 0
+    assert tier.stats()["puts"] == puts + 3
+    assert torch.equal(read(tier, 4), chunk(4))
 
 
 @pytest.mark.parametrize("fails", ["payloads", "headers", "end", "late"])
@@ -151,11 +177,12 @@ def test_a_put_session_that_fails_leaves_nothing_readable_and_gives_the_space_ba
     put again at once, which a session left open refuses) and the writes count
     as dropped."""
     tier = make_tier()
-    calls = [0]
+    header_len = len(frame(1)) - chunk(1).numel() * 2
 
     def ranges(codes: list[int]) -> list[int]:
-        calls[0] += 1  # the payloads' call first, then the headers'
-        if (fails == "payloads") == (calls[0] == 1) and fails in ("payloads", "headers"):
+        # (the payloads' and the headers' calls may answer in either order)
+        headers = all(code == header_len for code in codes)
+        if fails in ("payloads", "headers") and headers == (fails == "headers"):
             return [-800] * len(codes)
         return codes
 
