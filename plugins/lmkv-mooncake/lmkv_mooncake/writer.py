@@ -135,25 +135,7 @@ class Writer(PutQueue):
         (Mooncake's calls release the GIL): the checksums cost no extra time."""
         names = [self.name_of(k) for k in keys]
         if self._sessions_fit(store, objs):
-            # No batch_is_exist first: a session's start answers OBJECT_ALREADY_EXISTS
-            # for an entry already there (stored by any engine), nothing is sent.
-            todo = list(range(len(keys)))
-            self._settle_unsettled(store)
-            first = {names[i]: i for i in reversed(todo)}
-            copies = len(todo) - len(first)  # a key twice in the batch: sent once,
-            done[0] += copies  # the others count as a writer that got there first
-            done[1] += copies
-            todo = sorted(first.values())
-            start = 0
-            while start < len(todo):
-                end, nbytes = start, 0
-                while end < len(todo) and (end == start or nbytes < self._window_bytes):
-                    nbytes += objs[todo[end]].nbytes
-                    end += 1
-                self._send_session(store, [names[i] for i in todo[start:end]],
-                                   [keys[i] for i in todo[start:end]],
-                                   [objs[i] for i in todo[start:end]], done)
-                start = end
+            self._write_sessions(store, names, keys, objs, done)
             return
         present = self.link.call("batch_is_exist", store.batch_is_exist, names)
         for code in present:
@@ -199,6 +181,35 @@ class Writer(PutQueue):
                 wait([sending])  # its staging is released by _flush itself
             window.release()
 
+    def _write_sessions(self, store: Any, names: list[str], keys: Sequence[CacheKey],
+                        objs: Sequence[MemoryObj], done: list[int]) -> None:
+        """Store the batch through put sessions, a window at a time. No
+        ``batch_is_exist`` first: a start answers OBJECT_ALREADY_EXISTS for an
+        entry already there (or being written by another engine), and nothing
+        of it is sent. A key twice in the batch is sent once; its copies count
+        as that entry turned out."""
+        self._settle_unsettled(store)
+        first = {name: i for i, name in reversed(list(enumerate(names)))}
+        todo = sorted(first.values())
+        stored: set[str] = set()
+        try:
+            start = 0
+            while start < len(todo):
+                end, nbytes = start, 0
+                while end < len(todo) and (end == start or nbytes < self._window_bytes):
+                    nbytes += objs[todo[end]].nbytes
+                    end += 1
+                self._send_session(store, [names[i] for i in todo[start:end]],
+                                   [keys[i] for i in todo[start:end]],
+                                   [objs[i] for i in todo[start:end]], done, stored)
+                start = end
+        finally:
+            copies = [name for i, name in enumerate(names) if first[name] != i]
+            kept = sum(name in stored for name in copies)
+            done[0] += kept
+            done[1] += len(copies)
+            self.counters.dropped_writes += len(copies) - kept
+
     def _sessions_fit(self, store: Any, objs: Sequence[MemoryObj]) -> bool:
         """Whether these chunks can go through put sessions: the store has them,
         the serializer writes raw payloads, and every chunk lies contiguous in
@@ -218,10 +229,11 @@ class Writer(PutQueue):
         return True
 
     def _send_session(self, store: Any, names: list[str], keys: Sequence[CacheKey],
-                      objs: Sequence[MemoryObj], done: list[int]) -> None:
-        """Store one window through a put session (see the module's doc). A
-        refused entry is a counted fault, a master out of reach raises (the
-        batch's remaining writes are dropped)."""
+                      objs: Sequence[MemoryObj], done: list[int], stored: set[str]) -> None:
+        """Store one window through a put session (see the module's doc);
+        ``stored`` gets the names stored (or already there). A refused entry is
+        a counted fault, a master out of reach raises (the batch's remaining
+        writes are dropped)."""
         mine: set[str] = set()
         unsettled: dict[str, bool] = {}
         try:
@@ -232,13 +244,13 @@ class Writer(PutQueue):
             keep = [i for i, name in enumerate(names) if name in mine]
             if keep:
                 self._send_claimed(store, [names[i] for i in keep], [keys[i] for i in keep],
-                                   [objs[i] for i in keep], done, unsettled)
+                                   [objs[i] for i in keep], done, unsettled, stored)
         finally:
             self.link.release_puts(mine, unsettled)
 
     def _send_claimed(self, store: Any, names: list[str], keys: Sequence[CacheKey],
                       objs: Sequence[MemoryObj], done: list[int],
-                      unsettled: dict[str, bool]) -> None:
+                      unsettled: dict[str, bool], stored: set[str]) -> None:
         """``_send_session`` of claimed ``names``; ``unsettled`` gets the names
         whose put session may still be open in Mooncake (revoked before a later
         put), each with whether its end may have reached the master."""
@@ -278,6 +290,7 @@ class Writer(PutQueue):
                 done[1] += 1
                 if code == OBJECT_ALREADY_EXISTS:  # another writer got there first
                     done[0] += 1
+                    stored.add(names[i])
                     continue
                 self.counters.dropped_writes += 1
                 if code == BUFFER_TOO_SMALL:  # INVALID_PARAMS: a session left open, or
@@ -298,21 +311,23 @@ class Writer(PutQueue):
             revoked = self._revoke(store, [names[i] for i in opened + stale if i not in ended],
                                    {names[i] for i in end_sent})
             unsettled.update(revoked.left)
-            self._count_opened(names, hlens, plens, opened, ended, revoked, done)
+            stored.update(self._count_opened(names, hlens, plens, opened, ended, revoked,
+                                             done))
             refused = [names[i] for i in stale if names[i] in revoked.absent]
             if refused:  # no session of ours held them: the start refused its parameters
                 self.faults.fault("put", MooncakeError("put", BUFFER_TOO_SMALL),
                                   f"{len(refused)} writes dropped", refused[0])
             if len(stale) > len(refused):
                 self.faults.note("session-put", "%d writes found a put session of theirs "
-                                 "left open by an earlier call; dropped, the session revoked",
-                                 len(stale) - len(refused))
+                                 "left open by an earlier call; dropped, the session revoked "
+                                 "where Mooncake let it (see its log)", len(stale) - len(refused))
 
     def _count_opened(self, names: list[str], hlens: list[int], plens: list[int],
                       opened: list[int], ended: set[int], revoked: _Revoked,
-                      done: list[int]) -> None:
+                      done: list[int]) -> list[str]:
         """Count the entries whose put session opened: stored when ended (by
-        ``_send_opened``, or again by ``_revoke``), else dropped."""
+        ``_send_opened``, or again by ``_revoke``), else dropped; returns the
+        names stored."""
         stored = [i for i in opened if i in ended or names[i] in revoked.ended]
         done[0] += len(stored)
         done[1] += len(opened)
@@ -326,6 +341,7 @@ class Writer(PutQueue):
             self.faults.note("session-put", "%d of %d writes did not arrive whole "
                              "through a put session (see Mooncake's log); revoked",
                              len(opened) - len(stored), len(opened))
+        return [names[i] for i in stored]
 
     def _send_opened(self, store: Any, names: list[str], keys: Sequence[CacheKey],
                      objs: Sequence[MemoryObj], hlens: list[int], plens: list[int],
@@ -376,27 +392,34 @@ class Writer(PutQueue):
         if pending:
             left = pending
             try:
+                # A master out of reach raises here: the put's guard tells the breaker.
                 left = self._revoke(store, list(pending),
-                                    {name for name, sent in pending.items() if sent}).left
+                                    {name for name, sent in pending.items() if sent},
+                                    reraise=True).left
             finally:
                 self.link.release_puts(pending, left)
 
-    def _revoke(self, store: Any, names: list[str], end_sent: set[str]) -> _Revoked:
+    def _revoke(self, store: Any, names: list[str], end_sent: set[str],
+                reraise: bool = False) -> _Revoked:
         """Revoke the put sessions of ``names`` (see ``_Revoked``). An entry
         whose end was asked for (``end_sent``) and that the master holds whole
         (the end reached it, its answer did not reach us: only whole entries
         are ever ended) refuses the revoke with INVALID_WRITE: it is ended
         again instead. Any other refusal leaves the session to Mooncake: a
         later start of the key answers INVALID_PARAMS, which brings it back
-        here."""
+        here. A call that fails (the master out of reach) leaves every name it
+        asked about in ``left``, and raises with ``reraise`` (else the caller's
+        own failure, if any, tells the breaker)."""
         revoked = _Revoked()
         if not names:
             return revoked
         try:
             codes = self.link.call("batch_put_session_revoke", store.batch_put_session_revoke,
                                    names)
-        except Exception:  # (the master is gone: the breaker is told by the caller)
+        except Exception:
             revoked.left = {name: name in end_sent for name in names}
+            if reraise:
+                raise
             return revoked
         whole = []
         for name, code in zip(names, codes, strict=True):
@@ -412,10 +435,12 @@ class Writer(PutQueue):
                                        whole)
             except Exception:
                 revoked.left.update(dict.fromkeys(whole, True))
+                if reraise:
+                    raise
                 return revoked
             for name, code in zip(whole, codes, strict=True):
-                if code == 0:
-                    revoked.ended.add(name)
+                if code in (0, BUFFER_TOO_SMALL):  # (INVALID_PARAMS: the first end,
+                    revoked.ended.add(name)  # late, went through and closed it)
                 elif unreachable(code):
                     revoked.left[name] = True
         return revoked

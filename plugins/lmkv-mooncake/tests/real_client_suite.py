@@ -213,3 +213,28 @@ def test_thin_gets_go_window_by_window_and_read_another_layout_alone(
         for obj in objs:
             obj.ref_down()
     assert tier.stats()["errors"] == 0 and tier.stats()["corrupt_frames"] == 0
+
+
+@pytest.mark.parametrize("call", ["get_size", "batch_get_into",
+                                  "batch_get_into_multi_buffers"])
+def test_a_thin_get_of_an_entry_still_being_written_is_a_miss(
+        real_client: MooncakeRealClient, make_tier: object,
+        monkeypatch: pytest.MonkeyPatch, call: str) -> None:
+    """REPLICA_IS_NOT_READY (another engine's put not ended yet), whichever
+    call answers it (by its size before the layout is known, window by window
+    after): a miss, not an error; the staging goes back."""
+    from test_mooncake_failed_gets import failing
+
+    tier = make_tier(real_client)
+    assert put(tier, [0, 1]) == 2
+    if call == "batch_get_into_multi_buffers":
+        assert torch.equal(read(tier, 0), chunk(0))  # learns the layout
+    staged = tier.staging.used_bytes
+    errors = tier.stats()["errors"]
+    store = failing(tier, monkeypatch, **{call: (lambda size: -703) if call == "get_size"
+                                          else (lambda codes: [-703] * len(codes))})
+    assert read(tier, 1) is None
+    assert store.calls[-1] == call
+    assert tier.stats()["errors"] == errors
+    assert tier.staging.used_bytes == staged
+    assert not tier.faults.breaker.is_open

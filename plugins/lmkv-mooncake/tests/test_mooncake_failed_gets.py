@@ -243,3 +243,20 @@ def test_a_slow_lookup_is_a_miss_and_opens_the_breaker(
     failing(tier, monkeypatch, batch_is_exist=slow(2))
     assert tier.batched_async_contains("l", [key(1)]) == 0
     assert tier.faults.breaker.is_open
+
+
+@pytest.mark.parametrize("code", [-702, -707])  # INVALID_REPLICA, LEASE_EXPIRED
+def test_a_batch_get_refused_for_its_replica_or_lease_is_not_read_staged(
+        make_tier: Any, shared_client: None, monkeypatch: pytest.MonkeyPatch,
+        code: int) -> None:
+    """Read the staged way only where a get session answers it (before any
+    transfer); from the batch call it is a failure like any other."""
+    tier = make_tier()
+    assert put(tier, [1, 2]) == 2
+    assert torch.equal(read(tier, 1), chunk(1))
+    errors = tier.stats()["errors"]
+    store = failing(tier, monkeypatch, hide=SESSIONS,
+                    batch_get_into_multi_buffers=lambda codes: [code] * len(codes))
+    assert read(tier, 2) is None
+    assert store.calls == [BATCH]
+    assert tier.stats()["errors"] == errors + 1

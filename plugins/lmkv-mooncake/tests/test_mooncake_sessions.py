@@ -538,3 +538,96 @@ def test_a_get_of_an_entry_still_being_written_is_a_miss(
             assert store.batch_put_session_revoke([name]) == [0]
     assert put(tier, [2]) == 1
     assert torch.equal(read(tier, 2), chunk(2))
+
+
+def test_copies_of_a_key_count_as_that_entry_turned_out(
+        make_tier: Any, shared_client: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    tier = make_tier()
+    failing(tier, monkeypatch, **{PUT_RANGES: lambda codes: [-800] * len(codes)})
+    puts, dropped = tier.stats()["puts"], tier.stats()["dropped_writes"]
+    assert put_arena(tier, [1, 1, 1]) == 0  # the one sent did not arrive: none stored
+    assert tier.stats()["puts"] == puts
+    assert tier.stats()["dropped_writes"] == dropped + 3
+    monkeypatch.undo()
+    assert eventually(lambda: put_arena(tier, [1, 2, 1]) == 3, 10)
+    assert torch.equal(read(tier, 1), chunk(1))
+
+
+def test_an_end_whose_answer_was_lost_counts_as_stored_when_the_revoke_finds_none(
+        make_tier: Any, shared_client: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The end went through (Mooncake closed the session) but its answer was
+    lost: the revoke finds no session (INVALID_PARAMS), so the entry is stored."""
+    tier = make_tier()
+    real: dict[str, Any] = {}
+
+    def end(names: list[str]) -> list[int]:
+        assert real["store"].batch_put_session_end(names) == [0] * len(names)
+        return [-900] * len(names)
+
+    real["store"] = failing(tier, monkeypatch,
+                            instead={"batch_put_session_end": end})._store
+    dropped = tier.stats()["dropped_writes"]
+    assert put_arena(tier, [1, 2]) == 2
+    assert tier.stats()["dropped_writes"] == dropped
+    monkeypatch.undo()
+    assert torch.equal(read(tier, 1), chunk(1)) and torch.equal(read(tier, 2), chunk(2))
+
+
+def test_a_later_put_ends_again_an_entry_whose_end_and_revoke_went_unanswered(
+        make_tier: Any, shared_client: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The end's answer lost, then the revoke's: the session may be open and the
+    entry whole; the next put's settling meets INVALID_WRITE and ends it again
+    (and only then), so the key is never locked out."""
+    tier = make_tier()
+    real: dict[str, Any] = {}
+    ends: list[list[str]] = []
+
+    def end_lost(names: list[str]) -> list[int]:
+        ends.append(list(names))
+        return [-900] * len(names)  # (never reached the master)
+
+    real["store"] = failing(tier, monkeypatch, instead={
+        "batch_put_session_end": end_lost,
+        "batch_put_session_revoke": lambda names: [-900] * len(names)})._store
+    assert put_arena(tier, [1]) == 0
+    assert tier.link._client.unsettled == {tier.store_key(key(1)): True}
+    monkeypatch.undo()
+
+    def end(names: list[str]) -> list[int]:
+        ends.append(list(names))
+        return real["store"].batch_put_session_end(names)
+
+    failing(tier, monkeypatch, instead={
+        "batch_put_session_end": end,
+        "batch_put_session_revoke": lambda names: [-700] * len(names)})
+    ends.clear()
+    assert put_arena(tier, [2]) == 1  # settles key 1 first
+    assert [tier.store_key(key(1))] in ends  # ended again by the settling
+    assert not tier.link._client.unsettled
+    monkeypatch.undo()
+    assert torch.equal(read(tier, 1), chunk(1)) and torch.equal(read(tier, 2), chunk(2))
+
+
+def test_a_master_gone_while_settling_opens_the_breaker(
+        make_tier: Any, shared_client: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    from lmkv_mooncake.client import MasterUnreachable
+
+    tier = make_tier()
+    failing(tier, monkeypatch, instead={
+        "batch_put_session_revoke": lambda names: [-900] * len(names)},
+        **{PUT_RANGES: lambda codes: [-800] * len(codes)})
+    assert put_arena(tier, [1]) == 0
+    assert not tier.faults.breaker.is_open
+    monkeypatch.undo()
+
+    def gone(names: list[str]) -> list[int]:
+        raise MasterUnreachable("batch_put_session_revoke did not answer")
+
+    store = failing(tier, monkeypatch, batch_put_session_start=lambda codes: codes,
+                    instead={"batch_put_session_revoke": gone})
+    assert put_arena(tier, [2]) == 0
+    assert tier.faults.breaker.is_open
+    assert store.calls == ["batch_put_session_revoke"]  # no start after it
+    assert tier.store_key(key(1)) in tier.link._client.unsettled  # still to settle
+    monkeypatch.undo()
+    assert eventually(lambda: put_arena(tier, [1, 2]) == 2, 10)
