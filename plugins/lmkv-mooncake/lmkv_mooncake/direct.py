@@ -319,6 +319,8 @@ def settle(fetched: Fetched, layout: Layout, out: list[MemoryObj]) -> tuple[int,
             if code in NOT_THERE:
                 return taken, ABSENT
             if code != hlen + plen:
+                # (NOT_IN_PLACE only as a get session answers it: fetch_ranged's
+                # windows are those with checksums)
                 if code >= 0 or code == BUFFER_TOO_SMALL or (
                         code in NOT_IN_PLACE and fetched.checksums is not None):
                     return taken, OTHER_LAYOUT  # another size...: the staged way reads it

@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -82,6 +83,7 @@ class _Window:
         self.staging.clear()
 
 
+@dataclass
 class _Revoked:
     """What ``Writer._revoke`` found: ``left``, the sessions that may still be
     open (the master did not answer), each with whether its end may have
@@ -89,10 +91,9 @@ class _Revoked:
     went through, its answer lost); ``absent``, the names no session of this
     client held."""
 
-    def __init__(self) -> None:
-        self.left: dict[str, bool] = {}
-        self.ended: set[str] = set()
-        self.absent: set[str] = set()
+    left: dict[str, bool] = field(default_factory=dict)
+    ended: set[str] = field(default_factory=set)
+    absent: set[str] = field(default_factory=set)
 
 
 class Writer(PutQueue):

@@ -148,7 +148,10 @@ def test_puts_go_through_one_put_session(
     ``batch_is_exist`` first: the start answers OBJECT_ALREADY_EXISTS for an
     entry already there, and nothing of it is sent."""
     tier = make_tier()
-    same = lambda answer: answer  # noqa: E731
+
+    def same(answer: Any) -> Any:
+        return answer
+
     store = failing(tier, monkeypatch, **dict.fromkeys(
         ["batch_is_exist", "batch_put_session_start", PUT_RANGES, "batch_put_session_end"],
         same))
