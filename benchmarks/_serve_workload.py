@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from lmkv.errors import LMKVError
+from lmkv.base.errors import LMKVError
 from lmkv.replay.defaults import MOONCAKE_BLOCK_SIZE
 from lmkv.testing.serve import VllmServe
 

@@ -20,10 +20,10 @@ import numpy as np
 import torch
 from _timing import best_of
 
-from lmkv.backend import BackendContext
-from lmkv.config import load_config
-from lmkv.policy import EvictionContext
-from lmkv.tokens import CacheKey, KeyMeta, TokenChunker, prefix_hashes, token_bytes
+from lmkv.config.model import load_config
+from lmkv.contracts.policy import EvictionContext
+from lmkv.contracts.tier import BackendContext
+from lmkv.keys.chunking import CacheKey, KeyMeta, TokenChunker, prefix_hashes, token_bytes
 
 MiB = 1 << 20
 
@@ -133,8 +133,8 @@ def bench_metrics(rounds: int) -> None:
     (``record_metrics=False``, as under vLLM), sampled in turn so both see the
     same machine. A small model (2 layers, 2 KV heads of 64): the KV copies are
     short, so a fixed cost per call shows more than it would at a real model's size."""
+    from lmkv.contracts.connector import KVSpec
     from lmkv.engines import open_engine
-    from lmkv.gpu import KVSpec
 
     chunk, n_chunks = 256, 16  # a 4096-token prompt
     spec = KVSpec(num_layers=2, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16)

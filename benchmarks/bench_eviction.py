@@ -25,11 +25,11 @@ import time
 
 import torch
 
-from lmkv.backend import BackendContext
-from lmkv.config import load_config
-from lmkv.errors import ConfigError
-from lmkv.policy import EvictionContext
-from lmkv.tokens import CacheKey, KeyMeta
+from lmkv.base.errors import ConfigError
+from lmkv.config.model import load_config
+from lmkv.contracts.policy import EvictionContext
+from lmkv.contracts.tier import BackendContext
+from lmkv.keys.chunking import CacheKey, KeyMeta
 
 SHAPE = (2, 2, 16, 2, 32)
 DTYPE = torch.float16

@@ -56,10 +56,10 @@ from pathlib import Path
 
 import torch
 
-from lmkv.backend import BackendContext
-from lmkv.direct import PIECE_BYTES, DirectChunk
+from lmkv.contracts.direct_chunk import PIECE_BYTES, DirectChunk
+from lmkv.contracts.tier import BackendContext
+from lmkv.keys.chunking import CacheKey, KeyMeta
 from lmkv.memory import MemoryAllocator, MemoryObj
-from lmkv.tokens import CacheKey, KeyMeta
 from lmkv_backends.serde.naive import NaiveSerializer
 from lmkv_backends.tiers.fs import FSBackend
 from lmkv_policies.lru import LRUPolicy
@@ -237,9 +237,10 @@ def cross_reader(work: Path, n: int, page_cache: bool, touched: bool) -> dict[st
 
 def cross_direct_reader(work: Path, n: int, page_cache: bool, touched: bool
                         ) -> dict[str, float]:
-    """A fresh process: open the tier and read every chunk directly (``lmkv.direct``:
-    piece by piece through one staging buffer, checksummed there) into the
-    destination, as an engine whose KV is in host memory does."""
+    """A fresh process: open the tier and read every chunk directly
+    (``lmkv.contracts.direct_chunk``: piece by piece through one staging buffer,
+    checksummed there) into the destination, as an engine whose KV is in host
+    memory does."""
     full, keys = vllm_chunks(n)
     dst = torch.empty_like(full)
     dst.zero_()
@@ -312,7 +313,8 @@ def cross_process_main(args: argparse.Namespace) -> None:
               f"{med['direct_ms'] / med['st_ms']:>7.2f}{med['fs_write_ms']:>10.1f}"
               f"{med['st_write_ms']:>10.1f}")
     print("fs read = open + lookup + reads into a fresh arena; +copy = then copied into one "
-          "destination tensor; direct = open + lookup + direct reads (lmkv.direct) into it; "
+          "destination tensor; direct = open + lookup + direct reads "
+          "(lmkv.contracts.direct_chunk) into it; "
           "fs write is durable (fdatasync), st write is not")
     print(f"cold: page cache dropped with {method}; load average {os.getloadavg()[0]:.1f}")
 

@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from lmkv.gpu import KVSpec
+    from lmkv.contracts.connector import KVSpec
 
 # Llama-3-8B: 32 layers, 8 KV heads (GQA), head size 128.
 LAYERS, KV_HEADS, HEAD_DIM = 32, 8, 128
@@ -109,7 +109,7 @@ def shuffled_table(blocks: int, num_blocks: int, seed: int = 0) -> list[int]:
 
 def transfer_section(run: Run, token_counts: tuple[int, ...], layers: int, heads: int,
                      head_dim: int) -> None:
-    from lmkv.gpu import KVSpec
+    from lmkv.contracts.connector import KVSpec
 
     spec = KVSpec(layers, heads, head_dim, torch.bfloat16)
     print(f"\n== transfer: {layers} layers x {heads} KV heads x {head_dim}, {spec.dtype}, "
@@ -139,7 +139,7 @@ def paged_caches(page: str, layers: int, num_blocks: int, heads: int, dim: int,
 
 
 def transfer_one(run: Run, spec: KVSpec, tokens: int, page: str) -> None:
-    from lmkv.gpu import ChunkSpan, ConnectorContext
+    from lmkv.contracts.connector import ChunkSpan, ConnectorContext
     from lmkv_backends.connectors.paged import PagedConnector
 
     dtype = spec.dtype

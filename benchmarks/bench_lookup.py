@@ -27,8 +27,8 @@ from multiprocessing.connection import Connection
 import torch
 
 from lmkv import Engine, KVSpec, load_config, open_engine
+from lmkv.keys.chunking import prefix_hashes
 from lmkv.lookup import LookupClient, LookupEndpoints, LookupResponder
-from lmkv.tokens import prefix_hashes
 
 CHUNK = 256
 PROMPT_TOKENS = 32 * 1024

@@ -50,9 +50,9 @@ import numpy as np
 import torch
 import xxhash
 
-from lmkv.backend import BackendContext
+from lmkv.contracts.tier import BackendContext
+from lmkv.keys.chunking import CacheKey, KeyMeta
 from lmkv.memory import MemoryAllocator, MemoryObj
-from lmkv.tokens import CacheKey, KeyMeta
 from lmkv_backends.serde.naive import NaiveSerializer
 
 MiB = 1 << 20

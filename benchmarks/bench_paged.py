@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 import torch
 from _timing import best_of
 
-from lmkv.gpu import ChunkSpan, ConnectorContext, KVSpec
+from lmkv.contracts.connector import ChunkSpan, ConnectorContext, KVSpec
 from lmkv_backends.connectors.paged import PagedConnector
 from lmkv_kernels import geometry
 

@@ -27,9 +27,9 @@ import heapq
 import json
 import time
 
-from lmkv.admission import AdmissionGate
 from lmkv.plugins.manager import get_plugin_manager
 from lmkv.replay.belady import belady_hits
+from lmkv.storage.admission import AdmissionGate
 
 
 def load(path: str) -> list[list[int]]:

@@ -2,7 +2,7 @@
 
 Issue 11's open target: a fresh second process loading from disk at most as
 slow as vLLM's ExampleConnector (safetensors files: in effect mmap, then one
-copy). lmkv's direct reads (``lmkv.direct``) pread each piece into a staging
+copy). lmkv's direct reads (``lmkv.contracts.direct_chunk``) pread each piece into a staging
 buffer, fold it into the entry's xxh3 checksum, then copy it into the KV: three
 passes. This times each pass and the combinations over one file of ``--mib``
 MiB in the page cache (best of ``--repeats``), with a plain memcpy of the same
@@ -31,7 +31,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dir", default="/var/tmp", help="a directory on a disk (not tmpfs)")
     parser.add_argument("--mib", type=int, default=64)
-    parser.add_argument("--piece-mib", type=int, default=4, help="lmkv.direct's PIECE_BYTES")
+    parser.add_argument("--piece-mib", type=int, default=4,
+                        help="lmkv.contracts.direct_chunk's PIECE_BYTES")
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     size, piece = args.mib << 20, args.piece_mib << 20
@@ -58,7 +59,7 @@ def main() -> None:
             finally:
                 os.close(fd)
 
-        def direct() -> None:  # lmkv.direct: pread, checksum, copy, piece by piece
+        def direct() -> None:  # lmkv.contracts.direct_chunk: pread, checksum, copy, piece by piece
             h = xxhash.xxh3_64()
 
             def step(off: int, n: int) -> None:

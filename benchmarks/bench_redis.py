@@ -26,11 +26,11 @@ from contextlib import contextmanager
 import redis
 import torch
 
-from lmkv.backend import BackendContext
-from lmkv.config import load_config
+from lmkv.config.model import load_config
+from lmkv.contracts.serde import SerializerContext
+from lmkv.contracts.tier import BackendContext
+from lmkv.keys.chunking import CacheKey, KeyMeta
 from lmkv.memory import MemoryAllocator, MemoryObj
-from lmkv.serde import SerializerContext
-from lmkv.tokens import CacheKey, KeyMeta
 
 MiB = 1 << 20
 SHAPE = (32, 2, 256, 8, 128)  # Llama-3-8B KV of one 256-token chunk

@@ -16,11 +16,11 @@ import argparse
 import torch
 from _timing import best_of
 
-from lmkv.gpu import ChunkSpan, ConnectorContext
+from lmkv.contracts.connector import ChunkSpan, ConnectorContext
 from lmkv.integrations import hf_model
 from lmkv.integrations.transformers import kv_spec_of
+from lmkv.keys.chunking import CacheKey, KeyMeta
 from lmkv.memory import MemoryAllocator, tensor_obj
-from lmkv.tokens import CacheKey, KeyMeta
 from lmkv_backends.connectors.hf import HFConnector
 from lmkv_backends.serde.int8 import Int8Serializer
 from lmkv_backends.serde.naive import NaiveSerializer

@@ -78,7 +78,7 @@ from _serve_workload import (
     trace_prompts,
 )
 
-from lmkv.errors import OneLineArgumentParser, run_reporting_errors
+from lmkv.base.errors import OneLineArgumentParser, run_reporting_errors
 from lmkv.testing.serve import (
     ServeStartError,
     VllmServe,

@@ -32,11 +32,11 @@ from pathlib import Path
 import torch
 import zmq
 
-from lmkv.auth import CurveKeys, load_keypair, load_public_key, write_keypair
-from lmkv.config import load_config
+from lmkv.config.model import load_config
+from lmkv.keys.chunking import CacheKey, KeyMeta, prefix_hashes
+from lmkv.rpc.auth import CurveKeys, load_keypair, load_public_key, write_keypair
 from lmkv.rpc.client import ServerClient
-from lmkv.storage import StorageManager
-from lmkv.tokens import CacheKey, KeyMeta, prefix_hashes
+from lmkv.storage.manager import StorageManager
 
 MiB = 1 << 20
 SHAPE = (32, 2, 256, 8, 128)  # Llama-3-8B-like KV of one 256-token chunk, bf16: 32 MiB

@@ -21,8 +21,8 @@ import time
 import torch
 
 from lmkv import KVSpec, StorageManager, load_config
+from lmkv.contracts.connector import ChunkSpan
 from lmkv.engines.local import LocalEngine  # a second engine over the cpu tier alone
-from lmkv.gpu import ChunkSpan
 from lmkv.memory import release
 from lmkv.testing.engines import open_local_engine
 

@@ -7,10 +7,10 @@ torch, which a command such as ``lmkv --help`` never needs.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from lmkv.errors import (
+from lmkv.base import moved
+from lmkv.base.errors import (
     ConfigError,
     CorruptFrameError,
     DuplicatePluginError,
@@ -18,74 +18,66 @@ from lmkv.errors import (
     PluginError,
     UnknownPluginError,
 )
+from lmkv.base.exports import lazy_exports
 
 __version__ = "0.1.0"
 
 # public name -> the module that defines it
 _LAZY: dict[str, str] = {
-    "ArenaPlacement": "lmkv.backend",
-    "BackendContext": "lmkv.backend",
-    "StorageBackend": "lmkv.backend",
+    "ArenaPlacement": "lmkv.contracts.tier",
+    "BackendContext": "lmkv.contracts.tier",
+    "StorageBackend": "lmkv.contracts.tier",
     "LMKVConfig": "lmkv.config",
     "load_config": "lmkv.config",
     "Engine": "lmkv.engines.protocol",
     "RetrieveResult": "lmkv.engines.protocol",
     "open_engine": "lmkv.engines.open",
-    "ChunkSpan": "lmkv.gpu",
-    "ConnectorContext": "lmkv.gpu",
-    "GPUConnector": "lmkv.gpu",
-    "KVSpec": "lmkv.gpu",
+    "ChunkSpan": "lmkv.contracts.connector",
+    "ConnectorContext": "lmkv.contracts.connector",
+    "GPUConnector": "lmkv.contracts.connector",
+    "KVSpec": "lmkv.contracts.connector",
     "MemoryAllocator": "lmkv.memory",
     "MemoryObj": "lmkv.memory",
-    "NoOptions": "lmkv.plugin_base",
-    "PluginOptions": "lmkv.plugin_base",
-    "hookimpl": "lmkv.plugins",
-    "EvictionContext": "lmkv.policy",
-    "EvictionPolicy": "lmkv.policy",
-    "OffloadContext": "lmkv.policy",
-    "OffloadItem": "lmkv.policy",
-    "OffloadPolicy": "lmkv.policy",
-    "Serializer": "lmkv.serde",
-    "SerializerContext": "lmkv.serde",
+    "NoOptions": "lmkv.contracts.plugin",
+    "PluginOptions": "lmkv.contracts.plugin",
+    "hookimpl": "lmkv.contracts.hooks",
+    "EvictionContext": "lmkv.contracts.policy",
+    "EvictionPolicy": "lmkv.contracts.policy",
+    "OffloadContext": "lmkv.contracts.policy",
+    "OffloadItem": "lmkv.contracts.policy",
+    "OffloadPolicy": "lmkv.contracts.policy",
+    "Serializer": "lmkv.contracts.serde",
+    "SerializerContext": "lmkv.contracts.serde",
     "StorageManager": "lmkv.storage",
-    "CacheKey": "lmkv.tokens",
-    "KeyMeta": "lmkv.tokens",
-    "TokenChunker": "lmkv.tokens",
-    "prefix_hashes": "lmkv.tokens",
+    "CacheKey": "lmkv.keys.chunking",
+    "KeyMeta": "lmkv.keys.chunking",
+    "TokenChunker": "lmkv.keys.chunking",
+    "prefix_hashes": "lmkv.keys.chunking",
 }
 
 if TYPE_CHECKING:
-    from lmkv.backend import ArenaPlacement, BackendContext, StorageBackend
-    from lmkv.config import LMKVConfig, load_config
-    from lmkv.engines.open import open_engine
-    from lmkv.engines.protocol import Engine, RetrieveResult
-    from lmkv.gpu import ChunkSpan, ConnectorContext, GPUConnector, KVSpec
-    from lmkv.memory import MemoryAllocator, MemoryObj
-    from lmkv.plugin_base import NoOptions, PluginOptions
-    from lmkv.plugins import hookimpl
-    from lmkv.policy import (
+    from lmkv.config.model import LMKVConfig, load_config
+    from lmkv.contracts.connector import ChunkSpan, ConnectorContext, GPUConnector, KVSpec
+    from lmkv.contracts.hooks import hookimpl
+    from lmkv.contracts.plugin import NoOptions, PluginOptions
+    from lmkv.contracts.policy import (
         EvictionContext,
         EvictionPolicy,
         OffloadContext,
         OffloadItem,
         OffloadPolicy,
     )
-    from lmkv.serde import Serializer, SerializerContext
-    from lmkv.storage import StorageManager
-    from lmkv.tokens import CacheKey, KeyMeta, TokenChunker, prefix_hashes
+    from lmkv.contracts.serde import Serializer, SerializerContext
+    from lmkv.contracts.tier import ArenaPlacement, BackendContext, StorageBackend
+    from lmkv.engines.open import open_engine
+    from lmkv.engines.protocol import Engine, RetrieveResult
+    from lmkv.keys.chunking import CacheKey, KeyMeta, TokenChunker, prefix_hashes
+    from lmkv.memory import MemoryAllocator, MemoryObj
+    from lmkv.storage.manager import StorageManager
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'lmkv' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # later look-ups skip this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY, globals())
+moved.install()  # lmkv 0.1's module paths (lmkv.backend, ...) for one more release
 
 
 __all__ = [

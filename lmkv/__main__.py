@@ -1,3 +1,3 @@
-from lmkv.cli import main
+from lmkv.cli.main import main
 
 raise SystemExit(main())

@@ -32,8 +32,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Hashable, Iterator
 
-from lmkv.plugin_base import OptionsArg
-from lmkv.policy import EvictionContext, EvictionPolicy
+from lmkv.contracts.plugin import OptionsArg
+from lmkv.contracts.policy import EvictionContext, EvictionPolicy
 
 T1, T2 = 1, 2
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from lmkv.plugin_base import OptionsArg
-from lmkv.policy import OffloadContext, OffloadItem, OffloadPolicy, StoreMeta
+from lmkv.contracts.plugin import OptionsArg
+from lmkv.contracts.policy import OffloadContext, OffloadItem, OffloadPolicy, StoreMeta
 
 
 class FIFOOffloadPolicy(OffloadPolicy):

@@ -16,8 +16,8 @@ from typing import Annotated
 
 from pydantic import Field
 
-from lmkv.plugin_base import OptionsArg, PluginOptions
-from lmkv.policy import OffloadContext, OffloadItem
+from lmkv.contracts.plugin import OptionsArg, PluginOptions
+from lmkv.contracts.policy import OffloadContext, OffloadItem
 from lmkv_policies.fifo import FIFOOffloadPolicy
 
 

@@ -23,8 +23,8 @@ from typing import Annotated
 
 from pydantic import Field
 
-from lmkv.plugin_base import OptionsArg, PluginOptions
-from lmkv.policy import EvictionContext, EvictionPolicy
+from lmkv.contracts.plugin import OptionsArg, PluginOptions
+from lmkv.contracts.policy import EvictionContext, EvictionPolicy
 
 
 class LFUOptions(PluginOptions):

@@ -17,8 +17,8 @@ from collections import OrderedDict
 from collections.abc import Hashable, Iterator
 from itertools import count
 
-from lmkv.plugin_base import OptionsArg
-from lmkv.policy import EvictionContext, EvictionPolicy
+from lmkv.contracts.plugin import OptionsArg
+from lmkv.contracts.policy import EvictionContext, EvictionPolicy
 
 
 class LRUPolicy(EvictionPolicy):

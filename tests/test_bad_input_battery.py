@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO, run_cli
-from tests.plugin_fixtures import write_dist, write_hello_plugin
+from tests.plugins.plugin_fixtures import write_dist, write_hello_plugin
 
 SECRET = "Sup3rSecretValue"
 
@@ -34,7 +34,7 @@ SECRET = "Sup3rSecretValue"
 RUNNER = r"""
 import json, os, signal, sys, tempfile, time, traceback
 
-import lmkv.cli, lmkv.config, lmkv.plugins.manager, yaml  # noqa: F401  paid once
+import lmkv.cli.main, lmkv.config, lmkv.plugins.manager, yaml  # noqa: F401  paid once
 lmkv.plugins.manager.get_plugin_manager()
 
 results = []
@@ -698,7 +698,7 @@ BAD_PLUGINS: dict[str, tuple[str, str]] = {
                                "expected a subclass"),
     "lmkv-wrong-kind": (_plugin("from lmkv_policies.lru import LRUPolicy\n",
                                 returns="LRUPolicy"),
-                        "expected a subclass of lmkv.backend.StorageBackend"),
+                        "expected a subclass of lmkv.contracts.tier.StorageBackend"),
     "lmkv-options-dict": (_plugin(CPU_CLASS + "class Bad(CPUBackend):\n    name = 'od'\n"
                                   "    Options = dict\n"), "`Options` must be a pydantic"),
     "lmkv-options-loose": (_plugin(CPU_CLASS + "from pydantic import BaseModel, ConfigDict\n"
@@ -724,7 +724,7 @@ BAD_PLUGINS: dict[str, tuple[str, str]] = {
 MISSING_ATTR = "lmkv-missing-attr"  # its entry point names an attribute that isn't there
 
 # A plugin whose Options default fails validation loads; selecting it is one line.
-BAD_DEFAULT = ("from pydantic import ConfigDict\nfrom lmkv.plugin_base import PluginOptions\n"
+BAD_DEFAULT = ("from pydantic import ConfigDict\nfrom lmkv.contracts.plugin import PluginOptions\n"
                + CPU_CLASS + "class O(PluginOptions):\n"
                "    model_config = ConfigDict(validate_default=True)\n"
                "    size: int = 'big'\n"

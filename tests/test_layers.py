@@ -1,7 +1,8 @@
 """lmkv's import graph: no cycles, no upward imports, every module placed.
 
-The layers are read from the table in docs/architecture.md, so the page and
-this test cannot drift apart. Every import counts: module level, inside
+The layers are read from the table in docs/architecture.md, which places
+packages (one per layer), so the page, the tree and this test cannot drift
+apart. Every import counts: module level, inside
 functions, under ``TYPE_CHECKING``, and the ``__init__`` of each package a
 module imports from (Python runs it first).
 """
@@ -50,7 +51,7 @@ LAYERS = _layers()
 # Top-level packages whose __init__ only re-exports lazily (checked below by
 # test_importing_a_module_runs_no_facade): importing one of their modules runs
 # no import of theirs, so that implicit run is no edge.
-LAZY_ROOTS = {"lmkv", "lmkv_backends", "lmkv_policies"}
+LAZY_ROOTS = {"lmkv", "lmkv.contracts", "lmkv_backends", "lmkv_policies"}
 
 
 def _known(name: str, modules: dict[str, Path] = MODULES) -> str | None:
@@ -109,23 +110,37 @@ def _layer(module: str) -> tuple[int, str] | None:
 
 
 def test_importing_a_module_runs_no_facade() -> None:
-    """``import lmkv.errors`` loads lmkv's package __init__ (lazy re-exports) and
-    the module itself, nothing else of lmkv: that is why the graph may leave the
-    top-level packages' __init__ out of every module's imports."""
+    """``import lmkv.base.errors`` loads lmkv's package __init__ (lazy re-exports,
+    with the few base modules it needs) and the module itself, nothing else of
+    lmkv; ``lmkv.contracts`` loads nothing until asked: that is why the graph may
+    leave the lazy packages' __init__ out of every module's imports."""
     import subprocess
     import sys
 
-    code = ("import sys, lmkv.errors, lmkv_backends, lmkv_policies; "
+    code = ("import sys, lmkv.base.errors, lmkv.contracts, lmkv_backends, lmkv_policies; "
             "print(sorted(m for m in sys.modules if m.startswith('lmkv')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout
-    assert out.strip() == "['lmkv', 'lmkv.errors', 'lmkv_backends', 'lmkv_policies']"
+    assert out.strip() == str(["lmkv", "lmkv.base", "lmkv.base.errors", "lmkv.base.exports",
+                               "lmkv.base.moved", "lmkv.contracts", "lmkv_backends",
+                               "lmkv_policies"])
 
 
-def test_the_table_names_real_modules() -> None:
+def test_the_table_names_real_packages() -> None:
     assert LAYERS, f"no layer table found in {DOC}"
     missing = sorted(name for name in LAYERS if name not in MODULES)
-    assert not missing, f"docs/architecture.md names modules that do not exist: {missing}"
+    assert not missing, f"docs/architecture.md names packages that do not exist: {missing}"
+    modules = sorted(name for name in LAYERS if MODULES[name].name != "__init__.py"
+                     and name != "lmkv.__main__")
+    assert not modules, f"docs/architecture.md places modules, not packages: {modules}"
+
+
+def test_lmkv_has_no_loose_modules() -> None:
+    """Each module of lmkv lives in the package of its layer; only the package's
+    own ``__init__`` and ``__main__`` sit at the top."""
+    loose = sorted(p.name for p in (ROOT / "lmkv").glob("*.py")
+                   if p.name not in ("__init__.py", "__main__.py"))
+    assert not loose, f"modules at lmkv's top level (move each into its layer's package): {loose}"
 
 
 def test_every_module_has_a_layer() -> None:

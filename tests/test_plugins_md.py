@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from lmkv.backend import BackendContext
+from lmkv.contracts import hooks as hookspecs
+from lmkv.contracts.tier import BackendContext
 from lmkv.memory import MemoryAllocator
-from lmkv.plugins import hookspecs
 from lmkv.plugins.registry import KINDS
 from lmkv.testing import StorageBackendConformance
 from lmkv_backends.serde.naive import NaiveSerializer
@@ -86,8 +86,8 @@ class TestTutorialBackendConformance(StorageBackendConformance):
 def test_tutorial_backend_turns_a_corrupt_frame_into_a_removed_miss() -> None:
     import torch
 
+    from lmkv.keys.chunking import CacheKey, KeyMeta
     from lmkv.memory import tensor_obj
-    from lmkv.tokens import CacheKey, KeyMeta
 
     arena = MemoryAllocator(1 << 20)
     backend = DictBackend(DictBackend.Options(),

@@ -21,7 +21,7 @@ package; imported only when chosen (``lmkv_kernels.implementation``), so
 Triton stays optional. Runs on CUDA, and on CPU tensors under Triton's
 interpreter: ``TRITON_INTERPRET=1`` must be in the environment when this
 module is imported, as ``triton.jit`` reads it when it decorates the kernel
-(``tests/test_kernels_triton.py`` sets it and reloads the module).
+(``tests/kernels/test_kernels_triton.py`` sets it and reloads the module).
 """
 
 from __future__ import annotations

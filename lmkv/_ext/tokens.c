@@ -1,4 +1,4 @@
-/* Optional accelerator for lmkv.tokens: a list or tuple of Python ints as
+/* Optional accelerator for lmkv.keys.chunking: a list or tuple of Python ints as
  * little-endian uint32 bytes. The pure-Python fallback (array('I', tokens))
  * produces the same bytes; this only skips CPython's per-item argument parsing. */
 #define PY_SSIZE_T_CLEAN

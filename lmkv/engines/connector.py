@@ -2,7 +2,7 @@
 
 The config's ``gpu_connector`` wins; otherwise the default connector for the
 kind of KV the caller has (``kv_kind``: ``hf`` for transformers models,
-``paged`` for vLLM; ``lmkv.config.DEFAULT_CONNECTORS``), resolved when the
+``paged`` for vLLM; ``lmkv.config.model.DEFAULT_CONNECTORS``), resolved when the
 config was loaded. A connector that takes another kind of KV is a one-line
 ConfigError before any engine is opened. ``resolve_connector_class`` stops at
 the class, for callers that ask it for the KV spec first (the vLLM worker: the
@@ -11,9 +11,9 @@ paged connector reads the layout and geometry from vLLM's caches).
 
 from __future__ import annotations
 
-from lmkv.config import LMKVConfig
-from lmkv.errors import ConfigError
-from lmkv.gpu import ConnectorContext, GPUConnector, KVSpec
+from lmkv.base.errors import ConfigError
+from lmkv.config.model import LMKVConfig
+from lmkv.contracts.connector import ConnectorContext, GPUConnector, KVSpec
 from lmkv.plugins.resolved import Resolved
 
 # What a caller that has each kind of KV serves, for the error line.

@@ -7,12 +7,12 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from lmkv.config import LMKVConfig
+from lmkv.base.logutil import RateLimitedLog
+from lmkv.config.model import LMKVConfig
+from lmkv.contracts.connector import GPUConnector, KVSpec
 from lmkv.engines.protocol import EngineCounters
-from lmkv.gpu import GPUConnector, KVSpec
-from lmkv.logutil import RateLimitedLog
+from lmkv.keys.chunking import CacheKey, KeyMeta, TokenChunker, kv_geometry
 from lmkv.memory import dtype_name
-from lmkv.tokens import CacheKey, KeyMeta, TokenChunker, kv_geometry
 
 logger = logging.getLogger(__name__)
 _spec_log = RateLimitedLog(logger)

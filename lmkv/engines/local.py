@@ -6,7 +6,7 @@ chunk buffers (through the GPU connector) and hands them to the storage
 manager; ``lookup(tokens)`` counts the hit prefix in tokens;
 ``retrieve(tokens, **kv)`` loads the hit prefix back into the engine's KV.
 
-Each takes an optional ``identity`` (``lmkv.tokens.Identity``: LoRA adapter,
+Each takes an optional ``identity`` (``lmkv.keys.chunking.Identity``: LoRA adapter,
 cache salt, multimodal inputs, prompt embeddings): the same tokens under
 another identity are other chunks. Every chunk a retrieve gets is checked
 against the engine's KV spec (shape and dtype) before the connector sees it;
@@ -27,19 +27,19 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Any
 
-from lmkv.aliases import chunk_aliases
-from lmkv.config import LMKVConfig
-from lmkv.direct import memory_prefix
-from lmkv.engines.direct import DirectLoads
+from lmkv.base.logutil import RateLimitedLog
+from lmkv.config.model import LMKVConfig
+from lmkv.contracts.connector import ChunkSpan, GPUConnector, KVSpec
+from lmkv.contracts.direct_chunk import memory_prefix
+from lmkv.engines.direct_loads import DirectLoads
 from lmkv.engines.keys import engine_chunker, fits_spec
 from lmkv.engines.protocol import EngineCounters, RetrieveResult
-from lmkv.gpu import ChunkSpan, GPUConnector, KVSpec
-from lmkv.logutil import RateLimitedLog
+from lmkv.keys.aliases import chunk_aliases
+from lmkv.keys.chunking import CacheKey, ChunkKeys, Identity, KeyMeta
 from lmkv.memory import MemoryObj, release
 from lmkv.metrics import recorder
 from lmkv.metrics.record import record_load, record_lookup, record_store
-from lmkv.storage import Partials, StorageManager, chain_parents
-from lmkv.tokens import CacheKey, ChunkKeys, Identity, KeyMeta
+from lmkv.storage.manager import Partials, StorageManager, chain_parents
 
 logger = logging.getLogger(__name__)
 _store_log = RateLimitedLog(logger)
@@ -53,7 +53,7 @@ class LocalEngine:
         """``direct_reads``: the KV the connector copies into is in host memory and a
         load that fails part-way is recomputed by the caller (vLLM's CPU build), so
         lookups may leave chunks in a disk tier for ``retrieve`` to read straight
-        into it (``lmkv.direct``)."""
+        into it (``lmkv.contracts.direct_chunk``)."""
         self.config = config
         self.spec = spec
         self.connector = connector

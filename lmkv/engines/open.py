@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import logging
 
-from lmkv.config import LMKVConfig
+from lmkv.config.model import LMKVConfig
+from lmkv.contracts.connector import GPUConnector, KVSpec
 from lmkv.engines.connector import resolve_connector
 from lmkv.engines.local import LocalEngine
 from lmkv.engines.protocol import Engine
 from lmkv.engines.remote import RemoteEngine
-from lmkv.gpu import GPUConnector, KVSpec
-from lmkv.storage import StorageManager
+from lmkv.storage.manager import StorageManager
 
 logger = logging.getLogger(__name__)
 
@@ -64,12 +64,12 @@ def start_metrics(config: LMKVConfig, worker_id: int = 0) -> None:
     port = config.metrics.port
     assert port is not None
     if port and port + worker_id > 65535:
-        from lmkv.errors import ConfigError
+        from lmkv.base.errors import ConfigError
 
         raise ConfigError(f"metrics.port = {port}: worker {worker_id} would serve port "
                           f"{port + worker_id}; allowed: a port at most {65535 - worker_id}")
     served = serve_metrics(port + worker_id if port else 0, config.metrics.host)
-    from lmkv.config import is_loopback_host
+    from lmkv.config.model import is_loopback_host
 
     if not is_loopback_host(served.host):
         logger.warning("lmkv: metrics served on %s (metrics.host is not loopback, as "

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
-    from lmkv.config import LMKVConfig
-    from lmkv.gpu import GPUConnector, KVSpec
-    from lmkv.tokens import Identity, KeyMeta
+    from lmkv.config.model import LMKVConfig
+    from lmkv.contracts.connector import GPUConnector, KVSpec
+    from lmkv.keys.chunking import Identity, KeyMeta
 
 
 @dataclass
@@ -80,7 +80,7 @@ class Engine(Protocol):
                                    block_tokens: int = 0) -> Future:
         """``lookup_and_prefetch`` for chunk hashes computed elsewhere;
         ``partial_hashes[i]``: chunk ``i``'s leading blocks' hashes
-        (``lmkv.tokens.block_prefix_hashes``, blocks of ``block_tokens``)."""
+        (``lmkv.keys.chunking.block_prefix_hashes``, blocks of ``block_tokens``)."""
         ...
 
     def release_lookup(self, lookup_id: str) -> None:

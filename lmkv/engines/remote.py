@@ -14,7 +14,7 @@ a prefetch on the server and resolve their future when the server has the
 chunks; a background thread polls the pending ones. The prefetch is held in
 this engine's session, so ``retrieve(..., lookup_id=...)`` takes it from there.
 
-Block-granular hits (``lmkv.aliases``) work as in ``LocalEngine``: stores send
+Block-granular hits (``lmkv.keys.aliases``) work as in ``LocalEngine``: stores send
 each chunk's leading blocks' hashes, which the server stores as aliases of the
 chunk; lookups and retrieves send them too, and the server serves the longest
 stored leading blocks of the first chunk missed whole. That chunk may hold more
@@ -36,13 +36,13 @@ from typing import Any
 
 import torch
 
-from lmkv.auth import client_keys
-from lmkv.config import LMKVConfig
+from lmkv.config.model import LMKVConfig
+from lmkv.contracts.connector import ChunkSpan, GPUConnector, KVSpec
 from lmkv.engines.keys import engine_chunker, fits_spec
 from lmkv.engines.protocol import EngineCounters, RetrieveResult
-from lmkv.gpu import ChunkSpan, GPUConnector, KVSpec
+from lmkv.keys.chunking import ChunkKeys, Identity, KeyMeta
+from lmkv.rpc.auth import client_keys
 from lmkv.rpc.client import ServerClient
-from lmkv.tokens import ChunkKeys, Identity, KeyMeta
 
 logger = logging.getLogger(__name__)
 

@@ -27,11 +27,11 @@ from typing import Any
 
 import torch
 
-from lmkv.config import LMKVConfig, load_config
+from lmkv.config.model import LMKVConfig, load_config
+from lmkv.contracts.connector import KVSpec
 from lmkv.engines import Engine, open_engine
-from lmkv.gpu import KVSpec
 from lmkv.integrations.hf_model import cache_to_kv, kv_to_cache, prefill
-from lmkv.tokens import Identity
+from lmkv.keys.chunking import Identity
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """Scheduler side of the lookup channel: hash once, ask every worker, keep the minimum.
 
-``lookup(lookup_id, tokens)`` hashes the prompt (``lmkv.tokens.prefix_hashes``
+``lookup(lookup_id, tokens)`` hashes the prompt (``lmkv.keys.chunking.prefix_hashes``
 with the engine's chunk size), pushes one ``LookupRequest`` to every worker
 and returns at once. A background thread collects the ``LookupResponse``
 messages; the result is the MINIMUM over the workers (ranks may hold different
@@ -50,11 +50,11 @@ from typing import Any
 import zmq
 from pydantic import ValidationError
 
-from lmkv import affinity
-from lmkv.auth import CurveAuthenticator
-from lmkv.config import LMKVConfig, LookupConfig
+from lmkv.base import affinity
+from lmkv.base.logutil import RateLimitedLog
+from lmkv.config.model import LMKVConfig, LookupConfig
 from lmkv.engines.keys import hit_block_size
-from lmkv.logutil import RateLimitedLog
+from lmkv.keys.chunking import DEFAULT_CHUNK_SIZE, Identity, KeyMeta, TokenChunker
 from lmkv.lookup.messages import (
     LookupCleanup,
     LookupRequest,
@@ -72,7 +72,7 @@ from lmkv.lookup.sockets import (
     pull_socket,
     push_socket,
 )
-from lmkv.tokens import DEFAULT_CHUNK_SIZE, Identity, KeyMeta, TokenChunker
+from lmkv.rpc.auth import CurveAuthenticator
 
 logger = logging.getLogger(__name__)
 _log = RateLimitedLog(logger)

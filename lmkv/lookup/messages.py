@@ -14,7 +14,7 @@ from typing import Annotated, Any
 
 import msgspec
 
-from lmkv.logutil import RateLimitedLog
+from lmkv.base.logutil import RateLimitedLog
 
 logger = logging.getLogger(__name__)
 _log = RateLimitedLog(logger)
@@ -52,7 +52,7 @@ class LookupRequest(msgspec.Struct, tag=True, frozen=True):
 
     lookup_id: LookupId
     hashes: list[ChunkHash]
-    """Prefix hash of every chunk, in order (``lmkv.tokens.prefix_hashes``)."""
+    """Prefix hash of every chunk, in order (``lmkv.keys.chunking.prefix_hashes``)."""
     offsets: list[Annotated[int, msgspec.Meta(gt=0)]]
     """Cumulative token count after each chunk: ``offsets[i]`` ends chunk ``i``."""
     request_configs: dict[str, Any] = {}
@@ -60,7 +60,7 @@ class LookupRequest(msgspec.Struct, tag=True, frozen=True):
     keys, so a newer scheduler can talk to an older worker."""
     partials: list[list[ChunkHash]] = []
     """Block-granular hits: ``partials[i]`` holds the hashes of chunk ``i``'s
-    leading whole blocks (``lmkv.tokens.block_prefix_hashes``); empty: hits in
+    leading whole blocks (``lmkv.keys.chunking.block_prefix_hashes``); empty: hits in
     whole chunks (what an older scheduler sends)."""
     block_tokens: TokenCount = 0
     """Tokens in a block of ``partials``."""

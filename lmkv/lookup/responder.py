@@ -20,7 +20,7 @@ Bounds (a peer must not make a worker allocate or stall):
   chunks are being prefetched at once: beyond either, a request is shed
   (answered 0, counted);
 * what a finished prefetch holds is released by the engine after its
-  unclaimed TTL on a timer (``lmkv.prefetch``), with no further lookup needed.
+  unclaimed TTL on a timer (``lmkv.storage.prefetch``), with no further lookup needed.
 
 A cleanup calls ``engine.release_lookup``: the prefetched chunks are released
 now, or as soon as a prefetch still in flight finishes. A cleanup for a request
@@ -39,11 +39,11 @@ from functools import partial
 
 import zmq
 
-from lmkv import affinity
-from lmkv.auth import CurveAuthenticator, CurveKeys
-from lmkv.config import LookupConfig
+from lmkv.base import affinity
+from lmkv.base.logutil import RateLimitedLog
+from lmkv.config.model import LookupConfig
 from lmkv.engines.protocol import Engine
-from lmkv.logutil import RateLimitedLog
+from lmkv.keys.chunking import DEFAULT_CHUNK_SIZE
 from lmkv.lookup.messages import (
     LookupCleanup,
     LookupRequest,
@@ -63,7 +63,7 @@ from lmkv.lookup.sockets import (
     pull_socket,
     push_socket,
 )
-from lmkv.tokens import DEFAULT_CHUNK_SIZE
+from lmkv.rpc.auth import CurveAuthenticator, CurveKeys
 
 logger = logging.getLogger(__name__)
 _log = RateLimitedLog(logger)

@@ -44,10 +44,10 @@ from pathlib import Path
 
 import zmq
 
-from lmkv.auth import CurveAuthenticator, CurveKeys, peer_keys, secure_client
-from lmkv.config import LookupConfig, is_loopback_host
-from lmkv.errors import ConfigError
-from lmkv.private import default_runtime_dir, make_private_dir
+from lmkv.base.errors import ConfigError
+from lmkv.base.private import default_runtime_dir, make_private_dir
+from lmkv.config.model import LookupConfig, is_loopback_host
+from lmkv.rpc.auth import CurveAuthenticator, CurveKeys, peer_keys, secure_client
 
 # sockaddr_un.sun_path holds 108 bytes on Linux (104 on macOS), NUL included.
 logger = logging.getLogger(__name__)

@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from lmkv.errors import RefCountError
+from lmkv.base.errors import RefCountError
 
 logger = logging.getLogger(__name__)
 

@@ -47,7 +47,7 @@ from multiprocessing.shared_memory import SharedMemory
 
 import torch
 
-from lmkv.errors import LMKVError
+from lmkv.base.errors import LMKVError
 
 logger = logging.getLogger(__name__)
 

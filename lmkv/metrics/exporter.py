@@ -36,7 +36,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from lmkv.errors import LMKVError
+from lmkv.base.errors import LMKVError
 from lmkv.metrics.catalog import CATALOG, LATENCY_BUCKETS, TIER_SOURCES
 from lmkv.metrics.recorder import Recorder, TierStats, recorder
 

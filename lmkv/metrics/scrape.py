@@ -11,9 +11,9 @@ import urllib.error
 import urllib.request
 from typing import Any
 
-from lmkv.errors import LMKVError
+from lmkv.base.errors import LMKVError
+from lmkv.base.redact import redact_url
 from lmkv.metrics.catalog import BY_NAME, TIER_SOURCES
-from lmkv.redact import redact_url
 
 PREFIX = "lmkv_"
 

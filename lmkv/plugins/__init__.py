@@ -18,7 +18,7 @@ return classes. Publish it under the ``lmkv`` entry-point group::
 After ``pip install lmkv-hello``, ``lmkv plugins`` lists ``hello`` and a
 config selects it with ``tiers: [{type: hello, options: {...}}]``.
 
-Hooks (see ``lmkv.plugins.hookspecs``): ``lmkv_storage_backends``,
+Hooks (see ``lmkv.contracts.hooks``): ``lmkv_storage_backends``,
 ``lmkv_eviction_policies``, ``lmkv_offload_policies``, ``lmkv_serializers``,
 ``lmkv_gpu_connectors``. Each class declares ``name`` and an ``Options``
 pydantic model (subclass ``lmkv.PluginOptions``; unknown keys are errors).
@@ -36,8 +36,8 @@ shows the error; never fatal to other plugins) and becomes an error
 only when a config selects a name it would have provided.
 """
 
-from lmkv.plugin_base import NoOptions, Plugin, PluginOptions
-from lmkv.plugins.hookspecs import ENTRY_POINT_GROUP, hookimpl, hookspec
+from lmkv.contracts.hooks import ENTRY_POINT_GROUP, hookimpl, hookspec
+from lmkv.contracts.plugin import NoOptions, Plugin, PluginOptions
 from lmkv.plugins.manager import PluginManager, get_plugin_manager, reset_plugin_manager
 from lmkv.plugins.registry import KINDS, KNOWN_PLUGINS, Registry
 

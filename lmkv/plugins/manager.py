@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, cast
 
 import pluggy
 
-from lmkv.errors import PluginError
-from lmkv.plugins import hookspecs
+from lmkv.base.errors import PluginError
+from lmkv.contracts import hooks as hookspecs
 from lmkv.plugins.registry import (
     KINDS,
     LoadFailure,
@@ -32,10 +32,10 @@ from lmkv.plugins.registry import (
 )
 
 if TYPE_CHECKING:
-    from lmkv.backend import StorageBackend
-    from lmkv.gpu import GPUConnector
-    from lmkv.policy import EvictionPolicy, OffloadPolicy
-    from lmkv.serde import Serializer
+    from lmkv.contracts.connector import GPUConnector
+    from lmkv.contracts.policy import EvictionPolicy, OffloadPolicy
+    from lmkv.contracts.serde import Serializer
+    from lmkv.contracts.tier import StorageBackend
 
 logger = logging.getLogger(__name__)
 

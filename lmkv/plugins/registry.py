@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from pydantic import BaseModel
 
-from lmkv.errors import DuplicatePluginError, PluginError, UnknownPluginError
+from lmkv.base.errors import DuplicatePluginError, PluginError, UnknownPluginError
 
 logger = logging.getLogger(__name__)
 
@@ -47,14 +47,15 @@ KINDS: dict[str, PluginKind] = {
     k.key: k
     for k in (
         PluginKind("storage_backend", "lmkv_storage_backends", "storage backend",
-                   "lmkv.backend:StorageBackend"),
+                   "lmkv.contracts.tier:StorageBackend"),
         PluginKind("eviction_policy", "lmkv_eviction_policies", "eviction policy",
-                   "lmkv.policy:EvictionPolicy"),
+                   "lmkv.contracts.policy:EvictionPolicy"),
         PluginKind("offload_policy", "lmkv_offload_policies", "offload policy",
-                   "lmkv.policy:OffloadPolicy"),
-        PluginKind("serializer", "lmkv_serializers", "serializer", "lmkv.serde:Serializer"),
+                   "lmkv.contracts.policy:OffloadPolicy"),
+        PluginKind("serializer", "lmkv_serializers", "serializer",
+                   "lmkv.contracts.serde:Serializer"),
         PluginKind("gpu_connector", "lmkv_gpu_connectors", "GPU connector",
-                   "lmkv.gpu:GPUConnector"),
+                   "lmkv.contracts.connector:GPUConnector"),
     )
 }
 

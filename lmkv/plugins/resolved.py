@@ -1,6 +1,6 @@
 """What a config's plugin references resolve to: typed classes and validated options.
 
-``lmkv.config.load_config`` resolves every plugin a config names in one step
+``lmkv.config.model.load_config`` resolves every plugin a config names in one step
 and keeps the result on the config (``LMKVConfig.plugins``); the storage
 manager, the engines, the server and the vLLM integration build their plugins
 from it and never look a plugin up by name again.
@@ -12,14 +12,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
-from lmkv.errors import ConfigError
-from lmkv.plugin_base import PluginOptions
+from lmkv.base.errors import ConfigError
+from lmkv.contracts.plugin import PluginOptions
 
 if TYPE_CHECKING:
-    from lmkv.backend import StorageBackend
-    from lmkv.gpu import GPUConnector
-    from lmkv.policy import EvictionPolicy, OffloadPolicy
-    from lmkv.serde import Serializer
+    from lmkv.contracts.connector import GPUConnector
+    from lmkv.contracts.policy import EvictionPolicy, OffloadPolicy
+    from lmkv.contracts.serde import Serializer
+    from lmkv.contracts.tier import StorageBackend
 
 P = TypeVar("P")
 
@@ -48,7 +48,7 @@ class ResolvedTier:
 class ResolvedPlugins:
     """Every plugin a config selects. ``gpu_connector`` is None when the config leaves
     the choice to the integration: then ``connector_for`` gives the default for the
-    KV the integration has (``lmkv.gpu.DEFAULT_CONNECTORS``), resolved at load too; a
+    KV the integration has (``lmkv.config.model.DEFAULT_CONNECTORS``), resolved at load too; a
     default that is not installed is an error only for a caller that needs it."""
 
     tiers: tuple[ResolvedTier, ...]

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from lmkv.errors import LMKVError, byte_size_type
+from lmkv.base.errors import LMKVError, byte_size_type
 from lmkv.replay.defaults import (
     DEFAULT_CAPACITIES,
     DTYPE_BYTES,
@@ -85,13 +85,13 @@ def add_replay_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_replay(args: argparse.Namespace) -> int:
-    from lmkv.config import load_config
+    from lmkv.config.model import load_config
+    from lmkv.keys.chunking import KeyMeta, kv_geometry
     from lmkv.replay.belady import belady_hits, next_uses
     from lmkv.replay.report import Row, as_json, as_table, check_plot_available, write_plot
     from lmkv.replay.run import Progress, replay
     from lmkv.replay.sizing import ModelShape, parse_capacities
     from lmkv.replay.trace import load_trace
-    from lmkv.tokens import KeyMeta, kv_geometry
 
     if args.plot:
         check_plot_available()

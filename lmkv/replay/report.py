@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from lmkv.errors import LMKVError
+from lmkv.base.errors import LMKVError
 from lmkv.replay.defaults import PHYSICAL_CHUNK_BYTES
 from lmkv.replay.run import RunResult
 from lmkv.replay.sizing import Capacity, ModelShape, human_bytes

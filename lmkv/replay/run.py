@@ -20,15 +20,15 @@ from typing import TextIO
 
 import torch
 
-from lmkv.config import LMKVConfig, PluginRef
-from lmkv.errors import LMKVError
+from lmkv.base.errors import LMKVError
+from lmkv.base.units import parse_byte_size
+from lmkv.config.model import LMKVConfig, PluginRef
+from lmkv.contracts.serde import SerializerContext
+from lmkv.keys.chunking import CacheKey, KeyMeta
 from lmkv.memory import MemoryObj, release, tensor_obj
 from lmkv.replay.defaults import PHYSICAL_CHUNK_BYTES
 from lmkv.replay.trace import Trace
-from lmkv.serde import SerializerContext
-from lmkv.storage import StorageManager, chain_parents
-from lmkv.tokens import CacheKey, KeyMeta
-from lmkv.units import parse_byte_size
+from lmkv.storage.manager import StorageManager, chain_parents
 
 _SHAPE = (PHYSICAL_CHUNK_BYTES,)
 _DTYPE = torch.uint8

@@ -13,9 +13,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from lmkv.errors import LMKVError
+from lmkv.base.errors import LMKVError
+from lmkv.base.units import ACCEPTED_FORMS, parse_byte_size
 from lmkv.replay.defaults import DTYPE_BYTES
-from lmkv.units import ACCEPTED_FORMS, parse_byte_size
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ formats, so a chunk id names a whole prefix and its parent is fixed.
   the ids before it (``sha256(parent digest || id as 8 bytes)``): a hash id that
   reappears after another prefix is another chunk, as it would be in lmkv.
 - Token ids (a JSON list of ints, or ``{"tokens": [...]}``): chunked and keyed by
-  ``lmkv.tokens`` exactly as an engine would, ``chunk_size`` tokens a chunk.
+  ``lmkv.keys.chunking`` exactly as an engine would, ``chunk_size`` tokens a chunk.
 
 A bad line is one ``TraceError`` naming the file, the line number and what is wrong.
 """
@@ -22,9 +22,9 @@ from dataclasses import dataclass
 from hashlib import sha256
 from typing import Any, Literal
 
-from lmkv.errors import LMKVError
+from lmkv.base.errors import LMKVError
+from lmkv.keys.chunking import CacheKey, KeyMeta, TokenChunker
 from lmkv.replay.defaults import MOONCAKE_BLOCK_SIZE
-from lmkv.tokens import CacheKey, KeyMeta, TokenChunker
 
 Format = Literal["mooncake", "tokens"]
 _HASH_ID_LIMIT = 1 << 64

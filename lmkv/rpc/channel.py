@@ -26,10 +26,10 @@ from typing import Any
 
 import zmq
 
-from lmkv.auth import CurveKeys, secure_client
-from lmkv.logutil import RateLimitedLog
-from lmkv.private import ipc_dir_problem
+from lmkv.base.logutil import RateLimitedLog
+from lmkv.base.private import ipc_dir_problem
 from lmkv.rpc import protocol as p
+from lmkv.rpc.auth import CurveKeys, secure_client
 
 logger = logging.getLogger(__name__)
 _log = RateLimitedLog(logger)

@@ -33,17 +33,17 @@ import numpy as np
 import torch
 import zmq
 
-from lmkv.auth import CurveKeys
-from lmkv.config import ServerConnection
-from lmkv.logutil import RateLimitedLog
+from lmkv.base.logutil import RateLimitedLog
+from lmkv.base.private import default_server_address
+from lmkv.config.model import ServerConnection
+from lmkv.keys.chunking import CacheKey, KeyMeta
 from lmkv.memory import dtype_name, shape_problem
 from lmkv.memory.shm import SharedMemoryUnavailable, SharedSegment, host_id
-from lmkv.private import default_server_address
 from lmkv.rpc import protocol as p
+from lmkv.rpc.auth import CurveKeys
 from lmkv.rpc.channel import Channel, Failure
 from lmkv.rpc.heartbeat import Heartbeat
 from lmkv.rpc.liveness import process_identity
-from lmkv.tokens import CacheKey, KeyMeta
 
 logger = logging.getLogger(__name__)
 _log = RateLimitedLog(logger)
@@ -177,7 +177,7 @@ class ServerClient:
         (held for ``retrieve(lookup_id=...)`` or ``release_lookup``); 0 on any failure.
 
         ``partial_hashes[i]`` (block-granular hits): chunk ``i``'s leading blocks'
-        hashes (``lmkv.tokens.block_prefix_hashes``), blocks of ``block_tokens``: the
+        hashes (``lmkv.keys.chunking.block_prefix_hashes``), blocks of ``block_tokens``: the
         hit then goes on into the first missed chunk by its longest stored leading
         blocks."""
         fields = {**p.key_fields(list(keys)), **p.partial_fields(partial_hashes, block_tokens)}
@@ -382,7 +382,7 @@ class ServerClient:
 
         ``partial_hashes[i]`` (block-granular hits): chunk ``i``'s leading blocks'
         hashes; the server stores each, with the chunks it stores, as an alias of
-        its chunk (``lmkv.aliases``), so a prompt that leaves this one inside the
+        its chunk (``lmkv.keys.aliases``), so a prompt that leaves this one inside the
         chunk still hits those blocks."""
         if len(keys) != len(shapes):
             raise ValueError(f"{len(keys)} keys for {len(shapes)} shapes")

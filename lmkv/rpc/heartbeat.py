@@ -26,9 +26,9 @@ import threading
 
 import zmq
 
-from lmkv.auth import CurveKeys
-from lmkv.logutil import RateLimitedLog
+from lmkv.base.logutil import RateLimitedLog
 from lmkv.rpc import protocol as p
+from lmkv.rpc.auth import CurveKeys
 from lmkv.rpc.channel import Channel
 
 logger = logging.getLogger(__name__)

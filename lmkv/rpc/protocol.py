@@ -20,8 +20,8 @@ from typing import Annotated, Any, Literal
 import msgspec
 import torch
 
+from lmkv.keys.chunking import CacheKey, KeyMeta
 from lmkv.memory import shape_problem
-from lmkv.tokens import CacheKey, KeyMeta
 
 logger = logging.getLogger(__name__)
 
@@ -83,8 +83,8 @@ class Request(msgspec.Struct, tag_field="op", kw_only=True, omit_defaults=True):
 class KeyedRequest(Request, kw_only=True):
     """Chunk keys, in one of two forms: ``keys``, or ``meta`` with ``chunk_hashes``.
 
-    ``partial_hashes[i]`` (block-granular hits, ``lmkv.aliases``): the hashes of
-    chunk ``i``'s leading whole blocks (``lmkv.tokens.block_prefix_hashes``),
+    ``partial_hashes[i]`` (block-granular hits, ``lmkv.keys.aliases``): the hashes of
+    chunk ``i``'s leading whole blocks (``lmkv.keys.chunking.block_prefix_hashes``),
     each under chunk ``i``'s meta; fewer lists than chunks: none for the rest.
     """
 

@@ -33,12 +33,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
-from lmkv.aliases import Alias
-from lmkv.logutil import RateLimitedLog
+from lmkv.base.logutil import RateLimitedLog
+from lmkv.keys.aliases import Alias
+from lmkv.keys.chunking import CacheKey
 from lmkv.memory import MemoryObj, release
 from lmkv.rpc.liveness import process_state
 from lmkv.rpc.protocol import DataPath
-from lmkv.tokens import CacheKey
 
 logger = logging.getLogger(__name__)
 _log = RateLimitedLog(logger)

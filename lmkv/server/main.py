@@ -22,8 +22,8 @@ import signal
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from lmkv.errors import OneLineArgumentParser, byte_size_type, run_reporting_errors
-from lmkv.logutil import LOG_LEVELS, configure_logging
+from lmkv.base.errors import OneLineArgumentParser, byte_size_type, run_reporting_errors
+from lmkv.base.logutil import LOG_LEVELS, configure_logging
 from lmkv.server.defaults import (
     DEFAULT_HANDLE_TTL_S,
     DEFAULT_LOG_LEVEL,
@@ -33,9 +33,9 @@ from lmkv.server.defaults import (
 # Config, storage and pydantic are imported where used: `lmkv --help` builds this
 # parser and must not pay for torch.
 if TYPE_CHECKING:
-    from lmkv.auth import CurveKeys
-    from lmkv.config import LMKVConfig
-    from lmkv.storage import StorageManager
+    from lmkv.config.model import LMKVConfig
+    from lmkv.rpc.auth import CurveKeys
+    from lmkv.storage.manager import StorageManager
 
 logger = logging.getLogger(__name__)
 
@@ -123,8 +123,8 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
 def build_storage(config: LMKVConfig) -> StorageManager:
     """The config's tiers, the first memory tier's arena in shared memory where it can
     be (the config is never edited: the tier honours the placement it is handed)."""
-    from lmkv.backend import ArenaPlacement
-    from lmkv.storage import StorageManager
+    from lmkv.contracts.tier import ArenaPlacement
+    from lmkv.storage.manager import StorageManager
 
     return StorageManager.from_config(config, arena=ArenaPlacement.SHARED)
 
@@ -136,7 +136,7 @@ def endpoint_of(host: str, port: int) -> str:
 def listen_endpoint(args: argparse.Namespace) -> str:
     """Where to listen: TCP with --host/--port, else the ipc socket (--socket, or this
     user's private default)."""
-    from lmkv.private import default_server_address
+    from lmkv.base.private import default_server_address
     from lmkv.server.server import ServerError
 
     tcp = args.host is not None or args.port is not None
@@ -152,8 +152,8 @@ def listen_endpoint(args: argparse.Namespace) -> str:
 def server_curve(args: argparse.Namespace, config: LMKVConfig) -> CurveKeys | None:
     """The server's CURVE keys from the flags, else the config's ``server.curve``; None
     without either. Refuses a non-loopback host without CURVE unless ``--insecure``."""
-    from lmkv.auth import server_keys
-    from lmkv.config import is_loopback_host
+    from lmkv.config.model import is_loopback_host
+    from lmkv.rpc.auth import server_keys
     from lmkv.server.server import ServerError
 
     section = config.server.curve
@@ -220,7 +220,7 @@ def start_metrics(args: argparse.Namespace) -> None:
         if host is not None:
             raise ServerError("--metrics-host needs --metrics-port")
         return
-    from lmkv.config import is_loopback_host
+    from lmkv.config.model import is_loopback_host
     from lmkv.metrics.exporter import DEFAULT_HOST as METRICS_HOST
     from lmkv.metrics.exporter import serve_metrics
 
@@ -232,7 +232,7 @@ def start_metrics(args: argparse.Namespace) -> None:
 
 def run_server(args: argparse.Namespace) -> int:
     """Serve until SIGTERM or SIGINT; LMKVError (bad config, port in use) propagates."""
-    from lmkv.config import load_config
+    from lmkv.config.model import load_config
     from lmkv.metrics import recorder
     from lmkv.server.server import KVServer
 

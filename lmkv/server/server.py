@@ -25,19 +25,19 @@ from collections.abc import Callable
 
 import zmq
 
-from lmkv.auth import CurveAuthenticator, CurveKeys
-from lmkv.errors import LMKVError
-from lmkv.logutil import RateLimitedLog
+from lmkv.base.errors import LMKVError
+from lmkv.base.logutil import RateLimitedLog
+from lmkv.base.private import ipc_dir_problem
 from lmkv.memory import MemoryObj, release
-from lmkv.private import ipc_dir_problem
 from lmkv.rpc import protocol as p
+from lmkv.rpc.auth import CurveAuthenticator, CurveKeys
 from lmkv.server.service import Deferred, KVService, Outcome
 from lmkv.server.sessions import (
     DEFAULT_HANDLE_TTL_S,
     DEFAULT_QUARANTINE_GRACE_S,
     SessionTable,
 )
-from lmkv.storage import StorageManager
+from lmkv.storage.manager import StorageManager
 
 logger = logging.getLogger(__name__)
 _log = RateLimitedLog(logger)

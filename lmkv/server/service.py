@@ -30,15 +30,15 @@ from typing import Any
 
 import numpy as np
 
-from lmkv.aliases import chunk_aliases
+from lmkv.keys.aliases import chunk_aliases
+from lmkv.keys.chunking import CacheKey
 from lmkv.memory import MemoryAllocator, MemoryObj, dtype_name, release
 from lmkv.memory.shm import SharedSegment, host_id
 from lmkv.metrics import recorder
 from lmkv.metrics.record import record_load, record_lookup, record_store
 from lmkv.rpc import protocol as p
 from lmkv.server.sessions import Session, SessionTable
-from lmkv.storage import Partials, StorageManager, chain_parents
-from lmkv.tokens import CacheKey
+from lmkv.storage.manager import Partials, StorageManager, chain_parents
 
 logger = logging.getLogger(__name__)
 

@@ -23,13 +23,13 @@ import itertools
 import logging
 import time
 
-from lmkv.logutil import RateLimitedLog
+from lmkv.base.logutil import RateLimitedLog
+from lmkv.keys.chunking import CacheKey
 from lmkv.memory import MemoryObj
 from lmkv.rpc.protocol import DataPath
 from lmkv.server.defaults import DEFAULT_HANDLE_TTL_S, DEFAULT_QUARANTINE_GRACE_S
 from lmkv.server.handles import Handle, HandleKind, Quarantine
-from lmkv.storage import StorageManager
-from lmkv.tokens import CacheKey
+from lmkv.storage.manager import StorageManager
 
 logger = logging.getLogger(__name__)
 _log = RateLimitedLog(logger)

@@ -22,9 +22,9 @@ from contextlib import AbstractContextManager
 import pytest
 import torch
 
-from lmkv.backend import StorageBackend
+from lmkv.contracts.tier import StorageBackend
+from lmkv.keys.chunking import CacheKey, KeyMeta
 from lmkv.memory import MemoryObj, tensor_obj
-from lmkv.tokens import CacheKey, KeyMeta
 
 
 class StorageBackendConformance:

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from lmkv.config import LMKVConfig
+from lmkv.config.model import LMKVConfig
+from lmkv.contracts.connector import KVSpec
 from lmkv.engines import open_engine
 from lmkv.engines.local import LocalEngine
-from lmkv.gpu import KVSpec
 
 
 def open_local_engine(config: LMKVConfig, spec: KVSpec, *, model_name: str,

@@ -29,9 +29,9 @@ from collections.abc import Hashable
 import pytest
 import torch
 
-from lmkv.backend import BackendContext, StorageBackend
-from lmkv.policy import EvictionPolicy
-from lmkv.tokens import CacheKey, KeyMeta
+from lmkv.contracts.policy import EvictionPolicy
+from lmkv.contracts.tier import BackendContext, StorageBackend
+from lmkv.keys.chunking import CacheKey, KeyMeta
 
 
 class EvictionPolicyConformance:

@@ -1,5 +1,5 @@
 """What the torch connectors share: one-line argument checks (their copies wait
-through ``lmkv.transfer_stream`` before chunk buffers change hands)."""
+through ``lmkv.memory.transfer_stream`` before chunk buffers change hands)."""
 
 from __future__ import annotations
 

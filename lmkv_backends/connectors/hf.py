@@ -10,8 +10,8 @@ from typing import Any
 import torch
 
 import lmkv_kernels
-from lmkv.gpu import ChunkSpan, GPUConnector
-from lmkv.transfer_stream import stream_for
+from lmkv.contracts.connector import ChunkSpan, GPUConnector
+from lmkv.memory.transfer_stream import stream_for
 from lmkv_backends.connectors.common import check
 
 KVPairs = Sequence[tuple[torch.Tensor, torch.Tensor]]

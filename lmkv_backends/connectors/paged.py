@@ -17,9 +17,9 @@ from typing import Any, Literal
 import torch
 
 import lmkv_kernels
-from lmkv.gpu import ChunkSpan, ConnectorContext, GPUConnector, KVSpec
-from lmkv.plugin_base import OptionsArg, PluginOptions
-from lmkv.transfer_stream import stream_for
+from lmkv.contracts.connector import ChunkSpan, ConnectorContext, GPUConnector, KVSpec
+from lmkv.contracts.plugin import OptionsArg, PluginOptions
+from lmkv.memory.transfer_stream import stream_for
 from lmkv_backends.connectors.common import check
 from lmkv_kernels.layouts import PagedGeometry, shape_of
 
@@ -115,7 +115,7 @@ class PagedConnector(GPUConnector):
         when the caller is not the forward's thread."""
         g = self._validate(kv_caches, block_ids, max((s.end for s in spans), default=0))
         chunks = [(s.start, s.buffer) for s in spans]
-        # On the transfer stream, after the forward that wrote the KV (lmkv.transfer_stream);
+        # On the transfer stream, after the forward that wrote the KV (lmkv.memory.transfer_stream);
         # the buffers are published to tiers and other threads next: after its event.
         stream_for(kv_caches[0].device).store(
             lambda: lmkv_kernels.gather_blocks(kv_caches, block_ids, chunks, layout=g.layout,

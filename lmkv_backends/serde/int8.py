@@ -1,6 +1,6 @@
 """``int8``: a lossy quantizer that halves bf16/fp16 KV (quarters fp32).
 
-Buffers that are not floating-point (aliases: ``lmkv.aliases``) are stored
+Buffers that are not floating-point (aliases: ``lmkv.keys.aliases``) are stored
 exactly, as their bytes.
 
 Each value becomes ``round(x / scale)`` in int8 with a symmetric absmax
@@ -18,11 +18,11 @@ from typing import Literal
 import numpy as np
 import torch
 
-from lmkv.errors import CorruptFrameError
+from lmkv.base.errors import CorruptFrameError
+from lmkv.contracts.plugin import PluginOptions
+from lmkv.contracts.serde import Serializer
+from lmkv.keys.chunking import CacheKey
 from lmkv.memory import Allocate, MemoryObj
-from lmkv.plugin_base import PluginOptions
-from lmkv.serde import Serializer
-from lmkv.tokens import CacheKey
 
 _GRANULARITY = {"token": 1, "channel": 2}
 _RAW = 0  # a buffer that is not floating-point KV (an alias, say): its bytes as they are

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from lmkv.errors import CorruptFrameError
+from lmkv.base.errors import CorruptFrameError
+from lmkv.contracts.serde import Serializer
+from lmkv.keys.chunking import CacheKey
 from lmkv.memory import Allocate, MemoryObj, nbytes_of
-from lmkv.serde import Serializer
-from lmkv.tokens import CacheKey
 
 
 class NaiveSerializer(Serializer):

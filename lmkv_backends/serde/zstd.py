@@ -15,11 +15,11 @@ import numpy as np
 import zstandard
 from pydantic import Field
 
-from lmkv.errors import CorruptFrameError
+from lmkv.base.errors import CorruptFrameError
+from lmkv.contracts.plugin import PluginOptions
+from lmkv.contracts.serde import Serializer
+from lmkv.keys.chunking import CacheKey
 from lmkv.memory import Allocate, MemoryObj, nbytes_of
-from lmkv.plugin_base import PluginOptions
-from lmkv.serde import Serializer
-from lmkv.tokens import CacheKey
 
 _SHUFFLED = 1
 

@@ -17,13 +17,13 @@ import torch
 from pydantic import ByteSize, Field, model_validator
 from pydantic_core import PydanticCustomError
 
-from lmkv.backend import ArenaPlacement, BackendContext, StorageBackend, done_future
-from lmkv.errors import ConfigError
+from lmkv.base.errors import ConfigError
+from lmkv.base.units import ByteCount
+from lmkv.contracts.plugin import OptionsArg, PluginOptions
+from lmkv.contracts.tier import ArenaPlacement, BackendContext, StorageBackend, done_future
+from lmkv.keys.chunking import CacheKey
 from lmkv.memory import MemoryAllocator, MemoryObj, nbytes_of
 from lmkv.memory.shm import SharedMemoryUnavailable, SharedSegment, available_memory_bytes
-from lmkv.plugin_base import OptionsArg, PluginOptions
-from lmkv.tokens import CacheKey
-from lmkv.units import ByteCount
 
 logger = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ restart and are found again; reads go straight into chunk buffers. Other URLs
 (``fs_remote``) go through fsspec. A budget (``max_bytes``) evicts unpinned
 entries in the order of the tier's eviction policy. Every fault (I/O error,
 stopped endpoint, corrupted entry) is a counted, rate-logged miss or dropped
-write, through the backend's one fault policy (``lmkv.faults``, the tier
+write, through the backend's one fault policy (``lmkv.contracts.faults``, the tier
 absorbing ``FAULTS``), and a remote that stops answering opens the tier's
 breaker. Anything else is a bug: it raises, uncounted, and the storage
 manager's last resort logs it loudly.
@@ -27,14 +27,14 @@ from contextlib import AbstractContextManager
 from functools import partial
 from typing import Any
 
-from lmkv import affinity
-from lmkv.backend import BackendContext, StorageBackend
-from lmkv.direct import DirectChunk
-from lmkv.errors import ConfigError, CorruptFrameError
-from lmkv.faults import TierFaults
+from lmkv.base import affinity
+from lmkv.base.errors import ConfigError, CorruptFrameError
+from lmkv.contracts.direct_chunk import DirectChunk
+from lmkv.contracts.faults import TierFaults
+from lmkv.contracts.plugin import OptionsArg
+from lmkv.contracts.tier import BackendContext, StorageBackend
+from lmkv.keys.chunking import CacheKey
 from lmkv.memory import MemoryObj
-from lmkv.plugin_base import OptionsArg
-from lmkv.tokens import CacheKey
 from lmkv_backends.tiers.fs_futures import count_true, gather, leading_objects, outcome
 from lmkv_backends.tiers.fs_index import EntryIndex, NotAnEntry, entry_name
 from lmkv_backends.tiers.fs_local import LocalStore
@@ -340,7 +340,7 @@ class FSBackend(StorageBackend):
         return gather(jobs, leading_objects)
 
     def batched_get_direct(self, lookup_id: str, keys: Sequence[CacheKey]) -> Future | None:
-        """Entries on local disk left in place (``lmkv.direct``): each key's header
+        """Entries on local disk left in place (``lmkv.contracts.direct_chunk``): each key's header
         is read and checked now, its payload when the engine reads it."""
         if not (self._raw_reads and self.options.direct_reads
                 and isinstance(self.store, LocalStore)):

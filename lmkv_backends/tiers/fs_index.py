@@ -14,8 +14,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from urllib.parse import quote, unquote
 
-from lmkv.policy import EvictionPolicy
-from lmkv.tokens import CacheKey
+from lmkv.contracts.policy import EvictionPolicy
+from lmkv.keys.chunking import CacheKey
 
 SUFFIX = ".lmkv"
 

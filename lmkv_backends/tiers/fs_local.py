@@ -27,10 +27,10 @@ import uuid
 from collections.abc import Callable, Sequence
 from functools import partial
 
-from lmkv.errors import CorruptFrameError
+from lmkv.base.errors import CorruptFrameError
+from lmkv.contracts.serde import FrameHeader, read_header, verify_payload
+from lmkv.keys.chunking import CacheKey
 from lmkv.memory import Allocate, MemoryObj, nbytes_of
-from lmkv.serde import FrameHeader, read_header, verify_payload
-from lmkv.tokens import CacheKey
 from lmkv_backends.tiers.fs_index import NotAnEntry, key_of
 
 logger = logging.getLogger(__name__)

@@ -4,7 +4,7 @@ A local path (or ``file://`` URL) is served by ``fs_local`` with plain ``os``
 calls; every other fsspec URL (``s3://bucket/prefix``, ...) by ``fs_remote``
 through ``fsspec.filesystem(protocol, **storage_options)``. Secrets (``key``,
 ``secret``, secret-named ``storage_options``, credentials in ``endpoint_url``)
-never appear in a repr, a log line or an error message (``lmkv.redact``).
+never appear in a repr, a log line or an error message (``lmkv.base.redact``).
 
 Remote timeouts are a cache's: a call gives up within seconds (connect 1 s,
 no progress for 2 s, one retry), since a miss costs a recompute and a hung
@@ -34,10 +34,10 @@ from pydantic import (
     model_validator,
 )
 
-from lmkv.errors import ConfigError
-from lmkv.plugin_base import PluginOptions
-from lmkv.redact import Redactor, redact_url, redact_value, secrets_in
-from lmkv.units import ByteCount
+from lmkv.base.errors import ConfigError
+from lmkv.base.redact import Redactor, redact_url, redact_value, secrets_in
+from lmkv.base.units import ByteCount
+from lmkv.contracts.plugin import PluginOptions
 
 LOCAL_PROTOCOLS = frozenset({None, "file", "local"})
 S3_PROTOCOLS = frozenset({"s3", "s3a"})
@@ -68,7 +68,7 @@ class FSOptions(PluginOptions):
     direct_reads: bool = True
     """Local disk: an engine whose KV is in host memory (vLLM's CPU build) reads
     entries straight into its KV, a few MiB at a time through a small buffer of
-    its own, verified as they go (``lmkv.direct``), instead of into the memory
+    its own, verified as they go (``lmkv.contracts.direct_chunk``), instead of into the memory
     tier's arena first; such reads are not promoted into the tier above. Off:
     every read goes through a chunk buffer and is promoted."""
     io_threads: PositiveInt | None = None

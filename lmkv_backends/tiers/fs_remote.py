@@ -3,7 +3,7 @@
 Objects are written whole (a PUT is atomic on S3) and read whole. A request
 the remote does not answer (or answers with anything but "no such object")
 raises ``TierUnavailable``: the tier's fault policy then opens its breaker,
-and every request here waits for it (``lmkv.faults``).
+and every request here waits for it (``lmkv.contracts.faults``).
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from collections.abc import Callable, Sequence
 from datetime import datetime
 from typing import Any, TypeVar
 
-from lmkv.faults import TierFaults, TierUnavailable
-from lmkv.tokens import CacheKey
+from lmkv.contracts.faults import TierFaults, TierUnavailable
+from lmkv.keys.chunking import CacheKey
 from lmkv_backends.tiers.fs_index import NotAnEntry, key_of
 from lmkv_backends.tiers.fs_options import RemoteLocation
 

@@ -80,5 +80,5 @@ fi
 # One 32 MiB chunk a batch: the latency of a 2048-token load (issue 14's TTFT row).
 step mooncake_one_chunk 70 $PY benchmarks/bench_mooncake.py --chunks 1 --rounds 5
 step mooncake_embedded_2 130 $PY benchmarks/bench_mooncake.py $Q
-step transfer_stream 50 $PY -m pytest -q -p no:cacheprovider tests/test_transfer_stream.py
+step transfer_stream 50 $PY -m pytest -q -p no:cacheprovider tests/memory/test_transfer_stream.py
 log "done"

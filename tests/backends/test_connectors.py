@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lmkv.gpu import ChunkSpan, ConnectorContext, KVSpec
+from lmkv.contracts.connector import ChunkSpan, ConnectorContext, KVSpec
 from lmkv_backends.connectors.hf import HFConnector
 from lmkv_backends.connectors.paged import PagedConnector
 

@@ -5,9 +5,9 @@ import random
 import pytest
 import torch
 
-from lmkv.backend import BackendContext
+from lmkv.contracts.tier import BackendContext
+from lmkv.keys.chunking import CacheKey, KeyMeta
 from lmkv.testing import StorageBackendConformance
-from lmkv.tokens import CacheKey, KeyMeta
 from lmkv_backends.tiers.cpu import CPUBackend
 from lmkv_policies.lru import LRUPolicy
 
@@ -241,8 +241,8 @@ def test_concurrent_clients_keep_counts_and_budget() -> None:
 # -- a budget larger than the machine ------------------------------------------
 
 def test_budget_beyond_available_memory_is_refused() -> None:
-    from lmkv.config import load_config
-    from lmkv.errors import ConfigError
+    from lmkv.base.errors import ConfigError
+    from lmkv.config.model import load_config
     from lmkv.memory.shm import available_memory_bytes
 
     available = available_memory_bytes()
@@ -289,7 +289,7 @@ def test_default_budget_is_not_held_against_a_small_machine(monkeypatch) -> None
 def test_an_arena_that_cannot_be_allocated_is_one_config_error_naming_the_key() -> None:
     """allow_overcommit lets 1 PiB past validation; no kernel maps that much
     (x86-64 user space is 128 TiB): one line naming the tier's key, no OSError."""
-    from lmkv.errors import ConfigError
+    from lmkv.base.errors import ConfigError
 
     options = CPUBackend.Options(max_bytes="1PiB", allow_overcommit=True, pin_memory=False)
     with pytest.raises(ConfigError) as info:

@@ -22,14 +22,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from lmkv.backend import BackendContext
-from lmkv.config import load_config
-from lmkv.errors import ConfigError
+from lmkv.base.errors import ConfigError
+from lmkv.config.model import load_config
+from lmkv.contracts.tier import BackendContext
+from lmkv.keys.chunking import CacheKey, KeyMeta
 from lmkv.memory import MemoryAllocator, tensor_obj
 from lmkv.plugins import PluginManager, hookimpl
-from lmkv.storage import chain_parents
+from lmkv.storage.manager import chain_parents
 from lmkv.testing import StorageBackendConformance
-from lmkv.tokens import CacheKey, KeyMeta
 from lmkv_backends.serde.naive import NaiveSerializer
 from lmkv_backends.tiers import fs_local
 from lmkv_backends.tiers.fs import FSBackend
@@ -671,7 +671,7 @@ def test_a_bug_in_the_read_path_is_no_tier_fault_and_never_stops_the_engine(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """The tier absorbs only its declared faults (I/O errors): a bug raises out of
     it uncounted; the storage manager's last resort logs it at ERROR and misses."""
-    from lmkv.storage import StorageManager
+    from lmkv.storage.manager import StorageManager
 
     arena = MemoryAllocator(1 << 22)
     backend = make_fs(str(tmp_path), arena)

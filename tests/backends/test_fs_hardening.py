@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from lmkv.errors import ConfigError
+from lmkv.base.errors import ConfigError
+from lmkv.contracts.serde import write_header
+from lmkv.keys.chunking import CacheKey
 from lmkv.memory import MemoryAllocator, tensor_obj
-from lmkv.serde import write_header
-from lmkv.tokens import CacheKey
 from lmkv_backends.serde.naive import NaiveSerializer
 from lmkv_backends.serde.zstd import ZstdSerializer
 from lmkv_backends.tiers.fs import FSBackend
@@ -153,7 +153,7 @@ def test_crafted_frames_never_leak_arena_blocks(serializer_cls: type, raw: bool,
                                                 tmp_path: Path, arena: MemoryAllocator,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(NaiveSerializer, "raw_payload", raw)
-    from lmkv.backend import BackendContext
+    from lmkv.contracts.tier import BackendContext
     from lmkv_policies.lru import LRUPolicy
 
     serializer = serializer_cls()
@@ -235,7 +235,7 @@ def test_the_mode_option_shares_on_purpose(mode: object, expected: tuple[int, in
 @pytest.mark.parametrize("mode", ["0666x", "0777", "0604" + "0", "0400", "0646", True, 0o1600,
                                   "rw-r-----"])
 def test_a_bad_mode_is_one_line_naming_the_key(mode: object) -> None:
-    from lmkv.config import load_config
+    from lmkv.config.model import load_config
 
     with pytest.raises(ConfigError) as info:
         load_config(env={}, overrides={"lmkv.tiers": [
@@ -246,7 +246,7 @@ def test_a_bad_mode_is_one_line_naming_the_key(mode: object) -> None:
 
 def test_mode_applies_to_local_directories_only() -> None:
     """Refused by the config itself, so ``lmkv config check`` says so too."""
-    from lmkv.config import load_config
+    from lmkv.config.model import load_config
     with pytest.raises(ConfigError, match=r"tiers\.0\.options'.*mode applies to local"):
         load_config(env={}, overrides={"lmkv.tiers": [
             {"type": "fs", "options": {"url": "s3://bucket/p", "mode": "0640"}}]})
@@ -292,7 +292,7 @@ def test_config_errors_and_config_check_never_echo_secrets(tmp_path: Path) -> No
     import subprocess
     import sys
 
-    from lmkv.config import load_config
+    from lmkv.config.model import load_config
 
     for options in ({"url": "s3://b/p", "secret": 1234567890123456789},
                     {"url": "s3://b/p", "storage_options": {"password": SECRET}, "mode": 7},
@@ -325,7 +325,7 @@ def test_a_serializer_that_skips_the_key_check_still_never_serves_a_moved_frame(
         def open_frame(self, frame, asked):  # type: ignore[no-untyped-def]
             return super().open_frame(frame, key(1))  # checks some key, not the one asked
 
-    from lmkv.backend import BackendContext
+    from lmkv.contracts.tier import BackendContext
     from lmkv_policies.lru import LRUPolicy
     backend = FSBackend(FSBackend.Options(url=str(tmp_path / "tier"), durable=False),
                         BackendContext(serializer=Careless(), eviction_policy=LRUPolicy(),

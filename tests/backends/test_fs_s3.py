@@ -12,9 +12,9 @@ import pytest
 import torch
 from botocore.exceptions import ClientError
 
+from lmkv.keys.chunking import CacheKey
 from lmkv.memory import MemoryAllocator
 from lmkv.testing import StorageBackendConformance
-from lmkv.tokens import CacheKey
 from lmkv_backends.tiers.fs import FSBackend
 from lmkv_backends.tiers.fs_index import entry_name
 from tests.backends.test_fs import (

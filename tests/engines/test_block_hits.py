@@ -8,10 +8,10 @@ import random
 import torch
 
 from lmkv import KVSpec, load_config
-from lmkv.aliases import is_alias
 from lmkv.engines.local import LocalEngine
+from lmkv.keys.aliases import is_alias
+from lmkv.keys.chunking import Identity
 from lmkv.testing.engines import open_local_engine
-from lmkv.tokens import Identity
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=16, dtype=torch.float16)
 CHUNK, BLOCK = 32, 8

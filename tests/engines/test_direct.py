@@ -1,4 +1,4 @@
-"""Direct reads (lmkv.direct): a fresh engine whose KV is in host memory reads a
+"""Direct reads (lmkv.contracts.direct_chunk): a fresh engine whose KV is in host memory reads a
 disk tier's entries straight into its paged caches, verified, never promoted;
 a corrupt, truncated or swapped entry ends the load before it (the rest is
 recomputed) and never lands as KV of another prompt."""
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from lmkv import KVSpec, load_config
-from lmkv.direct import DirectChunk
+from lmkv.contracts.direct_chunk import DirectChunk
 from lmkv.engines.local import LocalEngine
 from lmkv.testing.engines import open_local_engine
 from lmkv_backends.tiers.fs_index import entry_name
@@ -178,7 +178,7 @@ def test_a_release_during_a_read_closes_after_it_and_blames_nobody(tmp_path: Pat
 
     import xxhash
 
-    from lmkv.direct import ChunkReleased
+    from lmkv.contracts.direct_chunk import ChunkReleased
 
     tokens = list(range(4 * CHUNK))
     stored(tmp_path, tokens)

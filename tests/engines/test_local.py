@@ -160,7 +160,7 @@ def test_prefetched_chunks_are_consumed_by_retrieve() -> None:
 
 
 def test_prefetch_by_hashes_computed_elsewhere() -> None:
-    from lmkv.tokens import prefix_hashes
+    from lmkv.keys.chunking import prefix_hashes
 
     with make_engine() as engine:
         tokens = list(range(100))
@@ -216,8 +216,8 @@ def test_mla_kv_is_named_once_for_the_ranks_that_replicate_it() -> None:
     """MLA's latent is the same on every tensor-parallel rank (``KVSpec.replicas``):
     one key for those ranks, so each chunk is stored once; pipeline stages
     (ranks ``replicas`` apart) still differ, as do engines without replicas."""
+    from lmkv.contracts.connector import GPUConnector
     from lmkv.engines.keys import engine_chunker
-    from lmkv.gpu import GPUConnector
 
     config = load_config(env={})
     mla = KVSpec(num_layers=2, num_kv_heads=1, head_dim=24, dtype=torch.bfloat16,

@@ -8,11 +8,11 @@ import time
 import pytest
 import torch
 
-from lmkv.config import load_config
+from lmkv.config.model import load_config
+from lmkv.contracts.connector import ConnectorContext, KVSpec
 from lmkv.engines import open_engine
 from lmkv.engines.remote import RemoteEngine
-from lmkv.gpu import ConnectorContext, KVSpec
-from lmkv.tokens import prefix_hashes
+from lmkv.keys.chunking import prefix_hashes
 from lmkv_backends.connectors.hf import HFConnector
 from lmkv_backends.connectors.paged import PagedConnector
 from tests.server.procs import free_port, start_server

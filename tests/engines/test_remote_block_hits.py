@@ -15,9 +15,9 @@ import torch
 from lmkv import load_config
 from lmkv.engines import open_engine
 from lmkv.engines.remote import RemoteEngine
+from lmkv.keys.chunking import Identity, block_prefix_hashes, prefix_hashes
 from lmkv.rpc import protocol as p
 from lmkv.testing.server import spawn_server
-from lmkv.tokens import Identity, block_prefix_hashes, prefix_hashes
 from tests.engines.test_block_hits import BLOCK, CHUNK, SPEC, fresh, hf_kv, same_kv
 from tests.server.procs import REPO, child_env
 

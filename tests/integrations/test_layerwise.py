@@ -11,7 +11,7 @@ import threading
 import pytest
 import torch
 
-from lmkv.gpu import ChunkSpan, ConnectorContext, KVSpec
+from lmkv.contracts.connector import ChunkSpan, ConnectorContext, KVSpec
 from lmkv.integrations.vllm.layerwise import (
     CopyCancelled,
     CopyGuard,
@@ -157,7 +157,7 @@ def test_giving_a_load_step_up_fails_every_block_of_the_loads_not_finished() -> 
 
 
 def test_the_key_is_a_boolean_and_a_bad_value_is_one_line() -> None:
-    from lmkv.errors import ConfigError
+    from lmkv.base.errors import ConfigError
     from lmkv.integrations.vllm.config import config_from_extra
 
     assert config_from_extra({}).layerwise is False

@@ -7,7 +7,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from lmkv.config import load_config
+from lmkv.config.model import load_config
 from lmkv.integrations import hf_model
 from lmkv.integrations.transformers import HFCacheEngine
 
@@ -76,7 +76,7 @@ def test_a_different_model_name_never_hits(model, prompts, engine) -> None:
 
 
 def test_a_paged_connector_is_refused_for_transformers(model) -> None:
-    from lmkv.errors import ConfigError
+    from lmkv.base.errors import ConfigError
 
     config = load_config(env={}, overrides={"lmkv.gpu_connector": "paged"})
     with pytest.raises(ConfigError, match="gpu_connector = 'paged': cannot serve a transformers"):

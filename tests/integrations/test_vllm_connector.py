@@ -8,8 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from lmkv.config import load_config
-from lmkv.errors import ConfigError
+from lmkv.base.errors import ConfigError
+from lmkv.config.model import load_config
 from lmkv.integrations.vllm.config import config_from_extra, extra_config_overrides
 from lmkv.integrations.vllm.lazy import LazyOffload
 from lmkv.integrations.vllm.specs import BlockNames, StoreSpec
@@ -416,12 +416,12 @@ def test_connector_loads_where_vllm_is_installed() -> None:
 def _scheduler_and_worker(tmp_path, **keys):  # type: ignore[no-untyped-def]
     import torch
 
+    from lmkv.contracts.connector import ConnectorContext, KVSpec
     from lmkv.engines.local import LocalEngine
-    from lmkv.gpu import ConnectorContext, KVSpec
     from lmkv.integrations.vllm.scheduler import SchedulerSide
     from lmkv.lookup.responder import LookupResponder
     from lmkv.lookup.sockets import LookupEndpoints
-    from lmkv.storage import StorageManager
+    from lmkv.storage.manager import StorageManager
     from lmkv_backends.connectors.paged import PagedConnector
 
     config = load_config(overrides={"lmkv.chunk_size": 16,
@@ -525,7 +525,7 @@ def test_requests_hit_only_their_own_identity_and_plans_carry_it(tmp_path) -> No
     """The scheduler looks up under the request's identity (its cache_salt here) and
     hands it to the workers with the load plan (vLLM-free: requests are plain objects;
     tests/vllm/test_identity_vllm.py uses vLLM's own)."""
-    from lmkv.tokens import Identity
+    from lmkv.keys.chunking import Identity
 
     sched, engine, server, caches = _scheduler_and_worker(tmp_path)
     try:

@@ -13,6 +13,7 @@ import pytest
 import zmq
 
 from lmkv.engines.local import LocalEngine
+from lmkv.keys.chunking import prefix_hashes
 from lmkv.lookup import (
     LookupCleanup,
     LookupEndpoints,
@@ -21,7 +22,6 @@ from lmkv.lookup import (
     LookupResponse,
 )
 from lmkv.lookup.messages import decode, encode, max_request_bytes
-from lmkv.tokens import prefix_hashes
 from tests.lookup.conftest import CHUNK, prompt, wait_for
 from tests.lookup.worker_proc import hf_kv, make_engine
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import msgspec
 import zmq
 
+from lmkv.keys.chunking import prefix_hashes
 from lmkv.lookup import LookupRequest, LookupResponse
 from lmkv.lookup.messages import encode
-from lmkv.tokens import prefix_hashes
 from tests.lookup.conftest import CHUNK, poll_result, prompt, wait_for
 
 

@@ -13,11 +13,11 @@ import pytest
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from lmkv.config import load_config
+from lmkv.config.model import load_config
+from lmkv.keys.chunking import prefix_hashes
 from lmkv.lookup import LookupClient, LookupEndpoints, LookupResponder
 from lmkv.lookup.messages import LookupRequest, LookupResponse, encode
 from lmkv.lookup.sockets import last_endpoint
-from lmkv.tokens import prefix_hashes
 from tests.lookup.conftest import CHUNK, free_ports, poll_result, prompt, wait_for
 
 pytestmark = pytest.mark.skipif(not zmq.has("curve"), reason="libzmq without CURVE")
@@ -55,7 +55,7 @@ def curve_config(tmp: Path, secret: str, **lookup) -> dict:
 
 @pytest.fixture
 def channel(tmp_path) -> Iterator[tuple[LookupClient, LookupResponder, GatedEngine]]:
-    from lmkv.auth import write_keypair
+    from lmkv.rpc.auth import write_keypair
 
     _, secret = write_keypair(tmp_path / "keys", "engine")
     config = load_config(overrides=curve_config(tmp_path, str(secret)))
@@ -143,7 +143,7 @@ def test_an_outsider_cannot_ask_a_worker(channel) -> None:
 
 
 def test_a_channel_key_that_others_can_read_is_refused(tmp_path) -> None:
-    from lmkv.auth import AuthError, write_keypair
+    from lmkv.rpc.auth import AuthError, write_keypair
 
     _, secret = write_keypair(tmp_path, "engine")
     secret.chmod(0o644)

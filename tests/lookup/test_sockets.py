@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from lmkv.config import LookupConfig
+from lmkv.base.errors import ConfigError
+from lmkv.config.model import LookupConfig
 from lmkv.engines.local import LocalEngine
-from lmkv.errors import ConfigError
 from lmkv.lookup import LookupClient, LookupEndpoints, LookupResponder, default_runtime_dir
 from tests.lookup.conftest import CHUNK
 from tests.lookup.worker_proc import make_engine

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lmkv.backend import ArenaPlacement, BackendContext
-from lmkv.config import load_config
+from lmkv.config.model import load_config
+from lmkv.contracts.tier import ArenaPlacement, BackendContext
 from lmkv.memory import MemoryAllocator
 from lmkv.memory.shm import (
     HugePages,

@@ -3,7 +3,7 @@ a deliberately bad one: the base hands tiers leaves only, whatever a policy rank
 
 from __future__ import annotations
 
-from lmkv.policy import EvictionPolicy
+from lmkv.contracts.policy import EvictionPolicy
 from lmkv.testing import EvictionPolicyConformance
 from lmkv_policies.arc import ARCPolicy
 from lmkv_policies.lfu import LFUPolicy

@@ -4,9 +4,9 @@ from dataclasses import dataclass
 
 import pytest
 
-from lmkv.config import load_config
-from lmkv.errors import ConfigError
-from lmkv.policy import OffloadContext
+from lmkv.base.errors import ConfigError
+from lmkv.config.model import load_config
+from lmkv.contracts.policy import OffloadContext
 from lmkv_policies.fifo import FIFOOffloadPolicy
 
 

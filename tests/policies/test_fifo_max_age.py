@@ -2,8 +2,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lmkv.config import load_config
-from lmkv.policy import OffloadContext
+from lmkv.config.model import load_config
+from lmkv.contracts.policy import OffloadContext
 from lmkv_policies.fifo_max_age import FIFOMaxAgeOffloadPolicy
 
 

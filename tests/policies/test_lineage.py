@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from lmkv.policy import EvictionPolicy, Lineage
+from lmkv.contracts.policy import EvictionPolicy, Lineage
 from lmkv_policies.lru import LRUPolicy
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from lmkv.tokens import KeyMeta
+from lmkv.keys.chunking import KeyMeta
 
 META = KeyMeta("replay-test")
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from lmkv.config import LMKVConfig, load_config
-from lmkv.errors import LMKVError
+from lmkv.base.errors import LMKVError
+from lmkv.config.model import LMKVConfig, load_config
 from lmkv.replay.belady import lru_hits
 from lmkv.replay.defaults import PHYSICAL_CHUNK_BYTES
 from lmkv.replay.run import Progress, frame_bytes, replay, sized_config
@@ -142,7 +142,7 @@ def test_a_tier_that_already_holds_chunks_is_refused(
     import torch
 
     from lmkv.memory import release
-    from lmkv.storage import StorageManager
+    from lmkv.storage.manager import StorageManager
 
     config_path = tmp_path / "c.yaml"
     config_path.write_text(f"tiers: [{{type: fs, options: {{url: '{tmp_path}/fs', "

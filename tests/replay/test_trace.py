@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from lmkv.keys.chunking import TokenChunker
 from lmkv.replay.trace import TraceError, load_trace
-from lmkv.tokens import TokenChunker
 from tests.replay.conftest import META
 
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from lmkv.keys.chunking import CacheKey, KeyMeta
 from lmkv.rpc import protocol as p
-from lmkv.tokens import CacheKey, KeyMeta
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "server.md"
 COMMON_FIELDS = {"req_id", "session", "abandoned", "server_id", "keys", "meta", "chunk_hashes",

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import torch
 
+from lmkv.keys.chunking import CacheKey, KeyMeta, prefix_hashes
 from lmkv.memory.shm import huge_segment_name
 from lmkv.rpc.client import ServerClient
-from lmkv.tokens import CacheKey, KeyMeta, prefix_hashes
 
 REPO = Path(__file__).resolve().parents[2]
 SHM_DIR = Path("/dev/shm")

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import zmq
 
-from lmkv.auth import CurveKeys, load_keypair, load_public_key, write_keypair
+from lmkv.rpc.auth import CurveKeys, load_keypair, load_public_key, write_keypair
 from lmkv.rpc.client import ServerClient
 from tests.server.procs import (
     REPO,

@@ -13,9 +13,9 @@ import pytest
 import torch
 import zmq
 
+from lmkv.keys.chunking import KeyMeta
 from lmkv.rpc import protocol as p
 from lmkv.rpc.client import ServerClient
-from lmkv.tokens import KeyMeta
 from tests.server.conftest import MAX_REQUEST_BYTES
 from tests.server.procs import REPO, child_env, chunk_for, free_port, prompt_keys
 

@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from tests.plugin_fixtures import write_dist
+from tests.plugins.plugin_fixtures import write_dist
 from tests.server.procs import (
     REPO,
     child_env,

@@ -6,8 +6,8 @@ import argparse
 
 import pytest
 
-from lmkv.config import load_config
-from lmkv.errors import LMKVError
+from lmkv.base.errors import LMKVError
+from lmkv.config.model import load_config
 from lmkv.server.main import (
     add_server_arguments,
     build_storage,

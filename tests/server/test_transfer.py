@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lmkv.tokens import CacheKey
+from lmkv.keys.chunking import CacheKey
 from tests.server.conftest import MAX_REQUEST_BYTES
 from tests.server.procs import (
     CHUNK_BYTES,

@@ -17,7 +17,7 @@ import torch
 from vllm.distributed.kv_events import BlockRemoved, BlockStored
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
-from lmkv.config import load_config
+from lmkv.config.model import load_config
 from lmkv.integrations.vllm.events import (
     LMKVKVEvents,
     SchedulerEvents,

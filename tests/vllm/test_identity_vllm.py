@@ -24,9 +24,9 @@ from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.request import Request
 
-from lmkv.errors import ConfigError
+from lmkv.base.errors import ConfigError
 from lmkv.integrations.vllm.identity import check_kv_cache_groups, request_identity
-from lmkv.tokens import prefix_hashes
+from lmkv.keys.chunking import prefix_hashes
 
 BLOCK = 16  # vLLM's block size here
 CHUNK = 32  # lmkv's chunk: two blocks

@@ -239,7 +239,7 @@ class _ThreadedCuda:
     threads see the default stream, as they do under vLLM."""
 
     def __new__(cls):  # type: ignore[no-untyped-def]
-        from tests.test_transfer_stream import FakeCuda, FakeStream
+        from tests.memory.test_transfer_stream import FakeCuda, FakeStream
 
         class Threaded(FakeCuda):
             def __init__(self) -> None:
@@ -272,8 +272,8 @@ def test_copies_from_lmkv_threads_wait_for_the_forward_stream_not_their_own(
     every copy issued on lmkv's loader and store threads waits for an event recorded
     on the forward's stream (for a layerwise store: the one recorded when that layer
     was produced), never for the calling thread's default stream."""
-    from lmkv import transfer_stream
-    from lmkv.transfer_stream import TransferStream
+    from lmkv.memory import transfer_stream
+    from lmkv.memory.transfer_stream import TransferStream
 
     cuda = _ThreadedCuda()
     monkeypatch.setitem(transfer_stream._streams, torch.device("cpu"),

@@ -42,7 +42,7 @@ def test_rescue_against_vllms_block_pool() -> None:
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
     from vllm.v1.request import Request
 
-    from lmkv.config import load_config
+    from lmkv.config.model import load_config
     from lmkv.integrations.vllm.connector import _block_hash_of
     from lmkv.integrations.vllm.lazy import LazyOffload
     from lmkv.integrations.vllm.specs import StoreSpec

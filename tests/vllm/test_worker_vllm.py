@@ -15,9 +15,9 @@ pytest.importorskip("vllm")
 
 import torch
 
-from lmkv.config import load_config
-from lmkv.errors import ConfigError
-from lmkv.gpu import KVSpec
+from lmkv.base.errors import ConfigError
+from lmkv.config.model import load_config
+from lmkv.contracts.connector import KVSpec
 from lmkv.integrations.vllm.worker import WorkerSide
 
 LAYERS, HEADS, DIM, BLOCK, BLOCKS = 2, 2, 8, 16, 6
@@ -150,7 +150,7 @@ def test_an_mla_model_under_context_parallelism_is_refused_in_one_line(tmp_path,
     ranks, whose latents lmkv keys once: refused at start (vLLM's own ParallelConfig)."""
     from vllm.config import ParallelConfig
 
-    from lmkv.errors import ConfigError
+    from lmkv.base.errors import ConfigError
 
     config = load_config(env={}, overrides={"lmkv.chunk_size": 16,
                                             "lmkv.lookup.runtime_dir": str(tmp_path)})
@@ -185,7 +185,7 @@ def test_fp8_caches_vllm_keeps_as_bytes_are_keyed_by_their_format(tmp_path) -> N
     bytes unchanged; a byte format it cannot name is refused in one line."""
     from vllm.config import CacheConfig
 
-    from lmkv.errors import ConfigError
+    from lmkv.base.errors import ConfigError
 
     shape = (2, BLOCKS, BLOCK, HEADS, DIM)
     raw = {f"layer.{i}": torch.randint(0, 256, shape, dtype=torch.uint8) for i in range(LAYERS)}

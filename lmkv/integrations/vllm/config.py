@@ -1,5 +1,5 @@
 """``kv_connector_extra_config`` -> ``LMKVConfig`` (dotted ``lmkv.*`` keys; ``lmcache.*``
-keys through lmkv.lmcache_map)."""
+keys through lmkv.config.lmcache)."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from lmkv.config import LMKVConfig, load_config
-from lmkv.errors import ConfigError
-from lmkv.lmcache_map import EXTRA_PREFIX
-from lmkv.lmcache_map import extra_config_overrides as lmcache_overrides
+from lmkv.base.errors import ConfigError
+from lmkv.config.lmcache import EXTRA_PREFIX
+from lmkv.config.lmcache import extra_config_overrides as lmcache_overrides
+from lmkv.config.model import LMKVConfig, load_config
 
 logger = logging.getLogger(__name__)
 
@@ -19,7 +19,7 @@ def extra_config_overrides(extra: Mapping[str, Any] | None) -> dict[str, Any]:
     """The ``lmkv.*`` overrides in ``extra``.
 
     ``lmcache.*`` keys with an lmkv name are mapped (logged); any other ``lmcache.*``
-    key is an error naming what to use instead (lmkv.lmcache_map). A bare key that
+    key is an error naming what to use instead (lmkv.config.lmcache). A bare key that
     names an lmkv key (``chunk_size``) is an error too: lmkv reads only ``lmkv.*``.
     Other keys belong to someone else (another connector's settings left in place)
     and are ignored, with a warning.

@@ -57,7 +57,7 @@ from vllm.v1.core.kv_cache_utils import (
 )
 
 from lmkv.integrations.vllm.specs import BlockNames, StoreSpec
-from lmkv.tokens import CacheKey
+from lmkv.keys.chunking import CacheKey
 
 logger = logging.getLogger(__name__)
 

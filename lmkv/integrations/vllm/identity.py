@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from lmkv.errors import ConfigError
-from lmkv.tokens import Identity, MMInput
+from lmkv.base.errors import ConfigError
+from lmkv.keys.chunking import Identity, MMInput
 
 
 def request_identity(request: Any, chunk_size: int) -> Identity | None:

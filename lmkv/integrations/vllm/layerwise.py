@@ -7,7 +7,7 @@ first layers can compute while a loader thread copies the later ones in, and a
 store can copy each layer out as soon as the forward has written it.
 
 lmkv's storage unit is the whole-model chunk: one frame ``[layers, 2, tokens,
-kv_heads, head_dim]`` under one key (the per-layer keys of ``lmkv.tokens`` and
+kv_heads, head_dim]`` under one key (the per-layer keys of ``lmkv.keys.chunking`` and
 the storage's ``keys_per_chunk`` exist, but no engine writes them). Layerwise
 mode keeps that unit: a load fetches each chunk once and scatters it into
 vLLM's caches layer by layer; a store gathers each layer into the chunk's
@@ -39,7 +39,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from typing import Any
 
-from lmkv.gpu import ChunkSpan, ConnectorContext, GPUConnector
+from lmkv.contracts.connector import ChunkSpan, ConnectorContext, GPUConnector
 
 # The longest one wait for a layer lasts before lmkv gives the step's copies up
 # (a tier that hangs, a loader stuck). The load's blocks are then reported
@@ -146,7 +146,7 @@ class LayeredConnector(GPUConnector):
     one-layer spec, on the chunk buffers' layer ``i`` (a view) and vLLM's cache
     of layer ``i``.
 
-    CUDA: each layer's copy runs on the transfer stream (``lmkv.transfer_stream``,
+    CUDA: each layer's copy runs on the transfer stream (``lmkv.memory.transfer_stream``,
     inside the wrapped connector) and returns once its event completed, so
     ``Pace`` progress follows the copy. The copies are issued from lmkv's threads,
     not the forward's: the caller passes the forward's stream as ``after=`` (part

@@ -31,10 +31,10 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from lmkv.config import LMKVConfig
+from lmkv.config.model import LMKVConfig
+from lmkv.contracts.policy import OffloadContext
 from lmkv.integrations.vllm.specs import StoreSpec
 from lmkv.metrics import recorder
-from lmkv.policy import OffloadContext
 
 logger = logging.getLogger(__name__)
 

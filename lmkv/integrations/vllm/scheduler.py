@@ -39,14 +39,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from lmkv.config import LMKVConfig
+from lmkv.config.model import LMKVConfig
 from lmkv.integrations.vllm.identity import request_identity
 from lmkv.integrations.vllm.lazy import LazyOffload
 from lmkv.integrations.vllm.specs import BlockNames, LoadSpec, StepPlan, StoreSpec
+from lmkv.keys.chunking import Identity
 from lmkv.lookup.client import LookupClient
 from lmkv.metrics import recorder
 from lmkv.metrics.record import record_lookup
-from lmkv.tokens import Identity
 
 logger = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from lmkv.tokens import Identity
+from lmkv.keys.chunking import Identity
 
 
 @dataclass

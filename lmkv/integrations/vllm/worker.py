@@ -11,12 +11,12 @@ from typing import Any
 
 import torch
 
-from lmkv import affinity
-from lmkv.config import LMKVConfig
+from lmkv.base import affinity
+from lmkv.base.errors import ConfigError
+from lmkv.config.model import LMKVConfig
+from lmkv.contracts.connector import ConnectorContext
 from lmkv.engines import Engine, open_engine
 from lmkv.engines.connector import resolve_connector_class
-from lmkv.errors import ConfigError
-from lmkv.gpu import ConnectorContext
 from lmkv.integrations.vllm.layerwise import (
     LAYER_TIMEOUT_S,
     CopyCancelled,
@@ -33,9 +33,9 @@ from lmkv.integrations.vllm.metadata import (
 )
 from lmkv.lookup.responder import LookupResponder
 from lmkv.lookup.sockets import LookupEndpoints
+from lmkv.memory.transfer_stream import stream_for
 from lmkv.metrics import recorder
 from lmkv.metrics.record import record_load, record_store
-from lmkv.transfer_stream import stream_for
 
 logger = logging.getLogger(__name__)
 
@@ -114,7 +114,7 @@ class WorkerSide:
         self._token_bytes = spec.chunk_nbytes(1)
         connector = resolved.create(ConnectorContext(spec, self.kv_layout))
         # vLLM's CPU build may bind this thread to one CPU; lmkv's threads (started
-        # from here on) run on every CPU of the rank instead (lmkv.affinity).
+        # from here on) run on every CPU of the rank instead (lmkv.base.affinity).
         affinity.share(affinity.engine_cpus())
         if self.config.layerwise:
             connector = self.layered = LayeredConnector.around(connector, resolved.create)
@@ -124,7 +124,7 @@ class WorkerSide:
                                   block_size=self.block_size,
                                   record_metrics=False,  # recorded here, in vLLM's terms
                                   # KV in host memory, failed loads recomputed: disk
-                                  # tiers' chunks are read straight into it (lmkv.direct)
+                                  # tiers' chunks are read straight into it (DirectChunk)
                                   direct_reads=(self.kv_caches[0].device.type == "cpu"
                                                 and not self.config.layerwise))
         recorder().add_tier_source(self.engine.stats)

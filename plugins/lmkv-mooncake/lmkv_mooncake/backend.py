@@ -11,7 +11,7 @@ Pins are local: this process counts them so it knows what it is about to
 read. The store evicts by its own policy (and holds a lease on an entry while
 it is read); a pinned entry the store evicted is simply a miss.
 
-Faults follow lmkv's one policy (``lmkv.faults``): a failed call is a counted,
+Faults follow lmkv's one policy (``lmkv.contracts.faults``): a failed call is a counted,
 rate-logged miss or dropped write; a master out of reach opens the tier's
 breaker for ``retry_after_s``. A frame that fails its checks (checksum, key
 digest, shape) is a miss and is removed from the pool.
@@ -29,26 +29,16 @@ from typing import Any
 
 import torch
 
-from lmkv import affinity
-from lmkv.backend import BackendContext, StorageBackend, done_future
-from lmkv.errors import ConfigError
-from lmkv.faults import Breaker, TierFaults
+from lmkv.base import affinity
+from lmkv.base.errors import ConfigError
+from lmkv.base.redact import Redactor, secrets_in
+from lmkv.contracts.faults import Breaker, TierFaults
+from lmkv.contracts.plugin import OptionsArg
+from lmkv.contracts.serde import read_header
+from lmkv.contracts.tier import BackendContext, StorageBackend, done_future
+from lmkv.keys.chunking import CacheKey
 from lmkv.memory import MemoryAllocator, MemoryObj
-from lmkv.plugin_base import OptionsArg
-from lmkv.redact import Redactor, secrets_in
-from lmkv.serde import read_header
-from lmkv.tokens import CacheKey
-from lmkv_mooncake.client import (
-    NOT_THERE,
-    OBJECT_NOT_FOUND,
-    Link,
-    MasterUnreachable,
-    MixedClients,
-    MooncakeError,
-    TierClosed,
-    raise_for,
-)
-from lmkv_mooncake.direct import (
+from lmkv_mooncake.arena_reads import (
     ABSENT,
     FOUND,
     OTHER_LAYOUT,
@@ -58,6 +48,16 @@ from lmkv_mooncake.direct import (
     fetch_ranged,
     has_sessions,
     settle,
+)
+from lmkv_mooncake.client import (
+    NOT_THERE,
+    OBJECT_NOT_FOUND,
+    Link,
+    MasterUnreachable,
+    MixedClients,
+    MooncakeError,
+    TierClosed,
+    raise_for,
 )
 from lmkv_mooncake.options import MooncakeOptions
 from lmkv_mooncake.writer import THIN_PIPELINE_BYTES, Writer

@@ -31,9 +31,9 @@ from typing import Any
 
 import torch
 
-from lmkv import affinity
-from lmkv.errors import PluginError
-from lmkv.faults import BreakerOpen, TierFaults, TierUnavailable
+from lmkv.base import affinity
+from lmkv.base.errors import PluginError
+from lmkv.contracts.faults import BreakerOpen, TierFaults, TierUnavailable
 from lmkv.memory import MemoryAllocator
 from lmkv_mooncake.memory import Registered
 from lmkv_mooncake.options import MooncakeOptions

@@ -27,8 +27,8 @@ from pydantic import (
 )
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
-from lmkv.plugin_base import PluginOptions
-from lmkv.units import ByteCount
+from lmkv.base.units import ByteCount
+from lmkv.contracts.plugin import PluginOptions
 
 __all__ = ["MooncakeOptions"]
 

@@ -1,6 +1,6 @@
 """Puts of the mooncake tier: asynchronous, one batched call per window.
 
-``submit`` (``lmkv.put_queue.PutQueue``) takes a reference on every MemoryObj
+``submit`` (``lmkv.contracts.put_queue.PutQueue``) takes a reference on every MemoryObj
 and returns at once; a background thread asks the master which entries already exist (one
 ``batch_is_exist``: another engine may have stored them, and nothing is sent
 twice), frames the rest and stores a window of them with one
@@ -33,10 +33,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from lmkv.contracts.put_queue import PutQueue
+from lmkv.contracts.serde import Serializer, header_len
+from lmkv.keys.chunking import CacheKey
 from lmkv.memory import MemoryAllocator, MemoryObj
-from lmkv.put_queue import PutQueue
-from lmkv.serde import Serializer, header_len
-from lmkv.tokens import CacheKey
 from lmkv_mooncake.client import (
     BUFFER_TOO_SMALL,
     INVALID_WRITE,

@@ -162,7 +162,7 @@ def test_a_thin_tiers_dump_leaves_out_what_the_real_client_owns(tmp_path: Path) 
 
 def test_an_embedded_tier_in_a_process_with_a_thin_client_is_one_line(
         real_client: MooncakeRealClient, make_tier: object) -> None:
-    from lmkv.errors import ConfigError
+    from lmkv.base.errors import ConfigError
 
     make_tier(real_client)  # this process's clients are thin ones
     with pytest.raises(ConfigError) as refused:

@@ -12,8 +12,8 @@ import pytest
 import torch
 from mooncake_servers import MooncakeMaster, require_mooncake
 
+from lmkv.keys.chunking import CacheKey, KeyMeta
 from lmkv.memory import tensor_obj
-from lmkv.tokens import CacheKey, KeyMeta
 
 META = KeyMeta("faults-model", 1, 0, "float16", "l2thd")
 

@@ -102,6 +102,6 @@ def test_credentials_in_addresses_are_never_printed(
 
 
 def _key() -> object:
-    from lmkv.tokens import CacheKey, KeyMeta
+    from lmkv.keys.chunking import CacheKey, KeyMeta
 
     return CacheKey(KeyMeta("m", 1, 0, "float16", "l2thd"), bytes(32))

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from mooncake_servers import MooncakeMaster, require_mooncake
 
-from lmkv.errors import ConfigError
+from lmkv.base.errors import ConfigError
 
 SUITE = Path(__file__).with_name("real_client_suite.py")
 

@@ -9,7 +9,7 @@ Pins are local: this process counts them so it knows what it is about to
 read. Redis itself evicts by its own ``maxmemory-policy``; a pinned entry the
 server evicted is simply a miss when it is read.
 
-Faults follow lmkv's one policy (``lmkv.faults``): a Redis or network error
+Faults follow lmkv's one policy (``lmkv.contracts.faults``): a Redis or network error
 is a counted, rate-logged miss or dropped write; a lost connection or a
 timeout opens the tier's breaker for ``retry_after_s`` (a hung server would
 otherwise cost every engine step a full timeout), then one request probes;
@@ -26,13 +26,13 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
-from lmkv import affinity
-from lmkv.backend import BackendContext, StorageBackend, done_future
-from lmkv.faults import Breaker, TierFaults
+from lmkv.base import affinity
+from lmkv.base.redact import Redactor, secrets_in
+from lmkv.contracts.faults import Breaker, TierFaults
+from lmkv.contracts.plugin import OptionsArg
+from lmkv.contracts.tier import BackendContext, StorageBackend, done_future
+from lmkv.keys.chunking import CacheKey
 from lmkv.memory import MemoryObj
-from lmkv.plugin_base import OptionsArg
-from lmkv.redact import Redactor, secrets_in
-from lmkv.tokens import CacheKey
 from lmkv_redis.connection import CONNECTION_FAULTS, FAULTS, Connection
 from lmkv_redis.options import RedisOptions, redact_url
 from lmkv_redis.reader import Fetched, Reader

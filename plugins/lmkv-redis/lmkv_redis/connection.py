@@ -4,7 +4,7 @@ server figures share instead of the backend.
 It owns the redis-py client (made on first use: a cluster client contacts the
 cluster then), names the keys, and puts the tier's breaker around every
 round trip: ``pipeline`` and ``command`` refuse at once while it is open
-(``lmkv.faults.BreakerOpen``), an answered round trip closes it. It never
+(``lmkv.contracts.faults.BreakerOpen``), an answered round trip closes it. It never
 holds the backend, so nothing here forms a cycle with it.
 """
 
@@ -19,8 +19,8 @@ import redis
 from redis.client import Pipeline
 from redis.exceptions import RedisClusterException
 
-from lmkv.faults import TierFaults
-from lmkv.tokens import CacheKey
+from lmkv.contracts.faults import TierFaults
+from lmkv.keys.chunking import CacheKey
 from lmkv_redis.connect import Client, make_client
 from lmkv_redis.options import RedisOptions
 

@@ -17,9 +17,9 @@ from pydantic import (
     model_validator,
 )
 
-from lmkv.plugin_base import PluginOptions
-from lmkv.redact import redact_url
-from lmkv.units import ByteCount
+from lmkv.base.redact import redact_url
+from lmkv.base.units import ByteCount
+from lmkv.contracts.plugin import PluginOptions
 
 __all__ = ["RedisOptions", "redact_url"]
 

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import redis
 
-from lmkv.tokens import CacheKey
+from lmkv.keys.chunking import CacheKey
 from lmkv_redis.connection import Connection
 from lmkv_redis.layout import ENVELOPE, MAX_PARTS, BadEnvelope, part_names, read_envelope
 

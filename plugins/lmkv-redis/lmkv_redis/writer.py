@@ -1,6 +1,6 @@
 """Puts of the redis tier: asynchronous, one pipeline per ``pipeline_bytes``.
 
-``submit`` (``lmkv.put_queue.PutQueue``) takes a reference on every MemoryObj
+``submit`` (``lmkv.contracts.put_queue.PutQueue``) takes a reference on every MemoryObj
 and returns at once; a background thread serializes each chunk (the frame's payload is a view of the
 chunk's memory: nothing is copied on the way to the socket), writes the batch
 and then releases the references. A write that fails is dropped and counted;
@@ -14,10 +14,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
+from lmkv.contracts.put_queue import PutQueue
+from lmkv.contracts.serde import Serializer
+from lmkv.keys.chunking import CacheKey
 from lmkv.memory import MemoryObj
-from lmkv.put_queue import PutQueue
-from lmkv.serde import Serializer
-from lmkv.tokens import CacheKey
 from lmkv_redis.connection import Connection
 from lmkv_redis.layout import envelope, part_names, split
 from lmkv_redis.wire import bulk

@@ -10,9 +10,9 @@ import pytest
 from redis_servers import RedisCluster, RedisServer
 
 from lmkv import BackendContext, StorageBackend
+from lmkv.keys.chunking import CacheKey
 from lmkv.memory import MemoryAllocator
 from lmkv.testing import StorageBackendConformance
-from lmkv.tokens import CacheKey
 from lmkv_backends.serde.naive import NaiveSerializer
 from lmkv_redis import RedisBackend, RedisOptions
 

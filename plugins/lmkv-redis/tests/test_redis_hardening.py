@@ -16,10 +16,10 @@ import torch
 from redis_helpers import chunk, get, key, put
 from redis_servers import RedisServer
 
-from lmkv.config import load_config
-from lmkv.errors import ConfigError
+from lmkv.base.errors import ConfigError
+from lmkv.config.model import load_config
+from lmkv.contracts.serde import write_header
 from lmkv.memory import MemoryAllocator
-from lmkv.serde import write_header
 from lmkv_redis import RedisBackend, RedisOptions
 
 MakeTier = Callable[..., RedisBackend]

@@ -1,0 +1,199 @@
+"""The contracts: everything a plugin author imports, from one place.
+
+A plugin package (a tier, an eviction or offload policy, a serializer, a GPU
+connector) imports lmkv's names from here and its tests from
+``lmkv.testing``; nothing else of lmkv is a promise to other people's code.
+Publish the plugin under the ``lmkv`` entry-point group::
+
+    # pyproject.toml of "lmkv-hello"
+    [project]
+    dependencies = ["lmkv>=0.2,<0.3"]
+    [project.entry-points.lmkv]
+    lmkv-hello = "lmkv_hello.plugin"
+
+    # lmkv_hello/plugin.py
+    from lmkv.contracts import hookimpl
+    from lmkv_hello.backend import HelloBackend
+
+    @hookimpl
+    def lmkv_storage_backends():
+        return [HelloBackend]
+
+    # lmkv_hello/backend.py
+    from lmkv.contracts import StorageBackend
+
+    class HelloBackend(StorageBackend):
+        name = "hello"
+        ...
+
+Every kind is built the same way,
+``cls(options, context)``: its validated ``Options`` and a frozen dataclass of
+what lmkv hands that kind (``BackendContext``, ``EvictionContext``,
+``OffloadContext``, ``SerializerContext``, ``ConnectorContext``).
+
+The names are imported on first use: ``import lmkv.contracts`` is cheap, and
+only what a plugin uses pulls in torch.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from lmkv.base.exports import lazy_exports
+
+_LAZY: dict[str, str] = {
+    # the hooks
+    "ENTRY_POINT_GROUP": "lmkv.contracts.hooks",
+    "hookimpl": "lmkv.contracts.hooks",
+    "hookspec": "lmkv.contracts.hooks",
+    # every plugin
+    "NoOptions": "lmkv.contracts.plugin",
+    "OptionsArg": "lmkv.contracts.plugin",
+    "Plugin": "lmkv.contracts.plugin",
+    "PluginOptions": "lmkv.contracts.plugin",
+    # errors
+    "ConfigError": "lmkv.base.errors",
+    "CorruptFrameError": "lmkv.base.errors",
+    "LMKVError": "lmkv.base.errors",
+    "PluginError": "lmkv.base.errors",
+    # keys
+    "CacheKey": "lmkv.keys.chunking",
+    "KeyMeta": "lmkv.keys.chunking",
+    # memory
+    "Allocate": "lmkv.memory",
+    "MemoryAllocator": "lmkv.memory",
+    "MemoryObj": "lmkv.memory",
+    "release": "lmkv.memory",
+    # tiers
+    "ArenaPlacement": "lmkv.contracts.tier",
+    "BackendContext": "lmkv.contracts.tier",
+    "StorageBackend": "lmkv.contracts.tier",
+    "done_future": "lmkv.contracts.tier",
+    "DirectChunk": "lmkv.contracts.direct_chunk",
+    # the fault policy tiers share
+    "Breaker": "lmkv.contracts.faults",
+    "BreakerOpen": "lmkv.contracts.faults",
+    "TierCounters": "lmkv.contracts.faults",
+    "TierFaults": "lmkv.contracts.faults",
+    "TierUnavailable": "lmkv.contracts.faults",
+    # helpers a remote tier needs
+    "PutQueue": "lmkv.contracts.put_queue",
+    "ByteCount": "lmkv.base.units",
+    "Redactor": "lmkv.base.redact",
+    "redact_url": "lmkv.base.redact",
+    "secrets_in": "lmkv.base.redact",
+    "apply_affinity": "lmkv.base.affinity:apply",
+    # serializers and frames
+    "FrameHeader": "lmkv.contracts.serde",
+    "Serializer": "lmkv.contracts.serde",
+    "SerializerContext": "lmkv.contracts.serde",
+    "header_len": "lmkv.contracts.serde",
+    "read_header": "lmkv.contracts.serde",
+    "verify_payload": "lmkv.contracts.serde",
+    # policies
+    "EvictionContext": "lmkv.contracts.policy",
+    "EvictionPolicy": "lmkv.contracts.policy",
+    "Lineage": "lmkv.contracts.policy",
+    "OffloadContext": "lmkv.contracts.policy",
+    "OffloadItem": "lmkv.contracts.policy",
+    "OffloadPolicy": "lmkv.contracts.policy",
+    "StoreMeta": "lmkv.contracts.policy",
+    # GPU connectors
+    "ChunkSpan": "lmkv.contracts.connector",
+    "ConnectorContext": "lmkv.contracts.connector",
+    "GPUConnector": "lmkv.contracts.connector",
+    "KVSpec": "lmkv.contracts.connector",
+}
+
+if TYPE_CHECKING:
+    from lmkv.base.affinity import apply as apply_affinity
+    from lmkv.base.errors import ConfigError, CorruptFrameError, LMKVError, PluginError
+    from lmkv.base.redact import Redactor, redact_url, secrets_in
+    from lmkv.base.units import ByteCount
+    from lmkv.contracts.connector import ChunkSpan, ConnectorContext, GPUConnector, KVSpec
+    from lmkv.contracts.direct_chunk import DirectChunk
+    from lmkv.contracts.faults import (
+        Breaker,
+        BreakerOpen,
+        TierCounters,
+        TierFaults,
+        TierUnavailable,
+    )
+    from lmkv.contracts.hooks import ENTRY_POINT_GROUP, hookimpl, hookspec
+    from lmkv.contracts.plugin import NoOptions, OptionsArg, Plugin, PluginOptions
+    from lmkv.contracts.policy import (
+        EvictionContext,
+        EvictionPolicy,
+        Lineage,
+        OffloadContext,
+        OffloadItem,
+        OffloadPolicy,
+        StoreMeta,
+    )
+    from lmkv.contracts.put_queue import PutQueue
+    from lmkv.contracts.serde import (
+        FrameHeader,
+        Serializer,
+        SerializerContext,
+        header_len,
+        read_header,
+        verify_payload,
+    )
+    from lmkv.contracts.tier import ArenaPlacement, BackendContext, StorageBackend, done_future
+    from lmkv.keys.chunking import CacheKey, KeyMeta
+    from lmkv.memory import Allocate, MemoryAllocator, MemoryObj, release
+
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY, globals())
+
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "Allocate",
+    "ArenaPlacement",
+    "BackendContext",
+    "Breaker",
+    "BreakerOpen",
+    "ByteCount",
+    "CacheKey",
+    "ChunkSpan",
+    "ConfigError",
+    "ConnectorContext",
+    "CorruptFrameError",
+    "DirectChunk",
+    "EvictionContext",
+    "EvictionPolicy",
+    "FrameHeader",
+    "GPUConnector",
+    "KVSpec",
+    "KeyMeta",
+    "LMKVError",
+    "Lineage",
+    "MemoryAllocator",
+    "MemoryObj",
+    "NoOptions",
+    "OffloadContext",
+    "OffloadItem",
+    "OffloadPolicy",
+    "OptionsArg",
+    "Plugin",
+    "PluginError",
+    "PluginOptions",
+    "PutQueue",
+    "Redactor",
+    "Serializer",
+    "SerializerContext",
+    "StorageBackend",
+    "StoreMeta",
+    "TierCounters",
+    "TierFaults",
+    "TierUnavailable",
+    "apply_affinity",
+    "done_future",
+    "header_len",
+    "hookimpl",
+    "hookspec",
+    "read_header",
+    "redact_url",
+    "release",
+    "secrets_in",
+    "verify_payload",
+]

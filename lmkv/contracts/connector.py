@@ -1,0 +1,123 @@
+"""The GPUConnector ABC: moves KV between an engine's layout and chunk buffers.
+
+Every chunk buffer has the canonical shape ``[num_layers, 2, num_tokens,
+num_kv_heads, head_dim]`` (K at index 0, V at 1): the layout tag ``l2thd`` in
+each key. MLA's KV, one latent vector per token, is ``[num_layers, 1,
+num_tokens, 1, latent_dim]`` (``KVSpec.kv_planes`` 1, tag ``l1thd``).
+Connectors translate an engine's own layout (transformers per-layer tensors,
+vLLM paged caches) to and from it, so KV stored by one engine layout can be
+loaded into another.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from lmkv.contracts.plugin import OptionsArg, Plugin
+
+CHUNK_LAYOUT = "l2thd"
+
+
+@dataclass(frozen=True)
+class KVSpec:
+    """Shape of an engine's KV: what a connector needs to size chunk buffers."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    #: Vectors per token and KV head: 2 (K and V); 1 for MLA's latent (then
+    #: ``num_kv_heads`` is 1 and ``head_dim`` the latent's size).
+    kv_planes: int = 2
+    #: Ranks that hold this very KV: MLA's latent is replicated on every
+    #: tensor-parallel rank, so its keys name it once for all of them
+    #: (``lmkv.engines.keys.engine_chunker``) instead of once per rank.
+    replicas: int = 1
+
+    def chunk_shape(self, num_tokens: int) -> tuple[int, int, int, int, int]:
+        return (self.num_layers, self.kv_planes, num_tokens, self.num_kv_heads, self.head_dim)
+
+    def chunk_nbytes(self, num_tokens: int) -> int:
+        return (self.num_layers * self.kv_planes * num_tokens * self.num_kv_heads
+                * self.head_dim * self.dtype.itemsize)
+
+    @property
+    def chunk_layout(self) -> str:
+        """The chunk layout tag in keys: ``l2thd``, or ``l1thd`` for one plane (MLA)."""
+        return CHUNK_LAYOUT if self.kv_planes == 2 else f"l{self.kv_planes}thd"
+
+
+@dataclass(frozen=True)
+class ChunkSpan:
+    """Tokens ``[start, end)`` of a request and the chunk buffer that holds them."""
+
+    start: int
+    end: int
+    buffer: torch.Tensor  # [layers, 2, end - start, kv_heads, head_dim]
+
+
+@dataclass(frozen=True)
+class ConnectorContext:
+    """What lmkv hands a GPU connector besides its options (``cls(options, context)``)."""
+
+    #: The engine's KV: layers, KV heads, head size, dtype.
+    spec: KVSpec
+    #: The layout of the engine's KV where the integration knows it (vLLM's
+    #: attention backend: ``flash``, ``flashinfer``, ``cpu``, ``mla``); None: the
+    #: connector reads it from the tensors.
+    kv_layout: str | None = None
+
+
+class GPUConnector(Plugin, ABC):
+    """Copies KV between engine memory and chunk buffers, many chunks per call.
+
+    Engine state comes in keyword arguments whose names each connector
+    documents (``kv=`` for transformers, ``kv_caches=``/``block_ids=`` for
+    paged caches).
+    """
+
+    chunk_layout: str = CHUNK_LAYOUT
+    #: What kind of engine KV the connector takes: integrations check it (the
+    #: transformers integration needs "hf"; vLLM's paged caches are "paged"; each
+    #: kind's default connector is in ``lmkv.config.model.DEFAULT_CONNECTORS``).
+    kv_kind: str = ""
+    #: True when ``from_chunks`` writes into KV the engine owns (paged caches), so
+    #: chunks can be copied in batch by batch as tiers deliver them.
+    writes_in_place: bool = False
+
+    @classmethod
+    def spec_from(cls, **kv: Any) -> KVSpec:
+        """The KV spec of engine state given as ``to_chunks`` takes it, for
+        integrations that learn it from the engine's own tensors (vLLM hands its
+        paged caches over, not their geometry). The connector reads its layout
+        there, so the decision is made in one place; connectors that cannot say
+        raise NotImplementedError."""
+        raise NotImplementedError(f"gpu_connector {cls.name!r} cannot read a KV spec from "
+                                  "the engine's tensors")
+
+    def __init__(self, options: OptionsArg, context: ConnectorContext) -> None:
+        self.options = self.parse_options(options)
+        self.context = context
+        self.spec = context.spec
+
+    @abstractmethod
+    def to_chunks(self, spans: Sequence[ChunkSpan], **kv: Any) -> None:
+        """Copy the engine's KV of each span into its buffer (store path).
+
+        ``after=`` (when given): the stream the engine's forward runs on, or a CUDA
+        event recorded there, that the copy must follow instead of the calling
+        thread's current stream (``lmkv.memory.transfer_stream``): the caller may be
+        another thread than the forward's."""
+
+    @abstractmethod
+    def from_chunks(self, spans: Sequence[ChunkSpan], **kv: Any) -> Any:
+        """Copy each span's buffer into the engine's KV (retrieve path).
+
+        Returns the KV it wrote to when the connector builds it itself (see the
+        connector's docs), else None. ``after=``: as for ``to_chunks``.
+        """

@@ -1,0 +1,297 @@
+"""ABCs of the two policy kinds: eviction (per tier) and lazy offload (per engine)."""
+
+from __future__ import annotations
+
+import inspect
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, final
+
+from lmkv.contracts.plugin import NoOptions, OptionsArg, Plugin
+
+
+@dataclass(frozen=True)
+class EvictionContext:
+    """What lmkv hands an eviction policy besides its options (``cls(options, context)``)."""
+
+    #: The position in ``tiers`` of the tier this policy orders.
+    tier_index: int = 0
+
+
+_ABSENT = object()
+
+
+class Lineage:
+    """Who extends whom among one tier's stored keys.
+
+    Each stored key has a parent: the key of the chunk before it in its prompt
+    (None for a prompt's first chunk, or when the tier was not told). A key that
+    no stored key names as its parent is a leaf. Lookups are strict prefixes, so
+    a chunk whose head went is dead weight: a tier evicts leaves only, as a
+    radix tree does, and a prompt's chunks go tail first.
+
+    Memory is bounded by the stored keys: one parent link per key and one child
+    count per key that some stored key extends.
+    """
+
+    __slots__ = ("_children", "_parent")
+
+    def __init__(self) -> None:
+        self._parent: dict[Hashable, Hashable | None] = {}
+        self._children: dict[Hashable, int] = {}
+
+    def add(self, key: Hashable, parent: Hashable | None = None) -> None:
+        """``key`` is stored, extending ``parent`` (stored in this tier or not)."""
+        if key in self._parent:
+            self.discard(key)
+        if parent == key:
+            parent = None
+        self._parent[key] = parent
+        if parent is not None:
+            self._children[parent] = self._children.get(parent, 0) + 1
+
+    def discard(self, key: Hashable) -> None:
+        """``key`` left the tier; its parent may now be a leaf."""
+        if key not in self._parent:
+            return
+        parent = self._parent.pop(key)
+        if parent is not None:
+            left = self._children[parent] - 1
+            if left:
+                self._children[parent] = left
+            else:
+                del self._children[parent]
+
+    def parent(self, key: Hashable) -> Hashable | None:
+        return self._parent.get(key)
+
+    def children(self, key: Hashable) -> int:
+        """How many stored keys extend ``key``."""
+        return self._children.get(key, 0)
+
+    def is_leaf(self, key: Hashable) -> bool:
+        """No stored key extends ``key``: it may be evicted."""
+        return key not in self._children
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._parent
+
+    def __len__(self) -> int:
+        return len(self._parent)
+
+
+class EvictionPolicy(Plugin, ABC):
+    """Orders a tier's keys for eviction.
+
+    A tier calls the final methods ``insert`` / ``access`` / ``forget`` /
+    ``candidates``; a policy implements the ``on_*`` hooks and ``victims``.
+    The base keeps the tier's ``lineage`` (each key's parent) and hands the
+    tier only leaves, so no policy, built-in or third-party, can orphan a
+    prefix: ``victims`` ranks, ``candidates`` filters. The tier also skips
+    pinned or referenced entries, so a policy never decides what is safe to
+    drop. A policy that yields leaves first (``lineage.is_leaf``) saves the
+    filter its skips; ``on_extended`` / ``on_leaf`` tell it when a stored key
+    stops or starts being a leaf, so it can keep only leaves in its order.
+    A key may be stored after a key that extends it (a tail promoted before
+    its head): ``on_insert`` then sees ``lineage.is_leaf(key)`` false.
+    """
+
+    #: Whether ``on_insert`` takes the parent (set per subclass; a policy written
+    #: before policies learned parents has ``on_insert(key)`` and still works).
+    _insert_takes_parent: bool = True
+    #: Told ``(key, True)`` when the tier stores a key, ``(key, False)`` when one
+    #: leaves it (``watch``); None, the default, costs one attribute test.
+    _watcher: Callable[[Hashable, bool], None] | None = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        try:
+            params = inspect.signature(cls.on_insert).parameters
+        except (TypeError, ValueError):
+            return
+        positional = [p for p in params.values()
+                      if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        cls._insert_takes_parent = len(positional) >= 3 or any(
+            p.kind is p.VAR_POSITIONAL for p in params.values())
+
+    def __init__(self, options: OptionsArg = None, context: EvictionContext | None = None) -> None:
+        self.options = self.parse_options(options)
+        self.context = EvictionContext() if context is None else context
+        #: The stored keys' parents and child counts (kept by the base).
+        self.lineage = Lineage()
+
+    # -- what a tier calls ----------------------------------------------------
+    @final
+    def insert(self, key: Hashable, parent: Hashable | None = None) -> None:
+        """``key`` was stored, extending ``parent`` (the chunk before it, or None).
+
+        Storing a stored key again is forgetting it, then storing it (tiers never
+        do; a policy's ``on_insert`` only ever sees keys it does not hold).
+        """
+        # The tiers call this for every chunk they store: dict operations, inlined.
+        lineage = self.lineage
+        parents, children = lineage._parent, lineage._children
+        if key in parents:
+            self.forget(key)
+        extended = False
+        if parent is not None:
+            if parent == key:
+                parent = None
+            else:
+                # A stored leaf that gains its first stored extension stops being one.
+                extended = parent in parents and parent not in children
+                children[parent] = children.get(parent, 0) + 1
+        parents[key] = parent
+        if extended:
+            self.on_extended(parent)
+        if self._insert_takes_parent:
+            self.on_insert(key, parent)
+        else:
+            self.on_insert(key)  # type: ignore[call-arg]
+        if self._watcher is not None:
+            self._watcher(key, True)
+
+    @final
+    def access(self, key: Hashable) -> None:
+        """A stored key was read."""
+        self.on_access(key)
+
+    @final
+    def forget(self, key: Hashable) -> None:
+        """``key`` left the tier (removed or evicted)."""
+        lineage = self.lineage
+        parents, children = lineage._parent, lineage._children
+        parent = parents.pop(key, _ABSENT)
+        if parent is _ABSENT:
+            self.on_remove(key)  # not in the lineage: let the policy drop what it has
+            return
+        left = 1
+        if parent is not None:
+            left = children[parent] - 1
+            if left:
+                children[parent] = left
+            else:
+                del children[parent]
+        self.on_remove(key)
+        if not left and parent in parents:
+            self.on_leaf(parent)  # its last stored extension left: a candidate again
+        if self._watcher is not None:
+            self._watcher(key, False)
+
+    @final
+    def watch(self, watcher: Callable[[Hashable, bool], None] | None) -> None:
+        """Tell ``watcher`` of every key the tier stores (``(key, True)``) or drops,
+        evicted or removed (``(key, False)``); None stops it. Every tier that evicts
+        stores and drops through its policy, so this sees exactly its contents.
+        ``watcher`` runs under the tier's lock, on whichever thread changed the
+        tier: it must be quick and never call into the tier (queue and return)."""
+        self._watcher = watcher
+
+    @final
+    def candidates(self) -> Iterator[Hashable]:
+        """``victims`` that no stored key extends (leaves), in the policy's order."""
+        parents, children = self.lineage._parent, self.lineage._children
+        for key in self.victims():
+            if key not in children and key in parents:
+                yield key
+
+    # -- what a policy implements ---------------------------------------------
+    @abstractmethod
+    def on_insert(self, key: Hashable, parent: Hashable | None) -> None:
+        """A key was stored; ``parent`` is the key it extends (None: a root)."""
+
+    @abstractmethod
+    def on_access(self, key: Hashable) -> None:
+        """A stored key was read."""
+
+    @abstractmethod
+    def on_remove(self, key: Hashable) -> None:
+        """A key left the tier (removed or evicted)."""
+
+    @abstractmethod
+    def victims(self) -> Iterator[Hashable]:
+        """Stored keys, the one to evict first first. The tier may stop early.
+
+        May include keys that are not leaves; ``candidates`` drops them (a policy
+        that keeps only leaves in its order, with ``on_extended`` / ``on_leaf``,
+        never makes it skip, so an eviction costs what it evicts).
+        """
+
+    def on_extended(self, key: Hashable) -> None:
+        """The stored leaf ``key`` gained its first stored extension: it is no longer
+        a candidate until ``on_leaf``. Called before the extension's ``on_insert``.
+        A policy that orders leaves only takes ``key`` out of its order here."""
+
+    def on_leaf(self, key: Hashable) -> None:
+        """The stored key ``key`` is a leaf again: its last stored extension left
+        (called after that one's ``on_remove``). A policy that orders leaves only
+        puts ``key`` back here, where its own history says it belongs."""
+
+
+class StoreMeta(Protocol):
+    """What an offload policy needs of one step's store metadata."""
+
+    req_id: str
+
+
+@dataclass
+class OffloadItem:
+    """The pending stores of one request, aggregated over its scheduling steps."""
+
+    req_id: str
+    metas: list[Any] = field(default_factory=list)
+    block_hashes: dict[int, Any] = field(default_factory=dict)
+    finished: bool = False
+
+
+@dataclass(frozen=True)
+class OffloadContext:
+    """What lmkv hands a lazy-offload policy besides its options (``cls(options, context)``)."""
+
+    #: Finished requests to wait for before offloading (``lazy_offload_threshold``).
+    threshold: int
+    #: Seconds, for policies that age requests (tests pass a fake clock).
+    clock: Callable[[], float] = time.monotonic
+
+    def __post_init__(self) -> None:
+        if isinstance(self.threshold, bool) or not isinstance(self.threshold, int) \
+                or self.threshold <= 0:
+            raise ValueError(f"threshold must be a positive integer, got {self.threshold!r}")
+
+
+class OffloadPolicy(Plugin, ABC):
+    """Decides which finished requests' stores to submit, and when (lazy offload).
+
+    ``context.threshold`` is the engine config key ``lazy_offload_threshold``;
+    the ``count`` it pops is ``lazy_offload_select_count``.
+    """
+
+    Options = NoOptions
+
+    def __init__(self, options: OptionsArg, context: OffloadContext) -> None:
+        self.options = self.parse_options(options)
+        self.context = context
+        self.threshold = context.threshold
+
+    @abstractmethod
+    def add(self, meta: StoreMeta, block_hashes: Mapping[int, Any]) -> None:
+        """Buffer one step's store metadata with a snapshot of its blocks' hashes."""
+
+    @abstractmethod
+    def mark_req_finished(self, req_id: str) -> None:
+        """The engine finished ``req_id``; raise ValueError if it is not pending."""
+
+    @abstractmethod
+    def pop_items_for_offload(self, count: int) -> Sequence[OffloadItem]:
+        """At most ``count`` items to submit now (possibly none)."""
+
+    @property
+    @abstractmethod
+    def ready_count(self) -> int:
+        """Finished requests waiting to be offloaded."""
+
+    @abstractmethod
+    def __len__(self) -> int:
+        """Pending requests, finished or not."""

@@ -1,0 +1,597 @@
+"""The storage manager: ordered tiers behind one put / lookup / prefetch API.
+
+* Stores go to the first tier and are written through to the others
+  asynchronously, each through a bounded queue (a full queue drops and counts
+  the lower-tier write; the caller never waits on a slow tier).
+* Lookups are strict prefixes across tiers: tier 1 serves chunks 0..k1,
+  tier 2 serves k1..k2, and so on (``lmkv.storage.prefetch`` has the exact rules).
+* Lower-tier hits are promoted into the first tier when it holds memory.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from lmkv.base import affinity
+from lmkv.config.model import LMKVConfig
+from lmkv.contracts.direct_chunk import memory_prefix
+from lmkv.contracts.policy import EvictionContext
+from lmkv.contracts.serde import SerializerContext
+from lmkv.contracts.tier import (
+    ArenaPlacement,
+    BackendContext,
+    StorageBackend,
+    done_future,
+    submit_put,
+)
+from lmkv.keys.aliases import Alias, alias_target, is_alias, make_alias
+from lmkv.keys.chunking import CacheKey
+from lmkv.memory import MemoryObj, release, tensor_obj
+from lmkv.storage.admission import AdmissionGate
+from lmkv.storage.prefetch import EventManager, PrefetchTask, WeightedSemaphore
+from lmkv.storage.writethrough import WriteThrough
+
+logger = logging.getLogger(__name__)
+
+GET_TIMEOUT_S = 30.0
+_CONFIG = LMKVConfig.model_fields  # defaults are the config's, written once
+
+
+class StorageManager:
+    def __init__(self, tiers: Sequence[StorageBackend], *,
+                 write_queue_chunks: int = _CONFIG["write_through_queue_chunks"].default,
+                 prefetch_threads: int = 4,
+                 admit_after: Sequence[int] | None = None) -> None:
+        """``admit_after[i]``: tier ``i`` stores a chunk from its N-th sighting only
+        (``lmkv.storage.admission``; 1, the default, admits every chunk)."""
+        if not tiers:
+            raise ValueError("the storage manager needs at least one tier")
+        self.tiers = list(tiers)
+        self._gates: list[AdmissionGate | None] = [
+            AdmissionGate(n, t.capacity_bytes) if n > 1 else None
+            for t, n in zip(self.tiers, admit_after or [1] * len(self.tiers), strict=True)]
+        self._writers = [WriteThrough(t, write_queue_chunks) for t in self.tiers[1:]]
+        self.events = EventManager()
+        self._executor = ThreadPoolExecutor(prefetch_threads, thread_name_prefix="lmkv-prefetch",
+                                            initializer=affinity.apply)
+        self._semaphore: WeightedSemaphore | None = None
+        self._closed = False
+
+    @classmethod
+    def from_config(cls, config: LMKVConfig, *,
+                    arena: ArenaPlacement = ArenaPlacement.PRIVATE) -> StorageManager:
+        """The config's tiers, built from its resolved plugins. ``arena`` is where the
+        first tier that holds memory places its arena (the lmkv server asks for shared
+        memory); the other tiers' arenas stay private."""
+        plugins = config.plugins
+        tiers: list[StorageBackend] = []
+        memory_tier = next((i for i, t in enumerate(plugins.tiers)
+                            if t.backend.cls.holds_memory_objs), None)
+        try:
+            for i, tier in enumerate(plugins.tiers):
+                context = BackendContext(
+                    serializer=plugins.serializer.create(SerializerContext()),
+                    eviction_policy=tier.eviction.create(EvictionContext(tier_index=i)),
+                    allocate=lambda shape, dtype: allocate_from(tiers, shape, dtype),
+                    tier_index=i,
+                    arena=arena if i == memory_tier else ArenaPlacement.PRIVATE,
+                )
+                tiers.append(tier.backend.create(context))
+        except BaseException:
+            # A tier that cannot start stops the start: the ones made before it
+            # give back what they hold (threads, connections, arenas) first.
+            for made in reversed(tiers):
+                try:
+                    made.close()
+                except Exception:
+                    logger.exception("lmkv: closing tier %s after a failed start failed",
+                                     type(made).__name__)
+            raise
+        return cls(tiers, write_queue_chunks=config.write_through_queue_chunks,
+                   admit_after=[t.admit_after for t in config.tiers])
+
+    def set_chunk_bytes(self, chunk_bytes: int) -> None:
+        """Size the prefetch semaphore: half the memory tier's capacity, in chunks."""
+        memory = next((t for t in self.tiers if t.holds_memory_objs), None)
+        capacity = memory.capacity_bytes if memory is not None else None
+        if capacity:
+            self._semaphore = WeightedSemaphore(max(1, capacity // chunk_bytes // 2))
+
+    def allocate(self, shape: Sequence[int], dtype: torch.dtype) -> MemoryObj | None:
+        return allocate_from(self.tiers, shape, dtype)
+
+    # -- store ---------------------------------------------------------------
+    def put(self, keys: Sequence[CacheKey], objs: Sequence[MemoryObj],
+            parents: Sequence[CacheKey | None] | None = None,
+            aliases: Sequence[Alias] = ()) -> Future:
+        """Store in the first tier and queue the write-through to the others.
+
+        ``parents[i]`` is the key ``keys[i]`` extends (the chunk before it in its
+        prompt, None for a first chunk; ``chain_parents`` builds them): tiers that
+        evict keep each prompt's head while its tail is stored. Tiers and queues
+        take their own references: the caller may release its own at once.
+        Returns the first tier's future; failures are counted and logged, never
+        raised.
+
+        ``aliases`` (``lmkv.keys.aliases``) name the leading blocks of chunks stored
+        here or before; they are stored after the chunks, each extending its
+        target. The future's count is then the entries stored, aliases
+        included, capped at ``len(keys)``.
+        """
+        if parents is not None and len(parents) != len(keys):
+            raise ValueError(f"{len(keys)} keys but {len(parents)} parents")
+        if aliases:
+            return self._put_with_aliases(keys, objs, parents, aliases)
+        first = self.tiers[0]
+        try:
+            future = guarded(first, "put", submit_put(
+                first, *self._admitted(0, keys, objs, parents)), 0, "the writes are dropped")
+        except Exception as exc:  # the last resort: a tier's bug never stops the engine
+            first.faults.last_resort("put", exc, "the writes are dropped")
+            future = done_future(0)
+        for i, writer in enumerate(self._writers, 1):
+            admitted = self._admitted(i, keys, objs, parents)
+            if admitted[0]:
+                writer.submit(*admitted)
+        return future
+
+    def _put_with_aliases(self, keys: Sequence[CacheKey], objs: Sequence[MemoryObj],
+                          parents: Sequence[CacheKey | None] | None,
+                          aliases: Sequence[Alias]) -> Future:
+        made: list[tuple[Alias, MemoryObj]] = []
+        for alias in aliases:
+            obj = make_alias(alias.target, self.allocate)
+            if obj is None:
+                break
+            made.append((alias, obj))
+        try:
+            chunk_parents = list(parents) if parents is not None else [None] * len(keys)
+            future = self.put([*keys, *(a.key for a, _ in made)],
+                              [*objs, *(o for _, o in made)],
+                              [*chunk_parents, *(a.target for a, _ in made)])
+        finally:
+            release([o for _, o in made])
+        n = len(keys)
+        out: Future = Future()
+        future.add_done_callback(lambda f: out.set_result(min(n, f.result())))
+        return out
+
+    def _admitted(self, i: int, keys: Sequence[CacheKey], objs: Sequence[MemoryObj],
+                  parents: Sequence[CacheKey | None] | None
+                  ) -> tuple[Sequence[CacheKey], Sequence[MemoryObj],
+                             Sequence[CacheKey | None] | None]:
+        """What tier ``i``'s admission gate lets through (all when it has none);
+        the rejected chunks are counted in the tier's ``admission_rejects``."""
+        gate = self._gates[i]
+        if gate is None or not keys:
+            return keys, objs, parents
+        keys, objs, parents, rejected = gate.admit(keys, objs, parents, objs[0].nbytes)
+        if rejected:
+            self.tiers[i].counters.admission_rejects += rejected
+        return keys, objs, parents
+
+    def flush(self, timeout: float = 30.0) -> bool:
+        """Wait for the write-through queues to drain; False on timeout."""
+        return all(w.flush(timeout) for w in self._writers)
+
+    # -- lookup ----------------------------------------------------------------
+    def contains_prefix(self, keys: Sequence[CacheKey]) -> int:
+        """How many leading keys the tiers hold, as a strict prefix across tiers."""
+        hits = 0
+        for tier in self.tiers:
+            if hits == len(keys):
+                break
+            hits += self._contains(tier, "", keys[hits:], pin=False)
+        return hits
+
+    def pin_prefix(self, keys: Sequence[CacheKey]) -> list[tuple[StorageBackend, list[CacheKey]]]:
+        """Pin the prefix of ``keys`` that the first tier holds; undo with ``unpin``.
+
+        For stores: the chunks it returns need not be stored again, and the
+        pins keep the store's own allocations from evicting them. Only the
+        first tier is asked: a store never waits on a lower tier (a remote one
+        may take its whole timeout to answer). Chunks only a lower tier holds
+        are stored again in the first; their write-through finds them present.
+        """
+        first = self.tiers[0]
+        hits = self._contains(first, "", keys, pin=True)
+        return [(first, list(keys[:hits]))] if hits else []
+
+    def unpin(self, plans: list[tuple[StorageBackend, list[CacheKey]]]) -> None:
+        for tier, keys in plans:
+            for key in keys:
+                tier.unpin(key)
+
+    def _contains(self, tier: StorageBackend, lookup_id: str, keys: Sequence[CacheKey],
+                  pin: bool) -> int:
+        try:
+            return tier.batched_async_contains(lookup_id, keys, pin=pin)
+        except Exception as exc:  # the last resort: a tier's bug is a (loud) miss
+            tier.faults.last_resort("lookup", exc, "a miss")
+            return 0
+
+    def lookup_and_prefetch(self, lookup_id: str, keys: Sequence[CacheKey],
+                            chunk_ends: Sequence[int], keys_per_chunk: int = 1,
+                            partials: Partials | None = None, direct: bool = False) -> Future:
+        """Start fetching the stored prefix of ``keys``; resolves to the hit tokens.
+
+        ``chunk_ends[i]`` is the cumulative token count after chunk ``i``;
+        ``keys_per_chunk`` is the number of layers in layerwise mode, else 1.
+        ``partials`` (block-granular hits): the keys of each chunk's leading
+        blocks; after the last whole chunk hit, the longest of the next chunk's
+        that resolves is served too (its chunk then holds more tokens than the
+        hit: the caller uses the leading ones). The chunks are then taken with
+        ``take_prefetched`` or released with ``release_prefetched``. ``direct``: the
+        caller reads chunks into its KV itself, so tiers below the first that can
+        leave them in place do (``lmkv.contracts.direct_chunk.DirectChunk``; whole chunks only, not
+        promoted).
+        """
+        if self._closed:
+            return done_future(0)
+        task = self.events.start(lookup_id, keys)
+        self._executor.submit(self._prefetch, task, list(keys), list(chunk_ends), keys_per_chunk,
+                              partials, direct and keys_per_chunk == 1)
+        return task.future
+
+    def take_prefetched(self, lookup_id: str, keys: Sequence[CacheKey] | None = None,
+                        timeout: float | None = None, longer: bool = False
+                        ) -> list[MemoryObj] | None:
+        """The chunks a lookup prefetched (waits for it); the caller owns the references.
+
+        With ``keys``, None unless the lookup was for a prefix of these keys.
+        Without, the chunks end before the first that may hold more tokens than
+        its key names (block-granular hits), unless ``longer``: the caller then
+        cuts that chunk to the hit itself (``EventManager.take``).
+        """
+        future = self.events.future(lookup_id)
+        if future is None:
+            return None
+        future.result(timeout)
+        return self.events.take(lookup_id, keys, longer)
+
+    def release_prefetched(self, lookup_id: str) -> None:
+        """Release what a lookup prefetched (now, or as soon as it finishes)."""
+        self.events.cleanup(lookup_id)
+
+    def get(self, keys: Sequence[CacheKey]) -> list[MemoryObj]:
+        """The leading chunks found across the tiers; the caller owns the references."""
+        lookup_id = f"get-{uuid.uuid4().hex}"
+        self.lookup_and_prefetch(lookup_id, keys, range(1, len(keys) + 1))
+        return self.take_prefetched(lookup_id, keys) or []
+
+    def _prefetch(self, task: PrefetchTask, keys: list[CacheKey], chunk_ends: list[int],
+                  keys_per_chunk: int, partials: Partials | None, direct: bool = False) -> None:
+        try:
+            plans = self._plan(task.lookup_id, keys, keys_per_chunk)
+            longer: list[int] = []
+            objs = (self._fetch(task.lookup_id, plans, keys_per_chunk, longer, direct)
+                    if plans else [])
+            chunks = len(objs) // keys_per_chunk
+            hit = chunk_ends[chunks - 1] if chunks else 0
+            if partials is not None and keys_per_chunk == 1 and chunks < len(keys):
+                tail = self.partial_hit(partials, chunks, task.lookup_id)
+                if tail is not None:
+                    key, obj, tokens = tail
+                    longer.append(len(objs))
+                    objs.append(obj)
+                    task.keys = (*task.keys[:chunks], key)
+                    hit += tokens
+            # A take without keys cannot cut these to their tokens: it stops before.
+            task.whole = min(longer, default=len(objs))
+            self.events.finish(task, objs, hit)
+        except Exception as exc:  # a bug, not a tier fault (tiers never raise)
+            logger.exception("lmkv prefetch %s failed", task.lookup_id)
+            self.events.fail(task, exc)
+
+    # -- block-granular hits (lmkv.keys.aliases) ------------------------------------
+    def partial_hit(self, partials: Partials, index: int, lookup_id: str = ""
+                    ) -> tuple[CacheKey, MemoryObj, int] | None:
+        """The longest leading part of chunk ``index`` that some tier serves:
+        ``(its key, the chunk that holds it, its tokens)``; the caller owns the
+        reference. The chunk may hold more tokens than the part (an alias's
+        target); the first ``tokens`` of it are the part's."""
+        if index >= len(partials.keys) or not partials.keys[index]:
+            return None
+        candidates = partials.keys[index]
+        counted: list[tuple[int, int, StorageBackend]] = []
+        for i, tier in enumerate(self.tiers):  # a tier that has them all ends the asking
+            blocks = self._contains(tier, lookup_id, candidates, pin=False)
+            counted.append((blocks, -i, tier))
+            if blocks == len(candidates):
+                break
+        for blocks, _, tier in sorted(counted, key=lambda t: t[:2], reverse=True):
+            if not blocks:
+                break
+            key = candidates[blocks - 1]
+            obj = self.resolve(tier, key)
+            if obj is not None:
+                return key, obj, blocks * partials.block_tokens
+        return None
+
+    def read(self, key: CacheKey) -> MemoryObj | None:
+        """The chunk under ``key`` in the first tier that serves it (an alias followed
+        to its target); the caller owns it."""
+        for tier in self.tiers:
+            obj = self.resolve(tier, key)
+            if obj is not None:
+                return obj
+        return None
+
+    def resolve(self, tier: StorageBackend, key: CacheKey) -> MemoryObj | None:
+        """The chunk stored under ``key`` in ``tier``, an alias followed to its target
+        (looked for in ``tier`` first, then in the others); the caller owns it."""
+        obj = self._get_one(tier, key)
+        if obj is None or not is_alias(obj):
+            return obj
+        target = alias_target(key, obj)
+        release([obj])
+        return None if target is None else self.resolve_target(target, first=tier)
+
+    def _get_one(self, tier: StorageBackend, key: CacheKey) -> MemoryObj | None:
+        try:
+            return tier.get_blocking(key)
+        except Exception as exc:  # the last resort, as for gets
+            tier.faults.last_resort("get", exc, "a miss")
+            return None
+
+    def _resolved(self, keys: Sequence[CacheKey], objs: list[MemoryObj],
+                  longer: list[int] | None = None) -> list[MemoryObj]:
+        """``objs`` (chunks of ``keys``) with each alias replaced by its target; the
+        answer ends before an alias that no longer resolves. The positions of
+        targets (chunks that may hold more tokens than their key names) are
+        appended to ``longer``."""
+        out: list[MemoryObj] = []
+        for i, (key, obj) in enumerate(zip(keys, objs, strict=False)):
+            target = alias_target(key, obj) if obj.tensor.dim() == 1 else None
+            if target is None:
+                out.append(obj)
+                continue
+            release([obj])
+            resolved = self.resolve_target(target)
+            if resolved is None:
+                release(objs[i + 1:])
+                return out
+            if longer is not None:
+                longer.append(i)
+            out.append(resolved)
+        return out
+
+    def resolve_target(self, target: CacheKey, first: StorageBackend | None = None
+                       ) -> MemoryObj | None:
+        """The chunk an alias names, from ``first`` or else any tier; an alias of an
+        alias is never followed."""
+        for tier in sorted(self.tiers, key=lambda t: t is not first):
+            found = self._get_one(tier, target)
+            if found is not None:
+                if is_alias(found):
+                    release([found])
+                    return None
+                return found
+        return None
+
+    def _plan(self, lookup_id: str, keys: list[CacheKey], kpc: int
+              ) -> list[tuple[StorageBackend, list[CacheKey]]]:
+        """Which tier serves which keys; the planned keys are pinned."""
+        plans = []
+        done = 0
+        for tier in self.tiers:
+            if done == len(keys):
+                break
+            remaining = keys[done:]
+            raw = self._contains(tier, lookup_id, remaining, pin=True)
+            hit = raw // kpc * kpc
+            for key in remaining[hit:raw]:
+                tier.unpin(key)
+            if hit:
+                plans.append((tier, remaining[:hit]))
+                done += hit
+        return plans
+
+    def _fetch(self, lookup_id: str, plans: list[tuple[StorageBackend, list[CacheKey]]],
+               kpc: int, longer: list[int] | None = None, direct: bool = False
+               ) -> list[MemoryObj]:
+        objs: list[MemoryObj] = []
+        for _, ks, got in self._iter_fetch(lookup_id, plans, kpc, direct):
+            found: list[int] = []
+            resolved = self._resolved(ks, got, found) if kpc == 1 else got
+            if longer is not None:
+                longer.extend(len(objs) + i for i in found)
+            objs.extend(resolved)
+            if len(resolved) < len(got):
+                break
+        whole = len(objs) // kpc * kpc
+        release(objs[whole:])
+        return objs[:whole]
+
+    def stream(self, keys: Sequence[CacheKey]) -> Iterator[tuple[int, list[MemoryObj]]]:
+        """The leading chunks across the tiers, yielded tier by tier as each tier's
+        get completes: ``(index of the first chunk, chunks)``. The caller owns the
+        references. All gets start at once, so the caller can copy out what an
+        upper tier returned while lower tiers are still reading."""
+        plans = self._plan(f"stream-{uuid.uuid4().hex}", list(keys), 1)
+        index = 0
+        for _, ks, got in self._iter_fetch("", plans, 1):
+            resolved = self._resolved(ks, got)
+            yield index, resolved
+            index += len(resolved)
+            if len(resolved) < len(got):
+                return
+
+    def _iter_fetch(self, lookup_id: str, plans: list[tuple[StorageBackend, list[CacheKey]]],
+                    kpc: int, direct: bool = False
+                    ) -> Iterator[tuple[StorageBackend, list[CacheKey], list[MemoryObj]]]:
+        """Start every planned get, then yield each tier's chunks in order.
+
+        A tier that returns fewer chunks than planned ends the answer there:
+        everything after it is released. Pins are dropped and lower-tier chunks
+        promoted as each tier completes.
+        """
+        chunks = sum(len(ks) for _, ks in plans) // kpc
+        taken = self._semaphore.acquire(chunks) if self._semaphore else 0
+        futures = [self._start_get(tier, lookup_id, ks, direct and tier is not self.tiers[0])
+                   for tier, ks in plans]
+        done = 0
+        short = False
+        before: CacheKey | None = None  # the key before this plan's first
+        try:
+            for (tier, ks), future in zip(plans, futures, strict=True):
+                got = self._result(tier, future)
+                done += 1
+                for key in ks:
+                    tier.unpin(key)
+                if short:
+                    release(got)
+                    continue
+                short = len(got) < len(ks)  # evicted between contains and get
+                if tier is not self.tiers[0]:  # what is in memory, up to a direct chunk
+                    n = memory_prefix(got)
+                    self._promote(ks[:n], got[:n], chain_parents(ks[:n], before, kpc))
+                before = ks[len(ks) - kpc] if len(ks) >= kpc else before
+                yield tier, ks, got
+        finally:  # also when the consumer stops early: release what it did not take
+            for (tier, ks), future in zip(plans[done:], futures[done:], strict=True):
+                release(self._result(tier, future))
+                for key in ks:
+                    tier.unpin(key)
+            if self._semaphore:
+                self._semaphore.release(taken)
+
+    def _start_get(self, tier: StorageBackend, lookup_id: str, keys: list[CacheKey],
+                   direct: bool = False) -> Future:
+        try:
+            future = tier.batched_get_direct(lookup_id, keys) if direct else None
+            return future or tier.batched_get_non_blocking(lookup_id, keys)
+        except Exception as exc:
+            future: Future = Future()
+            future.set_exception(exc)
+            return future
+
+    def _result(self, tier: StorageBackend, future: Future) -> list[MemoryObj]:
+        try:
+            return future.result(timeout=GET_TIMEOUT_S)
+        except (Exception, CancelledError) as exc:  # the last resort, as for lookups
+            if not future.done():  # timed out: what it gets later is nobody's
+                future.add_done_callback(_release_result)
+            tier.faults.last_resort("get", exc, "a miss")
+            return []
+
+    def _promote(self, keys: list[CacheKey], objs: list[MemoryObj],
+                 parents: list[CacheKey | None]) -> None:
+        first = self.tiers[0]
+        if not keys or not first.holds_memory_objs:
+            return
+        keys, objs, parents = self._admitted(0, keys, objs, parents)
+        if not keys:
+            return
+        try:
+            guarded(first, "promote", submit_put(first, keys, objs, parents), 0,
+                    "not promoted")
+        except Exception as exc:  # the last resort, as for puts
+            first.faults.last_resort("promote", exc, "not promoted")
+
+    # -- the rest --------------------------------------------------------------
+    def watch(self, listener: Callable[[int, CacheKey, bool], None] | None) -> list[int]:
+        """Tell ``listener`` ``(tier index, key, stored)`` for every chunk a tier stores
+        (True) or drops, evicted or removed (False); None stops it. Tiers are heard
+        through their eviction policy: those that store through it (cpu, fs) are
+        heard exactly, one that ignores its policy (a remote store that evicts by
+        itself) is silent. Returns the indexes of the tiers with a policy. The
+        listener runs under the tier's lock on the thread that changed the tier
+        (a store, a write-through, a promotion): it must queue and return
+        (``EvictionPolicy.watch``). Nothing is called, and nothing costs more than
+        a test, while nobody watches."""
+        watched = []
+        for i, tier in enumerate(self.tiers):
+            policy = tier.context.eviction_policy
+            if policy is not None:
+                policy.watch(None if listener is None else functools.partial(listener, i))
+                watched.append(i)
+        return watched
+
+    def stats(self) -> list[dict[str, Any]]:
+        out = []
+        for i, tier in enumerate(self.tiers):
+            row = {"tier": i, "type": tier.name, **tier.stats()}
+            if i:
+                row["write_queue_chunks"] = self._writers[i - 1].pending_chunks
+            out.append(row)
+        return out
+
+    def close(self, timeout: float = 2.0) -> None:
+        """Drain write-through queues (up to ``timeout``), release prefetches, close tiers."""
+        self._closed = True
+        for writer in self._writers:
+            writer.close(timeout)
+        self.events.close()
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        for tier in self.tiers:
+            try:
+                tier.close()
+            except Exception:
+                logger.exception("closing tier %s failed", tier.name)
+
+
+@dataclass(frozen=True)
+class Partials:
+    """The keys of each chunk's leading whole blocks (``keys[i][j - 1]``: chunk
+    ``i``'s first ``j`` blocks, ``lmkv.keys.chunking.block_prefix_hashes``) and the
+    tokens in a block."""
+
+    keys: Sequence[Sequence[CacheKey]]
+    block_tokens: int
+
+
+def chain_parents(keys: Sequence[CacheKey], before: CacheKey | None = None,
+                  keys_per_chunk: int = 1) -> list[CacheKey | None]:
+    """The parents of a run of consecutive chunks' keys: each key extends the key
+    ``keys_per_chunk`` before it (the same layer of the previous chunk, in
+    layerwise mode); the first chunk's keys extend ``before`` (the same layer of
+    the chunk before the run) or nothing."""
+    kpc = keys_per_chunk
+    if kpc == 1:
+        return [before, *keys[:-1]] if keys else []
+    head: list[CacheKey | None] = (
+        [before.with_layer(i) if before.layer >= 0 else before for i in range(kpc)]
+        if before is not None else [None] * kpc)
+    return [head[i] if i < kpc else keys[i - kpc] for i in range(len(keys))]
+
+
+def _release_result(future: Future) -> None:
+    """Give back the buffers of a get whose caller stopped waiting."""
+    if not future.cancelled() and future.exception() is None:
+        release(future.result())
+
+
+def guarded(tier: StorageBackend, op: str, future: Future, default: object,
+            consequence: str) -> Future:
+    """``future``, with what it raises (a bug in the tier: its faults are absorbed
+    before) logged by the tier's last resort and answered with ``default``."""
+    out: Future = Future()
+
+    def done(f: Future) -> None:
+        try:
+            out.set_result(f.result())
+        except (Exception, CancelledError) as exc:
+            tier.faults.last_resort(op, exc, consequence)
+            out.set_result(default)
+
+    future.add_done_callback(done)
+    return out
+
+
+def allocate_from(tiers: Sequence[StorageBackend], shape: Sequence[int],
+                  dtype: torch.dtype) -> MemoryObj | None:
+    """A chunk buffer from the first tier that holds memory (evicting as needed);
+    a plain tensor when no tier does (nothing then keeps it past the call)."""
+    for tier in tiers:
+        if tier.holds_memory_objs:
+            return tier.allocate(shape, dtype)
+    return tensor_obj(torch.empty(tuple(shape), dtype=dtype))

@@ -1,0 +1,43 @@
+"""Logging set-up shared by ``lmkv`` and ``python -m lmkv.server``."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+SETUP = ("import logging, sys; from lmkv.base.logutil import configure_logging; "
+         "print(configure_logging({flag!r}, 'INFO')); "
+         "logging.getLogger('botocore.endpoint').debug('url with Sup3rSecret'); "
+         "logging.getLogger('lmkv.tiers').debug('lmkv detail'); "
+         "logging.getLogger('urllib3').warning('a warning of theirs')")
+
+
+def _run(code: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**os.environ, **env}, timeout=60)
+
+
+def test_debug_shows_lmkv_lines_and_other_libraries_warnings_only() -> None:
+    done = _run(SETUP.format(flag="DEBUG"))
+    assert done.stdout.strip() == "None"
+    assert "lmkv detail" in done.stderr and "a warning of theirs" in done.stderr
+    assert "Sup3rSecret" not in done.stderr
+
+
+def test_the_env_variable_is_read_and_checked() -> None:
+    done = _run(SETUP.format(flag=None), LMKV_LOG_LEVEL="debug")
+    assert "lmkv detail" in done.stderr
+    done = _run(SETUP.format(flag=None), LMKV_LOG_LEVEL="loud")
+    assert done.stdout.strip() == "LMKV_LOG_LEVEL = 'LOUD': allowed: DEBUG, INFO, WARNING, ERROR"
+
+
+@pytest.mark.parametrize("command", [["-m", "lmkv", "plugins"], ["-m", "lmkv.server"]])
+def test_both_commands_set_logging_up_the_same_way(command: list[str]) -> None:
+    done = subprocess.run([sys.executable, *command], capture_output=True, text=True,
+                          env={**os.environ, "LMKV_LOG_LEVEL": "loud"}, timeout=60)
+    assert done.returncode == 2
+    assert "LMKV_LOG_LEVEL = 'LOUD': allowed: DEBUG, INFO, WARNING, ERROR" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1

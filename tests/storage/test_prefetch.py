@@ -1,0 +1,331 @@
+"""Tiered lookup and prefetch, write-through, promotion and the semaphore."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from lmkv.contracts.tier import BackendContext
+from lmkv.keys.chunking import CacheKey, KeyMeta
+from lmkv.storage.manager import StorageManager
+from lmkv.storage.prefetch import EventManager, WeightedSemaphore
+from lmkv_backends.tiers.cpu import CPUBackend
+from lmkv_policies.lru import LRUPolicy
+
+SHAPE = (2, 2, 8, 2, 8)
+NBYTES = 2 * 2 * 8 * 2 * 8 * 4
+
+
+def cpu(cls=CPUBackend, max_bytes: int = 1 << 20) -> CPUBackend:
+    return cls(cls.Options(max_bytes=max_bytes), BackendContext(eviction_policy=LRUPolicy()))
+
+
+def key(i: int) -> CacheKey:
+    return CacheKey(KeyMeta("m"), i.to_bytes(32, "little"))
+
+
+def fill(tier: CPUBackend, ids) -> None:
+    objs = []
+    for i in ids:
+        obj = tier.allocate(SHAPE, torch.float32)
+        obj.tensor.fill_(i)
+        objs.append(obj)
+    tier.batched_submit_put([key(i) for i in ids], objs).result()
+    for obj in objs:
+        obj.ref_down()
+
+
+def values(objs) -> list[int]:
+    return [int(o.tensor.flatten()[0]) for o in objs]
+
+
+def pins(tier: CPUBackend) -> int:
+    return sum(o.pin_count for o in tier._entries.values())
+
+
+def no_leaks(*tiers: CPUBackend) -> None:
+    for tier in tiers:
+        assert pins(tier) == 0
+        assert tier.allocator.live_objects == len(tier._entries)
+
+
+@pytest.fixture
+def two_tiers():
+    upper, lower = cpu(), cpu()
+    manager = StorageManager([upper, lower])
+    yield manager, upper, lower
+    manager.close()
+
+
+def test_prefix_spans_tiers_and_counts_tokens(two_tiers) -> None:
+    manager, upper, lower = two_tiers
+    fill(upper, [0, 1])
+    fill(lower, [2, 3, 5])
+    keys = [key(i) for i in range(6)]
+    ends = [256 * (i + 1) for i in range(6)]
+    assert manager.lookup_and_prefetch("a", keys, ends).result(5) == 1024
+    objs = manager.take_prefetched("a")
+    assert values(objs) == [0, 1, 2, 3]
+    for obj in objs:
+        obj.ref_down()
+    no_leaks(upper, lower)
+
+
+def test_lower_tier_hits_are_promoted(two_tiers) -> None:
+    manager, upper, lower = two_tiers
+    fill(lower, [0, 1, 2])
+    objs = manager.get([key(i) for i in range(3)])
+    assert values(objs) == [0, 1, 2]
+    for obj in objs:
+        obj.ref_down()
+    assert all(upper.contains(key(i)) for i in range(3))
+    no_leaks(upper, lower)
+
+
+def test_whole_chunks_only_in_layerwise_mode(two_tiers) -> None:
+    """keys_per_chunk=3: 7 stored keys are 2 whole chunks; the 7th is unpinned."""
+    manager, upper, _ = two_tiers
+    fill(upper, range(7))
+    keys = [key(i) for i in range(9)]
+    assert manager.lookup_and_prefetch("l", keys, [10, 20, 30], keys_per_chunk=3).result(5) == 20
+    objs = manager.take_prefetched("l")
+    assert values(objs) == list(range(6))
+    for obj in objs:
+        obj.ref_down()
+    no_leaks(upper)
+
+
+def test_full_miss_answers_zero(two_tiers) -> None:
+    manager, _, _ = two_tiers
+    assert manager.lookup_and_prefetch("m", [key(1)], [256]).result(5) == 0
+    assert manager.take_prefetched("m") == []
+
+
+class Forgetful(CPUBackend):
+    """Evicts a key between the contains and the get (a race the manager must survive)."""
+
+    name = "forgetful"
+    forget: CacheKey | None = None
+
+    def batched_get_non_blocking(self, lookup_id, keys):
+        if self.forget is not None:
+            self.unpin(self.forget)
+            self.remove(self.forget)
+        return super().batched_get_non_blocking(lookup_id, keys)
+
+
+def test_a_short_tier_ends_the_answer_and_releases_the_rest() -> None:
+    upper, lower = cpu(Forgetful), cpu()
+    manager = StorageManager([upper, lower])
+    fill(upper, [0, 1, 2])
+    fill(lower, [3, 4])
+    upper.forget = key(1)
+    keys = [key(i) for i in range(5)]
+    assert manager.lookup_and_prefetch("s", keys, [1, 2, 3, 4, 5]).result(5) == 1
+    objs = manager.take_prefetched("s")
+    assert values(objs) == [0]
+    objs[0].ref_down()
+    no_leaks(upper, lower)
+    manager.close()
+
+
+def test_cleanup_of_a_lookup_releases_every_pin_and_reference(two_tiers) -> None:
+    manager, upper, lower = two_tiers
+    fill(upper, [0])
+    fill(lower, [1, 2])
+    future = manager.lookup_and_prefetch("c", [key(i) for i in range(3)], [1, 2, 3])
+    manager.release_prefetched("c")  # maybe before it finished
+    future.result(5)
+    assert manager.take_prefetched("c") is None
+    no_leaks(upper, lower)
+
+
+def test_take_waits_for_the_prefetch_and_unknown_ids_are_none(two_tiers) -> None:
+    manager, upper, _ = two_tiers
+    fill(upper, [0])
+    manager.lookup_and_prefetch("w", [key(0)], [5])
+    objs = manager.take_prefetched("w")
+    assert values(objs) == [0]
+    objs[0].ref_down()
+    assert manager.take_prefetched("never-started") is None
+
+
+def test_take_for_a_shorter_prompt_hands_over_its_chunks_and_releases_the_rest(
+        two_tiers) -> None:
+    manager, upper, lower = two_tiers
+    fill(upper, [0, 1])
+    fill(lower, [2])
+    keys = [key(i) for i in range(3)]
+    manager.lookup_and_prefetch("s", keys, [1, 2, 3]).result(5)
+    objs = manager.take_prefetched("s", keys[:2])
+    assert values(objs) == [0, 1]
+    for obj in objs:
+        obj.ref_down()
+    no_leaks(upper, lower)
+    # The same id prefetched for another prompt yields nothing, and leaks nothing.
+    manager.lookup_and_prefetch("s", keys, [1, 2, 3]).result(5)
+    assert manager.take_prefetched("s", [key(7), key(8)]) is None
+    no_leaks(upper, lower)
+
+
+def test_fall_through_whatever_the_order() -> None:
+    a, b, c = cpu(), cpu(), cpu()
+    fill(c, [0, 1])
+    for order in ([a, b, c], [c, b, a], [b, c, a]):
+        manager = StorageManager(order)
+        assert manager.contains_prefix([key(0), key(1)]) == 2
+        objs = manager.get([key(0), key(1)])
+        assert values(objs) == [0, 1]
+        for obj in objs:
+            obj.ref_down()
+        manager.flush()
+        manager._writers.clear()  # tiers are shared between the managers here
+        manager.events.close()
+
+
+class Slow(CPUBackend):
+    name = "slow"
+    delay = 0.0
+    release_event: threading.Event | None = None
+
+    def batched_submit_put(self, keys, objs):
+        if self.release_event is not None:
+            self.release_event.wait(10)
+        return super().batched_submit_put(keys, objs)
+
+
+def test_write_through_never_blocks_and_a_full_queue_drops() -> None:
+    upper, lower = cpu(), cpu(Slow)
+    lower.release_event = threading.Event()
+    manager = StorageManager([upper, lower], write_queue_chunks=4)
+    t0 = time.monotonic()
+    for i in range(10):
+        obj = manager.allocate(SHAPE, torch.float32)
+        manager.put([key(i)], [obj])
+        obj.ref_down()
+    assert time.monotonic() - t0 < 5  # the stalled tier did not hold up the caller
+    assert lower.counters.dropped_writes >= 5
+    lower.release_event.set()
+    assert manager.flush(10)
+    stored = sum(lower.contains(key(i)) for i in range(10))
+    assert stored == 10 - lower.counters.dropped_writes
+    assert all(upper.contains(key(i)) for i in range(10))
+    manager.close()
+    no_leaks(upper, lower)
+
+
+def test_close_returns_promptly_with_a_hung_lower_tier() -> None:
+    upper, lower = cpu(), cpu(Slow)
+    lower.release_event = threading.Event()  # never set: the tier hangs
+    manager = StorageManager([upper, lower])
+    obj = manager.allocate(SHAPE, torch.float32)
+    manager.put([key(1)], [obj])
+    manager.put([key(2)], [obj])
+    obj.ref_down()
+    t0 = time.monotonic()
+    manager.close(timeout=0.5)
+    assert time.monotonic() - t0 < 3
+    lower.release_event.set()
+
+
+def test_semaphore_budget() -> None:
+    sem = WeightedSemaphore(4)
+    assert sem.acquire(3) == 3
+    assert sem.acquire(2, timeout=0.05) == 0  # would exceed the budget
+    assert sem.acquire(1) == 1
+    sem.release(4)
+    assert sem.acquire(10) == 4  # larger than the budget: takes all of it once idle
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(sem.acquire(1)))
+    waiter.start()
+    time.sleep(0.05)
+    assert got == []
+    sem.release(4)
+    waiter.join(2)
+    assert got == [1]
+
+
+def test_semaphore_is_sized_from_the_memory_tier(two_tiers) -> None:
+    manager, upper, _ = two_tiers
+    manager.set_chunk_bytes(NBYTES)
+    assert manager._semaphore.budget == upper.capacity_bytes // NBYTES // 2
+    fill(upper, range(4))
+    objs = manager.get([key(i) for i in range(4)])
+    assert manager._semaphore.used == 0
+    for obj in objs:
+        obj.ref_down()
+
+
+def test_event_manager_reused_id_drops_the_stale_result() -> None:
+    events = EventManager()
+    tier = cpu()
+    obj = tier.allocate(SHAPE, torch.float32)
+    first = events.start("x")
+    events.finish(first, [obj], 1)
+    events.start("x")
+    assert tier.allocator.live_objects == 0
+
+
+def test_stream_yields_tier_by_tier_and_cleans_up_when_abandoned(two_tiers) -> None:
+    manager, upper, lower = two_tiers
+    fill(upper, [0, 1])
+    fill(lower, [2, 3])
+    keys = [key(i) for i in range(5)]
+    batches = []
+    for first, objs in manager.stream(keys):
+        batches.append((first, values(objs)))
+        for obj in objs:
+            obj.ref_down()
+    assert batches == [(0, [0, 1]), (2, [2, 3])]
+    stream = manager.stream(keys)
+    first, objs = next(stream)  # take the first tier's chunks, then walk away
+    for obj in objs:
+        obj.ref_down()
+    stream.close()
+    no_leaks(upper, lower)
+
+
+def test_unclaimed_prefetches_expire_on_a_timer_while_idle() -> None:
+    tier = cpu()
+    manager = StorageManager([tier])
+    manager.events.unclaimed_ttl_s = 0.05
+    fill(tier, [0])
+    manager.lookup_and_prefetch("forgotten", [key(0)], [1]).result(5)
+    assert len(manager.events) == 1  # held for a retrieve that never comes
+    # No further lookup: the timer alone gives the memory back.
+    deadline = time.monotonic() + 15
+    while len(manager.events) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(manager.events) == 0 and manager.events.expired == 1
+    assert tier._entries[key(0)].ref_count == 1
+    manager.close()
+
+
+def test_a_finished_prefetch_keeps_only_the_keys_of_its_chunks() -> None:
+    tier = cpu()
+    manager = StorageManager([tier])
+    fill(tier, [0])
+    keys = [key(0), *(key(i) for i in range(100, 1100))]  # one hit, then 1000 misses
+    manager.lookup_and_prefetch("long", keys, range(1, len(keys) + 1)).result(5)
+    assert manager.events._tasks["long"].keys == (key(0),)
+    manager.release_prefetched("long")
+    no_leaks(tier)
+    manager.close()
+
+
+def test_semaphore_counts_chunks_in_layerwise_mode(two_tiers) -> None:
+    manager, upper, _ = two_tiers
+    manager._semaphore = WeightedSemaphore(3)
+    held = manager._semaphore.acquire(1)  # another prefetch holds part of the budget
+    fill(upper, range(6))
+    keys = [key(i) for i in range(6)]
+    # 6 keys are 2 chunks of 3 layers: 2 <= 3 - 1, so it runs now (counting 6 keys
+    # would exceed the budget and wait until the semaphore is idle)
+    assert manager.lookup_and_prefetch("l", keys, [1, 2], keys_per_chunk=3).result(5) == 2
+    for obj in manager.take_prefetched("l"):
+        obj.ref_down()
+    manager._semaphore.release(held)
+    assert manager._semaphore.used == 0
