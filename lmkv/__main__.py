@@ -1,3 +1,3 @@
-from lmkv.cli.main import main
+from lmkv.cli.commands import main
 
 raise SystemExit(main())

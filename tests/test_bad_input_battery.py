@@ -30,11 +30,11 @@ from tests.plugins.plugin_fixtures import write_dist, write_hello_plugin
 SECRET = "Sup3rSecretValue"
 
 # Runs in a subprocess: reads cases (argv, env) as JSON on stdin, runs each through
-# lmkv.cli.main in a forked child with its own fds, prints the results as JSON.
+# lmkv.cli.commands in a forked child with its own fds, prints the results as JSON.
 RUNNER = r"""
 import json, os, signal, sys, tempfile, time, traceback
 
-import lmkv.cli.main, lmkv.config, lmkv.plugins.manager, yaml  # noqa: F401  paid once
+import lmkv.cli.commands, lmkv.config, lmkv.plugins.manager, yaml  # noqa: F401  paid once
 lmkv.plugins.manager.get_plugin_manager()
 
 results = []
@@ -55,7 +55,7 @@ for case in json.load(sys.stdin):
             lmkv.plugins.manager.reset_plugin_manager()
         signal.alarm(60)
         try:
-            rc = lmkv.cli.main(case["argv"])
+            rc = lmkv.cli.commands(case["argv"])
         except SystemExit as exc:
             rc = exc.code if isinstance(exc.code, int) else 1
             if isinstance(exc.code, str):

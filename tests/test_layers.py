@@ -51,7 +51,8 @@ LAYERS = _layers()
 # Top-level packages whose __init__ only re-exports lazily (checked below by
 # test_importing_a_module_runs_no_facade): importing one of their modules runs
 # no import of theirs, so that implicit run is no edge.
-LAZY_ROOTS = {"lmkv", "lmkv.contracts", "lmkv_backends", "lmkv_policies"}
+LAZY_ROOTS = {"lmkv", "lmkv.config", "lmkv.contracts", "lmkv.storage", "lmkv_backends",
+              "lmkv_policies"}
 
 
 def _known(name: str, modules: dict[str, Path] = MODULES) -> str | None:

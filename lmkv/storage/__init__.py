@@ -3,9 +3,24 @@
 ``manager`` (``StorageManager``: tiers in order, write-through, tiered lookup
 and prefetch, promotion), ``writethrough`` (the bounded queue to each lower
 tier), ``prefetch`` (the weighted semaphore and the per-lookup tasks),
-``admission`` (the per-tier ``admit_after`` gate).
+``admission`` (the per-tier ``admit_after`` gate). The names below are
+imported on first use.
 """
 
-from lmkv.storage.manager import StorageManager, chain_parents
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from lmkv.base.exports import lazy_exports
+
+_LAZY: dict[str, str] = {
+    "StorageManager": "lmkv.storage.manager",
+    "chain_parents": "lmkv.storage.manager",
+}
+
+if TYPE_CHECKING:
+    from lmkv.storage.manager import StorageManager, chain_parents
+
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY, globals())
 
 __all__ = ["StorageManager", "chain_parents"]

@@ -96,7 +96,7 @@ def test_help_and_the_parser_import_no_torch() -> None:
     import subprocess
     import sys
 
-    code = ("import sys, lmkv.cli; lmkv.cli.main.build_parser(); "
+    code = ("import sys, lmkv.cli; lmkv.cli.commands.build_parser(); "
             "heavy = [m for m in ('torch', 'transformers', 'numpy', 'zmq') if m in sys.modules]; "
             "print(heavy)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

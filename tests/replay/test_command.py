@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from lmkv.cli.main import main
+from lmkv.cli.commands import main
 from lmkv.replay import report
 from tests.conftest import run_cli
 

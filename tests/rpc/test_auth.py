@@ -10,7 +10,7 @@ import pytest
 import zmq
 
 from lmkv.base.errors import ConfigError
-from lmkv.cli.main import main as lmkv_main
+from lmkv.cli.commands import main as lmkv_main
 from lmkv.config.model import CurveConfig, load_config
 from lmkv.rpc.auth import (
     AuthError,
