@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from lmkv.plugins import hookimpl
+from lmkv.contracts.hooks import hookimpl
 from lmkv_backends.connectors.hf import HFConnector
 from lmkv_backends.connectors.paged import PagedConnector
 from lmkv_backends.serde.int8 import Int8Serializer

@@ -40,6 +40,7 @@ T1, T2 = 1, 2
 
 class ARCPolicy(EvictionPolicy):
     name = "arc"
+    api_version = "2.0"
 
     def __init__(self, options: OptionsArg = None, context: EvictionContext | None = None) -> None:
         super().__init__(options, context)

@@ -17,6 +17,7 @@ from lmkv.contracts.policy import OffloadContext, OffloadItem, OffloadPolicy, St
 
 class FIFOOffloadPolicy(OffloadPolicy):
     name = "FIFO"
+    api_version = "2.0"
 
     def __init__(self, options: OptionsArg, context: OffloadContext) -> None:
         super().__init__(options, context)

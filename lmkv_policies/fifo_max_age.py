@@ -28,6 +28,7 @@ class MaxAgeOptions(PluginOptions):
 
 class FIFOMaxAgeOffloadPolicy(FIFOOffloadPolicy):
     name = "FIFO_MAX_AGE"
+    api_version = "2.0"
     Options = MaxAgeOptions
 
     def __init__(self, options: OptionsArg, context: OffloadContext) -> None:

@@ -41,6 +41,7 @@ class LFUOptions(PluginOptions):
 
 class LFUPolicy(EvictionPolicy):
     name = "lfu"
+    api_version = "2.0"
     Options = LFUOptions
     options: LFUOptions
 

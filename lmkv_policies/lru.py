@@ -23,6 +23,7 @@ from lmkv.contracts.policy import EvictionContext, EvictionPolicy
 
 class LRUPolicy(EvictionPolicy):
     name = "lru"
+    api_version = "2.0"
 
     def __init__(self, options: OptionsArg = None, context: EvictionContext | None = None) -> None:
         super().__init__(options, context)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from lmkv.plugins import hookimpl
+from lmkv.contracts.hooks import hookimpl
 from lmkv_policies.arc import ARCPolicy
 from lmkv_policies.fifo import FIFOOffloadPolicy
 from lmkv_policies.fifo_max_age import FIFOMaxAgeOffloadPolicy

@@ -55,6 +55,7 @@ class S3FIFOOptions(PluginOptions):
 
 class S3FIFOPolicy(EvictionPolicy):
     name = "s3fifo"
+    api_version = "2.0"
     Options = S3FIFOOptions
     options: S3FIFOOptions
 

@@ -67,6 +67,8 @@ DictBackend = run_section("Tutorial: write a storage backend")["DictBackend"]
 
 
 class TestTutorialBackendConformance(StorageBackendConformance):
+    backend_class = DictBackend
+
     def corrupt_entry(self, backend, key) -> bool:
         frame = bytearray(backend.frames[key])
         frame[-1] ^= 0x01
@@ -76,11 +78,6 @@ class TestTutorialBackendConformance(StorageBackendConformance):
     def copy_entry(self, backend, source, target) -> bool:
         backend.frames[target] = backend.frames[source]
         return True
-
-    def make_backend(self):
-        arena = MemoryAllocator(1 << 22)
-        return DictBackend(DictBackend.Options(),
-                           BackendContext(serializer=NaiveSerializer(), allocate=arena.allocate))
 
 
 def test_tutorial_backend_turns_a_corrupt_frame_into_a_removed_miss() -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
@@ -98,23 +97,9 @@ class EvictionPolicy(Plugin, ABC):
     its head): ``on_insert`` then sees ``lineage.is_leaf(key)`` false.
     """
 
-    #: Whether ``on_insert`` takes the parent (set per subclass; a policy written
-    #: before policies learned parents has ``on_insert(key)`` and still works).
-    _insert_takes_parent: bool = True
     #: Told ``(key, True)`` when the tier stores a key, ``(key, False)`` when one
     #: leaves it (``watch``); None, the default, costs one attribute test.
     _watcher: Callable[[Hashable, bool], None] | None = None
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        try:
-            params = inspect.signature(cls.on_insert).parameters
-        except (TypeError, ValueError):
-            return
-        positional = [p for p in params.values()
-                      if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-        cls._insert_takes_parent = len(positional) >= 3 or any(
-            p.kind is p.VAR_POSITIONAL for p in params.values())
 
     def __init__(self, options: OptionsArg = None, context: EvictionContext | None = None) -> None:
         self.options = self.parse_options(options)
@@ -146,10 +131,7 @@ class EvictionPolicy(Plugin, ABC):
         parents[key] = parent
         if extended:
             self.on_extended(parent)
-        if self._insert_takes_parent:
-            self.on_insert(key, parent)
-        else:
-            self.on_insert(key)  # type: ignore[call-arg]
+        self.on_insert(key, parent)
         if self._watcher is not None:
             self._watcher(key, True)
 

@@ -23,11 +23,13 @@ import pluggy
 
 from lmkv.base.errors import PluginError
 from lmkv.contracts import hooks as hookspecs
+from lmkv.plugins.contract import undeclared_note
 from lmkv.plugins.registry import (
     KINDS,
     LoadFailure,
     PluginSource,
     Registry,
+    Undeclared,
     describe_exception,
 )
 
@@ -135,8 +137,8 @@ class PluginManager:
 
     def _record_failure(self, source: PluginSource, exc: BaseException,
                         failures: list[LoadFailure] | None = None) -> None:
+        # Logged with the plugin's other problems, one line per plugin (``_report``).
         error = describe_exception(exc)  # always one line
-        logger.warning("lmkv plugin %s failed to load: %s", source.describe(), error)
         (self._failures if failures is None else failures).append(LoadFailure(source, error))
 
     # -- registry ----------------------------------------------------------
@@ -161,6 +163,7 @@ class PluginManager:
                     self._record_failure(source, exc, registry.failures)
                     continue
                 registry.add_all(kind.key, classes, source)
+        _report(registry.failures, registry.undeclared)
         return registry
 
     # -- one typed method per kind (an unknown name raises UnknownPluginError) --
@@ -178,6 +181,31 @@ class PluginManager:
 
     def gpu_connector(self, name: str) -> type[GPUConnector]:
         return cast("type[GPUConnector]", self.registry.get("gpu_connector", name))
+
+
+def _report(failures: list[LoadFailure], undeclared: list[Undeclared]) -> None:
+    """One warning line per plugin with a problem: what failed or was left out, the
+    classes that declare no ``api_version``, and how to silence the plugin."""
+    sources = list(dict.fromkeys([*(f.source for f in failures),
+                                  *(u.source for u in undeclared)]))
+    for source in sources:
+        parts = [f.error for f in failures if f.source == source]
+        if parts:
+            parts[0] = f"left out: {parts[0]}"
+        mine = [u for u in undeclared if u.source == source]
+        if mine:
+            named = ", ".join(f"{u.kind} '{u.name}'" for u in mine)
+            parts.append(f"{named} declare{'s' if len(mine) == 1 else ''} no api_version; "
+                         f"{undeclared_note(len(mine))}")
+        logger.warning("lmkv plugin %s: %s; %s", source.describe(), "; ".join(parts),
+                       silence_hint(source))
+
+
+def silence_hint(source: PluginSource) -> str:
+    """How to stop lmkv loading ``source`` (the env list takes either name)."""
+    if source.distribution is None:
+        return "registered at run time"
+    return f"to skip it: {DISABLE_ENV}={source.distribution}"
 
 
 def _unknown_hooks(pm: pluggy.PluginManager, plugin: object) -> str:

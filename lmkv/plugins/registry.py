@@ -2,8 +2,11 @@
 
 Names are matched case-insensitively. A class that breaks the contract (not a
 subclass of its kind's ABC, no ``name``, a bad ``Options``, a serializer id
-outside 1..255 or taken, a name already taken) is recorded as a load failure
-of its plugin and left out: one bad plugin never disables the others. In a name
+outside 1..255 or taken, a name already taken, or what ``lmkv.plugins.contract``
+finds: another contract version, an abstract method, a constructor or method
+lmkv cannot call) is recorded as a load failure of its plugin and left out: one
+bad plugin never disables the others, and a config that selects a class left
+out is told why. In a name
 clash a built-in (distribution ``lmkv``) wins, else the first registration.
 An unknown name is an error that suggests the nearest name, lists what is
 available, says how to install a known plugin that is missing, and reports
@@ -21,6 +24,7 @@ from dataclasses import dataclass, field
 from pydantic import BaseModel
 
 from lmkv.base.errors import DuplicatePluginError, PluginError, UnknownPluginError
+from lmkv.plugins.contract import check
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +102,15 @@ class LoadFailure:
     error: str
 
 
+@dataclass(frozen=True)
+class Undeclared:
+    """A class taken although it declares no ``api_version``."""
+
+    source: PluginSource
+    kind: str
+    name: str
+
+
 def describe_exception(exc: BaseException) -> str:
     """``Type: message`` on one line, whatever the exception does: a plugin's
     exception whose ``__str__`` raises is shown by its type name alone."""
@@ -115,6 +128,10 @@ class Registry:
     skipped: list[PluginSource] = field(default_factory=list)  # left out by the env lists
     #: What the env lists did, one sentence naming the variable (empty: nothing skipped).
     env_note: str = ""
+    #: Classes taken without an ``api_version`` (one warning per plugin).
+    undeclared: list[Undeclared] = field(default_factory=list)
+    #: ``(kind, lower-case name)`` of a class left out -> why, for a config selecting it.
+    left_out: dict[tuple[str, str], str] = field(default_factory=dict)
     _entries: dict[str, dict[str, PluginEntry]] = field(
         default_factory=lambda: {k: {} for k in KINDS}
     )
@@ -142,6 +159,12 @@ class Registry:
                 f"{spec.title} '{name}' from {source.describe()}: `Options` must be a "
                 "pydantic model with extra='forbid' (subclass lmkv.PluginOptions)"
             )
+        verdict = check(kind, cls, base)
+        if verdict.problem:
+            reason = (f"{spec.title} '{name}' ({cls.__module__}.{cls.__qualname__}): "
+                      f"{verdict.problem}")
+            self.left_out[(kind, name.lower())] = f"{reason} ({source.describe()})"
+            raise PluginError(reason)
         entry = PluginEntry(kind, name, cls, source)
         if kind == "serializer":
             self._check_serializer_id(entry)
@@ -152,6 +175,9 @@ class Registry:
                                 f"{spec.title} '{name}' is registered twice: by "
                                 f"{existing.source.describe()} and by {source.describe()}")
         table[name.lower()] = entry
+        self.left_out.pop((kind, name.lower()), None)
+        if verdict.undeclared:
+            self.undeclared.append(Undeclared(source, spec.title, name))
 
     def _check_serializer_id(self, entry: PluginEntry) -> None:
         sid = getattr(entry.cls, "serializer_id", None)
@@ -190,9 +216,8 @@ class Registry:
                 self._record(source, exc)
 
     def _record(self, source: PluginSource, exc: BaseException) -> None:
-        error = describe_exception(exc)  # always one line
-        logger.warning("lmkv plugin %s: %s", source.describe(), error)
-        self.failures.append(LoadFailure(source, error))
+        # Not logged here: the manager logs one line per plugin once the registry is built.
+        self.failures.append(LoadFailure(source, describe_exception(exc)))
 
     def names(self, kind: str) -> list[str]:
         return sorted(e.name for e in self._entries[kind].values())
@@ -205,6 +230,9 @@ class Registry:
         entry = self._entries[kind].get(name.lower())
         if entry is not None:
             return entry.cls
+        reason = self.left_out.get((kind, name.lower()))
+        if reason is not None:
+            raise UnknownPluginError(f"{reason}; it was left out at load")
         raise self._unknown(kind, name)
 
     def _unknown(self, kind: str, name: str) -> UnknownPluginError:

@@ -1,13 +1,28 @@
 """The storage-backend conformance suite.
 
 Subclass ``StorageBackendConformance`` in a class whose name starts with
-``Test`` and implement ``make_backend``; every test below then runs against
-your backend::
+``Test``, name your tier class and the options a config would give it; every
+test below then runs against your tier, built the way lmkv builds it (its
+``Options`` validated, ``cls(options, context)`` with the context a storage
+manager hands it)::
 
     class TestMyBackend(StorageBackendConformance):
-        def make_backend(self):
-            return MyBackend(MyBackend.Options(), BackendContext(...))
+        backend_class = MyBackend
 
+        def backend_options(self):
+            return {"url": "..."}          # per test: paths, ports, key prefixes
+
+What a tier must do beyond its own methods is checked too, because that is
+where a tier that passes alone breaks at run time: the class passes lmkv's
+load check (its contract version, no abstract method left, every method lmkv
+calls callable the way lmkv calls it); it stores and reads with each built-in
+eviction policy; it hands its policy each chunk's parent; and it serves a
+real storage manager built from a config that names it (stores written
+through, lookups, prefetches, gets, promotion).
+
+``make_backend`` builds the tier used by most tests (by default
+``build_backend()``); override it only to add what lmkv's path cannot give
+(and keep the class and options above: the checks of lmkv's path use them).
 Fault injection: implement ``corrupt_entry`` and ``copy_entry`` (a tier that
 stores bytes) and ``make_unreachable`` (a tier whose storage can be out of
 reach) and the fault tests run too; each hook left alone skips its tests.
@@ -16,15 +31,50 @@ reach) and the fault tests run too; each hook left alone skips its tests.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from contextlib import AbstractContextManager
+from typing import Any
 
 import pytest
 import torch
 
+from lmkv.contracts.policy import EvictionPolicy
 from lmkv.contracts.tier import StorageBackend
 from lmkv.keys.chunking import CacheKey, KeyMeta
-from lmkv.memory import MemoryObj, tensor_obj
+from lmkv.memory import MemoryObj, release, tensor_obj
+from lmkv.storage.manager import StorageManager
+from lmkv.testing.building import load_problem, selectable, storage_from
+
+#: lmkv's own eviction policies: a tier must work with each of them.
+BUILTIN_EVICTION_POLICIES = ("lru", "lfu", "arc", "s3fifo")
+
+
+class ParentRecorder(EvictionPolicy):
+    """An eviction policy that remembers the parent each key was stored with
+    (``insert(key, parent)``), to check that a tier hands its policy what lmkv
+    gave the tier. It evicts oldest first."""
+
+    name = "lmkv-conformance-recorder"
+    api_version = "2.0"
+    #: key -> parent of every insert, across instances (the kit reads it back).
+    seen: dict[Hashable, Hashable | None] = {}
+
+    def __init__(self, options: Any = None, context: Any = None) -> None:
+        super().__init__(options, context)
+        self._order: dict[Hashable, None] = {}
+
+    def on_insert(self, key: Hashable, parent: Hashable | None) -> None:
+        ParentRecorder.seen[key] = parent
+        self._order[key] = None
+
+    def on_access(self, key: Hashable) -> None:
+        pass
+
+    def on_remove(self, key: Hashable) -> None:
+        self._order.pop(key, None)
+
+    def victims(self) -> Iterator[Hashable]:
+        return iter(list(self._order))
 
 
 class StorageBackendConformance:
@@ -34,8 +84,40 @@ class StorageBackendConformance:
     dtype: torch.dtype = torch.float16
     meta = KeyMeta("conformance-model", 1, 0, "float16", "l2thd")
 
+    #: The tier class under test. Installed or not: the kit makes it selectable
+    #: by its name for its tests.
+    backend_class: type[StorageBackend] | None = None
+
+    def backend_options(self) -> dict[str, Any]:
+        """The ``options`` a config would give the tier (fresh per test)."""
+        return {}
+
     def make_backend(self) -> StorageBackend:
-        raise NotImplementedError("subclasses return a fresh backend")
+        """The tier most tests use; by default built the way lmkv builds it."""
+        return self.build_backend()
+
+    def build_backend(self, eviction: str = "lru") -> StorageBackend:
+        """``backend_class`` with ``backend_options()`` and ``eviction``, built by a
+        storage manager from a config that names it (closed after the test)."""
+        return self.build_storage([self._tier_ref(eviction)]).tiers[0]
+
+    def build_storage(self, tiers: list[dict[str, Any]]) -> StorageManager:
+        """A storage manager built by lmkv from a config of ``tiers``; the kit closes
+        it after the test."""
+        with selectable(self._backend_class(), ParentRecorder):
+            storage = storage_from(tiers)
+        self._storages.append(storage)
+        return storage
+
+    def _tier_ref(self, eviction: str = "lru") -> dict[str, Any]:
+        return {"type": self._backend_class().name, "options": self.backend_options(),
+                "eviction": eviction}
+
+    def _backend_class(self) -> type[StorageBackend]:
+        if self.backend_class is None:
+            pytest.fail("set backend_class (and backend_options) on the kit's subclass: "
+                        "the kit builds and checks the tier the way lmkv does")
+        return self.backend_class
 
     def corrupt_entry(self, backend: StorageBackend, key: CacheKey) -> bool:
         """Damage the stored value of ``key`` behind the backend's back (flip a
@@ -72,6 +154,13 @@ class StorageBackendConformance:
     max_pressure_chunks: int = 2048
 
     # -- helpers -------------------------------------------------------------
+    @pytest.fixture(autouse=True)
+    def _close_storages(self) -> Iterator[None]:
+        self._storages: list[StorageManager] = []
+        yield
+        for storage in self._storages:
+            storage.close()
+
     @pytest.fixture
     def backend(self) -> Iterator[StorageBackend]:
         backend = self.make_backend()
@@ -322,6 +411,105 @@ class StorageBackendConformance:
             assert obj is not None and torch.equal(obj.tensor, data)
             obj.ref_down()
         assert backend.unpin(self.key(0)) and backend.unpin(self.key(1))
+
+    # -- what lmkv does with the tier --------------------------------------------
+    def test_the_class_passes_lmkvs_load_check(self) -> None:
+        problem = load_problem(self._backend_class())
+        assert not problem, f"lmkv would leave this tier out at load: {problem}"
+
+    def chain(self, first: int, n: int) -> tuple[list[CacheKey], list[CacheKey | None]]:
+        """``n`` consecutive chunks of one prompt: their keys and parents."""
+        keys = [self.key(i) for i in range(first, first + n)]
+        return keys, [None, *keys[:-1]]
+
+    def put_chain(self, backend: StorageBackend, first: int, n: int) -> list[torch.Tensor]:
+        keys, parents = self.chain(first, n)
+        objs = [self.make_obj(backend, first + i) for i in range(n)]
+        expected = [o.tensor.clone() for o in objs]
+        stored = backend.batched_submit_put(keys, objs, parents=parents).result(timeout=60)
+        release(objs)
+        assert stored == n, f"stored {stored} of {n} chunks"
+        return expected
+
+    @pytest.mark.parametrize("eviction", BUILTIN_EVICTION_POLICIES)
+    def test_each_builtin_eviction_policy_drives_the_tier(self, eviction: str) -> None:
+        """Stores, reads and removes work whichever of lmkv's policies the config
+        gives the tier (a tier that drives its policy otherwise than through
+        ``insert`` / ``access`` / ``forget`` / ``candidates`` breaks here)."""
+        backend = self.build_backend(eviction)
+        before = backend.stats()
+        expected = self.put_chain(backend, 700, 4)
+        keys, _ = self.chain(700, 4)
+        assert backend.batched_async_contains("policy", keys) == 4
+        objs = backend.batched_get_non_blocking("policy", keys).result(timeout=60)
+        try:
+            assert len(objs) == 4
+            for obj, data in zip(objs, expected, strict=True):
+                assert torch.equal(obj.tensor, data)
+        finally:
+            release(objs)
+        for key in reversed(keys):
+            assert backend.remove(key)
+        after = backend.stats()
+        assert after["errors"] == before["errors"], f"errors with eviction {eviction!r}"
+        assert after["dropped_writes"] == before["dropped_writes"]
+
+    def test_the_tier_hands_its_policy_each_parent(self) -> None:
+        """lmkv stores a prompt's chunks with their parents; a tier that evicts
+        through its policy passes each on (``insert(key, parent)``), so the policy
+        evicts tails first and no stored prefix loses its head."""
+        ParentRecorder.seen.clear()
+        backend = self.build_backend(ParentRecorder.name)
+        self.put_chain(backend, 800, 4)
+        keys, parents = self.chain(800, 4)
+        seen = {k: ParentRecorder.seen[k] for k in keys if k in ParentRecorder.seen}
+        if not seen:
+            return  # a tier that never stores through its policy (it evicts by itself)
+        assert seen == dict(zip(keys, parents, strict=True)), \
+            "the tier did not hand its policy the parents it was given"
+
+    def test_a_storage_manager_serves_the_tier(self) -> None:
+        """The tier in a storage manager lmkv builds from a config: a store goes
+        through (written through when the tier is below a memory tier), a lookup
+        prefetches it back bit-exactly, a get and a stream read it, and a chunk the
+        upper tier lost is read from this one and promoted."""
+        cls = self._backend_class()
+        below = not cls.holds_memory_objs
+        tiers = ([{"type": "cpu", "options": {"max_bytes": 64 * self.chunk_bytes()}}]
+                 if below else [])
+        storage = self.build_storage([*tiers, self._tier_ref()])
+        storage.set_chunk_bytes(self.chunk_bytes())
+        tier = storage.tiers[-1]
+        keys, parents = self.chain(900, 4)
+        objs = [self.make_obj(tier, 900 + i) for i in range(4)]
+        expected = [o.tensor.clone() for o in objs]
+        assert storage.put(keys, objs, parents).result(timeout=60) == 4
+        release(objs)
+        assert storage.flush(60), "the write-through to the tier did not finish"
+        assert tier.batched_async_contains("manager", keys) == 4
+        if below:  # the memory tier loses the last two: they come from this tier
+            for key in keys[2:]:
+                assert storage.tiers[0].remove(key)
+        ends = [(i + 1) * self.chunk_shape[2] for i in range(4)]
+        assert storage.lookup_and_prefetch("m", keys, ends).result(timeout=60) == ends[-1]
+        got = storage.take_prefetched("m", keys, timeout=60)
+        assert got is not None
+        try:
+            assert len(got) == 4
+            for obj, data in zip(got, expected, strict=True):
+                assert torch.equal(obj.tensor, data)
+        finally:
+            release(got)
+        for read in (storage.get(keys), [o for _, objs in storage.stream(keys) for o in objs]):
+            try:
+                assert [torch.equal(o.tensor, d) for o, d in zip(read, expected, strict=True)] \
+                    == [True] * 4
+            finally:
+                release(read)
+        if below:
+            assert _eventually(lambda: storage.tiers[0].contains(keys[3]), 30), \
+                "what the tier served was not promoted into the memory tier"
+        assert storage.tiers[0].batched_async_contains("manager", keys) == 4
 
 
 def _eventually(condition: Callable[[], bool], deadline_s: float) -> bool:

@@ -1,22 +1,29 @@
 """The eviction-policy conformance suite.
 
 Subclass ``EvictionPolicyConformance`` in a class whose name starts with
-``Test`` and implement ``make_policy``; every test below then runs against
-your policy, alone and inside a real ``cpu`` tier::
+``Test`` and name your policy class (and the options a config would give it);
+every test below then runs against your policy, built the way lmkv builds it
+(``cls(options, EvictionContext(...))``), alone and inside a real ``cpu``
+tier::
 
     class TestMyPolicy(EvictionPolicyConformance):
-        def make_policy(self):
-            return MyPolicy()
+        policy_class = MyPolicy
 
-What it checks, all through the methods a tier calls (``insert``, ``access``,
-``forget``, ``candidates``): ``victims`` yields stored keys only, each once,
-and every leaf on a full pass; removing everything leaves nothing to evict;
-memory does not grow with the number of keys that went through the policy,
-only with what is stored (ghost lists bounded by the entries stored are
-fine); through a small cpu tier fed random prompt trees, every stored chunk's
-parent stays stored (no orphaned prefix: each stored prompt is contiguous from
-its first chunk), pinned and referenced entries are never evicted, and usage
-is back to zero once everything is removed.
+        def policy_options(self):
+            return {"decay_period": 50}
+
+What it checks: the class passes lmkv's load check (its contract version, no
+abstract method left, its constructor and hooks callable the way lmkv calls
+them, the final methods left alone); then, all through the methods a tier
+calls (``insert``, ``access``, ``forget``, ``candidates``): ``victims``
+yields stored keys only, each once, and every leaf on a full pass; removing
+everything leaves nothing to evict; memory does not grow with the number of
+keys that went through the policy, only with what is stored (ghost lists
+bounded by the entries stored are fine); through a small cpu tier fed random
+prompt trees, every stored chunk's parent stays stored (no orphaned prefix:
+each stored prompt is contiguous from its first chunk), pinned and referenced
+entries are never evicted, and usage is back to zero once everything is
+removed.
 """
 
 from __future__ import annotations
@@ -25,13 +32,15 @@ import gc
 import random
 import tracemalloc
 from collections.abc import Hashable
+from typing import Any
 
 import pytest
 import torch
 
-from lmkv.contracts.policy import EvictionPolicy
+from lmkv.contracts.policy import EvictionContext, EvictionPolicy
 from lmkv.contracts.tier import BackendContext, StorageBackend
 from lmkv.keys.chunking import CacheKey, KeyMeta
+from lmkv.testing.building import build_plugin, load_problem
 
 
 class EvictionPolicyConformance:
@@ -46,8 +55,20 @@ class EvictionPolicyConformance:
     operations: int = 1500
     seed: int = 11
 
+    #: The policy class under test.
+    policy_class: type[EvictionPolicy] | None = None
+
+    def policy_options(self) -> dict[str, Any]:
+        """The ``options`` a config would give the policy."""
+        return {}
+
     def make_policy(self) -> EvictionPolicy:
-        raise NotImplementedError("subclasses return a fresh policy")
+        """A fresh policy, built the way lmkv builds the one a tier's config names."""
+        if self.policy_class is None:
+            pytest.fail("set policy_class (and policy_options) on the kit's subclass: "
+                        "the kit builds and checks the policy the way lmkv does")
+        return build_plugin(self.policy_class, self.policy_options(),
+                            EvictionContext(tier_index=0))
 
     # -- helpers -----------------------------------------------------------------
     def key(self, i: int) -> CacheKey:
@@ -148,6 +169,12 @@ class EvictionPolicyConformance:
         missed = leaves - set(policy.candidates())
         assert not missed, f"a full pass of candidates() misses stored leaves: {list(missed)[:3]}"
         assert all(k in leaves for k in policy.candidates())
+
+    def test_the_class_passes_lmkvs_load_check(self) -> None:
+        if self.policy_class is None:
+            pytest.fail("set policy_class on the kit's subclass")
+        problem = load_problem(self.policy_class)
+        assert not problem, f"lmkv would leave this policy out at load: {problem}"
 
     def test_victims_are_stored_keys_each_once_and_cover_the_leaves(self) -> None:
         self._random_walk(self.make_policy(), self.operations, check=True)

@@ -27,6 +27,7 @@ class HFConnector(GPUConnector):
     """
 
     name = "hf"
+    api_version = "2.0"
     kv_kind = "hf"
 
     def _validate(self, kv: KVPairs, end: int, batch_index: int) -> None:

@@ -52,6 +52,7 @@ class PagedConnector(GPUConnector):
     """
 
     name = "paged"
+    api_version = "2.0"
     kv_kind = "paged"
     writes_in_place = True
     Options = PagedOptions

@@ -42,6 +42,7 @@ def _reduce_dim(granularity: int) -> int:
 
 class Int8Serializer(Serializer):
     name = "int8"
+    api_version = "2.0"
     serializer_id = 3
     Options = Int8Options
 

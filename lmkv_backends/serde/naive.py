@@ -12,6 +12,7 @@ from lmkv.memory import Allocate, MemoryObj, nbytes_of
 
 class NaiveSerializer(Serializer):
     name = "naive"
+    api_version = "2.0"
     serializer_id = 1
     raw_payload = True
 

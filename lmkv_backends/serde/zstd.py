@@ -42,6 +42,7 @@ _WORTH_IT = 0.9
 
 class ZstdSerializer(Serializer):
     name = "zstd"
+    api_version = "2.0"
     serializer_id = 2
     Options = ZstdOptions
 

@@ -77,6 +77,7 @@ class CPUOptions(PluginOptions):
 
 class CPUBackend(StorageBackend):
     name = "cpu"
+    api_version = "2.0"
     Options = CPUOptions
     options: CPUOptions
     holds_memory_objs = True

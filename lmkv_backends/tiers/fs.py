@@ -69,6 +69,7 @@ _CONSEQUENCES = {"write": "the write is dropped", "put": "the writes are dropped
 
 class FSBackend(StorageBackend):
     name = "fs"
+    api_version = "2.0"
     Options = FSOptions
 
     options: FSOptions

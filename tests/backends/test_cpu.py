@@ -21,8 +21,10 @@ def make_cpu(max_bytes: int = 1 << 20) -> CPUBackend:
 
 
 class TestCPUConformance(StorageBackendConformance):
-    def make_backend(self) -> CPUBackend:
-        return make_cpu()
+    backend_class = CPUBackend
+
+    def backend_options(self) -> dict[str, object]:
+        return {"max_bytes": 1 << 20}
 
     def make_unreachable(self, backend: CPUBackend) -> None:
         pytest.skip("the cpu tier is this process's memory: it cannot be out of reach")

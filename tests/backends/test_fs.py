@@ -107,10 +107,15 @@ def make(tmp_path: Path, arena: MemoryAllocator) -> Iterator[Callable[..., FSBac
 
 
 class TestLocalConformance(StorageBackendConformance):
+    backend_class = FSBackend
+
     @pytest.fixture(autouse=True)
     def _setup(self, tmp_path: Path, arena: MemoryAllocator) -> None:
         self.root = tmp_path
         self.arena = arena
+
+    def backend_options(self) -> dict[str, object]:
+        return {"url": f"file://{self.root}", "durable": False}
 
     def make_backend(self) -> FSBackend:
         return make_fs(f"file://{self.root}", self.arena, durable=False)

@@ -111,11 +111,17 @@ def rewrite_object(endpoint: S3Endpoint, url: str, key: CacheKey,
 
 
 class TestS3Conformance(StorageBackendConformance):
+    backend_class = FSBackend
+
     @pytest.fixture(autouse=True)
     def _setup(self, s3: S3Endpoint, arena: MemoryAllocator) -> None:
         self.s3 = s3
         self.arena = arena
         self.url = s3_url()
+
+    def backend_options(self) -> dict[str, object]:
+        return {"url": self.url, "endpoint_url": self.s3.url, "key": "testing",
+                "secret": "testing", **FAST}
 
     def make_backend(self) -> FSBackend:
         return make_fs(self.url, self.arena, endpoint_url=self.s3.url, key="testing",

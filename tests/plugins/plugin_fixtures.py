@@ -10,9 +10,7 @@ import textwrap
 from pathlib import Path
 
 PLUGIN_SOURCE = '''
-from lmkv.plugins import hookimpl
-from lmkv.contracts.policy import EvictionPolicy
-from lmkv.contracts.plugin import PluginOptions
+from lmkv.contracts import EvictionPolicy, PluginOptions, hookimpl
 from lmkv_backends.tiers.cpu import CPUBackend
 
 
@@ -28,12 +26,13 @@ class HelloBackend(CPUBackend):
 
 class NewestFirst(EvictionPolicy):
     name = "newest-first"
+    api_version = "2.0"
 
     def __init__(self, options=None, context=None):
         super().__init__(options, context)
         self.keys = []
 
-    def on_insert(self, key):
+    def on_insert(self, key, parent):
         self.keys.append(key)
 
     def on_access(self, key):

@@ -12,23 +12,22 @@ from lmkv_policies.s3fifo import S3FIFOPolicy
 
 
 class TestLRU(EvictionPolicyConformance):
-    def make_policy(self):
-        return LRUPolicy()
+    policy_class = LRUPolicy
 
 
 class TestLFU(EvictionPolicyConformance):
-    def make_policy(self):
-        return LFUPolicy({"decay_period": 50})  # ages often: the rebuild is exercised
+    policy_class = LFUPolicy
+
+    def policy_options(self):
+        return {"decay_period": 50}  # ages often: the rebuild is exercised
 
 
 class TestARC(EvictionPolicyConformance):
-    def make_policy(self):
-        return ARCPolicy()
+    policy_class = ARCPolicy
 
 
 class TestS3FIFO(EvictionPolicyConformance):
-    def make_policy(self):
-        return S3FIFOPolicy()
+    policy_class = S3FIFOPolicy
 
 
 class HeadsFirst(EvictionPolicy):
@@ -41,7 +40,7 @@ class HeadsFirst(EvictionPolicy):
         super().__init__(options, context)
         self.order: dict = {}
 
-    def on_insert(self, key):
+    def on_insert(self, key, parent):
         self.order[key] = None
 
     def on_access(self, key):
@@ -55,5 +54,4 @@ class HeadsFirst(EvictionPolicy):
 
 
 class TestABadPolicyStillCannotOrphan(EvictionPolicyConformance):
-    def make_policy(self):
-        return HeadsFirst()
+    policy_class = HeadsFirst

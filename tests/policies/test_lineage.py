@@ -64,10 +64,10 @@ class _OldStyle(EvictionPolicy):
         return iter(list(self.keys))
 
 
-def test_a_policy_without_parents_cannot_orphan_a_prefix_either():
-    policy = _OldStyle()
-    policy.insert("h")
-    policy.insert("t", "h")
-    assert list(policy.candidates()) == ["t"]
-    policy.forget("t")
-    assert list(policy.candidates()) == ["h"]
+def test_a_policy_without_parents_is_left_out_at_load():
+    """lmkv calls ``on_insert(key, parent)``: a policy that cannot take the parent
+    is found by the load check, never by a tier's put."""
+    from lmkv.plugins.contract import check
+
+    problem = check("eviction_policy", _OldStyle, EvictionPolicy).problem
+    assert "on_insert(self, key) cannot be called as on_insert(key, parent)" in problem

@@ -76,6 +76,7 @@ FAULTS: tuple[type[BaseException], ...] = (MooncakeError, TierClosed, OSError)
 
 class MooncakeBackend(StorageBackend):
     name = "mooncake"
+    api_version = "2.0"
     Options = MooncakeOptions
 
     options: MooncakeOptions

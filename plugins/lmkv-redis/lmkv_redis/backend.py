@@ -55,6 +55,7 @@ class _Pin:
 
 class RedisBackend(StorageBackend):
     name = "redis"
+    api_version = "2.0"
     Options = RedisOptions
 
     options: RedisOptions

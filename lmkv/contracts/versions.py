@@ -1,0 +1,137 @@
+"""The plugin API's version, one per plugin kind, and what lmkv calls of each kind.
+
+A kind's contract is versioned ``major.minor``, apart from lmkv's own version:
+the minor grows when lmkv starts handing a plugin something new it may use
+(a context field, an optional method), the major when a plugin written for the
+old contract would break (a method lmkv calls with other arguments, a new
+abstract method, another constructor). Each change is a section of
+docs/migrating-plugins.md.
+
+A plugin class declares the contract it was written for::
+
+    class HelloBackend(StorageBackend):
+        name = "hello"
+        api_version = "2.0"
+
+lmkv takes a class written for its own major and a minor up to its own; a class
+for another major, or for a later minor than this lmkv knows, is left out at
+load with one line (``lmkv.plugins.contract``). A class that declares nothing
+is taken, with one warning, until lmkv 0.3.
+
+``CALLS`` lists, per kind, how lmkv calls a plugin: the constructor and every
+method and property it uses. The load check binds each call's arguments to the
+class's own signatures (``inspect.signature``), so a method lmkv would call with
+arguments the plugin does not take is found at load, not in the engine's step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+#: lmkv's version of each kind's contract (``major.minor``). API 1 is lmkv 0.1's.
+API_VERSIONS: dict[str, str] = {
+    "storage_backend": "2.0",
+    "eviction_policy": "2.0",
+    "offload_policy": "2.0",
+    "serializer": "2.0",
+    "gpu_connector": "2.0",
+}
+#: The lmkv release that stops taking a class without ``api_version``.
+UNDECLARED_UNTIL = "0.3"
+#: What a plugin author reads when a contract changes.
+MIGRATION_GUIDE = "docs/migrating-plugins.md"
+
+
+@dataclass(frozen=True)
+class Call:
+    """How lmkv calls one member of a plugin class.
+
+    ``kind`` is ``"method"`` (called on an instance with ``args`` positionally
+    and ``kwargs`` by keyword), ``"property"`` (read as an attribute of an
+    instance: a property, not a method), ``"constructor"`` (``cls(*args)``) or
+    ``"final"`` (a method of lmkv's base class that a plugin must not replace:
+    lmkv calls it and it calls the plugin's hooks). ``engine_state``: the call
+    also passes the engine's own keyword arguments, which each plugin names
+    itself (a GPU connector's ``kv=``, ``kv_caches=``, ``block_ids=``).
+    """
+
+    name: str
+    args: tuple[str, ...] = ()
+    kwargs: tuple[str, ...] = ()
+    kind: str = "method"
+    engine_state: bool = False
+
+    def shape(self) -> str:
+        """The call as lmkv makes it, for messages: ``contains(key, pin=...)``."""
+        if self.kind == "property":
+            return f"the property {self.name}"
+        parts = [*self.args, *(f"{k}=..." for k in self.kwargs)]
+        if self.engine_state:
+            parts.append("**engine_state")
+        name = "cls" if self.kind == "constructor" else self.name
+        return f"{name}({', '.join(parts)})"
+
+
+_CONSTRUCTOR = Call("__init__", ("options", "context"), kind="constructor")
+
+CALLS: dict[str, tuple[Call, ...]] = {
+    "storage_backend": (
+        _CONSTRUCTOR,
+        Call("contains", ("key",), ("pin",)),
+        Call("batched_submit_put", ("keys", "objs"), ("parents",)),
+        Call("get_blocking", ("key",)),
+        Call("pin", ("key",)),
+        Call("unpin", ("key",)),
+        Call("remove", ("key",)),
+        Call("batched_async_contains", ("lookup_id", "keys"), ("pin",)),
+        Call("batched_get_non_blocking", ("lookup_id", "keys")),
+        Call("batched_get_direct", ("lookup_id", "keys")),
+        Call("allocate", ("shape", "dtype")),
+        Call("stats"),
+        Call("close"),
+        Call("usage_bytes", kind="property"),
+        Call("capacity_bytes", kind="property"),
+    ),
+    "eviction_policy": (
+        _CONSTRUCTOR,
+        Call("on_insert", ("key", "parent")),
+        Call("on_access", ("key",)),
+        Call("on_remove", ("key",)),
+        Call("on_extended", ("key",)),
+        Call("on_leaf", ("key",)),
+        Call("victims"),
+        Call("insert", kind="final"),
+        Call("access", kind="final"),
+        Call("forget", kind="final"),
+        Call("candidates", kind="final"),
+        Call("watch", kind="final"),
+    ),
+    "offload_policy": (
+        _CONSTRUCTOR,
+        Call("add", ("meta", "block_hashes")),
+        Call("mark_req_finished", ("req_id",)),
+        Call("pop_items_for_offload", ("count",)),
+        Call("__len__"),
+        Call("ready_count", kind="property"),
+    ),
+    "serializer": (
+        _CONSTRUCTOR,
+        Call("serialize", ("obj", "key")),
+        Call("deserialize", ("frame", "allocate", "key")),
+    ),
+    "gpu_connector": (
+        _CONSTRUCTOR,
+        Call("to_chunks", ("spans",), engine_state=True),
+        Call("from_chunks", ("spans",), engine_state=True),
+    ),
+}
+
+
+def parse_version(text: object) -> tuple[int, int] | None:
+    """``(major, minor)`` of a ``"major.minor"`` string; None when it is not one."""
+    if not isinstance(text, str):
+        return None
+    major, dot, minor = text.strip().partition(".")
+    if not dot or not major.isdigit() or not minor.isdigit():
+        return None
+    return int(major), int(minor)
