@@ -57,10 +57,15 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
 def _cmd_config_check(args: argparse.Namespace) -> int:
     import yaml
 
+    from lmkv.cli.check import dry_run
     from lmkv.config.model import load_config
 
     config = load_config(args.file)
-    print(f"# {args.file}: valid; resolved configuration:")
+    problems = dry_run(config)
+    if problems:
+        raise LMKVError("\n".join(problems))
+    print(f"# {args.file}: valid, every plugin it names built (dry run); resolved "
+          "configuration:")
     print(yaml.safe_dump(config.resolved_dump(), sort_keys=False).rstrip())
     return 0
 

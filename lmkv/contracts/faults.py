@@ -146,6 +146,11 @@ class TierFaults:
         self.breaker = breaker or Breaker()
         self.redact = redact  # masks the tier's secrets in a client library's message
         self.closed = False
+        #: Bugs the last resort caught (exceptions that are no storage fault), and
+        #: the first one on one line: a caller that must not go on with a broken
+        #: tier or policy (``lmkv replay``) reads them.
+        self.bugs = 0
+        self.first_bug = ""
         self._log = RateLimitedLog(log or logger)  # the tier's logger: its name filters
 
     def absorbs(self, exc: BaseException) -> bool:
@@ -202,6 +207,9 @@ class TierFaults:
         if self.absorbs(exc) or isinstance(exc, CancelledError):
             self.fault(op, exc, consequence)
             return
+        self.bugs += 1
+        if not self.first_bug:
+            self.first_bug = f"{op} raised {' '.join(f'{type(exc).__name__}: {exc}'.split())}"
         self._log.log(logging.ERROR, f"bug:{op}:{type(exc).__name__}",
                       "lmkv %s: %s raised %s, a bug in the tier (not a storage fault); %s\n%s",
                       self.where, op, type(exc).__name__, consequence, _Traceback(exc))

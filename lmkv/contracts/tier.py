@@ -94,6 +94,11 @@ class BackendContext:
     tier_index: int = 0
     #: Where a tier that holds memory places its arena.
     arena: ArenaPlacement = ArenaPlacement.PRIVATE
+    #: Built by ``lmkv config check`` to see that it can be: check the options
+    #: and what is cheap to check, acquire nothing that depends on this machine
+    #: at this moment (an arena the size of ``max_bytes``); ``close`` follows at
+    #: once and no other method is called.
+    dry_run: bool = False
 
 
 class TrackedAllocate:

@@ -217,7 +217,10 @@ class Registry:
 
     def _record(self, source: PluginSource, exc: BaseException) -> None:
         # Not logged here: the manager logs one line per plugin once the registry is built.
-        self.failures.append(LoadFailure(source, describe_exception(exc)))
+        # A plain PluginError says what it is; another type's name is part of the news.
+        error = " ".join(str(exc).split()) if type(exc) is PluginError else \
+            describe_exception(exc)
+        self.failures.append(LoadFailure(source, error))
 
     def names(self, kind: str) -> list[str]:
         return sorted(e.name for e in self._entries[kind].values())

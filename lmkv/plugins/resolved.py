@@ -12,8 +12,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
-from lmkv.base.errors import ConfigError
+from lmkv.base.errors import ConfigError, LMKVError, PluginError
 from lmkv.contracts.plugin import PluginOptions
+from lmkv.plugins.registry import KINDS, describe_exception
 
 if TYPE_CHECKING:
     from lmkv.contracts.connector import GPUConnector
@@ -32,8 +33,19 @@ class Resolved(Generic[P]):
     options: PluginOptions
 
     def create(self, context: Any) -> P:
-        """The plugin, built the one way every kind is built: ``cls(options, context)``."""
-        return self.cls(self.options, context)  # type: ignore[call-arg]
+        """The plugin, built the one way every kind is built: ``cls(options, context)``.
+
+        What a plugin's constructor raises that is not lmkv's own error (a
+        ``ConfigError`` it raises says what is wrong already) becomes one line
+        naming the plugin: a plugin never takes lmkv down with its traceback.
+        """
+        try:
+            return self.cls(self.options, context)  # type: ignore[call-arg]
+        except LMKVError:
+            raise
+        except Exception as exc:
+            raise PluginError(f"{_describe(self.cls)} could not be built: "
+                              f"{describe_exception(exc)}") from exc
 
 
 @dataclass(frozen=True)
@@ -71,3 +83,11 @@ class ResolvedPlugins:
         if isinstance(default, str):
             raise ConfigError(default)
         return default
+
+
+def _describe(cls: type) -> str:
+    """``storage backend 'foo' (pkg.module.Foo)``: what a message names."""
+    title = next((k.title for k in KINDS.values() if issubclass(cls, k.base_class())),
+                 "plugin")
+    return (f"{title} '{getattr(cls, 'name', '?')}' "
+            f"({cls.__module__}.{cls.__qualname__})")

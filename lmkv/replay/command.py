@@ -87,9 +87,10 @@ def add_replay_arguments(parser: argparse.ArgumentParser) -> None:
 def run_replay(args: argparse.Namespace) -> int:
     from lmkv.config.model import load_config
     from lmkv.keys.chunking import KeyMeta, kv_geometry
+    from lmkv.plugins.registry import describe_exception
     from lmkv.replay.belady import belady_hits, next_uses
     from lmkv.replay.report import Row, as_json, as_table, check_plot_available, write_plot
-    from lmkv.replay.run import Progress, replay
+    from lmkv.replay.run import Progress, ReplayFailed, replay
     from lmkv.replay.sizing import ModelShape, parse_capacities
     from lmkv.replay.trace import load_trace
 
@@ -109,12 +110,25 @@ def run_replay(args: argparse.Namespace) -> int:
     uses = next_uses(trace.requests)
     optimum = {c.chunks: belady_hits(trace.requests, c.chunks, uses) for c in capacities}
     rows = []
+    failed: list[str] = []
     for policy in policies:
         for capacity in capacities:
             progress = Progress(f"{policy} at {capacity.label}", len(trace.requests))
-            run = replay(trace, config, policy, capacity.chunks,
-                         model_chunk_bytes=chunk_bytes, progress=progress.update)
+            try:
+                run = replay(trace, config, policy, capacity.chunks,
+                             model_chunk_bytes=chunk_bytes, progress=progress.update)
+            except LMKVError:
+                raise  # the config's or the trace's: no policy would do better
+            except Exception as exc:  # the policy's: report it, the others go on
+                why = str(exc) if isinstance(exc, ReplayFailed) else describe_exception(exc)
+                print(f"lmkv replay: eviction policy {policy!r} failed at "
+                      f"{capacity.label}: {why}; skipped", file=sys.stderr)
+                failed.append(policy)
+                break
             rows.append(Row(capacity, run, optimum[capacity.chunks]))
+    if not rows:
+        raise LMKVError(f"every eviction policy replayed failed ({', '.join(failed)}): "
+                        "nothing to report")
     if args.plot:
         write_plot(args.plot, trace, rows)
     if args.json:

@@ -128,10 +128,18 @@ def frame_bytes(config: LMKVConfig) -> int:
     return len(serializer.frame_bytes(obj, key))
 
 
+class ReplayFailed(Exception):
+    """A run could not finish as lmkv would serve it: its figures mean nothing."""
+
+
 def replay(trace: Trace, config: LMKVConfig, policy: str, capacity_chunks: int, *,
            model_chunk_bytes: int, progress: Callable[[int], None] | None = None
            ) -> RunResult:
-    """Replay ``trace`` once through fresh tiers sized to ``capacity_chunks``."""
+    """Replay ``trace`` once through fresh tiers sized to ``capacity_chunks``.
+
+    Raises ReplayFailed when a tier or its policy raised what no storage fault
+    explains (the storage manager served misses instead: the hit ratio would
+    be the bug's, not the policy's)."""
     storage = StorageManager.from_config(
         sized_config(config, policy, capacity_chunks, model_chunk_bytes))
     try:
@@ -143,6 +151,10 @@ def replay(trace: Trace, config: LMKVConfig, policy: str, capacity_chunks: int, 
         started = time.perf_counter()
         hits, stored, unstored = _run(storage, trace, progress)
         seconds = time.perf_counter() - started
+        broken = next((t for t in storage.tiers if t.faults.bugs), None)
+        if broken is not None:  # a put or get the storage manager had to absorb
+            raise ReplayFailed(f"tier {storage.tiers.index(broken)} ({broken.name}): "
+                               f"{broken.faults.first_bug}")
         traffic = [TierTraffic(i, tier.name, tier.counters.puts, tier.counters.hits,
                                tier.counters.evictions, tier.counters.dropped_writes)
                    for i, tier in enumerate(storage.tiers)]

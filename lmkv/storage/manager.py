@@ -67,10 +67,13 @@ class StorageManager:
 
     @classmethod
     def from_config(cls, config: LMKVConfig, *,
-                    arena: ArenaPlacement = ArenaPlacement.PRIVATE) -> StorageManager:
+                    arena: ArenaPlacement = ArenaPlacement.PRIVATE,
+                    dry_run: bool = False) -> StorageManager:
         """The config's tiers, built from its resolved plugins. ``arena`` is where the
         first tier that holds memory places its arena (the lmkv server asks for shared
-        memory); the other tiers' arenas stay private."""
+        memory); the other tiers' arenas stay private. ``dry_run``: each tier is told
+        it is built only to check it can be (``BackendContext.dry_run``,
+        ``lmkv config check``): close the manager at once."""
         plugins = config.plugins
         tiers: list[StorageBackend] = []
         memory_tier = next((i for i, t in enumerate(plugins.tiers)
@@ -83,6 +86,7 @@ class StorageManager:
                     allocate=lambda shape, dtype: allocate_from(tiers, shape, dtype),
                     tier_index=i,
                     arena=arena if i == memory_tier else ArenaPlacement.PRIVATE,
+                    dry_run=dry_run,
                 )
                 tiers.append(tier.backend.create(context))
         except BaseException:

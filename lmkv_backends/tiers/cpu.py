@@ -88,7 +88,11 @@ class CPUBackend(StorageBackend):
         if context.eviction_policy is None:
             raise ValueError("the cpu tier needs an eviction policy")
         self.policy = context.eviction_policy
-        self.shared_segment, self.allocator = self._arena(options, context)
+        # A dry run (``lmkv config check``) makes no arena: whether max_bytes can be
+        # had depends on this machine now, not on the config.
+        self.shared_segment, self.allocator = (
+            (None, MemoryAllocator(1 << 16, pin_memory=False)) if context.dry_run
+            else self._arena(options, context))
         self._entries: dict[CacheKey, MemoryObj] = {}
         self._lock = threading.Lock()
         self._stored_bytes = 0

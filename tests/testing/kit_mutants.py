@@ -1,0 +1,97 @@
+"""Mutants of a correct tier and policy, each one of the ways a plugin passed the
+0.1 kits and then broke at run time. Not collected on its own (no ``test_``
+prefix): ``test_kit_mutants.py`` runs the kits against each in a pytest of its
+own and checks that the named kit tests fail.
+"""
+
+from __future__ import annotations
+
+from lmkv.contracts import EvictionPolicy, StorageBackend, done_future
+from lmkv.testing import EvictionPolicyConformance, StorageBackendConformance
+from tests.plugins.test_legacy_plugin import PORTED
+
+Tier = PORTED["LegacyTier"]  # a correct frame tier (the kits pass it)
+Policy = PORTED["OldestFirst"]  # a correct policy
+
+
+class OldWayTier(Tier):
+    """Ported, but drives its policy the 0.1 way: the hooks, not insert/access/forget."""
+
+    name = "mutant-old-way"
+
+    def batched_submit_put(self, keys, objs, parents=None):
+        policy = self.context.eviction_policy
+        for key, obj in zip(keys, objs, strict=True):
+            self.frames[key] = self.context.serializer.frame_bytes(obj, key)
+            policy.on_insert(key)  # 0.1: no parent; a 2.0 policy needs one
+        return done_future(len(keys))
+
+
+class ParentDroppingTier(Tier):
+    """Calls insert, but drops the parents lmkv gave it."""
+
+    name = "mutant-no-parents"
+
+    def batched_submit_put(self, keys, objs, parents=None):
+        return super().batched_submit_put(keys, objs, None)
+
+
+class NoParentsParameterTier(Tier):
+    """Kept 0.1's signature of batched_submit_put."""
+
+    name = "mutant-old-signature"
+
+    def batched_submit_put(self, keys, objs):  # type: ignore[override]
+        return super().batched_submit_put(keys, objs)
+
+
+class AbstractTier(StorageBackend):
+    """Half written: no get_blocking, pin, unpin."""
+
+    name = "mutant-abstract"
+    api_version = "2.0"
+
+    def contains(self, key, pin=False):
+        return False
+
+    def batched_submit_put(self, keys, objs, parents=None):
+        return done_future(0)
+
+    def remove(self, key):
+        return False
+
+    @property
+    def usage_bytes(self):
+        return 0
+
+
+class HandBuiltPolicy(Policy):
+    """Passed a kit that built it by hand: lmkv builds it with a context."""
+
+    name = "mutant-hand-built"
+
+    def __init__(self, options=None):
+        super().__init__(options, None)
+
+
+class TestOldWayTier(StorageBackendConformance):
+    backend_class = OldWayTier
+
+
+class TestParentDroppingTier(StorageBackendConformance):
+    backend_class = ParentDroppingTier
+
+
+class TestNoParentsParameterTier(StorageBackendConformance):
+    backend_class = NoParentsParameterTier
+
+
+class TestAbstractTier(StorageBackendConformance):
+    backend_class = AbstractTier
+
+
+class TestHandBuiltPolicy(EvictionPolicyConformance):
+    policy_class = HandBuiltPolicy
+
+    def make_policy(self) -> EvictionPolicy:  # what the 0.1 kit let a plugin do
+        return HandBuiltPolicy()
