@@ -20,7 +20,7 @@ from lmkv.base.errors import (
 )
 from lmkv.base.exports import lazy_exports
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 # public name -> the module that defines it
 _LAZY: dict[str, str] = {

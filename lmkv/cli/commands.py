@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from lmkv import __version__
 from lmkv.base.errors import LMKVError, OneLineArgumentParser, run_reporting_errors
 from lmkv.base.logutil import LOG_LEVELS, configure_logging
+from lmkv.contracts.versions import API_VERSIONS, api_summary
 
 if TYPE_CHECKING:
     from lmkv.config.model import LMKVConfig
@@ -23,28 +24,35 @@ if TYPE_CHECKING:
 # `lmkv --version` must not pay for torch (lmkv/__init__ imports lazily too).
 
 def _cmd_plugins(args: argparse.Namespace) -> int:
+    from lmkv.plugins.contract import declared_version
     from lmkv.plugins.manager import get_plugin_manager
+    from lmkv.plugins.registry import KINDS
 
     manager = get_plugin_manager()
     registry = manager.registry
     plugins = [{"kind": e.kind, "name": e.name, "distribution": e.source.distribution,
-                "version": e.source.version, "entry_point": e.source.plugin}
+                "version": e.source.version, "entry_point": e.source.plugin,
+                "api_version": _shown_version(
+                    declared_version(e.cls, KINDS[e.kind].base_class()))}
                for e in registry.entries()]
     errors = [{"entry_point": f.source.plugin, "distribution": f.source.distribution,
                "version": f.source.version, "error": f.error} for f in registry.failures]
     skipped = [{"entry_point": s.source.plugin, "distribution": s.source.distribution,
                 "reason": s.reason} for s in manager.skipped]
     if args.json:
-        print(json.dumps({"plugins": plugins, "errors": errors, "skipped": skipped}, indent=2))
+        print(json.dumps({"lmkv": __version__, "api_versions": API_VERSIONS,
+                          "plugins": plugins, "errors": errors, "skipped": skipped}, indent=2))
         return 0
-    header = ("KIND", "NAME", "DISTRIBUTION", "VERSION", "ENTRY POINT")
-    rows = [header] + [(p["kind"], p["name"], p["distribution"] or "-", p["version"] or "-",
-                        p["entry_point"]) for p in plugins]
+    print(f"lmkv {__version__} ({api_summary()})\n")
+    header = ("KIND", "NAME", "API", "DISTRIBUTION", "VERSION", "ENTRY POINT")
+    rows = [header] + [(p["kind"], p["name"], p["api_version"] or "-",
+                        p["distribution"] or "-", p["version"] or "-", p["entry_point"])
+                       for p in plugins]
     widths = [max(len(str(r[i])) for r in rows) for i in range(len(header))]
     for row in rows:
         print("  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
     if errors:
-        print("\nplugins that failed to load:")
+        print("\nplugins left out (see docs/migrating-plugins.md):")
         for e in errors:
             print(f"  {e['entry_point']} ({e['distribution']} {e['version']}): {e['error']}")
     if skipped:
@@ -52,6 +60,11 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
         for s in skipped:
             print(f"  {s['entry_point']} ({s['distribution']}): {s['reason']}")
     return 0
+
+
+def _shown_version(declared: object) -> str | None:
+    """A class's ``api_version`` for the listing (None: it declares none)."""
+    return None if declared is None else str(declared)
 
 
 def _cmd_config_check(args: argparse.Namespace) -> int:
@@ -223,7 +236,8 @@ def _watch_seconds(text: str) -> float:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineArgumentParser(prog="lmkv", description="lmkv: a tiered KV-cache layer")
-    parser.add_argument("--version", action="version", version=f"lmkv {__version__}")
+    parser.add_argument("--version", action="version",
+                        version=f"lmkv {__version__} ({api_summary()})")
     parser.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS,
                         help="logging level (default WARNING, INFO for `lmkv server`; "
                              "env LMKV_LOG_LEVEL)")

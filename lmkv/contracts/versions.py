@@ -121,10 +121,19 @@ CALLS: dict[str, tuple[Call, ...]] = {
     ),
     "gpu_connector": (
         _CONSTRUCTOR,
-        Call("to_chunks", ("spans",), engine_state=True),
-        Call("from_chunks", ("spans",), engine_state=True),
+        Call("to_chunks", ("spans",), ("after",), engine_state=True),
+        Call("from_chunks", ("spans",), ("after",), engine_state=True),
     ),
 }
+
+
+def api_summary() -> str:
+    """The plugin API in a few words: ``plugin API 2.0`` when every kind has the
+    same version, else each kind's."""
+    versions = set(API_VERSIONS.values())
+    if len(versions) == 1:
+        return f"plugin API {versions.pop()}"
+    return "plugin API " + ", ".join(f"{k} {v}" for k, v in API_VERSIONS.items())
 
 
 def parse_version(text: object) -> tuple[int, int] | None:

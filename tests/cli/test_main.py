@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from tests.conftest import run_cli
@@ -85,11 +87,23 @@ def test_stats_prints_every_counter_of_every_tier(tmp_path) -> None:
 
 
 def test_version() -> None:
+    """The package's version (the changelog's latest release, pyproject's) and the
+    plugin API."""
+    import re
+
+    import tomllib
+
     import lmkv
 
+    root = Path(__file__).resolve().parents[2]
+    project = tomllib.loads((root / "pyproject.toml").read_text())["project"]
+    assert lmkv.__version__ == project["version"]
+    released = re.findall(r"^## \[(\d+\.\d+\.\d+)\]", (root / "CHANGELOG.md").read_text(),
+                          flags=re.M)
+    assert released and released[0] == lmkv.__version__
     result = run_cli("--version")
     assert result.returncode == 0
-    assert result.stdout.strip() == f"lmkv {lmkv.__version__}"
+    assert result.stdout.strip() == f"lmkv {lmkv.__version__} (plugin API 2.0)"
 
 
 def test_help_and_the_parser_import_no_torch() -> None:

@@ -372,7 +372,7 @@ def test_cli_lists_bad_plugins_and_a_cpu_config_still_works(bad_plugins: Path,
     listed = {tuple(line.split()[:3]) for line in table.stdout.splitlines()}
     assert ("storage_backend", "cpu", "lmkv") in listed
     assert ("storage_backend", "hello", "lmkv-hello") in listed
-    failed = table.stdout.split("plugins that failed to load:")[1]
+    failed = table.stdout.split("plugins left out (see docs/migrating-plugins.md):")[1]
     for dist, (_, problem) in BAD_PLUGINS.items():
         (line,) = [x for x in failed.splitlines() if f"({dist} 1.0)" in x]
         assert problem in line
