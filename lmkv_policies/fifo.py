@@ -1,6 +1,6 @@
 """``FIFO`` lazy-offload policy: finished requests leave in the order they arrived.
 
-Exactly as ARCHITECTURE.md's "FIFO offload policy": nothing is popped until
+The lazy offload of docs/vllm.md: nothing is popped until
 ``threshold`` requests are finished; then at most ``count`` finished items
 are popped in insertion order (unfinished ones are skipped and stay), and the
 popped ones leave the ready count.

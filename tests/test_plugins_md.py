@@ -41,6 +41,18 @@ def run_section(title: str) -> dict:
     return module.__dict__
 
 
+def test_examples_import_lmkv_only_from_the_contracts_and_testing() -> None:
+    """A plugin needs nothing of lmkv beyond ``lmkv.contracts`` (and ``lmkv.testing``
+    in its tests): the examples show it."""
+    allowed = ("lmkv.contracts", "lmkv.testing")
+    for title, blocks in SECTIONS.items():
+        for block in blocks:
+            for line in block.splitlines():
+                m = re.match(r"\s*(?:from|import)\s+(lmkv[\w.]*)", line)
+                if m and m.group(1) != "lmkv_hello" and not m.group(1).startswith(allowed):
+                    raise AssertionError(f"plugins.md, {title}: {line.strip()}")
+
+
 def test_every_hook_has_a_section_with_an_example() -> None:
     hooks = [name for name in dir(hookspecs) if name.startswith("lmkv_")]
     assert sorted(hooks) == sorted(k.hook for k in KINDS.values())

@@ -24,9 +24,15 @@ Publish the plugin under the ``lmkv`` entry-point group::
 
     class HelloBackend(StorageBackend):
         name = "hello"
+        api_version = "2.0"      # the contract this class was written for
         ...
 
-Every kind is built the same way,
+Each kind's contract has a version, ``API_VERSIONS[kind]`` (major.minor): a
+class declares the one it was written for in ``api_version``. At load, lmkv
+leaves out, with one line, a class written for another major version, and one
+that does not fit its contract (an abstract method left, a constructor or a
+method lmkv cannot call the way it calls it); docs/migrating-plugins.md says
+what changed between versions. Every kind is built the same way,
 ``cls(options, context)``: its validated ``Options`` and a frozen dataclass of
 what lmkv hands that kind (``BackendContext``, ``EvictionContext``,
 ``OffloadContext``, ``SerializerContext``, ``ConnectorContext``).
@@ -42,7 +48,8 @@ from typing import TYPE_CHECKING
 from lmkv.base.exports import lazy_exports
 
 _LAZY: dict[str, str] = {
-    # the hooks
+    # contract versions and the hooks
+    "API_VERSIONS": "lmkv.contracts.versions",
     "ENTRY_POINT_GROUP": "lmkv.contracts.hooks",
     "hookimpl": "lmkv.contracts.hooks",
     "hookspec": "lmkv.contracts.hooks",
@@ -64,6 +71,7 @@ _LAZY: dict[str, str] = {
     "MemoryAllocator": "lmkv.memory",
     "MemoryObj": "lmkv.memory",
     "release": "lmkv.memory",
+    "tensor_obj": "lmkv.memory",
     # tiers
     "ArenaPlacement": "lmkv.contracts.tier",
     "BackendContext": "lmkv.contracts.tier",
@@ -140,12 +148,14 @@ if TYPE_CHECKING:
         verify_payload,
     )
     from lmkv.contracts.tier import ArenaPlacement, BackendContext, StorageBackend, done_future
+    from lmkv.contracts.versions import API_VERSIONS
     from lmkv.keys.chunking import CacheKey, KeyMeta
-    from lmkv.memory import Allocate, MemoryAllocator, MemoryObj, release
+    from lmkv.memory import Allocate, MemoryAllocator, MemoryObj, release, tensor_obj
 
 __getattr__, __dir__ = lazy_exports(__name__, _LAZY, globals())
 
 __all__ = [
+    "API_VERSIONS",
     "ENTRY_POINT_GROUP",
     "Allocate",
     "ArenaPlacement",
@@ -195,5 +205,6 @@ __all__ = [
     "redact_url",
     "release",
     "secrets_in",
+    "tensor_obj",
     "verify_payload",
 ]

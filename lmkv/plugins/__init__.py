@@ -8,7 +8,7 @@ return classes. Publish it under the ``lmkv`` entry-point group::
     lmkv-hello = "lmkv_hello.plugin"
 
     # lmkv_hello/plugin.py
-    from lmkv.plugins import hookimpl
+    from lmkv.contracts import hookimpl
     from lmkv_hello.backend import HelloBackend
 
     @hookimpl
@@ -20,8 +20,11 @@ config selects it with ``tiers: [{type: hello, options: {...}}]``.
 
 Hooks (see ``lmkv.contracts.hooks``): ``lmkv_storage_backends``,
 ``lmkv_eviction_policies``, ``lmkv_offload_policies``, ``lmkv_serializers``,
-``lmkv_gpu_connectors``. Each class declares ``name`` and an ``Options``
-pydantic model (subclass ``lmkv.PluginOptions``; unknown keys are errors).
+``lmkv_gpu_connectors``. Each class declares ``name``, an ``Options``
+pydantic model (subclass ``lmkv.contracts.PluginOptions``; unknown keys are
+errors) and the contract version it was written for (``api_version``); every
+class is checked against its contract at load (``lmkv.plugins.contract``) and
+one that does not fit is left out with one line per plugin.
 lmkv builds every kind the same way, ``cls(options, context)``: validated
 options and a small frozen dataclass of what lmkv hands that kind
 (``BackendContext``, ``EvictionContext``, ``OffloadContext``,
@@ -33,7 +36,8 @@ typed look-up per kind (``storage_backend(name)``, ...).
 distributions); ``LMKV_DISABLE_PLUGINS=a,b`` skips them. A plugin that fails
 to import, or returns a class that breaks the rules, is recorded (``lmkv plugins``
 shows the error; never fatal to other plugins) and becomes an error
-only when a config selects a name it would have provided.
+only when a config selects a name it would have provided. Plugin authors
+import from ``lmkv.contracts``; this package is lmkv's side of the contract.
 """
 
 from lmkv.contracts.hooks import ENTRY_POINT_GROUP, hookimpl, hookspec

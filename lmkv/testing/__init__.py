@@ -1,10 +1,21 @@
 """Testing helpers for plugin authors.
 
-* ``StorageBackendConformance``: subclass it in a ``Test*`` class, implement
-  ``make_backend``, and pytest runs the storage contract against your tier.
+* ``StorageBackendConformance``: subclass it in a ``Test*`` class, set
+  ``backend_class`` and ``backend_options()``, and pytest runs the storage
+  contract against your tier built the way lmkv builds it: the load check,
+  every built-in eviction policy, parents handed to the policy, and a storage
+  manager made from a config that names it.
 * ``EvictionPolicyConformance``: the same for an eviction policy
-  (``make_policy``): leaves only, no orphaned prefix through a real tier,
-  pins and references respected, bounded memory, usage back to zero.
+  (``policy_class``, ``policy_options()``): the load check, leaves only, no
+  orphaned prefix through a real tier, pins and references respected,
+  bounded memory, usage back to zero.
+* Plugins built the way lmkv builds them (``lmkv.testing.building``):
+  ``load_problem(cls)`` (why lmkv's load check would leave a class out; "" when
+  it fits), ``build_plugin(cls, options, context)``, ``config_of(tiers,
+  **keys)`` (a config as lmkv loads one, from its arguments alone),
+  ``storage_from(tiers, **keys)`` (the storage manager lmkv builds from it),
+  ``selectable(*classes)`` (classes selectable by name in a block),
+  ``plugin_class(kind, name)`` (an installed class by its name).
 * ``registered_plugin(obj)``: a context manager that registers a plugin in a
   fresh plugin manager for the length of a block.
 * ``lmkv.testing.server.spawn_server(directory, tiers_yaml)``: a real ``lmkv
@@ -20,9 +31,18 @@
   ``register_lmkv_plugin`` (register a plugin for one test).
 """
 
+from lmkv.testing.building import (
+    build_plugin,
+    config_of,
+    load_problem,
+    plugin_class,
+    selectable,
+    storage_from,
+)
 from lmkv.testing.conformance import StorageBackendConformance
 from lmkv.testing.plugins import fresh_plugin_manager, registered_plugin
 from lmkv.testing.policy_conformance import EvictionPolicyConformance
 
-__all__ = ["EvictionPolicyConformance", "StorageBackendConformance", "fresh_plugin_manager",
-           "registered_plugin"]
+__all__ = ["EvictionPolicyConformance", "StorageBackendConformance", "build_plugin",
+           "config_of", "fresh_plugin_manager", "load_problem", "plugin_class",
+           "registered_plugin", "selectable", "storage_from"]

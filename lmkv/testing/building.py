@@ -27,6 +27,12 @@ from lmkv.testing.plugins import fresh_plugin_manager
 P = TypeVar("P")
 
 
+def plugin_class(kind: str, name: str) -> type:
+    """The installed ``kind`` class selected by ``name`` (``plugin_class("storage_backend",
+    "cpu")``): a built-in to extend or build by hand in a test."""
+    return get_plugin_manager().registry.get(kind, name)
+
+
 def kind_of(cls: type) -> str:
     """The plugin kind ``cls`` is (``storage_backend``, ...), from its base class."""
     for key, kind in KINDS.items():

@@ -1,4 +1,4 @@
-"""Lazy offload on the scheduler (the project's ARCHITECTURE.md, "Lazy offload"): buffer each
+"""Lazy offload on the scheduler (described in docs/vllm.md): buffer each
 step's stores with a block-hash snapshot, submit finished requests' stores in
 batches chosen by the offload policy, verify the snapshot, protect the blocks
 until every worker confirms the store, then release them.
