@@ -9,6 +9,19 @@ from __future__ import annotations
 import textwrap
 from pathlib import Path
 
+#: The distributions of this repository. A plugin of any other distribution that
+#: is installed in the venv is someone else's: tests that count or configure
+#: every installed plugin count only these (plus what the test adds itself).
+OUR_DISTRIBUTIONS = frozenset({"lmkv", "lmkv-redis", "lmkv-mooncake"})
+
+
+def our_plugin_names(kind: str) -> list[str]:
+    """The names of ``kind`` this repository's distributions provide."""
+    from lmkv.plugins.manager import get_plugin_manager
+
+    return sorted(e.name for e in get_plugin_manager().registry.entries()
+                  if e.kind == kind and e.source.distribution in OUR_DISTRIBUTIONS)
+
 PLUGIN_SOURCE = '''
 from lmkv.contracts import EvictionPolicy, PluginOptions, hookimpl
 from lmkv_backends.tiers.cpu import CPUBackend

@@ -30,7 +30,8 @@ CPU_ONLY = "tiers:\n  - type: cpu\n    options: {max_bytes: 4MiB}\n"
 def legacy(tmp_path: Path) -> dict[str, str]:
     """The env of a process in which lmkv-legacy 0.1.0 is installed."""
     root = write_legacy(tmp_path / "site")
-    return {"PYTHONPATH": os.pathsep.join([str(root), *sys.path])}
+    inherited = os.environ.get("PYTHONPATH")
+    return {"PYTHONPATH": os.pathsep.join([str(root), *([inherited] if inherited else [])])}
 
 
 def plugin_lines(stderr: str) -> list[str]:
@@ -87,12 +88,12 @@ def test_stats_replay_and_plugins_go_on_without_it(legacy, tmp_path: Path) -> No
     assert replay.returncode == 0, replay.stderr
     assert_one_line(replay)
     policies = {row["policy"] for row in json.loads(replay.stdout)["rows"]}
-    assert policies == {"lru", "lfu", "arc", "s3fifo"}
+    assert {"lru", "lfu", "arc", "s3fifo"} <= policies and "oldest-first" not in policies
 
     listing = run_cli("plugins", "--json", env=legacy)
     assert listing.returncode == 0, listing.stderr
-    errors = json.loads(listing.stdout)["errors"]
-    assert {e["distribution"] for e in errors} == {"lmkv-legacy"}
+    errors = [e for e in json.loads(listing.stdout)["errors"]
+              if e["distribution"] == "lmkv-legacy"]
     assert len(errors) == len(LEGACY_CLASSES)
 
 

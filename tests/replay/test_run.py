@@ -15,6 +15,7 @@ from lmkv.replay.belady import lru_hits
 from lmkv.replay.defaults import PHYSICAL_CHUNK_BYTES
 from lmkv.replay.run import Progress, frame_bytes, replay, sized_config
 from lmkv.replay.trace import load_trace
+from tests.plugins.plugin_fixtures import our_plugin_names
 from tests.replay.conftest import META
 
 CHUNK = 64 << 20  # a 512-token chunk of Llama-3-8B in bf16
@@ -158,13 +159,7 @@ def test_a_tier_that_already_holds_chunks_is_refused(
         replay(trace, config, "lru", 2, model_chunk_bytes=CHUNK)
 
 
-def _installed_policies() -> list[str]:
-    from lmkv.plugins.manager import get_plugin_manager
-
-    return get_plugin_manager().registry.names("eviction_policy")
-
-
-@pytest.mark.parametrize("policy", _installed_policies())
+@pytest.mark.parametrize("policy", our_plugin_names("eviction_policy"))
 def test_no_installed_policy_passes_belady(
         mooncake: Callable[[Sequence[Sequence[int]]], Path], policy: str) -> None:
     # Shared stems plus random tails, as prompts with a common system prompt are.
