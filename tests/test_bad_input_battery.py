@@ -55,7 +55,7 @@ for case in json.load(sys.stdin):
             lmkv.plugins.manager.reset_plugin_manager()
         signal.alarm(60)
         try:
-            rc = lmkv.cli.commands(case["argv"])
+            rc = lmkv.cli.commands.main(case["argv"])
         except SystemExit as exc:
             rc = exc.code if isinstance(exc.code, int) else 1
             if isinstance(exc.code, str):
