@@ -128,8 +128,11 @@ class MooncakeBackend(StorageBackend):
                                            thread_name_prefix="lmkv-mooncake-fetch",
                                            initializer=affinity.apply)
         if not self.link.wait_ready(options.connect_timeout_s):
-            logger.warning("lmkv mooncake tier: %s not answering yet; misses until it does",
-                           self.where)
+            # The one line a start without the store says; setup goes on in the background.
+            silent = self.link.silent
+            logger.warning("lmkv mooncake tier: %s after %gs (connect_timeout_s); answering "
+                           "misses until it does", f"{silent} does not answer" if silent
+                           else f"{self.where} is not set up", options.connect_timeout_s)
 
     def _registered_staging(self, store: Any) -> None:
         if self.staging is None:  # a real client's: its tiers share the staging
