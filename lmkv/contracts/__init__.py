@@ -64,6 +64,7 @@ _LAZY: dict[str, str] = {
     "MemoryAllocator": "lmkv.memory",
     "MemoryObj": "lmkv.memory",
     "release": "lmkv.memory",
+    "tensor_obj": "lmkv.memory",
     # tiers
     "ArenaPlacement": "lmkv.contracts.tier",
     "BackendContext": "lmkv.contracts.tier",
@@ -77,7 +78,12 @@ _LAZY: dict[str, str] = {
     "TierFaults": "lmkv.contracts.faults",
     "TierUnavailable": "lmkv.contracts.faults",
     # helpers a remote tier needs
+    "PinTable": "lmkv.contracts.pins",
+    "PrefixGets": "lmkv.contracts.prefix_gets",
     "PutQueue": "lmkv.contracts.put_queue",
+    "RemoteTierOptions": "lmkv.contracts.remote",
+    "read_windows": "lmkv.contracts.prefix_gets",
+    "remote_faults": "lmkv.contracts.remote",
     "ByteCount": "lmkv.base.units",
     "Redactor": "lmkv.base.redact",
     "redact_url": "lmkv.base.redact",
@@ -90,6 +96,7 @@ _LAZY: dict[str, str] = {
     "header_len": "lmkv.contracts.serde",
     "read_header": "lmkv.contracts.serde",
     "verify_payload": "lmkv.contracts.serde",
+    "write_header": "lmkv.contracts.serde",
     # policies
     "EvictionContext": "lmkv.contracts.policy",
     "EvictionPolicy": "lmkv.contracts.policy",
@@ -120,6 +127,7 @@ if TYPE_CHECKING:
         TierUnavailable,
     )
     from lmkv.contracts.hooks import ENTRY_POINT_GROUP, hookimpl, hookspec
+    from lmkv.contracts.pins import PinTable
     from lmkv.contracts.plugin import NoOptions, OptionsArg, Plugin, PluginOptions
     from lmkv.contracts.policy import (
         EvictionContext,
@@ -130,7 +138,9 @@ if TYPE_CHECKING:
         OffloadPolicy,
         StoreMeta,
     )
+    from lmkv.contracts.prefix_gets import PrefixGets, read_windows
     from lmkv.contracts.put_queue import PutQueue
+    from lmkv.contracts.remote import RemoteTierOptions, remote_faults
     from lmkv.contracts.serde import (
         FrameHeader,
         Serializer,
@@ -138,10 +148,11 @@ if TYPE_CHECKING:
         header_len,
         read_header,
         verify_payload,
+        write_header,
     )
     from lmkv.contracts.tier import ArenaPlacement, BackendContext, StorageBackend, done_future
     from lmkv.keys.chunking import CacheKey, KeyMeta
-    from lmkv.memory import Allocate, MemoryAllocator, MemoryObj, release
+    from lmkv.memory import Allocate, MemoryAllocator, MemoryObj, release, tensor_obj
 
 __getattr__, __dir__ = lazy_exports(__name__, _LAZY, globals())
 
@@ -174,11 +185,14 @@ __all__ = [
     "OffloadItem",
     "OffloadPolicy",
     "OptionsArg",
+    "PinTable",
     "Plugin",
     "PluginError",
     "PluginOptions",
+    "PrefixGets",
     "PutQueue",
     "Redactor",
+    "RemoteTierOptions",
     "Serializer",
     "SerializerContext",
     "StorageBackend",
@@ -192,8 +206,12 @@ __all__ = [
     "hookimpl",
     "hookspec",
     "read_header",
+    "read_windows",
     "redact_url",
     "release",
+    "remote_faults",
     "secrets_in",
+    "tensor_obj",
     "verify_payload",
+    "write_header",
 ]
