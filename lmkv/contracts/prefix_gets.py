@@ -130,6 +130,9 @@ def read_windows(keys: Sequence[K], size: Callable[[], int], fetch: Callable[[Se
             if not take(window, fetched) or not following:
                 return
             window = following
+            # What take checked is let go before the next window is waited for:
+            # a tier whose fetch holds its client's buffers gets them back first.
+            del fetched
             if pending is not None:
                 pending, ready = None, pending
                 fetched = ready.result()

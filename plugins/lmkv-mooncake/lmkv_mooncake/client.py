@@ -36,10 +36,14 @@ from typing import Any
 
 import torch
 
-from lmkv.base import affinity
-from lmkv.base.errors import PluginError
-from lmkv.contracts.faults import BreakerOpen, TierFaults, TierUnavailable
-from lmkv.memory import MemoryAllocator
+from lmkv.contracts import (
+    BreakerOpen,
+    MemoryAllocator,
+    PluginError,
+    TierFaults,
+    TierUnavailable,
+    apply_affinity,
+)
 from lmkv_mooncake.memory import Registered
 from lmkv_mooncake.options import MooncakeOptions
 
@@ -231,7 +235,7 @@ class _Client:
     def _connect(self) -> None:
         # The store's own threads (transfers, polling) start here and inherit this
         # thread's CPUs: the engine's, not the one its main thread is bound to.
-        affinity.apply()
+        apply_affinity()
         o = self.options
         backoff = o.retry_after_s
         while not self.stop.is_set():
@@ -342,7 +346,7 @@ class _Helpers:
             threading.Thread(target=self._work, name="lmkv-mooncake-call", daemon=True).start()
 
     def _work(self) -> None:
-        affinity.apply()
+        apply_affinity()
         while True:
             try:
                 result, fn, args, finished = self._jobs.get(timeout=self.IDLE_S)
