@@ -21,6 +21,9 @@ def make_cpu(max_bytes: int = 1 << 20) -> CPUBackend:
 
 
 class TestCPUConformance(StorageBackendConformance):
+    outlives_process = False
+    per_process_reason = "the cpu tier is its process's memory: it goes with the process"
+
     def make_backend(self) -> CPUBackend:
         return make_cpu()
 

@@ -7,13 +7,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import pytest
-from redis_servers import RedisCluster, RedisServer
 
-from lmkv import BackendContext, StorageBackend
-from lmkv.keys.chunking import CacheKey
-from lmkv.memory import MemoryAllocator
+from lmkv.contracts import BackendContext, CacheKey, MemoryAllocator, StorageBackend
 from lmkv.testing import StorageBackendConformance
-from lmkv_backends.serde.naive import NaiveSerializer
+from lmkv.testing.redis import RedisCluster, RedisServer
+from lmkv.testing.tiers import serializer
 from lmkv_redis import RedisBackend, RedisOptions
 
 
@@ -26,7 +24,8 @@ class _RedisConformance(StorageBackendConformance):
         arena = MemoryAllocator(16 << 20, pin_memory=False)
         prefix = f"conf-{type(self).__name__}-{id(arena):x}:"
         return RedisBackend(RedisOptions(url=self.url, key_prefix=prefix, **self.options),
-                            BackendContext(serializer=NaiveSerializer(), allocate=arena.allocate))
+                            BackendContext(serializer=serializer("naive"),
+                                           allocate=arena.allocate))
 
     def corrupt_entry(self, backend: StorageBackend, key: CacheKey) -> bool:
         """Flip a payload bit of the main value, with the tier's own client."""
