@@ -17,7 +17,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import pytest
 import torch
@@ -25,16 +25,27 @@ from pydantic_core import to_jsonable_python
 
 from lmkv.contracts.plugin import PluginOptions
 from lmkv.contracts.tier import StorageBackend
+from lmkv.keys.chunking import CacheKey
 from lmkv.testing.tier_worker import chunk_data
 from lmkv.testing.tiers import open_tier
-
-if TYPE_CHECKING:
-    from lmkv.testing.conformance import StorageBackendConformance
 
 #: The worker's whole life, torch's import included (a liveness bound).
 WORKER_TIMEOUT_S = 180.0
 #: Key numbers no other test of the kit stores.
 IDS = (70, 71, 72)
+
+
+class Kit(Protocol):
+    """What the test asks of the storage kit (``StorageBackendConformance``)."""
+
+    outlives_process: bool
+    per_process_reason: str
+    chunk_shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    def key(self, i: int) -> CacheKey: ...
+
+    def process_options(self, backend: StorageBackend) -> dict[str, Any]: ...
 
 
 def given_options(options: PluginOptions) -> dict[str, Any]:
@@ -49,13 +60,13 @@ def given_options(options: PluginOptions) -> dict[str, Any]:
     return given
 
 
-def tier_spec(kit: StorageBackendConformance, backend: StorageBackend) -> dict[str, Any]:
+def tier_spec(kit: Kit, backend: StorageBackend) -> dict[str, Any]:
     serializer = backend.context.serializer
     return {"type": backend.name, "options": kit.process_options(backend),
             "serializer": serializer.name if serializer is not None else "naive"}
 
 
-def check_read_across_processes(kit: StorageBackendConformance, backend: StorageBackend,
+def check_read_across_processes(kit: Kit, backend: StorageBackend,
                                 directory: Path) -> None:
     """Store through ``backend``'s tier in another process, then read here."""
     if not kit.outlives_process:

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-import pytest
-from mooncake_servers import MooncakeMaster, OwnStoreEdits, new_tier
+from typing import Any
 
-from lmkv import StorageBackend
+import pytest
+from mooncake_helpers import OwnStoreEdits, new_tier
+
+from lmkv.contracts import StorageBackend
 from lmkv.testing import StorageBackendConformance
+from lmkv.testing.mooncake import MooncakeMaster
 
 
 class TestMooncake(OwnStoreEdits, StorageBackendConformance):
@@ -18,6 +21,11 @@ class TestMooncake(OwnStoreEdits, StorageBackendConformance):
 
     def make_backend(self) -> StorageBackend:
         return new_tier(self.master)
+
+    def process_options(self, backend: StorageBackend) -> dict[str, Any]:
+        """The other process lends no segment: what it stores lands in this
+        process's (``shared_client``), which outlives it, as a pool's would."""
+        return {**super().process_options(backend), "global_segment_size": 0}
 
     # make_unreachable is left alone: a restarted master has lost what it held (the
     # suite wants it back), and a hung one holds each call for Mooncake's 30 s RPC

@@ -48,13 +48,16 @@ def test_a_bad_default_fails_in_python_too(monkeypatch: pytest.MonkeyPatch) -> N
 @pytest.mark.parametrize("required", [False, True])
 def test_a_missing_mooncake_skips_or_under_lmkv_require_mooncake_fails(
         monkeypatch: pytest.MonkeyPatch, required: bool) -> None:
-    import mooncake_servers
+    import lmkv.testing.mooncake
 
-    monkeypatch.setattr(mooncake_servers, "AVAILABLE", False)
-    monkeypatch.setattr(mooncake_servers, "REQUIRED", required)
+    monkeypatch.setattr(lmkv.testing.mooncake, "mooncake_available", lambda: False)
+    if required:
+        monkeypatch.setenv("CI_REQUIRE_MOONCAKE", "1")
+    else:
+        monkeypatch.delenv("CI_REQUIRE_MOONCAKE", raising=False)
     expected = pytest.fail.Exception if required else pytest.skip.Exception
     with pytest.raises(expected, match="not installed"):
-        mooncake_servers.require_mooncake()
+        lmkv.testing.mooncake.require_mooncake()
 
 
 def test_ci_requires_mooncake() -> None:
@@ -83,8 +86,8 @@ def test_credentials_in_addresses_are_never_printed(
     import time
 
     import lmkv_mooncake.client
-    from lmkv import BackendContext
-    from lmkv_backends.serde.naive import NaiveSerializer
+    from lmkv.contracts import BackendContext
+    from lmkv.testing.tiers import serializer
     from lmkv_mooncake import MooncakeBackend, MooncakeOptions
 
     monkeypatch.setattr(lmkv_mooncake.client, "store_class", lambda: RefusingStore)
@@ -94,7 +97,7 @@ def test_credentials_in_addresses_are_never_printed(
         master_address="etcd://admin:S3cretPw1@127.0.0.1:2379",
         metadata_server="http://admin:S3cretPw2@127.0.0.1:1/metadata",
         connect_timeout_s=0.3, retry_after_s=0.05)
-    tier = MooncakeBackend(options, BackendContext(serializer=NaiveSerializer()))
+    tier = MooncakeBackend(options, BackendContext(serializer=serializer("naive")))
     try:
         assert tier.batched_async_contains("l", [_key()]) == 0  # not connected: a miss
         tier.faults.fault("get", OSError(f"failed for {options.metadata_server}"), "miss")
@@ -108,6 +111,6 @@ def test_credentials_in_addresses_are_never_printed(
 
 
 def _key() -> object:
-    from lmkv.keys.chunking import CacheKey, KeyMeta
+    from lmkv.contracts import CacheKey, KeyMeta
 
     return CacheKey(KeyMeta("m", 1, 0, "float16", "l2thd"), bytes(32))

@@ -17,9 +17,9 @@ import time
 from pathlib import Path
 
 import torch
-from mooncake_servers import MooncakeMaster, require_mooncake
 from test_mooncake_faults import chunk, eventually, key, put, read
 
+from lmkv.testing.mooncake import MooncakeMaster, require_mooncake
 from lmkv.testing.server import spawn_server
 
 #: Mooncake's own log lines (glog: I1204 18:52:54.197 ...).
