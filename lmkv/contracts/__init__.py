@@ -26,6 +26,12 @@ Publish the plugin under the ``lmkv`` entry-point group::
         name = "hello"
         ...
 
+A remote tier (its storage a server or a pool) builds on ``RemoteTierOptions``
+and ``remote_faults`` (the options and fault policy every remote tier shares),
+``PinTable`` (its local pins), ``PrefixGets`` and ``read_windows`` (a get of a
+prompt's leading chunks, window by window) and ``PutQueue`` (bounded
+asynchronous puts).
+
 Every kind is built the same way,
 ``cls(options, context)``: its validated ``Options`` and a frozen dataclass of
 what lmkv hands that kind (``BackendContext``, ``EvictionContext``,
