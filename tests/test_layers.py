@@ -214,16 +214,91 @@ def test_the_cycle_finder_finds_cycles() -> None:
     assert _cycles({"a": {"b"}, "b": set()}) == []
 
 
-@pytest.mark.parametrize("plugin", ["lmkv-redis", "lmkv-mooncake"])
-def test_plugin_packages_have_no_cycles_and_stay_at_their_layer(plugin: str) -> None:
+PLUGINS = sorted(p.name for p in (ROOT / "plugins").iterdir()
+                 if (p / p.name.replace("-", "_")).is_dir())
+#: lmkv's own top-level packages and the plugins': what a plugin may not reach
+#: into, beyond its own package and the two public roots.
+FIRST_PARTY = {*PACKAGES, *(name.replace("-", "_") for name in PLUGINS)}
+#: What everything under plugins/ may import of lmkv: the contracts (from their
+#: root) and, from tests, lmkv.testing.
+PLUGIN_ROOTS = ("lmkv.contracts",)
+PLUGIN_TEST_ROOTS = ("lmkv.testing",)
+
+
+def _names_imported(path: Path) -> Iterator[tuple[int, str]]:
+    """(line, dotted name) of every absolute import in ``path``, anywhere in it; a
+    name taken from a package is ``package.name`` (``from lmkv import X``:
+    ``lmkv.X``)."""
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield node.lineno, alias.name
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            if node.module in FIRST_PARTY:  # a bare package: what is taken from it counts
+                for alias in node.names:
+                    yield node.lineno, f"{node.module}.{alias.name}"
+            else:
+                yield node.lineno, node.module
+
+
+def plugin_violations(directory: Path, package: str) -> list[str]:
+    """Imports under ``directory`` (a plugin's package, tests and all) of lmkv or
+    another plugin beyond ``lmkv.contracts`` (its root) and ``lmkv.testing``."""
+    found = []
+    for path in sorted(directory.rglob("*.py")):
+        for line, name in sorted(_names_imported(path)):
+            top = name.split(".")[0]
+            if top not in FIRST_PARTY or top == package:
+                continue  # third-party, the plugin's own package, or its tests' own modules
+            if name in PLUGIN_ROOTS or any(name == root or name.startswith(root + ".")
+                                           for root in PLUGIN_TEST_ROOTS):
+                continue
+            found.append(f"{path.relative_to(directory)}:{line} imports {name}")
+    return found
+
+
+def test_every_plugin_is_checked() -> None:
+    assert {"lmkv-mooncake", "lmkv-redis"} <= set(PLUGINS), PLUGINS
+
+
+@pytest.mark.parametrize("plugin", PLUGINS)
+def test_plugin_packages_have_no_cycles(plugin: str) -> None:
     package = plugin.replace("-", "_")
     modules = _modules({package: ROOT / "plugins" / plugin})
     graph = {m: _imports(m, modules) for m in modules}
     assert not _cycles(graph), _cycles(graph)
-    used = {m: _imports(m, {**MODULES, **modules}) - set(modules) for m in modules}
-    too_high = sorted(f"{m} imports {t}" for m, ts in used.items() for t in ts
-                      if (_layer(t) or (99, ""))[0] > 4 and not t.startswith("lmkv.testing"))
-    assert not too_high, "\n".join(too_high)
+
+
+@pytest.mark.parametrize("plugin", PLUGINS)
+def test_plugins_import_lmkv_only_through_contracts_and_testing(plugin: str) -> None:
+    """Everything under plugins/ (each package and its tests) imports its own
+    package, lmkv.contracts, lmkv.testing and third-party libraries only."""
+    violations = plugin_violations(ROOT / "plugins" / plugin, plugin.replace("-", "_"))
+    assert not violations, ("import from lmkv.contracts (plugin code) or lmkv.testing "
+                            "(tests) instead:\n" + "\n".join(violations))
+
+
+def test_the_plugin_rule_finds_what_it_forbids(tmp_path: Path) -> None:
+    sources = {
+        "hello/__init__.py": "from lmkv.contracts import StorageBackend\nimport redis\n",
+        "hello/bad.py": ("from lmkv import KVSpec\nimport lmkv.memory\n"
+                         "from lmkv.contracts.faults import TierFaults\n"
+                         "def f():\n    from lmkv_backends.serde.naive import NaiveSerializer\n"
+                         "from lmkv_redis import RedisBackend\n"),
+        "hello/fine.py": ("from . import bad\nfrom hello.bad import f\nimport lmkv.contracts\n"
+                          "from lmkv import contracts\n"),
+        "tests/conftest.py": ("from lmkv.testing.redis import RedisServer\n"
+                              "from hello_helpers import x\nfrom lmkv.storage import manager\n"),
+    }
+    for name, text in sources.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    assert plugin_violations(tmp_path, "hello") == [
+        "hello/bad.py:1 imports lmkv.KVSpec", "hello/bad.py:2 imports lmkv.memory",
+        "hello/bad.py:3 imports lmkv.contracts.faults",
+        "hello/bad.py:5 imports lmkv_backends.serde.naive",
+        "hello/bad.py:6 imports lmkv_redis.RedisBackend",
+        "tests/conftest.py:3 imports lmkv.storage"]
 
 
 def test_the_graph_sees_what_python_would_trip_on(tmp_path: Path) -> None:

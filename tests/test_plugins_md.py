@@ -80,6 +80,8 @@ DictBackend = run_section("Tutorial: write a storage backend")["DictBackend"]
 
 class TestTutorialBackendConformance(StorageBackendConformance):
     backend_class = DictBackend
+    outlives_process = False
+    per_process_reason = "the tutorial's tier is a dict in its process"
 
     def corrupt_entry(self, backend, key) -> bool:
         frame = bytearray(backend.frames[key])

@@ -59,10 +59,18 @@ def migrate(path: str | None, env: Mapping[str, str]) -> tuple[Translation, list
     line per option that did not carry over."""
     values, labels, others = read_lmcache_settings(path, env)
     result = translate(values, labels)
-    lines = [f"not carried: {labels.get(name, repr(name))}: {why}"
-             for name, why in result.dropped]
+    lines = [f"not carried: {_label(name, labels)}: {why}" for name, why in result.dropped]
     lines += [f"not carried: {name}: {why}" for name, why in others]
     return result, lines
+
+
+def _label(name: str, labels: Mapping[str, str]) -> str:
+    """How an option was spelt; a key inside one (``extra_config.protocol``) is named
+    with the option it came in."""
+    if name in labels:
+        return labels[name]
+    parent, dot, key = name.partition(".")
+    return f"{labels[parent]} key {key!r}" if dot and parent in labels else repr(name)
 
 
 def run_migrate(args: argparse.Namespace) -> int:

@@ -138,10 +138,22 @@ def _local_disk(value: Any) -> str:
     return path[len("file://"):] if path.startswith("file://") else path
 
 
+def _mapping(value: Any) -> dict[str, Any]:
+    """A mapping, or (``LMCACHE_EXTRA_CONFIG``) a JSON object."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            raise ValueError("must be a mapping (a JSON object in the variable)") from None
+    if not isinstance(value, dict):
+        raise ValueError("must be a mapping (a JSON object in the variable)")
+    return value
+
+
 _TIER_PARSERS: dict[str, Parse] = {
     "local_cpu": _bool, "max_local_cpu_size": _gib, "local_cpu_use_hugepages": _bool,
     "local_disk": _local_disk, "max_local_disk_size": _gib, "remote_url": _text,
-    "cache_policy": _text,
+    "cache_policy": _text, "extra_config": _mapping,
 }
 
 _UNKNOWN = "not an LMCache option lmkv knows of; lmkv has no equivalent"
@@ -196,9 +208,17 @@ OPTIONS: tuple[LMCacheOption, ...] = (
                   "(reported)"),
     LMCacheOption(("remote_url",), "tiers",
                   "`redis://`, `rediss://`, `unix://`: a `redis` tier (`pip install "
-                  "lmkv-redis`); `s3://`: an `fs` tier",
-                  "`lm://`: none, an `lmkv server` instead (`mode: server`); other schemes: "
-                  "none"),
+                  "lmkv-redis`); `mooncakestore://HOST:PORT`: a `mooncake` tier (`pip "
+                  "install lmkv-mooncake`), its master; `s3://`: an `fs` tier",
+                  "`?device=` of `mooncakestore://` is the tier's `device_name`; `lm://`: "
+                  "none, an `lmkv server` instead (`mode: server`); other schemes: none"),
+    LMCacheOption(("extra_config",), "tiers", "the `mooncake` tier's options",
+                  "with a `mooncakestore://` remote_url: `master_server_address` (the URL's "
+                  "wins), `metadata_server`, `local_hostname`, `protocol`, `device_name` "
+                  "as named in lmkv, `global_segment_size` and `local_buffer_size` (bytes; "
+                  "LMCache's defaults 3200MiB and 1GiB when unset), `transfer_timeout` to "
+                  "`call_timeout_s`; `storage_root_dir`, `prefer_local_alloc` and other "
+                  "remotes' settings: none"),
     LMCacheOption(("cache_policy",), "tiers", "`tiers.N.eviction`",
                   "`LRU`: `lru` (lmkv's default), `LFU`: `lfu`; `FIFO`, `MRU`: none (lmkv "
                   "has lru, lfu, arc, s3fifo)"),
@@ -281,7 +301,7 @@ OPTIONS: tuple[LMCacheOption, ...] = (
           "no remote config service: a file, `LMKV_*` and `lmkv.*` keys"),
     _none(("py_enable_gc",), "lmkv leaves Python's garbage collector alone"),
     _none(("audit_actual_remote_url",), "no audit backend"),
-    _none(("extra_config", "ec_*"), "LMCache backend-specific settings"),
+    _none(("ec_*",), "LMCache backend-specific settings"),
 )
 
 #: ``LMCACHE_*`` variables that are not options: what becomes of each.
@@ -462,10 +482,14 @@ def _build_tiers(v: Mapping[str, Any], result: Translation) -> list[dict[str, An
         result.dropped.append(("max_local_disk_size", "no local_disk to size"))
 
     url = v.get("remote_url")
-    if url:
-        tier = _remote_tier(url, result)
-        if tier is not None:
-            tiers.append(tier)
+    extra = v.get("extra_config") or {}
+    tier = _remote_tier(url, extra, result) if url else None
+    if tier is not None:
+        tiers.append(tier)
+    if extra and (tier is None or tier["type"] != "mooncake"):
+        result.dropped.append(("extra_config", "LMCache backend-specific settings; lmkv "
+                                               "reads them for a mooncakestore:// "
+                                               "remote_url only"))
 
     policy = v.get("cache_policy")
     if policy is not None:
@@ -482,19 +506,100 @@ def _build_tiers(v: Mapping[str, Any], result: Translation) -> list[dict[str, An
     return tiers
 
 
-def _remote_tier(url: str, result: Translation) -> dict[str, Any] | None:
+def _remote_tier(url: str, extra: Mapping[str, Any], result: Translation
+                 ) -> dict[str, Any] | None:
     scheme = url.split("://", 1)[0].lower() if "://" in url else ""
     if scheme in ("redis", "rediss", "unix"):
         return {"type": "redis", "options": {"url": url}}
     if scheme == "s3":
         return {"type": "fs", "options": {"url": url}}
+    if scheme == "mooncakestore":
+        return {"type": "mooncake", "options": _mooncake_options(url, extra, result)}
     if scheme == "lm":
         why = ("LMCache's cache server; run an lmkv server there (lmkv server --host HOST "
                "--port PORT) and set mode: server, server.address: tcp://HOST:PORT")
     else:
         why = (f"lmkv has no {scheme + '://' if scheme else repr(url)} tier (tiers: cpu; fs "
-               "for a directory, s3:// or fsspec; redis)")
+               "for a directory, s3:// or fsspec; redis; mooncake for mooncakestore://)")
     result.dropped.append(("remote_url", why))
+    return None
+
+
+#: What LMCache's mooncakestore connector reads from ``extra_config``, as the
+#: ``mooncake`` tier's options; sizes are bytes, with LMCache's defaults.
+_MOONCAKE_TEXT = {"master_server_address": "master_address",
+                  "metadata_server": "metadata_server", "local_hostname": "local_hostname",
+                  "protocol": "protocol", "device_name": "device_name"}
+_MOONCAKE_SIZES = {"global_segment_size": 3355443200, "local_buffer_size": 1073741824}
+_MOONCAKE_NONE = {
+    "storage_root_dir": "lmkv's mooncake tier keeps no entries on Mooncake's SSD offload",
+    "prefer_local_alloc": "the master places each entry; the tier asks for no segment",
+}
+
+
+def _mooncake_options(url: str, extra: Mapping[str, Any], result: Translation
+                      ) -> dict[str, Any]:
+    """The ``mooncake`` tier's options for LMCache's ``mooncakestore://HOST:PORT[?device=]``
+    and its ``extra_config``, as its connector reads them (the URL's master and device
+    win over ``extra_config``'s); a key that does not carry over is a dropped line."""
+    from urllib.parse import parse_qs, urlsplit
+
+    options: dict[str, Any] = {}
+    for name, value in extra.items():
+        label = f"extra_config.{name}"
+        if name in _MOONCAKE_NONE:
+            result.dropped.append((label, _MOONCAKE_NONE[name]))
+        elif name in _MOONCAKE_TEXT:
+            if isinstance(value, str) and value.strip():
+                options[_MOONCAKE_TEXT[name]] = value.strip()
+            elif not (name == "device_name" and value == ""):
+                result.dropped.append((label, f"{value!r} is not text; the tier's default "
+                                              "stays"))
+        elif name in _MOONCAKE_SIZES:
+            size = _byte_count(value)
+            if size is None:
+                result.dropped.append((label, f"{value!r} is not a number of bytes; "
+                                              "LMCache's default stays"))
+            else:
+                options[name] = size_text(size / (1 << 30)) if size else 0
+        elif name == "transfer_timeout":  # LMCache's bound on one put, in seconds
+            seconds = _byte_count(value) if not isinstance(value, float) else value
+            if seconds is None or not math.isfinite(seconds) or seconds <= 0:
+                result.dropped.append((label, f"{value!r} is not a positive number of "
+                                              "seconds; the tier's call_timeout_s stays"))
+            else:
+                options["call_timeout_s"] = seconds
+        else:
+            result.dropped.append((label, "not an option of LMCache's mooncakestore "
+                                          "connector; lmkv has no equivalent"))
+    for name, default in _MOONCAKE_SIZES.items():
+        options.setdefault(name, size_text(default / (1 << 30)))
+    try:
+        parts = urlsplit(url)
+        host, port, query = parts.hostname, parts.port, parts.query
+    except ValueError:
+        host = port = None
+        query = ""
+    if host and port:
+        options["master_address"] = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    elif "master_address" not in options:
+        result.dropped.append(("remote_url", f"{url} names no master host:port and "
+                                             "extra_config no master_server_address; the "
+                                             "tier's default ($MOONCAKE_MASTER) stays"))
+    device = parse_qs(query).get("device", [""])[0]
+    if device:
+        options["device_name"] = device
+    order = ("master_address", "metadata_server", "local_hostname", "protocol",
+             "device_name", "global_segment_size", "local_buffer_size", "call_timeout_s")
+    return {name: options[name] for name in order if name in options}
+
+
+def _byte_count(value: Any) -> int | None:
+    """A whole number of bytes (an int or its digits), else None."""
+    if isinstance(value, str) and value.strip().isdigit():
+        return int(value.strip())
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
     return None
 
 

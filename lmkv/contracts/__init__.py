@@ -32,7 +32,15 @@ class declares the one it was written for in ``api_version``. At load, lmkv
 leaves out, with one line, a class written for another major version, and one
 that does not fit its contract (an abstract method left, a constructor or a
 method lmkv cannot call the way it calls it); docs/migrating-plugins.md says
-what changed between versions. Every kind is built the same way,
+what changed between versions.
+
+A remote tier (its storage a server or a pool) builds on ``RemoteTierOptions``
+and ``remote_faults`` (the options and fault policy every remote tier shares),
+``PinTable`` (its local pins), ``PrefixGets`` and ``read_windows`` (a get of a
+prompt's leading chunks, window by window) and ``PutQueue`` (bounded
+asynchronous puts).
+
+Every kind is built the same way,
 ``cls(options, context)``: its validated ``Options`` and a frozen dataclass of
 what lmkv hands that kind (``BackendContext``, ``EvictionContext``,
 ``OffloadContext``, ``SerializerContext``, ``ConnectorContext``).
@@ -85,7 +93,12 @@ _LAZY: dict[str, str] = {
     "TierFaults": "lmkv.contracts.faults",
     "TierUnavailable": "lmkv.contracts.faults",
     # helpers a remote tier needs
+    "PinTable": "lmkv.contracts.pins",
+    "PrefixGets": "lmkv.contracts.prefix_gets",
     "PutQueue": "lmkv.contracts.put_queue",
+    "RemoteTierOptions": "lmkv.contracts.remote",
+    "read_windows": "lmkv.contracts.prefix_gets",
+    "remote_faults": "lmkv.contracts.remote",
     "ByteCount": "lmkv.base.units",
     "Redactor": "lmkv.base.redact",
     "redact_url": "lmkv.base.redact",
@@ -98,6 +111,7 @@ _LAZY: dict[str, str] = {
     "header_len": "lmkv.contracts.serde",
     "read_header": "lmkv.contracts.serde",
     "verify_payload": "lmkv.contracts.serde",
+    "write_header": "lmkv.contracts.serde",
     # policies
     "EvictionContext": "lmkv.contracts.policy",
     "EvictionPolicy": "lmkv.contracts.policy",
@@ -128,6 +142,7 @@ if TYPE_CHECKING:
         TierUnavailable,
     )
     from lmkv.contracts.hooks import ENTRY_POINT_GROUP, hookimpl, hookspec
+    from lmkv.contracts.pins import PinTable
     from lmkv.contracts.plugin import NoOptions, OptionsArg, Plugin, PluginOptions
     from lmkv.contracts.policy import (
         EvictionContext,
@@ -138,7 +153,9 @@ if TYPE_CHECKING:
         OffloadPolicy,
         StoreMeta,
     )
+    from lmkv.contracts.prefix_gets import PrefixGets, read_windows
     from lmkv.contracts.put_queue import PutQueue
+    from lmkv.contracts.remote import RemoteTierOptions, remote_faults
     from lmkv.contracts.serde import (
         FrameHeader,
         Serializer,
@@ -146,6 +163,7 @@ if TYPE_CHECKING:
         header_len,
         read_header,
         verify_payload,
+        write_header,
     )
     from lmkv.contracts.tier import ArenaPlacement, BackendContext, StorageBackend, done_future
     from lmkv.contracts.versions import API_VERSIONS
@@ -184,11 +202,14 @@ __all__ = [
     "OffloadItem",
     "OffloadPolicy",
     "OptionsArg",
+    "PinTable",
     "Plugin",
     "PluginError",
     "PluginOptions",
+    "PrefixGets",
     "PutQueue",
     "Redactor",
+    "RemoteTierOptions",
     "Serializer",
     "SerializerContext",
     "StorageBackend",
@@ -202,9 +223,12 @@ __all__ = [
     "hookimpl",
     "hookspec",
     "read_header",
+    "read_windows",
     "redact_url",
     "release",
+    "remote_faults",
     "secrets_in",
     "tensor_obj",
     "verify_payload",
+    "write_header",
 ]

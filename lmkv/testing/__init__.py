@@ -26,6 +26,13 @@
   SIGTERM, then what was left behind (processes, lmkv shared memory).
 * ``lmkv.testing.engines.open_local_engine(config, spec, model_name=...)``:
   ``open_engine`` for a test that looks inside the in-process engine.
+* ``lmkv.testing.tiers``: ``open_tier(name, options)`` (a tier as a config builds
+  it), ``serializer(name)``, ``load_test_config(overrides)``, ``strict_refcounts()``.
+* ``lmkv.testing.redis`` and ``lmkv.testing.mooncake``: real ``redis-server``
+  (one, a cluster, TLS) and ``mooncake_master`` / ``mooncake_client`` processes
+  on loopback ports (``lmkv.testing.processes``: their base, free ports).
+* ``lmkv.testing.engine_worker.shared_between_processes(tier, directory)``: two
+  engine processes, one after the other, share KV through ``tier``.
 * pytest fixtures (loaded automatically through the ``pytest11`` entry point):
   ``lmkv_plugin_manager`` (a fresh manager for one test) and
   ``register_lmkv_plugin`` (register a plugin for one test).

@@ -26,6 +26,11 @@ through, lookups, prefetches, gets, promotion).
 Fault injection: implement ``corrupt_entry`` and ``copy_entry`` (a tier that
 stores bytes) and ``make_unreachable`` (a tier whose storage can be out of
 reach) and the fault tests run too; each hook left alone skips its tests.
+
+Across processes: another process opens the tier by its registered name and
+the options ``make_backend`` gave it, stores, exits, and the chunks must read
+back here (``lmkv.testing.cross_process``). A tier whose storage is its
+process's memory sets ``outlives_process = False`` and says why.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Hashable, Iterator
 from contextlib import AbstractContextManager
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -44,6 +50,7 @@ from lmkv.keys.chunking import CacheKey, KeyMeta
 from lmkv.memory import MemoryObj, release, tensor_obj
 from lmkv.storage.manager import StorageManager
 from lmkv.testing.building import load_problem, selectable, storage_from
+from lmkv.testing.cross_process import check_read_across_processes, given_options
 
 #: lmkv's own eviction policies: a tier must work with each of them.
 BUILTIN_EVICTION_POLICIES = ("lru", "lfu", "arc", "s3fifo")
@@ -152,6 +159,18 @@ class StorageBackendConformance:
 
     #: Upper bound on the chunks the eviction tests write.
     max_pressure_chunks: int = 2048
+
+    #: Whether what the tier stores outlives the process that stored it (a
+    #: directory, a server, a pool); False skips the cross-process test with
+    #: ``per_process_reason``.
+    outlives_process: bool = True
+    per_process_reason: str = ""
+
+    def process_options(self, backend: StorageBackend) -> dict[str, Any]:
+        """The options another process opens ``backend``'s tier with: by default the
+        options ``backend`` was given. A tier whose process must not hold the
+        storage itself (a pool segment that goes with it) adjusts them."""
+        return given_options(backend.options)
 
     # -- helpers -------------------------------------------------------------
     @pytest.fixture(autouse=True)
@@ -375,6 +394,10 @@ class StorageBackendConformance:
         obj = backend.get_blocking(self.key(4))  # the original still reads as itself
         assert obj is not None and torch.equal(obj.tensor, expected[0])
         obj.ref_down()
+
+    def test_what_another_process_stored_outlives_it_and_reads_here(
+            self, backend: StorageBackend, tmp_path: Path) -> None:
+        check_read_across_processes(self, backend, tmp_path)
 
     def test_a_pinned_entry_survives_eviction_pressure(self, backend: StorageBackend) -> None:
         """Pins (``pin`` and ``batched_async_contains(pin=True)``) protect against

@@ -28,3 +28,17 @@ def registered_plugin(plugin: object, name: str | None = None) -> Iterator[Plugi
     with fresh_plugin_manager() as manager:
         manager.register(plugin, name=name)
         yield manager
+
+
+@contextmanager
+def builtins_only() -> Iterator[PluginManager]:
+    """Inside the block, lmkv sees its built-in plugins only, as on a machine
+    where no plugin package is installed (a config naming a plugin's tier gets
+    the "pip install" error)."""
+    import lmkv_backends.plugin
+    import lmkv_policies.plugin
+
+    with fresh_plugin_manager(load_entry_points=False) as manager:
+        manager.register(lmkv_backends.plugin, name="lmkv_backends")
+        manager.register(lmkv_policies.plugin, name="lmkv_policies")
+        yield manager

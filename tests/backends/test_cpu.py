@@ -22,6 +22,8 @@ def make_cpu(max_bytes: int = 1 << 20) -> CPUBackend:
 
 class TestCPUConformance(StorageBackendConformance):
     backend_class = CPUBackend
+    outlives_process = False
+    per_process_reason = "the cpu tier is its process's memory: it goes with the process"
 
     def backend_options(self) -> dict[str, object]:
         return {"max_bytes": 1 << 20}

@@ -95,3 +95,29 @@ def test_a_value_of_the_wrong_type_is_one_line(tmp_path: Path) -> None:
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr == ("lmkv: error: LMCache option LMCACHE_MAX_LOCAL_CPU_SIZE = "
                            "'lots': must be a number of GB (e.g. 5 or 2.5)\n")
+
+
+def test_a_mooncakestore_remote_becomes_a_mooncake_tier_that_loads(tmp_path: Path) -> None:
+    source = tmp_path / "lmcache.yaml"
+    source.write_text("remote_url: mooncakestore://127.0.0.1:50051/\n"
+                      "extra_config:\n"
+                      "  metadata_server: http://127.0.0.1:8080/metadata\n"
+                      "  local_hostname: 127.0.0.1\n"
+                      "  protocol: tcp\n"
+                      "  global_segment_size: 268435456\n"
+                      "  storage_root_dir: /ssd/mooncake\n")
+    proc = migrate(str(source))
+    assert proc.returncode == 0, proc.stderr
+    assert yaml.safe_load(proc.stdout)["tiers"][1] == {"type": "mooncake", "options": {
+        "master_address": "127.0.0.1:50051", "metadata_server": "http://127.0.0.1:8080/metadata",
+        "local_hostname": "127.0.0.1", "protocol": "tcp", "global_segment_size": "256MiB",
+        "local_buffer_size": "1GiB"}}
+    assert proc.stderr.splitlines() == [
+        f"lmkv migrate: not carried: 'extra_config' (from {source}) key 'storage_root_dir': "
+        "lmkv's mooncake tier keeps no entries on Mooncake's SSD offload"]
+    out = tmp_path / "lmkv.yaml"
+    out.write_text(proc.stdout)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("LMKV_", "MOONCAKE_"))}
+    check = subprocess.run([sys.executable, "-m", "lmkv", "config", "check", str(out)],
+                           capture_output=True, text=True, env=env, timeout=300)
+    assert check.returncode == 0, check.stderr

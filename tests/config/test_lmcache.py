@@ -102,8 +102,43 @@ def test_s3_remote_is_an_fs_tier_and_lm_is_not_carried() -> None:
         {"type": "fs", "options": {"url": "s3://bucket/kv"}}
     dropped = dict(translate({"remote_url": "lm://host:65432"}).dropped)
     assert "lmkv server" in dropped["remote_url"]
-    assert "mooncakestore://" in dict(translate({"remote_url": "mooncakestore://h:1"})
-                                      .dropped)["remote_url"]
+    assert "memcache://" in dict(translate({"remote_url": "memcache://h:1"})
+                                 .dropped)["remote_url"]
+
+
+def test_mooncakestore_is_a_mooncake_tier_with_the_connectors_extra_config() -> None:
+    result = translate({"remote_url": "mooncakestore://10.0.0.1:50051/?device=mlx5_0",
+                        "extra_config": {"master_server_address": "10.9.9.9:1",
+                                         "metadata_server": "http://10.0.0.1:8080/metadata",
+                                         "local_hostname": "10.0.0.2", "protocol": "rdma",
+                                         "local_buffer_size": 536870912,
+                                         "transfer_timeout": 2, "storage_root_dir": "/ssd",
+                                         "prefer_local_alloc": True, "mystery": 1}})
+    assert result.settings["tiers"][1] == {"type": "mooncake", "options": {
+        "master_address": "10.0.0.1:50051",  # the URL's, as LMCache's connector takes it
+        "metadata_server": "http://10.0.0.1:8080/metadata", "local_hostname": "10.0.0.2",
+        "protocol": "rdma", "device_name": "mlx5_0",
+        "global_segment_size": "3200MiB",  # LMCache's default: unset, as LMCache runs it
+        "local_buffer_size": "512MiB", "call_timeout_s": 2}}
+    assert sorted(name for name, _ in result.dropped) == [
+        "extra_config.mystery", "extra_config.prefer_local_alloc",
+        "extra_config.storage_root_dir"]
+
+
+def test_mooncakestore_extra_config_from_the_variable_and_bad_values() -> None:
+    result = translate({"remote_url": "mooncakestore://",
+                        "extra_config": '{"master_server_address": "m:7", '
+                                        '"global_segment_size": "lots", "protocol": 3}'})
+    assert result.settings["tiers"][1]["options"] == {
+        "master_address": "m:7", "global_segment_size": "3200MiB", "local_buffer_size": "1GiB"}
+    dropped = dict(result.dropped)
+    assert "'lots' is not a number of bytes" in dropped["extra_config.global_segment_size"]
+    assert "3 is not text" in dropped["extra_config.protocol"]
+    assert "reads them for a mooncakestore:// remote_url only" in dict(
+        translate({"remote_url": "redis://h:1", "extra_config": {"a": 1}}).dropped
+    )["extra_config"]
+    with pytest.raises(ConfigError, match="must be a mapping"):
+        translate({"extra_config": "[1, 2]"})
 
 
 def test_a_disk_without_a_size_is_reported() -> None:

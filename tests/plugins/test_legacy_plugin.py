@@ -169,6 +169,8 @@ PORTED = _ported()
 
 class TestPortedTier(StorageBackendConformance):
     backend_class = PORTED["LegacyTier"]
+    outlives_process = False
+    per_process_reason = "the ported tier keeps its frames in a dict of its process"
 
     def corrupt_entry(self, backend, key) -> bool:
         frame = bytearray(backend.frames[key])

@@ -75,18 +75,22 @@ class HandBuiltPolicy(Policy):
 
 
 class TestOldWayTier(StorageBackendConformance):
+    outlives_process = False  # a dict in its process
     backend_class = OldWayTier
 
 
 class TestParentDroppingTier(StorageBackendConformance):
+    outlives_process = False  # a dict in its process
     backend_class = ParentDroppingTier
 
 
 class TestNoParentsParameterTier(StorageBackendConformance):
+    outlives_process = False  # a dict in its process
     backend_class = NoParentsParameterTier
 
 
 class TestAbstractTier(StorageBackendConformance):
+    outlives_process = False  # a dict in its process
     backend_class = AbstractTier
 
 

@@ -38,10 +38,16 @@ from typing import Any
 import torch
 import xxhash
 
-from lmkv.base.errors import CorruptFrameError
-from lmkv.contracts.serde import FrameHeader, read_header, verify_payload
-from lmkv.keys.chunking import CacheKey
-from lmkv.memory import Allocate, MemoryAllocator, MemoryObj
+from lmkv.contracts import (
+    Allocate,
+    CacheKey,
+    CorruptFrameError,
+    FrameHeader,
+    MemoryAllocator,
+    MemoryObj,
+    read_header,
+    verify_payload,
+)
 from lmkv_mooncake.client import (
     BUFFER_TOO_SMALL,
     NOT_THERE,

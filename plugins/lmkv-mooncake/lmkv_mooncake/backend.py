@@ -24,20 +24,28 @@ import ctypes
 import logging
 import threading
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
 
-from lmkv.base import affinity
-from lmkv.base.errors import ConfigError
-from lmkv.base.redact import Redactor, secrets_in
-from lmkv.contracts.faults import Breaker, TierFaults
-from lmkv.contracts.plugin import OptionsArg
-from lmkv.contracts.serde import read_header
-from lmkv.contracts.tier import BackendContext, StorageBackend, done_future
-from lmkv.keys.chunking import CacheKey
-from lmkv.memory import MemoryAllocator, MemoryObj
+from lmkv.contracts import (
+    BackendContext,
+    CacheKey,
+    ConfigError,
+    MemoryAllocator,
+    MemoryObj,
+    OptionsArg,
+    PinTable,
+    PrefixGets,
+    Redactor,
+    StorageBackend,
+    apply_affinity,
+    read_header,
+    read_windows,
+    remote_faults,
+    secrets_in,
+)
 from lmkv_mooncake.arena_reads import (
     ABSENT,
     FOUND,
@@ -87,21 +95,18 @@ class MooncakeBackend(StorageBackend):
         if context.serializer is None:
             raise ValueError("the mooncake tier needs a serializer")
         # An etcd or HTTP address may carry credentials: never printed.
-        redact = Redactor([*secrets_in(options.master_address),
-                           *secrets_in(options.metadata_server)])
+        secrets = [*secrets_in(options.master_address), *secrets_in(options.metadata_server)]
         self.where = (f"mooncake_client {options.client_address}" if options.client_address
-                      else f"master {redact(options.master_address)}")
-        self.faults = TierFaults(
-            self.counters, f"mooncake tier ({self.where})", absorbed=FAULTS,
-            unreachable=(MasterUnreachable,),
-            breaker=Breaker(options.retry_after_s, 4 * options.retry_after_s),
-            redact=redact, log=logger)
+                      else f"master {Redactor(secrets)(options.master_address)}")
+        self.faults = remote_faults(
+            self.counters, f"mooncake tier ({self.where})", options, absorbed=FAULTS,
+            unreachable=(MasterUnreachable,), longest_backoff_s=4 * options.retry_after_s,
+            secrets=secrets, log=logger)
         # Registered staging: frame headers, and chunks from unregistered memory.
         # With a real client, the shared memory handed to it, known once set up.
         self.staging: MemoryAllocator | None = None if options.client_address else \
             MemoryAllocator(int(options.local_buffer_size), pin_memory=False)
-        self._pins: dict[str, int] = {}
-        self._pins_lock = threading.Lock()
+        self._pins: PinTable[None] = PinTable()
         self._close_lock = threading.Lock()
         self._closing = False
         self._frame_hint = 0  # the largest frame seen: sizes get windows
@@ -121,16 +126,17 @@ class MooncakeBackend(StorageBackend):
         atexit.register(self.link.close)  # an engine that exits unmounts its segment
         self._writer = Writer(self.link, context.serializer, self.staging, self.registered,
                               self.store_key)
-        self._gets = ThreadPoolExecutor(max_workers=GET_THREADS,
-                                        thread_name_prefix="lmkv-mooncake-get",
-                                        initializer=affinity.apply)
-        # Transfers of direct gets, one ahead of each get's checks.
+        self._gets = PrefixGets(self.faults, GET_THREADS, "lmkv-mooncake-get")
+        # Transfers of gets, one window ahead of each get's checks.
         self._fetches = ThreadPoolExecutor(max_workers=GET_THREADS,
                                            thread_name_prefix="lmkv-mooncake-fetch",
-                                           initializer=affinity.apply)
+                                           initializer=apply_affinity)
         if not self.link.wait_ready(options.connect_timeout_s):
-            logger.warning("lmkv mooncake tier: %s not answering yet; misses until it does",
-                           self.where)
+            # The one line a start without the store says; setup goes on in the background.
+            silent = self.link.silent
+            logger.warning("lmkv mooncake tier: %s after %gs (connect_timeout_s); answering "
+                           "misses until it does", f"{silent} does not answer" if silent
+                           else f"{self.where} is not set up", options.connect_timeout_s)
 
     def _registered_staging(self, store: Any) -> None:
         if self.staging is None:  # a real client's: its tiers share the staging
@@ -143,7 +149,7 @@ class MooncakeBackend(StorageBackend):
         return f"MooncakeBackend({self.where}, protocol={self.options.protocol})"
 
     def store_key(self, key: CacheKey) -> str:
-        return self.options.key_prefix + key.to_string()
+        return self.options.store_key(key)
 
     # -- lookups ------------------------------------------------------------------
     def contains(self, key: CacheKey, pin: bool = False) -> bool:
@@ -166,9 +172,7 @@ class MooncakeBackend(StorageBackend):
                 hits += 1
             self.faults.succeeded()
         if pin and hits:
-            with self._pins_lock:
-                for name in names[:hits]:
-                    self._pins[name] = self._pins.get(name, 0) + 1
+            self._pins.pin(names[:hits])
         return hits
 
     def pin(self, key: CacheKey) -> bool:
@@ -176,29 +180,15 @@ class MooncakeBackend(StorageBackend):
 
     def unpin(self, key: CacheKey) -> bool:
         """Release one pin of this process; False when it held none on ``key``."""
-        name = self.store_key(key)
-        with self._pins_lock:
-            count = self._pins.get(name)
-            if count is None:
-                return False
-            if count == 1:
-                del self._pins[name]
-            else:
-                self._pins[name] = count - 1
-            return True
+        return self._pins.unpin(self.store_key(key))
 
     # -- gets -----------------------------------------------------------------------
     def get_blocking(self, key: CacheKey) -> MemoryObj | None:
-        objs = self._get_prefix([key])
+        objs = self._gets.read_prefix([key], self._read)
         return objs[0] if objs else None
 
     def batched_get_non_blocking(self, lookup_id: str, keys: Sequence[CacheKey]) -> Future:
-        if not keys:
-            return done_future([])
-        try:
-            return self._gets.submit(self._get_prefix, list(keys))
-        except RuntimeError:  # closed
-            return done_future([])
+        return self._gets.submit(keys, self._read)
 
     def _window(self) -> int:
         """Keys per ``batch_get_buffer``: what fits in this thread's share of
@@ -209,29 +199,28 @@ class MooncakeBackend(StorageBackend):
         share = int(self.options.local_buffer_size) // GET_THREADS
         return max(1, share // self._frame_hint)
 
-    def _get_prefix(self, keys: Sequence[CacheKey]) -> list[MemoryObj]:
-        """The leading entries found, decoded window by window; a fault answers
-        the prefix decoded so far."""
-        objs: list[MemoryObj] = []
+    def _read(self, keys: Sequence[CacheKey], out: list[MemoryObj]) -> None:
+        """The leading entries found, decoded window by window into ``out``
+        (under the fault policy: ``PrefixGets.read_prefix``)."""
+        with self.link.using() as store:
+            if self.options.client_address:
+                self._read_thin(store, keys, out)
+                return
+            start = 0
+            if self._layout is not None:
+                start, why = self._read_direct(store, keys, out)
+                if why != OTHER_LAYOUT:
+                    start = len(keys)  # all read, or the prefix ended
+            if start < len(keys):
+                self._read_staged(store, keys, start, out)
+
+    def _fetch_ahead(self, fetch: Any, *args: Any) -> Future:
+        """``fetch(*args)`` on a fetch thread (the next window, while this one is
+        checked)."""
         try:
-            with self.faults.guard("get", "answering misses"), self.link.using() as store:
-                if self.options.client_address:
-                    self._read_thin(store, keys, objs)
-                else:
-                    start = 0
-                    if self._layout is not None:
-                        start, why = self._read_direct(store, keys, objs)
-                        if why != OTHER_LAYOUT:
-                            start = len(keys)  # all read, or the prefix ended
-                    if start < len(keys):
-                        self._read_staged(store, keys, start, objs)
-        except BaseException:  # a bug: give the buffers back, then let it show
-            for obj in objs:
-                obj.ref_down()
-            raise
-        self.counters.hits += len(objs)
-        self.counters.misses += len(objs) < len(keys)
-        return objs
+            return self._fetches.submit(fetch, *args)
+        except RuntimeError:  # shut down: the tier is closing
+            raise TierClosed("the mooncake tier is closed") from None
 
     def _read_thin(self, store: Any, keys: Sequence[CacheKey], out: list[MemoryObj]) -> None:
         """Gets of a thin client: frames land in this process's shared staging
@@ -301,21 +290,14 @@ class MooncakeBackend(StorageBackend):
         buffer = int(self.options.local_buffer_size)
         # Thin: the frames come from the staging the puts of every tier share too;
         # a get thread holds at most two windows of a quarter of its share.
-        window = min(THIN_PIPELINE_BYTES, buffer // (4 * GET_THREADS)) if thin \
+        window_bytes = min(THIN_PIPELINE_BYTES, buffer // (4 * GET_THREADS)) if thin \
             else PIPELINE_BYTES
         # (Counted in payload bytes: 4 chunks of 32 MiB are one 128 MiB window.)
-        size = max(1, min(window // (frame if thin else layout.payload_len),
+        size = max(1, min(window_bytes // (frame if thin else layout.payload_len),
                           buffer // 2 // layout.header_len))
-        windows = [keys[i:i + size] for i in range(0, len(keys), size)]
 
-        def start(window: Sequence[CacheKey]) -> Future:
-            try:
-                return self._fetches.submit(fetch_window, [self.store_key(k) for k in window],
-                                            window)
-            except RuntimeError:  # shut down: the tier is closing
-                raise TierClosed("the mooncake tier is closed") from None
-
-        def fetch_window(names: list[str], window: Sequence[CacheKey]) -> Fetched:
+        def fetch_window(window: Sequence[CacheKey]) -> Fetched:
+            names = [self.store_key(k) for k in window]
             if not thin and has_sessions(store) and self.link.claim_sessions(names):
                 try:
                     return fetch_ranged(store, names, window, layout, allocate, self.staging,
@@ -328,30 +310,26 @@ class MooncakeBackend(StorageBackend):
                          self.link.call, answered_is_over=thin)
 
         read, why = 0, FOUND
-        pending: Future | None = start(windows[0])
-        try:
-            for i in range(len(windows)):
-                assert pending is not None
-                fetched: Fetched = pending.result()
-                pending = start(windows[i + 1]) if i + 1 < len(windows) else None
-                if thin:
-                    copies, why = self._copied_out(fetched, layout)
-                    out.extend(copies)
-                    got = len(copies)
-                else:
-                    got, why = settle(fetched, layout, out)
-                    self.direct_gets += got
-                read += got
-                self.counters.bytes_out += got * frame
-                if why != FOUND:
-                    return read, why
-        finally:
-            if pending is not None:  # a window fetched past where the read stopped
-                wait([pending])
-                if pending.exception() is None:
-                    pending.result().release()
-        self.faults.succeeded()
-        return read, FOUND
+
+        def take(window: Sequence[CacheKey], fetched: Fetched) -> bool:
+            nonlocal read, why
+            if thin:
+                copies, why = self._copied_out(fetched, layout)
+                out.extend(copies)
+                got = len(copies)
+            else:
+                got, why = settle(fetched, layout, out)
+                self.direct_gets += got
+            read += got
+            self.counters.bytes_out += got * frame
+            return why == FOUND
+
+        read_windows(keys, lambda: size, fetch_window, take,
+                     ahead=lambda window: self._fetch_ahead(fetch_window, window),
+                     release=Fetched.release)
+        if why == FOUND:
+            self.faults.succeeded()
+        return read, why
 
     def _copied_out(self, fetched: Fetched, layout: Layout) -> tuple[list[MemoryObj], str]:
         """``settle`` a thin window (frames checked in the shared staging), then
@@ -400,30 +378,15 @@ class MooncakeBackend(StorageBackend):
         def size() -> int:
             return max(1, self._window() // 2) if self._frame_hint else 1
 
-        def submit(window: Sequence[CacheKey]) -> Future:
-            try:
-                return self._fetches.submit(fetch_window, window)
-            except RuntimeError:  # shut down: the tier is closing
-                raise TierClosed("the mooncake tier is closed") from None
+        def ahead(window: Sequence[CacheKey]) -> Future | None:
+            # Until a frame was seen, one key at a time and nothing ahead: a batch
+            # larger than the buffer would fail whole. (Handles fetched past where
+            # the read stopped give the buffer back when dropped.)
+            return self._fetch_ahead(fetch_window, window) if self._frame_hint else None
 
-        pending: Future | None = None
-        try:
-            window = keys[start:start + size()]
-            handles = fetch_window(window)
-            while True:
-                start += len(window)
-                following = keys[start:start + size()]
-                if following and self._frame_hint:
-                    pending = submit(following)
-                if not self._get_window(store, window, out, handles) or not following:
-                    return
-                del handles
-                window, handles = following, (pending.result() if pending is not None
-                                              else fetch_window(following))
-                pending = None
-        finally:
-            if pending is not None:  # fetched past where the read stopped: given back
-                wait([pending])
+        read_windows(keys[start:], size, fetch_window,
+                     lambda window, handles: self._get_window(store, window, out, handles),
+                     ahead=ahead)
 
     def _get_window(self, store: Any, keys: Sequence[CacheKey], out: list[MemoryObj],
                     handles: Any) -> bool:
@@ -493,9 +456,7 @@ class MooncakeBackend(StorageBackend):
         return max(0, self._writer.net_bytes)
 
     def stats(self) -> dict[str, int | None]:
-        with self._pins_lock:
-            pinned = len(self._pins)
-        return {**super().stats(), "pinned_keys": pinned,
+        return {**super().stats(), "pinned_keys": len(self._pins),
                 "pending_put_bytes": self._writer.pending_bytes,
                 "zero_copy_put_bytes": self._writer.zero_copy_bytes,
                 "direct_gets": self.direct_gets,
@@ -511,7 +472,7 @@ class MooncakeBackend(StorageBackend):
                 return
             self._closing = True
         self._writer.close(self.options.close_timeout_s)
-        self._gets.shutdown(wait=False, cancel_futures=True)
+        self._gets.close()
         self._fetches.shutdown(wait=False)
         if not self.link.closed and not self.options.client_address:
             # (Closed at interpreter exit already: the store is going. A thin
@@ -524,6 +485,5 @@ class MooncakeBackend(StorageBackend):
         self.faults.close()
         self.link.close()
         atexit.unregister(self.link.close)
-        with self._pins_lock:
-            self._pins.clear()
+        self._pins.clear()
         super().close()

@@ -7,11 +7,15 @@ miss or a dropped write) or ``MasterUnreachable`` (the master or the
 transfer path is gone: it opens the breaker, so a dead master costs one
 failed call per backoff interval, not one per engine step).
 
-The store is set up on a background thread (Mooncake's ``setup`` retries for
-about 90 s when the master is down): the tier waits ``connect_timeout_s`` for
-it at start, then answers misses until it is up, never a failed start and
-never an engine thread held. Mooncake's client re-registers its segment with a
-restarted master by itself; nothing here has to reconnect.
+The store is set up on a background thread: the tier waits ``connect_timeout_s``
+for it at start, then answers misses until it is up, never a failed start and
+never an engine thread held. Mooncake's ``setup`` holds the GIL in native code
+and, against a master that does not answer, retries for about 90 s (every
+Python thread of the process stalls, signal handlers included) while logging
+a dozen lines a try: so ``setup`` is called only once the addresses it needs
+accept a TCP connection (``silent_peer``), and its own retries are cut to one
+(``MC_STORE_CLIENT_SETUP_RETRIES``). Mooncake's client re-registers its
+segment with a restarted master by itself; nothing here has to reconnect.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from __future__ import annotations
 import atexit
 import ctypes
 import logging
+import os
 import queue
 import socket
 import threading
@@ -31,10 +36,14 @@ from typing import Any
 
 import torch
 
-from lmkv.base import affinity
-from lmkv.base.errors import PluginError
-from lmkv.contracts.faults import BreakerOpen, TierFaults, TierUnavailable
-from lmkv.memory import MemoryAllocator
+from lmkv.contracts import (
+    BreakerOpen,
+    MemoryAllocator,
+    PluginError,
+    TierFaults,
+    TierUnavailable,
+    apply_affinity,
+)
 from lmkv_mooncake.memory import Registered
 from lmkv_mooncake.options import MooncakeOptions
 
@@ -105,9 +114,16 @@ class TierClosed(ConnectionError):
     """The tier is closed: no store any more (absorbed like any connection fault)."""
 
 
+#: Mooncake's environment, unless the user set it: one try per ``setup`` (the
+#: tier retries with its own backoff, off the GIL), and its log at WARNING.
+MOONCAKE_ENV_DEFAULTS = {"MC_STORE_CLIENT_SETUP_RETRIES": "1", "MC_LOG_LEVEL": "WARNING"}
+
+
 def store_class() -> type:
     """``MooncakeDistributedStore``; ``MooncakeMissing`` (one line naming both
     packages) when neither build of the client is installed."""
+    for name, value in MOONCAKE_ENV_DEFAULTS.items():
+        os.environ.setdefault(name, value)  # read by the client library: before it loads
     try:
         from mooncake.store import MooncakeDistributedStore
     except ImportError as exc:
@@ -133,14 +149,46 @@ def replicate_config(options: MooncakeOptions) -> Any:
     return config
 
 
-def _answers(address: str, timeout_s: float = 1.0) -> bool:
+#: How long a probe of one address waits for a TCP connection.
+PROBE_TIMEOUT_S = 1.0
+
+
+def answers(address: str, timeout_s: float = PROBE_TIMEOUT_S) -> bool:
     """Whether something accepts TCP connections at ``host:port``."""
     host, _, port = address.rpartition(":")
     try:
         with socket.create_connection((host.strip("[]"), int(port)), timeout_s):
             return True
-    except OSError:
+    except (OSError, ValueError):
         return False
+
+
+def _endpoints(url: str) -> list[str]:
+    """The ``host:port`` addresses of ``host:port``, ``etcd://a:1;b:2`` or an
+    ``http(s)://`` URL (default port 80 or 443), without credentials."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return [url]
+    hosts = rest.split("/", 1)[0].rpartition("@")[2]
+    default = {"http": "80", "https": "443"}.get(scheme, "")
+    return [h if h.rpartition(":")[2].isdigit() or not default else f"{h}:{default}"
+            for h in hosts.replace(",", ";").split(";") if h]
+
+
+def silent_peer(options: MooncakeOptions, redact: Callable[[object], str] = str) -> str:
+    """What ``setup`` would need that accepts no TCP connection now ("master
+    127.0.0.1:50051", ...), or "" when every address answers (for etcd, any
+    one of its endpoints)."""
+    if options.client_address:
+        peers = [("the mooncake_client at", [options.client_address])]
+    else:
+        peers = [("master", _endpoints(options.master_address))]
+        if options.metadata_server != "P2PHANDSHAKE":
+            peers.append(("metadata server", _endpoints(options.metadata_server)))
+    for what, addresses in peers:
+        if not any(answers(a) for a in addresses):
+            return f"{what} {redact(';'.join(addresses))}"
+    return ""
 
 
 def _client_of(options: MooncakeOptions) -> tuple:
@@ -179,16 +227,26 @@ class _Client:
         # in progress, or (``unsettled``) one a call left open in Mooncake.
         self.puts: set[str] = set()
         self.unsettled: dict[str, bool] = {}  # name -> its end may have been sent
+        # What setup waits for while it does not answer (the start-up line says it).
+        self.silent = ""
         self._cls = cls
         threading.Thread(target=self._connect, name="lmkv-mooncake-setup", daemon=True).start()
 
     def _connect(self) -> None:
         # The store's own threads (transfers, polling) start here and inherit this
         # thread's CPUs: the engine's, not the one its main thread is bound to.
-        affinity.apply()
+        apply_affinity()
         o = self.options
         backoff = o.retry_after_s
         while not self.stop.is_set():
+            # Asked first, off the GIL: setup against a silent master stalls the process.
+            self.silent = silent_peer(o, self.faults.redact)
+            if self.silent:
+                logger.debug("lmkv mooncake tier: %s does not answer; asking again in %.1fs",
+                             self.silent, backoff)
+                self.stop.wait(backoff)
+                backoff = min(backoff * 2, 4 * o.retry_after_s)
+                continue
             store = self._cls()
             code = self._setup(store)
             if code == 0:
@@ -225,10 +283,6 @@ class _Client:
         if not o.client_address:
             return store.setup(o.local_hostname, o.metadata_server, int(o.global_segment_size),
                                size, o.protocol, o.device_name, o.master_address)
-        if not _answers(o.client_address):
-            # Mooncake's setup_dummy spends about 4 s per try on a port nobody
-            # listens on: asked only once one does.
-            return -1
         code = store.setup_dummy(size, size, o.client_address)
         if code != 0:
             return code
@@ -292,7 +346,7 @@ class _Helpers:
             threading.Thread(target=self._work, name="lmkv-mooncake-call", daemon=True).start()
 
     def _work(self) -> None:
-        affinity.apply()
+        apply_affinity()
         while True:
             try:
                 result, fn, args, finished = self._jobs.get(timeout=self.IDLE_S)
@@ -462,6 +516,11 @@ class Link:
 
     def wait_ready(self, timeout_s: float) -> bool:
         return self._client.ready.wait(timeout_s)
+
+    @property
+    def silent(self) -> str:
+        """What the store's setup is waiting for to answer ("" when nothing)."""
+        return self._client.silent
 
     @property
     def usable(self) -> bool:

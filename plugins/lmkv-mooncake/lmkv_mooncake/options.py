@@ -27,8 +27,7 @@ from pydantic import (
 )
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
-from lmkv.base.units import ByteCount
-from lmkv.contracts.plugin import PluginOptions
+from lmkv.contracts import ByteCount, RemoteTierOptions
 
 __all__ = ["MooncakeOptions"]
 
@@ -51,10 +50,14 @@ REAL_CLIENT_FIELDS = {
 }
 
 
-class MooncakeOptions(PluginOptions):
-    # A timeout or backoff of inf (or nan) never ends: only finite numbers. Defaults
-    # are validated too: they come from Mooncake's environment variables.
-    model_config = ConfigDict(allow_inf_nan=False, validate_default=True)
+class MooncakeOptions(RemoteTierOptions):
+    """``key_prefix``, ``retry_after_s``, ``close_timeout_s`` and
+    ``max_pending_bytes`` are every remote tier's (``RemoteTierOptions``; here
+    ``retry_after_s`` must be above 0: it paces the setup retries too); the rest
+    are the mooncake tier's own."""
+
+    # Defaults are validated too: they come from Mooncake's environment variables.
+    model_config = ConfigDict(validate_default=True)
 
     client_address: str = ""
     """``host:port`` of a ``mooncake_client`` (Mooncake's standalone real client)
@@ -93,8 +96,6 @@ class MooncakeOptions(PluginOptions):
     client: the staging its tiers share, and Mooncake's own buffer."""
     replica_num: int = Field(default=1, ge=1, le=16)
     """Copies of each entry the store keeps (on different segments)."""
-    key_prefix: str = "lmkv:"
-    """Namespace: every key this tier writes starts with it."""
     register_arena: bool = True
     """Register lmkv's chunk arena with the store so puts read chunks in place
     (no staging copy; RDMA needs registered memory). Not with ``client_address``:
@@ -112,11 +113,6 @@ class MooncakeOptions(PluginOptions):
     retry_after_s: PositiveFloat = 1.0
     """After the master is found unreachable, answer misses without asking it for
     this long (growing to 4x while it stays down), then probe again."""
-    close_timeout_s: float = Field(default=2.0, ge=0)
-    """``close()`` waits this long for puts in flight, then drops them."""
-    max_pending_bytes: ByteCount = Field(default=ByteSize(1 << 30), ge=0)
-    """Bytes of submitted puts not yet written; past it new puts are dropped and
-    counted (a slow pool must not hold the cpu tier's buffers forever)."""
 
     @field_validator("client_address")
     @classmethod

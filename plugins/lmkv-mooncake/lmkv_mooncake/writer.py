@@ -33,10 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from lmkv.contracts.put_queue import PutQueue
-from lmkv.contracts.serde import Serializer, header_len
-from lmkv.keys.chunking import CacheKey
-from lmkv.memory import MemoryAllocator, MemoryObj
+from lmkv.contracts import CacheKey, MemoryAllocator, MemoryObj, PutQueue, Serializer, header_len
 from lmkv_mooncake.client import (
     BUFFER_TOO_SMALL,
     INVALID_WRITE,

@@ -6,15 +6,17 @@ import os
 from collections.abc import Callable, Iterator
 
 import pytest
-from mooncake_servers import MooncakeMaster, new_tier, require_mooncake
+from mooncake_helpers import new_tier
 
-import lmkv.memory
+from lmkv.testing.mooncake import MooncakeMaster, require_mooncake
+from lmkv.testing.tiers import strict_refcounts
 
 
 @pytest.fixture(autouse=True)
-def _strict_refcounts(monkeypatch: pytest.MonkeyPatch) -> None:
+def _strict_refcounts() -> Iterator[None]:
     """A double release is a bug: raise in tests instead of logging."""
-    monkeypatch.setattr(lmkv.memory, "strict_refcounts", True)
+    with strict_refcounts():
+        yield
 
 
 @pytest.fixture(autouse=True)

@@ -13,25 +13,26 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
-from mooncake_servers import (
+from mooncake_helpers import OwnStoreEdits, new_tier
+from test_mooncake_faults import chunk, key, misses_then_recovery, put, read, reads_prefix
+
+from lmkv.contracts import ConfigError, StorageBackend, tensor_obj
+from lmkv.testing import StorageBackendConformance
+from lmkv.testing.engine_worker import shared_between_processes
+from lmkv.testing.mooncake import (
     MOONCAKE_CLIENT,
     MooncakeMaster,
     MooncakeRealClient,
-    OwnStoreEdits,
-    new_tier,
     require_mooncake,
 )
-from test_mooncake_faults import chunk, key, misses_then_recovery, put, read, reads_prefix
-from test_mooncake_processes import shared_between_processes
-
-from lmkv import StorageBackend
-from lmkv.memory import tensor_obj
-from lmkv.testing import StorageBackendConformance
+from lmkv_mooncake import MooncakeBackend
 
 
 def _require_real_client() -> None:
@@ -50,7 +51,11 @@ def real_client(mooncake_master: MooncakeMaster,
 
 
 class TestMooncakeRealClient(OwnStoreEdits, StorageBackendConformance):
+    backend_class = MooncakeBackend
     client: MooncakeRealClient
+
+    def backend_options(self) -> dict[str, Any]:
+        return self.client.options(key_prefix=f"t-{uuid.uuid4().hex[:8]}:")
 
     @pytest.fixture(autouse=True)
     def _client(self, real_client: MooncakeRealClient) -> None:
@@ -86,7 +91,8 @@ def test_two_engine_processes_share_kv_through_the_hosts_real_client(
         own_real_client: MooncakeRealClient, tmp_path: Path) -> None:
     # This process holds no store at all: the KV lives in the real client's
     # segment, so it outlives the engine that stored it.
-    shared_between_processes(own_real_client.options(key_prefix="real-procs:"), tmp_path)
+    shared_between_processes({"type": "mooncake", "options": own_real_client.options(
+        key_prefix="real-procs:")}, tmp_path)
 
 
 def test_without_a_real_client_the_tier_starts_and_answers_misses(
@@ -162,8 +168,6 @@ def test_a_thin_tiers_dump_leaves_out_what_the_real_client_owns(tmp_path: Path) 
 
 def test_an_embedded_tier_in_a_process_with_a_thin_client_is_one_line(
         real_client: MooncakeRealClient, make_tier: object) -> None:
-    from lmkv.base.errors import ConfigError
-
     make_tier(real_client)  # this process's clients are thin ones
     with pytest.raises(ConfigError) as refused:
         make_tier(real_client.master)

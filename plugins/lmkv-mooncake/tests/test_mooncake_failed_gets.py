@@ -14,7 +14,7 @@ import pytest
 import torch
 from test_mooncake_faults import chunk, key, put, read
 
-from lmkv.memory import tensor_obj
+from lmkv.contracts import tensor_obj
 
 #: The store's get-session calls: hidden, a store without them (the batch call).
 SESSIONS = ("batch_get_session_start", "batch_get_into_multi_buffer_ranges")
@@ -136,7 +136,7 @@ def test_a_staged_get_that_fails_is_a_fault_not_a_silent_miss(
 
 def test_quarantined_buffers_are_freed_once_the_store_is_closed(
         mooncake_master: Any, shared_client: None, monkeypatch: pytest.MonkeyPatch) -> None:
-    from mooncake_servers import new_tier
+    from mooncake_helpers import new_tier
 
     from lmkv_mooncake.client import join_closing
 

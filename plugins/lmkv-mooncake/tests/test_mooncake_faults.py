@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from mooncake_servers import MooncakeMaster, require_mooncake
 
-from lmkv.keys.chunking import CacheKey, KeyMeta
-from lmkv.memory import tensor_obj
+from lmkv.contracts import BackendContext, CacheKey, KeyMeta, MemoryAllocator, tensor_obj
+from lmkv.testing.mooncake import MooncakeMaster, require_mooncake
+from lmkv.testing.tiers import serializer
 
 META = KeyMeta("faults-model", 1, 0, "float16", "l2thd")
 
@@ -120,7 +120,7 @@ def test_a_foreign_value_is_a_miss_and_is_removed(make_tier: object, shared_clie
 
 def test_a_closed_tier_leaves_no_segment_mounted(mooncake_master: MooncakeMaster,
                                                  shared_client: None) -> None:
-    from mooncake_servers import new_tier
+    from mooncake_helpers import new_tier
 
     from lmkv_mooncake.client import join_closing
 
@@ -231,9 +231,6 @@ def test_pipelined_staged_gets_stop_at_the_first_missing_and_give_back_the_rest(
     exhaust the buffer otherwise)."""
     import uuid
 
-    from lmkv import BackendContext
-    from lmkv.memory import MemoryAllocator
-    from lmkv_backends.serde.zstd import ZstdSerializer
     from lmkv_mooncake import MooncakeBackend, MooncakeOptions
 
     monkeypatch.setattr(MooncakeBackend, "_window", lambda self: 2)  # windows of one key
@@ -241,7 +238,7 @@ def test_pipelined_staged_gets_stop_at_the_first_missing_and_give_back_the_rest(
     tier = MooncakeBackend(
         MooncakeOptions(**mooncake_master.options(key_prefix=f"z-{uuid.uuid4().hex[:8]}:",
                                                   local_buffer_size="1MiB")),
-        BackendContext(serializer=ZstdSerializer(), allocate=arena.allocate))
+        BackendContext(serializer=serializer("zstd"), allocate=arena.allocate))
     try:
         assert put(tier, [0, 1, 2, 4, 5]) == 5
         for _ in range(20):

@@ -1,6 +1,6 @@
 """What a Mooncake client of this process listens on.
 
-The master's listeners are bound to loopback by the tests (``mooncake_servers``).
+The master's listeners are bound to loopback by the tests (``lmkv.testing.mooncake``).
 The client's own transfer engine (its RPC port and the TcpTransport data port)
 binds as Mooncake 0.3.13 decides: every interface, whatever ``local_hostname``
 or ``MC_TCP_BIND_ADDRESS`` say (setting it to 127.0.0.1 changes neither
@@ -14,7 +14,8 @@ from __future__ import annotations
 import sys
 
 import pytest
-from mooncake_servers import listening_addresses, off_loopback
+
+from lmkv.testing.processes import listening_addresses, off_loopback
 
 
 def test_listening_addresses_sees_a_loopback_listener() -> None:
@@ -33,7 +34,7 @@ def test_listening_addresses_sees_a_loopback_listener() -> None:
                    "listeners to every interface (docs/security.md)")
 def test_a_client_listens_on_loopback_only(mooncake_master: object,
                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    from mooncake_servers import new_tier
+    from mooncake_helpers import new_tier
 
     from lmkv_mooncake.client import join_closing
 

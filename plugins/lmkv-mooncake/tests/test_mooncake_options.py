@@ -48,13 +48,16 @@ def test_a_bad_default_fails_in_python_too(monkeypatch: pytest.MonkeyPatch) -> N
 @pytest.mark.parametrize("required", [False, True])
 def test_a_missing_mooncake_skips_or_under_lmkv_require_mooncake_fails(
         monkeypatch: pytest.MonkeyPatch, required: bool) -> None:
-    import mooncake_servers
+    import lmkv.testing.mooncake
 
-    monkeypatch.setattr(mooncake_servers, "AVAILABLE", False)
-    monkeypatch.setattr(mooncake_servers, "REQUIRED", required)
+    monkeypatch.setattr(lmkv.testing.mooncake, "mooncake_available", lambda: False)
+    if required:
+        monkeypatch.setenv("CI_REQUIRE_MOONCAKE", "1")
+    else:
+        monkeypatch.delenv("CI_REQUIRE_MOONCAKE", raising=False)
     expected = pytest.fail.Exception if required else pytest.skip.Exception
     with pytest.raises(expected, match="not installed"):
-        mooncake_servers.require_mooncake()
+        lmkv.testing.mooncake.require_mooncake()
 
 
 def test_ci_requires_mooncake() -> None:
@@ -72,23 +75,29 @@ class RefusingStore:
         pass
 
 
+@pytest.mark.parametrize(("answering", "said"), [
+    (False, "does not answer"),  # the start-up line names the silent address
+    (True, "setting up with master"),  # the setup retries are logged
+])
 def test_credentials_in_addresses_are_never_printed(
-        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+        answering: bool, said: str) -> None:
     import logging
     import time
 
     import lmkv_mooncake.client
-    from lmkv import BackendContext
-    from lmkv_backends.serde.naive import NaiveSerializer
+    from lmkv.contracts import BackendContext
+    from lmkv.testing.tiers import serializer
     from lmkv_mooncake import MooncakeBackend, MooncakeOptions
 
     monkeypatch.setattr(lmkv_mooncake.client, "store_class", lambda: RefusingStore)
+    monkeypatch.setattr(lmkv_mooncake.client, "answers", lambda address: answering)
     caplog.set_level(logging.INFO)
     options = MooncakeOptions(
         master_address="etcd://admin:S3cretPw1@127.0.0.1:2379",
         metadata_server="http://admin:S3cretPw2@127.0.0.1:1/metadata",
         connect_timeout_s=0.3, retry_after_s=0.05)
-    tier = MooncakeBackend(options, BackendContext(serializer=NaiveSerializer()))
+    tier = MooncakeBackend(options, BackendContext(serializer=serializer("naive")))
     try:
         assert tier.batched_async_contains("l", [_key()]) == 0  # not connected: a miss
         tier.faults.fault("get", OSError(f"failed for {options.metadata_server}"), "miss")
@@ -97,11 +106,11 @@ def test_credentials_in_addresses_are_never_printed(
                            *(r.getMessage() for r in caplog.records)])
     finally:
         tier.close()
-    assert "setting up with master" in shown  # the setup retries were logged
+    assert said in shown
     assert "S3cretPw" not in shown, shown
 
 
 def _key() -> object:
-    from lmkv.keys.chunking import CacheKey, KeyMeta
+    from lmkv.contracts import CacheKey, KeyMeta
 
     return CacheKey(KeyMeta("m", 1, 0, "float16", "l2thd"), bytes(32))

@@ -11,9 +11,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from mooncake_servers import MooncakeMaster, require_mooncake
 
-from lmkv.base.errors import ConfigError
+from lmkv.contracts import BackendContext, ConfigError
+from lmkv.testing.mooncake import MooncakeMaster, require_mooncake
+from lmkv.testing.tiers import serializer
 
 SUITE = Path(__file__).with_name("real_client_suite.py")
 
@@ -33,13 +34,11 @@ def test_the_real_client_suite_passes_in_a_process_of_its_own() -> None:
 def test_a_thin_tier_in_a_process_with_an_embedded_client_is_one_line(
         mooncake_master: MooncakeMaster, shared_client: None) -> None:
     # shared_client: this process has an embedded Mooncake client.
-    from lmkv import BackendContext
-    from lmkv_backends.serde.naive import NaiveSerializer
     from lmkv_mooncake import MooncakeBackend, MooncakeOptions
 
     with pytest.raises(ConfigError) as refused:
         MooncakeBackend(MooncakeOptions(client_address="127.0.0.1:1"),
-                        BackendContext(serializer=NaiveSerializer(), tier_index=1))
+                        BackendContext(serializer=serializer("naive"), tier_index=1))
     message = str(refused.value)
     assert "\n" not in message
     assert message.startswith("config key 'tiers.1.options.client_address': ")

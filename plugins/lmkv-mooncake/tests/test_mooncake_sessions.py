@@ -14,14 +14,14 @@ import torch
 from test_mooncake_failed_gets import failing, short_timeout, slow
 from test_mooncake_faults import chunk, eventually, key, put, read
 
-from lmkv.memory import tensor_obj
-from lmkv_backends.serde.naive import NaiveSerializer
+from lmkv.contracts import tensor_obj
+from lmkv.testing.tiers import serializer
 
 PUT_RANGES = "batch_put_from_multi_buffer_ranges"
 
 
 def frame(i: int) -> bytes:
-    return b"".join(bytes(b) for b in NaiveSerializer().serialize(tensor_obj(chunk(i)), key(i)))
+    return b"".join(bytes(b) for b in serializer("naive").serialize(tensor_obj(chunk(i)), key(i)))
 
 
 def put_arena(tier: Any, ids: list[int]) -> int:

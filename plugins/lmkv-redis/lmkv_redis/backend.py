@@ -23,16 +23,20 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from concurrent.futures import Future
 
-from lmkv.base import affinity
-from lmkv.base.redact import Redactor, secrets_in
-from lmkv.contracts.faults import Breaker, TierFaults
-from lmkv.contracts.plugin import OptionsArg
-from lmkv.contracts.tier import BackendContext, StorageBackend, done_future
-from lmkv.keys.chunking import CacheKey
-from lmkv.memory import MemoryObj
+from lmkv.contracts import (
+    BackendContext,
+    CacheKey,
+    MemoryObj,
+    OptionsArg,
+    PinTable,
+    PrefixGets,
+    StorageBackend,
+    read_windows,
+    remote_faults,
+    secrets_in,
+)
 from lmkv_redis.connection import CONNECTION_FAULTS, FAULTS, Connection
 from lmkv_redis.options import RedisOptions, redact_url
 from lmkv_redis.reader import Fetched, Reader
@@ -45,12 +49,6 @@ logger = logging.getLogger(__name__)
 GET_THREADS = 4
 #: Empty-value checks start at most this often (lookups that miss are frequent).
 SWEEP_INTERVAL_S = 0.05
-
-
-@dataclass
-class _Pin:
-    count: int
-    parts: int  # part count seen by the lookup: lets the get fetch all parts at once
 
 
 class RedisBackend(StorageBackend):
@@ -66,22 +64,20 @@ class RedisBackend(StorageBackend):
         if context.serializer is None:
             raise ValueError("the redis tier needs a serializer")
         self.where = redact_url(options.url)
-        self.faults = TierFaults(
-            self.counters, f"redis tier ({self.where})", absorbed=FAULTS,
-            unreachable=CONNECTION_FAULTS,
-            breaker=Breaker(options.retry_after_s, options.retry_after_s),
-            redact=Redactor([options.password, *secrets_in(options.url)]), log=logger)
+        self.faults = remote_faults(
+            self.counters, f"redis tier ({self.where})", options, absorbed=FAULTS,
+            unreachable=CONNECTION_FAULTS, secrets=[options.password, *secrets_in(options.url)],
+            log=logger)
         self.connection = Connection(options, self.faults)
-        self._pins: dict[str, _Pin] = {}
-        self._pins_lock = threading.Lock()
+        # Each pin records the part count its lookup saw: the get fetches every part
+        # in one round trip.
+        self._pins: PinTable[int] = PinTable()
         self._close_lock = threading.Lock()
         self._closing = False
         self._writer = Writer(self.connection, context.serializer)
         self._reader = Reader(self.connection)
         self._info = ServerInfo(self.connection)
-        self._gets = ThreadPoolExecutor(max_workers=GET_THREADS,
-                                        thread_name_prefix="lmkv-redis-get",
-                                        initializer=affinity.apply)
+        self._gets = PrefixGets(self.faults, GET_THREADS, "lmkv-redis-get")
         self._sweeping = threading.Lock()  # held while an empty-value check runs
         self._last_sweep = 0.0
 
@@ -89,8 +85,7 @@ class RedisBackend(StorageBackend):
         return f"RedisBackend({self.where}, cluster={self.options.cluster})"
 
     def _part_hint(self, name: str) -> int:
-        pin = self._pins.get(name)
-        return pin.parts if pin is not None else 1
+        return self._pins.seen(name, 1)
 
     # -- lookups ------------------------------------------------------------------
     def contains(self, key: CacheKey, pin: bool = False) -> bool:
@@ -114,14 +109,7 @@ class RedisBackend(StorageBackend):
                 break
             hits += 1
         if pin and hits:
-            with self._pins_lock:
-                for name, count in zip(names[:hits], parts[:hits], strict=True):
-                    entry = self._pins.get(name)
-                    if entry is None:
-                        self._pins[name] = _Pin(1, count)
-                    else:
-                        entry.count += 1
-                        entry.parts = count
+            self._pins.pin(names[:hits], parts[:hits])
         return hits
 
     def pin(self, key: CacheKey) -> bool:
@@ -129,15 +117,7 @@ class RedisBackend(StorageBackend):
 
     def unpin(self, key: CacheKey) -> bool:
         """Release one pin of this process; False when it held none on ``key``."""
-        name = self.connection.main_key(key)
-        with self._pins_lock:
-            entry = self._pins.get(name)
-            if entry is None:
-                return False
-            entry.count -= 1
-            if entry.count == 0:
-                del self._pins[name]
-            return True
+        return self._pins.unpin(self.connection.main_key(key))
 
     def sweep_empty(self, name: str) -> None:
         """Check ``name`` for an empty value in the background; at most one check
@@ -148,9 +128,7 @@ class RedisBackend(StorageBackend):
                 blocking=False):
             return
         self._last_sweep = now
-        try:
-            self._gets.submit(self._sweep, name)
-        except RuntimeError:  # closed
+        if self._gets.run(self._sweep, name) is None:  # closed
             self._sweeping.release()
 
     def _sweep(self, name: str) -> None:
@@ -165,33 +143,25 @@ class RedisBackend(StorageBackend):
 
     # -- gets -----------------------------------------------------------------------
     def get_blocking(self, key: CacheKey) -> MemoryObj | None:
-        objs = self._get_prefix([key])
+        objs = self._gets.read_prefix([key], self._read)
         return objs[0] if objs else None
 
     def batched_get_non_blocking(self, lookup_id: str, keys: Sequence[CacheKey]) -> Future:
-        if not keys:
-            return done_future([])
-        try:
-            return self._gets.submit(self._get_prefix, list(keys))
-        except RuntimeError:  # closed
-            return done_future([])
+        return self._gets.submit(keys, self._read)
 
-    def _get_prefix(self, keys: Sequence[CacheKey]) -> list[MemoryObj]:
-        """The leading entries found, decoded window by window; a fault answers
-        the prefix decoded so far."""
-        objs: list[MemoryObj] = []
-        try:
-            with self.faults.guard("get", "answering misses"):
-                for window in self._reader.windows(keys, self._part_hint):
-                    if not self._decode_window(window, objs):
-                        break
-        except BaseException:  # a bug: give the buffers back, then let it show
-            for obj in objs:
-                obj.ref_down()
-            raise
-        self.counters.hits += len(objs)
-        self.counters.misses += len(objs) < len(keys)
-        return objs
+    def _read(self, keys: Sequence[CacheKey], out: list[MemoryObj]) -> None:
+        """The leading entries found, into ``out``: windows of ``pipeline_bytes``
+        (every key at once until a frame was seen), each one pipeline; a window
+        that ends short (an absent entry) or at a bad entry is the last."""
+        def size() -> int:
+            frame = self._reader.last_frame_len
+            return max(1, self.options.pipeline_bytes // frame) if frame else len(keys)
+
+        def take(window: Sequence[CacheKey], fetched: list[Fetched]) -> bool:
+            return self._decode_window(fetched, out) and len(fetched) == len(window)
+
+        read_windows(keys, size, lambda window: self._reader.fetch(window, self._part_hint),
+                     take)
 
     def _decode_window(self, window: list[Fetched], out: list[MemoryObj]) -> bool:
         """Decode the window's frames into ``out``; False at the first that is
@@ -244,9 +214,7 @@ class RedisBackend(StorageBackend):
         return self._info.maxmemory()
 
     def stats(self) -> dict[str, int | None]:
-        with self._pins_lock:
-            pinned = len(self._pins)
-        return {**super().stats(), "pinned_keys": pinned,
+        return {**super().stats(), "pinned_keys": len(self._pins),
                 "pending_put_bytes": self._writer.pending_bytes,
                 "server_used_memory": self._info.used_memory()}
 
@@ -259,9 +227,8 @@ class RedisBackend(StorageBackend):
             self._closing = True
         self._writer.close(self.options.close_timeout_s)  # puts in flight may still finish
         self.faults.close()  # from here on, what the pulled sockets raise is absorbed
-        self._gets.shutdown(wait=False, cancel_futures=True)
+        self._gets.close()
         self.connection.close()
-        with self._pins_lock:
-            self._pins.clear()
+        self._pins.clear()
         super().close()
 

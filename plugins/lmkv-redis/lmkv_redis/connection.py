@@ -19,8 +19,7 @@ import redis
 from redis.client import Pipeline
 from redis.exceptions import RedisClusterException
 
-from lmkv.contracts.faults import TierFaults
-from lmkv.keys.chunking import CacheKey
+from lmkv.contracts import CacheKey, TierFaults
 from lmkv_redis.connect import Client, make_client
 from lmkv_redis.options import RedisOptions
 
@@ -64,7 +63,7 @@ class Connection:
         return not self.closed and not self.faults.breaker.is_open
 
     def main_key(self, key: CacheKey) -> str:
-        return self.options.key_prefix + key.to_string()
+        return self.options.store_key(key)
 
     def pipeline(self) -> Pipeline:
         """A pipeline for one round trip; ``BreakerOpen`` while the breaker is open."""

@@ -7,7 +7,6 @@ from urllib.parse import parse_qsl, urlsplit
 
 from pydantic import (
     ByteSize,
-    ConfigDict,
     Field,
     PositiveFloat,
     PositiveInt,
@@ -17,9 +16,7 @@ from pydantic import (
     model_validator,
 )
 
-from lmkv.base.redact import redact_url
-from lmkv.base.units import ByteCount
-from lmkv.contracts.plugin import PluginOptions
+from lmkv.contracts import ByteCount, RemoteTierOptions, redact_url
 
 __all__ = ["RedisOptions", "redact_url"]
 
@@ -57,9 +54,10 @@ def check_url(url: str) -> str:
     return ""
 
 
-class RedisOptions(PluginOptions):
-    # A timeout, TTL or retry delay of inf (or nan) never ends: only finite numbers.
-    model_config = ConfigDict(allow_inf_nan=False)
+class RedisOptions(RemoteTierOptions):
+    """``key_prefix``, ``retry_after_s`` (the breaker: redis-py's pool reconnects
+    on the probe), ``close_timeout_s`` and ``max_pending_bytes`` are every
+    remote tier's (``RemoteTierOptions``); the rest are the redis tier's own."""
 
     url: str = "redis://127.0.0.1:6379/0"
     """``redis://[[user]:password@]host[:port][/db]``, ``rediss://...`` for TLS,
@@ -69,8 +67,6 @@ class RedisOptions(PluginOptions):
     ``LMKV_TIERS__N__OPTIONS__PASSWORD`` in the environment)."""
     cluster: bool = False
     """Talk to a Redis Cluster (``url`` names any one node; db must be 0)."""
-    key_prefix: str = "lmkv:"
-    """Namespace: every key this tier writes starts with it."""
     ttl_s: PositiveFloat | None = None
     """Expire entries this long after they were written (None: never)."""
     part_bytes: ByteCount = Field(default=ByteSize(64 << 20), ge=MIN_PART_BYTES)
@@ -79,19 +75,11 @@ class RedisOptions(PluginOptions):
     """Give up connecting after this long: a dead server never hangs the engine."""
     socket_timeout_s: PositiveFloat = 2.0
     """Give up on a read or write that makes no progress for this long."""
-    retry_after_s: float = Field(default=1.0, ge=0)
-    """After a connection failure, answer misses without touching the network for
-    this long, then try again (the pool reconnects on its own)."""
-    close_timeout_s: float = Field(default=2.0, ge=0)
-    """``close()`` waits this long for puts in flight, then drops them."""
     max_connections: PositiveInt = 16
     """Connections per pool (per node with ``cluster``)."""
     pipeline_bytes: ByteCount = Field(default=ByteSize(64 << 20), ge=MIN_PART_BYTES)
     """Value bytes one pipeline carries; a larger batch goes in several (the server
     buffers a pipeline's replies whole: huge pipelines cost it page faults)."""
-    max_pending_bytes: ByteCount = Field(default=ByteSize(1 << 30), ge=0)
-    """Bytes of submitted puts not yet written; past it new puts are dropped and
-    counted (a slow server must not hold the cpu tier's buffers forever)."""
     tls_ca_file: str | None = None
     """CA bundle that signed the server's certificate (``rediss://``)."""
     tls_cert_file: str | None = None

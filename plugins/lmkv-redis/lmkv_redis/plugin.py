@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from lmkv.plugins import hookimpl
+from lmkv.contracts import hookimpl
 from lmkv_redis.backend import RedisBackend
 
 

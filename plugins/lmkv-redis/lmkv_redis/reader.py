@@ -11,14 +11,14 @@ the backend. The reader holds the connection, never the backend.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import redis
 
-from lmkv.keys.chunking import CacheKey
+from lmkv.contracts import CacheKey
 from lmkv_redis.connection import Connection
 from lmkv_redis.layout import ENVELOPE, MAX_PARTS, BadEnvelope, part_names, read_envelope
 
@@ -63,24 +63,11 @@ class Reader:
         return [_part_count(reply) for reply in self.connection.execute(pipe)]
 
     # -- gets -------------------------------------------------------------------------
-    def windows(self, keys: Sequence[CacheKey], part_hint: Callable[[str], int]
-                ) -> Iterator[list[Fetched]]:
-        """The leading entries of ``keys``, fetched in windows of ``pipeline_bytes``;
-        a window that ends short (an absent entry) or with an entry that is not a
-        frame is the last. ``part_hint(name)``: the part count a lookup saw."""
-        start = 0
-        while start < len(keys):
-            window = max(1, self.options.pipeline_bytes // self.last_frame_len
-                         ) if self.last_frame_len else len(keys)
-            batch = keys[start:start + window]
-            fetched = self._get_window(batch, part_hint)
-            yield fetched
-            if len(fetched) < len(batch) or (fetched and fetched[-1].frame is None):
-                return
-            start += len(batch)
-
-    def _get_window(self, keys: Sequence[CacheKey], part_hint: Callable[[str], int]
-                    ) -> list[Fetched]:
+    def fetch(self, keys: Sequence[CacheKey], part_hint: Callable[[str], int]
+              ) -> list[Fetched]:
+        """One window of a get, in one pipeline (two when a part count was not
+        known): the leading entries present, the last of them possibly not a
+        frame. ``part_hint(name)``: the part count a lookup saw."""
         prefix = self.options.key_prefix
         entries = []
         pipe = self.connection.pipeline()

@@ -14,10 +14,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-from lmkv.contracts.put_queue import PutQueue
-from lmkv.contracts.serde import Serializer
-from lmkv.keys.chunking import CacheKey
-from lmkv.memory import MemoryObj
+from lmkv.contracts import CacheKey, MemoryObj, PutQueue, Serializer
 from lmkv_redis.connection import Connection
 from lmkv_redis.layout import envelope, part_names, split
 from lmkv_redis.wire import bulk

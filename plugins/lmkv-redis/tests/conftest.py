@@ -8,24 +8,18 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from redis_servers import REDIS_CLI, REDIS_SERVER, RedisCluster, RedisServer, make_tls_files
 
-import lmkv.memory
-from lmkv import BackendContext
-from lmkv.memory import MemoryAllocator
-from lmkv_backends.serde.naive import NaiveSerializer
+from lmkv.contracts import BackendContext, MemoryAllocator
+from lmkv.testing.redis import RedisCluster, RedisServer, make_tls_files, require_redis
+from lmkv.testing.tiers import serializer, strict_refcounts
 from lmkv_redis import RedisBackend, RedisOptions
 
 
-def _need_redis() -> None:
-    if REDIS_SERVER is None or REDIS_CLI is None:
-        pytest.skip("redis-server / redis-cli are not installed")
-
-
 @pytest.fixture(autouse=True)
-def _strict_refcounts(monkeypatch: pytest.MonkeyPatch) -> None:
+def _strict_refcounts() -> Iterator[None]:
     """A double release is a bug: raise in tests instead of logging."""
-    monkeypatch.setattr(lmkv.memory, "strict_refcounts", True)
+    with strict_refcounts():
+        yield
 
 
 @pytest.fixture(autouse=True)
@@ -38,7 +32,7 @@ def _no_lmkv_env(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
     """One redis-server for the whole run (tests keep apart by key prefix)."""
-    _need_redis()
+    require_redis()
     server = RedisServer(tmp_path_factory.mktemp("redis")).start()
     yield server
     server.stop()
@@ -46,7 +40,7 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServ
 
 @pytest.fixture(scope="session")
 def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisCluster]:
-    _need_redis()
+    require_redis()
     cluster = RedisCluster(tmp_path_factory.mktemp("cluster"))
     try:
         yield cluster.start()
@@ -57,7 +51,7 @@ def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisClu
 @pytest.fixture(scope="session")
 def tls_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RedisServer, Path]]:
     """A TLS-only redis-server and the CA file that verifies it."""
-    _need_redis()
+    require_redis()
     directory = tmp_path_factory.mktemp("tls")
     cert, key = make_tls_files(directory)
     server = RedisServer(directory / "server", tls=True, args=[
@@ -70,7 +64,7 @@ def tls_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Redis
 @pytest.fixture
 def own_server(tmp_path: Path) -> Iterator[RedisServer]:
     """A server of this test's own, to kill, pause or restart."""
-    _need_redis()
+    require_redis()
     server = RedisServer(tmp_path / "own").start()
     yield server
     server.stop()
@@ -93,7 +87,8 @@ def make_tier(arena: MemoryAllocator) -> Iterator[Callable[..., RedisBackend]]:
     def make(url: str, **options: object) -> RedisBackend:
         options.setdefault("key_prefix", unique_prefix())
         tier = RedisBackend(RedisOptions(url=url, **options),
-                            BackendContext(serializer=NaiveSerializer(), allocate=arena.allocate))
+                            BackendContext(serializer=serializer("naive"),
+                                           allocate=arena.allocate))
         made.append(tier)
         return tier
 

@@ -8,9 +8,7 @@ from contextlib import contextmanager
 import redis
 import torch
 
-from lmkv.keys.chunking import CacheKey, KeyMeta
-from lmkv.memory import MemoryObj, tensor_obj
-from lmkv.storage.manager import StorageBackend
+from lmkv.contracts import CacheKey, KeyMeta, MemoryObj, StorageBackend, tensor_obj
 
 META = KeyMeta("redis-test", 1, 0, "float16", "l2thd")
 SHAPE = (2, 2, 16, 2, 32)  # 8 KiB of float16

@@ -6,8 +6,8 @@ from collections.abc import Callable
 
 import torch
 from redis_helpers import count_sends, get, key, put
-from redis_servers import RedisCluster
 
+from lmkv.testing.redis import RedisCluster
 from lmkv_redis import RedisBackend
 from lmkv_redis.layout import part_names
 

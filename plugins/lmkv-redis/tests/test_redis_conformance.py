@@ -3,30 +3,34 @@
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import pytest
-from redis_servers import RedisCluster, RedisServer
 
-from lmkv import BackendContext, StorageBackend
-from lmkv.keys.chunking import CacheKey
-from lmkv.memory import MemoryAllocator
+from lmkv.contracts import BackendContext, CacheKey, MemoryAllocator, StorageBackend
 from lmkv.testing import StorageBackendConformance
-from lmkv_backends.serde.naive import NaiveSerializer
+from lmkv.testing.redis import RedisCluster, RedisServer
+from lmkv.testing.tiers import serializer
 from lmkv_redis import RedisBackend, RedisOptions
 
 
 class _RedisConformance(StorageBackendConformance):
+    backend_class = RedisBackend
     url = ""
     options: dict = {}
     servers: list[RedisServer] = []
+
+    def backend_options(self) -> dict:
+        return {"url": self.url, "key_prefix": f"conf-{uuid.uuid4().hex[:8]}:", **self.options}
 
     def make_backend(self) -> StorageBackend:
         arena = MemoryAllocator(16 << 20, pin_memory=False)
         prefix = f"conf-{type(self).__name__}-{id(arena):x}:"
         return RedisBackend(RedisOptions(url=self.url, key_prefix=prefix, **self.options),
-                            BackendContext(serializer=NaiveSerializer(), allocate=arena.allocate))
+                            BackendContext(serializer=serializer("naive"),
+                                           allocate=arena.allocate))
 
     def corrupt_entry(self, backend: StorageBackend, key: CacheKey) -> bool:
         """Flip a payload bit of the main value, with the tier's own client."""

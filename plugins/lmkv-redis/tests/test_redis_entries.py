@@ -8,9 +8,9 @@ from collections.abc import Callable
 import pytest
 import torch
 from redis_helpers import SHAPE, chunk, count_sends, get, key, keys_of, put
-from redis_servers import RedisServer
 
-from lmkv.memory import MemoryAllocator, tensor_obj
+from lmkv.contracts import MemoryAllocator, tensor_obj
+from lmkv.testing.redis import RedisServer
 from lmkv_redis import RedisBackend
 from lmkv_redis.layout import ENVELOPE
 

@@ -8,9 +8,10 @@ from collections.abc import Callable
 
 import torch
 from redis_helpers import chunk, get, key, put
-from redis_servers import RedisServer
 
-from lmkv.memory import tensor_obj
+from lmkv.contracts import tensor_obj
+from lmkv.testing.processes import free_port
+from lmkv.testing.redis import RedisServer
 from lmkv_redis import RedisBackend
 
 MakeTier = Callable[..., RedisBackend]
@@ -128,8 +129,6 @@ def test_a_hung_server_costs_one_timeout_then_backs_off(own_server: RedisServer,
 
 
 def test_unreachable_server_at_start(make_tier: MakeTier) -> None:
-    from redis_servers import free_port
-
     for cluster in (False, True):
         tier = make_tier(f"redis://127.0.0.1:{free_port()}/0", cluster=cluster, **FAST)
         assert tier.batched_async_contains("l", [key(1)]) == 0

@@ -14,12 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 from redis_helpers import chunk, get, key, put
-from redis_servers import RedisServer
 
-from lmkv.base.errors import ConfigError
-from lmkv.config.model import load_config
-from lmkv.contracts.serde import write_header
-from lmkv.memory import MemoryAllocator
+from lmkv.contracts import ConfigError, KVSpec, MemoryAllocator, write_header
+from lmkv.testing.engines import open_local_engine
+from lmkv.testing.redis import RedisServer
+from lmkv.testing.tiers import load_test_config
 from lmkv_redis import RedisBackend, RedisOptions
 
 MakeTier = Callable[..., RedisBackend]
@@ -107,7 +106,7 @@ def test_crafted_frames_never_leak_arena_blocks(redis_server: RedisServer,
 ])
 def test_an_unusable_url_is_one_line_naming_the_key(url: str) -> None:
     with pytest.raises(ConfigError) as info:
-        load_config(env={}, overrides={"lmkv.tiers.1": {"type": "redis",
+        load_test_config({"lmkv.tiers.1": {"type": "redis",
                                                         "options": {"url": url}}})
     text = str(info.value)
     assert "\n" not in text and "tiers.1.options.url" in text
@@ -136,7 +135,7 @@ def test_passwords_never_show_in_reprs_dumps_or_config_errors() -> None:
            {"url": f"redis://h/0?password={SECRET}", "ttl_s": -1, "cluster": 3}]
     for options in bad:
         with pytest.raises(ConfigError) as info:
-            load_config(env={}, overrides={"lmkv.tiers.1": {"type": "redis",
+            load_test_config({"lmkv.tiers.1": {"type": "redis",
                                                             "options": options}})
         assert SECRET not in str(info.value) and "12345678901234" not in str(info.value)
 
@@ -185,10 +184,7 @@ def black_hole() -> Iterator[str]:
 
 
 def test_a_store_never_waits_on_a_hung_redis_tier(black_hole: str) -> None:
-    from lmkv import KVSpec
-    from lmkv.testing.engines import open_local_engine
-
-    config = load_config(env={}, overrides={"lmkv.chunk_size": 16, "lmkv.tiers": [
+    config = load_test_config({"lmkv.chunk_size": 16, "lmkv.tiers": [
         {"type": "cpu", "options": {"max_bytes": 1 << 22}},
         {"type": "redis", "options": {"url": black_hole, "socket_timeout_s": 30,
                                       "connect_timeout_s": 30, "close_timeout_s": 0}}]})

@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 from redis_helpers import chunk, get, key, keys_of, put
-from redis_servers import RedisServer
 
-from lmkv import ConfigError, load_config
+from lmkv.contracts import ConfigError, tensor_obj
+from lmkv.testing.redis import RedisServer
+from lmkv.testing.tiers import load_test_config
 from lmkv_redis import RedisBackend, RedisOptions, redact_url
 
 MakeTier = Callable[..., RedisBackend]
@@ -36,7 +37,7 @@ def test_defaults() -> None:
 ])
 def test_bad_options_fail_at_start_up_naming_the_key(options: dict, message: str) -> None:
     with pytest.raises(ConfigError) as err:
-        load_config(env={}, overrides={"lmkv.tiers.1": {"type": "redis", "options": options}})
+        load_test_config({"lmkv.tiers.1": {"type": "redis", "options": options}})
     assert "tiers.1.options" in str(err.value) and message in str(err.value)
 
 
@@ -46,7 +47,7 @@ def test_passwords_never_show() -> None:
     options = RedisOptions(url=url, password="other-s3cret")
     for text in (repr(options), str(options), str(options.model_dump(mode="json"))):
         assert "s3cret" not in text
-    config = load_config(env={}, overrides={"lmkv.tiers.1": {"type": "redis",
+    config = load_test_config({"lmkv.tiers.1": {"type": "redis",
                                                              "options": {"url": url}}})
     assert "s3cret" not in str(config.resolved_dump())
     assert options.url == url and options.password.get_secret_value() == "other-s3cret"
@@ -146,6 +147,4 @@ def test_plain_client_on_a_tls_port_is_misses(tls_server: tuple[RedisServer, Pat
 
 
 def _obj(seed: int):
-    from lmkv.memory import tensor_obj
-
     return tensor_obj(chunk(seed))

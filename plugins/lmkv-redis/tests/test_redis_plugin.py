@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from lmkv import ConfigError, load_config
-from lmkv.plugins import PluginManager, get_plugin_manager
+from lmkv.contracts import ConfigError
+from lmkv.testing.plugins import builtins_only, fresh_plugin_manager
+from lmkv.testing.tiers import load_test_config
 from lmkv_redis import RedisBackend
 
 
@@ -24,9 +25,9 @@ def lmkv_cli(*args: str, env: dict[str, str] | None = None
 
 
 def test_registered_through_the_entry_point() -> None:
-    manager = get_plugin_manager()
-    assert manager.storage_backend("redis") is RedisBackend
-    entry = next(e for e in manager.registry.entries() if e.name == "redis")
+    with fresh_plugin_manager() as manager:  # the installed entry points, loaded afresh
+        assert manager.storage_backend("redis") is RedisBackend
+        entry = next(e for e in manager.registry.entries() if e.name == "redis")
     assert entry.source.distribution == "lmkv-redis" and entry.source.plugin == "lmkv-redis"
 
 
@@ -40,7 +41,7 @@ def test_lmkv_plugins_lists_it() -> None:
 
 
 def test_a_config_selects_it() -> None:
-    config = load_config(env={}, overrides={"lmkv.tiers.1.type": "redis",
+    config = load_test_config({"lmkv.tiers.1.type": "redis",
                                             "lmkv.tiers.1.options.key_prefix": "x:"})
     assert config.resolved_dump()["tiers"][1]["options"]["key_prefix"] == "x:"
 
@@ -57,18 +58,13 @@ def test_disabled_the_error_names_the_distribution(tmp_path: Path) -> None:
 
 
 def test_not_installed_the_error_says_pip_install() -> None:
-    import lmkv_backends.plugin
-    import lmkv_policies.plugin
-
-    manager = PluginManager()  # sees lmkv's built-ins only, as without lmkv-redis installed
-    manager.register(lmkv_backends.plugin, name="lmkv_backends")
-    manager.register(lmkv_policies.plugin, name="lmkv_policies")
-    with pytest.raises(ConfigError) as err:
-        load_config(env={}, overrides={"lmkv.tiers.1.type": "redis"}, plugin_manager=manager)
+    # lmkv's built-ins only, as without lmkv-redis installed
+    with builtins_only(), pytest.raises(ConfigError) as err:
+        load_test_config({"lmkv.tiers.1.type": "redis"})
     assert "'redis' is provided by lmkv-redis: pip install lmkv-redis" in str(err.value)
 
 
 def test_unknown_options_are_refused() -> None:
     with pytest.raises(ConfigError, match=r"tiers\.1\.options\.hostname"):
-        load_config(env={}, overrides={"lmkv.tiers.1": {"type": "redis",
+        load_test_config({"lmkv.tiers.1": {"type": "redis",
                                                         "options": {"hostname": "x"}}})
