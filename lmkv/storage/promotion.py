@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 from lmkv.contracts.direct_chunk import memory_prefix
 from lmkv.keys.chunking import CacheKey
-from lmkv.memory import MemoryObj, release
+from lmkv.memory import MemoryObj
 
 
 class Promotion:
@@ -50,9 +50,3 @@ class Promotion:
         out = self.keys, self.objs, self.parents
         self.keys, self.objs, self.parents = [], [], []
         return out
-
-    def discard(self) -> None:
-        release(self.take()[1])
-
-    def __len__(self) -> int:
-        return len(self.keys)
