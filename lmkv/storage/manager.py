@@ -292,9 +292,8 @@ class StorageManager:
             self.events.finish(task, objs, hit)
         except Exception as exc:  # a bug, not a tier fault (tiers never raise)
             logger.exception("lmkv prefetch %s failed", task.lookup_id)
+            self._promote(promotion)  # what it read is sound, and its references go back
             self.events.fail(task, exc)
-        finally:
-            self._promote(promotion)  # what a failed prefetch collected (else nothing)
 
     # -- block-granular hits (lmkv.keys.aliases) ------------------------------------
     def partial_hit(self, partials: Partials, index: int, lookup_id: str = ""
@@ -504,9 +503,9 @@ class StorageManager:
         not waited for (the tier takes its own references); the collected
         references are given back. Each chunk is a sighting for the first tier's
         admission gate."""
-        keys, objs, parents = promotion.take()
-        if not keys:
+        if not promotion.keys:
             return
+        keys, objs, parents = promotion.take()
         first = self.tiers[0]
         try:
             admitted = self._admitted(0, keys, objs, parents)
