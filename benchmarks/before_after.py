@@ -8,9 +8,16 @@ each, each run in its own process with ``PYTHONPATH`` pointing at its tree),
 so both sides see the same machine load. Every output line ``label: NUMBER
 UNIT ...`` is a figure (under the latest ``[section]`` heading), and so is a
 ``ratio N`` on it (the benchmark's own ratio to a baseline of the same run,
-which cancels most of the machine's drift); the script prints the median of
-each side and the ratio after/before, turned so that above 1 means faster
-now (times in s/ms/us are inverted).
+which cancels most of the machine's drift); the script prints the median and the
+minimum of each side and the ratios after/before of both, turned so that
+above 1 means faster now (times in s/ms/us are inverted).
+
+``--same-script`` runs this tree's copy of the benchmark against both trees'
+code (only ``PYTHONPATH`` differs): for a benchmark the base revision lacks
+or measures otherwise. The script must then call only what both trees have.
+
+    python benchmarks/before_after.py --base e08bd75 --same-script \
+        benchmarks/bench_core.py --only read
 """
 
 from __future__ import annotations
@@ -43,7 +50,9 @@ def figures(output: str) -> dict[str, tuple[float, str]]:
     A line indented deeper than the figure line before it is a detail of that
     line: its label is prefixed with the outer one ("consecutive block table /
     to_chunks"). A figure line naming several values (``to_chunks: before 0.87
-    after 0.54``) gives one figure per name.
+    after 0.54``) gives one figure per name. What follows a ``[section]`` heading
+    on its line describes the section ("16 chunks of 32 MiB"): only a ``label:
+    value`` figure there is one.
     """
     found: dict[str, tuple[float, str]] = {}
     section = section_unit = ""
@@ -73,6 +82,8 @@ def figures(output: str) -> dict[str, tuple[float, str]]:
             ratio = _RATIO.search(line, match.end())
             if ratio:
                 found.setdefault(f"{key} (ratio)", (float(ratio["value"]), "x"))
+        elif head:  # the rest of a heading: its numbers describe the section
+            continue
         elif (ratio := _RATIO.search(line)) is not None:  # "what ... ratio N" alone
             label = " ".join(line[:ratio.start()].split()[:6])
             key = f"[{section}] {label}" if section else label
@@ -101,11 +112,12 @@ def _row(line: str) -> list[tuple[str, float, str]]:
     return out
 
 
-def run(tree: Path, script: str, args: list[str]) -> str:
+def run(tree: Path, script: Path, args: list[str]) -> str:
+    """``script``'s output, run with ``tree``'s code first on the path."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(tree), str(tree / "kernels"), str(tree / "plugins" / "lmkv-redis"),
          os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, str(tree / script), *args], cwd=tree, env=env,
+    done = subprocess.run([sys.executable, str(script), *args], cwd=tree, env=env,
                           capture_output=True, text=True, timeout=3600)
     if done.returncode != 0:
         raise SystemExit(f"{script} failed in {tree}:\n{done.stdout[-2000:]}{done.stderr[-4000:]}")
@@ -116,6 +128,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--base", required=True, help="the revision to compare against")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each side")
+    parser.add_argument("--same-script", action="store_true",
+                        help="run this tree's copy of the script against both trees' code")
     parser.add_argument("script", help="the benchmark, relative to the repository root")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="the benchmark's arguments")
     args = parser.parse_args()
@@ -130,24 +144,30 @@ def main() -> int:
             for i in range(args.repeats):
                 for name, tree in (("before", base), ("after", HERE)):
                     print(f"run {i + 1}/{args.repeats}: {name}", file=sys.stderr, flush=True)
-                    sides[name].append(figures(run(tree, args.script, args.args)))
+                    script = (HERE if args.same_script else tree) / args.script
+                    sides[name].append(figures(run(tree, script, args.args)))
         finally:
             subprocess.run(["git", "-C", str(HERE), "worktree", "remove", "--force", str(base)],
                            check=False)
-    print(f"{args.script} {' '.join(args.args)}: {args.base} (before) against the work tree "
-          f"(after), median of {args.repeats} interleaved runs each")
+    script = "this tree's " + args.script if args.same_script else args.script
+    print(f"{script} {' '.join(args.args)}: {args.base} (before) against the work tree "
+          f"(after), {args.repeats} interleaved runs each")
     width = max([len(k) for k in sides["after"][0]] + [6])
-    print(f"{'figure':{width}s} {'before':>10s} {'after':>10s}  after/before (>1: faster)")
+    print(f"{'figure':{width}s} {'before':>10s} {'after':>10s}  after/before (>1: faster): "
+          "of the medians, of the best (min for times, max otherwise)")
     for key, (_, unit) in sides["after"][0].items():
         before = [run_[key][0] for run_ in sides["before"] if key in run_]
         after = [run_[key][0] for run_ in sides["after"] if key in run_]
         if not before or not after:
             continue
         b, a = statistics.median(before), statistics.median(after)
-        if not a or not b:
+        best = min if unit in _TIMES else max
+        b_best, a_best = best(before), best(after)
+        if not a or not b or not a_best or not b_best:
             continue
         ratio = b / a if unit in _TIMES else a / b
-        print(f"{key:{width}s} {b:10.3f} {a:10.3f}  {ratio:5.2f}  {unit}")
+        ratio_best = b_best / a_best if unit in _TIMES else a_best / b_best
+        print(f"{key:{width}s} {b:10.3f} {a:10.3f}  {ratio:5.2f} {ratio_best:5.2f}  {unit}")
     return 0
 
 

@@ -1,5 +1,7 @@
-"""Core benchmarks of issue 2: cpu tier store/retrieve, prefix hashing, lookup;
-and the cost of recording metrics on the local engine's lookup, store and retrieve.
+"""Core benchmarks: cpu tier store/retrieve, prefix hashing, lookup; the storage
+manager's read path (get, stream, lookups) from a cpu tier and from a cpu+fs
+pair; and the cost of recording metrics on the local engine's lookup, store and
+retrieve.
 
 Every figure is printed next to a baseline measured in the same run, as a
 ratio (the machine is shared and noisy; compare ratios, not absolute times).
@@ -7,6 +9,13 @@ ratio (the machine is shared and noisy; compare ratios, not absolute times).
     python benchmarks/bench_core.py            # all
     python benchmarks/bench_core.py --quick    # fewer rounds
     python benchmarks/bench_core.py --only metrics   # just the metrics cost
+    python benchmarks/bench_core.py --only read      # just the read path
+
+The read path only calls what every revision of the storage manager has
+(``from_config``, ``put``, ``get``, ``stream``, ``contains_prefix``,
+``lookup_and_prefetch``, ``take_prefetched``), so this file can measure an
+older tree too: ``benchmarks/before_after.py --same-script`` runs it against
+both in one command (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -14,6 +23,8 @@ from __future__ import annotations
 import argparse
 import hashlib
 import statistics
+import tempfile
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -173,10 +184,108 @@ def bench_metrics(rounds: int) -> None:
         engine.close()
 
 
+def _sample(fn: Callable[[], object], setup: Callable[[], object] | None = None) -> float:
+    return best_of(fn, 1, warm_up=False, setup=setup)
+
+
+def bench_read_path(rounds: int) -> None:
+    """``StorageManager.get``, ``stream``, ``contains_prefix`` and a lookup with its
+    prefetch taken (``lookup_and_prefetch`` + ``take_prefetched``), of 32 small
+    chunks: from a cpu tier, and from a cpu+fs pair whose chunks are only on
+    disk (each read decodes them into the cpu tier's arena and promotes them;
+    the untimed setup of each call removes them from the cpu tier again). The
+    baseline of each section is its tier's own batched get of the same chunks:
+    the ratio (baseline / figure) is what the manager's path keeps of it. Each
+    figure is the median of single calls, the operations sampled in turn so
+    that all see the same machine."""
+    cpu = {"type": "cpu", "options": {"max_bytes": 64 * MiB}}
+    with tempfile.TemporaryDirectory(prefix="lmkv-bench-") as root:
+        _read_path("cpu", [cpu], rounds * 40)
+        _read_path("cpu+fs", [cpu, {"type": "fs", "options": {"url": root}}], rounds * 8)
+
+
+def _read_path(label: str, tiers: list[dict[str, Any]], samples_per_op: int) -> None:
+    from lmkv.storage.manager import StorageManager
+
+    shape, dtype, n_chunks = (2, 2, 256, 2, 64), torch.bfloat16, 32
+    chunk_bytes = 2 * 2 * 256 * 2 * 64 * 2
+    keys = TokenChunker(KeyMeta("bench"), 256).chunk(list(range(n_chunks * 256))).keys
+    ends = [256 * (i + 1) for i in range(n_chunks)]
+    manager = StorageManager.from_config(load_config(env={}, overrides={"lmkv.tiers": tiers}))
+    manager.set_chunk_bytes(chunk_bytes)
+    objs = []
+    for i in range(n_chunks):
+        obj = manager.allocate(shape, dtype)
+        obj.tensor.fill_(i)
+        objs.append(obj)
+    manager.put(keys, objs).result()
+    for obj in objs:
+        obj.ref_down()
+    assert manager.flush(60)
+    memory, source = manager.tiers[0], manager.tiers[-1]
+    lookup_ids = iter(range(1 << 62))
+
+    def evict() -> None:
+        if source is not memory:  # only the disk holds them: each read promotes them again
+            for key in keys:
+                memory.remove(key)
+
+    def drop(got: list) -> None:
+        assert len(got) == n_chunks, f"{len(got)} of {n_chunks} chunks read"
+        for obj in got:
+            obj.ref_down()
+
+    def tier_get() -> None:
+        drop(source.batched_get_non_blocking("bench", keys).result())
+
+    def get() -> None:
+        drop(manager.get(keys))
+
+    def stream() -> None:
+        got = []
+        for _, batch in manager.stream(keys):
+            got.extend(batch)
+        drop(got)
+
+    def count() -> None:
+        assert manager.contains_prefix(keys) == n_chunks
+
+    def prefetch() -> None:
+        lookup_id = f"bench-{next(lookup_ids)}"
+        assert manager.lookup_and_prefetch(lookup_id, keys, ends).result(60) == ends[-1]
+        drop(manager.take_prefetched(lookup_id, keys))
+
+    baseline = "tier get (baseline)"
+    ops: dict[str, tuple[Callable[[], None], Callable[[], None] | None]] = {
+        baseline: (tier_get, None),
+        "get": (get, evict),
+        "stream": (stream, evict),
+        "lookup and prefetch, taken": (prefetch, evict),
+        "lookup (count only)": (count, None),
+    }
+    evict()
+    for fn, setup in ops.values():  # warm up
+        _sample(fn, setup)
+    samples: dict[str, list[float]] = {name: [] for name in ops}
+    for _ in range(samples_per_op):
+        for name, (fn, setup) in ops.items():
+            samples[name].append(_sample(fn, setup))
+    base = statistics.median(samples[baseline])
+    print(f"\n[read path, {label}] StorageManager, {n_chunks} chunks of "
+          f"{chunk_bytes / MiB:.2f} MiB; median per call, ratio: the {source.name} "
+          "tier's own get / the figure")
+    for name, times in samples.items():
+        median = statistics.median(times)
+        reads = name not in (baseline, "lookup (count only)")  # a ratio to a get means something
+        ratio = f"  ratio {base / median:.2f}" if reads else ""
+        print(f"  {name:27s}: median {median * 1e6:9.1f} us{ratio}")
+    manager.close()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer rounds")
-    parser.add_argument("--only", choices=("tier", "hash", "lookup", "metrics"),
+    parser.add_argument("--only", choices=("tier", "hash", "lookup", "read", "metrics"),
                         help="run one section")
     args = parser.parse_args()
     rounds = 3 if args.quick else 7
@@ -188,6 +297,8 @@ def main() -> None:
         bench_hash(1 << 20, 256, rounds)
     if args.only in (None, "lookup"):
         bench_lookup(rounds)
+    if args.only in (None, "read"):
+        bench_read_path(rounds)
     if args.only in (None, "metrics"):
         bench_metrics(rounds)
 

@@ -16,8 +16,6 @@ batch path (one dict pass, one Redis pipeline) overrides them.
 from __future__ import annotations
 
 import enum
-import functools
-import inspect
 import logging
 import threading
 from abc import ABC, abstractmethod
@@ -42,24 +40,6 @@ if TYPE_CHECKING:
     from lmkv.memory.shm import SharedSegment
 
 logger = logging.getLogger(__name__)
-
-
-def submit_put(tier: StorageBackend, keys: Sequence[CacheKey], objs: Sequence[MemoryObj],
-               parents: Sequence[CacheKey | None] | None = None) -> Future:
-    """``tier.batched_submit_put`` with the chunks' parents. A backend written before
-    puts carried parents (no ``parents`` parameter) is called without them: its
-    policy then sees every chunk as a root."""
-    if parents is not None and _takes_parents(type(tier)):
-        return tier.batched_submit_put(keys, objs, parents=parents)
-    return tier.batched_submit_put(keys, objs)
-
-
-@functools.cache
-def _takes_parents(cls: type) -> bool:
-    try:
-        return "parents" in inspect.signature(cls.batched_submit_put).parameters
-    except (TypeError, ValueError):
-        return False
 
 
 def done_future(value: object) -> Future:
@@ -88,7 +68,11 @@ class BackendContext:
     serializer: Serializer | None = None
     #: Orders this tier's keys for eviction, for tiers that evict.
     eviction_policy: EvictionPolicy | None = None
-    #: Where deserialized chunks go (the memory tier's arena).
+    #: Where deserialized chunks go: the ``allocate`` of the tier that holds
+    #: memory (``holds_memory_objs``: the cpu tier's arena), whatever its place in
+    #: ``tiers``. That tier is built first, so a constructor may already call it.
+    #: Plain tensors when no tier holds memory; None for the tier that holds
+    #: memory itself (it allocates from its own arena).
     allocate: Allocate | None = None
     #: This tier's position in ``tiers`` (for messages: ``tiers.<i>.options``).
     tier_index: int = 0

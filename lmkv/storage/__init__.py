@@ -1,10 +1,12 @@
 """Layer 7: the storage manager and what it is made of.
 
 ``manager`` (``StorageManager``: tiers in order, write-through, tiered lookup
-and prefetch, promotion), ``writethrough`` (the bounded queue to each lower
-tier), ``prefetch`` (the weighted semaphore and the per-lookup tasks),
-``admission`` (the per-tier ``admit_after`` gate). The names below are
-imported on first use.
+and prefetch, synchronous reads), ``build`` (the config's tiers, the one that
+holds memory first), ``promotion`` (lower-tier chunks a read collects for the
+first tier), ``writethrough`` (the bounded queue to each lower tier),
+``prefetch`` (the weighted semaphore and the per-lookup tasks), ``admission``
+(the per-tier ``admit_after`` gate). The names below are imported on first
+use.
 """
 
 from __future__ import annotations

@@ -5,16 +5,21 @@
   the lower-tier write; the caller never waits on a slow tier).
 * Lookups are strict prefixes across tiers: tier 1 serves chunks 0..k1,
   tier 2 serves k1..k2, and so on (``lmkv.storage.prefetch`` has the exact rules).
-* Lower-tier hits are promoted into the first tier when it holds memory.
+* Reads: a synchronous read (``get``, ``stream``) plans and fetches on the
+  caller's thread; only an asynchronous lookup (``lookup_and_prefetch``) runs
+  on the prefetch threads and holds its result in the prefetch table.
+* Lower-tier hits are promoted into the first tier when it holds memory, once
+  the read is over (``lmkv.storage.promotion``).
+* Tiers are built memory first (``lmkv.storage.build``).
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-import uuid
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
+from contextlib import closing
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,21 +27,18 @@ import torch
 
 from lmkv.base import affinity
 from lmkv.config.model import LMKVConfig
-from lmkv.contracts.direct_chunk import memory_prefix
-from lmkv.contracts.policy import EvictionContext
-from lmkv.contracts.serde import SerializerContext
 from lmkv.contracts.tier import (
     ArenaPlacement,
-    BackendContext,
     StorageBackend,
     done_future,
-    submit_put,
 )
 from lmkv.keys.aliases import Alias, alias_target, is_alias, make_alias
 from lmkv.keys.chunking import CacheKey
-from lmkv.memory import MemoryObj, release, tensor_obj
+from lmkv.memory import MemoryObj, release
 from lmkv.storage.admission import AdmissionGate
+from lmkv.storage.build import build_tiers, memory_tier, tensor_allocate
 from lmkv.storage.prefetch import EventManager, PrefetchTask, WeightedSemaphore
+from lmkv.storage.promotion import Promotion
 from lmkv.storage.writethrough import WriteThrough
 
 logger = logging.getLogger(__name__)
@@ -55,6 +57,9 @@ class StorageManager:
         if not tiers:
             raise ValueError("the storage manager needs at least one tier")
         self.tiers = list(tiers)
+        self._memory = memory_tier(self.tiers)
+        # Only a first tier that holds memory takes promotions: else reads collect none.
+        self._promotes = self.tiers[0].holds_memory_objs
         self._gates: list[AdmissionGate | None] = [
             AdmissionGate(n, t.capacity_bytes) if n > 1 else None
             for t, n in zip(self.tiers, admit_after or [1] * len(self.tiers), strict=True)]
@@ -69,48 +74,30 @@ class StorageManager:
     def from_config(cls, config: LMKVConfig, *,
                     arena: ArenaPlacement = ArenaPlacement.PRIVATE,
                     dry_run: bool = False) -> StorageManager:
-        """The config's tiers, built from its resolved plugins. ``arena`` is where the
-        first tier that holds memory places its arena (the lmkv server asks for shared
-        memory); the other tiers' arenas stay private. ``dry_run``: each tier is told
-        it is built only to check it can be (``BackendContext.dry_run``,
-        ``lmkv config check``): close the manager at once."""
-        plugins = config.plugins
-        tiers: list[StorageBackend] = []
-        memory_tier = next((i for i, t in enumerate(plugins.tiers)
-                            if t.backend.cls.holds_memory_objs), None)
-        try:
-            for i, tier in enumerate(plugins.tiers):
-                context = BackendContext(
-                    serializer=plugins.serializer.create(SerializerContext()),
-                    eviction_policy=tier.eviction.create(EvictionContext(tier_index=i)),
-                    allocate=lambda shape, dtype: allocate_from(tiers, shape, dtype),
-                    tier_index=i,
-                    arena=arena if i == memory_tier else ArenaPlacement.PRIVATE,
-                    dry_run=dry_run,
-                )
-                tiers.append(tier.backend.create(context))
-        except BaseException:
-            # A tier that cannot start stops the start: the ones made before it
-            # give back what they hold (threads, connections, arenas) first.
-            for made in reversed(tiers):
-                try:
-                    made.close()
-                except Exception:
-                    logger.exception("lmkv: closing tier %s after a failed start failed",
-                                     type(made).__name__)
-            raise
-        return cls(tiers, write_queue_chunks=config.write_through_queue_chunks,
+        """The config's tiers, built from its resolved plugins (``lmkv.storage.build``:
+        the tier that holds memory first, the others handed its ``allocate``).
+        ``arena`` is where the first tier that holds memory places its arena (the
+        lmkv server asks for shared memory); the other tiers' arenas stay private.
+        ``dry_run``: each tier is told it is built only to check it can be
+        (``BackendContext.dry_run``, ``lmkv config check``): close the manager at
+        once."""
+        return cls(build_tiers(config, arena, dry_run),
+                   write_queue_chunks=config.write_through_queue_chunks,
                    admit_after=[t.admit_after for t in config.tiers])
 
     def set_chunk_bytes(self, chunk_bytes: int) -> None:
         """Size the prefetch semaphore: half the memory tier's capacity, in chunks."""
-        memory = next((t for t in self.tiers if t.holds_memory_objs), None)
+        memory = self._memory
         capacity = memory.capacity_bytes if memory is not None else None
         if capacity:
             self._semaphore = WeightedSemaphore(max(1, capacity // chunk_bytes // 2))
 
     def allocate(self, shape: Sequence[int], dtype: torch.dtype) -> MemoryObj | None:
-        return allocate_from(self.tiers, shape, dtype)
+        """A chunk buffer from the first tier that holds memory (evicting as needed);
+        a plain tensor when no tier does (nothing then keeps it past the call)."""
+        memory = self._memory
+        return memory.allocate(shape, dtype) if memory is not None else tensor_allocate(
+            shape, dtype)
 
     # -- store ---------------------------------------------------------------
     def put(self, keys: Sequence[CacheKey], objs: Sequence[MemoryObj],
@@ -136,8 +123,10 @@ class StorageManager:
             return self._put_with_aliases(keys, objs, parents, aliases)
         first = self.tiers[0]
         try:
-            future = guarded(first, "put", submit_put(
-                first, *self._admitted(0, keys, objs, parents)), 0, "the writes are dropped")
+            admitted_keys, admitted_objs, admitted_parents = self._admitted(0, keys, objs, parents)
+            future = guarded(first, "put", first.batched_submit_put(
+                admitted_keys, admitted_objs, parents=admitted_parents), 0,
+                "the writes are dropped")
         except Exception as exc:  # the last resort: a tier's bug never stops the engine
             first.faults.last_resort("put", exc, "the writes are dropped")
             future = done_future(0)
@@ -266,18 +255,30 @@ class StorageManager:
         self.events.cleanup(lookup_id)
 
     def get(self, keys: Sequence[CacheKey]) -> list[MemoryObj]:
-        """The leading chunks found across the tiers; the caller owns the references."""
-        lookup_id = f"get-{uuid.uuid4().hex}"
-        self.lookup_and_prefetch(lookup_id, keys, range(1, len(keys) + 1))
-        return self.take_prefetched(lookup_id, keys) or []
+        """The leading chunks found across the tiers; the caller owns the references.
+
+        Read on the caller's thread (no prefetch is started or recorded); what
+        lower tiers returned is promoted once the chunks are read."""
+        if self._closed or not keys:
+            return []
+        promotion = Promotion()
+        try:
+            plans = self._plan("", list(keys), 1)
+            return self._fetch("", plans, 1, promotion) if plans else []
+        except Exception:  # a bug, not a tier fault (tiers never raise): a miss
+            logger.exception("lmkv get of %d chunks failed", len(keys))
+            return []
+        finally:
+            self._promote(promotion)
 
     def _prefetch(self, task: PrefetchTask, keys: list[CacheKey], chunk_ends: list[int],
                   keys_per_chunk: int, partials: Partials | None, direct: bool = False) -> None:
+        promotion = Promotion()
         try:
             plans = self._plan(task.lookup_id, keys, keys_per_chunk)
             longer: list[int] = []
-            objs = (self._fetch(task.lookup_id, plans, keys_per_chunk, longer, direct)
-                    if plans else [])
+            objs = (self._fetch(task.lookup_id, plans, keys_per_chunk, promotion, longer,
+                                direct) if plans else [])
             chunks = len(objs) // keys_per_chunk
             hit = chunk_ends[chunks - 1] if chunks else 0
             if partials is not None and keys_per_chunk == 1 and chunks < len(keys):
@@ -290,9 +291,13 @@ class StorageManager:
                     hit += tokens
             # A take without keys cannot cut these to their tokens: it stops before.
             task.whole = min(longer, default=len(objs))
+            # Promoted before the answer, not after: once a lookup has answered, its
+            # lower-tier hits are memory hits for the next one.
+            self._promote(promotion)
             self.events.finish(task, objs, hit)
         except Exception as exc:  # a bug, not a tier fault (tiers never raise)
             logger.exception("lmkv prefetch %s failed", task.lookup_id)
+            self._promote(promotion)  # what it read is sound, and its references go back
             self.events.fail(task, exc)
 
     # -- block-granular hits (lmkv.keys.aliases) ------------------------------------
@@ -400,17 +405,18 @@ class StorageManager:
         return plans
 
     def _fetch(self, lookup_id: str, plans: list[tuple[StorageBackend, list[CacheKey]]],
-               kpc: int, longer: list[int] | None = None, direct: bool = False
-               ) -> list[MemoryObj]:
+               kpc: int, promotion: Promotion, longer: list[int] | None = None,
+               direct: bool = False) -> list[MemoryObj]:
         objs: list[MemoryObj] = []
-        for _, ks, got in self._iter_fetch(lookup_id, plans, kpc, direct):
-            found: list[int] = []
-            resolved = self._resolved(ks, got, found) if kpc == 1 else got
-            if longer is not None:
-                longer.extend(len(objs) + i for i in found)
-            objs.extend(resolved)
-            if len(resolved) < len(got):
-                break
+        with closing(self._iter_fetch(lookup_id, plans, kpc, promotion, direct)) as reads:
+            for _, ks, got in reads:
+                found: list[int] = []
+                resolved = self._resolved(ks, got, found) if kpc == 1 else got
+                if longer is not None:
+                    longer.extend(len(objs) + i for i in found)
+                objs.extend(resolved)
+                if len(resolved) < len(got):
+                    break
         whole = len(objs) // kpc * kpc
         release(objs[whole:])
         return objs[:whole]
@@ -419,24 +425,35 @@ class StorageManager:
         """The leading chunks across the tiers, yielded tier by tier as each tier's
         get completes: ``(index of the first chunk, chunks)``. The caller owns the
         references. All gets start at once, so the caller can copy out what an
-        upper tier returned while lower tiers are still reading."""
-        plans = self._plan(f"stream-{uuid.uuid4().hex}", list(keys), 1)
-        index = 0
-        for _, ks, got in self._iter_fetch("", plans, 1):
-            resolved = self._resolved(ks, got)
-            yield index, resolved
-            index += len(resolved)
-            if len(resolved) < len(got):
-                return
+        upper tier returned while lower tiers are still reading. Read on the
+        caller's thread; what lower tiers returned is promoted when the stream
+        ends (its last chunks taken, or closed)."""
+        if self._closed or not keys:
+            return
+        promotion = Promotion()
+        try:
+            plans = self._plan("", list(keys), 1)
+            index = 0
+            with closing(self._iter_fetch("", plans, 1, promotion)) as reads:
+                for _, ks, got in reads:
+                    resolved = self._resolved(ks, got)
+                    yield index, resolved
+                    index += len(resolved)
+                    if len(resolved) < len(got):
+                        return
+        finally:
+            self._promote(promotion)
 
     def _iter_fetch(self, lookup_id: str, plans: list[tuple[StorageBackend, list[CacheKey]]],
-                    kpc: int, direct: bool = False
+                    kpc: int, promotion: Promotion, direct: bool = False
                     ) -> Iterator[tuple[StorageBackend, list[CacheKey], list[MemoryObj]]]:
         """Start every planned get, then yield each tier's chunks in order.
 
         A tier that returns fewer chunks than planned ends the answer there:
-        everything after it is released. Pins are dropped and lower-tier chunks
-        promoted as each tier completes.
+        everything after it is released. Pins are dropped as each tier
+        completes. What lower tiers returned (up to a chunk left in place) is
+        collected in ``promotion``, each with the parent it has in the prompt,
+        for the caller to promote once the read is over.
         """
         chunks = sum(len(ks) for _, ks in plans) // kpc
         taken = self._semaphore.acquire(chunks) if self._semaphore else 0
@@ -455,9 +472,8 @@ class StorageManager:
                     release(got)
                     continue
                 short = len(got) < len(ks)  # evicted between contains and get
-                if tier is not self.tiers[0]:  # what is in memory, up to a direct chunk
-                    n = memory_prefix(got)
-                    self._promote(ks[:n], got[:n], chain_parents(ks[:n], before, kpc))
+                if self._promotes and tier is not self.tiers[0] and got:
+                    promotion.add(ks, got, chain_parents(ks[:len(got)], before, kpc))
                 before = ks[len(ks) - kpc] if len(ks) >= kpc else before
                 yield tier, ks, got
         finally:  # also when the consumer stops early: release what it did not take
@@ -487,19 +503,24 @@ class StorageManager:
             tier.faults.last_resort("get", exc, "a miss")
             return []
 
-    def _promote(self, keys: list[CacheKey], objs: list[MemoryObj],
-                 parents: list[CacheKey | None]) -> None:
+    def _promote(self, promotion: Promotion) -> None:
+        """Store what a read collected from lower tiers in the first tier: one put,
+        not waited for (the tier takes its own references); the collected
+        references are given back. Each chunk is a sighting for the first tier's
+        admission gate."""
+        if not promotion.keys:
+            return
+        keys, objs, parents = promotion.take()
         first = self.tiers[0]
-        if not keys or not first.holds_memory_objs:
-            return
-        keys, objs, parents = self._admitted(0, keys, objs, parents)
-        if not keys:
-            return
         try:
-            guarded(first, "promote", submit_put(first, keys, objs, parents), 0,
-                    "not promoted")
+            admitted = self._admitted(0, keys, objs, parents)
+            if admitted[0]:
+                guarded(first, "promote", first.batched_submit_put(
+                    admitted[0], admitted[1], parents=admitted[2]), 0, "not promoted")
         except Exception as exc:  # the last resort, as for puts
             first.faults.last_resort("promote", exc, "not promoted")
+        finally:
+            release(objs)
 
     # -- the rest --------------------------------------------------------------
     def watch(self, listener: Callable[[int, CacheKey, bool], None] | None) -> list[int]:
@@ -590,12 +611,3 @@ def guarded(tier: StorageBackend, op: str, future: Future, default: object,
     future.add_done_callback(done)
     return out
 
-
-def allocate_from(tiers: Sequence[StorageBackend], shape: Sequence[int],
-                  dtype: torch.dtype) -> MemoryObj | None:
-    """A chunk buffer from the first tier that holds memory (evicting as needed);
-    a plain tensor when no tier does (nothing then keeps it past the call)."""
-    for tier in tiers:
-        if tier.holds_memory_objs:
-            return tier.allocate(shape, dtype)
-    return tensor_obj(torch.empty(tuple(shape), dtype=dtype))

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 from lmkv.base import affinity
 from lmkv.base.logutil import RateLimitedLog
-from lmkv.contracts.tier import StorageBackend, submit_put
+from lmkv.contracts.tier import StorageBackend
 from lmkv.keys.chunking import CacheKey
 from lmkv.memory import MemoryObj
 
@@ -73,7 +73,8 @@ class WriteThrough:
                 return
             keys, objs, parents = item
             try:
-                submit_put(self.tier, keys, objs, parents).result(timeout=PUT_TIMEOUT_S)
+                self.tier.batched_submit_put(keys, objs, parents=parents).result(
+                    timeout=PUT_TIMEOUT_S)
             except Exception as exc:  # the tier absorbs its faults; this is the last resort
                 self.tier.faults.last_resort("write-through put", exc, "the writes are dropped")
             finally:

@@ -48,3 +48,17 @@ def test_plain_figure_lines_keep_their_names() -> None:
     assert found["[small model] store (alloc+copy+put)"] == (5.91, "GB/s")
     assert found["[small model] store (alloc+copy+put) (ratio)"] == (0.97, "x")
     assert found["[lookup] keys already hashed"] == (0.012, "ms")
+
+
+READ = """
+[read path, cpu] StorageManager, 32 chunks of 0.25 MiB; median per call
+  get                        : median     231.2 us  ratio 0.33
+"""
+
+
+def test_the_numbers_describing_a_section_are_not_figures() -> None:
+    assert before_after.figures(READ) == {"[read path, cpu] get": (231.2, "us"),
+                                          "[read path, cpu] get (ratio)": (0.33, "x")}
+    assert set(before_after.figures(CORE)) == {
+        "[small model] torch copy_ baseline", "[small model] store (alloc+copy+put)",
+        "[small model] store (alloc+copy+put) (ratio)", "[lookup] keys already hashed"}

@@ -39,7 +39,7 @@ class SlowCPU(CPUBackend):
     name = "slow-cpu"
     Options = SlowOptions
 
-    def batched_submit_put(self, keys, objs):
+    def batched_submit_put(self, keys, objs, parents=None):
         time.sleep(self.options.put_delay_s)
         return super().batched_submit_put(keys, objs)
 

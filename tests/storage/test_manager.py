@@ -60,7 +60,7 @@ def test_put_goes_to_every_tier_and_a_failing_tier_never_raises(caplog) -> None:
     class Broken(CPUBackend):
         name = "broken"
 
-        def batched_submit_put(self, keys, objs):
+        def batched_submit_put(self, keys, objs, parents=None):
             raise ConnectionError("tier down")
 
     upper = cpu()

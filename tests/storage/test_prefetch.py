@@ -191,7 +191,7 @@ class Slow(CPUBackend):
     delay = 0.0
     release_event: threading.Event | None = None
 
-    def batched_submit_put(self, keys, objs):
+    def batched_submit_put(self, keys, objs, parents=None):
         if self.release_event is not None:
             self.release_event.wait(10)
         return super().batched_submit_put(keys, objs)
