@@ -42,6 +42,7 @@ from lmkv.memory.shm import SharedMemoryUnavailable, SharedSegment, host_id
 from lmkv.rpc import protocol as p
 from lmkv.rpc.auth import CurveKeys
 from lmkv.rpc.channel import Channel, Failure
+from lmkv.rpc.handshake import client_problem
 from lmkv.rpc.heartbeat import Heartbeat
 from lmkv.rpc.liveness import process_identity
 
@@ -105,6 +106,12 @@ class ServerClient:
             self._adopt(got[0])
             return self.info
 
+    def connection_problem(self) -> str:
+        """Why the connection to the server fails its handshake, in one clause ("" when
+        it does not: no server there, or a working connection)."""
+        return client_problem(self._channel.handshake_failure(),
+                              self._channel.curve is not None)
+
     @property
     def shared_memory(self) -> bool:
         """Whether chunks move through the server's shared-memory arena now."""
@@ -144,9 +151,14 @@ class ServerClient:
         result = self._channel.request(message, parts, timeout_ms or self.timeout_ms)
         if result is Failure.UNREACHABLE:
             self.counters.unreachable += 1
-            _log.warning("unreachable", "lmkv client: no lmkv server at %s%s; a miss",
-                         self.address, " accepts this client's CURVE key" if
-                         self._channel.curve is not None else "")
+            problem = self.connection_problem()
+            if problem:
+                _log.warning("handshake", "lmkv client: cannot connect to the lmkv server at "
+                             "%s: %s; a miss", self.address, problem)
+            else:
+                _log.warning("unreachable", "lmkv client: no lmkv server at %s%s; a miss",
+                             self.address, " accepts this client's CURVE key" if
+                             self._channel.curve is not None else "")
             return None
         if result is Failure.TIMEOUT:
             self.counters.timeouts += 1

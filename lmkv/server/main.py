@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import argparse
 import gc
+import ipaddress
 import json
 import logging
 import math
 import os
 import signal
+import socket
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -61,6 +63,16 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < math.inf:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be a number of seconds, 0 or more")
+    return value
+
+
 def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", metavar="FILE",
                         help="lmkv config file with the tiers to serve (default: LMKV_CONFIG, "
@@ -93,10 +105,10 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
                         help="free quarantined buffers of a client whose process the server "
                              "cannot check after it has been silent this long (default "
                              f"{DEFAULT_QUARANTINE_GRACE_S:g})")
-    parser.add_argument("--drain-timeout", type=_positive_float, default=30.0,
+    parser.add_argument("--drain-timeout", type=_non_negative_float, default=30.0,
                         metavar="SECONDS",
                         help="at shutdown, wait this long for queued lower-tier stores "
-                             "(default 30)")
+                             "(default 30; 0: do not wait, drop what is queued)")
     parser.add_argument("--curve-secret-key", metavar="FILE",
                         help="CURVE: the server's key pair (a .key_secret file from `lmkv "
                              "keygen`, owner-only); default: server.curve.secret_key")
@@ -147,6 +159,32 @@ def listen_endpoint(args: argparse.Namespace) -> str:
                            DEFAULT_PORT if args.port is None else args.port)
     return f"ipc://{os.path.abspath(args.socket)}" if args.socket else \
         default_server_address()
+
+
+def check_host(host: str | None) -> None:
+    """ServerError, one line, unless ``host`` is something ZMQ can listen on: an IP
+    address, ``*``, a network interface or a name this machine resolves. Checked
+    before anything else about the host, so a typo is not reported as a host that
+    needs CURVE."""
+    from lmkv.server.server import ServerError
+
+    if host is None or host == "*":
+        return
+    name = host.strip("[]")
+    try:
+        ipaddress.ip_address(name)
+        return
+    except ValueError:
+        pass
+    if name in {n for _, n in socket.if_nameindex()}:
+        return
+    try:
+        socket.getaddrinfo(name, None)
+    except (OSError, UnicodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise ServerError(f"--host {host}: cannot be resolved ({reason}); give an IP "
+                          "address, a network interface or a host name this machine "
+                          "resolves") from None
 
 
 def server_curve(args: argparse.Namespace, config: LMKVConfig) -> CurveKeys | None:
@@ -236,6 +274,7 @@ def run_server(args: argparse.Namespace) -> int:
     from lmkv.metrics import recorder
     from lmkv.server.server import KVServer
 
+    check_host(args.host)
     config = load_config(args.config)
     curve = server_curve(args, config)  # before the tiers: a refusal costs nothing
     start_metrics(args)
@@ -274,7 +313,8 @@ def run_server(args: argparse.Namespace) -> int:
                 signal.signal(s, handler)
             server.close(0.0)
     finally:
-        storage.close(timeout=1.0)
+        # The writers' last flush: no longer than --drain-timeout asked for.
+        storage.close(timeout=min(1.0, args.drain_timeout))
     logger.info("lmkv server %s: stopped", endpoint)
     return 0
 
@@ -288,4 +328,4 @@ def main(argv: Sequence[str] | None = None) -> int:
     problem = configure_logging(getattr(args, "log_level", None), DEFAULT_LOG_LEVEL)
     if problem:
         parser.error(problem)
-    return run_reporting_errors(run_server, args, "lmkv server")
+    return run_reporting_errors(run_server, args)
