@@ -264,6 +264,9 @@ class ReleaseReply(Reply, tag="release_reply", kw_only=True):
 
 class RenewReply(Reply, tag="renew_reply", kw_only=True):
     renewed: int
+    # The handles asked for that this session does not hold (released, committed or
+    # expired): the client tells its own releases from losses.
+    missing: list[int] = msgspec.field(default_factory=list)
 
 
 class EndSessionReply(Reply, tag="end_session_reply", kw_only=True):

@@ -347,7 +347,8 @@ class KVService:
 
     def renew(self, req: p.Renew, data: Sequence[memoryview]) -> Outcome:
         session = self.sessions.touch(req.session)
-        return Outcome(p.RenewReply(renewed=self.sessions.renew(session, req.handles)))
+        missing = self.sessions.renew(session, req.handles)
+        return Outcome(p.RenewReply(renewed=len(req.handles) - len(missing), missing=missing))
 
     def end_session(self, req: p.EndSession, data: Sequence[memoryview]) -> Outcome:
         lookups, chunks = self.sessions.end(req.session)

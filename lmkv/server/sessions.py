@@ -114,16 +114,17 @@ class SessionTable:
             return handle.release()
         return self.quarantine.release(session.id, handle_id) or 0
 
-    def renew(self, session: Session, handle_ids: list[int]) -> int:
-        """Extend the life of the session's ``handle_ids``; how many it holds."""
+    def renew(self, session: Session, handle_ids: list[int]) -> list[int]:
+        """Extend the life of the session's ``handle_ids``; those it does not hold."""
         expires = time.monotonic() + self.handle_ttl_s
-        renewed = 0
+        missing = []
         for handle_id in handle_ids:
             handle = session.handles.get(handle_id)
             if handle is not None:
                 handle.expires = expires
-                renewed += 1
-        return renewed
+            else:
+                missing.append(handle_id)
+        return missing
 
     # -- abandoned requests ---------------------------------------------------------
     def abandon(self, session: Session, req_ids: list[int]) -> int:
