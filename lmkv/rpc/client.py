@@ -69,6 +69,7 @@ class ClientCounters:
     timeouts: int = 0  # no reply before the deadline
     unreachable: int = 0  # no server connected
     error_replies: int = 0  # the server refused a request
+    over_limit: int = 0  # of those, refused as past this session's limits (a miss or drop)
     server_changes: int = 0  # a different server answered (a restart)
     dropped_chunks: int = 0  # chunks a store could not hand to the server
 
@@ -174,6 +175,8 @@ class ServerClient:
         if isinstance(reply, expect):
             return reply, data
         self.counters.error_replies += 1
+        if isinstance(reply, p.ErrorReply) and reply.code == p.OVER_LIMIT:
+            self.counters.over_limit += 1
         reason = f"{reply.code}: {reply.reason}" if isinstance(reply, p.ErrorReply) \
             else f"unexpected {type(reply).__name__}"
         _log.warning(f"refused:{type(message).__name__}", "lmkv client: server refused %s: %s",

@@ -37,6 +37,7 @@ from lmkv.server.defaults import (
 if TYPE_CHECKING:
     from lmkv.config.model import LMKVConfig
     from lmkv.rpc.auth import CurveKeys
+    from lmkv.server.sessions import SessionLimits
     from lmkv.storage.manager import StorageManager
 
 logger = logging.getLogger(__name__)
@@ -237,6 +238,24 @@ def tiers_line(storage: StorageManager) -> str:
     return f"tiers: {tiers or 'none'}; arena: {arena}"
 
 
+def session_limits(config: LMKVConfig, storage: StorageManager) -> SessionLimits:
+    """What one session may hold: the config's ``server.session_max_*``, by default
+    half the memory tier's arena."""
+    from lmkv.server.sessions import SessionLimits
+
+    memory = next((t for t in storage.tiers if t.holds_memory_objs), None)
+    return SessionLimits.of(config.server,
+                            memory.capacity_bytes if memory is not None else None)
+
+
+def limits_line(limits: SessionLimits) -> str:
+    """What one session may hold, for the listening log line."""
+    held = f"{limits.max_handles} handles"
+    if limits.max_bytes is not None:
+        held += f" and {_mib(limits.max_bytes)}"
+    return f"a session holds at most {held}"
+
+
 def access_line(endpoint: str, curve: CurveKeys | None) -> str:
     """Who can connect, for the listening log line."""
     if curve is not None:
@@ -285,11 +304,12 @@ def run_server(args: argparse.Namespace) -> int:
     # lookup for milliseconds.
     gc.freeze()
     try:
+        limits = session_limits(config, storage)
         server = KVServer(storage, endpoint=listen_endpoint(args),
                           max_request_bytes=args.max_request_bytes,
                           session_timeout_s=args.session_timeout, curve=curve,
                           handle_ttl_s=args.handle_ttl,
-                          quarantine_grace_s=args.quarantine_grace)
+                          quarantine_grace_s=args.quarantine_grace, limits=limits)
         endpoint = server.bind()
         signals = (signal.SIGTERM, signal.SIGINT)
 
@@ -301,9 +321,9 @@ def run_server(args: argparse.Namespace) -> int:
 
         previous = {s: signal.signal(s, on_signal) for s in signals}
         try:
-            logger.info("lmkv server %s (pid %d) listening on %s; %s; %s",
+            logger.info("lmkv server %s (pid %d) listening on %s; %s; %s; %s",
                         server.server_id, os.getpid(), endpoint, tiers_line(storage),
-                        access_line(endpoint, curve))
+                        access_line(endpoint, curve), limits_line(limits))
             server.serve()
             server.close(args.drain_timeout)
             logger.info("lmkv server: final tier stats: %s",

@@ -10,6 +10,11 @@ flood of bad requests cannot flood the log either.
 
 Inline chunk data is sent without copying (``copy=False``): the data parts are
 views of arena buffers, which stay referenced until ZMQ reports them sent.
+
+On an ipc socket ZMQ reads the peer's credentials (``SO_PEERCRED``) when a
+client connects and appends them to each message's ``Peer-Address`` property
+(``host:uid:gid:pid``): the service asks for the pid when it needs to know
+which process a shared-memory handle lends to.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import secrets
 import time
 import traceback
 from collections.abc import Callable
+from functools import partial
 
 import zmq
 
@@ -33,10 +39,11 @@ from lmkv.memory import MemoryObj, release
 from lmkv.rpc import protocol as p
 from lmkv.rpc.auth import CurveAuthenticator, CurveKeys
 from lmkv.rpc.handshake import CURVE_FAILED, MECHANISM_MISMATCH, HandshakeWatch
-from lmkv.server.service import Deferred, KVService, Outcome
+from lmkv.server.service import Deferred, KVService, Outcome, no_peer
 from lmkv.server.sessions import (
     DEFAULT_HANDLE_TTL_S,
     DEFAULT_QUARANTINE_GRACE_S,
+    SessionLimits,
     SessionTable,
 )
 from lmkv.storage.manager import StorageManager
@@ -59,13 +66,14 @@ class KVServer:
     def __init__(self, storage: StorageManager, *, endpoint: str, max_request_bytes: int,
                  session_timeout_s: float, curve: CurveKeys | None = None,
                  handle_ttl_s: float = DEFAULT_HANDLE_TTL_S,
-                 quarantine_grace_s: float = DEFAULT_QUARANTINE_GRACE_S) -> None:
+                 quarantine_grace_s: float = DEFAULT_QUARANTINE_GRACE_S,
+                 limits: SessionLimits | None = None) -> None:
         self.storage = storage
         self.endpoint = endpoint
         self.max_request_bytes = max_request_bytes
         self.server_id = secrets.token_hex(8)
         self.sessions = SessionTable(storage, session_timeout_s, handle_ttl_s=handle_ttl_s,
-                                     quarantine_grace_s=quarantine_grace_s)
+                                     quarantine_grace_s=quarantine_grace_s, limits=limits)
         self.service = KVService(storage, self.sessions, server_id=self.server_id,
                                  max_request_bytes=max_request_bytes)
         self._ctx = zmq.Context()
@@ -90,6 +98,7 @@ class KVServer:
         self._sending: list[tuple[list[zmq.MessageTracker], list[MemoryObj]]] = []
         self._stopping = False
         self._closed = False
+        self._ipc = endpoint.startswith("ipc://")
 
     def bind(self) -> str:
         """Listen on the endpoint; returns the bound address (the real port for port 0).
@@ -199,7 +208,8 @@ class KVServer:
                 req_id = p.salvage_req_id(header)
                 raise
             req_id = req.req_id
-            result = self.service.handle(req, [f.buffer for f in body[1:]])
+            peer = partial(_peer_pid, parts[0]) if self._ipc else no_peer
+            result = self.service.handle(req, [f.buffer for f in body[1:]], peer)
         except p.ProtocolError as exc:
             self._send_error(envelope, req_id, exc.code, exc.reason)
             return
@@ -318,6 +328,20 @@ class KVServer:
         for fd in (self._wake_r, self._wake_w):
             os.close(fd)
         return flushed
+
+
+def _peer_pid(frame: zmq.Frame) -> int | None:
+    """The pid of the process at the other end of an ipc connection, as the kernel
+    reported it when it connected; None where ZMQ does not say (no SO_PEERCRED) or
+    the peer's pid is not visible in this pid namespace (0)."""
+    try:
+        address = frame.get("Peer-Address")
+    except (zmq.ZMQError, AttributeError):
+        return None
+    fields = address.rsplit(":", 3) if isinstance(address, str) else []
+    if len(fields) != 4 or not all(f.isdigit() for f in fields[1:]):
+        return None
+    return int(fields[3]) or None
 
 
 def _bind_problem(exc: zmq.ZMQError) -> str:
