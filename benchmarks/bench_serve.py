@@ -391,4 +391,4 @@ def main(args: Any) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(run_reporting_errors(main, parse_args(sys.argv[1:]), "bench_serve.py"))
+    sys.exit(run_reporting_errors(main, parse_args(sys.argv[1:])))

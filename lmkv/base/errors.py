@@ -48,26 +48,32 @@ class RefCountError(LMKVError, RuntimeError):
     """A reference or pin count went below zero: a double release."""
 
 
-def run_reporting_errors(func: Callable[[_Args], int], args: _Args, prog: str) -> int:
+#: What every one-line error of every lmkv command starts with (``lmkv server``,
+#: ``python -m lmkv.server`` and the other subcommands too), so one pattern finds them.
+ERROR_PREFIX = "lmkv: error: "
+
+
+def run_reporting_errors(func: Callable[[_Args], int], args: _Args) -> int:
     """Run a command (``lmkv ...``, ``python -m lmkv.server``): an LMKVError is one
     line per message line on stderr and exit 2; Ctrl-C is one line and exit 130."""
     try:
         return func(args)
     except LMKVError as exc:
         for line in str(exc).splitlines() or [type(exc).__name__]:
-            print(f"{prog}: error: {line}", file=sys.stderr)
+            print(f"{ERROR_PREFIX}{line}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"{prog}: interrupted", file=sys.stderr)
+        print("lmkv: interrupted", file=sys.stderr)
         return 130
 
 
 class OneLineArgumentParser(argparse.ArgumentParser):
     """argparse, but a bad flag is one line (argparse prints the whole usage first,
-    which buries what is wrong); ``--help`` still shows the usage."""
+    which buries what is wrong), with lmkv's one prefix; ``--help`` still shows the
+    usage, and the line names the command whose ``--help`` tells more."""
 
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {' '.join(message.split())} "
+        self.exit(2, f"{ERROR_PREFIX}{' '.join(message.split())} "
                      f"(see {self.prog} --help)\n")
 
 

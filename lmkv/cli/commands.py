@@ -12,7 +12,12 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from lmkv import __version__
-from lmkv.base.errors import LMKVError, OneLineArgumentParser, run_reporting_errors
+from lmkv.base.errors import (
+    ERROR_PREFIX,
+    LMKVError,
+    OneLineArgumentParser,
+    run_reporting_errors,
+)
 from lmkv.base.logutil import LOG_LEVELS, configure_logging
 from lmkv.contracts.versions import API_VERSIONS, api_summary
 
@@ -93,7 +98,9 @@ def _cmd_stats(args: argparse.Namespace) -> int:
                              ", or http://HOST:PORT (a metrics endpoint)" if args.server
                              else "")
     if args.watch is None:
-        return _show_stats(address, config, args.json, fallback=True)
+        # An address given on the command line is the server asked for: nothing
+        # there is an error, never another process's (empty) tiers in its place.
+        return _show_stats(address, config, args.json, fallback=not args.server)
     try:
         _show_stats(address, config, args.json, fallback=False)  # unreachable: one line
         while True:
@@ -102,7 +109,7 @@ def _cmd_stats(args: argparse.Namespace) -> int:
             try:
                 _show_stats(address, config, args.json, fallback=False)
             except LMKVError as exc:  # gone meanwhile: say so, keep watching
-                print(f"lmkv stats: {exc}", file=sys.stderr, flush=True)
+                print(f"lmkv: {exc}", file=sys.stderr, flush=True)
     except KeyboardInterrupt:
         return 0
 
@@ -121,15 +128,17 @@ def _show_stats(address: str, config: LMKVConfig, as_json: bool, *, fallback: bo
 
         figures, tiers = scrape(address, config.server.timeout_ms / 1e3 + 5.0)
     else:
-        reply = _live_stats(address, config)
+        reply, why = _live_stats(address, config)
+        absent = (f"cannot connect to the lmkv server at {address}: {why}" if why
+                  else f"no lmkv server answers at {address}")
         if reply is None and not fallback:
-            raise LMKVError(f"no lmkv server answers at {address}")
+            raise LMKVError(absent)
         if reply is None:
             # A fresh copy of the tiers would show every memory tier empty: say so in
             # one line, then show what a fresh open does see (fs and redis keep entries).
             # Said once the tiers opened: when one cannot, its error is the one line.
             tiers = _fresh_tier_stats(config)
-            print(f"lmkv stats: no lmkv server answers at {address}: nothing live to show; "
+            print(f"lmkv: {absent}: nothing live to show; "
                   "the figures below are of the config's tiers opened now (memory tiers "
                   "start empty); give --server ADDRESS for a running server",
                   file=sys.stderr)
@@ -180,8 +189,9 @@ def check_server_address(address: str, where: str, more_forms: str = "") -> None
                         f"{more_forms}")
 
 
-def _live_stats(address: str, config: LMKVConfig) -> StatsReply | None:
-    """The running server's StatsReply, or None when none answers at ``address``."""
+def _live_stats(address: str, config: LMKVConfig) -> tuple[StatsReply | None, str]:
+    """The running server's StatsReply and ""; or None, and why when the connection
+    says (a CURVE mismatch), when none answers at ``address``."""
     from lmkv.rpc.auth import client_keys
     from lmkv.rpc.client import ServerClient
 
@@ -193,7 +203,8 @@ def _live_stats(address: str, config: LMKVConfig) -> StatsReply | None:
     try:
         with ServerClient(address, timeout_ms=section.timeout_ms, data_path="inline",
                           curve=curve) as client:
-            return client.stats()
+            reply = client.stats()
+            return reply, client.connection_problem() if reply is None else ""
     finally:
         client_log.setLevel(level)
 
@@ -258,9 +269,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Ask the lmkv server at ADDRESS for its live figures: lookups, loads, "
                     "stores, latencies and its tiers. An http://HOST:PORT address reads a "
                     "metrics endpoint instead (lmkv server --metrics-port, metrics.port). "
-                    "When no server answers, say so in one line (stderr) and show the "
-                    "config's tiers opened now (memory tiers start empty); with --watch, "
-                    "one line and exit 2.")
+                    "When no server answers at --server ADDRESS, that is one line and "
+                    "exit 2; without --server, say so in one line (stderr) and show the "
+                    "config's tiers opened now (memory tiers start empty).")
     stats.add_argument("--config", help="config file (default: LMKV_CONFIG / defaults)")
     stats.add_argument("--server", metavar="ADDRESS",
                        help="the lmkv server to ask (default: the config's server.address), "
@@ -321,6 +332,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     problem = configure_logging(getattr(args, "log_level", None),
                                 getattr(args, "default_log_level", "WARNING"))
     if problem:
-        print(f"lmkv: error: {problem}", file=sys.stderr)
+        print(f"{ERROR_PREFIX}{problem}", file=sys.stderr)
         return 2
-    return run_reporting_errors(args.func, args, "lmkv")
+    return run_reporting_errors(args.func, args)

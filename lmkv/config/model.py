@@ -32,6 +32,7 @@ from lmkv.base.logutil import LOG_LEVEL_ENV
 from lmkv.base.private import default_server_address
 from lmkv.base.redact import RedactedRepr, redact_value
 from lmkv.base.strict_yaml import StrictYAMLError, load_strict_yaml
+from lmkv.base.units import ByteCount
 from lmkv.config.suggestions import (
     ENV_PREFIX,
     model_at,
@@ -161,6 +162,10 @@ class ServerConnection(_Model):
     # CURVE keys: this process's key pair and the server's public key (docs/security.md).
     # ``lmkv server`` reads its own key pair and ``authorized_keys`` from here too.
     curve: CurveConfig | None = None
+    # Read by ``lmkv server``: what one client session may hold at once, its
+    # quarantined buffers included (docs/server.md); bytes None: half the arena.
+    session_max_bytes: Annotated[ByteCount, Field(gt=0)] | None = None
+    session_max_handles: PositiveInt = 256
 
 
 class MetricsConfig(_Model):

@@ -18,11 +18,15 @@ prefixes; the minimum is the prefix every rank can load).
   cancelled; polling again keeps answering 0.
 
 Answers are checked against the request they answer (a peer that reaches the
-response socket must not be able to steer the scheduler): the lookup id must be
+response socket must not be able to steer the scheduler): each request carries
+a random token (``TOKEN_BYTES``, drawn per lookup) that only the workers it was
+sent to receive, and an answer must carry it back; the lookup id must be
 pending (or owe answers after a cancel), the rank in range and not yet heard
 from, and the hit count 0 or one of the offsets sent (a chunk boundary, at most
 the tokens looked up). Anything else is dropped and counted
-(``invalid_answers``, ``unexpected_answers``); it never raises.
+(``invalid_answers``, ``unexpected_answers``); it never raises. Anyone who can
+connect to the response socket can send answers, but without the token (which
+travels on the connections to the workers only) none of them is taken.
 
 A prompt of more chunks than ``max_chunks`` (the model's maximum length in
 chunks; the workers refuse such requests too) answers 0 without asking.
@@ -38,7 +42,9 @@ not be told from a new one.
 
 from __future__ import annotations
 
+import hmac
 import logging
+import os
 import threading
 import time
 from bisect import bisect_left
@@ -56,6 +62,7 @@ from lmkv.config.model import LMKVConfig, LookupConfig
 from lmkv.engines.keys import hit_block_size
 from lmkv.keys.chunking import DEFAULT_CHUNK_SIZE, Identity, KeyMeta, TokenChunker
 from lmkv.lookup.messages import (
+    TOKEN_BYTES,
     LookupCleanup,
     LookupRequest,
     LookupResponse,
@@ -85,14 +92,16 @@ STALE_ANSWER_TTL_S = 60.0
 SWEEP_INTERVAL_MS = 100
 CLOSE_TIMEOUT_S = 2.0
 DEFAULT_MAX_TOKENS = LookupConfig.model_fields["max_tokens"].default
-# A response is an id of at most 1024 characters and two integers: a larger
-# message is no answer, and ZMQ drops it (and its sender) unread.
+# A response is an id of at most 1024 characters, two integers and a token: a
+# larger message is no answer, and ZMQ drops it (and its sender) unread.
 MAX_RESPONSE_BYTES = 8 << 10
+NO_TOKEN = "without the lookup's token (not from a worker the request was sent to)"
 
 
 @dataclass
 class _Pending:
     deadline: float
+    token: bytes  # what its answers must carry
     offsets: list[int]  # what the request asked: valid hit counts are 0 and these
     block: int = 0  # with block-granular hits, also any whole block up to the last offset
     answered: int = 0  # bit r set: rank r has answered
@@ -106,6 +115,7 @@ class _Owed:
 
     ranks: int  # bit r set: rank r still owes its answer
     expires: float
+    token: bytes
 
 
 @dataclass
@@ -233,7 +243,8 @@ class LookupClient:
         ``partials``: each chunk's leading blocks' hashes, blocks of ``block_size``)."""
         parts = partials if partials and self.block_size else []
         request = LookupRequest(lookup_id, hashes, offsets, request_configs or {},
-                                parts, self.block_size if parts and self.block_size else 0)
+                                parts, self.block_size if parts and self.block_size else 0,
+                                os.urandom(TOKEN_BYTES))
         message = encode(request)
         with self._lock:
             if self._closed:
@@ -258,8 +269,8 @@ class LookupClient:
                 self._finish(lookup_id, 0)
                 return
             self._results.pop(lookup_id, None)
-            pending = _Pending(time.monotonic() + self.timeout_s, request.offsets,
-                               request.block_tokens)
+            pending = _Pending(time.monotonic() + self.timeout_s, request.token,
+                               request.offsets, request.block_tokens)
             self._pending[lookup_id] = pending
             sent = self._send_locked(message, lookup_id)
             if sent != self._all_ranks:  # a worker cannot answer: the lookup is a miss
@@ -267,7 +278,8 @@ class LookupClient:
                 self._finish(lookup_id, 0)
                 if sent:  # the others release what they prefetch, then owe an answer
                     self._cleanup_locked(lookup_id)
-                    self._owed[lookup_id] = _Owed(sent, pending.deadline + STALE_ANSWER_TTL_S)
+                    self._owed[lookup_id] = _Owed(sent, pending.deadline + STALE_ANSWER_TTL_S,
+                                                  pending.token)
 
     def poll(self, lookup_id: str, wait_s: float | None = None) -> int | None:
         """-1 unknown, None pending (after waiting up to ``wait_s``, default
@@ -356,7 +368,8 @@ class LookupClient:
             self._cleanup_locked(lookup_id)
         owed = self._all_ranks & ~pending.answered
         if owed:
-            self._owed[lookup_id] = _Owed(owed, time.monotonic() + STALE_ANSWER_TTL_S)
+            self._owed[lookup_id] = _Owed(owed, time.monotonic() + STALE_ANSWER_TTL_S,
+                                          pending.token)
 
     def _cleanup_locked(self, lookup_id: str) -> None:
         self._send_locked(encode(LookupCleanup(lookup_id)), lookup_id)
@@ -380,7 +393,7 @@ class LookupClient:
         with self._lock:
             pending = self._pending.get(lookup_id)
             if pending is not None:
-                problem = self._check_answer(pending, rank, hits)
+                problem = self._check_answer(pending, response)
                 if problem:
                     self._invalid_locked(lookup_id, rank, hits, problem)
                     return
@@ -397,6 +410,9 @@ class LookupClient:
                 return
             owed = self._owed.get(lookup_id)
             if owed is not None:
+                if not hmac.compare_digest(response.token, owed.token):
+                    self._invalid_locked(lookup_id, rank, hits, NO_TOKEN)
+                    return
                 if rank >= self.world_size or not owed.ranks >> rank & 1:
                     self._invalid_locked(lookup_id, rank, hits, "from a rank that owes none")
                     return
@@ -410,8 +426,11 @@ class LookupClient:
         _log.warning("unexpected", "lmkv lookup %s: dropped an answer (rank %d) for no "
                      "lookup this client has pending", lookup_id, rank)
 
-    def _check_answer(self, pending: _Pending, rank: int, hits: int) -> str | None:
-        """Why an answer cannot be the answer of ``rank`` to ``pending`` (None: it can)."""
+    def _check_answer(self, pending: _Pending, response: LookupResponse) -> str | None:
+        """Why ``response`` cannot be its rank's answer to ``pending`` (None: it can)."""
+        rank, hits = response.rank, response.num_hit_tokens
+        if not hmac.compare_digest(response.token, pending.token):
+            return NO_TOKEN
         if rank >= self.world_size:
             return f"rank out of range (the channel has ranks 0..{self.world_size - 1})"
         if pending.answered >> rank & 1:

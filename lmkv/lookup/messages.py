@@ -25,6 +25,11 @@ TokenCount = Annotated[int, msgspec.Meta(ge=0)]
 # keeping a crafted "hash" from carrying megabytes.
 MAX_HASH_BYTES = 64
 ChunkHash = Annotated[bytes, msgspec.Meta(min_length=1, max_length=MAX_HASH_BYTES)]
+#: The random token of one lookup (the client draws TOKEN_BYTES); "": none (an
+#: older peer).
+TOKEN_BYTES = 16
+MAX_TOKEN_BYTES = 64
+Token = Annotated[bytes, msgspec.Meta(max_length=MAX_TOKEN_BYTES)]
 # What one chunk costs in an encoded request at most: its hash (bin8 header +
 # bytes) and its offset (a uint64 at most): used to bound messages before decoding.
 MAX_ENCODED_CHUNK_BYTES = 2 + MAX_HASH_BYTES + 9
@@ -64,6 +69,9 @@ class LookupRequest(msgspec.Struct, tag=True, frozen=True):
     whole chunks (what an older scheduler sends)."""
     block_tokens: TokenCount = 0
     """Tokens in a block of ``partials``."""
+    token: Token = b""
+    """A random token only the workers that received this request know; their
+    answers carry it back, and the client takes no answer without it."""
 
     def __post_init__(self) -> None:
         if len(self.hashes) != len(self.offsets):
@@ -95,6 +103,8 @@ class LookupResponse(msgspec.Struct, tag=True, frozen=True):
     num_hit_tokens: TokenCount
     rank: Annotated[int, msgspec.Meta(ge=0)]
     """The answering worker's rank: the client takes one answer per rank."""
+    token: Token = b""
+    """The ``token`` of the request answered."""
 
 
 class LookupCleanup(msgspec.Struct, tag=True, frozen=True):
@@ -108,10 +118,11 @@ Message = LookupRequest | LookupResponse | LookupCleanup
 
 
 class RequestHead(msgspec.Struct, tag="LookupRequest"):
-    """The id of a ``LookupRequest`` alone: decoding it skips the hashes without
-    building them (an oversize request is answered without being allocated)."""
+    """The id and token of a ``LookupRequest`` alone: decoding them skips the hashes
+    without building them (an oversize request is answered without being allocated)."""
 
     lookup_id: LookupId
+    token: Token = b""
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -142,9 +153,10 @@ def decode_message(data: bytes | memoryview, where: str) -> Message | None:
         return None
 
 
-def decode_request_head(data: bytes | memoryview) -> str | None:
-    """The ``lookup_id`` of a message that holds a ``LookupRequest``, else None."""
+def decode_request_head(data: bytes | memoryview) -> RequestHead | None:
+    """The ``lookup_id`` and ``token`` of a message that holds a ``LookupRequest``,
+    else None."""
     try:
-        return _head_decoder.decode(data).lookup_id
+        return _head_decoder.decode(data)
     except (msgspec.DecodeError, RecursionError):
         return None

@@ -201,11 +201,12 @@ class LookupResponder:
             return
         data = parts[0]
         if len(data) > self.max_request_bytes:  # too long for max_chunks: never decoded
-            lookup_id = decode_request_head(data)
-            if lookup_id is None:
+            head = decode_request_head(data)
+            if head is None:
                 self._reject("oversize", "a %d-byte message that is no request", len(data))
             else:
-                self._refuse_oversize(lookup_id, f"a {len(data)}-byte message")
+                self._refuse_oversize(head.lookup_id, head.token,
+                                      f"a {len(data)}-byte message")
             return
         message = decode_message(data, "responder")
         if isinstance(message, LookupRequest):
@@ -222,17 +223,17 @@ class LookupResponder:
         self.counters.rejected_messages += 1
         _log.log(logging.ERROR, f"reject:{key}", "lmkv lookup responder: rejected " + what, *args)
 
-    def _refuse_oversize(self, lookup_id: str, what: str) -> None:
+    def _refuse_oversize(self, lookup_id: str, token: bytes, what: str) -> None:
         self.counters.requests += 1
         self.counters.oversize += 1
         _log.warning("oversize", "lmkv lookup %s: %s is over the limit of %d chunks "
                      "(lookup.max_tokens); answering a miss", lookup_id, what, self.max_chunks)
-        self._answer(lookup_id, 0)
+        self._answer(lookup_id, token, 0)
 
     def _start(self, request: LookupRequest) -> None:
         n = len(request.hashes)
         if n > self.max_chunks:
-            self._refuse_oversize(request.lookup_id, f"a request of {n} chunks")
+            self._refuse_oversize(request.lookup_id, request.token, f"a request of {n} chunks")
             return
         self.counters.requests += 1
         if request.request_configs:
@@ -252,7 +253,7 @@ class LookupResponder:
                 self._queued_chunks += n
                 self._lane.notify()
         if shed:
-            self._shed(request.lookup_id, "the bulk lane is full")
+            self._shed(request, "the bulk lane is full")
 
     def _cleanup(self, lookup_id: str) -> None:
         self.counters.cleanups += 1
@@ -263,11 +264,11 @@ class LookupResponder:
                 entry.cancelled = True
         self.engine.release_lookup(lookup_id)
 
-    def _shed(self, lookup_id: str, why: str) -> None:
+    def _shed(self, request: LookupRequest, why: str) -> None:
         with self._lane:  # the receiving thread and the bulk lane both shed
             self.counters.shed += 1
-        _log.warning("shed", "lmkv lookup %s: %s; answering a miss", lookup_id, why)
-        self._answer(lookup_id, 0)
+        _log.warning("shed", "lmkv lookup %s: %s; answering a miss", request.lookup_id, why)
+        self._answer(request.lookup_id, request.token, 0)
 
     def _run_bulk(self) -> None:
         affinity.apply()
@@ -286,7 +287,7 @@ class LookupResponder:
                     del self._queued_ids[request.lookup_id]
             if entry.cancelled:
                 self.counters.dropped_queued += 1
-                self._answer(request.lookup_id, 0)  # every request is answered once
+                self._answer(request.lookup_id, request.token, 0)  # every request: once
                 continue
             try:
                 self._prefetch(request)
@@ -302,7 +303,7 @@ class LookupResponder:
                 over = False
                 self._inflight_chunks += n
         if over:
-            self._shed(lookup_id, "too many chunks are being prefetched")
+            self._shed(request, "too many chunks are being prefetched")
             return
         try:
             blocks = (request.partials, request.block_tokens) if request.partials else ()
@@ -311,12 +312,13 @@ class LookupResponder:
         except Exception as exc:  # the engine refused: answer a miss, keep serving
             _log.log(logging.ERROR, "engine", "lmkv lookup %s: prefetch failed: %s",
                      lookup_id, exc)
-            self._prefetched(lookup_id, n, None)
+            self._prefetched(lookup_id, request.token, n, None)
             return
-        future.add_done_callback(partial(self._prefetched, lookup_id, n))
+        future.add_done_callback(partial(self._prefetched, lookup_id, request.token, n))
 
     # -- answering -------------------------------------------------------------
-    def _prefetched(self, lookup_id: str, chunks: int, future: Future | None) -> None:
+    def _prefetched(self, lookup_id: str, token: bytes, chunks: int,
+                    future: Future | None) -> None:
         """Runs in the storage manager's prefetch thread (or at once when already done)."""
         with self._lane:
             self._inflight_chunks -= chunks
@@ -327,10 +329,10 @@ class LookupResponder:
             except BaseException as exc:  # cancelled or failed: a miss
                 _log.log(logging.ERROR, "result", "lmkv lookup %s: prefetch failed: %s",
                          lookup_id, exc)
-        self._answer(lookup_id, max(hits, 0))
+        self._answer(lookup_id, token, max(hits, 0))
 
-    def _answer(self, lookup_id: str, hits: int) -> None:
-        answer = encode(LookupResponse(lookup_id, hits, self.rank))
+    def _answer(self, lookup_id: str, token: bytes, hits: int) -> None:
+        answer = encode(LookupResponse(lookup_id, hits, self.rank, token))
         with self._send_lock:
             if self._closed:
                 return

@@ -118,6 +118,17 @@ class SharedSegment:
     def huge_pages(self) -> bool:
         return self.page_size > mmap.PAGESIZE
 
+    def file_id(self) -> tuple[int, int] | None:
+        """(device, inode) of the file behind the segment, which is how
+        ``/proc/<pid>/maps`` shows a process's mapping of it; None when it cannot
+        be told (a segment this process attached to elsewhere, or gone)."""
+        try:
+            st = os.fstat(self._fd) if self._fd >= 0 else \
+                os.stat(os.path.join(SHM_DIR, self.name))
+        except (OSError, ValueError):
+            return None
+        return st.st_dev, st.st_ino
+
     @classmethod
     def create(cls, size: int, *, huge_pages: bool = True) -> SharedSegment:
         """A new segment of at least ``size`` bytes, on huge pages where the host has

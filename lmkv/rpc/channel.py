@@ -8,7 +8,9 @@ request connects a fresh one. The socket is ``IMMEDIATE``: nothing is queued
 while no server is connected, so an unreachable server fails a request at
 once instead of piling requests up for later. After a failure the channel
 is "down": requests fail without waiting until ZMQ, which keeps reconnecting
-in the background, has a connection again.
+in the background, has a connection again. A connection whose handshake
+failed (CURVE on one side only, a refused key) is told apart from no server
+at all: ``handshake_failure`` (lmkv.rpc.handshake).
 
 Request ids come from one counter per process, so two channels that share a
 session (an engine's retrieve and lookup connections) never reuse an id: a
@@ -30,6 +32,7 @@ from lmkv.base.logutil import RateLimitedLog
 from lmkv.base.private import ipc_dir_problem
 from lmkv.rpc import protocol as p
 from lmkv.rpc.auth import CurveKeys, secure_client
+from lmkv.rpc.handshake import HandshakeWatch
 
 logger = logging.getLogger(__name__)
 _log = RateLimitedLog(logger)
@@ -51,7 +54,16 @@ class Channel:
         self.curve = curve
         self.context = context or zmq.Context.instance()
         self._socket: zmq.Socket | None = None
+        self._watch: HandshakeWatch | None = None
+        self._handshake_failure: str | None = None
         self.down = False
+
+    def handshake_failure(self) -> str | None:
+        """Why the last connection attempt failed its handshake (lmkv.rpc.handshake's
+        codes); None when none did, or a later one succeeded."""
+        if self._watch is not None:
+            self._handshake_failure = self._watch.failure()
+        return self._handshake_failure
 
     def request(self, message: p.Request, parts: Sequence[Any] = (), timeout_ms: int = 500
                 ) -> tuple[p.AnyReply, list[zmq.Frame]] | Failure:
@@ -108,12 +120,17 @@ class Channel:
             # A server without our key on its list, or not holding the key we expect,
             # never completes the handshake: IMMEDIATE then makes every request a miss.
             secure_client(sock, self.curve)
+        self._watch = HandshakeWatch(sock)
         sock.connect(self.address)
         self._socket = sock
         return sock
 
     def reset(self) -> None:
         """Close the socket (dropping anything queued); the next request opens a new one."""
+        if self._watch is not None:
+            self.handshake_failure()  # kept: the next connection may not get that far
+            self._watch.close()
+            self._watch = None
         if self._socket is not None:
             self._socket.close(linger=0)
             self._socket = None

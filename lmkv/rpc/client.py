@@ -42,6 +42,7 @@ from lmkv.memory.shm import SharedMemoryUnavailable, SharedSegment, host_id
 from lmkv.rpc import protocol as p
 from lmkv.rpc.auth import CurveKeys
 from lmkv.rpc.channel import Channel, Failure
+from lmkv.rpc.handshake import client_problem
 from lmkv.rpc.heartbeat import Heartbeat
 from lmkv.rpc.liveness import process_identity
 
@@ -68,6 +69,7 @@ class ClientCounters:
     timeouts: int = 0  # no reply before the deadline
     unreachable: int = 0  # no server connected
     error_replies: int = 0  # the server refused a request
+    over_limit: int = 0  # of those, refused as past this session's limits (a miss or drop)
     server_changes: int = 0  # a different server answered (a restart)
     dropped_chunks: int = 0  # chunks a store could not hand to the server
 
@@ -104,6 +106,12 @@ class ServerClient:
                 return None
             self._adopt(got[0])
             return self.info
+
+    def connection_problem(self) -> str:
+        """Why the connection to the server fails its handshake, in one clause ("" when
+        it does not: no server there, or a working connection)."""
+        return client_problem(self._channel.handshake_failure(),
+                              self._channel.curve is not None)
 
     @property
     def shared_memory(self) -> bool:
@@ -144,9 +152,14 @@ class ServerClient:
         result = self._channel.request(message, parts, timeout_ms or self.timeout_ms)
         if result is Failure.UNREACHABLE:
             self.counters.unreachable += 1
-            _log.warning("unreachable", "lmkv client: no lmkv server at %s%s; a miss",
-                         self.address, " accepts this client's CURVE key" if
-                         self._channel.curve is not None else "")
+            problem = self.connection_problem()
+            if problem:
+                _log.warning("handshake", "lmkv client: cannot connect to the lmkv server at "
+                             "%s: %s; a miss", self.address, problem)
+            else:
+                _log.warning("unreachable", "lmkv client: no lmkv server at %s%s; a miss",
+                             self.address, " accepts this client's CURVE key" if
+                             self._channel.curve is not None else "")
             return None
         if result is Failure.TIMEOUT:
             self.counters.timeouts += 1
@@ -162,6 +175,8 @@ class ServerClient:
         if isinstance(reply, expect):
             return reply, data
         self.counters.error_replies += 1
+        if isinstance(reply, p.ErrorReply) and reply.code == p.OVER_LIMIT:
+            self.counters.over_limit += 1
         reason = f"{reply.code}: {reply.reason}" if isinstance(reply, p.ErrorReply) \
             else f"unexpected {type(reply).__name__}"
         _log.warning(f"refused:{type(message).__name__}", "lmkv client: server refused %s: %s",

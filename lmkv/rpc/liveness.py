@@ -8,6 +8,13 @@ its pid too, and a missing ``/proc/<pid>``, a zombie, or another start time
 (the pid was reused) means the process has exited, and with it its mappings.
 Anything else (another namespace, no ``/proc``, a client that named no
 process) is ``unknown``: the server cannot know, and waits.
+
+A client can name any process, so the server does not take the name on trust
+(lmkv.server.service): on an ipc socket the kernel tells it the peer's pid
+(``SO_PEERCRED``, which ZMQ appends to the connection's peer address), and
+``pid_identity`` names that process; elsewhere a named process counts only if
+it maps the server's arena (``maps_file``): a process that does not map it
+cannot be the one copying, however long it lives.
 """
 
 from __future__ import annotations
@@ -71,3 +78,45 @@ def process_state(identity: str) -> ProcessState:
     if stat is None or stat[0] in ("Z", "X") or stat[1] != parts[3]:
         return "gone"
     return "alive"
+
+
+def pid_identity(pid: int) -> str:
+    """The process ``pid`` of this pid namespace (as the kernel names a socket peer
+    to this process), named as ``process_identity`` names itself; "" when it cannot
+    be named (gone, or no ``/proc``)."""
+    namespace = _pid_namespace()
+    try:
+        stat = _stat(pid) if namespace and pid > 0 else None
+    except (OSError, IndexError):
+        stat = None
+    return f"{host_id()}|{namespace}|{pid}|{stat[1]}" if stat else ""
+
+
+def claimed_pid(identity: str) -> int | None:
+    """The pid an identity names, when it is one of this host's and pid namespace's."""
+    parts = identity.split("|")
+    if len(parts) != 4 or not parts[2].isdigit() or parts[0] != host_id() \
+            or not parts[1] or parts[1] != _pid_namespace():
+        return None
+    return int(parts[2])
+
+
+def maps_file(identity: str, file_id: tuple[int, int]) -> bool:
+    """Whether the live process ``identity`` names has the file ``file_id`` (device,
+    inode) mapped; False when it has not, is gone, or cannot be inspected."""
+    pid = claimed_pid(identity)
+    if pid is None or process_state(identity) != "alive":
+        return False
+    dev, ino = file_id
+    try:
+        with open(f"/proc/{pid}/maps", "rb") as maps:
+            for line in maps:
+                fields = line.split(maxsplit=5)
+                if len(fields) < 5 or fields[4] != b"%d" % ino:
+                    continue
+                major, _, minor = fields[3].partition(b":")
+                if (int(major, 16), int(minor, 16)) == (os.major(dev), os.minor(dev)):
+                    return process_state(identity) == "alive"  # not reused meanwhile
+    except (OSError, ValueError):
+        return False
+    return False

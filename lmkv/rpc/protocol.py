@@ -33,8 +33,9 @@ DataPath = Literal["shm", "inline"]
 BAD_REQUEST = "bad_request"
 TOO_LARGE = "too_large"
 UNKNOWN_HANDLE = "unknown_handle"
+OVER_LIMIT = "over_limit"
 INTERNAL = "internal"
-ERROR_CODES = (BAD_REQUEST, TOO_LARGE, UNKNOWN_HANDLE, INTERNAL)
+ERROR_CODES = (BAD_REQUEST, TOO_LARGE, UNKNOWN_HANDLE, OVER_LIMIT, INTERNAL)
 
 # Request ids a client may name in one request's ``abandoned``.
 MAX_ABANDONED = 1024
@@ -158,7 +159,9 @@ class Retrieve(KeyedRequest, tag="retrieve", kw_only=True):
     keys_per_chunk: int = 1
     block_tokens: int = 0
     data_path: DataPath = "shm"
-    process: str = ""  # the client's process (lmkv.rpc.liveness), for shared memory
+    # The client's process (lmkv.rpc.liveness), for shared memory; a claim the server
+    # checks (the ipc peer's pid, or a process that maps the arena), never trusts.
+    process: str = ""
 
 
 class Store(KeyedRequest, tag="store", kw_only=True):
@@ -264,6 +267,9 @@ class ReleaseReply(Reply, tag="release_reply", kw_only=True):
 
 class RenewReply(Reply, tag="renew_reply", kw_only=True):
     renewed: int
+    # The handles asked for that this session does not hold (released, committed or
+    # expired): the client tells its own releases from losses.
+    missing: list[int] = msgspec.field(default_factory=list)
 
 
 class EndSessionReply(Reply, tag="end_session_reply", kw_only=True):
@@ -288,6 +294,8 @@ class ServerStats(msgspec.Struct, kw_only=True):
     arena_live_objects: int
     arena_used_bytes: int
     shm_name: str
+    # Requests refused or cut short by a session's limits (0 from an older server).
+    over_limit: int = 0
 
 
 class StatsReply(Reply, tag="stats_reply", kw_only=True):

@@ -17,12 +17,15 @@ is known gone:
 - it says it is done: it releases the handle, commits it, names its
   request as abandoned, or ends its session;
 - its process has exited (``lmkv.rpc.liveness``: same host and pid
-  namespace, and the pid is gone, a zombie, or reused);
-- when its process cannot be checked (another pid namespace, a client that
-  named none): its session has been silent for the quarantine grace period.
+  namespace, and the pid is gone, a zombie, or reused). The process is the
+  one the server verified (lmkv.server.service): the ipc socket's peer, or
+  a named process that maps the arena; never a name taken on trust;
+- when its process cannot be checked (another pid namespace, no process
+  verified): its session has been silent for the quarantine grace period.
 
 A live process that never speaks again keeps what it held in quarantine until
-it exits: bounded by what it held, and counted in ``quarantined_chunks``.
+it exits: counted in ``quarantined_chunks``, and against its session's limits
+(lmkv.server.sessions), so it is never more than one session may hold.
 """
 
 from __future__ import annotations
@@ -58,6 +61,10 @@ class Handle:
     expires: float = 0.0  # monotonic; renewed by the client's heartbeat
     parent: CacheKey | None = None  # a store's: the key its first chunk extends
     aliases: list[Alias] = field(default_factory=list)  # a store's: its chunks' leading blocks
+    nbytes: int = 0  # arena bytes its buffers hold (what its session's byte limit counts)
+
+    def __post_init__(self) -> None:
+        self.nbytes = sum(o.tensor.nbytes for o in self.objs)
 
     @property
     def shared(self) -> bool:
@@ -83,14 +90,23 @@ class Quarantine:
     def __init__(self, grace_s: float) -> None:
         self.grace_s = grace_s
         self._held: dict[int, _Held] = {}
+        self._by_session: dict[str, list[int]] = {}  # session -> [handles, bytes]
         self.chunks = 0
 
     def __len__(self) -> int:
         return len(self._held)
 
+    def held_by(self, session_id: str) -> tuple[int, int]:
+        """(handles, bytes) quarantined for ``session_id``."""
+        held = self._by_session.get(session_id)
+        return (held[0], held[1]) if held else (0, 0)
+
     def hold(self, handle: Handle, session_id: str, last_heard: float) -> None:
         self._held[handle.id] = _Held(handle, session_id, last_heard)
         self.chunks += len(handle.objs)
+        held = self._by_session.setdefault(session_id, [0, 0])
+        held[0] += 1
+        held[1] += handle.nbytes
         _log.warning("quarantine", "lmkv server: handle %d of session %s ended while its "
                      "client may still copy (%d chunks); its buffers are quarantined until "
                      "the client is gone", handle.id, session_id, len(handle.objs))
@@ -141,6 +157,11 @@ class Quarantine:
 
     def _free(self, handle_id: int) -> int:
         held = self._held.pop(handle_id)
+        by_session = self._by_session[held.session_id]
+        by_session[0] -= 1
+        by_session[1] -= held.handle.nbytes
+        if not by_session[0]:
+            del self._by_session[held.session_id]
         count = held.handle.release()
         self.chunks -= count
         return count

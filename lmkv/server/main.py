@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import argparse
 import gc
+import ipaddress
 import json
 import logging
 import math
 import os
 import signal
+import socket
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -35,6 +37,7 @@ from lmkv.server.defaults import (
 if TYPE_CHECKING:
     from lmkv.config.model import LMKVConfig
     from lmkv.rpc.auth import CurveKeys
+    from lmkv.server.sessions import SessionLimits
     from lmkv.storage.manager import StorageManager
 
 logger = logging.getLogger(__name__)
@@ -58,6 +61,16 @@ def _positive_float(text: str) -> float:
         value = -1.0
     if not 0 < value < math.inf:  # nan and inf too: a timeout must end
         raise argparse.ArgumentTypeError(f"{text!r}: must be a positive number of seconds")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < math.inf:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be a number of seconds, 0 or more")
     return value
 
 
@@ -93,10 +106,10 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
                         help="free quarantined buffers of a client whose process the server "
                              "cannot check after it has been silent this long (default "
                              f"{DEFAULT_QUARANTINE_GRACE_S:g})")
-    parser.add_argument("--drain-timeout", type=_positive_float, default=30.0,
+    parser.add_argument("--drain-timeout", type=_non_negative_float, default=30.0,
                         metavar="SECONDS",
                         help="at shutdown, wait this long for queued lower-tier stores "
-                             "(default 30)")
+                             "(default 30; 0: do not wait, drop what is queued)")
     parser.add_argument("--curve-secret-key", metavar="FILE",
                         help="CURVE: the server's key pair (a .key_secret file from `lmkv "
                              "keygen`, owner-only); default: server.curve.secret_key")
@@ -149,6 +162,32 @@ def listen_endpoint(args: argparse.Namespace) -> str:
         default_server_address()
 
 
+def check_host(host: str | None) -> None:
+    """ServerError, one line, unless ``host`` is something ZMQ can listen on: an IP
+    address, ``*``, a network interface or a name this machine resolves. Checked
+    before anything else about the host, so a typo is not reported as a host that
+    needs CURVE."""
+    from lmkv.server.server import ServerError
+
+    if host is None or host == "*":
+        return
+    name = host.strip("[]")
+    try:
+        ipaddress.ip_address(name)
+        return
+    except ValueError:
+        pass
+    if name in {n for _, n in socket.if_nameindex()}:
+        return
+    try:
+        socket.getaddrinfo(name, None)
+    except (OSError, UnicodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise ServerError(f"--host {host}: cannot be resolved ({reason}); give an IP "
+                          "address, a network interface or a host name this machine "
+                          "resolves") from None
+
+
 def server_curve(args: argparse.Namespace, config: LMKVConfig) -> CurveKeys | None:
     """The server's CURVE keys from the flags, else the config's ``server.curve``; None
     without either. Refuses a non-loopback host without CURVE unless ``--insecure``."""
@@ -199,6 +238,24 @@ def tiers_line(storage: StorageManager) -> str:
     return f"tiers: {tiers or 'none'}; arena: {arena}"
 
 
+def session_limits(config: LMKVConfig, storage: StorageManager) -> SessionLimits:
+    """What one session may hold: the config's ``server.session_max_*``, by default
+    half the memory tier's arena."""
+    from lmkv.server.sessions import SessionLimits
+
+    memory = next((t for t in storage.tiers if t.holds_memory_objs), None)
+    return SessionLimits.of(config.server,
+                            memory.capacity_bytes if memory is not None else None)
+
+
+def limits_line(limits: SessionLimits) -> str:
+    """What one session may hold, for the listening log line."""
+    held = f"{limits.max_handles} handles"
+    if limits.max_bytes is not None:
+        held += f" and {_mib(limits.max_bytes)}"
+    return f"a session holds at most {held}"
+
+
 def access_line(endpoint: str, curve: CurveKeys | None) -> str:
     """Who can connect, for the listening log line."""
     if curve is not None:
@@ -236,6 +293,7 @@ def run_server(args: argparse.Namespace) -> int:
     from lmkv.metrics import recorder
     from lmkv.server.server import KVServer
 
+    check_host(args.host)
     config = load_config(args.config)
     curve = server_curve(args, config)  # before the tiers: a refusal costs nothing
     start_metrics(args)
@@ -246,11 +304,12 @@ def run_server(args: argparse.Namespace) -> int:
     # lookup for milliseconds.
     gc.freeze()
     try:
+        limits = session_limits(config, storage)
         server = KVServer(storage, endpoint=listen_endpoint(args),
                           max_request_bytes=args.max_request_bytes,
                           session_timeout_s=args.session_timeout, curve=curve,
                           handle_ttl_s=args.handle_ttl,
-                          quarantine_grace_s=args.quarantine_grace)
+                          quarantine_grace_s=args.quarantine_grace, limits=limits)
         endpoint = server.bind()
         signals = (signal.SIGTERM, signal.SIGINT)
 
@@ -262,9 +321,9 @@ def run_server(args: argparse.Namespace) -> int:
 
         previous = {s: signal.signal(s, on_signal) for s in signals}
         try:
-            logger.info("lmkv server %s (pid %d) listening on %s; %s; %s",
+            logger.info("lmkv server %s (pid %d) listening on %s; %s; %s; %s",
                         server.server_id, os.getpid(), endpoint, tiers_line(storage),
-                        access_line(endpoint, curve))
+                        access_line(endpoint, curve), limits_line(limits))
             server.serve()
             server.close(args.drain_timeout)
             logger.info("lmkv server: final tier stats: %s",
@@ -274,7 +333,8 @@ def run_server(args: argparse.Namespace) -> int:
                 signal.signal(s, handler)
             server.close(0.0)
     finally:
-        storage.close(timeout=1.0)
+        # The writers' last flush: no longer than --drain-timeout asked for.
+        storage.close(timeout=min(1.0, args.drain_timeout))
     logger.info("lmkv server %s: stopped", endpoint)
     return 0
 
@@ -288,4 +348,4 @@ def main(argv: Sequence[str] | None = None) -> int:
     problem = configure_logging(getattr(args, "log_level", None), DEFAULT_LOG_LEVEL)
     if problem:
         parser.error(problem)
-    return run_reporting_errors(run_server, args, "lmkv server")
+    return run_reporting_errors(run_server, args)

@@ -10,18 +10,25 @@ flood of bad requests cannot flood the log either.
 
 Inline chunk data is sent without copying (``copy=False``): the data parts are
 views of arena buffers, which stay referenced until ZMQ reports them sent.
+
+On an ipc socket ZMQ reads the peer's credentials (``SO_PEERCRED``) when a
+client connects and appends them to each message's ``Peer-Address`` property
+(``host:uid:gid:pid``): the service asks for the pid when it needs to know
+which process a shared-memory handle lends to.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import errno
 import logging
 import os
 import secrets
 import time
 import traceback
 from collections.abc import Callable
+from functools import partial
 
 import zmq
 
@@ -31,10 +38,12 @@ from lmkv.base.private import ipc_dir_problem
 from lmkv.memory import MemoryObj, release
 from lmkv.rpc import protocol as p
 from lmkv.rpc.auth import CurveAuthenticator, CurveKeys
-from lmkv.server.service import Deferred, KVService, Outcome
+from lmkv.rpc.handshake import CURVE_FAILED, MECHANISM_MISMATCH, HandshakeWatch
+from lmkv.server.service import Deferred, KVService, Outcome, no_peer
 from lmkv.server.sessions import (
     DEFAULT_HANDLE_TTL_S,
     DEFAULT_QUARANTINE_GRACE_S,
+    SessionLimits,
     SessionTable,
 )
 from lmkv.storage.manager import StorageManager
@@ -57,13 +66,14 @@ class KVServer:
     def __init__(self, storage: StorageManager, *, endpoint: str, max_request_bytes: int,
                  session_timeout_s: float, curve: CurveKeys | None = None,
                  handle_ttl_s: float = DEFAULT_HANDLE_TTL_S,
-                 quarantine_grace_s: float = DEFAULT_QUARANTINE_GRACE_S) -> None:
+                 quarantine_grace_s: float = DEFAULT_QUARANTINE_GRACE_S,
+                 limits: SessionLimits | None = None) -> None:
         self.storage = storage
         self.endpoint = endpoint
         self.max_request_bytes = max_request_bytes
         self.server_id = secrets.token_hex(8)
         self.sessions = SessionTable(storage, session_timeout_s, handle_ttl_s=handle_ttl_s,
-                                     quarantine_grace_s=quarantine_grace_s)
+                                     quarantine_grace_s=quarantine_grace_s, limits=limits)
         self.service = KVService(storage, self.sessions, server_id=self.server_id,
                                  max_request_bytes=max_request_bytes)
         self._ctx = zmq.Context()
@@ -74,8 +84,12 @@ class KVServer:
             self._router.setsockopt(zmq.IPV6, 1)
         # With CURVE, only clients holding an authorized key get past the handshake.
         self._auth = CurveAuthenticator(self._ctx, curve) if curve is not None else None
+        self._watch: HandshakeWatch | None = None
         if self._auth is not None:
             self._auth.secure(self._router)
+            # A client without CURVE fails the handshake before any request: only
+            # the socket's monitor sees it, and the log says so.
+            self._watch = HandshakeWatch(self._router)
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -84,6 +98,7 @@ class KVServer:
         self._sending: list[tuple[list[zmq.MessageTracker], list[MemoryObj]]] = []
         self._stopping = False
         self._closed = False
+        self._ipc = endpoint.startswith("ipc://")
 
     def bind(self) -> str:
         """Listen on the endpoint; returns the bound address (the real port for port 0).
@@ -96,8 +111,8 @@ class KVServer:
         try:
             self._router.bind(self.endpoint)
         except zmq.ZMQError as exc:
-            raise ServerError(
-                f"cannot listen on {self.endpoint}: {zmq.strerror(exc.errno)}") from None
+            raise ServerError(f"cannot listen on {self.endpoint}: {_bind_problem(exc)}"
+                              ) from None
         if self.endpoint.startswith("ipc://"):
             os.chmod(self.endpoint[len("ipc://"):], 0o600)
         return self._router.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -123,12 +138,17 @@ class KVServer:
         poller = zmq.Poller()
         poller.register(self._router, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
+        monitor = self._watch.monitor if self._watch is not None else None
+        if monitor is not None:
+            poller.register(monitor, zmq.POLLIN)
         next_expiry = time.monotonic() + EXPIRY_CHECK_S
         while not self._stopping:
             timeout_ms = 5 if self._sending else int(EXPIRY_CHECK_S * 1000)
             events = dict(poller.poll(timeout_ms))
             if self._wake_r in events:
                 self._drain_wake_pipe()
+            if monitor is not None and monitor in events:
+                self._log_handshakes()
             if self._sending:
                 self._reap_sent()
             self._run_completions()
@@ -138,6 +158,17 @@ class KVServer:
             if now >= next_expiry:
                 self.sessions.expire()
                 next_expiry = now + EXPIRY_CHECK_S
+
+    def _log_handshakes(self) -> None:
+        assert self._watch is not None
+        for failure in self._watch.failures():
+            if failure == MECHANISM_MISMATCH:
+                _log.warning("no-curve", "lmkv server: a client without CURVE tried to "
+                             "connect to %s; this server admits only CURVE clients with an "
+                             "authorized key (docs/security.md)", self.endpoint)
+            elif failure == CURVE_FAILED:
+                _log.warning("bad-curve", "lmkv server: a client's CURVE handshake on %s "
+                             "failed (does it hold this server's public key?)", self.endpoint)
 
     def _drain_wake_pipe(self) -> None:
         try:
@@ -177,7 +208,8 @@ class KVServer:
                 req_id = p.salvage_req_id(header)
                 raise
             req_id = req.req_id
-            result = self.service.handle(req, [f.buffer for f in body[1:]])
+            peer = partial(_peer_pid, parts[0]) if self._ipc else no_peer
+            result = self.service.handle(req, [f.buffer for f in body[1:]], peer)
         except p.ProtocolError as exc:
             self._send_error(envelope, req_id, exc.code, exc.reason)
             return
@@ -270,6 +302,8 @@ class KVServer:
         if self._closed:
             return True
         self._closed = True
+        if self._watch is not None:
+            self._watch.close()
         self._router.close(linger=0)
         if self._auth is not None:
             self._auth.stop()  # its sockets would keep the context from terminating
@@ -285,12 +319,38 @@ class KVServer:
         if flushed:
             logger.info("lmkv server: flushed %d queued lower-tier chunks in %.2f s", pending,
                         time.monotonic() - t0)
+        elif drain_timeout_s == 0:
+            logger.info("lmkv server: --drain-timeout 0: not waiting for %d queued "
+                        "lower-tier chunks; they are dropped", pending)
         else:
             logger.warning("lmkv server: lower-tier stores still queued after %.1f s; "
                            "the rest is dropped", drain_timeout_s)
         for fd in (self._wake_r, self._wake_w):
             os.close(fd)
         return flushed
+
+
+def _peer_pid(frame: zmq.Frame) -> int | None:
+    """The pid of the process at the other end of an ipc connection, as the kernel
+    reported it when it connected; None where ZMQ does not say (no SO_PEERCRED) or
+    the peer's pid is not visible in this pid namespace (0)."""
+    try:
+        address = frame.get("Peer-Address")
+    except (zmq.ZMQError, AttributeError):
+        return None
+    fields = address.rsplit(":", 3) if isinstance(address, str) else []
+    if len(fields) != 4 or not all(f.isdigit() for f in fields[1:]):
+        return None
+    return int(fields[3]) or None
+
+
+def _bind_problem(exc: zmq.ZMQError) -> str:
+    # ZMQ reads a TCP host it cannot parse as an address as a network interface's
+    # name, so a name nothing resolves reports ENODEV, "No such device".
+    if exc.errno == errno.ENODEV:
+        return ("the host cannot be resolved: give an IP address, a network interface "
+                "or a host name this machine resolves")
+    return zmq.strerror(exc.errno)
 
 
 class _Traceback:

@@ -9,6 +9,20 @@ ErrorReply. Every handler gives back what it allocated or took on every path
 that does not end in a handle or a sent reply: a refused or failing request
 never holds arena blocks.
 
+Limits: a session's handles and arena bytes, quarantined ones included, are
+bounded (lmkv.server.sessions). A store past them gets buffers for the chunks
+that fit (its later chunks are dropped, as when the arena is full) or, with
+none left, an ``over_limit`` error; a shared-memory retrieve lends the leading
+chunks that fit, or answers ``over_limit``. Either way the client sees a
+shorter hit or a dropped store, never another client's room.
+
+The client process a shared-memory handle names (for the quarantine) is the one
+the server verified, never the ``process`` a request claims: on an ipc socket,
+the connection's peer as the kernel reports it (``SO_PEERCRED``, passed in by
+the loop); otherwise the claimed process, only if it is alive and maps this
+server's arena (checked once per session and claim); else none, and the
+quarantine waits for the session's own silence.
+
 Metrics: the handlers record the server's own figures into the process's
 recorder (``lmkv.metrics``; exported by ``lmkv server --metrics-port``): each
 lookup request (its hit and missed tokens and its latency, when its answer is
@@ -30,6 +44,7 @@ from typing import Any
 
 import numpy as np
 
+from lmkv.base.logutil import RateLimitedLog
 from lmkv.keys.aliases import chunk_aliases
 from lmkv.keys.chunking import CacheKey
 from lmkv.memory import MemoryAllocator, MemoryObj, dtype_name, release
@@ -37,10 +52,22 @@ from lmkv.memory.shm import SharedSegment, host_id
 from lmkv.metrics import recorder
 from lmkv.metrics.record import record_load, record_lookup, record_store
 from lmkv.rpc import protocol as p
+from lmkv.rpc.liveness import claimed_pid, maps_file, pid_identity
 from lmkv.server.sessions import Session, SessionTable
 from lmkv.storage.manager import Partials, StorageManager, chain_parents
 
 logger = logging.getLogger(__name__)
+_log = RateLimitedLog(logger)
+# Processes a session named that the server checked, remembered per session.
+MAX_CLAIMS_PER_SESSION = 8
+
+#: The pid of the connection a request came on, when the transport tells it (an
+#: ipc peer's ``SO_PEERCRED``); called only for requests that need it.
+PeerPid = Callable[[], "int | None"]
+
+
+def no_peer() -> int | None:
+    return None
 
 
 @dataclass
@@ -79,6 +106,8 @@ class KVService:
         capacity = memory.capacity_bytes if memory is not None else None
         self.max_chunk_bytes = capacity or max_request_bytes
         self._chunk_bytes_known = False
+        self._arena_file = self.segment.file_id() if self.segment is not None else None
+        self._peer_pid: PeerPid = no_peer
         self._internal_ids = itertools.count(1)
         self._handlers: dict[type, Callable[..., Outcome | Deferred]] = {
             p.Ping: self.ping, p.Lookup: self.lookup, p.PrefetchStatus: self.prefetch_status,
@@ -91,12 +120,17 @@ class KVService:
     def shm_name(self) -> str:
         return self.segment.name if self.segment is not None else ""
 
-    def handle(self, req: p.Request, data: Sequence[memoryview]) -> Outcome | Deferred:
+    def handle(self, req: p.Request, data: Sequence[memoryview],
+               peer_pid: PeerPid = no_peer) -> Outcome | Deferred:
         if data and not isinstance(req, p.StoreCommit):
             raise p.ProtocolError(p.BAD_REQUEST, f"{len(data)} unexpected data parts")
         if req.abandoned:
             self.sessions.abandon(self.sessions.touch(req.session), req.abandoned)
-        return self._handlers[type(req)](req, data)
+        self._peer_pid = peer_pid  # this request's; handlers run one at a time
+        try:
+            return self._handlers[type(req)](req, data)
+        finally:
+            self._peer_pid = no_peer
 
     # -- handlers ---------------------------------------------------------------
     def ping(self, req: p.Ping, data: Sequence[memoryview]) -> Outcome:
@@ -189,13 +223,14 @@ class KVService:
         partials = (Partials(partial_keys, req.block_tokens) if partial_keys and any(partial_keys)
                     else None)
         session = self.sessions.touch(req.session)
+        process = self._client_process(session, req)
         start = time.perf_counter()
         key = session.lookup_key(req.lookup_id) if req.lookup_id else ""
         future = self.storage.events.future(key) if key in session.lookups else None
         if future is None:
             if not keys:
-                return self._retrieved(session, req, [], start)
-            return self._fetch_now(session, req, keys, partials, start)
+                return self._retrieved(session, req, [], start, process)
+            return self._fetch_now(session, req, keys, partials, start, process)
 
         def finish() -> Outcome | Deferred:
             session.lookups.pop(key, None)
@@ -204,10 +239,10 @@ class KVService:
             # keys are fetched now instead, as if nothing had been prefetched.
             objs = self.storage.take_prefetched(key, keys)
             if objs is None and keys:
-                return self._fetch_now(session, req, keys, partials, start)
+                return self._fetch_now(session, req, keys, partials, start, process)
             objs = objs or []
             try:
-                return self._retrieved(session, req, objs, start)
+                return self._retrieved(session, req, objs, start, process)
             except BaseException:
                 release(objs)
                 raise
@@ -215,7 +250,8 @@ class KVService:
         return finish() if future.done() else Deferred(future, finish)
 
     def _fetch_now(self, session: Session, req: p.Retrieve, keys: list[CacheKey],
-                   partials: Partials | None, start: float) -> Outcome | Deferred:
+                   partials: Partials | None, start: float, process: str
+                   ) -> Outcome | Deferred:
         """Retrieve ``keys`` not prefetched: prefetch now, under an id of the server's
         own. Its chunk ends are all 0, so its answer is the tokens of the partial hit
         it ends with (block-granular hits; 0 without one): the reply's
@@ -232,7 +268,7 @@ class KVService:
             # partial hit's chunk on the client.
             objs = self.storage.take_prefetched(key, longer=True) or []
             try:
-                return self._retrieved(session, req, objs, start, future.result())
+                return self._retrieved(session, req, objs, start, process, future.result())
             except BaseException:
                 release(objs)
                 raise
@@ -240,20 +276,30 @@ class KVService:
         return finish() if future.done() else Deferred(future, finish)
 
     def _retrieved(self, session: Session, req: p.Retrieve, objs: list[MemoryObj],
-                   start: float, tail_tokens: int = 0) -> Outcome:
+                   start: float, process: str, tail_tokens: int = 0) -> Outcome:
         """The reply lending ``objs``; they are released here when nobody may take them
-        (the session ended or the client gave the request up meanwhile)."""
+        (the session ended or the client gave the request up meanwhile), and those
+        past the session's limits are released once the reply is built (until then
+        the caller releases them all if this raises)."""
         if objs and (session.ended or self.sessions.is_abandoned(session, req.req_id)):
             release(objs)
             objs = []
+        shared = req.data_path == "shm" and self._in_segment(objs)
+        past: list[MemoryObj] = []
+        if shared and objs:
+            keep = self._chunks_within_limits(session, objs, req.keys_per_chunk)
+            objs, past = objs[:keep], objs[keep:]
+            if past:
+                tail_tokens = 0  # the partial chunk, if any, is not among those kept
         tail = tail_tokens if objs else 0
         if objs:
             _record_load(objs, req.keys_per_chunk, tail, start)
-        if req.data_path == "shm" and self._in_segment(objs):
+        if shared:
             chunks = [_info(o, o.offset) for o in objs]
             handle = self.sessions.add_handle(session, "lease", objs, data_path="shm",
-                                              req_id=req.req_id, process=req.process
+                                              req_id=req.req_id, process=process
                                               ) if objs else None
+            release(past)
             return Outcome(p.RetrieveReply(
                 handle=handle.id if handle else 0, data_path="shm", shm_name=self.shm_name,
                 chunks=chunks if handle else [], tail_tokens=tail if handle else 0))
@@ -274,6 +320,7 @@ class KVService:
             except p.ProtocolError as exc:
                 raise p.ProtocolError(exc.code, f"chunk {i}: {exc.reason}") from None
         session = self.sessions.touch(req.session)
+        process = self._client_process(session, req)
         if sizes and not self._chunk_bytes_known:
             self.storage.set_chunk_bytes(max(sizes))
             self._chunk_bytes_known = True
@@ -282,11 +329,20 @@ class KVService:
         first = sum(len(ks) for _, ks in pinned)
         objs: list[MemoryObj] = []
         try:
-            for shape in req.shapes[first:]:
+            handles_left, bytes_left = self.sessions.room(session)
+            capped = first < len(keys) and handles_left <= 0
+            for shape, size in zip(req.shapes[first:], sizes[first:], strict=True):
+                if capped or (bytes_left is not None and size > bytes_left):
+                    capped = True
+                    break
                 obj = self.storage.allocate(shape, dtype)
                 if obj is None:
                     break
                 objs.append(obj)
+                if bytes_left is not None:
+                    bytes_left -= size
+            if capped:
+                self._over_limit(session, "store", none_left=not objs)
             data_path: p.DataPath = ("shm" if req.data_path == "shm"
                                      and self._in_segment(objs) else "inline")
             offset = data_path == "shm"
@@ -298,7 +354,7 @@ class KVService:
             self.storage.unpin(pinned)
         handle = self.sessions.add_handle(session, "store", objs, keys[first:first + len(objs)],
                                           data_path=data_path, req_id=req.req_id,
-                                          process=req.process
+                                          process=process if data_path == "shm" else ""
                                           ) if objs else None
         if handle is not None:
             handle.parent = keys[first - 1] if first else None
@@ -347,7 +403,8 @@ class KVService:
 
     def renew(self, req: p.Renew, data: Sequence[memoryview]) -> Outcome:
         session = self.sessions.touch(req.session)
-        return Outcome(p.RenewReply(renewed=self.sessions.renew(session, req.handles)))
+        missing = self.sessions.renew(session, req.handles)
+        return Outcome(p.RenewReply(renewed=len(req.handles) - len(missing), missing=missing))
 
     def end_session(self, req: p.EndSession, data: Sequence[memoryview]) -> Outcome:
         lookups, chunks = self.sessions.end(req.session)
@@ -373,7 +430,77 @@ class KVService:
             staged_chunks=staged, leased_chunks=leased,
             sending_chunks=self.counters.sending_chunks,
             arena_live_objects=alloc.live_objects if alloc else -1,
-            arena_used_bytes=alloc.used_bytes if alloc else -1, shm_name=self.shm_name)
+            arena_used_bytes=alloc.used_bytes if alloc else -1, shm_name=self.shm_name,
+            over_limit=sessions.over_limit)
+
+    # -- limits and the client's process ------------------------------------------
+    def _chunks_within_limits(self, session: Session, objs: list[MemoryObj],
+                              keys_per_chunk: int) -> int:
+        """How many of ``objs`` (whole chunks of ``keys_per_chunk`` buffers) a lease may
+        lend within the session's limits; over_limit when not one chunk fits."""
+        handles_left, bytes_left = self.sessions.room(session)
+        keep = len(objs) if handles_left > 0 else 0
+        if keep and bytes_left is not None:
+            total = 0
+            for i, obj in enumerate(objs):
+                total += obj.tensor.nbytes
+                if total > bytes_left:
+                    keep = i
+                    break
+        keep -= keep % max(1, keys_per_chunk)
+        if keep < len(objs):
+            self._over_limit(session, "retrieve", none_left=keep == 0)
+        return keep
+
+    def _over_limit(self, session: Session, what: str, *, none_left: bool) -> None:
+        """Count a request the session's limits cut short; refuse it when nothing fits."""
+        sessions = self.sessions
+        sessions.over_limit += 1
+        handles_left, bytes_left = sessions.room(session)
+        limits = sessions.limits
+        held = (f"{limits.max_handles - handles_left} of {limits.max_handles} handles"
+                + ("" if bytes_left is None or limits.max_bytes is None else
+                   f", {limits.max_bytes - bytes_left} of {limits.max_bytes} bytes"))
+        _log.warning(f"over-limit:{what}", "lmkv server: session %s holds %s (quarantined "
+                     "buffers included); its %s is %s (server.session_max_handles, "
+                     "server.session_max_bytes)", session.id, held, what,
+                     "refused" if none_left else "cut short")
+        if none_left:
+            raise p.ProtocolError(p.OVER_LIMIT, f"this session holds {held} (quarantined "
+                                  f"buffers included): at most "
+                                  f"server.session_max_handles and session_max_bytes")
+
+    def _client_process(self, session: Session, req: p.Retrieve | p.Store) -> str:
+        """The client process a shared-memory handle of ``req`` names: the one the
+        server verified; "" when none could be (see the module docstring)."""
+        if req.data_path != "shm" or self.segment is None:
+            return ""
+        pid = self._peer_pid()
+        if pid is not None:
+            if session.peer is None or session.peer[0] != pid:
+                session.peer = (pid, pid_identity(pid))
+                claimed = claimed_pid(req.process) if req.process else None
+                if claimed is not None and claimed != pid:
+                    _log.warning("peer-mismatch", "lmkv server: session %s names process "
+                                 "%d, but its ipc socket's peer is pid %d: pid %d is the one "
+                                 "checked", session.id, claimed, pid, pid)
+            return session.peer[1]
+        claim = req.process
+        if not claim:
+            return ""
+        verified = session.claims.get(claim)
+        if verified is None:
+            mapped = self._arena_file is not None and maps_file(claim, self._arena_file)
+            verified = claim if mapped else ""
+            if not mapped:
+                _log.warning("unverified", "lmkv server: session %s names a process (%s) "
+                             "that does not map this server's arena: not taken; its shared "
+                             "buffers are held until the session is silent for "
+                             "--quarantine-grace", session.id, claim)
+            if len(session.claims) >= MAX_CLAIMS_PER_SESSION:
+                session.claims.clear()
+            session.claims[claim] = verified
+        return verified
 
     def _in_segment(self, objs: Sequence[MemoryObj]) -> bool:
         alloc = self.allocator

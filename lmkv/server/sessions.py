@@ -15,6 +15,12 @@ A client that gave up on a request (its timeout) names its ``req_id`` in
 ``abandoned`` later: what that request holds is released at once (the client
 never saw the reply, so it never touches those buffers), or as soon as the
 request produces it.
+
+Limits: a session holds at most ``SessionLimits.max_handles`` handles and
+``max_bytes`` of arena buffers, its quarantined ones included (lmkv.server.handles:
+buffers a silent client may still touch stay its own until it is gone). A
+request past them is refused or cut short (lmkv.server.service), so one client,
+however it behaves, cannot take the arena from the others.
 """
 
 from __future__ import annotations
@@ -22,8 +28,10 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from dataclasses import dataclass
 
 from lmkv.base.logutil import RateLimitedLog
+from lmkv.config.model import ServerConnection
 from lmkv.keys.chunking import CacheKey
 from lmkv.memory import MemoryObj
 from lmkv.rpc.protocol import DataPath
@@ -39,12 +47,38 @@ MAX_LOOKUPS_PER_SESSION = 1024
 MAX_ABANDONED_PER_SESSION = 1024
 
 
+#: Without ``server.session_max_bytes``: the share of the memory tier's arena one
+#: session may hold.
+DEFAULT_ARENA_SHARE = 0.5
+
+
+@dataclass(frozen=True)
+class SessionLimits:
+    """What one session may hold at once (config ``server.session_max_*``)."""
+
+    max_handles: int = ServerConnection.model_fields["session_max_handles"].default
+    max_bytes: int | None = None  # None: no byte limit
+
+    @classmethod
+    def of(cls, server: ServerConnection, arena_bytes: int | None) -> SessionLimits:
+        """The config's limits; without ``session_max_bytes``, a share of the arena."""
+        max_bytes = server.session_max_bytes
+        if max_bytes is None and arena_bytes:
+            max_bytes = int(arena_bytes * DEFAULT_ARENA_SHARE)
+        return cls(server.session_max_handles, max_bytes)
+
+
 class Session:
-    __slots__ = ("abandoned", "ended", "handles", "id", "last_seen", "lookups")
+    __slots__ = ("abandoned", "claims", "ended", "handles", "id", "last_seen", "lookups",
+                 "peer")
 
     def __init__(self, session_id: str, now: float) -> None:
         self.id = session_id
         self.last_seen = now
+        # The process the server verified for this session (lmkv.server.service):
+        # its ipc peer, (pid, identity); and what each process it named turned out.
+        self.peer: tuple[int, str] | None = None
+        self.claims: dict[str, str] = {}
         # prefetch key -> the request that made it; ordered: oldest first
         self.lookups: dict[str, int] = {}
         self.handles: dict[int, Handle] = {}
@@ -63,11 +97,14 @@ class SessionTable:
     def __init__(self, storage: StorageManager, timeout_s: float,
                  max_lookups: int = MAX_LOOKUPS_PER_SESSION,
                  handle_ttl_s: float = DEFAULT_HANDLE_TTL_S,
-                 quarantine_grace_s: float = DEFAULT_QUARANTINE_GRACE_S) -> None:
+                 quarantine_grace_s: float = DEFAULT_QUARANTINE_GRACE_S,
+                 limits: SessionLimits | None = None) -> None:
         self.storage = storage
         self.timeout_s = timeout_s
         self.handle_ttl_s = handle_ttl_s
         self.max_lookups = max_lookups
+        self.limits = limits or SessionLimits()
+        self.over_limit = 0  # requests refused or cut short by a session's limits
         self.quarantine = Quarantine(quarantine_grace_s)
         self.dropped_lookups = 0
         self.expired = 0
@@ -104,6 +141,16 @@ class SessionTable:
         session.handles[handle.id] = handle
         return handle
 
+    def room(self, session: Session) -> tuple[int, int | None]:
+        """(handles, bytes) the session may still take: its limits less what it holds,
+        quarantined buffers included; bytes None: no byte limit."""
+        handles, nbytes = self.quarantine.held_by(session.id)
+        handles += len(session.handles)
+        nbytes += sum(h.nbytes for h in session.handles.values())
+        limits = self.limits
+        return (limits.max_handles - handles,
+                None if limits.max_bytes is None else limits.max_bytes - nbytes)
+
     def pop_handle(self, session: Session, handle_id: int) -> Handle | None:
         return session.handles.pop(handle_id, None)
 
@@ -114,16 +161,17 @@ class SessionTable:
             return handle.release()
         return self.quarantine.release(session.id, handle_id) or 0
 
-    def renew(self, session: Session, handle_ids: list[int]) -> int:
-        """Extend the life of the session's ``handle_ids``; how many it holds."""
+    def renew(self, session: Session, handle_ids: list[int]) -> list[int]:
+        """Extend the life of the session's ``handle_ids``; those it does not hold."""
         expires = time.monotonic() + self.handle_ttl_s
-        renewed = 0
+        missing = []
         for handle_id in handle_ids:
             handle = session.handles.get(handle_id)
             if handle is not None:
                 handle.expires = expires
-                renewed += 1
-        return renewed
+            else:
+                missing.append(handle_id)
+        return missing
 
     # -- abandoned requests ---------------------------------------------------------
     def abandon(self, session: Session, req_ids: list[int]) -> int:

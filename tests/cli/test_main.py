@@ -75,14 +75,15 @@ def test_bad_config_file_for_the_demo(tmp_path) -> None:
 def test_stats_prints_every_counter_of_every_tier(tmp_path) -> None:
     cfg = tmp_path / "c.yaml"
     cfg.write_text("tiers: [{type: cpu, options: {max_bytes: 64MiB}}]\n")
-    result = run_cli("stats", "--config", str(cfg), "--server", "tcp://127.0.0.1:1")
+    nowhere = {"LMKV_SERVER__ADDRESS": "tcp://127.0.0.1:1"}  # the config's tiers, opened here
+    result = run_cli("stats", "--config", str(cfg), env=nowhere)
     assert result.returncode == 0, result.stderr
     line = result.stdout.strip()
     assert line.startswith("tier 0 (cpu): usage 0.0 MiB of 64.0 MiB, 0 entries;")
     for counter in ("hits", "misses", "puts", "bytes_in", "bytes_out", "evictions", "errors",
                     "dropped_writes", "corrupt_frames"):
         assert f"{counter}=0" in line
-    as_json = run_cli("stats", "--config", str(cfg), "--server", "tcp://127.0.0.1:1", "--json")
+    as_json = run_cli("stats", "--config", str(cfg), "--json", env=nowhere)
     assert '"capacity_bytes": 67108864' in as_json.stdout
 
 
@@ -163,15 +164,30 @@ def test_stats_asks_a_running_server_for_live_figures(tmp_path) -> None:
         assert srv.stop(signal.SIGTERM) == 0
 
 
-def test_stats_says_in_one_line_when_nothing_live_answers(tmp_path) -> None:
+def test_stats_of_a_server_named_on_the_command_line_that_is_not_there_is_one_line(
+        tmp_path) -> None:
     from tests.server.procs import free_port
 
     cfg = tmp_path / "c.yaml"
     cfg.write_text("tiers: [{type: cpu, options: {max_bytes: 64MiB}}]\n")
     address = f"tcp://127.0.0.1:{free_port()}"
     result = run_cli("stats", "--config", str(cfg), "--server", address)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip() == f"lmkv: error: no lmkv server answers at {address}"
+    assert result.stdout == ""  # no tier figures of anything else in its place
+
+
+def test_stats_says_in_one_line_when_nothing_live_answers_at_the_configs_address(
+        tmp_path) -> None:
+    from tests.server.procs import free_port
+
+    cfg = tmp_path / "c.yaml"
+    address = f"tcp://127.0.0.1:{free_port()}"
+    cfg.write_text("tiers: [{type: cpu, options: {max_bytes: 64MiB}}]\n"
+                   f"server: {{address: '{address}'}}\n")
+    result = run_cli("stats", "--config", str(cfg))
     assert result.returncode == 0, result.stderr
     (line,) = result.stderr.strip().splitlines()
-    assert line.startswith(f"lmkv stats: no lmkv server answers at {address}: "
+    assert line.startswith(f"lmkv: no lmkv server answers at {address}: "
                            "nothing live to show")
     assert result.stdout.startswith("tier 0 (cpu): usage 0.0 MiB of 64.0 MiB, 0 entries;")

@@ -68,9 +68,11 @@ def test_deep_nesting_is_a_rejected_message_not_a_recursion_error() -> None:
     assert decode_message(message, "nesting-test") is None
 
 
-def test_the_head_of_a_request_is_its_id_alone() -> None:
-    message = encode(LookupRequest("big", [b"\x01" * 32] * 1000, list(range(1, 1001))))
-    assert decode_request_head(message) == "big"
+def test_the_head_of_a_request_is_its_id_and_token_alone() -> None:
+    message = encode(LookupRequest("big", [b"\x01" * 32] * 1000, list(range(1, 1001)),
+                                   token=b"t" * 16))
+    head = decode_request_head(message)
+    assert head is not None and (head.lookup_id, head.token) == ("big", b"t" * 16)
     assert decode_request_head(encode(LookupCleanup("big"))) is None
     assert decode_request_head(b"\xc1") is None
 

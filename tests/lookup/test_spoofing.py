@@ -1,9 +1,12 @@
-"""The scheduler's client against a peer that answers what it likes (issue 9, item 9):
-every answer is checked against the request it answers. Real sockets: the test
-binds the two workers' request sockets and pushes answers to the client."""
+"""The scheduler's client against a peer that answers what it likes: every answer
+is checked against the request it answers, the request's token first. Real
+sockets: the test binds the two workers' request sockets and pushes answers to
+the client; a forger connects a socket of its own to the client's response
+socket, as anyone who can reach it can."""
 
 from __future__ import annotations
 
+import os
 import tempfile
 from collections.abc import Iterator
 
@@ -29,13 +32,19 @@ class Workers:
         self.out = self.context.socket(zmq.PUSH)
         self.out.setsockopt(zmq.LINGER, 0)
         self.out.connect(endpoints.responses)
+        self.tokens: dict[str, bytes] = {}  # what each request carried (to every rank)
 
     def received(self, rank: int) -> LookupRequest | LookupCleanup:
         assert self.inboxes[rank].poll(15_000), f"rank {rank} received nothing"
-        return decode(self.inboxes[rank].recv())
+        message = decode(self.inboxes[rank].recv())
+        if isinstance(message, LookupRequest):
+            self.tokens[message.lookup_id] = message.token
+        return message
 
     def answer(self, lookup_id: str, hits: int, rank: int) -> None:
-        self.out.send(encode(LookupResponse(lookup_id, hits, rank)))
+        """Answer as a worker that received the request does: with its token."""
+        self.out.send(encode(LookupResponse(lookup_id, hits, rank,
+                                            self.tokens.get(lookup_id, b""))))
 
     def close(self) -> None:
         for sock in (*self.inboxes, self.out):
@@ -122,3 +131,39 @@ def test_a_frame_too_large_for_an_answer_never_reaches_the_client(client, worker
     assert poll_result(client, "f") == CHUNK
     assert client.stats()["rejected_messages"] == 0  # dropped by ZMQ, never decoded
     flooder.close()
+
+
+def test_a_plausible_answer_without_the_requests_token_is_never_taken(client, workers,
+                                                                        endpoints) -> None:
+    client.lookup("v", prompt(5, 4))  # offsets 32, 64, 96, 128
+    request = workers.received(0)
+    assert isinstance(request, LookupRequest) and len(request.token) == 16
+    forger = workers.context.socket(zmq.PUSH)  # anyone who can reach the socket
+    forger.setsockopt(zmq.LINGER, 0)
+    forger.connect(endpoints.responses)
+    try:
+        # Right id, right ranks, chunk boundaries, first to arrive: all they lack is
+        # the token, which only the workers received.
+        for rank in (0, 1):
+            for token in (b"", os.urandom(16), request.token[:8]):
+                forger.send(encode(LookupResponse("v", CHUNK, rank, token)))
+        wait_for(lambda: client.stats()["invalid_answers"] == 6, "the client to drop them")
+        assert client.poll("v", wait_s=0) is None  # still waiting for the workers
+        workers.answer("v", 4 * CHUNK, 0)
+        workers.answer("v", 4 * CHUNK, 1)
+        assert poll_result(client, "v") == 4 * CHUNK
+        assert client.stats()["completed"] == 1
+    finally:
+        forger.close()
+
+
+def test_every_lookup_gets_a_token_of_its_own(client, workers) -> None:
+    client.lookup("t1", prompt(6, 1))
+    client.lookup("t2", prompt(6, 1))  # the same prompt
+    first, second = workers.received(0), workers.received(0)
+    assert first.token and second.token and first.token != second.token
+    workers.answer("t2", CHUNK, 0)
+    workers.tokens["t2"] = first.token  # an answer to t2 that carries t1's token
+    workers.answer("t2", CHUNK, 1)
+    wait_for(lambda: client.stats()["invalid_answers"] == 1, "the client to drop it")
+    assert client.poll("t2", wait_s=0) is None

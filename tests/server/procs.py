@@ -93,10 +93,11 @@ class ServerProcess:
     port: int
     log_path: Path
     shm_name: str = ""
+    socket: Path | None = None  # listening on this ipc socket instead of the port
 
     @property
     def address(self) -> str:
-        return f"tcp://127.0.0.1:{self.port}"
+        return f"ipc://{self.socket}" if self.socket else f"tcp://127.0.0.1:{self.port}"
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -123,17 +124,20 @@ def write_config(path: Path, text: str | None = None) -> Path:
 
 
 def start_server(tmp: Path, config: str | None = None, *args: str, port: int | None = None,
-                 extra_path: Path | None = None, name: str = "server") -> ServerProcess:
-    """Start ``python -m lmkv.server`` and wait until it answers a ping."""
+                 extra_path: Path | None = None, name: str = "server",
+                 socket_dir: Path | None = None) -> ServerProcess:
+    """Start ``python -m lmkv.server`` and wait until it answers a ping; on a free
+    loopback port, or with ``socket_dir``, on an ipc socket there."""
     cfg = write_config(tmp / f"{name}.yaml", config)
     port = port or free_port()
     log_path = tmp / f"{name}-{port}-{time.monotonic_ns()}.log"
+    sock = socket_dir / f"{name}.sock" if socket_dir is not None else None
+    where = ["--socket", str(sock)] if sock is not None else ["--port", str(port)]
     with log_path.open("w") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "lmkv.server", "--config", str(cfg), "--port", str(port),
-             *args], stdout=log, stderr=subprocess.STDOUT, env=child_env(extra_path),
-            cwd=REPO)
-    server = ServerProcess(proc, port, log_path)
+            [sys.executable, "-m", "lmkv.server", "--config", str(cfg), *where, *args],
+            stdout=log, stderr=subprocess.STDOUT, env=child_env(extra_path), cwd=REPO)
+    server = ServerProcess(proc, port, log_path, socket=sock)
     client = ServerClient(server.address, timeout_ms=500)
     try:
         info = wait_for(lambda: proc.poll() is not None or client.ping(), timeout_s=30)

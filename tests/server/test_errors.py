@@ -152,7 +152,7 @@ def test_a_bad_config_is_one_line_and_exit_code_2(tmp_path, config, expected) ->
     result = run_server_cli("--config", str(path), "--port", str(free_port()))
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("lmkv server: error: ")
+    assert len(lines) == 1 and lines[0].startswith("lmkv: error: ")
     assert expected in lines[0]
 
 
@@ -162,9 +162,28 @@ def test_an_address_in_use_is_one_line_and_exit_code_2(server, tmp_path) -> None
     result = run_server_cli("--config", str(config), "--port", str(server.port))
     errors = [ln for ln in result.stderr.splitlines() if "error" in ln]
     assert result.returncode == 2
-    assert errors == [f"lmkv server: error: cannot listen on {server.address}: "
+    assert errors == [f"lmkv: error: cannot listen on {server.address}: "
                       "Address already in use"]
     assert "Traceback" not in result.stderr
+
+
+def test_a_host_nothing_resolves_is_one_line_naming_it(tmp_path) -> None:
+    result = run_server_cli("--host", "no-such-host.invalid", "--port", "0")
+    assert result.returncode == 2, result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("lmkv: error: --host no-such-host.invalid: cannot be resolved (")
+    assert "No such device" not in line and "CURVE" not in line
+
+
+@pytest.mark.parametrize("command", [["-m", "lmkv.server"], ["-m", "lmkv", "server"]])
+def test_every_command_error_has_one_prefix(command) -> None:
+    result = subprocess.run([sys.executable, *command, "--drain-timeout", "-1"],
+                            capture_output=True, text=True, env=child_env(), cwd=REPO,
+                            timeout=60)
+    assert result.returncode == 2
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("lmkv: error: argument --drain-timeout: '-1': must be a number "
+                           "of seconds, 0 or more (see ")
 
 
 def pipelined(address: str, requests: list[bytes]) -> list[p.ErrorReply]:

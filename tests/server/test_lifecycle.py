@@ -76,6 +76,20 @@ def test_sigterm_flushes_queued_lower_tier_stores_and_unlinks_the_segment(tmp_pa
     assert srv.shm_name not in lmkv_segments()
 
 
+def test_drain_timeout_0_stops_without_waiting_for_queued_stores(tmp_path) -> None:
+    plugin_root = write_dist(tmp_path / "plugins", "lmkv-slow", "lmkv_slow", SLOW_TIER)
+    srv = start_server(tmp_path, TWO_TIERS, "--drain-timeout", "0", extra_path=plugin_root)
+    with srv.client() as client:
+        for i in range(8):
+            keys = prompt_keys(500 + i, chunks=1)
+            assert client.store(keys, [chunk_for(keys[0])]) == 1
+        assert client.stats().tiers[1]["write_queue_chunks"] >= 4
+    assert srv.stop(signal.SIGTERM) == 0, srv.log()
+    assert "--drain-timeout 0: not waiting for" in srv.log()
+    assert "flushed" not in srv.log() and "Traceback" not in srv.log()
+    assert srv.shm_name not in lmkv_segments()
+
+
 def test_sigint_stops_the_server_cleanly(tmp_path) -> None:
     srv = start_server(tmp_path)
     assert srv.stop(signal.SIGINT) == 0

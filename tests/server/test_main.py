@@ -40,6 +40,7 @@ def test_by_default_the_server_listens_where_only_this_user_reaches(monkeypatch,
 def test_sizes_and_times_are_parsed_and_checked(capsys) -> None:
     args = parse("--max-request-bytes", "64MiB", "--session-timeout", "2.5", "--port", "0")
     assert (args.max_request_bytes, args.session_timeout, args.port) == (64 << 20, 2.5, 0)
+    assert parse("--drain-timeout", "0").drain_timeout == 0  # 0: do not wait
     for bad in (["--max-request-bytes", "lots"], ["--port", "70000"],
                 ["--session-timeout", "0"], ["--drain-timeout", "-1"]):
         with pytest.raises(SystemExit) as info:

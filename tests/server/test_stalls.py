@@ -27,7 +27,9 @@ from tests.server.procs import (
     wait_for,
 )
 
-ARENA = "tiers:\n  - type: cpu\n    options: {max_bytes: 4MiB}\n"  # 64 chunks of 64 KiB
+# 64 chunks of 64 KiB; one session may take all of them (server.session_max_bytes).
+ARENA = ("tiers:\n  - type: cpu\n    options: {max_bytes: 4MiB}\n"
+         "server: {session_max_bytes: 4MiB}\n")
 PAUSE_S = 3.0  # past the 1 s session timeout and handle TTL below
 
 

@@ -8,6 +8,11 @@ Any exception escapes (non-zero exit): the tests require none.
 ``hold ADDRESS``: take a prefetch, a staged store and a retrieve lease, print
 "held", then sleep until killed.
 
+``hog ADDRESS STORES``: a misbehaving client. Ask for shared-memory buffers for
+STORES prompts, naming process 1 (which never exits) as its own, commit none,
+print one JSON line (chunks granted, stores refused, error replies), then stay
+silent until killed.
+
 ``stall-retrieve ADDRESS PROMPT PAUSE_S`` / ``stall-store ADDRESS PROMPT PAUSE_S``:
 retrieve (store) PROMPT through shared memory; inside the copy callback print
 "copying", sleep PAUSE_S (the test freezes the process there), then check (write)
@@ -77,6 +82,30 @@ def hold(address: str) -> None:
     time.sleep(600)
 
 
+def hog(address: str, stores: int) -> None:
+    client = ServerClient(address, timeout_ms=5000)
+    assert client.ping() is not None and client.shared_memory
+    shape = list(chunk_for(prompt_keys(800)[0]).shape)
+    with open("/proc/1/stat") as f:  # pid 1, named the way a client names itself
+        stat = f.read()
+    host, namespace = process_identity().split("|")[:2]
+    pid_1 = f"{host}|{namespace}|1|{stat[stat.rfind(')') + 2:].split()[19]}"
+    granted = refused = 0
+    for i in range(stores):
+        keys = prompt_keys(800 + i)
+        store = p.Store(**p.key_fields(keys), shapes=[shape] * len(keys), dtype="bfloat16",
+                        data_path="shm", process=pid_1)
+        got = client._call(store, p.StoreReply)
+        if got is None:
+            refused += 1
+        else:
+            granted += len(got[0].chunks)
+    print(json.dumps({"granted": granted, "refused": refused,
+                      "error_replies": client.counters.error_replies}), flush=True)
+    client.close_connection()  # silent from now on; its session is not ended
+    time.sleep(600)
+
+
 def stall(mode: str, address: str, prompt: int, pause_s: float) -> None:
     client = ServerClient(address, timeout_ms=5000)
     keys = prompt_keys(prompt)
@@ -111,6 +140,8 @@ if __name__ == "__main__":
     mode, *args = sys.argv[1:]
     if mode.startswith("stall-"):
         stall(mode, args[0], int(args[1]), float(args[2]))
+    elif mode == "hog":
+        hog(args[0], int(args[1]))
     elif mode == "loop":
         address, data_path, worker, out, stop, iterations, timeout_ms = args
         loop(address, data_path, int(worker), Path(out), Path(stop), int(iterations),
