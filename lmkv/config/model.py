@@ -27,6 +27,8 @@ from pydantic import (
     ConfigDict,
     Field,
     PrivateAttr,
+    SecretBytes,
+    SecretStr,
     StrictBool,
     ValidationError,
     model_validator,
@@ -629,9 +631,21 @@ def _format_errors(exc: ValidationError, prefix: str, sources: Mapping[str, str]
             continue
         # pydantic echoes the input: a password, a URL with credentials, or (for a
         # model-level check) the whole options mapping with its secrets.
-        value = _short(redact_value(err.get("input"), loc[-1] if loc else None))
+        value = ("'***'" if _typed_secret(model, loc) else
+                 _short(redact_value(err.get("input"), loc[-1] if loc else None)))
         lines.append(f"config key {shown!r} = {value}{where}: {_allowed(err)}")
     return "\n".join(lines)
+
+
+def _typed_secret(model: type[BaseModel], loc: list[str]) -> bool:
+    """Whether the field at ``loc`` is typed as a secret (``SecretStr``): masked
+    whatever its name (the fs tier's ``key`` is an access key id)."""
+    parent = model_at(model, loc[:-1]) if loc else None
+    field = parent.model_fields.get(loc[-1]) if parent is not None else None
+    if field is None:
+        return False
+    return any(isinstance(t, type) and issubclass(t, (SecretStr, SecretBytes))
+               for t in (field.annotation, *typing.get_args(field.annotation)))
 
 
 def _unknown_key_hint(model: type[BaseModel], loc: list[str], key: str, where: str) -> str:
