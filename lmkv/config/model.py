@@ -258,20 +258,34 @@ class LMKVConfig(_Model):
             "tiers", "serializer", "gpu_connector", "lazy_offload_policy"})],
             sort_keys=True)
 
-    def resolved_dump(self) -> dict[str, Any]:
-        """The config as plain data, plugin options filled with their defaults;
-        secrets masked (this is what ``config check`` prints)."""
-        data = self.model_dump(mode="json")
+    def startup_warnings(self) -> list[str]:
+        """One line per option that is valid but will not work on this machine now
+        (``PluginOptions.startup_warnings``: a cpu tier larger than the memory
+        available), naming its key; ``config check`` prints them."""
+        lines = []
+        for path, resolved in self._resolved_plugins():
+            for name, why in resolved.options.startup_warnings().items():
+                key = f"{path}.options.{name}"
+                lines.append(f"config key {key!r}{_source_for(key, self._sources)}: {why}")
+        return lines
+
+    def _resolved_plugins(self) -> list[tuple[str, Resolved[Any]]]:
+        """Every plugin this config selects, with the key it sits at."""
         plugins = self.plugins
         chosen: list[tuple[str, Resolved[Any] | None]] = [
             ("serializer", plugins.serializer), ("gpu_connector", plugins.gpu_connector),
             ("lazy_offload_policy", plugins.offload_policy)]
         for i, tier in enumerate(plugins.tiers):
             chosen += [(f"tiers.{i}", tier.backend), (f"tiers.{i}.eviction", tier.eviction)]
-        for path, resolved in chosen:
-            if resolved is not None:
-                _set_path(data, [*path.split("."), "options"],
-                          resolved.options.model_dump(mode="json"))
+        return [(path, resolved) for path, resolved in chosen if resolved is not None]
+
+    def resolved_dump(self) -> dict[str, Any]:
+        """The config as plain data, plugin options filled with their defaults;
+        secrets masked (this is what ``config check`` prints)."""
+        data = self.model_dump(mode="json")
+        for path, resolved in self._resolved_plugins():
+            _set_path(data, [*path.split("."), "options"],
+                      resolved.options.model_dump(mode="json"))
         return redact_value(data)
 
 
