@@ -460,16 +460,14 @@ def _config_path(given: str | os.PathLike | None, from_env: str | None
     checked all the same: one naming no file is an error even beside a given file (a
     stale variable means the user's picture of the config is wrong), and one naming
     another file is said in a warning, since it is not read."""
-    if from_env is None:
-        return given
+    if from_env is None or given is None:
+        return given or from_env  # alone, LMKV_CONFIG is read, and its errors said there
     if not os.path.isfile(from_env):
         kind = "a directory" if os.path.isdir(from_env) else "no such file"
-        raise ConfigError(f"{CONFIG_ENV} = {from_env!r}: {kind}; allowed: a config file "
-                          f"(.yaml, .toml or .json), or unset {CONFIG_ENV}"
-                          + (f" (it is checked even when a file is given: {given})"
-                             if given else ""))
-    if given is None:
-        return from_env
+        raise ConfigError(f"{CONFIG_ENV} = {from_env!r}: cannot read it ({kind}), and it "
+                          f"is checked even when a config file is given ({given}); "
+                          f"allowed: a config file (.yaml, .toml or .json), or "
+                          f"{CONFIG_ENV} unset")
     if os.path.abspath(given) != os.path.abspath(from_env):
         logger.warning("lmkv: %s=%s is not read: the config file given, %s, wins over it",
                        CONFIG_ENV, from_env, given)

@@ -87,11 +87,14 @@ def test_lmkv_config_naming_no_file_is_an_error_even_beside_a_given_file(
     given.write_text("chunk_size: 128\n")
     gone = tmp_path / "gone.yaml"
     assert one_line(path=given, env={"LMKV_CONFIG": str(gone)}) == (
-        f"LMKV_CONFIG = '{gone}': no such file; allowed: a config file (.yaml, .toml or "
-        f".json), or unset LMKV_CONFIG (it is checked even when a file is given: {given})")
-    assert "LMKV_CONFIG" in one_line(overrides={"lmkv.config_file": str(given)},
-                                     env={"LMKV_CONFIG": str(gone)})
-    assert "a directory" in one_line(env={"LMKV_CONFIG": str(tmp_path)})
+        f"LMKV_CONFIG = '{gone}': cannot read it (no such file), and it is checked even "
+        f"when a config file is given ({given}); allowed: a config file (.yaml, .toml or "
+        ".json), or LMKV_CONFIG unset")
+    assert "(a directory)" in one_line(overrides={"lmkv.config_file": str(given)},
+                                       env={"LMKV_CONFIG": str(tmp_path)})
+    # Alone, it is the config file: its errors are a config file's.
+    assert one_line(env={"LMKV_CONFIG": str(gone)}).startswith(
+        f"config file {gone}: cannot read it")
 
 
 def test_a_given_file_wins_over_lmkv_config_with_a_warning(
