@@ -14,9 +14,9 @@ import ipaddress
 import json
 import logging
 import os
+import stat
 import types
 import typing
-import stat
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, TypeVar
