@@ -208,7 +208,7 @@ CASES: list[Case] = [
     cfg("tiers: [{type: cpu, options: {max_bytes: \u0666\u0664MiB}}]\n",
         expect=["'tiers.0.options.max_bytes'", SIZE_FORMS], id="size-arabic-digits"),
     cfg("tiers: [{type: cpu, options: {max_bytes: 1000000PiB}}]\n",
-        expect=["'tiers.0.options'", "max_bytes", "allow_overcommit"], id="size-huge"),
+        expect=["'tiers.0.options.max_bytes'", "at most 64.0PiB"], id="size-huge"),
     cfg("tiers: [{type: fs, options: {url: '{dir}/fs', max_bytes: 0}}]\n",
         expect=["'tiers.0.options.max_bytes'", "positive size"], id="fs-size-zero"),
     cfg("tiers: [{type: fs, options: {url: '{dir}/fs', mode: '0777'}}]\n",

@@ -5,11 +5,19 @@ command hides the same things the same way:
 
 * the password of a URL (``redis://user:PASS@host``, ``http://KEY:SECRET@minio``)
   and query parameters with secret names (``?password=...``);
-* values under secret-looking names (``password``, ``secret``, ``token``,
-  ``key``, ``aws_secret_access_key``, ...) in mappings such as
-  ``storage_options``;
+* values under names that say they hold a secret (``is_secret_name``: a word
+  such as ``password``, ``secret``, ``token``; or a key of a secret kind, such
+  as ``api_key``, ``private_key``, ``aws_access_key_id``), in any mapping:
+  plugin options, ``storage_options``;
+* a bare ``key`` beside a bare ``secret`` (s3fs's and MinIO's pair);
 * secret strings a component knows it holds (``Redactor``), replaced wherever
   they show up in a message (an exception from a client library, say).
+
+Nothing else is masked: ``key`` alone, a public key (``server_key``,
+``authorized_keys``) and a name that says where a secret lives rather than
+what it is (``tls_key_file``, ``password_file``) are shown as they are, so
+``config check`` shows what a user needs to see. Typed secrets (pydantic's
+``SecretStr``) are masked whatever their name.
 """
 
 from __future__ import annotations
@@ -21,18 +29,48 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 MASK = "***"
 _WORDS = frozenset({"password", "passwd", "pass", "pwd", "secret", "token", "credential",
-                    "credentials", "auth", "apikey", "passphrase", "sas"})
+                    "credentials", "auth", "authorization", "apikey", "passphrase", "sas"})
+#: What a word before ``key`` (or ``key_id``) says to make it a secret: an API key,
+#: a private key, a cloud account's or session's key. Any other (``server_key``,
+#: ``public_key``, ``partition_key``, ``key`` alone) names no secret.
+_SECRET_KEY_KINDS = frozenset({"api", "access", "private", "secret", "account", "session",
+                               "master", "signing", "encryption", "shared", "customer",
+                               "client"})
+#: Whole names that hold a secret though no word of theirs says so (Azure's
+#: connection string carries its account key).
+_SECRET_NAMES = frozenset({"connection_string", "conn_str"})
+#: A last word that makes the name where a secret lives, not the secret.
+_PLACES = frozenset({"file", "filename", "path", "dir", "directory", "url", "uri"})
 _URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>]+")
 
 
 def is_secret_name(name: object) -> bool:
-    """Whether a setting called ``name`` holds a secret (``key_prefix`` does not,
-    ``key``, ``secret_key`` and ``aws_access_key_id`` do)."""
-    lowered = str(name).lower()
-    parts = [p for p in re.split(r"[^a-z0-9]+", lowered) if p]
-    if any(p in _WORDS for p in parts):
+    """Whether a setting called ``name`` holds a secret.
+
+    Its words (split at ``_``, ``-``, ``.`` and camelCase) hold a secret word
+    (``password``, ``secret``, ``token``, ...; ``client_secret``,
+    ``secretAccessKey``), or end in ``key`` or ``key_id`` after a secret kind
+    (``api_key``, ``private_key``, ``aws_access_key_id``). Not when the last
+    word names a place (``tls_key_file``, ``password_file``, ``token_url``):
+    that is where the secret is. ``key`` alone, ``key_prefix``, ``server_key``
+    and ``authorized_keys`` are no secrets."""
+    spaced = re.sub(r"([a-z0-9])([A-Z])", r"\1_\2", str(name))
+    parts = [p for p in re.split(r"[^a-z0-9]+", spaced.lower()) if p]
+    if not parts or parts[-1] in _PLACES:
+        return False
+    if any(p in _WORDS for p in parts) or "_".join(parts) in _SECRET_NAMES:
         return True
-    return bool(parts) and (parts[-1] == "key" or parts[-2:] == ["key", "id"])
+    stem = parts[:-1] if parts[-1] == "id" else parts
+    return len(stem) >= 2 and stem[-1] == "key" and stem[-2] in _SECRET_KEY_KINDS
+
+
+def _secret_in(mapping: Mapping[Any, Any], name: object) -> bool:
+    """Whether ``mapping[name]`` is a secret: by its name, or a bare ``key`` beside a
+    bare ``secret`` (s3fs's and MinIO's pair: the key is the secret's id)."""
+    if is_secret_name(name):
+        return True
+    return str(name).lower() == "key" and any(str(other).lower() == "secret"
+                                              for other in mapping)
 
 
 def redact_url(url: str) -> str:
@@ -85,7 +123,8 @@ def redact_value(value: Any, name: object = None) -> Any:
     if name is not None and is_secret_name(name) and value not in (None, "", {}, []):
         return MASK
     if isinstance(value, Mapping):
-        return {k: redact_value(v, k) for k, v in value.items()}
+        return {k: MASK if _secret_in(value, k) and v not in (None, "", {}, [])
+                else redact_value(v, k) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return type(value)(redact_value(v) for v in value)
     if isinstance(value, str) and "://" in value:
@@ -121,7 +160,10 @@ def secrets_in(value: Any, name: object = None) -> list[str]:
         value = value.get_secret_value()
     if isinstance(value, Mapping):
         for k, v in value.items():
-            found += secrets_in(v, k)
+            if isinstance(v, str) and v and _secret_in(value, k):
+                found.append(v)
+            else:
+                found += secrets_in(v, k)
     elif isinstance(value, (list, tuple)):
         for v in value:
             found += secrets_in(v)

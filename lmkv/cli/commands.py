@@ -79,6 +79,10 @@ def _cmd_config_check(args: argparse.Namespace) -> int:
     from lmkv.config.model import load_config
 
     config = load_config(args.file)
+    # Valid whatever this moment's free memory; what will not work here now is said
+    # on stderr, so stdout stays the config alone.
+    for line in config.startup_warnings():
+        print(f"lmkv config check: warning: {line}", file=sys.stderr)
     problems = dry_run(config)
     if problems:
         raise LMKVError("\n".join(problems))

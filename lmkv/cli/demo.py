@@ -21,23 +21,31 @@ from lmkv.metrics.tier_text import format_tier_stats
 def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     size = parser.add_argument_group("model size (default: the 'default' preset, ~75M params)")
     size.add_argument("--preset", choices=["tiny", "default"], default="default")
-    size.add_argument("--hidden-size", type=int)
-    size.add_argument("--layers", type=int, dest="num_layers")
-    size.add_argument("--heads", type=int, dest="num_heads")
-    size.add_argument("--kv-heads", type=int, dest="num_kv_heads")
-    size.add_argument("--head-dim", type=int)
-    size.add_argument("--intermediate-size", type=int)
+    size.add_argument("--hidden-size", type=int, help=_range("hidden_size"))
+    size.add_argument("--layers", type=int, dest="num_layers", help=_range("num_layers"))
+    size.add_argument("--heads", type=int, dest="num_heads", help=_range("num_heads"))
+    size.add_argument("--kv-heads", type=int, dest="num_kv_heads",
+                      help=_range("num_kv_heads"))
+    size.add_argument("--head-dim", type=int, help=_range("head_dim", "even"))
+    size.add_argument("--intermediate-size", type=int, help=_range("intermediate_size"))
     work = parser.add_argument_group("workload")
-    work.add_argument("--prompts", type=int, default=4, help="number of prompts (default 4)")
+    work.add_argument("--prompts", type=int, default=4,
+                      help=_range("prompts", "number of prompts, default 4"))
     work.add_argument("--prefix-tokens", type=int, default=2816,
-                      help="tokens every prompt shares (default 2816)")
+                      help=_range("prefix_tokens", "tokens every prompt shares, default 2816"))
     work.add_argument("--suffix-tokens", type=int, default=320,
-                      help="tokens unique to each prompt (default 320)")
+                      help=_range("suffix_tokens", "tokens unique to each prompt, default 320"))
     work.add_argument("--new-tokens", type=int, default=8,
-                      help="tokens generated per prompt (default 8)")
-    work.add_argument("--seed", type=int, default=0)
+                      help=_range("new_tokens", "tokens generated per prompt, default 8"))
+    work.add_argument("--seed", type=int, default=0, help=_range("seed", "default 0"))
     parser.add_argument("--config", help="lmkv config file (default: built-in cpu tier)")
-    parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    parser.add_argument("--threads", type=int,
+                        help=_range("threads", "torch threads, default torch's choice"))
+
+
+def _range(name: str, what: str = "") -> str:
+    _, low, high = _LIMITS[name]
+    return f"{what}; {low}-{high}" if what else f"{low}-{high}"
 
 
 @dataclass
@@ -54,18 +62,47 @@ _SIZE_FLAGS = {"hidden_size": "--hidden-size", "num_layers": "--layers", "num_he
                "num_kv_heads": "--kv-heads", "head_dim": "--head-dim",
                "intermediate_size": "--intermediate-size"}
 
+#: The most each flag may ask for: a demo runs in seconds to minutes on a laptop,
+#: so every size is bounded (an unbounded --new-tokens ran for hours).
+MAX_PROMPT_TOKENS = 16384
+_LIMITS: dict[str, tuple[str, int, int]] = {
+    "prompts": ("--prompts", 1, 64),
+    "prefix_tokens": ("--prefix-tokens", 1, MAX_PROMPT_TOKENS),
+    "suffix_tokens": ("--suffix-tokens", 1, MAX_PROMPT_TOKENS),
+    "new_tokens": ("--new-tokens", 1, 1024),
+    "seed": ("--seed", 0, (1 << 32) - 1),
+    "threads": ("--threads", 1, 256),
+    "hidden_size": ("--hidden-size", 1, 8192),
+    "num_layers": ("--layers", 1, 128),
+    "num_heads": ("--heads", 1, 128),
+    "num_kv_heads": ("--kv-heads", 1, 128),
+    "head_dim": ("--head-dim", 2, 512),
+    "intermediate_size": ("--intermediate-size", 1, 32768),
+}
+#: The largest model the demo builds (float32: 8 GB of weights).
+MAX_PARAMETERS = 2_000_000_000
+
 
 def _validate_args(args: argparse.Namespace) -> None:
-    for name in ("prompts", "prefix_tokens", "new_tokens"):
-        if getattr(args, name) <= 0:
-            raise ConfigError(f"--{name.replace('_', '-')} = {getattr(args, name)}: "
-                              "must be a positive integer")
-    if args.suffix_tokens < 1:
-        raise ConfigError(f"--suffix-tokens = {args.suffix_tokens}: must be at least 1")
-    for name, flag in {**_SIZE_FLAGS, "threads": "--threads"}.items():
+    for name, (flag, low, high) in _LIMITS.items():
         value = getattr(args, name)
-        if value is not None and value <= 0:
-            raise ConfigError(f"{flag} = {value}: must be a positive integer")
+        if value is None or low <= value <= high:
+            continue
+        allowed = (f"a positive integer of at most {high}" if low == 1
+                   else f"an integer from {low} to {high}")
+        raise ConfigError(f"{flag} = {value}: must be {allowed}")
+    total = args.prefix_tokens + args.suffix_tokens + args.new_tokens
+    if total > MAX_PROMPT_TOKENS:
+        raise ConfigError(f"--prefix-tokens + --suffix-tokens + --new-tokens = {total}: "
+                          f"must be at most {MAX_PROMPT_TOKENS} tokens")
+
+
+def _parameters(size: dict[str, int]) -> int:
+    """A Llama's parameter count: embeddings and head, attention and MLP per layer."""
+    hidden, q = size["hidden_size"], size["num_heads"] * size["head_dim"]
+    kv = size["num_kv_heads"] * size["head_dim"]
+    layer = hidden * (2 * q + 2 * kv) + 3 * hidden * size["intermediate_size"] + 2 * hidden
+    return 2 * size["vocab_size"] * hidden + size["num_layers"] * layer + hidden
 
 
 def _validate_size(size: dict[str, int]) -> None:
@@ -80,6 +117,12 @@ def _validate_size(size: dict[str, int]) -> None:
     if size["head_dim"] % 2:
         raise ConfigError(f"--head-dim = {size['head_dim']}: must be even (rotary "
                           "embeddings rotate pairs of dimensions)")
+    params = _parameters(size)
+    if params > MAX_PARAMETERS:
+        flags = ", ".join(f"{f} = {size[k]}" for k, f in _SIZE_FLAGS.items())
+        raise ConfigError(f"the model flags ({flags}) make a Llama of {params / 1e6:,.0f}M "
+                          f"parameters; the demo builds at most "
+                          f"{MAX_PARAMETERS / 1e6:,.0f}M")
 
 
 def _step(message: str) -> float:

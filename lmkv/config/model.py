@@ -12,20 +12,28 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import logging
 import os
 import stat
-from collections.abc import Callable, Mapping
+import types
+import typing
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, TypeVar
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
     PrivateAttr,
+    SecretBytes,
+    SecretStr,
+    StrictBool,
     ValidationError,
     model_validator,
 )
+from pydantic_core import PydanticCustomError
 
 from lmkv.base.errors import ConfigError, UnknownPluginError
 from lmkv.base.logutil import LOG_LEVEL_ENV
@@ -49,6 +57,8 @@ if TYPE_CHECKING:
     from lmkv.contracts.connector import GPUConnector
     from lmkv.plugins.manager import PluginManager
 
+logger = logging.getLogger(__name__)
+
 P = TypeVar("P")
 
 # Env vars that are not config keys.
@@ -66,6 +76,21 @@ CONFIG_FILE_KEY = "config_file"
 
 # Strict: true, 1.5 or "12" are not counts (env and dotted values are parsed as JSON first).
 PositiveInt = Annotated[int, Field(strict=True, gt=0)]
+
+#: The most tokens a chunk (and a block) may hold: one chunk of a 70B model's KV at
+#: this size is about 20 GiB, far past any tier's useful unit of reuse.
+MAX_CHUNK_TOKENS = 1 << 16
+
+
+def _chunk_tokens(value: int) -> int:
+    if not 0 < value <= MAX_CHUNK_TOKENS:
+        raise PydanticCustomError(
+            "chunk_tokens", "must be a positive integer of at most {most} (tokens)",
+            {"most": MAX_CHUNK_TOKENS})
+    return value
+
+
+ChunkTokens = Annotated[int, Field(strict=True), AfterValidator(_chunk_tokens)]
 
 
 class _Model(RedactedRepr, BaseModel):  # its repr lands in logs: no secret goes with it
@@ -127,7 +152,7 @@ class LookupConfig(_Model):
     backoff_ms: Annotated[int, Field(strict=True, ge=0)] = 10
     # tcp only: the key pair the scheduler and its workers share (docs/security.md).
     curve: CurveConfig | None = None
-    insecure: bool = False
+    insecure: StrictBool = False
     # The longest prompt a lookup may name (vLLM passes max_model_len); longer
     # requests are answered 0 unread, so a peer cannot make a worker allocate.
     max_tokens: PositiveInt = 1 << 20
@@ -181,9 +206,10 @@ class LMKVConfig(_Model):
     """Every key is documented in docs/configuration.md."""
 
     model_name: str | None = Field(default=None, min_length=1)
-    chunk_size: PositiveInt = DEFAULT_CHUNK_SIZE
-    block_size: PositiveInt | None = None
-    save_partial_chunk: bool = False
+    chunk_size: ChunkTokens = DEFAULT_CHUNK_SIZE
+    block_size: ChunkTokens | None = None
+    # Booleans are strict, as counts are: 'yes', 'on' or 1 is an error, not true.
+    save_partial_chunk: StrictBool = False
     tiers: list[TierConfig] = Field(
         default_factory=lambda: [TierConfig(type="cpu")], min_length=1)
     serializer: PluginRef = Field(default_factory=lambda: PluginRef(type="naive"))
@@ -191,14 +217,14 @@ class LMKVConfig(_Model):
     write_through_queue_chunks: PositiveInt = 1024
     lookup: LookupConfig = Field(default_factory=LookupConfig)
     mode: Literal["in_process", "server"] = "in_process"
-    async_load: bool = False
+    async_load: StrictBool = False
     # vLLM connector: load and store layer by layer beside the forward (docs/vllm.md).
-    layerwise: bool = False
+    layerwise: StrictBool = False
     # vLLM connector: store the KV of generated tokens too (docs/vllm.md).
-    store_decode: bool = False
+    store_decode: StrictBool = False
     server: ServerConnection = Field(default_factory=ServerConnection)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
-    lazy_offload: bool = False
+    lazy_offload: StrictBool = False
     lazy_offload_policy: PluginRef = Field(default_factory=lambda: PluginRef(type="FIFO"))
     lazy_offload_threshold: PositiveInt = 100
     lazy_offload_select_count: PositiveInt = 10
@@ -237,20 +263,34 @@ class LMKVConfig(_Model):
             "tiers", "serializer", "gpu_connector", "lazy_offload_policy"})],
             sort_keys=True)
 
-    def resolved_dump(self) -> dict[str, Any]:
-        """The config as plain data, plugin options filled with their defaults;
-        secrets masked (this is what ``config check`` prints)."""
-        data = self.model_dump(mode="json")
+    def startup_warnings(self) -> list[str]:
+        """One line per option that is valid but will not work on this machine now
+        (``PluginOptions.startup_warnings``: a cpu tier larger than the memory
+        available), naming its key; ``config check`` prints them."""
+        lines = []
+        for path, resolved in self._resolved_plugins():
+            for name, why in resolved.options.startup_warnings().items():
+                key = f"{path}.options.{name}"
+                lines.append(f"config key {key!r}{_source_for(key, self._sources)}: {why}")
+        return lines
+
+    def _resolved_plugins(self) -> list[tuple[str, Resolved[Any]]]:
+        """Every plugin this config selects, with the key it sits at."""
         plugins = self.plugins
         chosen: list[tuple[str, Resolved[Any] | None]] = [
             ("serializer", plugins.serializer), ("gpu_connector", plugins.gpu_connector),
             ("lazy_offload_policy", plugins.offload_policy)]
         for i, tier in enumerate(plugins.tiers):
             chosen += [(f"tiers.{i}", tier.backend), (f"tiers.{i}.eviction", tier.eviction)]
-        for path, resolved in chosen:
-            if resolved is not None:
-                _set_path(data, [*path.split("."), "options"],
-                          resolved.options.model_dump(mode="json"))
+        return [(path, resolved) for path, resolved in chosen if resolved is not None]
+
+    def resolved_dump(self) -> dict[str, Any]:
+        """The config as plain data, plugin options filled with their defaults;
+        secrets masked (this is what ``config check`` prints)."""
+        data = self.model_dump(mode="json")
+        for path, resolved in self._resolved_plugins():
+            _set_path(data, [*path.split("."), "options"],
+                      resolved.options.model_dump(mode="json"))
         return redact_value(data)
 
 
@@ -274,6 +314,7 @@ def resolve_plugins(config: LMKVConfig, manager: PluginManager | None = None
         resolver.resolve(manager.gpu_connector, config.gpu_connector, "gpu_connector")
     offload = resolver.resolve(manager.offload_policy, config.lazy_offload_policy,
                                "lazy_offload_policy")
+    resolver.refuse_repeated_tiers(tiers)
     if resolver.errors:
         raise ConfigError("\n".join(resolver.errors))
     defaults: dict[str, Resolved[GPUConnector] | str] = {}
@@ -322,6 +363,15 @@ class _Resolver:
                 self._lines.append(f"{key}: {exc}")
             return _UNRESOLVED
         options_model = cls.Options  # type: ignore[attr-defined]
+        not_bools = [
+            f"config key '{path}.options.{name}' = {_short(redact_value(value, name))}"
+            f"{_source_for(f'{path}.options.{name}', self.sources)}: must be true or false"
+            for name, value in ref.options.items()
+            if not isinstance(value, bool) and value is not None
+            and _is_bool_field(options_model, name)]
+        if not_bools:
+            self._lines.extend(not_bools)
+            return _UNRESOLVED
         try:
             options = options_model.model_validate(ref.options)
         except ValidationError as exc:
@@ -330,9 +380,38 @@ class _Resolver:
             return _UNRESOLVED
         return Resolved(cls, options)
 
+    def refuse_repeated_tiers(self, tiers: Sequence[ResolvedTier]) -> None:
+        """Two tiers of one backend with the same options hold the same chunks twice
+        (or, on disk, write the same files): a copy-paste slip, never a plan."""
+        for i, tier in enumerate(tiers):
+            if tier.backend is _UNRESOLVED:
+                continue
+            for j in range(i):
+                other = tiers[j].backend
+                if other.cls is tier.backend.cls and other.options == tier.backend.options:
+                    self._lines.append(
+                        f"config key 'tiers.{i}'{_source_for(f'tiers.{i}', self.sources)}: "
+                        f"the same tier as tiers.{j} (type {tier.backend.cls.name!r}, the "
+                        f"same options); allowed: tiers that differ in type or options "
+                        f"(remove tiers.{i}, or change its options)")
+                    break
+
 
 # Stands in for a reference that failed, so the others are still checked.
 _UNRESOLVED: Resolved[Any] = Resolved(object, PluginOptions())
+
+
+def _is_bool_field(model: type[BaseModel], name: str) -> bool:
+    """Whether option ``name`` takes a boolean (``bool`` or ``bool | None``): lmkv's
+    config reads only true and false as one, in plugin options as in its own keys."""
+    field = model.model_fields.get(name)
+    if field is None:
+        return False
+    annotation = field.annotation
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        args = set(typing.get_args(annotation)) - {type(None)}
+        return args == {bool}
+    return annotation is bool
 
 
 # -- loading -----------------------------------------------------------------
@@ -350,8 +429,9 @@ def load_config(path: str | os.PathLike | None = None, *,
     """
     env = os.environ if env is None else env
     dotted = {_strip_prefix(k): v for k, v in (overrides or {}).items()}
-    path = path or dotted.pop(CONFIG_FILE_KEY, None) or env.get(CONFIG_ENV) or None
+    given = path or dotted.pop(CONFIG_FILE_KEY, None) or None
     dotted.pop(CONFIG_FILE_KEY, None)
+    path = _config_path(given, env.get(CONFIG_ENV) or None)
 
     data: dict[str, Any] = LMKVConfig().model_dump(mode="python")
     sources: dict[str, str] = {}
@@ -376,6 +456,27 @@ def load_config(path: str | os.PathLike | None = None, *,
     config._sources = sources
     config._plugins = (config._plugin_refs(), resolve_plugins(config, plugin_manager))
     return config
+
+
+def _config_path(given: str | os.PathLike | None, from_env: str | None
+                 ) -> str | os.PathLike | None:
+    """The config file to read: the one given (a path, ``lmkv.config_file``) wins over
+    ``LMKV_CONFIG``, as a command line wins over the environment. ``LMKV_CONFIG`` is
+    checked all the same: one naming no file is an error even beside a given file (a
+    stale variable means the user's picture of the config is wrong), and one naming
+    another file is said in a warning, since it is not read."""
+    if from_env is None or given is None:
+        return given or from_env  # alone, LMKV_CONFIG is read, and its errors said there
+    if not os.path.isfile(from_env):
+        kind = "a directory" if os.path.isdir(from_env) else "no such file"
+        raise ConfigError(f"{CONFIG_ENV} = {from_env!r}: cannot read it ({kind}), and it "
+                          f"is checked even when a config file is given ({given}); "
+                          f"allowed: a config file (.yaml, .toml or .json), or "
+                          f"{CONFIG_ENV} unset")
+    if os.path.abspath(given) != os.path.abspath(from_env):
+        logger.warning("lmkv: %s=%s is not read: the config file given, %s, wins over it",
+                       CONFIG_ENV, from_env, given)
+    return given
 
 
 # A config is a few KiB; this leaves ample room and bounds what a parse can cost.
@@ -547,9 +648,21 @@ def _format_errors(exc: ValidationError, prefix: str, sources: Mapping[str, str]
             continue
         # pydantic echoes the input: a password, a URL with credentials, or (for a
         # model-level check) the whole options mapping with its secrets.
-        value = _short(redact_value(err.get("input"), loc[-1] if loc else None))
+        value = ("'***'" if _typed_secret(model, loc) else
+                 _short(redact_value(err.get("input"), loc[-1] if loc else None)))
         lines.append(f"config key {shown!r} = {value}{where}: {_allowed(err)}")
     return "\n".join(lines)
+
+
+def _typed_secret(model: type[BaseModel], loc: list[str]) -> bool:
+    """Whether the field at ``loc`` is typed as a secret (``SecretStr``): masked
+    whatever its name (the fs tier's ``key`` is an access key id)."""
+    parent = model_at(model, loc[:-1]) if loc else None
+    field = parent.model_fields.get(loc[-1]) if parent is not None else None
+    if field is None:
+        return False
+    return any(isinstance(t, type) and issubclass(t, (SecretStr, SecretBytes))
+               for t in (field.annotation, *typing.get_args(field.annotation)))
 
 
 def _unknown_key_hint(model: type[BaseModel], loc: list[str], key: str, where: str) -> str:

@@ -2,11 +2,12 @@
 
 A typo must say how to fix it, at every level: top-level keys, a section's keys,
 a plugin's options, and ``LMKV_*`` variables (the prefix is reserved for lmkv).
+A wrong suggestion is worse than none (``lookup.port`` is not ``transport``), so
+a key is suggested only when it is plausibly what was meant (``nearest``).
 """
 
 from __future__ import annotations
 
-import difflib
 import types
 import typing
 from collections.abc import Iterable, Sequence
@@ -76,6 +77,73 @@ def renamed_key_line(model: type[BaseModel], old: str, new: str, where: str) -> 
     return f"config key {old!r}{where} was renamed {new!r}{allowed}"
 
 
+def nearest(name: str, allowed: Iterable[str]) -> str | None:
+    """The allowed key ``name`` most plausibly meant, or None when none is plausible.
+
+    Plausible, in this order of preference (case and ``_`` aside):
+
+    1. the same letters (``chunksize``: ``chunk_size``), or one whole word of one key
+       only (``port``: ``base_port``; ``timeout``: ``timeout_ms``);
+    2. one edit away, or two for names of five letters or more: a letter added,
+       dropped, changed, or two neighbours swapped (``tier``, ``evicton``, ``layuot``);
+    3. an abbreviation: the key's first letter, then the rest of the name in order,
+       covering at least half the key (``opts``: ``options``).
+
+    Letters shared in passing make nothing plausible: ``port`` is not ``transport``.
+    """
+    plain = _letters(name)
+    if not plain:
+        return None
+    keys = sorted(set(allowed))
+    same = [key for key in keys if plain == _letters(key)]
+    if same:
+        return same[0]
+    holding = [key for key in keys if plain in _words(key)]
+    if len(holding) == 1:
+        return holding[0]
+    limit = 1 if len(plain) < 5 else 2
+    scored = sorted((_edits(plain, _letters(key)), key) for key in keys)
+    if scored and scored[0][0] <= limit:
+        return scored[0][1]
+    for key in keys:
+        target = _letters(key)
+        if (len(plain) >= 3 and 2 * len(plain) >= len(target) and plain[0] == target[0]
+                and _in_order(plain[1:], target[1:])):
+            return key
+    return None
+
+
+def _letters(name: str) -> str:
+    return name.lower().replace("_", "").replace("-", "")
+
+
+def _words(name: str) -> list[str]:
+    return [w for w in name.lower().replace("-", "_").split("_") if w]
+
+
+def _edits(a: str, b: str) -> int:
+    """Letters added, dropped, changed or swapped with a neighbour to make ``b`` of ``a``
+    (optimal string alignment distance)."""
+    if abs(len(a) - len(b)) > 2:
+        return 3  # more than any limit: not worth the table
+    prev2: list[int] = []
+    prev = list(range(len(b) + 1))
+    for i in range(1, len(a) + 1):
+        row = [i] + [0] * len(b)
+        for j in range(1, len(b) + 1):
+            cost = 0 if a[i - 1] == b[j - 1] else 1
+            row[j] = min(prev[j] + 1, row[j - 1] + 1, prev[j - 1] + cost)
+            if i > 1 and j > 1 and a[i - 1] == b[j - 2] and a[i - 2] == b[j - 1]:
+                row[j] = min(row[j], prev2[j - 2] + 1)
+        prev2, prev = prev, row
+    return prev[-1]
+
+
+def _in_order(letters: str, text: str) -> bool:
+    rest = iter(text)
+    return all(letter in rest for letter in letters)
+
+
 def unknown_key_hint(name: str, allowed: Iterable[str], *, env_stem: str | None = None,
                      env_only: Iterable[str] = ()) -> str:
     """``did you mean ...? allowed: ...`` for an unknown key ``name``.
@@ -88,16 +156,16 @@ def unknown_key_hint(name: str, allowed: Iterable[str], *, env_stem: str | None 
     if not allowed:
         return "this takes no keys (allowed: none)"
     if env_stem is None:
-        close = difflib.get_close_matches(name, allowed, n=1)
-        hint = f"did you mean {close[0]!r}? " if close else ""
+        close = nearest(name, allowed)
+        hint = f"did you mean {close!r}? " if close else ""
         return f"{hint}allowed: {', '.join(allowed)}"
     # Compared without the shared stem, which would make every variable look alike.
     candidates = {key.upper(): env_stem + key.upper() for key in allowed}
     top_level = env_stem == ENV_PREFIX
     if top_level:
         candidates.update({var[len(ENV_PREFIX):]: var for var in env_only})
-    close = difflib.get_close_matches(name.upper(), list(candidates), n=1)
-    hint = f"did you mean {candidates[close[0]]}? " if close else ""
+    close = nearest(name.upper(), candidates)
+    hint = f"did you mean {candidates[close]}? " if close else ""
     line = f"{hint}allowed: {', '.join(allowed)}"
     if top_level:
         line += (f"; the {ENV_PREFIX} prefix is reserved for lmkv: every {ENV_PREFIX}* "

@@ -16,6 +16,14 @@ class PluginOptions(RedactedRepr, BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
+    def startup_warnings(self) -> dict[str, str]:
+        """Options that are valid but will not work on this machine as it is now, by
+        option name, each with why (the ``cpu`` tier: a ``max_bytes`` past the memory
+        available). ``lmkv config check`` prints each as a warning naming its key.
+        Whether a config is valid never depends on the moment: the plugin raises
+        where the resource is made (a ``ConfigError`` naming the key)."""
+        return {}
+
 
 #: What every plugin constructor takes as ``options``: its ``Options`` model, a
 #: mapping validated into one, or None (the defaults).

@@ -18,17 +18,25 @@ logger = logging.getLogger(__name__)
 _spec_log = RateLimitedLog(logger)
 
 
+def spec_misfit(spec: KVSpec, chunk: Any, num_tokens: int) -> str | None:
+    """How ``chunk`` (a tensor) differs from the shape and dtype ``spec`` gives
+    ``num_tokens`` tokens, or None when it fits."""
+    expected = spec.chunk_shape(num_tokens)
+    if chunk.dtype == spec.dtype and tuple(chunk.shape) == expected:
+        return None
+    return (f"is {dtype_name(chunk.dtype)} {list(chunk.shape)}, this engine's KV is "
+            f"{dtype_name(spec.dtype)} {list(expected)}")
+
+
 def fits_spec(spec: KVSpec, counters: EngineCounters, key: CacheKey, chunk: Any,
               num_tokens: int) -> bool:
     """Whether ``chunk`` (a tensor) has the shape and dtype ``spec`` gives ``num_tokens``
     tokens; a chunk that does not is counted and logged (a miss for the caller)."""
-    expected = spec.chunk_shape(num_tokens)
-    if chunk.dtype == spec.dtype and tuple(chunk.shape) == expected:
+    misfit = spec_misfit(spec, chunk, num_tokens)
+    if misfit is None:
         return True
     counters.spec_mismatches += 1
-    _spec_log.warning("spec", "lmkv: chunk %s is %s %s, this engine's KV is %s %s; a miss "
-                      "from there", key.to_string(), dtype_name(chunk.dtype), list(chunk.shape),
-                      dtype_name(spec.dtype), list(expected))
+    _spec_log.warning("spec", "lmkv: chunk %s %s; a miss from there", key.to_string(), misfit)
     return False
 
 

@@ -10,7 +10,12 @@ Each takes an optional ``identity`` (``lmkv.keys.chunking.Identity``: LoRA adapt
 cache salt, multimodal inputs, prompt embeddings): the same tokens under
 another identity are other chunks. Every chunk a retrieve gets is checked
 against the engine's KV spec (shape and dtype) before the connector sees it;
-a chunk that does not fit ends the hit there (``counters.spec_mismatches``).
+a chunk that does not fit ends the hit there (``counters.spec_mismatches``)
+and is removed as the corrupt entry it is: its key names this engine's KV, so
+whatever else is stored under it can never load. It is counted in the
+``corrupt_frames`` of the tier that served it (the lowest that holds it: the
+copies promoted above it go too), so the next lookup is a miss, not a hit
+that never loads.
 
 With ``record_metrics`` (the default) every lookup, retrieve and store is
 recorded into the process's recorder (``lmkv.metrics``) and the engine's tiers
@@ -32,7 +37,7 @@ from lmkv.config.model import LMKVConfig
 from lmkv.contracts.connector import ChunkSpan, GPUConnector, KVSpec
 from lmkv.contracts.direct_chunk import memory_prefix
 from lmkv.engines.direct_loads import DirectLoads
-from lmkv.engines.keys import engine_chunker, fits_spec
+from lmkv.engines.keys import engine_chunker, fits_spec, spec_misfit
 from lmkv.engines.protocol import EngineCounters, RetrieveResult
 from lmkv.keys.aliases import chunk_aliases
 from lmkv.keys.chunking import CacheKey, ChunkKeys, Identity, KeyMeta
@@ -209,13 +214,15 @@ class LocalEngine:
         if objs is None and self.connector.writes_in_place:
             return self._retrieve_streaming(chunks, kv)
         ends = list(chunks.ends)
+        keys = list(chunks.keys)  # what each obj was served under
         if objs is None:
             objs = self.storage.get(chunks.keys)
             tail = self._partial_hit(chunks, len(objs))
             if tail is not None:
                 objs.append(tail[1])
                 ends[len(objs) - 1] = chunks.starts[len(objs) - 1] + tail[2]
-        fitting = self._fitting(chunks, 0, objs, ends)
+                keys[len(objs) - 1] = tail[0]
+        fitting = self._fitting(chunks, 0, objs, ends, keys)
         if not fitting:
             release(objs)
             return RetrieveResult(0, None)
@@ -245,15 +252,18 @@ class LocalEngine:
             if tail is not None:
                 ends = list(chunks.ends)
                 ends[hit] = chunks.starts[hit] + tail[2]
-                if self._copy_in(chunks, hit, [tail[1]], ends, kv)[1]:
+                keys = list(chunks.keys)
+                keys[hit] = tail[0]
+                if self._copy_in(chunks, hit, [tail[1]], ends, kv, keys)[1]:
                     end = ends[hit]
         return RetrieveResult(end, None)
 
     def _copy_in(self, chunks: ChunkKeys, first: int, got: list[MemoryObj],
-                 ends: Sequence[int], kv: dict[str, Any]) -> tuple[int, bool]:
+                 ends: Sequence[int], kv: dict[str, Any],
+                 keys: Sequence[CacheKey] | None = None) -> tuple[int, bool]:
         """Copy chunks ``first``... into the engine's KV; (chunks now in, all fitted)."""
         try:
-            fitting = self._fitting(chunks, first, got, ends)
+            fitting = self._fitting(chunks, first, got, ends, keys or chunks.keys)
             spans = [ChunkSpan(chunks.starts[first + i], ends[first + i], t)
                      for i, t in enumerate(fitting)]
             if spans:
@@ -263,22 +273,31 @@ class LocalEngine:
         return first + len(fitting), len(fitting) == len(got)
 
     def _fitting(self, chunks: ChunkKeys, first: int, objs: list[MemoryObj],
-                 ends: Sequence[int]) -> list[Any]:
-        """The tensors of the leading ``objs`` (chunks ``first``...) whose shape and
-        dtype are what this engine's KV spec gives their tokens (``ends``), a chunk
-        that holds more tokens (block-granular hits: an alias's target) cut to its
-        leading ones. The rest are counted; the caller releases every obj."""
+                 ends: Sequence[int], keys: Sequence[CacheKey]) -> list[Any]:
+        """The tensors of the leading ``objs`` (chunks ``first``..., served under
+        ``keys``) whose shape and dtype are what this engine's KV spec gives their
+        tokens (``ends``), a chunk that holds more tokens (block-granular hits: an
+        alias's target, never more than a chunk) cut to its leading ones. The first
+        that does not fit is counted and removed from the tiers (``_drop_misfit``);
+        the caller releases every obj."""
         out = []
         for i, obj in enumerate(objs):
             j = first + i
             want = ends[j] - chunks.starts[j]
             tensor = obj.tensor
-            if tensor.dim() == 5 and tensor.shape[2] > want:
+            if tensor.dim() == 5 and want < tensor.shape[2] <= self.chunker.chunk_size:
                 tensor = tensor.narrow(2, 0, want)
-            if not fits_spec(self.spec, self.counters, chunks.keys[j], tensor, want):
+            if not fits_spec(self.spec, self.counters, keys[j], tensor, want):
+                self._drop_misfit(keys[j], spec_misfit(self.spec, tensor, want))
                 break
             out.append(tensor)
         return out
+
+    def _drop_misfit(self, key: CacheKey, misfit: str | None) -> None:
+        """Remove the entry under ``key`` that does not fit this engine's KV from every
+        tier (``StorageManager.drop``: counted once, where a lookup found it), so
+        the next lookup misses."""
+        self.storage.drop(key, f"does not fit this engine's KV: it {misfit}")
 
     def stats(self) -> list[dict[str, Any]]:
         return self.storage.stats()

@@ -211,6 +211,18 @@ def prefill(
 
     Returns the last position's logits ``[vocab]`` (float32) and the cache.
     """
+    logits, cache = forward_last(model, input_ids, past_kv)
+    return logits[0, -1].float(), cache
+
+
+def forward_last(
+    model: Any,
+    input_ids: Sequence[int] | torch.Tensor,
+    past_kv: Any = None,
+) -> tuple[torch.Tensor, Any]:
+    """``prefill``, with the logits as the model returns them for its last position:
+    ``[1, 1, vocab]`` in the model's dtype, as transformers' ``model(input_ids,
+    logits_to_keep=1).logits``."""
     device = model.device
     ids = torch.as_tensor(input_ids, dtype=torch.long, device=device).reshape(1, -1)
     past_len = past_kv.get_seq_length() if past_kv is not None else 0
@@ -228,7 +240,8 @@ def prefill(
     with torch.inference_mode():
         out = model(**kwargs)
     cache = getattr(out, "cache", None)
-    return out.logits[0, -1].float(), cache if cache is not None else out.past_key_values
+    # Without logits_to_keep (older transformers) every position's logits come back.
+    return out.logits[:, -1:], cache if cache is not None else out.past_key_values
 
 
 def greedy_generate(

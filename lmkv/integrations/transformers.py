@@ -6,6 +6,10 @@
     out = cache.prefill(input_ids)            # loads the stored prefix, computes the rest,
     out.logits, out.cache, out.hit_tokens     # stores the new chunks
 
+``out.logits`` is ``[1, 1, vocab]``, as transformers' ``model(input_ids,
+logits_to_keep=1).logits``: ``out.logits[:, -1, :]`` is the next token's, as with
+transformers.
+
 ``retrieve`` and ``store`` are there for loops that run the model themselves.
 Hits are matched in blocks of ``BLOCK_TOKENS`` inside lmkv's chunks, so a prompt
 that leaves a stored one mid-chunk still loads the chunk's leading blocks.
@@ -30,14 +34,16 @@ import torch
 from lmkv.config.model import LMKVConfig, load_config
 from lmkv.contracts.connector import KVSpec
 from lmkv.engines import Engine, open_engine
-from lmkv.integrations.hf_model import cache_to_kv, kv_to_cache, prefill
+from lmkv.integrations.hf_model import cache_to_kv, forward_last, kv_to_cache
 from lmkv.keys.chunking import Identity
 
 
 @dataclass
 class PrefillOutput:
     logits: torch.Tensor
-    """Last-position logits, ``[vocab]``."""
+    """The last prompt position's logits, ``[1, 1, vocab]`` in the model's dtype: what
+    transformers' ``model(input_ids, logits_to_keep=1).logits`` gives (the positions
+    before it are loaded or computed without logits)."""
     cache: Any
     """The model's cache after the prompt, ready for decoding."""
     hit_tokens: int
@@ -91,7 +97,7 @@ class HFCacheEngine:
                 store: bool = True) -> PrefillOutput:
         ids = _flat(input_ids)
         hit, cache = self.retrieve(ids)
-        logits, cache = prefill(self.model, ids[hit:], cache)
+        logits, cache = forward_last(self.model, ids[hit:], cache)
         if store:
             self.store(ids, cache)
         return PrefillOutput(logits, cache, hit)

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from contextlib import closing
@@ -44,6 +46,9 @@ from lmkv.storage.writethrough import WriteThrough
 logger = logging.getLogger(__name__)
 
 GET_TIMEOUT_S = 30.0
+#: How many dropped keys a manager remembers, to keep reads in flight from
+#: promoting them back (a read lasts at most GET_TIMEOUT_S).
+DROPPED_REMEMBERED = 1024
 _CONFIG = LMKVConfig.model_fields  # defaults are the config's, written once
 
 
@@ -69,6 +74,10 @@ class StorageManager:
                                             initializer=affinity.apply)
         self._semaphore: WeightedSemaphore | None = None
         self._closed = False
+        # Keys dropped as unusable (``drop``) lately: a read that collected one
+        # before the drop must not promote it back.
+        self._dropped: OrderedDict[CacheKey, None] = OrderedDict()
+        self._dropped_lock = threading.Lock()
 
     @classmethod
     def from_config(cls, config: LMKVConfig, *,
@@ -119,6 +128,10 @@ class StorageManager:
         """
         if parents is not None and len(parents) != len(keys):
             raise ValueError(f"{len(keys)} keys but {len(parents)} parents")
+        if self._dropped:  # stored again: a later read may promote it
+            with self._dropped_lock:
+                for key in keys:
+                    self._dropped.pop(key, None)
         if aliases:
             return self._put_with_aliases(keys, objs, parents, aliases)
         first = self.tiers[0]
@@ -511,9 +524,13 @@ class StorageManager:
         if not promotion.keys:
             return
         keys, objs, parents = promotion.take()
+        if self._dropped:  # a chunk dropped since it was read, and its tail, stay out
+            with self._dropped_lock:
+                cut = next((i for i, k in enumerate(keys) if k in self._dropped), len(keys))
+            keys, parents = keys[:cut], parents[:cut]
         first = self.tiers[0]
         try:
-            admitted = self._admitted(0, keys, objs, parents)
+            admitted = self._admitted(0, keys, objs[:len(keys)], parents)
             if admitted[0]:
                 guarded(first, "promote", first.batched_submit_put(
                     admitted[0], admitted[1], parents=admitted[2]), 0, "not promoted")
@@ -521,6 +538,33 @@ class StorageManager:
             first.faults.last_resort("promote", exc, "not promoted")
         finally:
             release(objs)
+
+    def drop(self, key: CacheKey, problem: str) -> None:
+        """Remove the entry under ``key``, which a reader found unusable (it does not
+        fit the engine's KV), from every tier that holds it. It is counted as a
+        corrupt entry once, in the lowest tier that holds it (the one a lookup
+        found it in: the copies above it were promoted from there), and removed
+        from the others; a read that collected it before is kept from promoting it
+        back. The next lookup misses there."""
+        with self._dropped_lock:
+            self._dropped[key] = None
+            while len(self._dropped) > DROPPED_REMEMBERED:
+                self._dropped.popitem(last=False)
+        holders = []
+        for tier in self.tiers:
+            try:
+                if tier.contains(key):
+                    holders.append(tier)
+            except Exception as exc:  # the last resort, as for lookups
+                tier.faults.last_resort("lookup", exc, "not removed")
+        for tier in holders:
+            try:
+                if tier is holders[-1]:
+                    tier.drop_corrupt(key, problem)
+                else:
+                    tier.remove(key)
+            except Exception as exc:  # one tier's bug leaves the others' removals be
+                tier.faults.last_resort("remove", exc, "not removed")
 
     # -- the rest --------------------------------------------------------------
     def watch(self, listener: Callable[[int, CacheKey, bool], None] | None) -> list[int]:

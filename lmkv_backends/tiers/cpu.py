@@ -14,7 +14,7 @@ from concurrent.futures import Future
 from typing import Annotated
 
 import torch
-from pydantic import ByteSize, Field, model_validator
+from pydantic import ByteSize, Field, field_validator
 from pydantic_core import PydanticCustomError
 
 from lmkv.base.errors import ConfigError
@@ -29,6 +29,9 @@ logger = logging.getLogger(__name__)
 
 #: The default ``prefault_ahead``'s ceiling: a 4096-token Llama-3-8B bf16 prefix.
 PREFAULT_AHEAD = 512 << 20
+#: The largest ``max_bytes``: more than a 64-bit process can map (x86-64's 57-bit
+#: addresses), so anything past it is a slip, and its figures stay readable.
+MAX_ARENA_BYTES = 64 << 50
 
 
 class CPUOptions(PluginOptions):
@@ -51,28 +54,41 @@ class CPUOptions(PluginOptions):
     (or stored) land on pages that are already there; 0: off. Default:
     ``max_bytes / 16``, at most ``PREFAULT_AHEAD``."""
     allow_overcommit: bool = False
-    """Accept a ``max_bytes`` larger than the memory this machine has available when
-    the config is validated; off: that is an error (the arena would fail, or swap,
-    once it fills)."""
+    """Make the arena even when ``max_bytes`` is larger than the memory this machine
+    has available when it is made; off: that is an error there (the arena would
+    fail, or swap, once it fills). ``config check`` warns either way."""
 
-    @model_validator(mode="after")
-    def _fits_in_memory(self) -> CPUOptions:
-        # Checked where every start-up validates options (config check, engines,
-        # the server), so a budget the machine cannot hold is one line, not a
-        # failed allocation deep inside the first command that opens the tier.
-        # The default budget is lmkv's choice, not the user's: an error about a key
-        # nobody wrote would only confuse (the arena's pages are taken as it fills).
-        if self.allow_overcommit or "max_bytes" not in self.model_fields_set:
-            return self
-        available = available_memory_bytes()
-        if available is not None and self.max_bytes > available:
+    @field_validator("max_bytes")
+    @classmethod
+    def _addressable(cls, value: ByteSize) -> ByteSize:
+        if value > MAX_ARENA_BYTES:
             raise PydanticCustomError(
-                "memory_overcommit",
-                "max_bytes {budget} is more than the memory this machine has available "
-                "({available}): lower it, or set allow_overcommit: true",
-                {"budget": self.max_bytes.human_readable(),
-                 "available": ByteSize(available).human_readable()})
-        return self
+                "arena_too_large", "must be at most {most} (more than a 64-bit process "
+                "can map)", {"most": ByteSize(MAX_ARENA_BYTES).human_readable()})
+        return value
+
+    def memory_shortfall(self) -> str | None:
+        """Why ``max_bytes`` cannot be had on this machine now, or None. Asked when the
+        arena is made (an error there) and by ``config check`` (a warning): never at
+        validation, since a config's validity must not depend on this moment's free
+        memory. The default budget is lmkv's choice, not the user's, and is not
+        held against a small machine (the arena's pages are taken as it fills)."""
+        if "max_bytes" not in self.model_fields_set:
+            return None
+        available = available_memory_bytes()
+        if available is None or self.max_bytes <= available:
+            return None
+        return (f"more than the memory this machine has available "
+                f"({ByteSize(available).human_readable()})")
+
+    def startup_warnings(self) -> dict[str, str]:
+        shortfall = self.memory_shortfall()
+        if shortfall is None:
+            return {}
+        then = ("the arena is made anyway (allow_overcommit: true) and may fail or swap "
+                "as it fills" if self.allow_overcommit else
+                "the tier will not start here: lower it, or set allow_overcommit: true")
+        return {"max_bytes": f"{self.max_bytes.human_readable()} is {shortfall}; {then}"}
 
 
 class CPUBackend(StorageBackend):
@@ -103,6 +119,11 @@ class CPUBackend(StorageBackend):
         """The arena's segment (None: private memory) and its allocator. An arena
         that cannot be had at all (``max_bytes`` past what the kernel maps, with
         ``allow_overcommit``) is a ConfigError naming the key, not a traceback."""
+        key = f"config key 'tiers.{context.tier_index}.options.max_bytes'"
+        shortfall = None if options.allow_overcommit else options.memory_shortfall()
+        if shortfall is not None:
+            raise ConfigError(f"{key} = {options.max_bytes.human_readable()}: {shortfall}; "
+                              "lower it, or set allow_overcommit: true")
         segment, no_segment = cls._shared_segment(options, context.arena)
         try:
             ahead = options.prefault_ahead
@@ -119,8 +140,8 @@ class CPUBackend(StorageBackend):
             if no_segment:
                 reason = f"{no_segment}; private memory: {reason}"
             raise ConfigError(
-                f"config key 'tiers.{context.tier_index}.options.max_bytes' = "
-                f"{options.max_bytes.human_readable()}: the arena could not be allocated "
+                f"{key} = {options.max_bytes.human_readable()}: the arena could not be "
+                "allocated "
                 f"({reason}); lower max_bytes") from None
         if no_segment:  # said only now: had the arena failed, the error says it all
             logger.warning("lmkv cpu tier: %s; the arena stays in private memory, so "

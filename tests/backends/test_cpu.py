@@ -244,41 +244,61 @@ def test_concurrent_clients_keep_counts_and_budget() -> None:
 
 # -- a budget larger than the machine ------------------------------------------
 
-def test_budget_beyond_available_memory_is_refused() -> None:
+def test_budget_beyond_available_memory_is_valid_and_refused_where_the_arena_is_made(
+        ) -> None:
+    """A config's validity does not depend on this moment's free memory: it loads
+    (with a warning for config check), and the arena is what refuses it."""
     from lmkv.base.errors import ConfigError
     from lmkv.config.model import load_config
     from lmkv.memory.shm import available_memory_bytes
+    from lmkv.storage.manager import StorageManager
 
     available = available_memory_bytes()
     assert available is not None  # Linux: MemAvailable
     too_big = available + (1 << 30)
+    config = load_config(env={}, overrides={"lmkv.tiers": [
+        {"type": "cpu", "options": {"max_bytes": "64MiB"}},
+        {"type": "cpu", "options": {"max_bytes": too_big}}]})
+    [warning] = config.startup_warnings()
+    assert warning.startswith("config key 'tiers.1.options.max_bytes' (from lmkv.tiers): ")
+    assert "is more than the memory this machine has available" in warning
+    assert warning.endswith("the tier will not start here: lower it, or set "
+                            "allow_overcommit: true")
     with pytest.raises(ConfigError) as info:
-        load_config(env={}, overrides={"lmkv.tiers.0.options.max_bytes": too_big})
+        StorageManager.from_config(config)
     message = str(info.value)
-    assert len(message.splitlines()) == 1
-    assert "max_bytes" in message
-    assert "is more than the memory this machine has available" in message
+    assert "\n" not in message
+    assert message.startswith("config key 'tiers.1.options.max_bytes' = ")
+    assert "more than the memory this machine has available (" in message
     assert message.endswith("lower it, or set allow_overcommit: true")
-    # The explicit option accepts it (validated only: nothing is allocated here).
-    config = load_config(env={}, overrides={"lmkv.tiers.0.options": {
-        "max_bytes": too_big, "allow_overcommit": True}})
-    assert config.tiers[0].options["allow_overcommit"] is True
 
 
-@pytest.mark.parametrize("command", [["config", "check"], ["stats", "--config"],
-                                     ["server", "--config"]])
-def test_oversized_tier_is_one_line_for_every_command(tmp_path, command) -> None:
+def test_an_unaddressable_budget_is_invalid_with_a_readable_bound() -> None:
+    from lmkv.base.errors import ConfigError
+    from lmkv.config.model import load_config
+
+    with pytest.raises(ConfigError) as info:
+        load_config(env={}, overrides={"lmkv.tiers.0.options.max_bytes": 10**32})
+    assert str(info.value) == (
+        f"config key 'tiers.0.options.max_bytes' = {10**32} (from "
+        "lmkv.tiers.0.options.max_bytes): must be at most 64.0PiB (more than a 64-bit "
+        "process can map)")
+
+
+@pytest.mark.parametrize("command", [["stats", "--config"], ["server", "--config"]])
+def test_oversized_tier_is_one_line_where_the_arena_is_made(tmp_path, command) -> None:
     from tests.conftest import run_cli
 
     config = tmp_path / "big.yaml"
     config.write_text("tiers:\n  - type: cpu\n    options: {max_bytes: 1PiB}\n")
-    result = run_cli(*command, str(config))
+    extra = ["--socket", str(tmp_path / "s.sock")] if command[0] == "server" else []
+    result = run_cli(*command, str(config), *extra)
     assert result.returncode == 2, result.stderr
     assert "Traceback" not in result.stderr
     errors = result.stderr.splitlines()
     assert len(errors) == 1, result.stderr
-    assert errors[0].startswith("lmkv: error: config key 'tiers.0.options' = ")
-    assert "max_bytes 1.0PiB is more than the memory this machine has available" in errors[0]
+    assert errors[0].startswith("lmkv: error: config key 'tiers.0.options.max_bytes' = "
+                                "1.0PiB: more than the memory this machine has available (")
 
 
 def test_default_budget_is_not_held_against_a_small_machine(monkeypatch) -> None:
@@ -286,8 +306,9 @@ def test_default_budget_is_not_held_against_a_small_machine(monkeypatch) -> None
 
     monkeypatch.setattr(cpu, "available_memory_bytes", lambda: 1 << 30)
     assert cpu.CPUOptions().max_bytes == 4 << 30
-    with pytest.raises(ValueError, match="more than the memory this machine has available"):
-        cpu.CPUOptions(max_bytes="2GiB")
+    assert cpu.CPUOptions().memory_shortfall() is None
+    assert cpu.CPUOptions(max_bytes="2GiB").memory_shortfall() == (
+        "more than the memory this machine has available (1.0GiB)")
 
 
 def test_an_arena_that_cannot_be_allocated_is_one_config_error_naming_the_key() -> None:

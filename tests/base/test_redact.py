@@ -6,7 +6,8 @@ from lmkv.base.redact import Redactor, is_secret_name, redact_text, redact_url, 
 
 
 @pytest.mark.parametrize(("name", "secret"), [
-    ("password", True), ("key", True), ("secret_key", True), ("aws_access_key_id", True),
+    ("password", True), ("key", False), ("secret_key", True), ("aws_access_key_id", True),
+    ("server_key", False), ("public_key", False), ("api_key", True), ("password_file", False),
     ("token", True), ("client_secret", True), ("key_prefix", False), ("tls_key_file", False),
     ("url", False), ("max_bytes", False),
 ])

@@ -175,7 +175,7 @@ def test_paged_retrieve_streams_across_tiers() -> None:
     config = load_config(env={}, overrides={
         "lmkv.chunk_size": 16, "lmkv.gpu_connector": "paged",
         "lmkv.tiers": [{"type": "cpu", "options": {"max_bytes": "1MiB"}},
-                       {"type": "cpu", "options": {"max_bytes": "1MiB"}}]})
+                       {"type": "cpu", "options": {"max_bytes": "2MiB"}}]})
     caches = [torch.randn(8, 2, 16, 32).half() for _ in range(2)]
     with open_local_engine(config, SPEC, model_name="paged", kv_kind="paged") as engine:
         tokens = list(range(64))

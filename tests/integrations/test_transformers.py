@@ -39,13 +39,28 @@ def test_reused_kv_reproduces_a_full_recompute(model, prompts, engine) -> None:
     first = engine.prefill(prompts[0])
     assert first.hit_tokens == 0
     # two separate full prefills: equal up to the CPU kernels' run-to-run rounding
-    assert torch.allclose(first.logits, full_logits, atol=1e-5, rtol=1e-5)
+    assert torch.allclose(first.logits[0, -1], full_logits, atol=1e-5, rtol=1e-5)
 
     again = engine.prefill(prompts[0])
     # every whole 16-token block but the last token's (the tail chunk is stored too)
     assert again.hit_tokens == (len(prompts[0]) - 1) // 16 * 16
-    assert torch.allclose(again.logits, full_logits, atol=1e-5, rtol=1e-5)
-    assert hf_model.greedy_generate(model, again.logits, again.cache, 6) == full_tokens
+    assert torch.allclose(again.logits[0, -1], full_logits, atol=1e-5, rtol=1e-5)
+    assert hf_model.greedy_generate(model, again.logits[0, -1], again.cache, 6) == full_tokens
+
+
+def test_prefill_logits_have_hugging_faces_shape(model, prompts, engine) -> None:
+    """``prefill().logits`` is what the model's own forward gives for the last position
+    (``logits_to_keep=1``): ``[batch, 1, vocab]`` in the model's dtype, cold and warm."""
+    ids = torch.tensor([prompts[2]])
+    with torch.inference_mode():
+        theirs = model(ids).logits[:, -1:]
+    for hit in (False, True):
+        out = engine.prefill(ids)
+        assert (out.hit_tokens > 0) is hit
+        assert out.logits.shape == theirs.shape == (1, 1, model.config.vocab_size)
+        assert out.logits.dtype == theirs.dtype
+        assert torch.allclose(out.logits, theirs, atol=1e-4, rtol=1e-4)
+        assert int(out.logits[:, -1, :].argmax(-1)) == int(theirs[:, -1, :].argmax(-1))
 
 
 def test_reused_kv_is_the_stored_kv_bit_for_bit(model, prompts, engine) -> None:
@@ -140,8 +155,8 @@ def test_lora_adapters_share_kv_with_neither_the_base_nor_each_other(model, prom
         expected_logits, expected_cache = hf_model.prefill(first, prompt)
         again = engine.prefill(prompt)
         assert again.hit_tokens == hit
-        assert torch.allclose(again.logits, expected_logits, atol=1e-5, rtol=1e-5)
-        assert hf_model.greedy_generate(first, again.logits, again.cache, 6) == \
+        assert torch.allclose(again.logits[0, -1], expected_logits, atol=1e-5, rtol=1e-5)
+        assert hf_model.greedy_generate(first, again.logits[0, -1], again.cache, 6) == \
             hf_model.greedy_generate(first, expected_logits, expected_cache, 6)
         assert engine.engine.storage.flush(60)
     finally:
@@ -196,6 +211,6 @@ def test_a_prompt_leaving_a_stored_one_mid_chunk_reproduces_a_full_recompute(
     full_logits, full_cache = hf_model.prefill(model, diverging)
     out = engine.prefill(diverging, store=False)
     assert out.hit_tokens == 144  # 2 chunks of 64 and one 16-token block
-    assert torch.allclose(out.logits, full_logits, atol=1e-4, rtol=1e-4)
-    assert hf_model.greedy_generate(model, out.logits, out.cache, 6) == \
+    assert torch.allclose(out.logits[0, -1], full_logits, atol=1e-4, rtol=1e-4)
+    assert hf_model.greedy_generate(model, out.logits[0, -1], out.cache, 6) == \
         hf_model.greedy_generate(model, full_logits, full_cache, 6)

@@ -155,6 +155,8 @@ def test_a_chunk_of_the_wrong_shape_or_dtype_is_a_counted_miss(connector: str) -
             result = e.retrieve(TOKENS, kv_caches=caches, block_ids=list(range(7)))
         assert result.num_tokens == CHUNK
         assert e.counters.spec_mismatches == 1
-        assert e.storage.stats()[0]["entries"] == 3  # nothing leaked, nothing held
+        # the misfit is removed and counted as corrupt; nothing leaked, nothing held
+        assert e.storage.stats()[0]["entries"] == 2
+        assert e.storage.stats()[0]["corrupt_frames"] == 1
         for obj in (good, *wrong):
             assert obj.ref_count == 1

@@ -50,13 +50,14 @@ def test_sizes_and_times_are_parsed_and_checked(capsys) -> None:
 
 
 def test_the_memory_tier_gets_shared_memory_unless_the_config_says_otherwise() -> None:
-    tiers = [{"type": "cpu", "options": {"max_bytes": "1MiB"}}] * 2
+    tiers = [{"type": "cpu", "options": {"max_bytes": "1MiB"}},
+             {"type": "cpu", "options": {"max_bytes": "2MiB"}}]
     config = load_config(env={}, overrides={"tiers": tiers})
     storage = build_storage(config)
     try:
         first, second = storage.tiers
         assert first.shared_segment is not None and second.shared_segment is None
-        assert [t.options for t in config.tiers] == [{"max_bytes": "1MiB"}] * 2  # not edited
+        assert [t.options for t in config.tiers] == [t["options"] for t in tiers]  # not edited
     finally:
         storage.close()
     explicit = load_config(env={}, overrides={"tiers": [

@@ -115,7 +115,7 @@ def test_promotions_are_sightings_of_the_first_tier() -> None:
 def test_config_sets_admit_after_per_tier(tmp_path) -> None:
     config = load_config(env={}, overrides={"lmkv.tiers": [
         {"type": "cpu", "options": {"max_bytes": "1MiB"}, "admit_after": 2},
-        {"type": "cpu", "options": {"max_bytes": "1MiB"}}]})
+        {"type": "cpu", "options": {"max_bytes": "2MiB"}}]})
     assert [t.admit_after for t in config.tiers] == [2, 1]
     manager = StorageManager.from_config(config)
     try:

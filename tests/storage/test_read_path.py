@@ -207,3 +207,38 @@ def test_a_stream_closed_early_still_promotes_what_it_read() -> None:
     finally:
         manager.close()
     no_leaks(upper, lower)
+
+
+def test_a_chunk_dropped_during_a_read_is_not_promoted_back() -> None:
+    """A reader that finds a chunk unusable drops it (``StorageManager.drop``) while
+    its stream still holds it: the promotion at the stream's end leaves it and its
+    tail out, and it is counted once, in the tier that held it. Stored again, it
+    is promoted by later reads."""
+    upper, lower = cpu(), cpu()
+    fill(lower, [0, 1, 2])
+    manager = StorageManager([upper, lower])
+    try:
+        stream = manager.stream([key(0), key(1), key(2)])
+        _, batch = next(stream)
+        manager.drop(key(1), "does not fit")
+        for obj in batch:
+            obj.ref_down()
+        stream.close()
+        assert upper.contains(key(0))
+        assert not upper.contains(key(1)) and not upper.contains(key(2))
+        assert not lower.contains(key(1)) and lower.stats()["corrupt_frames"] == 1
+        assert upper.stats()["corrupt_frames"] == 0
+
+        fill(lower, [1])
+        obj = manager.allocate(SHAPE, torch.float32)
+        obj.tensor.fill_(1)
+        manager.put([key(1)], [obj], [key(0)]).result()  # the right KV is back
+        obj.ref_down()
+        got = manager.get([key(0), key(1), key(2)])
+        assert values(got) == [0, 1, 2]
+        for o in got:
+            o.ref_down()
+        assert upper.contains(key(2))  # promoted again once key 1 was stored
+    finally:
+        manager.close()
+    no_leaks(upper, lower)
