@@ -22,10 +22,12 @@ done
 $PY -m pip wheel -q --no-deps --no-build-isolation . plugins/lmkv-mooncake plugins/lmkv-redis \
   -w .devb/whl
 tmp=$(mktemp -d)
+version=$($PY -c "import tomllib; print(tomllib.load(open('pyproject.toml', 'rb'))['project']['version'])")
 (cd "$tmp" && unzip -q "$OLDPWD"/.devb/whl/lmkv-0*-cp3*.whl && rm -f lmkv/_ext/*.so &&
  sed -i 's/^Tag: .*/Tag: py3-none-any/; s/^Root-Is-Purelib: .*/Root-Is-Purelib: true/' \
    lmkv-*.dist-info/WHEEL && sed -i '/_tokens\.cpython/d' lmkv-*.dist-info/RECORD &&
- rm "$OLDPWD"/.devb/whl/lmkv-0*-cp3*.whl && zip -qr "$OLDPWD"/.devb/whl/lmkv-0.1.0-py3-none-any.whl .)
+ rm "$OLDPWD"/.devb/whl/lmkv-0*-cp3*.whl &&
+ zip -qr "$OLDPWD/.devb/whl/lmkv-$version-py3-none-any.whl" .)
 rm -rf "$tmp"
 v=$($PY -m pip show mooncake-transfer-engine-non-cuda | awk '/^Version:/{print $2}')
 tmp=$(mktemp -d)

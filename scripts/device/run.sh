@@ -4,7 +4,8 @@
 #   device run: bash scripts/device/run.sh   (carry [".devb"]; about 4 minutes)
 # Each figure goes to $OUT/<step>.txt. Everything it needs travels in .devb
 # (wheels, Mooncake's package, Debian libraries); nothing is fetched there.
-# PY / WHEELS / MOONCAKE_TAR / QUICK=1 run it here to check the script itself.
+# PY / WHEELS / MOONCAKE_TAR / QUICK=1 run it here to check the script itself;
+# ONLY="gpu transfer_stream" runs only the steps it names (default: every step).
 set -u
 OUT=${OUT:-/tmp/devout}
 mkdir -p "$OUT"
@@ -12,6 +13,7 @@ PY=${PY:-python3}
 WHEELS=${WHEELS:-.devb/whl}
 MOONCAKE_TAR=${MOONCAKE_TAR:-.devb/mooncake-cp312.tar.xz}
 QUICK=${QUICK:-}
+ONLY=${ONLY:-}
 BUDGET=${BUDGET:-500}   # seconds for the whole script
 export PYTHONUNBUFFERED=1
 T0=$(date +%s)
@@ -21,6 +23,7 @@ log() { echo "[$(( $(date +%s) - T0 ))s] $*" | tee -a "$ENV"; }
 # step NAME TIMEOUT CMD...: runs within what is left of the budget, output to $OUT/NAME.txt
 step() {
   local name=$1 limit=$2; shift 2
+  if [ -n "$ONLY" ] && ! [[ " $ONLY " == *" $name "* ]]; then return; fi
   local left=$(( BUDGET - ($(date +%s) - T0) - 10 ))
   if [ "$left" -lt 30 ]; then log "skip $name (only ${left}s left)"; return; fi
   [ "$limit" -gt "$left" ] && limit=$left
@@ -81,4 +84,8 @@ fi
 step mooncake_one_chunk 70 $PY benchmarks/bench_mooncake.py --chunks 1 --rounds 5
 step mooncake_embedded_2 130 $PY benchmarks/bench_mooncake.py $Q
 step transfer_stream 50 $PY -m pytest -q -p no:cacheprovider tests/memory/test_transfer_stream.py
+# The GPU connectors and kernels through the engine, on CUDA caches: the paged
+# and hf connectors' round trips, the layerwise pipeline.
+step gpu_engine 120 $PY -m pytest -q -p no:cacheprovider tests/memory/test_transfer_stream.py \
+  tests/kernels tests/backends/test_connectors.py
 log "done"
