@@ -52,16 +52,18 @@ def paged_caches(seed: int | None) -> list[torch.Tensor]:
     return [torch.randn(8, 2, 16, 32, generator=gen).half() for _ in range(SPEC.num_layers)]
 
 
-def overrides(connector: str) -> dict:
-    return {"lmkv.gpu_connector": "paged"} if connector == "paged" else {}
+def overrides(connector: str, block_size: int | None = None) -> dict:
+    extra = {"lmkv.block_size": block_size} if block_size else {}
+    return {"lmkv.gpu_connector": "paged", **extra} if connector == "paged" else extra
 
 
-def write_behind_its_back(root: Path, connector: str, misfit: torch.Tensor) -> None:
+def write_behind_its_back(root: Path, connector: str, misfit: torch.Tensor,
+                          block_size: int | None = None) -> None:
     """The fs tier's frames of TOKENS, stored in process, with chunk 1's replaced by a
     well-formed frame of another shape under the same key (before the server starts:
     it finds the directory's entries when it starts)."""
     config = load_config(env={}, overrides={"lmkv.chunk_size": CHUNK, "lmkv.tiers": tiers(root),
-                                            **overrides(connector)})
+                                            **overrides(connector, block_size)})
     with open_local_engine(config, SPEC, model_name=MODEL) as engine:
         assert store(engine, connector) == 3 * CHUNK
         assert engine.storage.flush()
@@ -71,10 +73,10 @@ def write_behind_its_back(root: Path, connector: str, misfit: torch.Tensor) -> N
         assert fs.batched_submit_put([key], [tensor_obj(misfit)]).result(timeout=30) == 1
 
 
-def remote(address: str, connector: str) -> RemoteEngine:
+def remote(address: str, connector: str, block_size: int | None = None) -> RemoteEngine:
     config = load_config(env={}, overrides={
         "lmkv.mode": "server", "lmkv.chunk_size": CHUNK, "lmkv.server.address": address,
-        "lmkv.server.timeout_ms": 10_000, **overrides(connector)})
+        "lmkv.server.timeout_ms": 10_000, **overrides(connector, block_size)})
     engine = open_engine(config, SPEC, model_name=MODEL)
     assert isinstance(engine, RemoteEngine)
     return engine
@@ -143,5 +145,31 @@ def test_a_misfit_is_removed_from_the_server_and_counted_once(
             assert fs_row(engine)["corrupt_frames"] == 1
             assert engine.client.stats().server.dropped_misfits == 1
             assert engine.client.counters.error_replies == 0
+    finally:
+        assert server.stop() == 0, server.log()
+
+
+def test_a_misfit_served_as_a_partial_hit_is_dropped_under_the_key_it_was_served(
+        tmp_path: Path) -> None:
+    """Block-granular hits: a prompt that leaves TOKENS inside chunk 1 hits that chunk's
+    leading blocks through their aliases; the chunk they lead is the misfit. The
+    alias the hit was served under is the entry dropped (as in process): the next
+    lookup no longer reaches into that chunk through it."""
+    write_behind_its_back(tmp_path, "hf", MISFITS["heads"], block_size=8)
+    other_prompt = TOKENS[:48] + list(range(9000, 9048))  # leaves TOKENS 2 blocks into chunk 1
+    server = start_server(tmp_path, server_yaml(tmp_path))
+    try:
+        with remote(server.address, "hf", block_size=8) as engine:
+            assert engine.lookup(other_prompt) == 48
+            assert engine.retrieve(other_prompt).num_tokens == CHUNK
+            assert engine.counters.spec_mismatches == 1
+            stats = engine.client.stats()
+            assert stats.server.dropped_misfits == 1 and stats.tiers[1]["corrupt_frames"] == 1
+            # The alias of the 2 blocks is gone; that of the first block still leads
+            # to the chunk, and goes the same way when it is served.
+            assert engine.lookup(other_prompt) == 40
+            assert engine.retrieve(other_prompt).num_tokens == CHUNK
+            assert engine.client.stats().server.dropped_misfits == 2
+            assert engine.lookup(other_prompt) == CHUNK
     finally:
         assert server.stop() == 0, server.log()
