@@ -48,7 +48,7 @@ def entry_misfit(entry: torch.Tensor, dtype: torch.dtype, shape: list[int],
         got[TOKEN_AXIS] = shape[TOKEN_AXIS]
     if entry.dtype == dtype and got == shape:
         return None
-    return (f"is {dtype_name(entry.dtype)} {list(entry.shape)}, the KV its key names is "
+    return (f"is {dtype_name(entry.dtype)} {list(entry.shape)}, the client expects "
             f"{dtype_name(dtype)} {shape}")
 
 
@@ -98,7 +98,7 @@ class Drops:
                          "%s %s it expects: kept", session.id, req.key.to_string(), req.dtype,
                          req.shape)
             return "kept"
-        self.storage.drop(req.key, f"does not fit the KV its key names: it {misfit}")
+        self.storage.drop(req.key, f"not the KV its key names (a client's drop): it {misfit}")
         with self._lock:
             self.dropped += 1
         return "dropped"
