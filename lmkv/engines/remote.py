@@ -21,6 +21,12 @@ stored leading blocks of the first chunk missed whole. That chunk may hold more
 tokens than the hit (the stored chunk those blocks lead): the engine uses its
 leading ones.
 
+Every chunk a retrieve gets is checked against the engine's KV spec, as in
+``LocalEngine``: one that does not fit ends the hit there (``spec_mismatches``)
+and the server is asked to remove it (the ``drop`` request: it checks the entry
+itself, then removes it from its tiers, counted as a corrupt frame), so the
+next lookup of any of its clients misses there.
+
 Nothing here raises because of the server: a server that is down, slow or
 refusing makes lookups answer 0, retrieves load nothing and stores drop
 (counted in ``client.counters``), and the client reconnects by itself.
@@ -36,15 +42,17 @@ from typing import Any
 
 import torch
 
+from lmkv.base.logutil import RateLimitedLog
 from lmkv.config.model import LMKVConfig
 from lmkv.contracts.connector import ChunkSpan, GPUConnector, KVSpec
 from lmkv.engines.keys import engine_chunker, fits_spec
 from lmkv.engines.protocol import EngineCounters, RetrieveResult
-from lmkv.keys.chunking import ChunkKeys, Identity, KeyMeta
+from lmkv.keys.chunking import CacheKey, ChunkKeys, Identity, KeyMeta
 from lmkv.rpc.auth import client_keys
 from lmkv.rpc.client import ServerClient
 
 logger = logging.getLogger(__name__)
+_drop_log = RateLimitedLog(logger)
 
 POLL_INTERVAL_S = 0.0005
 
@@ -199,7 +207,8 @@ class RemoteEngine:
                  identity: Identity | None = None, **kv: Any) -> RetrieveResult:
         """Load the KV of the stored prefix of ``tokens`` (what ``lookup_id``
         prefetched, when given) through the connector, straight from the server.
-        Chunks whose shape or dtype does not fit this engine end the hit there.
+        A chunk whose shape or dtype does not fit this engine ends the hit there, and
+        the server is asked to remove it (``_drop_misfit``).
         With block-granular hits the prefix may end inside a chunk (its longest
         stored leading blocks), and a chunk may hold more tokens than it is asked
         for (the stored chunk those blocks lead): its leading ones are loaded."""
@@ -209,20 +218,25 @@ class RemoteEngine:
         result: list[Any] = [None]
         ends = list(chunks.ends)
         fitting = [0]
+        misfit: list[tuple[CacheKey, int]] = []  # the key a misfit was served under, its tokens
 
         def consume(views: list[torch.Tensor], tail_tokens: int = 0) -> None:
+            keys = list(chunks.keys)  # what each view was served under
             if tail_tokens:  # the last view is a partial hit: its leading tokens
                 last = len(views) - 1
                 if tail_tokens <= chunks.ends[last] - chunks.starts[last]:
                     ends[last] = chunks.starts[last] + tail_tokens
+                    keys[last] = self._partial_key(chunks, last, tail_tokens) or keys[last]
                 else:  # more than the chunk has: not this prompt's
                     views = views[:last]
             spans = []
             for i, view in enumerate(views):
                 want = ends[i] - chunks.starts[i]
-                if view.dim() == 5 and view.shape[2] > want:
+                # A chunk may hold more tokens (an alias's target), never more than a chunk.
+                if view.dim() == 5 and want < view.shape[2] <= self.config.chunk_size:
                     view = view.narrow(2, 0, want)
-                if not fits_spec(self.spec, self.counters, chunks.keys[i], view, want):
+                if not fits_spec(self.spec, self.counters, keys[i], view, want):
+                    misfit.append((keys[i], want))
                     break
                 spans.append(ChunkSpan(chunks.starts[i], ends[i], view))
             fitting[0] = len(spans)
@@ -238,7 +252,29 @@ class RemoteEngine:
                                       partial_hashes=self._partial_hashes(chunks),
                                       block_tokens=self.chunker.block_size or 0)
         n = min(n, fitting[0])
+        if misfit:  # once the lease is back: the server reads the entry again
+            self._drop_misfit(*misfit[0])
         return RetrieveResult(ends[n - 1] if n else 0, result[0] if n else None)
+
+    def _partial_key(self, chunks: ChunkKeys, index: int, tokens: int) -> CacheKey | None:
+        """The key of chunk ``index``'s leading ``tokens`` (block-granular hits): the
+        one the server serves a partial hit under."""
+        block = self.chunker.block_size
+        partials = chunks.partials[index] if block and index < len(chunks.partials) else []
+        blocks = tokens // block if block else 0
+        return partials[blocks - 1] if 0 < blocks <= len(partials) else None
+
+    def _drop_misfit(self, key: CacheKey, tokens: int) -> None:
+        """Ask the server to remove the entry under ``key`` that does not fit this
+        engine's KV (it checks the entry against what this engine expects, then
+        drops it from every tier, counted as corrupt once), so that the next lookup
+        of any client misses there instead of hitting what never loads. A server
+        that does not answer leaves it for the next retrieve."""
+        outcome = self.client.drop(key, self.spec.chunk_shape(tokens), self.spec.dtype,
+                                   chunk_tokens=self.config.chunk_size)
+        if outcome == "kept":
+            _drop_log.warning("kept", "lmkv: the lmkv server kept chunk %s: it holds the "
+                              "KV this engine expects under that key", key.to_string())
 
     # -- the rest ----------------------------------------------------------------
     def stats(self) -> list[dict[str, Any]]:

@@ -495,6 +495,20 @@ class ServerClient:
     def _timeout(self, timeout_ms: int | None, inline_bytes: int) -> int:
         return (timeout_ms or self.timeout_ms) + inline_bytes // INLINE_BYTES_PER_MS
 
+    # -- drop -----------------------------------------------------------------------
+    def drop(self, key: CacheKey, shape: Sequence[int], dtype: torch.dtype, *,
+             chunk_tokens: int = 0, timeout_ms: int | None = None) -> p.DropOutcome | None:
+        """Ask the server to remove the entry under ``key``, read and found not to be
+        the KV the key names: a chunk of ``dtype`` and ``shape`` (of up to
+        ``chunk_tokens`` tokens, cut to ``shape``'s: a block-granular hit's chunk). The
+        server checks the entry itself: ``"dropped"``, ``"kept"`` (it is what was
+        expected) or ``"absent"``; None when the server did not answer (logged)."""
+        message = p.Drop(key=key, dtype=dtype_name(dtype), shape=list(shape),
+                         chunk_tokens=chunk_tokens)
+        with self._lock:
+            got = self._call(message, p.DropReply, timeout_ms=timeout_ms)
+        return got[0].outcome if got else None
+
     # -- the rest ---------------------------------------------------------------------
     def stats(self) -> p.StatsReply | None:
         with self._lock:

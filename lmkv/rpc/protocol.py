@@ -20,6 +20,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 import torch
 
+from lmkv.config.model import MAX_CHUNK_TOKENS
 from lmkv.keys.chunking import CacheKey, KeyMeta
 from lmkv.memory import shape_problem
 
@@ -190,14 +191,27 @@ class EndSession(Request, tag="end_session", kw_only=True):
     pass
 
 
+class Drop(Request, tag="drop", kw_only=True):
+    """Remove the entry under ``key``: the client read it and it is not the KV the key
+    names. ``dtype`` and ``shape`` are what the client expected for the tokens the
+    key covers; the server drops the entry only when it differs from them."""
+
+    key: CacheKey
+    dtype: str
+    shape: list[int]
+    # An entry may hold more tokens than the key covers (block-granular hits: an
+    # alias's target), up to this many: its leading ones are compared. 0: exactly.
+    chunk_tokens: Annotated[int, msgspec.Meta(ge=0, le=MAX_CHUNK_TOKENS)] = 0
+
+
 class Stats(Request, tag="stats", kw_only=True):
     pass
 
 
 REQUESTS: tuple[type[Request], ...] = (Ping, Lookup, PrefetchStatus, Retrieve, Store,
-                                       StoreCommit, Release, Renew, EndSession, Stats)
+                                       StoreCommit, Release, Renew, EndSession, Stats, Drop)
 AnyRequest = (Ping | Lookup | PrefetchStatus | Retrieve | Store | StoreCommit | Release
-              | Renew | EndSession | Stats)
+              | Renew | EndSession | Stats | Drop)
 
 
 # -- replies ------------------------------------------------------------------
@@ -277,6 +291,15 @@ class EndSessionReply(Reply, tag="end_session_reply", kw_only=True):
     chunks: int
 
 
+DropOutcome = Literal["dropped", "kept", "absent"]
+
+
+class DropReply(Reply, tag="drop_reply", kw_only=True):
+    # dropped: the entry differed from what the client expected, and is gone from
+    # every tier; kept: it is what the client expected; absent: no tier holds it.
+    outcome: DropOutcome
+
+
 class ServerStats(msgspec.Struct, kw_only=True):
     sessions: int
     requests: int
@@ -296,6 +319,9 @@ class ServerStats(msgspec.Struct, kw_only=True):
     shm_name: str
     # Requests refused or cut short by a session's limits (0 from an older server).
     over_limit: int = 0
+    # Drop requests that removed an entry, and those that found it as expected (kept).
+    dropped_misfits: int = 0
+    refused_drops: int = 0
 
 
 class StatsReply(Reply, tag="stats_reply", kw_only=True):
@@ -313,10 +339,10 @@ class ErrorReply(Reply, tag="error", kw_only=True):
 
 REPLIES: tuple[type[Reply], ...] = (PingReply, LookupReply, PrefetchStatusReply, RetrieveReply,
                                     StoreReply, StoreCommitReply, ReleaseReply, RenewReply,
-                                    EndSessionReply, StatsReply, ErrorReply)
+                                    EndSessionReply, StatsReply, DropReply, ErrorReply)
 AnyReply = (PingReply | LookupReply | PrefetchStatusReply | RetrieveReply | StoreReply
             | StoreCommitReply | ReleaseReply | RenewReply | EndSessionReply | StatsReply
-            | ErrorReply)
+            | DropReply | ErrorReply)
 
 _encoder = msgspec.msgpack.Encoder()
 _request_decoder = msgspec.msgpack.Decoder(AnyRequest)

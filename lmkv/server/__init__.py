@@ -2,6 +2,7 @@
 engine processes.
 
 Modules: ``server`` (the ZMQ loop), ``service`` (the request handlers),
+``drops`` (removing an entry a client found not to be the KV its key names),
 ``sessions`` (what each client holds), ``handles`` (chunk buffers lent to
 clients), ``defaults`` and ``main`` (``python -m lmkv.server``, ``lmkv server``).
 The protocol and the client side (``ServerClient``, its channel, heartbeat and

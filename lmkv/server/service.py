@@ -53,6 +53,7 @@ from lmkv.metrics import recorder
 from lmkv.metrics.record import record_load, record_lookup, record_store
 from lmkv.rpc import protocol as p
 from lmkv.rpc.liveness import claimed_pid, maps_file, pid_identity
+from lmkv.server.drops import Drops
 from lmkv.server.sessions import Session, SessionTable
 from lmkv.storage.manager import Partials, StorageManager, chain_parents
 
@@ -105,6 +106,7 @@ class KVService:
         self.segment: SharedSegment | None = getattr(memory, "shared_segment", None)
         capacity = memory.capacity_bytes if memory is not None else None
         self.max_chunk_bytes = capacity or max_request_bytes
+        self.drops = Drops(storage, self.max_chunk_bytes)
         self._chunk_bytes_known = False
         self._arena_file = self.segment.file_id() if self.segment is not None else None
         self._peer_pid: PeerPid = no_peer
@@ -113,7 +115,7 @@ class KVService:
             p.Ping: self.ping, p.Lookup: self.lookup, p.PrefetchStatus: self.prefetch_status,
             p.Retrieve: self.retrieve, p.Store: self.store, p.StoreCommit: self.store_commit,
             p.Release: self.release, p.Renew: self.renew, p.EndSession: self.end_session,
-            p.Stats: self.stats,
+            p.Stats: self.stats, p.Drop: self.drop,
         }
 
     @property
@@ -410,6 +412,17 @@ class KVService:
         lookups, chunks = self.sessions.end(req.session)
         return Outcome(p.EndSessionReply(lookups=lookups, chunks=chunks))
 
+    def drop(self, req: p.Drop, data: Sequence[memoryview]) -> Outcome | Deferred:
+        """Remove the entry under ``req.key`` if it is not what the client expects
+        (lmkv.server.drops)."""
+        session = self.sessions.touch(req.session)
+        outcome = self.drops.start(session, req)
+
+        def reply() -> Outcome:
+            return Outcome(p.DropReply(outcome=outcome.result()))
+
+        return reply() if outcome.done() else Deferred(outcome, reply)
+
     def stats(self, req: p.Stats, data: Sequence[memoryview]) -> Outcome:
         self.sessions.touch(req.session)
         figures = recorder().totals().plain()  # the server process's own recorder
@@ -431,7 +444,8 @@ class KVService:
             sending_chunks=self.counters.sending_chunks,
             arena_live_objects=alloc.live_objects if alloc else -1,
             arena_used_bytes=alloc.used_bytes if alloc else -1, shm_name=self.shm_name,
-            over_limit=sessions.over_limit)
+            over_limit=sessions.over_limit, dropped_misfits=self.drops.dropped,
+            refused_drops=self.drops.refused)
 
     # -- limits and the client's process ------------------------------------------
     def _chunks_within_limits(self, session: Session, objs: list[MemoryObj],
