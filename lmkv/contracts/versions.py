@@ -64,7 +64,7 @@ class Call:
     def shape(self) -> str:
         """The call as lmkv makes it, for messages: ``contains(key, pin=...)``."""
         if self.kind == "property":
-            return f"the property {self.name}"
+            return f"property {self.name}"
         parts = [*self.args, *(f"{k}=..." for k in self.kwargs)]
         if self.engine_state:
             parts.append("**engine_state")
@@ -77,12 +77,16 @@ _CONSTRUCTOR = Call("__init__", ("options", "context"), kind="constructor")
 CALLS: dict[str, tuple[Call, ...]] = {
     "storage_backend": (
         _CONSTRUCTOR,
+        # Both shapes of a call with a keyword the ABC defaults: lmkv makes both.
+        Call("contains", ("key",)),
         Call("contains", ("key",), ("pin",)),
+        Call("batched_submit_put", ("keys", "objs")),
         Call("batched_submit_put", ("keys", "objs"), ("parents",)),
         Call("get_blocking", ("key",)),
         Call("pin", ("key",)),
         Call("unpin", ("key",)),
         Call("remove", ("key",)),
+        Call("batched_async_contains", ("lookup_id", "keys")),
         Call("batched_async_contains", ("lookup_id", "keys"), ("pin",)),
         Call("batched_get_non_blocking", ("lookup_id", "keys")),
         Call("batched_get_direct", ("lookup_id", "keys")),

@@ -11,6 +11,7 @@ reads that is a method, or a final method of lmkv's base class replaced. Only
 
 from __future__ import annotations
 
+import functools
 import inspect
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +26,7 @@ from lmkv.contracts.versions import (
 )
 
 _ARG = object()  # stands in for every argument of a trial binding
+_MISSING = object()  # what getattr_static answers for a name the class lacks
 
 
 @dataclass(frozen=True)
@@ -37,11 +39,13 @@ class Verdict:
 
 
 def declared_version(cls: type, base: type) -> object:
-    """The ``api_version`` ``cls`` or a class of the plugin's own declares (lmkv's
-    base classes declare none, so a subclass cannot inherit one by accident);
-    None when there is none."""
+    """The ``api_version`` ``cls`` or a class of the plugin's own declares; None when
+    there is none. A class of lmkv's (its base classes, a built-in plugin a
+    plugin extends) never lends its declaration to a subclass: a subclass of
+    the built-in ``cpu`` tier written for 2.0 must not pass for 3.0 once lmkv's
+    tier says 3.0."""
     for klass in cls.__mro__:
-        if klass is base or klass.__module__.startswith("lmkv.contracts"):
+        if klass is base or (klass is not cls and _is_lmkv(klass)):
             break
         if "api_version" in vars(klass):
             return vars(klass)["api_version"]
@@ -86,22 +90,23 @@ def _version_problem(kind: str, cls: type, base: type) -> str:
 def _call_problem(cls: type, base: type, call: Call) -> str:
     if call.kind == "constructor":
         return _constructor_problem(cls, call)
-    found = inspect.getattr_static(cls, call.name, None)
+    found = inspect.getattr_static(cls, call.name, _MISSING)
     owner = _owner(cls, call.name)
     if call.kind == "final":
         if owner is not None and not _is_lmkv(owner):
             return (f"overrides {base.__name__}.{call.name}, which lmkv calls and a plugin "
                     f"must not replace (implement the on_* methods it calls instead)")
         return ""
-    if found is None:
-        return f"has no {call.shape()}, which lmkv calls"
+    if found is _MISSING:
+        use = "reads" if call.kind == "property" else "calls"
+        return f"has no {call.shape()}, which lmkv {use}"
     if owner is not None and _is_lmkv(owner):
         return ""  # lmkv's own implementation: it fits by construction
     if call.kind == "property":
-        if callable(found) and not isinstance(found, (property, staticmethod)):
-            return (f"{call.name} is a method; lmkv reads it as a property "
-                    f"(decorate it with @property)")
-        return ""
+        if isinstance(found, (property, functools.cached_property)) or not callable(found):
+            return ""  # a property, or a plain value (``capacity_bytes = None``)
+        return (f"{call.name} is a method; lmkv reads it as a property "
+                f"(decorate it with @property)")
     return _method_problem(cls, found, call)
 
 
@@ -134,8 +139,10 @@ def _binds(signature: inspect.Signature, call: Call, skip_self: bool) -> bool:
     args = [_ARG] * (len(call.args) + (1 if skip_self else 0))
     kwargs = dict.fromkeys(call.kwargs, _ARG)
     if call.engine_state:  # the engine's own keywords, whatever the plugin names them
-        kwargs.update((p.name, _ARG) for p in signature.parameters.values()
-                      if p.kind is p.KEYWORD_ONLY and p.default is p.empty)
+        params = list(signature.parameters.values())
+        after = [p for p in params[len(args):] if p.kind in (p.POSITIONAL_OR_KEYWORD,
+                                                            p.KEYWORD_ONLY)]
+        kwargs.update((p.name, _ARG) for p in after if p.default is p.empty)
     try:
         signature.bind(*args, **kwargs)
     except TypeError:
@@ -147,8 +154,14 @@ def _owner(cls: type, name: str) -> type | None:
     return next((k for k in cls.__mro__ if name in vars(k)), None)
 
 
+#: Modules of lmkv's own: its core and its built-in plugins.
+_LMKV_MODULES = ("lmkv.", "lmkv_backends", "lmkv_policies", "lmkv_kernels")
+
+
 def _is_lmkv(klass: type) -> bool:
-    return klass.__module__.startswith("lmkv.") or klass.__module__ == "builtins"
+    module = getattr(klass, "__module__", None)
+    return isinstance(module, str) and (module.startswith(_LMKV_MODULES)
+                                        or module == "builtins")
 
 
 def _shown(signature: inspect.Signature) -> str:

@@ -161,8 +161,8 @@ class Registry:
             )
         verdict = check(kind, cls, base)
         if verdict.problem:
-            reason = (f"{spec.title} '{name}' ({cls.__module__}.{cls.__qualname__}): "
-                      f"{verdict.problem}")
+            reason = " ".join(f"{spec.title} '{name}' ({cls.__module__}.{cls.__qualname__}): "
+                              f"{verdict.problem}".split())
             self.left_out[(kind, name.lower())] = f"{reason} ({source.describe()})"
             raise PluginError(reason)
         entry = PluginEntry(kind, name, cls, source)
@@ -212,7 +212,7 @@ class Registry:
         for cls in items:
             try:
                 self.add(kind, cls, source)
-            except PluginError as exc:
+            except Exception as exc:  # a class that breaks even the looking at it
                 self._record(source, exc)
 
     def _record(self, source: PluginSource, exc: BaseException) -> None:

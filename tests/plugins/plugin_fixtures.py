@@ -34,6 +34,7 @@ class HelloOptions(PluginOptions):
 
 class HelloBackend(CPUBackend):
     name = "hello"
+    api_version = "2.0"
     Options = HelloOptions
 
 
