@@ -45,6 +45,7 @@ class Int8Serializer(Serializer):
     api_version = "2.0"
     serializer_id = 3
     Options = Int8Options
+    options: Int8Options
 
     def serialize(self, obj: MemoryObj, key: CacheKey) -> list[bytes | memoryview]:
         if not obj.tensor.is_floating_point():  # quantizing would change it: kept exact
