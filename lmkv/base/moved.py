@@ -4,7 +4,7 @@ lmkv 0.2 grouped its modules into one package per layer (``lmkv.contracts``,
 ``lmkv.keys``, ``lmkv.base``, ...). A plugin written against 0.1 that imports
 ``lmkv.backend`` or ``lmkv.tokens`` still gets the very module it used to
 (the same objects, so ``isinstance`` and subclassing hold), with one
-``DeprecationWarning`` per old path naming the new one. ``lmkv/__init__``
+``DeprecationWarning`` per old path naming the new one. ``lmkv/__init__.py``
 installs the finder; lmkv 0.3 removes it.
 """
 

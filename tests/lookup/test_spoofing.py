@@ -1,4 +1,4 @@
-"""The scheduler's client against a peer that answers what it likes (issue 9, item 9):
+"""The scheduler's client against a peer that answers what it likes:
 every answer is checked against the request it answers. Real sockets: the test
 binds the two workers' request sockets and pushes answers to the client."""
 
