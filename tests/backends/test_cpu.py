@@ -267,6 +267,7 @@ def test_budget_beyond_available_memory_is_refused() -> None:
 
 @pytest.mark.parametrize("command", [["config", "check"], ["stats", "--config"],
                                      ["server", "--config"]])
+@pytest.mark.slow  # lmkv commands in processes
 def test_oversized_tier_is_one_line_for_every_command(tmp_path, command) -> None:
     from tests.conftest import run_cli
 

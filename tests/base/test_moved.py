@@ -7,6 +7,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from lmkv.base.moved import MOVED
 
 CODE = """
@@ -26,6 +28,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.slow  # a fresh interpreter
 def test_every_old_path_is_its_new_module_and_warns_once() -> None:
     result = subprocess.run([sys.executable, "-c", CODE], capture_output=True, text=True,
                             timeout=300)

@@ -49,6 +49,7 @@ TWO_ERRORS = ONE_ERROR + """
 """
 
 
+@pytest.mark.slow  # runs mypy five times
 def test_only_new_errors_fail_and_the_baseline_only_shrinks(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     args = ["--root", str(tmp_path), "--baseline", "baseline.txt"]

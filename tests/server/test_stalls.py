@@ -27,6 +27,8 @@ from tests.server.procs import (
     wait_for,
 )
 
+pytestmark = pytest.mark.slow  # real lmkv server processes
+
 ARENA = "tiers:\n  - type: cpu\n    options: {max_bytes: 4MiB}\n"  # 64 chunks of 64 KiB
 PAUSE_S = 3.0  # past the 1 s session timeout and handle TTL below
 
