@@ -1,4 +1,4 @@
-"""bench_serve.py's report: per-configuration figures, issue 12's target ratios, the plot."""
+"""bench_serve.py's report: per-configuration figures, the target ratios, the plot."""
 
 from __future__ import annotations
 
@@ -91,7 +91,9 @@ def table(results: list[Result]) -> str:
 
 
 def targets(results: list[Result]) -> list[dict[str, Any]]:
-    """Issue 12's targets, each with the measured ratio (None: a side is missing)."""
+    """The served-traffic targets (lmkv's TTFT and throughput against vLLM alone and
+    against the other connectors), each with the measured ratio (None: a side is
+    missing)."""
     by = {r.config: r for r in results if not r.error and r.ttft_s}
 
     def ratio(a: str, b: str, attr: str) -> float | None:

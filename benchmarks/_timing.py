@@ -1,4 +1,4 @@
-"""Timing helpers shared by the benchmark scripts (run them as ``python benchmarks/X.py``)."""
+"""Timing helpers shared by the benchmark scripts (run them as ``python benchmarks/<name>.py``)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Layerwise overlap on CUDA: a real small model's forward with and without
-concurrent layer-by-layer KV loads (issue 13, section 5's third figure).
+concurrent layer-by-layer KV loads (docs/benchmarks.md, "Layerwise loads").
 
 Run: ``python benchmarks/bench_gpu_layerwise.py`` (or ``bench_gpu.py``, which
 calls ``layerwise_overlap`` as its ``layerwise overlap`` section). Without CUDA

@@ -1,6 +1,6 @@
 """Where the time of reading a fs-tier entry into engine memory goes, page cache warm.
 
-Issue 11's open target: a fresh second process loading from disk at most as
+The target: a fresh second process loading from disk at most as
 slow as vLLM's ExampleConnector (safetensors files: in effect mmap, then one
 copy). lmkv's direct reads (``lmkv.contracts.direct_chunk``) pread each piece into a staging
 buffer, fold it into the entry's xxh3 checksum, then copy it into the KV: three

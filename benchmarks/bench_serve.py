@@ -48,7 +48,7 @@ client), requests/s, output tokens/s, and from the server's ``/metrics``
 (difference over the workload): vLLM's prefix-cache hit ratio, the connector's
 hit ratio as vLLM counts it (``external_prefix_cache``), lmkv's own lookup hit
 ratio (``vllm:lmkv_lookup_hit_tokens_total`` over hit + miss; ``-`` without
-it), preemptions. Then the ratios issue 12 sets targets for. ``--json FILE``
+it), preemptions. Then the ratios that have targets (``targets``). ``--json FILE``
 writes everything; ``--plot FILE.png`` draws each configuration's TTFT
 distribution (needs matplotlib; the vLLM venv has none: ``--replot RUN.json
 --plot FILE.png`` draws it afterwards from the ``--json`` file in a venv that

@@ -1,6 +1,6 @@
-"""Does frequency or admission close issue 11's gap to Belady? A pure simulation.
+"""Does frequency or admission close the gap to Belady? A pure simulation.
 
-Issue 11 asks the best built-in eviction policy for 0.6 of Belady's hit ratio on
+The target for the best built-in eviction policy is 0.6 of Belady's hit ratio on
 the Mooncake trace at 5% and 10%; every built-in policy gets about 0.40 / 0.51
 (docs/benchmarks.md, trace replay). This simulates, over the trace's chunk ids
 and with the replay's strict-prefix hit counting (``lmkv.replay.belady``), a

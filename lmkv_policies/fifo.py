@@ -46,7 +46,7 @@ class FIFOOffloadPolicy(OffloadPolicy):
 
     def _pop_finished(self, count: int) -> list[OffloadItem]:
         """Pop at most ``count`` finished items, oldest first; unfinished ones stay."""
-        popped = []
+        popped: list[OffloadItem] = []
         for req_id, item in list(self._items.items()):
             if len(popped) >= count:
                 break

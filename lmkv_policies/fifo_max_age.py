@@ -30,6 +30,7 @@ class FIFOMaxAgeOffloadPolicy(FIFOOffloadPolicy):
     name = "FIFO_MAX_AGE"
     api_version = "2.0"
     Options = MaxAgeOptions
+    options: MaxAgeOptions
 
     def __init__(self, options: OptionsArg, context: OffloadContext) -> None:
         super().__init__(options, context)

@@ -27,6 +27,8 @@ import pytest
 from tests.conftest import REPO, run_cli
 from tests.plugins.plugin_fixtures import write_dist, write_hello_plugin
 
+pytestmark = pytest.mark.slow  # each case runs an lmkv command in a process
+
 SECRET = "Sup3rSecretValue"
 
 # Runs in a subprocess: reads cases (argv, env) as JSON on stdin, runs each through

@@ -98,7 +98,7 @@ def check_layout(layout: str) -> Layout:
     if layout not in LAYOUTS:
         raise ValueError(f"paged KV cache layout {layout!r}: expected one of "
                          f"{', '.join(LAYOUTS)}")
-    return layout  # type: ignore[return-value]
+    return layout
 
 
 def geometry(cache: torch.Tensor, layout: Layout | None = None) -> PagedGeometry:

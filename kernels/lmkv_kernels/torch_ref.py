@@ -78,7 +78,7 @@ def scatter_blocks(caches: Sequence[torch.Tensor], block_ids: BlockIds, chunks: 
     block_rows = 2 * heads * block_size
     for start, buf, pieces in loads:
         src = buf.to(device, non_blocking=True)  # one transfer
-        if scatter and len(pieces) > 2:
+        if scatter and rows and len(pieces) > 2:
             first = max(start, skip_tokens)
             index = (token_rows[first:start + buf.shape[2]] + kv_head_rows).view(-1)
             part = src[:, :, first - start:]

@@ -4,7 +4,7 @@ lmkv 0.2 grouped its modules into one package per layer (``lmkv.contracts``,
 ``lmkv.keys``, ``lmkv.base``, ...). A plugin written against 0.1 that imports
 ``lmkv.backend`` or ``lmkv.tokens`` still gets the very module it used to
 (the same objects, so ``isinstance`` and subclassing hold), with one
-``DeprecationWarning`` per old path naming the new one. ``lmkv/__init__``
+``DeprecationWarning`` per old path naming the new one. ``lmkv/__init__.py``
 installs the finder; lmkv 0.3 removes it.
 """
 
@@ -16,7 +16,7 @@ import importlib.machinery
 import sys
 import threading
 import warnings
-from types import ModuleType
+from types import FrameType, ModuleType
 
 #: Old module -> the module it became.
 MOVED: dict[str, str] = {
@@ -103,7 +103,7 @@ class MovedFinder(importlib.abc.MetaPathFinder):
 def _caller_level() -> int:
     """The ``stacklevel`` that points a warning at the code that imported the old
     path (past the import system's frames and this module's)."""
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     level = 1
     while frame is not None and (frame.f_code.co_filename.startswith("<frozen")
                                  or frame.f_code.co_filename == __file__):

@@ -27,10 +27,11 @@ class _StrictLoader(yaml.SafeLoader):
         if isinstance(event, AliasEvent) or (
                 isinstance(event, (ScalarEvent, CollectionStartEvent))
                 and event.anchor is not None):
-            name = event.anchor
+            name, mark = event.anchor, event.start_mark
+            where = f"line {mark.line + 1}: " if mark is not None else ""
             raise StrictYAMLError(
-                f"line {event.start_mark.line + 1}: anchors and aliases (&{name}, *{name}) "
-                "are not allowed; write the value out")
+                f"{where}anchors and aliases (&{name}, *{name}) are not allowed; "
+                "write the value out")
         return super().compose_node(parent, index)
 
     def construct_mapping(self, node: MappingNode, deep: bool = False) -> dict[Any, Any]:

@@ -118,7 +118,7 @@ class DirectChunk:
         if staging.dtype != torch.uint8 or staging.dim() != 1 or staging.numel() < nbytes:
             raise ValueError(f"staging must be a flat uint8 tensor of at least {nbytes} bytes")
         buf = staging[:nbytes]
-        view = memoryview(buf.numpy())
+        view = buf.numpy().data
         with self._lock:
             if self._released:
                 raise ChunkReleased(self.key.to_string())

@@ -6,9 +6,9 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, final
+from typing import Any, ClassVar, Protocol, final
 
-from lmkv.contracts.plugin import NoOptions, OptionsArg, Plugin
+from lmkv.contracts.plugin import NoOptions, OptionsArg, Plugin, PluginOptions
 
 
 @dataclass(frozen=True)
@@ -250,7 +250,7 @@ class OffloadPolicy(Plugin, ABC):
     the ``count`` it pops is ``lazy_offload_select_count``.
     """
 
-    Options = NoOptions
+    Options: ClassVar[type[PluginOptions]] = NoOptions
 
     def __init__(self, options: OptionsArg, context: OffloadContext) -> None:
         self.options = self.parse_options(options)

@@ -134,7 +134,7 @@ def read_windows(keys: Sequence[K], size: Callable[[], int], fetch: Callable[[Se
             # a tier whose fetch holds its client's buffers gets them back first.
             del fetched
             if pending is not None:
-                pending, ready = None, pending
+                ready, pending = pending, None
                 fetched = ready.result()
             else:
                 fetched = fetch(window)

@@ -16,6 +16,7 @@ import struct
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import xxhash
@@ -24,6 +25,9 @@ from lmkv.base.errors import CorruptFrameError
 from lmkv.contracts.plugin import OptionsArg, Plugin
 from lmkv.keys.chunking import CacheKey
 from lmkv.memory import MAX_CHUNK_NDIM, Allocate, MemoryObj, shape_problem
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
 
 MAGIC = b"LMKV"
 FORMAT_VERSION = 2  # 2: the key digest (version-1 frames are not bound: misses)
@@ -55,7 +59,7 @@ class FrameHeader:
     header_len: int
 
 
-def payload_checksum(payload: object) -> int:
+def payload_checksum(payload: Buffer) -> int:
     return xxhash.xxh3_64_intdigest(payload)
 
 
@@ -66,7 +70,7 @@ def header_len(ndim: int) -> int:
 
 
 def write_header(serializer_id: int, dtype: torch.dtype, shape: Sequence[int],
-                 payload: object, payload_len: int, key: CacheKey) -> bytes:
+                 payload: Buffer, payload_len: int, key: CacheKey) -> bytes:
     if dtype not in DTYPE_CODES:
         raise ValueError(f"dtype {dtype} cannot be framed")
     body = _FIXED.pack(MAGIC, FORMAT_VERSION, serializer_id, DTYPE_CODES[dtype], len(shape),

@@ -122,7 +122,7 @@ class TrackedAllocate:
             problem = CorruptFrameError("the serializer returned a buffer it did not allocate")
         elif kept.tensor.numel() == 0:
             problem = CorruptFrameError(f"frame holds no elements (shape {tuple(kept.shape)})")
-        if problem is None:
+        else:
             self._objs.remove(kept)
         self.release_all()
         return problem
@@ -280,11 +280,16 @@ class StorageBackend(Plugin, ABC):
         serializer may raise anything on a crafted frame: that is corrupt too).
         Every buffer the decode took is given back on failure.
         """
+        serializer = self.context.serializer
+        if serializer is None:
+            # A bug in how the tier was built, not a bad frame: the frame stays.
+            raise TypeError(f"{type(self).__name__}.decode needs a serializer "
+                            "(context.serializer is None)")
         taken = TrackedAllocate(self.context.allocate)
         try:
             # Bound to its key and of a sane shape whatever the serializer checks.
             header = read_header(memoryview(frame).cast("B"), key)
-            obj = self.context.serializer.deserialize(frame, taken, key)
+            obj = serializer.deserialize(frame, taken, key)
             problem = taken.keep_only(obj)
             if problem is None and obj is not None and (
                     obj.dtype != header.dtype or tuple(obj.shape) != header.shape):

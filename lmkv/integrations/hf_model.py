@@ -227,7 +227,8 @@ def forward_last(
     ids = torch.as_tensor(input_ids, dtype=torch.long, device=device).reshape(1, -1)
     past_len = past_kv.get_seq_length() if past_kv is not None else 0
     positions = torch.arange(past_len, past_len + ids.shape[1], device=device)
-    params = _forward_params(type(model))
+    model_class: type = type(model)
+    params = _forward_params(model_class)
     kwargs: dict[str, Any] = {"input_ids": ids, "position_ids": positions[None], "use_cache": True}
     cache_kw = "cache" if "cache" in params else "past_key_values"
     if past_kv is None:

@@ -24,7 +24,7 @@ import re
 import struct
 import sys
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from hashlib import blake2b, sha256
 from typing import Any
 
@@ -36,11 +36,15 @@ _UINT32_MAX = 2**32 - 1
 _UINT32 = "I" if array("I").itemsize == 4 else "L"
 _BIG_ENDIAN = sys.byteorder == "big"
 
-try:  # the optional C accelerator (setup.py); pure Python gives the same bytes
-    from lmkv._ext._tokens import int64_to_uint32_le as _int64_to_uint32_le
-    from lmkv._ext._tokens import uint32_le as _uint32_le
+# The optional C accelerator (setup.py); pure Python gives the same bytes.
+_uint32_le: Callable[[list[int] | tuple[int, ...]], bytes] | None = None
+_int64_to_uint32_le: Callable[[np.ndarray], bytes] | None = None
+try:
+    from lmkv._ext import _tokens
 except ImportError:  # pragma: no cover - depends on the build
-    _uint32_le = _int64_to_uint32_le = None
+    pass
+else:
+    _uint32_le, _int64_to_uint32_le = _tokens.uint32_le, _tokens.int64_to_uint32_le
 
 
 _GEOMETRY = re.compile(r"\d+x\d+x\d+")
@@ -141,7 +145,7 @@ def token_bytes(tokens: Any) -> memoryview:
             raise ValueError("token ids must be integers in [0, 2**32)") from None
     if arr.size and not _in_uint32_range(arr):
         raise ValueError("token ids must be integers in [0, 2**32)")
-    return memoryview(np.ascontiguousarray(arr.astype("<u4", copy=False))).cast("B")
+    return np.ascontiguousarray(arr.astype("<u4", copy=False)).data.cast("B")
 
 
 def _in_uint32_range(arr: np.ndarray) -> bool:

@@ -43,9 +43,9 @@ _VIEW_CACHE_MIN = 1024  # views kept whatever the live count (a small working se
 
 # madvise(MADV_POPULATE_WRITE), Linux 5.14: fault pages in as a write would, without
 # writing (so never racing with a chunk being filled there). Python 3.11's mmap has
-# no name for it.
-_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE",
-                               23 if sys.platform.startswith("linux") else None)
+# no name for it (23 is Linux's value); elsewhere there is no such advice.
+_POPULATE_WRITE_KNOWN = hasattr(mmap, "MADV_POPULATE_WRITE") or sys.platform.startswith("linux")
+_MADV_POPULATE_WRITE: int = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 PREFAULT_STEP = 8 << 20  # bytes per madvise call of the prefault thread
 
 
@@ -62,7 +62,7 @@ def _libc_madvise() -> Callable[[int, int, int], int] | None:
     return fn
 
 
-_MADVISE = _libc_madvise() if _MADV_POPULATE_WRITE else None
+_MADVISE = _libc_madvise() if _POPULATE_WRITE_KNOWN else None
 
 # Tests turn this on so a double release raises; in production it is logged loudly.
 strict_refcounts = False
@@ -279,8 +279,9 @@ class _Prefaulter:
                     self._running = False
                     return
                 end = min(self._target, start + PREFAULT_STEP)
-            # (made only where _MADVISE is not None)
-            if _MADVISE(self._base + start, end - start, _MADV_POPULATE_WRITE) != 0:
+            madvise = _MADVISE  # read at each step: tests swap it
+            if madvise is None or madvise(self._base + start, end - start,
+                                          _MADV_POPULATE_WRITE) != 0:
                 # an older kernel (EINVAL): first touches fault pages in from now on
                 logger.debug("lmkv arena: no prefault (%s)", os.strerror(ctypes.get_errno()))
                 self.give_up()

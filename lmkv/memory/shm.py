@@ -200,7 +200,8 @@ class SharedSegment:
                 shm = SharedMemory(name=name)
                 # Before 3.13 attaching registers the segment with this process's
                 # resource tracker, which would unlink it when this process exits.
-                resource_tracker.unregister(shm._name, "shared_memory")
+                # The private ``_name`` (with its "/") is what the tracker registered.
+                resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
         except (OSError, ValueError) as exc:
             raise SharedMemoryUnavailable(f"shared memory: cannot map {name!r}: {exc}") from None
         if shm.size < min_size:

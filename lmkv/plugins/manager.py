@@ -17,7 +17,7 @@ import sys
 import threading
 from dataclasses import dataclass
 from importlib.metadata import EntryPoint, entry_points
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING
 
 import pluggy
 
@@ -25,7 +25,12 @@ from lmkv.base.errors import PluginError
 from lmkv.contracts import hooks as hookspecs
 from lmkv.plugins.contract import undeclared_note
 from lmkv.plugins.registry import (
+    EVICTION_POLICY,
+    GPU_CONNECTOR,
     KINDS,
+    OFFLOAD_POLICY,
+    SERIALIZER,
+    STORAGE_BACKEND,
     LoadFailure,
     PluginSource,
     Registry,
@@ -162,25 +167,25 @@ class PluginManager:
                 except (Exception, SystemExit) as exc:
                     self._record_failure(source, exc, registry.failures)
                     continue
-                registry.add_all(kind.key, classes, source)
+                registry.add_all(kind, classes, source)
         _report(registry.failures, registry.undeclared)
         return registry
 
     # -- one typed method per kind (an unknown name raises UnknownPluginError) --
     def storage_backend(self, name: str) -> type[StorageBackend]:
-        return cast("type[StorageBackend]", self.registry.get("storage_backend", name))
+        return self.registry.get(STORAGE_BACKEND, name)
 
     def eviction_policy(self, name: str) -> type[EvictionPolicy]:
-        return cast("type[EvictionPolicy]", self.registry.get("eviction_policy", name))
+        return self.registry.get(EVICTION_POLICY, name)
 
     def offload_policy(self, name: str) -> type[OffloadPolicy]:
-        return cast("type[OffloadPolicy]", self.registry.get("offload_policy", name))
+        return self.registry.get(OFFLOAD_POLICY, name)
 
     def serializer(self, name: str) -> type[Serializer]:
-        return cast("type[Serializer]", self.registry.get("serializer", name))
+        return self.registry.get(SERIALIZER, name)
 
     def gpu_connector(self, name: str) -> type[GPUConnector]:
-        return cast("type[GPUConnector]", self.registry.get("gpu_connector", name))
+        return self.registry.get(GPU_CONNECTOR, name)
 
 
 def _report(failures: list[LoadFailure], undeclared: list[Undeclared]) -> None:

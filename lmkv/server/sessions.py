@@ -62,7 +62,8 @@ class SessionLimits:
     @classmethod
     def of(cls, server: ServerConnection, arena_bytes: int | None) -> SessionLimits:
         """The config's limits; without ``session_max_bytes``, a share of the arena."""
-        max_bytes = server.session_max_bytes
+        configured = server.session_max_bytes
+        max_bytes: int | None = None if configured is None else int(configured)
         if max_bytes is None and arena_bytes:
             max_bytes = int(arena_bytes * DEFAULT_ARENA_SHARE)
         return cls(server.session_max_handles, max_bytes)

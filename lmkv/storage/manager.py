@@ -19,7 +19,7 @@ import functools
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from contextlib import closing
 from dataclasses import dataclass
@@ -459,7 +459,8 @@ class StorageManager:
 
     def _iter_fetch(self, lookup_id: str, plans: list[tuple[StorageBackend, list[CacheKey]]],
                     kpc: int, promotion: Promotion, direct: bool = False
-                    ) -> Iterator[tuple[StorageBackend, list[CacheKey], list[MemoryObj]]]:
+                    ) -> Generator[tuple[StorageBackend, list[CacheKey], list[MemoryObj]],
+                                   None, None]:
         """Start every planned get, then yield each tier's chunks in order.
 
         A tier that returns fewer chunks than planned ends the answer there:
@@ -500,12 +501,12 @@ class StorageManager:
     def _start_get(self, tier: StorageBackend, lookup_id: str, keys: list[CacheKey],
                    direct: bool = False) -> Future:
         try:
-            future = tier.batched_get_direct(lookup_id, keys) if direct else None
-            return future or tier.batched_get_non_blocking(lookup_id, keys)
+            direct_get = tier.batched_get_direct(lookup_id, keys) if direct else None
+            return direct_get or tier.batched_get_non_blocking(lookup_id, keys)
         except Exception as exc:
-            future: Future = Future()
-            future.set_exception(exc)
-            return future
+            failed: Future = Future()
+            failed.set_exception(exc)
+            return failed
 
     def _result(self, tier: StorageBackend, future: Future) -> list[MemoryObj]:
         try:

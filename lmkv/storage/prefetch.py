@@ -1,10 +1,10 @@
 """Tiered lookup-and-prefetch: the weighted semaphore, the per-lookup tasks and
 the event manager that hands results from storage threads to the caller.
 
-Semantics (ARCHITECTURE.md, "Storage manager"): for each tier in order, count
-the leading keys it holds and pin them; round down to whole chunks and unpin
-the rest; start a non-blocking get of the hits; continue with the remaining
-keys on the next tier (a strict prefix across tiers). The answer is the token
+Semantics (docs/storage.md, "Tiers and the storage manager"): for each tier in
+order, count the leading keys it holds and pin them; round down to whole chunks
+and unpin the rest; start a non-blocking get of the hits; continue with the
+remaining keys on the next tier (a strict prefix across tiers). The answer is the token
 count of the consecutive chunks actually retrieved: a tier that returns fewer
 than it promised ends the answer there, and everything after it is released.
 """

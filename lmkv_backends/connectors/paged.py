@@ -57,9 +57,10 @@ class PagedConnector(GPUConnector):
     writes_in_place = True
     Options = PagedOptions
 
+    # The base class takes any keywords: each connector names those of its engine's KV.
     @classmethod
-    def spec_from(cls, *, kv_caches: Sequence[torch.Tensor], kv_layout: str | None = None,
-                  **_: Any) -> KVSpec:
+    def spec_from(cls, *, kv_caches: Sequence[torch.Tensor],  # type: ignore[override]
+                  kv_layout: str | None = None, **_: Any) -> KVSpec:
         """The spec of vLLM's paged caches in ``kv_layout`` (None: read from their
         shapes)."""
         check(len(kv_caches) > 0, "no KV caches; expected one paged cache per layer")
@@ -109,9 +110,9 @@ class PagedConnector(GPUConnector):
                   f"block ids {low}..{high} out of range: the caches hold {g.num_blocks} blocks")
         return g
 
-    def to_chunks(self, spans: Sequence[ChunkSpan], *, kv_caches: Sequence[torch.Tensor],
-                  block_ids: Sequence[int] | torch.Tensor, after: Any = None,
-                  **_: Any) -> None:
+    def to_chunks(self, spans: Sequence[ChunkSpan], *,  # type: ignore[override]
+                  kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int] | torch.Tensor,
+                  after: Any = None, **_: Any) -> None:
         """``after``: the forward's stream or an event on it (``TransferStream.store``),
         when the caller is not the forward's thread."""
         g = self._validate(kv_caches, block_ids, max((s.end for s in spans), default=0))
@@ -122,9 +123,9 @@ class PagedConnector(GPUConnector):
             lambda: lmkv_kernels.gather_blocks(kv_caches, block_ids, chunks, layout=g.layout,
                                                kernels=self.kernels), after=after).wait()
 
-    def from_chunks(self, spans: Sequence[ChunkSpan], *, kv_caches: Sequence[torch.Tensor],
-                    block_ids: Sequence[int] | torch.Tensor, skip_tokens: int = 0,
-                    after: Any = None, **_: Any) -> None:
+    def from_chunks(self, spans: Sequence[ChunkSpan], *,  # type: ignore[override]
+                    kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int] | torch.Tensor,
+                    skip_tokens: int = 0, after: Any = None, **_: Any) -> None:
         """``skip_tokens``: leave the request's first tokens alone (the engine
         already holds them, possibly in blocks other requests share). ``after``:
         the forward's stream (``TransferStream.load``), when the caller is not the

@@ -20,7 +20,7 @@ import torch
 
 from lmkv.base.errors import CorruptFrameError
 from lmkv.contracts.plugin import PluginOptions
-from lmkv.contracts.serde import Serializer
+from lmkv.contracts.serde import FrameHeader, Serializer
 from lmkv.keys.chunking import CacheKey
 from lmkv.memory import Allocate, MemoryObj
 
@@ -45,6 +45,7 @@ class Int8Serializer(Serializer):
     api_version = "2.0"
     serializer_id = 3
     Options = Int8Options
+    options: Int8Options
 
     def serialize(self, obj: MemoryObj, key: CacheKey) -> list[bytes | memoryview]:
         if not obj.tensor.is_floating_point():  # quantizing would change it: kept exact
@@ -86,7 +87,7 @@ class Int8Serializer(Serializer):
         return obj
 
     @staticmethod
-    def _raw(header, payload: memoryview, allocate: Allocate) -> MemoryObj | None:
+    def _raw(header: FrameHeader, payload: memoryview, allocate: Allocate) -> MemoryObj | None:
         n = int(np.prod(header.shape)) * header.dtype.itemsize
         if len(payload) != n:
             raise CorruptFrameError("int8 raw payload length does not match its shape")

@@ -17,7 +17,7 @@ class NaiveSerializer(Serializer):
     raw_payload = True
 
     def serialize(self, obj: MemoryObj, key: CacheKey) -> list[bytes | memoryview]:
-        return self.framed(obj, memoryview(obj.byte_view().numpy()), key)
+        return self.framed(obj, obj.byte_view().numpy().data, key)
 
     def deserialize(self, frame: bytes | bytearray | memoryview,
                     allocate: Allocate, key: CacheKey) -> MemoryObj | None:

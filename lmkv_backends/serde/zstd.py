@@ -45,6 +45,7 @@ class ZstdSerializer(Serializer):
     api_version = "2.0"
     serializer_id = 2
     Options = ZstdOptions
+    options: ZstdOptions
 
     def serialize(self, obj: MemoryObj, key: CacheKey) -> list[bytes | memoryview]:
         raw = obj.byte_view()
@@ -93,6 +94,7 @@ class ZstdSerializer(Serializer):
 
     @staticmethod
     def _plane(mode: int, data: memoryview, plane_len: int) -> bytes | memoryview:
+        out: bytes | memoryview
         if mode == _RAW:
             out = data
         elif mode == _ZSTD:

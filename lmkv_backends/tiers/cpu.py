@@ -106,9 +106,13 @@ class CPUBackend(StorageBackend):
         self.policy = context.eviction_policy
         # A dry run (``lmkv config check``) makes no arena: whether max_bytes can be
         # had depends on this machine now, not on the config.
-        self.shared_segment, self.allocator = (
-            (None, MemoryAllocator(1 << 16, pin_memory=False)) if context.dry_run
-            else self._arena(options, context))
+        self.shared_segment: SharedSegment | None
+        self.allocator: MemoryAllocator
+        if context.dry_run:
+            self.shared_segment, self.allocator = None, MemoryAllocator(1 << 16,
+                                                                        pin_memory=False)
+        else:
+            self.shared_segment, self.allocator = self._arena(options, context)
         self._entries: dict[CacheKey, MemoryObj] = {}
         self._lock = threading.Lock()
         self._stored_bytes = 0
@@ -219,8 +223,11 @@ class CPUBackend(StorageBackend):
 
     def _evict_locked(self, needed: int) -> int:
         """Evict unpinned, unreferenced entries in policy order; returns bytes freed."""
-        victims, freed = [], 0
+        victims: list[CacheKey] = []
+        freed = 0
         for key in self.policy.candidates():
+            if not isinstance(key, CacheKey):  # the policy orders only this tier's keys
+                continue
             obj = self._entries[key]
             if obj.is_evictable:
                 victims.append(key)

@@ -77,8 +77,10 @@ class FSBackend(StorageBackend):
     def __init__(self, options: OptionsArg = None, context: BackendContext | None = None) -> None:
         super().__init__(options, context)
         options, context = self.options, self.context
-        if context.serializer is None or context.eviction_policy is None:
+        serializer, policy = context.serializer, context.eviction_policy
+        if serializer is None or policy is None:
             raise ValueError("the fs tier needs a serializer and an eviction policy")
+        self._serializer = serializer
         self.location = display_url(options.url)
         # A client library's message may carry the endpoint URL with its credentials.
         self.faults = TierFaults(self.counters, f"fs tier {self.location}", absorbed=FAULTS,
@@ -97,8 +99,8 @@ class FSBackend(StorageBackend):
         else:
             self.store = RemoteStore(open_remote(options, prefix), self.faults)
         capacity = int(options.max_bytes) if options.max_bytes is not None else None
-        self.index = EntryIndex(context.eviction_policy, capacity)
-        self._raw_reads = self.store.reads_into and context.serializer.raw_payload
+        self.index = EntryIndex(policy, capacity)
+        self._raw_reads = self.store.reads_into and serializer.raw_payload
         # Entries held open for direct reads (lookups not yet loaded): at most a
         # quarter of the process's descriptors; past that, reads go to the arena.
         self._direct_lock = threading.Lock()
@@ -134,8 +136,9 @@ class FSBackend(StorageBackend):
 
     def _listing_done(self, job: Future) -> None:
         """A bug in the background listing has no caller to raise into: say it loudly."""
-        if not job.cancelled() and job.exception() is not None:
-            self.faults.last_resort("scan", job.exception(), _CONSEQUENCES["scan"])
+        exc = None if job.cancelled() else job.exception()
+        if exc is not None:
+            self.faults.last_resort("scan", exc, _CONSEQUENCES["scan"])
 
     # -- figures -----------------------------------------------------------------
     @property
@@ -246,7 +249,7 @@ class FSBackend(StorageBackend):
             if existing is not None:  # another process stored it
                 self.index.adopt(key, existing, parent=parent)
                 return False
-            buffers = self.context.serializer.serialize(obj, key)
+            buffers = self._serializer.serialize(obj, key)
             size = sum(memoryview(b).nbytes for b in buffers)
             evicted = self.index.reserve(size)
             if evicted is None:
@@ -291,9 +294,9 @@ class FSBackend(StorageBackend):
     def _read_in(self, name: str, key: CacheKey) -> tuple[MemoryObj | None, int]:
         """The entry read into a chunk buffer: ``(buffer, entry size)``; no buffer
         when the arena has no room."""
-        if self._raw_reads:
-            return self.store.read_into(name, key, self.context.serializer.serializer_id,
-                                        self.context.allocate)
+        store, allocate = self.store, self.context.allocate
+        if self._raw_reads and isinstance(store, LocalStore) and allocate is not None:
+            return store.read_into(name, key, self._serializer.serializer_id, allocate)
         frame = self.store.read_frame(name)
         return self.decode(key, frame), len(frame)
 
@@ -351,7 +354,7 @@ class FSBackend(StorageBackend):
     def _get_direct(self, key: CacheKey) -> DirectChunk | MemoryObj | None:
         store = self.store
         assert isinstance(store, LocalStore)
-        serializer_id = self.context.serializer.serializer_id
+        serializer_id = self._serializer.serializer_id
         found = self._read(key, lambda name, k: store.open_payload(name, k, serializer_id))
         if found is None:
             return None

@@ -188,6 +188,8 @@ class EntryIndex:
         while excess > 0:
             victims: list[CacheKey] = []
             for key in self.policy.candidates():
+                if not isinstance(key, CacheKey):  # the policy orders only this tier's keys
+                    continue
                 entry = self._entries.get(key)
                 if entry is None or entry.pins:
                     continue
@@ -198,8 +200,12 @@ class EntryIndex:
             if not victims:
                 break
             for key in victims:
-                parents.append(lineage.parent(key))
-                evicted.append((key, self._drop_locked(key).size))
+                parent = lineage.parent(key)  # before the drop makes the policy forget it
+                dropped = self._drop_locked(key)
+                if dropped is None:  # named twice by the policy: dropped already
+                    continue
+                parents.append(parent if isinstance(parent, CacheKey) else None)
+                evicted.append((key, dropped.size))
         return evicted, parents
 
     def release(self, reserved: int) -> None:

@@ -191,7 +191,7 @@ class LocalStore:
             if obj is None:
                 return None, size
             try:
-                payload = memoryview(obj.byte_view().numpy())
+                payload = obj.byte_view().numpy().data
                 start = header.header_len
                 have = max(0, min(len(head) - start, len(payload)))
                 payload[:have] = head[start:start + have]

@@ -71,16 +71,17 @@ export PATH=/tmp/bin:$PATH
 } >> "$ENV" 2>&1
 
 Q=${QUICK:+--quick}
-# Issue 14: the tier against Mooncake's own client where cores are not the limit.
+# The Mooncake tier against Mooncake's own client where cores are not the limit.
 step mooncake_embedded 130 $PY benchmarks/bench_mooncake.py $Q
 step mooncake_real_client 130 $PY benchmarks/bench_mooncake.py --real-client $Q
-# Issue 13's figures: the GPU path (never run on a GPU yet).
+# The GPU path's figures (docs/benchmarks.md, "GPU"; never run on a GPU yet).
 if [ -z "$QUICK" ]; then
   step gpu 170 $PY benchmarks/bench_gpu.py
 else
   step gpu 120 env TRITON_INTERPRET=1 $PY benchmarks/bench_gpu.py --dry-run
 fi
-# One 32 MiB chunk a batch: the latency of a 2048-token load (issue 14's TTFT row).
+# One 32 MiB chunk a batch: the latency of a 2048-token load (docs/tiers/mooncake.md,
+# "Performance").
 step mooncake_one_chunk 70 $PY benchmarks/bench_mooncake.py --chunks 1 --rounds 5
 step mooncake_embedded_2 130 $PY benchmarks/bench_mooncake.py $Q
 step transfer_stream 50 $PY -m pytest -q -p no:cacheprovider tests/memory/test_transfer_stream.py

@@ -286,6 +286,7 @@ def test_an_unaddressable_budget_is_invalid_with_a_readable_bound() -> None:
 
 
 @pytest.mark.parametrize("command", [["stats", "--config"], ["server", "--config"]])
+@pytest.mark.slow  # lmkv commands in processes
 def test_oversized_tier_is_one_line_where_the_arena_is_made(tmp_path, command) -> None:
     from tests.conftest import run_cli
 

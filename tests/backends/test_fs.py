@@ -162,6 +162,7 @@ def test_entries_survive_a_restart(make: Callable[..., FSBackend], tmp_path: Pat
         assert torch.equal(read(second, i), chunk(i))
 
 
+@pytest.mark.slow  # a worker process
 def test_a_crash_mid_write_leaves_no_entry_and_the_temporary_is_cleaned(
         make: Callable[..., FSBackend], tmp_path: Path) -> None:
     run_worker("crash", str(tmp_path), check=False)
@@ -464,6 +465,7 @@ def test_a_frame_of_another_serializer_is_a_miss(make: Callable[..., FSBackend],
     assert backend.stats()["corrupt_frames"] == 1 and not path.exists()
 
 
+@pytest.mark.slow  # a worker process
 def test_a_filesystem_that_refuses_writes(tmp_path: Path) -> None:
     """Writes past RLIMIT_FSIZE fail with EFBIG (SIGXFSZ ignored): counted, no entry,
     no temporary left; existing entries stay readable."""
@@ -524,6 +526,7 @@ def test_operations_after_close_are_misses(make: Callable[..., FSBackend]) -> No
 
 # -- sharing between processes, config ---------------------------------------------------
 
+@pytest.mark.slow  # worker processes
 def test_two_processes_share_one_directory(tmp_path: Path) -> None:
     check_sharing(str(tmp_path))
 

@@ -288,6 +288,7 @@ def test_endpoint_credentials_never_show(arena: MemoryAllocator,
     assert "failed" in ours and SECRET not in ours
 
 
+@pytest.mark.slow  # lmkv commands in processes
 def test_config_errors_and_config_check_never_echo_secrets(tmp_path: Path) -> None:
     import subprocess
     import sys

@@ -29,6 +29,8 @@ from tests.backends.test_fs import (
 )
 from tests.services import S3Endpoint
 
+pytestmark = pytest.mark.slow  # an S3 service (moto) in a process
+
 BUCKET = "lmkv-tests"
 # Short timeouts: a stopped endpoint costs each test at most a few seconds.
 FAST = {"connect_timeout_s": 1.0, "read_timeout_s": 2.0, "retries": 0}

@@ -7,7 +7,11 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from lmkv.base.moved import MOVED
+
+pytestmark = pytest.mark.slow  # a fresh interpreter
 
 CODE = """
 import importlib, json, sys, warnings
@@ -26,6 +30,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.slow  # a fresh interpreter
 def test_every_old_path_is_its_new_module_and_warns_once() -> None:
     result = subprocess.run([sys.executable, "-c", CODE], capture_output=True, text=True,
                             timeout=300)

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import yaml
 
 from tests.conftest import run_cli
+
+pytestmark = pytest.mark.slow  # lmkv commands in processes
 
 
 def test_a_cpu_tier_larger_than_memory_is_a_warning_not_an_error(tmp_path: Path) -> None:

@@ -6,6 +6,8 @@ import pytest
 
 from tests.conftest import run_cli
 
+pytestmark = pytest.mark.slow  # lmkv commands in processes, the demo's model
+
 
 def test_demo_runs_and_reports_identical_output() -> None:
     pytest.importorskip("transformers")

@@ -8,10 +8,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 from lmkv.config.model import load_config
 from tests.conftest import run_cli
+
+pytestmark = pytest.mark.slow  # the lmkv command in a process
 
 LMCACHE_YAML = """\
 chunk_size: 256

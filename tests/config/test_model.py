@@ -182,6 +182,7 @@ def test_missing_file() -> None:
         load_config("/nonexistent/lmkv.yaml", env={})
 
 
+@pytest.mark.slow  # the lmkv command in a process
 def test_cli_config_check(tmp_path: Path) -> None:
     good = write(tmp_path, "good.yaml", "chunk_size: 128\n")
     result = run_cli("config", "check", str(good))

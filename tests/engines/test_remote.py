@@ -17,6 +17,8 @@ from lmkv_backends.connectors.hf import HFConnector
 from lmkv_backends.connectors.paged import PagedConnector
 from tests.server.procs import free_port, start_server
 
+pytestmark = pytest.mark.slow  # a real lmkv server
+
 L, H, D, BLOCK, CHUNK = 2, 2, 32, 8, 16
 SPEC = KVSpec(L, H, D, torch.bfloat16)  # a 16-token chunk is 8 KiB
 

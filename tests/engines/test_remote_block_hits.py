@@ -21,6 +21,8 @@ from lmkv.testing.server import spawn_server
 from tests.engines.test_block_hits import BLOCK, CHUNK, SPEC, fresh, hf_kv, same_kv
 from tests.server.procs import REPO, child_env
 
+pytestmark = pytest.mark.slow  # a real lmkv server
+
 
 def remote(address: str, data_path: str = "auto", model: str = "block-remote",
            **overrides) -> RemoteEngine:

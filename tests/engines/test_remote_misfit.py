@@ -17,6 +17,8 @@ from lmkv.memory import tensor_obj
 from lmkv.testing.engines import open_local_engine
 from tests.server.procs import start_server
 
+pytestmark = pytest.mark.slow  # real lmkv server processes
+
 CHUNK = 32
 SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=16, dtype=torch.float16)
 TOKENS = list(range(700, 796))  # 3 whole chunks

@@ -11,6 +11,8 @@ from lmkv.config.model import load_config
 from lmkv.integrations import hf_model
 from lmkv.integrations.transformers import HFCacheEngine
 
+pytestmark = pytest.mark.slow  # runs a model
+
 
 @pytest.fixture(scope="module")
 def model():

@@ -405,6 +405,7 @@ def test_unfinished_request_is_never_marked() -> None:
     assert len(lazy.policy) == 0
 
 
+@pytest.mark.vllm
 def test_connector_loads_where_vllm_is_installed() -> None:
     pytest.importorskip("vllm")
     from lmkv.integrations.vllm import LMKVConnector

@@ -262,6 +262,7 @@ def test_lmkv_installs_lmkv_kernels_and_no_top_level_kernels() -> None:
     assert all(top.startswith("lmkv") for top in tops), tops
 
 
+@pytest.mark.slow  # a fresh interpreter
 def test_lmkv_kernels_imports_torch_and_the_standard_library_only() -> None:
     code = ("import sys, lmkv_kernels; "
             "print(sorted(m for m in sys.modules if m.split('.')[0].startswith('lmkv')))")
@@ -270,6 +271,7 @@ def test_lmkv_kernels_imports_torch_and_the_standard_library_only() -> None:
     assert eval(out) == ["lmkv_kernels", "lmkv_kernels.layouts", "lmkv_kernels.torch_ref"]
 
 
+@pytest.mark.slow  # a fresh interpreter
 def test_lmkv_kernels_imports_without_triton() -> None:
     """Triton is optional: with it hidden, lmkv_kernels and the paged connector
     import and copy with the reference, even for CUDA caches."""

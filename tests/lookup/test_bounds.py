@@ -1,5 +1,5 @@
-"""A worker's lookup responder under requests that would make it allocate or stall
-(issue 9, item 8): one responder in this process, a real engine, raw ZMQ peers."""
+"""A worker's lookup responder under requests that would make it allocate or stall:
+one responder in this process, a real engine, raw ZMQ peers."""
 
 from __future__ import annotations
 

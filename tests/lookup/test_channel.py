@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import msgspec
+import pytest
 import zmq
 
 from lmkv.keys.chunking import prefix_hashes
 from lmkv.lookup import LookupRequest, LookupResponse
 from lmkv.lookup.messages import encode
 from tests.lookup.conftest import CHUNK, poll_result, prompt, wait_for
+
+pytestmark = pytest.mark.slow  # worker processes
 
 
 def store(workers, tokens_by_rank) -> None:

@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import contextlib
 
+import pytest
 import zmq
 
 from lmkv.lookup import LookupResponse
 from lmkv.lookup.messages import encode
 from tests.lookup.conftest import CHUNK, poll_result, prompt, wait_for
+
+pytestmark = pytest.mark.slow  # real worker processes
 
 
 def test_answers_from_anyone_but_the_workers_are_never_taken(workers, make_client) -> None:

@@ -109,6 +109,7 @@ def test_a_shape_no_view_takes_leaks_no_block() -> None:
     obj.ref_down()
 
 
+@pytest.mark.slow  # seconds of allocations
 def test_the_view_cache_stays_bounded_with_mixed_chunk_sizes() -> None:
     from lmkv import memory
 

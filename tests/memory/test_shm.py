@@ -83,6 +83,7 @@ def test_the_allocator_uses_a_given_buffer_and_checks_it() -> None:
         MemoryAllocator(1024, buffer=torch.zeros(1024, dtype=torch.float32))
 
 
+@pytest.mark.slow  # a process of its own
 def test_a_process_that_attaches_and_exits_leaves_the_segment_alone() -> None:
     segment = SharedSegment.create(1 << 16)
     try:
@@ -144,6 +145,7 @@ def _shm_lines(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.name == "lmkv.memory.shm"]
 
 
+@pytest.mark.slow  # processes of its own
 def test_the_arena_goes_on_huge_pages_when_the_host_has_them_reserved(
         reserved_huge_pages: HugePages, caplog) -> None:
     caplog.set_level(logging.INFO, logger="lmkv.memory.shm")

@@ -22,6 +22,8 @@ from lmkv.metrics.exporter import serve_metrics
 from lmkv.testing.engines import open_local_engine
 from lmkv.testing.server import spawn_server
 
+pytestmark = pytest.mark.slow  # lmkv server and lmkv stats processes
+
 SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=16, dtype=torch.float16)
 CHUNK = 32
 TOKEN_BYTES = SPEC.chunk_nbytes(1)

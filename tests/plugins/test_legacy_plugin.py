@@ -49,6 +49,8 @@ def assert_one_line(result: subprocess.CompletedProcess[str]) -> str:
     return line
 
 
+@pytest.mark.slow  # lmkv commands in processes
+@pytest.mark.slow  # lmkv in processes
 def test_every_class_is_left_out_with_what_to_change(legacy, tmp_path: Path) -> None:
     cfg = tmp_path / "cpu.yaml"
     cfg.write_text(CPU_ONLY)
@@ -61,6 +63,8 @@ def test_every_class_is_left_out_with_what_to_change(legacy, tmp_path: Path) -> 
     assert "serialize(self, obj) cannot be called as serialize(obj, key)" in line
 
 
+@pytest.mark.slow  # lmkv commands in processes
+@pytest.mark.slow  # lmkv in processes
 def test_a_config_selecting_a_left_out_class_says_why(legacy, tmp_path: Path) -> None:
     cfg = tmp_path / "legacy.yaml"
     cfg.write_text("tiers:\n  - type: legacy\n    eviction: oldest-first\n")
@@ -73,6 +77,8 @@ def test_a_config_selecting_a_left_out_class_says_why(legacy, tmp_path: Path) ->
     assert "tiers.0.eviction.type = 'oldest-first'" in errors[1]
 
 
+@pytest.mark.slow  # lmkv commands in processes
+@pytest.mark.slow  # lmkv in processes
 def test_stats_replay_and_plugins_go_on_without_it(legacy, tmp_path: Path) -> None:
     cfg = tmp_path / "cpu.yaml"
     cfg.write_text(CPU_ONLY)
@@ -97,6 +103,8 @@ def test_stats_replay_and_plugins_go_on_without_it(legacy, tmp_path: Path) -> No
     assert len(errors) == len(LEGACY_CLASSES)
 
 
+@pytest.mark.slow  # a process of its own
+@pytest.mark.slow  # lmkv in processes
 def test_an_engine_opens_without_it(legacy) -> None:
     code = textwrap.dedent("""
         import torch
@@ -114,6 +122,8 @@ def test_an_engine_opens_without_it(legacy) -> None:
     assert_one_line(result)
 
 
+@pytest.mark.slow  # a real lmkv server
+@pytest.mark.slow  # lmkv in processes
 def test_a_server_starts_and_stops_without_it(legacy, tmp_path: Path) -> None:
     proc, _ = spawn_server(tmp_path, CPU_ONLY, env={**os.environ, **legacy})
     try:
@@ -127,7 +137,7 @@ def test_a_server_starts_and_stops_without_it(legacy, tmp_path: Path) -> None:
     assert len(plugin_lines(log)) == 1, log
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # lmkv commands in processes
 def test_the_demo_runs_without_it(legacy) -> None:
     result = run_cli("demo", "--preset", "tiny", env=legacy)
     assert result.returncode == 0, result.stderr

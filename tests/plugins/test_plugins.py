@@ -170,6 +170,7 @@ def test_allow_and_block_lists(third_party: Path, monkeypatch: pytest.MonkeyPatc
     assert manager.eviction_policy("lru") is LRUPolicy
 
 
+@pytest.mark.slow  # lmkv commands in processes
 def test_cli_lists_plugins_and_errors(third_party: Path) -> None:
     env = {"PYTHONPATH": str(third_party)}
     result = run_cli("plugins", "--json", env=env)
@@ -185,6 +186,7 @@ def test_cli_lists_plugins_and_errors(third_party: Path) -> None:
     assert "hello" in table.stdout and "lmkv-broken" in table.stdout
 
 
+@pytest.mark.slow  # lmkv commands in processes
 def test_third_party_plugin_selected_by_config(third_party: Path, tmp_path: Path) -> None:
     cfg = tmp_path / "hello.yaml"
     cfg.write_text("tiers:\n  - type: hello\n    options: {greeting: hi}\n"
@@ -367,6 +369,7 @@ def test_bad_plugins_are_recorded_and_never_fatal(bad_plugins: Path) -> None:
         assert "\n" not in errors[dist]
 
 
+@pytest.mark.slow  # lmkv commands in processes
 def test_cli_lists_bad_plugins_and_a_cpu_config_still_works(bad_plugins: Path,
                                                             tmp_path: Path) -> None:
     env = {"PYTHONPATH": str(bad_plugins)}
@@ -480,6 +483,7 @@ _OPTIONS = {("storage_backend", "cpu"): {"max_bytes": "1MiB"},
             ("storage_backend", "redis"): {"url": "redis://127.0.0.1:1"}}
 
 
+@pytest.mark.slow  # builds the service tiers too
 def test_every_installed_plugin_is_built_as_cls_options_context(tmp_path: Path) -> None:
     manager = PluginManager()
     manager.load_entry_points()

@@ -95,6 +95,7 @@ def test_plot_without_matplotlib_names_the_extra(
                    "pip install 'lmkv[plot]'"]
 
 
+@pytest.mark.slow  # the lmkv command in a process
 def test_a_real_process_keeps_stdout_json_only(mooncake: Writer) -> None:
     done = run_cli("replay", str(mooncake(REQUESTS)), "--capacity", "50%", "--json")
     assert done.returncode == 0, done.stderr

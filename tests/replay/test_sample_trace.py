@@ -7,7 +7,11 @@ import importlib.util
 import json
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import REPO, run_cli
+
+pytestmark = pytest.mark.slow  # lmkv replay over a 300-request trace
 
 TRACE = REPO / "benchmarks" / "traces" / "sample_trace.jsonl"
 SCRIPT = REPO / "benchmarks" / "make_sample_trace.py"

@@ -6,8 +6,12 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from tests.server.procs import REPO, child_env, chunk_for, prompt_keys, same_bytes
 from tests.server.worker import SHARED_PROMPTS
+
+pytestmark = pytest.mark.slow  # real lmkv server processes
 
 ITERATIONS = 40
 

@@ -30,7 +30,10 @@ from tests.server.procs import (
     write_config,
 )
 
-pytestmark = pytest.mark.skipif(not zmq.has("curve"), reason="libzmq without CURVE")
+pytestmark = [
+    pytest.mark.skipif(not zmq.has("curve"), reason="libzmq without CURVE"),
+    pytest.mark.slow,  # real lmkv server processes
+]
 
 
 @dataclass

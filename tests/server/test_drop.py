@@ -24,6 +24,8 @@ from tests.server.procs import (
 )
 from tests.server.test_errors import error_of, raw_request, still_serving
 
+pytestmark = pytest.mark.slow  # real lmkv server processes
+
 FEWER_TOKENS = [2, 2, 128, 2, 16]  # SHAPE's chunk cut to its first 128 tokens
 
 

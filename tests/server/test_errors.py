@@ -19,6 +19,8 @@ from lmkv.rpc.client import ServerClient
 from tests.server.conftest import MAX_REQUEST_BYTES
 from tests.server.procs import REPO, child_env, chunk_for, free_port, prompt_keys
 
+pytestmark = pytest.mark.slow  # real lmkv server processes
+
 
 def raw_request(address: str, frames: list[bytes], kind: int = zmq.DEALER) -> list[bytes]:
     sock = zmq.Context.instance().socket(kind)

@@ -18,6 +18,8 @@ from lmkv.rpc import protocol as p
 from lmkv.rpc.channel import Channel
 from tests.server.procs import ServerProcess, chunk_for, prompt_keys, start_server, wait_for
 
+pytestmark = pytest.mark.slow  # real lmkv server processes
+
 LOST = "no longer holds"
 
 

@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.plugins.plugin_fixtures import write_dist
 from tests.server.procs import (
     REPO,
@@ -21,6 +23,8 @@ from tests.server.procs import (
     start_server,
     wait_for,
 )
+
+pytestmark = pytest.mark.slow  # real lmkv server processes
 
 SLOW_TIER = '''
 import time

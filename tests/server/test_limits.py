@@ -14,6 +14,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import pytest
+
 from lmkv.rpc import protocol as p
 from tests.server.procs import (
     REPO,
@@ -25,6 +27,8 @@ from tests.server.procs import (
     start_server,
     wait_for,
 )
+
+pytestmark = pytest.mark.slow  # real lmkv server and client processes
 
 # 64 chunks of 64 KiB; a session may hold half: 32 chunks.
 ARENA = "tiers:\n  - type: cpu\n    options: {max_bytes: 4MiB}\n"

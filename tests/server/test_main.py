@@ -15,6 +15,8 @@ from lmkv.server.main import (
     listen_endpoint,
 )
 
+pytestmark = pytest.mark.slow  # real lmkv server processes
+
 
 def parse(*argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()

@@ -30,6 +30,8 @@ from tests.server.procs import (
     write_config,
 )
 
+pytestmark = pytest.mark.slow  # real lmkv server processes
+
 NOBODY = 65534
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another user")
 

@@ -22,6 +22,8 @@ from tests.server.procs import (
     wait_for,
 )
 
+pytestmark = pytest.mark.slow  # real lmkv server processes
+
 
 def held(stats: p.StatsReply) -> tuple[int, int, int, int]:
     """(held lookups, staged chunks, leased chunks, arena buffers outside the tier)."""

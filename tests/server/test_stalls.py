@@ -27,6 +27,8 @@ from tests.server.procs import (
     wait_for,
 )
 
+pytestmark = pytest.mark.slow  # real lmkv server processes
+
 # 64 chunks of 64 KiB; one session may take all of them (server.session_max_bytes).
 ARENA = ("tiers:\n  - type: cpu\n    options: {max_bytes: 4MiB}\n"
          "server: {session_max_bytes: 4MiB}\n")

@@ -17,6 +17,8 @@ from tests.server.procs import (
     same_bytes,
 )
 
+pytestmark = pytest.mark.slow  # real lmkv server processes
+
 
 @pytest.mark.parametrize("data_path", ["auto", "inline"])
 def test_store_then_retrieve_is_byte_identical(server, data_path: str) -> None:

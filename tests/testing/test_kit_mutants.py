@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # every kit against every mutant tier
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 

@@ -8,6 +8,8 @@ import sys
 import textwrap
 import time
 
+import pytest
+
 from lmkv.memory.shm import SharedSegment
 from lmkv.testing import serve
 
@@ -60,6 +62,7 @@ def test_clean_stop_reports_nothing() -> None:
     assert serve.stop_process(proc, timeout_s=30) == []
 
 
+@pytest.mark.slow  # processes started and stopped
 def test_stop_reports_a_child_left_running_and_its_exit_code() -> None:
     proc = _python("import subprocess, sys, time\n"
                    "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
@@ -75,6 +78,7 @@ def test_stop_reports_a_child_left_running_and_its_exit_code() -> None:
     assert not serve.alive(tree[1])
 
 
+@pytest.mark.slow  # process groups started and stopped
 def test_stop_finds_an_orphan_of_its_process_group() -> None:
     # the middle process exits at once: its child is reparented, out of the tree
     proc = _python("import subprocess, sys, time\n"

@@ -44,7 +44,8 @@ CHUNK = 256
 MAX_TOKENS = 16
 SERVE_ARGS = ("--dtype", "float32", "--max-model-len", "2048", "--enforce-eager",
               "--max-num-seqs", "4", "--seed", "0")
-#: lmkv's own figure in vLLM's /metrics (the proof the issue names: nothing stands in).
+#: lmkv's own figure in vLLM's /metrics: the proof that lmkv served the tokens, not a
+#: stand-in.
 LOADED = "vllm:lmkv_loaded_tokens_total"
 
 

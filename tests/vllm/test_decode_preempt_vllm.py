@@ -25,6 +25,7 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.vllm
 CHUNK, BLOCK = 64, 32
 P, A, Q = 100, 80, 20
 CACHE_BLOCKS = 17  # the lmkv runs' KV cache: 16 blocks (512 tokens) and vLLM's null block
@@ -104,6 +105,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict:
                      ("baseline", "eager", "eager-decode", "lazy-decode"), tmp)
 
 
+@pytest.mark.slow  # real vLLM runs
 def test_store_decode_loads_the_answer_in_the_next_round(results: dict) -> None:
     base = results["baseline"]["rounds"]
     whole = lambda n: n // BLOCK * BLOCK  # noqa: E731
@@ -143,6 +145,7 @@ def test_a_worker_reports_a_finished_requests_last_store(tmp_path) -> None:
         side.close()
 
 
+@pytest.mark.slow  # real vLLM runs
 @pytest.mark.parametrize("mode", ["eager", "eager-decode"])
 def test_preempted_requests_resume_from_lmkv(results: dict, mode: str) -> None:
     got = results[mode]

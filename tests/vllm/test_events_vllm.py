@@ -28,6 +28,8 @@ from lmkv.integrations.vllm.events import (
 from lmkv.integrations.vllm.specs import BlockNames, StoreSpec
 from lmkv.integrations.vllm.worker import WorkerSide
 
+pytestmark = pytest.mark.vllm
+
 LAYERS, HEADS, DIM, BLOCK, BLOCKS, CHUNK = 2, 2, 8, 16, 8, 32
 CHUNK_BYTES = LAYERS * 2 * HEADS * DIM * CHUNK * 4  # float32
 

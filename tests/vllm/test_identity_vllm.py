@@ -28,6 +28,8 @@ from lmkv.base.errors import ConfigError
 from lmkv.integrations.vllm.identity import check_kv_cache_groups, request_identity
 from lmkv.keys.chunking import prefix_hashes
 
+pytestmark = pytest.mark.vllm
+
 BLOCK = 16  # vLLM's block size here
 CHUNK = 32  # lmkv's chunk: two blocks
 TOKENS = list(range(500, 628))  # 4 chunks, 8 blocks

@@ -23,6 +23,8 @@ import torch
 from lmkv.integrations.vllm.specs import LoadSpec, StoreSpec
 from tests.vllm.test_worker_vllm import BLOCK, caches, worker
 
+pytestmark = pytest.mark.vllm
+
 NAMES = ["layer.0", "layer.1"]
 
 

@@ -21,6 +21,7 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.vllm
 BLOCK, CHUNK = 32, 64
 CACHE_BLOCKS = 13  # 12 usable blocks (384 tokens) and vLLM's null block
 P_LEN, OTHER_LEN, ANSWER = 200, 300, 8
@@ -145,6 +146,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return run_modes(__file__, build_small_model(tmp), ("baseline", "lazy"), tmp)
 
 
+@pytest.mark.slow  # a real vLLM run
 def test_lazy_offload_rescues_blocks_vllm_hands_out(results: dict) -> None:
     lazy = results["lazy"]
     assert lazy["outputs"] == results["baseline"]["outputs"], "outputs differ without lmkv"

@@ -25,6 +25,8 @@ from lmkv.integrations.vllm.connector import LMKVConnector
 from lmkv.integrations.vllm.stats import LMKVStats, StatsTaker
 from lmkv.metrics import recorder
 
+pytestmark = pytest.mark.vllm
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -129,6 +131,7 @@ PROBE = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # a real vLLM run
 def test_a_real_vllm_exports_lmkv_figures(tmp_path) -> None:
     script = PROBE.format(tests=str(ROOT / "tests" / "vllm"), model=str(tmp_path / "model"))
     cpus = f"0-{(os.cpu_count() or 1) - 1}"

@@ -16,6 +16,8 @@ from lmkv_backends.connectors.paged import PagedConnector
 
 pytest.importorskip("vllm")
 
+pytestmark = pytest.mark.vllm
+
 
 def test_the_vllm_worker_opens_its_engine_through_open_engine(tmp_path, monkeypatch) -> None:
     """The worker resolves no connector itself: one resolution of the paged default;

@@ -20,6 +20,8 @@ from lmkv.config.model import load_config
 from lmkv.contracts.connector import KVSpec
 from lmkv.integrations.vllm.worker import WorkerSide
 
+pytestmark = pytest.mark.vllm
+
 LAYERS, HEADS, DIM, BLOCK, BLOCKS = 2, 2, 8, 16, 6
 
 

@@ -110,7 +110,7 @@ class Fetched:
     ``codes`` None: no room or unregistered memory, nothing was asked)."""
 
     keys: Sequence[CacheKey]
-    objs: list[MemoryObj | None]
+    objs: list[MemoryObj]
     header_block: MemoryObj | None
     codes: list[int] | None
     quarantine: Callable[[list[MemoryObj]], None]
@@ -119,6 +119,8 @@ class Fetched:
     answered_is_over: bool = False
     # Payload digests computed while the frames moved (``fetch_ranged``), else None.
     checksums: list[int] | None = None
+    # The leading ``objs`` handed to the caller (``settle``): theirs, not released here.
+    handed: int = 0
 
     @property
     def idle(self) -> bool:
@@ -131,10 +133,10 @@ class Fetched:
     def release(self) -> None:
         """Give back every buffer not handed over, or quarantine them when a
         transfer into them may still run (idempotent)."""
-        objs = [o for o in self.objs if o is not None]
+        objs = self.objs[self.handed:]
         if self.header_block is not None:
             objs.append(self.header_block)
-        self.objs, self.header_block = [], None
+        self.objs, self.handed, self.header_block = [], 0, None
         if objs and not self.idle:
             self.quarantine(objs)
             return
@@ -170,9 +172,11 @@ def fetch(store: Any, names: Sequence[str], keys: Sequence[CacheKey], layout: La
     fetched = Fetched(keys, [], staging.allocate((layout.header_len * len(keys),), torch.uint8),
                       None, quarantine, answered_is_over=answered_is_over)
     try:
-        if not _allocated(fetched, layout, allocate, store, registered, register_arena):
+        block = fetched.header_block
+        if block is None or not _allocated(fetched, layout, allocate, store, registered,
+                                           register_arena):
             return fetched
-        base = fetched.header_block.tensor.data_ptr()
+        base = block.tensor.data_ptr()
         hlen, plen = layout.header_len, layout.payload_len
         fetched.asked = True
         ptrs = [[base + i * hlen, o.tensor.data_ptr()] for i, o in enumerate(fetched.objs)]
@@ -265,7 +269,7 @@ def fetch_ranged(store: Any, names: Sequence[str], keys: Sequence[CacheKey], lay
             live = _leading(asked, lambda i: codes[i] == 0)
             pending = ask(k + 1, live) if live and k + 1 < len(bounds) else None
             for i in live:  # hashed while the next pieces move
-                hashers[i].update(fetched.objs[i].byte_view().numpy()[a:b])
+                hashers[i].update(fetched.objs[i].byte_view().numpy()[a:b].data)
         for i in live:
             codes[i] = hlen + plen
         fetched.checksums = [hashers[i].intdigest() if i in hashers else 0
@@ -316,10 +320,11 @@ def settle(fetched: Fetched, layout: Layout, out: list[MemoryObj]) -> tuple[int,
     failed transfer (``raise_for``). Releases (or quarantines, see
     ``Fetched.release``) the rest."""
     try:
-        if fetched.codes is None:
+        block = fetched.header_block
+        if fetched.codes is None or block is None:  # nothing was asked
             return 0, OTHER_LAYOUT
         hlen, plen = layout.header_len, layout.payload_len
-        headers = fetched.header_block.tensor.numpy()
+        headers = block.tensor.numpy()
         taken = 0
         for i, (key, code) in enumerate(zip(fetched.keys, fetched.codes, strict=True)):
             if code in NOT_THERE:
@@ -335,12 +340,12 @@ def settle(fetched: Fetched, layout: Layout, out: list[MemoryObj]) -> tuple[int,
                 raise_for("batch_get_into_multi_buffers", code)
             obj = fetched.objs[i]
             try:
-                header = read_header(memoryview(headers[i * hlen:(i + 1) * hlen]), key,
+                header = read_header(headers[i * hlen:(i + 1) * hlen].data, key,
                                      frame_len=code)
                 if Layout.of(header) != layout:
                     return taken, OTHER_LAYOUT
                 if fetched.checksums is None:
-                    verify_payload(header, memoryview(obj.byte_view().numpy()))
+                    verify_payload(header, obj.byte_view().numpy().data)
                 elif fetched.checksums[i] != header.checksum:
                     raise CorruptFrameError("frame payload checksum mismatch")
             except CorruptFrameError:
@@ -350,8 +355,8 @@ def settle(fetched: Fetched, layout: Layout, out: list[MemoryObj]) -> tuple[int,
                 # only if it is corrupt there.
                 return taken, OTHER_LAYOUT
             out.append(obj)
-            fetched.objs[i] = None  # handed over
             taken += 1
+            fetched.handed = taken
         return taken, FOUND
     finally:
         fetched.release()

@@ -92,8 +92,10 @@ class MooncakeBackend(StorageBackend):
     def __init__(self, options: OptionsArg = None, context: BackendContext | None = None) -> None:
         super().__init__(options, context)
         options, context = self.options, self.context
-        if context.serializer is None:
+        serializer = context.serializer
+        if serializer is None:
             raise ValueError("the mooncake tier needs a serializer")
+        self._serializer = serializer
         # An etcd or HTTP address may carry credentials: never printed.
         secrets = [*secrets_in(options.master_address), *secrets_in(options.metadata_server)]
         self.where = (f"mooncake_client {options.client_address}" if options.client_address
@@ -112,7 +114,7 @@ class MooncakeBackend(StorageBackend):
         self._frame_hint = 0  # the largest frame seen: sizes get windows
         # The layout of the last frame read (direct gets guess the next from it).
         # (Not with a real client: it cannot write into lmkv's arena.)
-        self._direct = bool(context.serializer.raw_payload and context.allocate is not None
+        self._direct = bool(serializer.raw_payload and context.allocate is not None
                             and not options.client_address)
         self._layout: Layout | None = None
         self.direct_gets = 0  # chunks read straight into the arena
@@ -124,7 +126,7 @@ class MooncakeBackend(StorageBackend):
                               f": {exc}") from None
         self.registered = self.link.registered
         atexit.register(self.link.close)  # an engine that exits unmounts its segment
-        self._writer = Writer(self.link, context.serializer, self.staging, self.registered,
+        self._writer = Writer(self.link, serializer, self.staging, self.registered,
                               self.store_key)
         self._gets = PrefixGets(self.faults, GET_THREADS, "lmkv-mooncake-get")
         # Transfers of gets, one window ahead of each get's checks.
@@ -264,11 +266,11 @@ class MooncakeBackend(StorageBackend):
                 raise_for("batch_get_into", codes[0])
             if codes[0] != size:  # absent, or replaced by another size meanwhile
                 return False
-            frame = memoryview(block.tensor.numpy())
+            frame = block.tensor.numpy().data
             obj = self.decode_frame(key, frame)
             if obj is None:
                 return False
-            if self.context.serializer.raw_payload:
+            if self._serializer.raw_payload:
                 self._layout = Layout.of(read_header(frame, key))
             self.counters.bytes_out += size
             out.append(obj)
@@ -284,8 +286,9 @@ class MooncakeBackend(StorageBackend):
         frame then copied into the arena (``_read_thin``). Returns how many were
         read and why it stopped."""
         layout = self._layout
-        allocate = self.staging.allocate if thin and self.staging else self.context.allocate
-        assert layout is not None and allocate is not None
+        staging = self.staging
+        allocate = staging.allocate if thin and staging else self.context.allocate
+        assert layout is not None and allocate is not None and staging is not None
         frame = layout.header_len + layout.payload_len
         buffer = int(self.options.local_buffer_size)
         # Thin: the frames come from the staging the puts of every tier share too;
@@ -300,12 +303,12 @@ class MooncakeBackend(StorageBackend):
             names = [self.store_key(k) for k in window]
             if not thin and has_sessions(store) and self.link.claim_sessions(names):
                 try:
-                    return fetch_ranged(store, names, window, layout, allocate, self.staging,
+                    return fetch_ranged(store, names, window, layout, allocate, staging,
                                         self.registered, self.link.registers_arena,
                                         self._quarantine, self.link)
                 finally:
                     self.link.release_sessions(names)
-            return fetch(store, names, window, layout, allocate, self.staging,
+            return fetch(store, names, window, layout, allocate, staging,
                          self.registered, self.link.registers_arena, self._quarantine,
                          self.link.call, answered_is_over=thin)
 
@@ -474,14 +477,15 @@ class MooncakeBackend(StorageBackend):
         self._writer.close(self.options.close_timeout_s)
         self._gets.close()
         self._fetches.shutdown(wait=False)
-        if not self.link.closed and not self.options.client_address:
+        staging = self.staging
+        if staging is not None and not self.link.closed and not self.options.client_address:
             # (Closed at interpreter exit already: the store is going. A thin
             # client's staging is shared and kept with its client.)
             # Whatever the breaker says: memory left registered and then freed
             # would make Mooncake refuse a later buffer at an overlapping address.
             with self.faults.guard("close", "staging left registered"), \
                     self.link.using(breaker=False) as store:
-                self.registered.unregister(store, self.staging.arena.data_ptr())
+                self.registered.unregister(store, staging.arena.data_ptr())
         self.faults.close()
         self.link.close()
         atexit.unregister(self.link.close)

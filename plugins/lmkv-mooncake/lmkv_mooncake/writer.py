@@ -146,7 +146,7 @@ class Writer(PutQueue):
         def send() -> None:
             nonlocal window, sending
             if sending is not None:
-                sending, previous = None, sending
+                previous, sending = sending, None
                 previous.result()  # one window on the wire at a time; raises its fault
             if window.names:
                 sending = self._sender.submit(self._flush, store, window, done)
@@ -162,7 +162,7 @@ class Writer(PutQueue):
                     continue
                 send()  # staging full: send what we have, wait for the window before
                 if sending is not None:
-                    sending, previous = None, sending
+                    previous, sending = sending, None
                     previous.result()
                 if self._add(store, window, names[i], keys[i], objs[i]):
                     continue
@@ -256,7 +256,8 @@ class Writer(PutQueue):
             self._config = replicate_config(self.options)
         hlens = [header_len(obj.tensor.dim()) for obj in objs]
         plens = [_payload_len(obj) for obj in objs]
-        block = self.staging.allocate((sum(hlens),), torch.uint8)
+        staging = self.staging  # None until the link is set up: no room yet
+        block = staging.allocate((sum(hlens),), torch.uint8) if staging is not None else None
         if block is None:
             done[1] += len(names)
             self.counters.dropped_writes += len(names)
@@ -455,7 +456,8 @@ class Writer(PutQueue):
         copied = sum(n for _, p, n in buffers if not self.registered.covers(p, n))
         block = None
         if copied:
-            block = self.staging.allocate((copied,), torch.uint8)
+            staging = self.staging  # None until the link is set up: no room yet
+            block = staging.allocate((copied,), torch.uint8) if staging is not None else None
             if block is None:
                 return False
             window.staging.append(block)

@@ -13,6 +13,8 @@ from lmkv.testing import StorageBackendConformance
 from lmkv.testing.mooncake import MooncakeMaster
 from lmkv_mooncake import MooncakeBackend
 
+pytestmark = pytest.mark.slow  # a real mooncake_master
+
 
 class TestMooncake(OwnStoreEdits, StorageBackendConformance):
     backend_class = MooncakeBackend

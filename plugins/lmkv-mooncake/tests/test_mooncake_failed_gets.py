@@ -16,6 +16,8 @@ from test_mooncake_faults import chunk, key, put, read
 
 from lmkv.contracts import tensor_obj
 
+pytestmark = pytest.mark.slow  # a real mooncake_master
+
 #: The store's get-session calls: hidden, a store without them (the batch call).
 SESSIONS = ("batch_get_session_start", "batch_get_into_multi_buffer_ranges")
 RANGES = "batch_get_into_multi_buffer_ranges"

@@ -15,6 +15,8 @@ from lmkv.contracts import BackendContext, CacheKey, KeyMeta, MemoryAllocator, t
 from lmkv.testing.mooncake import MooncakeMaster, require_mooncake
 from lmkv.testing.tiers import serializer
 
+pytestmark = pytest.mark.slow  # a real mooncake_master
+
 META = KeyMeta("faults-model", 1, 0, "float16", "l2thd")
 
 

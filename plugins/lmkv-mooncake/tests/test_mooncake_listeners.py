@@ -17,6 +17,8 @@ import pytest
 
 from lmkv.testing.processes import listening_addresses, off_loopback
 
+pytestmark = pytest.mark.slow  # a real mooncake_master
+
 
 def test_listening_addresses_sees_a_loopback_listener() -> None:
     import socket

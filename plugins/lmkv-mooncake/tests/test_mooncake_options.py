@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # a real mooncake_master
+
 CONFIG = "tiers: [{type: cpu, options: {max_bytes: 1MiB}}, {type: mooncake}]\n"
 
 

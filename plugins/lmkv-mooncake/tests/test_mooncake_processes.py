@@ -5,8 +5,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from lmkv.testing.engine_worker import shared_between_processes
 from lmkv.testing.mooncake import MooncakeMaster
+
+pytestmark = pytest.mark.slow  # a real mooncake_master
 
 
 def test_kv_stored_by_one_process_is_retrieved_by_another(

@@ -16,6 +16,8 @@ from lmkv.contracts import BackendContext, ConfigError
 from lmkv.testing.mooncake import MooncakeMaster, require_mooncake
 from lmkv.testing.tiers import serializer
 
+pytestmark = pytest.mark.slow  # a real mooncake_master
+
 SUITE = Path(__file__).with_name("real_client_suite.py")
 
 

@@ -17,6 +17,8 @@ from test_mooncake_faults import chunk, eventually, key, put, read
 from lmkv.contracts import tensor_obj
 from lmkv.testing.tiers import serializer
 
+pytestmark = pytest.mark.slow  # a real mooncake_master
+
 PUT_RANGES = "batch_put_from_multi_buffer_ranges"
 
 

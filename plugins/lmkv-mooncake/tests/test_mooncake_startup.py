@@ -16,11 +16,14 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 from test_mooncake_faults import chunk, eventually, key, put, read
 
 from lmkv.testing.mooncake import MooncakeMaster, require_mooncake
 from lmkv.testing.server import spawn_server
+
+pytestmark = pytest.mark.slow  # a real mooncake_master
 
 #: Mooncake's own log lines (glog: I1204 18:52:54.197 ...).
 GLOG_LINE = re.compile(r"^[IWEF]\d{4} \d")

@@ -48,8 +48,8 @@ def check_url(url: str) -> str:
         db = parts.path.strip("/")
         if db and not db.isdigit():
             return f"has database {db!r}, not an integer"
-    db = query.get("db")
-    if db is not None and not db.isdigit():
+    db_param = query.get("db")
+    if db_param is not None and not db_param.isdigit():
         return "has a db= that is not an integer"
     return ""
 

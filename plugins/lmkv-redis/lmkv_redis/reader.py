@@ -158,7 +158,7 @@ class Reader:
         if offset != entry.frame_len:
             entry.corrupt = "parts do not add up to the frame length"
             return
-        entry.frame = memoryview(frame)
+        entry.frame = frame.data
 
     def drop_if_empty(self, name: str) -> bool:
         """Delete ``name`` when it holds an empty string (no frame is that short);

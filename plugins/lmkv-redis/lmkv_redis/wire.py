@@ -96,7 +96,7 @@ if WIRE_AVAILABLE:
                 return super().read(length, timeout)
             total = length + 2  # the value and its \r\n
             out = np.empty(total, dtype=np.uint8)  # no zero-fill: recv overwrites it all
-            view = memoryview(out)
+            view = out.data
             got = self._buffer.readinto(view)
             sock = self._sock
             custom_timeout = timeout is not SENTINEL
@@ -120,6 +120,8 @@ if WIRE_AVAILABLE:
 
         def on_connect(self, connection: Any) -> None:
             super().on_connect(connection)
+            if self._sock is None:  # redis-py connects the socket before this
+                raise redis.ConnectionError("lmkv-redis: no socket to read from")
             self._buffer = DirectSocketBuffer(
                 self._sock, self.socket_read_size, connection.socket_timeout)
 
@@ -141,7 +143,8 @@ if WIRE_AVAILABLE:
 
         def __init__(self, connection_class: type = redis.Connection, **kwargs: Any) -> None:
             if not issubclass(connection_class, _DirectWire):
-                connection_class = _direct_class(connection_class)
+                # A class is hashable: mypy's cache stub reads a bare type as not.
+                connection_class = _direct_class(connection_class)  # type: ignore[arg-type]
             kwargs["protocol"] = 2
             super().__init__(connection_class=connection_class, **kwargs)
 

@@ -66,7 +66,8 @@ class Writer(PutQueue):
             buffers = serializer.serialize(obj, key)
             frame_len = sum(memoryview(b).nbytes for b in buffers)
             name = self.connection.main_key(key)
-            pieces = split(buffers, part_bytes) if frame_len > part_bytes else [buffers]
+            pieces: Sequence[Sequence[bytes | memoryview]] = (
+                split(buffers, part_bytes) if frame_len > part_bytes else [buffers])
             parts = part_names(self.options.key_prefix, name, len(pieces))
             if not parts:
                 pieces = [buffers]

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import pytest
 import torch
 from redis_helpers import count_sends, get, key, put
 
 from lmkv.testing.redis import RedisCluster
 from lmkv_redis import RedisBackend
 from lmkv_redis.layout import part_names
+
+pytestmark = pytest.mark.slow  # a real redis-server
 
 MakeTier = Callable[..., RedisBackend]
 

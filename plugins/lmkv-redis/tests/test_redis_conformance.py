@@ -15,6 +15,8 @@ from lmkv.testing.redis import RedisCluster, RedisServer
 from lmkv.testing.tiers import serializer
 from lmkv_redis import RedisBackend, RedisOptions
 
+pytestmark = pytest.mark.slow  # a real redis-server
+
 
 class _RedisConformance(StorageBackendConformance):
     backend_class = RedisBackend

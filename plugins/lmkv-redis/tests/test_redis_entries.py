@@ -14,6 +14,8 @@ from lmkv.testing.redis import RedisServer
 from lmkv_redis import RedisBackend
 from lmkv_redis.layout import ENVELOPE
 
+pytestmark = pytest.mark.slow  # a real redis-server
+
 MakeTier = Callable[..., RedisBackend]
 FRAME_BYTES = 8192 + 88  # an 8 KiB chunk behind the naive serializer's 88-byte header
 

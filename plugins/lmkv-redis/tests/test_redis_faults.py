@@ -6,6 +6,7 @@ import threading
 import time
 from collections.abc import Callable
 
+import pytest
 import torch
 from redis_helpers import chunk, get, key, put
 
@@ -13,6 +14,8 @@ from lmkv.contracts import tensor_obj
 from lmkv.testing.processes import free_port
 from lmkv.testing.redis import RedisServer
 from lmkv_redis import RedisBackend
+
+pytestmark = pytest.mark.slow  # a real redis-server
 
 MakeTier = Callable[..., RedisBackend]
 FAST = {"retry_after_s": 0.2, "socket_timeout_s": 0.5, "connect_timeout_s": 0.5}

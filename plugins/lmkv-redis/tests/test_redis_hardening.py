@@ -21,6 +21,8 @@ from lmkv.testing.redis import RedisServer
 from lmkv.testing.tiers import load_test_config
 from lmkv_redis import RedisBackend, RedisOptions
 
+pytestmark = pytest.mark.slow  # a real redis-server
+
 MakeTier = Callable[..., RedisBackend]
 
 

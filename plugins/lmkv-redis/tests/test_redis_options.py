@@ -15,6 +15,8 @@ from lmkv.testing.redis import RedisServer
 from lmkv.testing.tiers import load_test_config
 from lmkv_redis import RedisBackend, RedisOptions, redact_url
 
+pytestmark = pytest.mark.slow  # a real redis-server
+
 MakeTier = Callable[..., RedisBackend]
 
 

@@ -15,6 +15,8 @@ from lmkv.testing.plugins import builtins_only, fresh_plugin_manager
 from lmkv.testing.tiers import load_test_config
 from lmkv_redis import RedisBackend
 
+pytestmark = pytest.mark.slow  # a real redis-server
+
 
 def lmkv_cli(*args: str, env: dict[str, str] | None = None
              ) -> subprocess.CompletedProcess[str]:

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from lmkv.testing.engine_worker import shared_between_processes
 from lmkv.testing.redis import RedisServer
+
+pytestmark = pytest.mark.slow  # a real redis-server
 
 
 def test_kv_stored_by_one_process_is_retrieved_by_another(redis_server: RedisServer,
