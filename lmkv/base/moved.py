@@ -102,13 +102,21 @@ class MovedFinder(importlib.abc.MetaPathFinder):
 
 def _caller_level() -> int:
     """The ``stacklevel`` that points a warning at the code that imported the old
-    path (past the import system's frames and this module's)."""
-    frame: FrameType | None = sys._getframe(1)
-    level = 1
-    while frame is not None and (frame.f_code.co_filename.startswith("<frozen")
-                                 or frame.f_code.co_filename == __file__):
-        frame = frame.f_back
-        level += 1
+    path. ``warnings`` itself skips the import system's frozen frames; this skips
+    the rest between here and the importer (this module, ``importlib``'s
+    ``import_module``)."""
+    frame: FrameType | None = sys._getframe(2)  # find_spec's caller
+    level = 2
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if "importlib" in name and "_bootstrap" in name:
+            frame = frame.f_back  # not counted: warnings skips it too
+            continue
+        if name == __file__ or name.endswith(("importlib/__init__.py",)):
+            level += 1
+            frame = frame.f_back
+            continue
+        break
     return level
 
 

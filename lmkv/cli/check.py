@@ -31,18 +31,32 @@ def dry_run(config: LMKVConfig) -> list[str]:
 
     problems: list[str] = []
     try:
-        StorageManager.from_config(config, dry_run=True).close()
-    except LMKVError as exc:
-        problems.append(str(exc))
+        storage = StorageManager.from_config(config, dry_run=True)
+    except Exception as exc:
+        problems.append(_one_line("tiers", exc))
+    else:
+        try:
+            storage.close()
+        except Exception as exc:  # a tier's close is the plugin's: one line
+            problems.append(_one_line("tiers (closing)", exc))
     plugins = config.plugins
     try:
         plugins.offload_policy.create(OffloadContext(threshold=config.lazy_offload_threshold))
-    except LMKVError as exc:
-        problems.append(f"lazy_offload_policy: {exc}")
+    except Exception as exc:
+        problems.append(_one_line("lazy_offload_policy", exc))
     if plugins.gpu_connector is not None:
         spec = KVSpec(**_STAND_IN, dtype=torch.float16)
         try:
             plugins.gpu_connector.create(ConnectorContext(spec=spec))
-        except LMKVError as exc:
-            problems.append(f"gpu_connector: {exc}")
+        except Exception as exc:
+            problems.append(_one_line("gpu_connector", exc))
     return problems
+
+
+def _one_line(where: str, exc: Exception) -> str:
+    """lmkv's own error as it says it; a plugin's anything else, typed, on one line."""
+    from lmkv.plugins.registry import describe_exception
+
+    if isinstance(exc, LMKVError):
+        return str(exc)
+    return f"{where}: {describe_exception(exc)}"

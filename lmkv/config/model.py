@@ -269,7 +269,13 @@ class LMKVConfig(_Model):
         available), naming its key; ``config check`` prints them."""
         lines = []
         for path, resolved in self._resolved_plugins():
-            for name, why in resolved.options.startup_warnings().items():
+            try:
+                warnings = resolved.options.startup_warnings()
+            except Exception as exc:  # the plugin's: said, never a traceback
+                lines.append(f"config key {path + '.options'!r}: its plugin could not say "
+                             f"what will not work here ({type(exc).__name__}: {exc})")
+                continue
+            for name, why in warnings.items():
                 key = f"{path}.options.{name}"
                 lines.append(f"config key {key!r}{_source_for(key, self._sources)}: {why}")
         return lines

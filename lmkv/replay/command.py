@@ -117,8 +117,13 @@ def run_replay(args: argparse.Namespace) -> int:
             try:
                 run = replay(trace, config, policy, capacity.chunks,
                              model_chunk_bytes=chunk_bytes, progress=progress.update)
-            except LMKVError:
-                raise  # the config's or the trace's: no policy would do better
+            except LMKVError as exc:
+                if not _about_policy(exc, policy):
+                    raise  # the config's or the trace's: no policy would do better
+                print(f"lmkv replay: eviction policy {policy!r} cannot be used: {exc}; "
+                      "skipped", file=sys.stderr)
+                failed.append(policy)
+                break
             except Exception as exc:  # the policy's: report it, the others go on
                 why = str(exc) if isinstance(exc, ReplayFailed) else describe_exception(exc)
                 print(f"lmkv replay: eviction policy {policy!r} failed at "
@@ -139,6 +144,13 @@ def run_replay(args: argparse.Namespace) -> int:
             print(f"plot: {args.plot}")
     sys.stdout.flush()
     return 0
+
+
+def _about_policy(exc: LMKVError, policy: str) -> bool:
+    """Whether ``exc`` is about the eviction policy (its options, its constructor),
+    not the config's tiers or the trace."""
+    text = str(exc)
+    return f"eviction policy '{policy}'" in text or ".eviction" in text
 
 
 def _policies(text: str | None) -> list[str]:

@@ -65,11 +65,17 @@ def build_tiers(config: LMKVConfig, arena: ArenaPlacement = ArenaPlacement.PRIVA
                 allocate = built[i].allocate
     except BaseException:
         # Threads, connections and arenas of the tiers already built go back first.
-        for made in reversed(built.values()):
-            try:
-                made.close()
-            except Exception:
-                logger.exception("lmkv: closing tier %s after a failed start failed",
-                                 type(made).__name__)
+        close_all(list(built.values()))
         raise
     return [built[i] for i in range(len(plugins.tiers))]
+
+
+def close_all(tiers: Sequence[StorageBackend]) -> None:
+    """Close ``tiers`` (last built first) after a start that failed; a tier whose
+    ``close`` raises is logged and the others are closed still."""
+    for made in reversed(tiers):
+        try:
+            made.close()
+        except Exception:
+            logger.exception("lmkv: closing tier %s after a failed start failed",
+                             type(made).__name__)

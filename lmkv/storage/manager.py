@@ -38,7 +38,7 @@ from lmkv.keys.aliases import Alias, alias_target, is_alias, make_alias
 from lmkv.keys.chunking import CacheKey
 from lmkv.memory import MemoryObj, release
 from lmkv.storage.admission import AdmissionGate
-from lmkv.storage.build import build_tiers, memory_tier, tensor_allocate
+from lmkv.storage.build import build_tiers, close_all, memory_tier, tensor_allocate
 from lmkv.storage.prefetch import EventManager, PrefetchTask, WeightedSemaphore
 from lmkv.storage.promotion import Promotion
 from lmkv.storage.writethrough import WriteThrough
@@ -90,9 +90,13 @@ class StorageManager:
         ``dry_run``: each tier is told it is built only to check it can be
         (``BackendContext.dry_run``, ``lmkv config check``): close the manager at
         once."""
-        return cls(build_tiers(config, arena, dry_run),
-                   write_queue_chunks=config.write_through_queue_chunks,
-                   admit_after=[t.admit_after for t in config.tiers])
+        tiers = build_tiers(config, arena, dry_run)
+        try:
+            return cls(tiers, write_queue_chunks=config.write_through_queue_chunks,
+                       admit_after=[t.admit_after for t in config.tiers])
+        except BaseException:
+            close_all(tiers)  # what the tiers hold goes back, whatever stopped the start
+            raise
 
     def set_chunk_bytes(self, chunk_bytes: int) -> None:
         """Size the prefetch semaphore: half the memory tier's capacity, in chunks."""
@@ -479,6 +483,9 @@ class StorageManager:
         try:
             for (tier, ks), future in zip(plans, futures, strict=True):
                 got = self._result(tier, future)
+                if len(got) > len(ks):  # a tier may answer no more than it was asked
+                    release(got[len(ks):])
+                    got = got[:len(ks)]
                 done += 1
                 for key in ks:
                     tier.unpin(key)
@@ -543,10 +550,10 @@ class StorageManager:
     def drop(self, key: CacheKey, problem: str) -> None:
         """Remove the entry under ``key``, which a reader found unusable (it does not
         fit the engine's KV), from every tier that holds it. It is counted as a
-        corrupt entry once, in the lowest tier that holds it (the one a lookup
-        found it in: the copies above it were promoted from there), and removed
-        from the others; a read that collected it before is kept from promoting it
-        back. The next lookup misses there."""
+        corrupt entry once, in the lowest tier that holds it (a copy above it was
+        promoted or written through from there), and removed from the others; a
+        read that collected it before is kept from promoting it back. The next
+        lookup misses there."""
         with self._dropped_lock:
             self._dropped[key] = None
             while len(self._dropped) > DROPPED_REMEMBERED:

@@ -80,6 +80,15 @@ def selectable(*classes: type) -> Iterator[None]:
     with fresh_plugin_manager() as manager:
         for cls in missing:
             manager.register(_Provides(cls), name=f"kit-{cls.__module__}.{cls.__qualname__}")
+        for cls in missing:
+            found = _resolved(cls)
+            if found is not cls:  # a built-in or an installed plugin holds the name
+                raise PluginError(
+                    f"{cls.__module__}.{cls.__qualname__} cannot be selected by its name "
+                    f"{cls.name!r}: it is taken by "  # type: ignore[attr-defined]
+                    f"{'nothing' if found is None else found.__module__ + '.' + found.__qualname__}"
+                    f" (give the class a name of its own; a left-out class says why: "
+                    f"{load_problem(cls) or 'it fits the contract'})")
         yield
 
 

@@ -51,6 +51,7 @@ from lmkv.memory import MemoryObj, release, tensor_obj
 from lmkv.storage.manager import StorageManager
 from lmkv.testing.building import load_problem, selectable, storage_from
 from lmkv.testing.cross_process import check_read_across_processes, given_options
+from lmkv.testing.tiers import strict_refcounts
 
 #: lmkv's own eviction policies: a tier must work with each of them.
 BUILTIN_EVICTION_POLICIES = ("lru", "lfu", "arc", "s3fifo")
@@ -179,6 +180,13 @@ class StorageBackendConformance:
         yield
         for storage in self._storages:
             storage.close()
+
+    @pytest.fixture(autouse=True)
+    def _strict_refcounts(self) -> Iterator[None]:
+        """A reference released once too often raises (it only logs in production):
+        a tier that hands out its own reference fails here, not in a deployment."""
+        with strict_refcounts():
+            yield
 
     @pytest.fixture
     def backend(self) -> Iterator[StorageBackend]:
@@ -394,6 +402,42 @@ class StorageBackendConformance:
         obj = backend.get_blocking(self.key(4))  # the original still reads as itself
         assert obj is not None and torch.equal(obj.tensor, expected[0])
         obj.ref_down()
+
+    def test_a_tier_that_holds_memory_hands_out_buffers(self, backend: StorageBackend) -> None:
+        """A tier that holds memory (``holds_memory_objs``) is where lmkv allocates
+        every chunk buffer: ``allocate`` must give one of the shape and dtype asked."""
+        if not backend.holds_memory_objs:
+            pytest.skip("this tier stores bytes: lmkv allocates from the memory tier")
+        obj = backend.allocate(self.chunk_shape, self.dtype)
+        assert obj is not None, "a tier that holds memory must hand out chunk buffers"
+        try:
+            assert tuple(obj.shape) == self.chunk_shape and obj.dtype == self.dtype
+        finally:
+            obj.ref_down()
+
+    def test_what_a_get_handed_over_stays_the_callers(self, backend: StorageBackend) -> None:
+        """Each chunk a get hands over carries a reference of the caller's: once the
+        caller releases it, the stored entry is intact, whatever is stored after
+        (a tier that handed out its own reference would free a buffer it still
+        stores, and the next allocation would overwrite it)."""
+        expected = self.put(backend, [600, 601])
+        keys = [self.key(600), self.key(601)]
+        for _ in range(3):
+            for obj in backend.batched_get_non_blocking("mine", keys).result(timeout=30):
+                obj.ref_down()
+            obj = backend.get_blocking(keys[0])
+            assert obj is not None
+            obj.ref_down()
+        self.put(backend, list(range(610, 618)))
+        for key, data in zip(keys, expected, strict=True):
+            obj = backend.get_blocking(key)
+            if obj is None:
+                continue  # evicted to make room: a miss, never another chunk's bytes
+            try:
+                assert torch.equal(obj.tensor, data), \
+                    "an entry changed after its readers released what they got"
+            finally:
+                obj.ref_down()
 
     def test_what_another_process_stored_outlives_it_and_reads_here(
             self, backend: StorageBackend, tmp_path: Path) -> None:

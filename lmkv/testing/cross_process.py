@@ -26,7 +26,8 @@ from pydantic_core import to_jsonable_python
 from lmkv.contracts.plugin import PluginOptions
 from lmkv.contracts.tier import StorageBackend
 from lmkv.keys.chunking import CacheKey
-from lmkv.testing.tier_worker import chunk_data
+from lmkv.testing.building import selectable
+from lmkv.testing.tier_worker import chunk_data, class_path
 from lmkv.testing.tiers import open_tier
 
 #: The worker's whole life, torch's import included (a liveness bound).
@@ -63,7 +64,9 @@ def given_options(options: PluginOptions) -> dict[str, Any]:
 def tier_spec(kit: Kit, backend: StorageBackend) -> dict[str, Any]:
     serializer = backend.context.serializer
     return {"type": backend.name, "options": kit.process_options(backend),
-            "serializer": serializer.name if serializer is not None else "naive"}
+            "serializer": serializer.name if serializer is not None else "naive",
+            # the very class under test, installed or not (else the name's)
+            "class": class_path(type(backend))}
 
 
 def check_read_across_processes(kit: Kit, backend: StorageBackend,
@@ -85,7 +88,8 @@ def check_read_across_processes(kit: Kit, backend: StorageBackend,
                                   f"{done.stdout[-1000:]}{done.stderr[-3000:]}")
     assert json.loads(done.stdout.strip().splitlines()[-1]) == {"stored": len(keys)}
 
-    reader = open_tier(tier["type"], tier["options"], serializer_name=tier["serializer"])
+    with selectable(type(backend)):
+        reader = open_tier(tier["type"], tier["options"], serializer_name=tier["serializer"])
     try:
         assert reader.batched_async_contains("cross-process", keys) == len(keys), \
             "what another process stored is not there once it exited"

@@ -3,7 +3,9 @@
     python -m lmkv.testing.tier_worker SPEC_FILE
 
 ``SPEC_FILE`` (JSON, owner-only: it may hold the tier's credentials) names the
-tier (``{"type", "options", "serializer"}``), the keys (``CacheKey`` strings)
+tier (``{"type", "options", "serializer", "class"}``: ``class`` the tier's
+``module:qualname`` when it can be imported, so an uninstalled one is used), the
+keys (``CacheKey`` strings)
 and the chunks' ``shape``, ``dtype`` and ``seeds``: chunk ``i`` is
 ``chunk_data(seeds[i], shape, dtype)``, which the reading side recomputes.
 It prints ``{"stored": N}`` and exits 0 once the tier has every put and is
@@ -13,6 +15,7 @@ cross-process test (``lmkv.testing.cross_process``) runs it.
 
 from __future__ import annotations
 
+import importlib
 import json
 import sys
 from collections.abc import Sequence
@@ -21,6 +24,7 @@ import torch
 
 from lmkv.keys.chunking import CacheKey
 from lmkv.memory import tensor_obj
+from lmkv.testing.building import selectable
 from lmkv.testing.tiers import open_tier
 
 #: How long the worker waits for its puts (a liveness bound).
@@ -40,6 +44,26 @@ def dtype_named(name: str) -> torch.dtype:
     return dtype
 
 
+def class_path(cls: type) -> str | None:
+    """``module:qualname`` of a class another process can import, else None (a
+    class defined inside a function)."""
+    if "<locals>" in cls.__qualname__ or cls.__module__ == "__main__":
+        return None
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+def importable(path: str | None) -> list[type]:
+    """The class ``class_path`` named, as a one-item list (empty for None)."""
+    if not path:
+        return []
+    module, _, qualname = path.partition(":")
+    found: object = importlib.import_module(module)
+    for part in qualname.split("."):
+        found = getattr(found, part)
+    assert isinstance(found, type), path
+    return [found]
+
+
 def main(spec_file: str) -> int:
     with open(spec_file, encoding="utf-8") as f:
         spec = json.load(f)
@@ -47,10 +71,13 @@ def main(spec_file: str) -> int:
     keys = [CacheKey.from_string(text) for text in spec["keys"]]
     dtype = dtype_named(spec["dtype"])
     objs = [tensor_obj(chunk_data(seed, spec["shape"], dtype)) for seed in spec["seeds"]]
-    tier = open_tier(tier_spec["type"], tier_spec["options"],
-                     serializer_name=tier_spec["serializer"])
+    with selectable(*importable(tier_spec.get("class"))):
+        tier = open_tier(tier_spec["type"], tier_spec["options"],
+                         serializer_name=tier_spec["serializer"])
     try:
-        stored = tier.batched_submit_put(keys, objs).result(timeout=PUT_TIMEOUT_S)
+        parents = [None, *keys[:-1]]  # one prompt's chunks, as lmkv stores them
+        stored = tier.batched_submit_put(keys, objs, parents=parents).result(
+            timeout=PUT_TIMEOUT_S)
     finally:
         for obj in objs:
             obj.ref_down()

@@ -43,6 +43,7 @@ def test_every_old_path_is_its_new_module_and_warns_once() -> None:
         moved = [w for w in seen["warnings"] if old in w[1]]
         assert len(moved) == 1, f"{old}: {seen['warnings']}"
         assert "docs/migrating-plugins.md" in moved[0][1]
+        assert moved[0][2] == "<string>", f"{old}: the warning points at {moved[0][2]}"
 
 
 def test_plugin_facing_paths_point_to_the_contracts_root() -> None:
@@ -51,3 +52,15 @@ def test_plugin_facing_paths_point_to_the_contracts_root() -> None:
     assert advice("lmkv.backend").endswith(
         "import from lmkv.contracts instead (see docs/migrating-plugins.md)")
     assert "import from lmkv.storage.prefetch instead" in advice("lmkv.prefetch")
+
+
+def test_the_warning_points_at_the_importing_line(tmp_path) -> None:
+    """A plugin author sees the warning at their own import line (Python shows a
+    DeprecationWarning from __main__ by default)."""
+    script = tmp_path / "plug.py"
+    script.write_text("import lmkv.backend\n")
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert f"{script}:1: DeprecationWarning: lmkv.backend moved to lmkv.contracts.tier" \
+        in result.stderr

@@ -108,3 +108,37 @@ def test_help_says_how_bytes_are_scaled() -> None:
     assert done.returncode == 0
     text = " ".join(done.stdout.split())
     assert "4 KiB chunks" in text and "model's size" in text and "lmkv[plot]" in text
+
+
+def test_a_policy_that_cannot_be_built_is_skipped_the_others_finish(
+        mooncake: Writer, capsys: pytest.CaptureFixture[str]) -> None:
+    from lmkv.contracts import PluginOptions, hookimpl
+    from lmkv.testing import plugin_class, registered_plugin
+
+    lru = plugin_class("eviction_policy", "lru")
+
+    class Boom(lru):  # type: ignore[misc, valid-type]
+        name, api_version = "boom", "2.0"
+
+        def __init__(self, options=None, context=None):
+            raise RuntimeError("no")
+
+    class PickyOptions(PluginOptions):
+        period: int
+
+    class Picky(lru):  # type: ignore[misc, valid-type]
+        name, api_version, Options = "picky", "2.0", PickyOptions
+
+    class Plugin:
+        @hookimpl
+        def lmkv_eviction_policies(self):
+            return [Boom, Picky]
+
+    with registered_plugin(Plugin()):
+        assert main(["replay", str(mooncake(REQUESTS)), "--capacity", "50%", "--json",
+                     "--policies", "boom,lru,picky"]) == 0
+    out = capsys.readouterr()
+    assert [r["policy"] for r in json.loads(out.out)["rows"]] == ["lru"]
+    skipped = [line for line in out.err.splitlines() if "skipped" in line]
+    assert len(skipped) == 2 and "RuntimeError: no" in skipped[0]
+    assert "'tiers.0.eviction.options.period': required" in skipped[1]

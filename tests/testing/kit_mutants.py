@@ -7,7 +7,7 @@ own and checks that the named kit tests fail.
 from __future__ import annotations
 
 from lmkv.contracts import EvictionPolicy, StorageBackend, done_future
-from lmkv.testing import EvictionPolicyConformance, StorageBackendConformance
+from lmkv.testing import EvictionPolicyConformance, StorageBackendConformance, plugin_class
 from tests.plugins.test_legacy_plugin import PORTED
 
 Tier = PORTED["LegacyTier"]  # a correct frame tier (the kits pass it)
@@ -72,6 +72,59 @@ class HandBuiltPolicy(Policy):
 
     def __init__(self, options=None):
         super().__init__(options, None)
+
+
+CPU = plugin_class("storage_backend", "cpu")
+
+
+class NoRefCPU(CPU):  # type: ignore[misc, valid-type]
+    """Hands callers the tier's own reference: their release frees a stored buffer."""
+
+    name = "mutant-no-ref"
+    api_version = "2.0"
+
+    def get_blocking(self, key):
+        obj = super().get_blocking(key)
+        if obj is not None:
+            obj.ref_down()  # the caller's reference, given back behind its back
+        return obj
+
+
+class MemoryWithoutBuffers(Tier):
+    """Says it holds memory, and hands out no buffers."""
+
+    name = "mutant-no-buffers"
+    holds_memory_objs = True
+
+
+class NameTaken(CPU):  # type: ignore[misc, valid-type]
+    """Inherits the name ``cpu``: a kit that built lmkv's own tier would pass it."""
+
+    api_version = "2.0"
+
+    def get_blocking(self, key):
+        raise RuntimeError("never reached by a kit that tests this class")
+
+
+class TestNoRefCPU(StorageBackendConformance):
+    backend_class = NoRefCPU
+    outlives_process = False
+
+    def backend_options(self):
+        return {"max_bytes": 1 << 20}
+
+
+class TestMemoryWithoutBuffers(StorageBackendConformance):
+    backend_class = MemoryWithoutBuffers
+    outlives_process = False
+
+
+class TestNameTaken(StorageBackendConformance):
+    backend_class = NameTaken
+    outlives_process = False
+
+    def backend_options(self):
+        return {"max_bytes": 1 << 20}
 
 
 class TestOldWayTier(StorageBackendConformance):
