@@ -16,6 +16,7 @@ from lmkv.memory import MemoryAllocator
 from lmkv.plugins.registry import KINDS
 from lmkv.testing import StorageBackendConformance
 from lmkv_backends.serde.naive import NaiveSerializer
+from tests.plugins.plugin_fixtures import DictFrameEdits
 
 DOC = (Path(__file__).resolve().parents[1] / "plugins.md").read_text()
 
@@ -78,20 +79,9 @@ def test_example_runs(title: str) -> None:
 DictBackend = run_section("Tutorial: write a storage backend")["DictBackend"]
 
 
-class TestTutorialBackendConformance(StorageBackendConformance):
+class TestTutorialBackendConformance(DictFrameEdits, StorageBackendConformance):
     backend_class = DictBackend
-    outlives_process = False
     per_process_reason = "the tutorial's tier is a dict in its process"
-
-    def corrupt_entry(self, backend, key) -> bool:
-        frame = bytearray(backend.frames[key])
-        frame[-1] ^= 0x01
-        backend.frames[key] = bytes(frame)
-        return True
-
-    def copy_entry(self, backend, source, target) -> bool:
-        backend.frames[target] = backend.frames[source]
-        return True
 
 
 def test_tutorial_backend_turns_a_corrupt_frame_into_a_removed_miss() -> None:

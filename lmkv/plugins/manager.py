@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import importlib.metadata
 import logging
 import os
 import sys
 import threading
 from dataclasses import dataclass
-from importlib.metadata import EntryPoint, entry_points
+from importlib.metadata import EntryPoint, EntryPoints
 from typing import TYPE_CHECKING
 
 import pluggy
@@ -48,6 +49,12 @@ logger = logging.getLogger(__name__)
 
 LOAD_ENV = "LMKV_LOAD_PLUGINS"
 DISABLE_ENV = "LMKV_DISABLE_PLUGINS"
+
+
+def entry_points(group: str) -> EntryPoints:
+    """The installed entry points of ``group``, looked up at each call (a process
+    that filters ``importlib.metadata`` is heard)."""
+    return importlib.metadata.entry_points(group=group)
 
 
 def _env_list(name: str) -> set[str] | None:

@@ -8,11 +8,29 @@ from __future__ import annotations
 
 import textwrap
 from pathlib import Path
+from typing import Any
 
 #: The distributions of this repository. A plugin of any other distribution that
 #: is installed in the venv is someone else's: tests that count or configure
 #: every installed plugin count only these (plus what the test adds itself).
 OUR_DISTRIBUTIONS = frozenset({"lmkv", "lmkv-redis", "lmkv-mooncake"})
+
+
+class DictFrameEdits:
+    """The storage kit's fault hooks for a tier that keeps its frames in a dict
+    (``backend.frames``): the tutorial's and the ported legacy tier."""
+
+    outlives_process = False
+
+    def corrupt_entry(self, backend: Any, key: Any) -> bool:
+        frame = bytearray(backend.frames[key])
+        frame[-1] ^= 0x01
+        backend.frames[key] = bytes(frame)
+        return True
+
+    def copy_entry(self, backend: Any, source: Any, target: Any) -> bool:
+        backend.frames[target] = backend.frames[source]
+        return True
 
 
 def our_plugin_names(kind: str) -> list[str]:

@@ -22,6 +22,7 @@ from lmkv.testing.building import build_plugin, load_problem
 from lmkv.testing.server import spawn_server
 from tests.conftest import run_cli
 from tests.plugins.legacy_plugin import LEGACY_CLASSES, write_legacy, write_ported
+from tests.plugins.plugin_fixtures import DictFrameEdits
 
 CPU_ONLY = "tiers:\n  - type: cpu\n    options: {max_bytes: 4MiB}\n"
 
@@ -177,20 +178,9 @@ def _ported() -> dict[str, type]:
 PORTED = _ported()
 
 
-class TestPortedTier(StorageBackendConformance):
+class TestPortedTier(DictFrameEdits, StorageBackendConformance):
     backend_class = PORTED["LegacyTier"]
-    outlives_process = False
     per_process_reason = "the ported tier keeps its frames in a dict of its process"
-
-    def corrupt_entry(self, backend, key) -> bool:
-        frame = bytearray(backend.frames[key])
-        frame[-1] ^= 0x01
-        backend.frames[key] = bytes(frame)
-        return True
-
-    def copy_entry(self, backend, source, target) -> bool:
-        backend.frames[target] = backend.frames[source]
-        return True
 
 
 class TestPortedPolicy(EvictionPolicyConformance):
