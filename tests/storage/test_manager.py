@@ -6,38 +6,17 @@ import torch
 
 from lmkv.base.logutil import RateLimitedLog
 from lmkv.contracts.tier import BackendContext
-from lmkv.keys.chunking import CacheKey, KeyMeta
+from lmkv.keys.chunking import CacheKey
 from lmkv.storage.manager import StorageManager, chain_parents
 from lmkv_backends.tiers.cpu import CPUBackend
 from lmkv_policies.lru import LRUPolicy
-
-SHAPE = (2, 2, 8, 2, 8)
-
-
-def cpu(max_bytes: int = 1 << 20) -> CPUBackend:
-    return CPUBackend(CPUBackend.Options(max_bytes=max_bytes),
-                      BackendContext(eviction_policy=LRUPolicy()))
-
-
-def key(i: int) -> CacheKey:
-    return CacheKey(KeyMeta("m"), i.to_bytes(32, "little"))
-
-
-def put(tier: CPUBackend, ids: list[int]) -> None:
-    objs = []
-    for i in ids:
-        obj = tier.allocate(SHAPE, torch.float32)
-        obj.tensor.fill_(i)
-        objs.append(obj)
-    tier.batched_submit_put([key(i) for i in ids], objs).result()
-    for obj in objs:
-        obj.ref_down()
+from tests.storage.tiers import SHAPE, cpu, fill, key
 
 
 def test_lookup_and_get_are_a_strict_prefix_across_tiers() -> None:
     upper, lower = cpu(), cpu()
-    put(upper, [0, 1])
-    put(lower, [2, 3, 5])
+    fill(upper, [0, 1])
+    fill(lower, [2, 3, 5])
     manager = StorageManager([upper, lower])
     keys = [key(i) for i in range(6)]
     assert manager.contains_prefix(keys) == 4
@@ -50,7 +29,7 @@ def test_lookup_and_get_are_a_strict_prefix_across_tiers() -> None:
 
 def test_a_lookup_that_misses_the_upper_tier_falls_through() -> None:
     upper, lower = cpu(), cpu()
-    put(lower, [0, 1, 2])
+    fill(lower, [0, 1, 2])
     manager = StorageManager([upper, lower])
     assert manager.contains_prefix([key(i) for i in range(3)]) == 3
     manager.close()
@@ -152,7 +131,7 @@ def test_a_get_that_times_out_gives_its_buffers_back_when_it_ends(monkeypatch) -
     import lmkv.storage.manager
 
     tier = cpu()
-    put(tier, [0, 1])
+    fill(tier, [0, 1])
     gate = threading.Event()
     late: Future = Future()
     real_get = tier.batched_get_non_blocking
@@ -193,7 +172,7 @@ def test_eviction_never_orphans_a_prefix() -> None:
     """A 4-chunk prompt fills a 4-chunk tier; one more store evicts the prompt's
     tail, never its head: the stored prefix stays 3 chunks long."""
     chunk = 4 * 2 * 2 * 8 * 2 * 8
-    tier = cpu(4 * chunk)
+    tier = cpu(max_bytes=4 * chunk)
     manager = StorageManager([tier])
     keys = [key(i) for i in range(4)]
     objs = _chunks(manager, range(4))
@@ -226,7 +205,7 @@ def test_an_allocation_larger_than_the_leaves_evicts_in_passes() -> None:
     buffer twice a chunk's size needs two evictions: the tail, then the chunk
     before it (a leaf once the tail went); the head stays."""
     chunk = 4 * 2 * 2 * 8 * 2 * 8
-    tier = cpu(4 * chunk)
+    tier = cpu(max_bytes=4 * chunk)
     keys = [key(i) for i in range(4)]
     objs = []
     for i in range(4):
@@ -247,7 +226,7 @@ def test_watch_hears_every_chunk_a_tier_stores_and_drops_and_stops_when_told() -
     """The listener hears stores, evictions and removals with the tier's index; a
     tier without a policy is not watched; None stops it (nothing heard after)."""
     chunk = 4 * 2 * 2 * 8 * 2 * 8
-    tier = cpu(2 * chunk)
+    tier = cpu(max_bytes=2 * chunk)
     bare = cpu()
     bare.context = BackendContext()  # no policy: cannot be watched
     manager = StorageManager([tier, bare])

@@ -8,34 +8,11 @@ import time
 import pytest
 import torch
 
-from lmkv.contracts.tier import BackendContext
-from lmkv.keys.chunking import CacheKey, KeyMeta
+from lmkv.keys.chunking import CacheKey
 from lmkv.storage.manager import StorageManager
 from lmkv.storage.prefetch import EventManager, WeightedSemaphore
 from lmkv_backends.tiers.cpu import CPUBackend
-from lmkv_policies.lru import LRUPolicy
-
-SHAPE = (2, 2, 8, 2, 8)
-NBYTES = 2 * 2 * 8 * 2 * 8 * 4
-
-
-def cpu(cls=CPUBackend, max_bytes: int = 1 << 20) -> CPUBackend:
-    return cls(cls.Options(max_bytes=max_bytes), BackendContext(eviction_policy=LRUPolicy()))
-
-
-def key(i: int) -> CacheKey:
-    return CacheKey(KeyMeta("m"), i.to_bytes(32, "little"))
-
-
-def fill(tier: CPUBackend, ids) -> None:
-    objs = []
-    for i in ids:
-        obj = tier.allocate(SHAPE, torch.float32)
-        obj.tensor.fill_(i)
-        objs.append(obj)
-    tier.batched_submit_put([key(i) for i in ids], objs).result()
-    for obj in objs:
-        obj.ref_down()
+from tests.storage.tiers import NBYTES, SHAPE, cpu, fill, key
 
 
 def values(objs) -> list[int]:

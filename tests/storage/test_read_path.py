@@ -11,33 +11,13 @@ import pytest
 import torch
 
 from lmkv.contracts.tier import BackendContext
-from lmkv.keys.chunking import CacheKey, KeyMeta
+from lmkv.keys.chunking import CacheKey
 from lmkv.storage.manager import StorageManager
 from lmkv_backends.serde.naive import NaiveSerializer
 from lmkv_backends.tiers.cpu import CPUBackend
 from lmkv_backends.tiers.fs import FSBackend
 from lmkv_policies.lru import LRUPolicy
-
-SHAPE = (2, 2, 8, 2, 8)
-
-
-def cpu(cls: type[CPUBackend] = CPUBackend) -> CPUBackend:
-    return cls(cls.Options(max_bytes=1 << 20), BackendContext(eviction_policy=LRUPolicy()))
-
-
-def key(i: int) -> CacheKey:
-    return CacheKey(KeyMeta("m"), i.to_bytes(32, "little"))
-
-
-def fill(tier: CPUBackend, ids: list[int]) -> None:
-    objs = []
-    for i in ids:
-        obj = tier.allocate(SHAPE, torch.float32)
-        obj.tensor.fill_(i)
-        objs.append(obj)
-    tier.batched_submit_put([key(i) for i in ids], objs).result()
-    for obj in objs:
-        obj.ref_down()
+from tests.storage.tiers import SHAPE, cpu, fill, key
 
 
 def values(objs: list) -> list[int]:
