@@ -61,6 +61,7 @@ tier's default).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -69,6 +70,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 
 LENGTHS = (512, 2048, 4096)
 REPEATS = int(os.environ.get("BENCH_REPEATS", "3"))
@@ -222,7 +224,8 @@ def run(model_dir: str, mode: str, tmp: str) -> dict:
         for i in range(REPEATS):
             before = worker.counters.loaded_tokens if worker else 0
             spent.update(dict.fromkeys(spent, 0.0))
-            ms, cached = ttft(warm_prompt(length, i))
+            with _profiled(mode, length, i):
+                ms, cached = ttft(warm_prompt(length, i))
             warm.append(ms)
             hits.append(cached)
             loaded.append(worker.counters.loaded_tokens - before if worker else None)
@@ -233,6 +236,26 @@ def run(model_dir: str, mode: str, tmp: str) -> dict:
     if worker is not None:
         result["worker_counters"] = vars(worker.counters)
     return result
+
+
+@contextlib.contextmanager
+def _profiled(mode: str, length: int, i: int) -> Iterator[None]:
+    """With ``--profile DIR``: cProfile of the warm request (``DIR/MODE-LENGTH-I.pstats``;
+    ``python -m pstats`` reads it)."""
+    where = os.environ.get("BENCH_PROFILE")
+    if not where:
+        yield
+        return
+    import cProfile
+
+    profile = cProfile.Profile()
+    profile.enable()
+    try:
+        yield
+    finally:
+        profile.disable()
+        os.makedirs(where, exist_ok=True)
+        profile.dump_stats(os.path.join(where, f"{mode}-{length}-{i}.pstats"))
 
 
 def run_layerwise(worker, ttft) -> dict:  # type: ignore[no-untyped-def]
@@ -346,6 +369,9 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0, help="the --split random RNG's seed")
     parser.add_argument("--fs-page-cache", choices=("true", "false"), default="",
                         help="the fs tier's page_cache option in lmkv-2proc")
+    parser.add_argument("--profile", default="", metavar="DIR",
+                        help="cProfile each warm request into DIR (timings then include "
+                             "the profiler's cost: find where time goes, do not compare)")
     args = parser.parse_args()
     asked = [c for c in args.configs.split(",") if c != "prefix-cache"]
     # prefix-cache is the main table's baseline; a run of separate tables only skips it
@@ -356,7 +382,8 @@ def main() -> int:
     global REPEATS, DTYPE, SPLIT, SEED
     REPEATS, DTYPE, SPLIT, SEED = args.repeats, args.dtype, args.split, args.seed
     os.environ.update(BENCH_REPEATS=str(REPEATS), BENCH_DTYPE=DTYPE, BENCH_SPLIT=SPLIT,
-                      BENCH_SEED=str(SEED), BENCH_FS_PAGE_CACHE=args.fs_page_cache)
+                      BENCH_SEED=str(SEED), BENCH_FS_PAGE_CACHE=args.fs_page_cache,
+                      BENCH_PROFILE=os.path.abspath(args.profile) if args.profile else "")
     cpus = f"0-{(os.cpu_count() or 1) - 1}"  # every configuration gets every CPU
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": cpus,
            "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
