@@ -13,6 +13,14 @@ process was given. The vLLM worker ``share``s it once, before it starts lmkv's
 threads; each lmkv thread calls ``apply()`` when it starts, which widens that
 thread (only) to the shared set. Nothing is shared outside such an engine, so
 ``apply`` does nothing there.
+
+Threads that only store (write-through to lower tiers, disk writes, lazy
+stores) start with ``apply_background()``: the same CPUs at a lower priority
+(``BACKGROUND_NICE``), everywhere. A store that runs while a request loads its
+prefix or the forward runs then takes the CPU only when they leave it: on a
+host with few CPUs, a background write of the previous request's KV otherwise
+preempts the next request's load (a load from disk measured twice as long in a
+fresh vLLM process right after it stored new prompts).
 """
 
 from __future__ import annotations
@@ -21,6 +29,9 @@ import contextlib
 import logging
 import os
 import re
+import sys
+import threading
+from collections.abc import Callable
 
 logger = logging.getLogger(__name__)
 
@@ -57,12 +68,43 @@ def share(cpus: frozenset[int] | None) -> None:
 
 
 def apply() -> None:
-    """Run the calling thread on the shared CPUs (a thread initializer)."""
+    """Run the calling thread on the shared CPUs at the process's priority (a
+    thread initializer)."""
+    _set_nice(lambda base: base)  # started by a storing thread: not its priority
     cpus = _shared
     if cpus is None or not hasattr(os, "sched_setaffinity"):
         return
     with contextlib.suppress(OSError, ValueError):  # CPUs gone offline, say: as inherited
         os.sched_setaffinity(0, cpus)
+
+
+#: How much lower than the process the storing threads run (``nice`` steps; the
+#: kernel gives a thread at +10 about a tenth of a contended CPU).
+BACKGROUND_NICE = 10
+
+
+def apply_background() -> None:
+    """``apply``, and run the calling thread at ``BACKGROUND_NICE`` below the
+    process (a thread initializer for threads whose work waits: stores)."""
+    apply()
+    lower_priority(BACKGROUND_NICE)
+
+
+def lower_priority(steps: int) -> None:
+    """Run the calling thread ``steps`` nice levels below the process's main
+    thread (Linux: per thread; elsewhere, or where the system refuses, nothing
+    changes). Never raises."""
+    _set_nice(lambda base: min(19, base + steps))
+
+
+def _set_nice(target: Callable[[int], int]) -> None:
+    if not hasattr(os, "setpriority") or not sys.platform.startswith("linux"):
+        return
+    with contextlib.suppress(OSError):
+        tid = threading.get_native_id()
+        want = target(os.getpriority(os.PRIO_PROCESS, os.getpid()))  # the main thread's
+        if os.getpriority(os.PRIO_PROCESS, tid) != want:
+            os.setpriority(os.PRIO_PROCESS, tid, want)
 
 
 def _parse_list(text: str) -> set[int]:

@@ -66,7 +66,7 @@ class WriteThrough:
         return self._pending
 
     def _run(self) -> None:
-        affinity.apply()
+        affinity.apply_background()
         while True:
             item = self._queue.get()
             if item is _STOP:

@@ -113,7 +113,7 @@ class FSBackend(StorageBackend):
         self._readers = ThreadPoolExecutor(threads, thread_name_prefix="lmkv-fs-read",
                                            initializer=affinity.apply)
         self._writers = ThreadPoolExecutor(threads, thread_name_prefix="lmkv-fs-write",
-                                           initializer=affinity.apply)
+                                           initializer=affinity.apply_background)
         if self.store.trust_index:
             self._load_index()  # local: the directory is the index, read it before serving
         else:

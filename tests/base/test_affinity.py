@@ -54,3 +54,73 @@ def test_a_thread_started_by_a_bound_thread_runs_on_the_engines_cpus() -> None:
     assert seen["inherited"] == {cpus[0]}  # nothing shared: as inherited
     assert seen["widened"] == set(cpus)
     assert seen["self"] == {cpus[0]}  # the bound thread itself is left alone
+
+
+def _nice() -> int:
+    return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+
+def test_storing_threads_run_below_the_process_and_what_they_start_does_not() -> None:
+    """A storing thread yields the CPU to loads and the forward; a thread it happens
+    to start for other work (a pool's first reader, say) runs at the process's
+    priority again, not at the nice level it would inherit."""
+    base = os.getpriority(os.PRIO_PROCESS, os.getpid())
+    if base + affinity.BACKGROUND_NICE > 19:
+        pytest.skip("this process runs at the lowest priority already")
+    seen: dict[str, int] = {}
+
+    def storing() -> None:
+        affinity.apply_background()
+        seen["storing"] = _nice()
+        affinity.apply_background()  # twice: still one step below, not two
+        seen["again"] = _nice()
+
+        def started() -> None:
+            affinity.apply()
+            seen["started"] = _nice()
+
+        child = threading.Thread(target=started)
+        child.start()
+        child.join()
+
+    thread = threading.Thread(target=storing)
+    thread.start()
+    thread.join()
+    assert seen["storing"] == seen["again"] == base + affinity.BACKGROUND_NICE
+    assert _nice() == base  # the calling thread is left alone
+    if os.geteuid() == 0:  # raising a priority back takes CAP_SYS_NICE
+        assert seen["started"] == base
+    else:
+        assert seen["started"] in (base, base + affinity.BACKGROUND_NICE)
+
+
+def test_the_storing_threads_of_the_storage_manager_and_the_fs_tier_run_below(tmp_path) -> None:
+    from lmkv.contracts.tier import BackendContext
+    from lmkv.storage.manager import StorageManager
+    from lmkv_backends.serde.naive import NaiveSerializer
+    from lmkv_backends.tiers.fs import FSBackend
+    from lmkv_policies.lru import LRUPolicy
+    from tests.storage.tiers import cpu, fill, key
+
+    base = os.getpriority(os.PRIO_PROCESS, os.getpid())
+    if base + affinity.BACKGROUND_NICE > 19:
+        pytest.skip("this process runs at the lowest priority already")
+    fs = FSBackend(FSBackend.Options(url=str(tmp_path)),
+                   BackendContext(eviction_policy=LRUPolicy(), serializer=NaiveSerializer()))
+    upper = cpu()
+    manager = StorageManager([upper, fs])
+    try:
+        fill(upper, [1])
+        obj = upper.get_blocking(key(1))
+        assert obj is not None
+        manager.put([key(2)], [obj], [None]).result()
+        obj.ref_down()
+        assert manager.flush(30)
+        nice = {t.name: os.getpriority(os.PRIO_PROCESS, t.native_id)
+                for t in threading.enumerate() if t.native_id is not None}
+        writers = {n: v for n, v in nice.items() if n.startswith(("lmkv-write", "lmkv-fs-write"))}
+        assert any(n.startswith("lmkv-write") for n in writers), nice
+        assert any(n.startswith("lmkv-fs-write") for n in writers), nice
+        assert set(writers.values()) == {base + affinity.BACKGROUND_NICE}, nice
+    finally:
+        manager.close()

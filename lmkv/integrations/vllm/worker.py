@@ -81,7 +81,7 @@ class WorkerSide:
         self._done: dict[str, int] = {}  # lazy stores finished since the last report
         self._lock = threading.Lock()
         self._saver = ThreadPoolExecutor(1, thread_name_prefix="lmkv-lazy-store",
-                                         initializer=affinity.apply)
+                                         initializer=affinity.apply_background)
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="lmkv-async-load",
                                           initializer=affinity.apply)
         self._loaded: list[tuple[str, set[int]]] = []  # async loads finished, unreported
