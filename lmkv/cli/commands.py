@@ -208,7 +208,8 @@ def _live_stats(address: str, config: LMKVConfig) -> tuple[StatsReply | None, st
         with ServerClient(address, timeout_ms=section.timeout_ms, data_path="inline",
                           curve=curve) as client:
             reply = client.stats()
-            return reply, client.connection_problem() if reply is None else ""
+            # A busy machine may not have ended the handshake when the request gave up.
+            return reply, client.connection_problem(wait_ms=2000) if reply is None else ""
     finally:
         client_log.setLevel(level)
 

@@ -58,11 +58,12 @@ class Channel:
         self._handshake_failure: str | None = None
         self.down = False
 
-    def handshake_failure(self) -> str | None:
+    def handshake_failure(self, wait_ms: int = 0) -> str | None:
         """Why the last connection attempt failed its handshake (lmkv.rpc.handshake's
-        codes); None when none did, or a later one succeeded."""
+        codes); None when none did, or a later one succeeded. ``wait_ms``: how long
+        to wait for a handshake under way to end (``HandshakeWatch.failure``)."""
         if self._watch is not None:
-            self._handshake_failure = self._watch.failure()
+            self._handshake_failure = self._watch.failure(wait_ms)
         return self._handshake_failure
 
     def request(self, message: p.Request, parts: Sequence[Any] = (), timeout_ms: int = 500

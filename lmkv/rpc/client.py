@@ -107,10 +107,12 @@ class ServerClient:
             self._adopt(got[0])
             return self.info
 
-    def connection_problem(self) -> str:
+    def connection_problem(self, wait_ms: int = 0) -> str:
         """Why the connection to the server fails its handshake, in one clause ("" when
-        it does not: no server there, or a working connection)."""
-        return client_problem(self._channel.handshake_failure(),
+        it does not: no server there, or a working connection). ``wait_ms``: how long
+        a handshake under way may take to end (a command that is about to say why it
+        got no answer waits; a request path does not)."""
+        return client_problem(self._channel.handshake_failure(wait_ms),
                               self._channel.curve is not None)
 
     @property

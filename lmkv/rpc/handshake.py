@@ -12,12 +12,14 @@ server.
 from __future__ import annotations
 
 import contextlib
+import time
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 _EVENTS = (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
-           | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_SUCCEEDED)
+           | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_SUCCEEDED
+           | zmq.EVENT_CONNECTED)
 # Events a watch reads at once at most: a peer retrying a failing handshake adds
 # some per reconnect, and reading them must stay cheap.
 _MAX_EVENTS = 256
@@ -38,6 +40,9 @@ class HandshakeWatch:
         self._monitor: zmq.Socket | None = sock.get_monitor_socket(_EVENTS)
         self._sock = sock
         self._failure: str | None = None
+        # A connection made whose handshake has not ended yet (a busy peer, or a busy
+        # machine, may take longer than the request that gave up on it).
+        self._pending = False
 
     @property
     def monitor(self) -> zmq.Socket | None:
@@ -57,6 +62,10 @@ class HandshakeWatch:
             except zmq.Again:
                 break
             kind = event["event"]
+            if kind == zmq.EVENT_CONNECTED:
+                self._pending = True
+                continue
+            self._pending = False
             if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 seen.clear()
                 self._failure = None
@@ -71,9 +80,18 @@ class HandshakeWatch:
             self._failure = seen[-1]
         return seen
 
-    def failure(self) -> str | None:
-        """The latest handshake failure, unless a handshake succeeded since."""
+    def failure(self, wait_ms: int = 0) -> str | None:
+        """The latest handshake failure, unless a handshake succeeded since.
+        ``wait_ms``: when a connection was made and its handshake has not ended,
+        wait up to that long for how it ends (nothing is waited for where no
+        connection was made: no server there)."""
         self.failures()
+        monitor = self._monitor
+        if wait_ms > 0 and monitor is not None:
+            deadline = time.monotonic() + wait_ms / 1e3
+            while self._pending and (left := deadline - time.monotonic()) > 0:
+                if monitor.poll(int(left * 1e3) + 1, zmq.POLLIN):
+                    self.failures()
         return self._failure
 
     def close(self) -> None:
