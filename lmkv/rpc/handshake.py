@@ -19,7 +19,12 @@ from zmq.utils.monitor import recv_monitor_message
 
 _EVENTS = (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
            | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_SUCCEEDED
-           | zmq.EVENT_CONNECTED)
+           | zmq.EVENT_CONNECTED | zmq.EVENT_CONNECT_DELAYED | zmq.EVENT_CONNECT_RETRIED
+           | zmq.EVENT_DISCONNECTED)
+# A connection under way (TCP connecting, or connected and greeting) / ended without
+# a handshake outcome (refused, dropped: nothing more to wait for).
+_UNDER_WAY = zmq.EVENT_CONNECTED | zmq.EVENT_CONNECT_DELAYED
+_GONE = zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_DISCONNECTED
 # Events a watch reads at once at most: a peer retrying a failing handshake adds
 # some per reconnect, and reading them must stay cheap.
 _MAX_EVENTS = 256
@@ -40,8 +45,8 @@ class HandshakeWatch:
         self._monitor: zmq.Socket | None = sock.get_monitor_socket(_EVENTS)
         self._sock = sock
         self._failure: str | None = None
-        # A connection made whose handshake has not ended yet (a busy peer, or a busy
-        # machine, may take longer than the request that gave up on it).
+        # A connection under way whose handshake has not ended yet (a busy peer, or a
+        # busy machine, may take longer than the request that gave up on it).
         self._pending = False
 
     @property
@@ -62,8 +67,8 @@ class HandshakeWatch:
             except zmq.Again:
                 break
             kind = event["event"]
-            if kind == zmq.EVENT_CONNECTED:
-                self._pending = True
+            if kind & (_UNDER_WAY | _GONE):
+                self._pending = bool(kind & _UNDER_WAY)
                 continue
             self._pending = False
             if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
@@ -82,9 +87,9 @@ class HandshakeWatch:
 
     def failure(self, wait_ms: int = 0) -> str | None:
         """The latest handshake failure, unless a handshake succeeded since.
-        ``wait_ms``: when a connection was made and its handshake has not ended,
-        wait up to that long for how it ends (nothing is waited for where no
-        connection was made: no server there)."""
+        ``wait_ms``: while a connection is under way (connecting, or connected and
+        its handshake not ended), wait up to that long for how it ends (nothing is
+        waited for once it was refused or dropped: no server there)."""
         self.failures()
         monitor = self._monitor
         if wait_ms > 0 and monitor is not None:
@@ -114,4 +119,10 @@ def client_problem(failure: str | None, has_curve: bool) -> str:
     if failure == CURVE_FAILED and has_curve:
         return ("the CURVE handshake failed: is server.curve.server_key this server's "
                 "public key?")
+    if failure == CURVE_FAILED:
+        # A CURVE server that hangs up on a plain greeting before its error reaches
+        # the client (which of the two a client sees is a matter of timing).
+        return ("the server ended the handshake: it wants CURVE (give this client the "
+                "CURVE keys of server.curve, docs/security.md), or it is not an lmkv "
+                "server")
     return ""
