@@ -130,7 +130,7 @@ def outsiders(keys: Keys) -> dict[str, CurveKeys | None]:
     }
 
 
-WHY = {"no keys": "the server wants CURVE",
+WHY = {"no keys": "wants CURVE",  # either line a client without CURVE is told
        "wrong server key": "is server.curve.server_key this server's public key?",
        "unauthorized key": "the server refused this client's CURVE key"}
 
