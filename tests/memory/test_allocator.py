@@ -141,18 +141,22 @@ def test_uniform_chunks_keep_their_views_cached() -> None:
 
 
 def _resident_bytes(alloc: MemoryAllocator) -> int:
-    """Resident bytes of the arena's mapping, from /proc/self/smaps."""
-    address = alloc.arena.data_ptr()
-    inside = False
-    with open("/proc/self/smaps") as smaps:
-        for line in smaps:
-            first = line.split()[0]
-            if "-" in first and ":" not in first:  # a mapping's header line
-                start, end = (int(x, 16) for x in first.split("-"))
-                inside = start <= address < end
-            elif inside and first == "Rss:":
-                return int(line.split()[1]) * 1024
-    raise AssertionError("the arena's mapping is not in /proc/self/smaps")
+    """Resident bytes of exactly the arena's pages, from ``mincore``. (Not the
+    mapping's Rss in /proc/self/smaps: the kernel merges neighbouring anonymous
+    mappings into one, so that Rss counts other memory's pages too.)"""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    page = mmap.PAGESIZE
+    start = alloc.arena.data_ptr()
+    assert start % page == 0
+    pages = (alloc.capacity_bytes + page - 1) // page
+    vec = ctypes.create_string_buffer(pages)
+    if libc.mincore(start, pages * page, vec) != 0:
+        raise AssertionError(f"mincore failed: {os.strerror(ctypes.get_errno())}")
+    return sum(b & 1 for b in vec.raw) * page
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise populate is Linux's")
