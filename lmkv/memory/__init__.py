@@ -27,6 +27,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -39,6 +40,9 @@ ALIGNMENT = 256
 # measured at about 1.1 KiB on CPython 3.12 / torch 2.x.
 VIEW_COST_BYTES = 1152
 VIEW_CACHE_BYTES = 16 << 20
+#: Distinct (dtype, shape) layouts an allocator interns; more get views not cached.
+_LAYOUT_BITS = 12
+MAX_LAYOUTS = 1 << _LAYOUT_BITS
 _VIEW_CACHE_MIN = 1024  # views kept whatever the live count (a small working set)
 
 # madvise(MADV_POPULATE_WRITE), Linux 5.14: fault pages in as a write would, without
@@ -113,6 +117,15 @@ def shape_problem(shape: Sequence[int], itemsize: int, max_bytes: int) -> str | 
     return None
 
 
+class _Layout(NamedTuple):
+    """A chunk buffer's dtype and shape, interned per allocator (``ident``)."""
+
+    ident: int
+    dtype: torch.dtype
+    shape: torch.Size
+    nbytes: int = 0
+
+
 class MemoryObj:
     """One chunk buffer: a typed tensor view with a reference and a pin count.
 
@@ -120,26 +133,50 @@ class MemoryObj:
     a pending retrieve) takes its own with ``ref_up`` and gives it back with
     ``ref_down``; the buffer returns to its allocator at zero. A pinned
     object is never evicted.
+
+    A buffer of an arena keeps no tensor of its own: ``tensor`` is the
+    arena's view of its slot (cached by the allocator), so a tier holding
+    many small chunks pays for each a few fields, not a tensor (about 1 KiB).
     """
 
-    __slots__ = ("_allocator", "nbytes", "offset", "pin_count", "ref_count", "tensor")
+    __slots__ = ("_allocator", "_layout", "_tensor", "nbytes", "offset", "pin_count",
+                 "ref_count")
 
-    def __init__(self, tensor: torch.Tensor, allocator: MemoryAllocator | None = None,
-                 offset: int = -1, nbytes: int | None = None) -> None:
-        self.tensor = tensor
+    def __init__(self, tensor: torch.Tensor | None, allocator: MemoryAllocator | None = None,
+                 offset: int = -1, nbytes: int | None = None,
+                 layout: _Layout | None = None) -> None:
+        """``tensor``: the buffer; None for a buffer of ``allocator``'s arena at
+        ``offset`` with ``layout`` (its interned dtype and shape)."""
+        if tensor is None:
+            if allocator is None or layout is None or nbytes is None:
+                raise ValueError("a MemoryObj without a tensor needs its arena, layout "
+                                 "and size")
+        else:
+            layout = _Layout(-1, tensor.dtype, tensor.shape)
+            if nbytes is None:
+                nbytes = tensor.numel() * tensor.element_size()
+        self._tensor = tensor
+        self._layout = layout
         self._allocator = allocator
         self.offset = offset
-        self.nbytes = tensor.numel() * tensor.element_size() if nbytes is None else nbytes
+        self.nbytes = nbytes
         self.ref_count = 1
         self.pin_count = 0
 
     @property
+    def tensor(self) -> torch.Tensor:
+        tensor = self._tensor
+        if tensor is not None:
+            return tensor
+        return self._allocator.view_at(self.offset, self._layout)  # type: ignore[union-attr]
+
+    @property
     def shape(self) -> torch.Size:
-        return self.tensor.shape
+        return self._layout.shape
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.tensor.dtype
+        return self._layout.dtype
 
     @property
     def allocator(self) -> MemoryAllocator | None:
@@ -407,23 +444,26 @@ class MemoryAllocator:
         self.used_bytes = 0
         self.live_objects = 0
         self._peak_live = 0
-        self._views: dict[tuple, torch.Tensor] = {}
+        self._views: dict[int, torch.Tensor] = {}
+        self._layouts: dict[tuple, _Layout] = {}
 
     def allocate(self, shape: Sequence[int], dtype: torch.dtype) -> MemoryObj | None:
         """A buffer of ``shape``/``dtype``, or None when the arena has no room."""
-        nbytes = nbytes_of(shape, dtype)
-        size = -(-max(nbytes, 1) // self.alignment) * self.alignment
+        dims = shape if type(shape) is tuple else tuple(shape)
+        layout = self._layouts.get((dtype, dims))
+        if layout is None:
+            layout = self._layout(dims, dtype)
+        size = -(-max(layout.nbytes, 1) // self.alignment) * self.alignment
         with self.lock:
             offset = self._take(size)
             if offset < 0:
                 return None
             try:
-                view = self._view(offset, nbytes, dtype, tuple(shape))
+                self._view(offset, layout)  # made (and cached) now: a bad shape fails here
             except (RuntimeError, ValueError, TypeError, OverflowError) as exc:
                 # e.g. a crafted shape (2**40, 2**40, 0): its numel overflows
                 self._insert_free(offset, size)
-                raise ValueError(f"no buffer of shape {tuple(shape)} and {dtype}: {exc}"
-                                 ) from None
+                raise ValueError(f"no buffer of shape {dims} and {dtype}: {exc}") from None
             self.used_bytes += size
             self.live_objects += 1
             if self.live_objects > self._peak_live:
@@ -433,7 +473,24 @@ class MemoryAllocator:
                 self._high = offset + size
         if higher and self.prefaulter is not None:
             self.prefaulter.reached(offset + size)
-        return MemoryObj(view, self, offset, size)
+        return MemoryObj(None, self, offset, size, layout)
+
+    def _layout(self, dims: tuple, dtype: torch.dtype) -> _Layout:
+        """The interned layout of ``dims``/``dtype``; past ``MAX_LAYOUTS`` distinct ones
+        (shapes from outside without end) a layout of its own, whose views are not
+        cached."""
+        layouts = self._layouts
+        with self.lock:
+            layout = layouts.get((dtype, dims))
+            if layout is None:
+                try:
+                    ident = len(layouts) if len(layouts) < MAX_LAYOUTS else -1
+                    layout = _Layout(ident, dtype, torch.Size(dims), nbytes_of(dims, dtype))
+                except (RuntimeError, ValueError, TypeError, OverflowError) as exc:
+                    raise ValueError(f"no buffer of shape {dims} and {dtype}: {exc}") from None
+                if ident >= 0:
+                    layouts[(dtype, dims)] = layout
+            return layout
 
     def _take(self, size: int) -> int:
         sizes = self._free_sizes
@@ -449,16 +506,28 @@ class MemoryAllocator:
                 return start
         return -1
 
-    def _view(self, offset: int, nbytes: int, dtype: torch.dtype, shape: tuple) -> torch.Tensor:
-        key = (offset, dtype, shape)
+    def _view(self, offset: int, layout: _Layout) -> torch.Tensor:
+        """The view of ``layout`` at ``offset``, from the cache (under ``lock``)."""
+        if layout.ident < 0:
+            return self.arena[offset:offset + layout.nbytes].view(layout.dtype).view(layout.shape)
+        key = offset << _LAYOUT_BITS | layout.ident
         views = self._views
         view = views.get(key)
         if view is None:
-            view = self.arena[offset:offset + nbytes].view(dtype).view(shape)
+            view = self.arena[offset:offset + layout.nbytes].view(layout.dtype).view(layout.shape)
             if len(views) >= self.view_cache_limit:
                 del views[next(iter(views))]  # the oldest: dicts keep insertion order
             views[key] = view
         return view
+
+    def view_at(self, offset: int, layout: _Layout) -> torch.Tensor:
+        """The tensor of the buffer of ``layout`` at ``offset`` (``MemoryObj.tensor``)."""
+        if layout.ident >= 0:
+            view = self._views.get(offset << _LAYOUT_BITS | layout.ident)
+            if view is not None:
+                return view
+        with self.lock:
+            return self._view(offset, layout)
 
     @property
     def view_cache_limit(self) -> int:
