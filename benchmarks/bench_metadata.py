@@ -37,9 +37,9 @@ def _rss() -> int:
 
 
 def _keys(n: int) -> list:
-    from lmkv.keys.chunking import CacheKey, KeyMeta
+    from lmkv.keys.chunking import CacheKey, KeyMeta, kv_geometry
 
-    meta = KeyMeta("bench-model", geometry="l2h2d64")
+    meta = KeyMeta("bench-model", geometry=kv_geometry(2, 2, 64))
     return [CacheKey(meta, i.to_bytes(8, "little") * 4) for i in range(n)]
 
 
@@ -96,12 +96,15 @@ def measure_fs(n: int) -> dict:
     from lmkv.plugins.manager import get_plugin_manager
     from lmkv_backends.tiers.fs_index import EntryIndex, entry_name, key_of
 
-    policy = get_plugin_manager().policy_class("lru")(None, EvictionContext())
+    policy = get_plugin_manager().eviction_policy("lru")(None, EvictionContext())
     index = EntryIndex(policy, None)
     names = [entry_name(key) for key in _keys(n)]  # what a directory listing gives
     before = _rss()
     for start in range(0, n, 4096):  # parsed in batches, as a scan hands them over
-        index.adopt_all((key_of(name), 65536) for name in names[start:start + 4096])
+        found = [(key_of(name), 65536) for name in names[start:start + 4096]]
+        assert all(key is not None for key, _ in found), "an entry name that is no key"
+        index.adopt_all(found)
+    del found
     grown = _rss() - before
     return {"bytes": grown, "entries": len(index)}
 

@@ -102,7 +102,7 @@ class CacheKey(msgspec.Struct, frozen=True):
         *model, world, rank, dtype, layout, digest = parts
         try:
             meta = KeyMeta("@".join(model), int(world), int(rank), dtype, layout, geometry)
-            return cls(meta, bytes.fromhex(digest), layer)
+            return cls(_interned(meta), bytes.fromhex(digest), layer)
         except ValueError:
             raise ValueError(f"not an lmkv key: {text!r}") from None
 
@@ -115,6 +115,22 @@ class CacheKey(msgspec.Struct, frozen=True):
         # Of the fields themselves (msgpack), not of the text form: a model name may
         # hold the text form's separator.
         return blake2b(msgspec.msgpack.encode(self), digest_size=16).digest()
+
+
+#: Metas parsed from text, each kept once: a tier that lists a million entries of one
+#: model holds one KeyMeta (and its strings), not a million.
+_METAS: dict[KeyMeta, KeyMeta] = {}
+_METAS_MAX = 4096
+
+
+def _interned(meta: KeyMeta) -> KeyMeta:
+    known = _METAS.get(meta)
+    if known is not None:
+        return known
+    if len(_METAS) >= _METAS_MAX:  # names from outside without end: start over
+        _METAS.clear()
+    _METAS[meta] = meta
+    return meta
 
 
 def token_bytes(tokens: Any) -> memoryview:

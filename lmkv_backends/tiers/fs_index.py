@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from urllib.parse import quote, unquote
 
 from lmkv.contracts.policy import EvictionPolicy
@@ -42,12 +41,6 @@ def key_of(name: str) -> CacheKey | None:
         return None
 
 
-@dataclass
-class Entry:
-    size: int
-    pins: int = 0
-
-
 class EntryIndex:
     """Thread-safe map of stored entries, their eviction order and the byte budget.
 
@@ -59,7 +52,10 @@ class EntryIndex:
     def __init__(self, policy: EvictionPolicy, capacity: int | None) -> None:
         self.policy = policy
         self.capacity = capacity
-        self._entries: dict[CacheKey, Entry] = {}
+        # Each entry's size; pins only for the entries pinned (few at any time): an
+        # entry costs the index one dict slot and its key (bench_metadata.py).
+        self._entries: dict[CacheKey, int] = {}
+        self._pins: dict[CacheKey, int] = {}
         self._writing: set[CacheKey] = set()
         self._lock = threading.Lock()
         self.usage = 0  # bytes of the entries in the index
@@ -71,34 +67,34 @@ class EntryIndex:
     # -- lookups -------------------------------------------------------------
     def lookup(self, key: CacheKey, pin: bool = False) -> bool:
         with self._lock:
-            entry = self._entries.get(key)
-            if entry is None:
+            if key not in self._entries:
                 return False
             if pin:
-                entry.pins += 1
+                self._pins[key] = self._pins.get(key, 0) + 1
             return True
 
     def count_prefix(self, keys: Sequence[CacheKey], pin: bool = False) -> int:
         """How many leading ``keys`` the index holds (pinning them when asked)."""
         hits = 0
         with self._lock:
-            entries = self._entries
+            entries, pins = self._entries, self._pins
             for key in keys:
-                entry = entries.get(key)
-                if entry is None:
+                if key not in entries:
                     break
                 if pin:
-                    entry.pins += 1
+                    pins[key] = pins.get(key, 0) + 1
                 hits += 1
         return hits
 
     def unpin(self, key: CacheKey) -> bool:
         with self._lock:
-            entry = self._entries.get(key)
-            if entry is None:
+            if key not in self._entries:
                 return False
-            if entry.pins:
-                entry.pins -= 1
+            left = self._pins.get(key, 0) - 1
+            if left > 0:
+                self._pins[key] = left
+            elif left == 0:
+                del self._pins[key]
             return True
 
     def touch(self, key: CacheKey) -> None:
@@ -111,16 +107,16 @@ class EntryIndex:
               parent: CacheKey | None = None) -> None:
         """Record an entry found in storage (written by us earlier or by someone else)."""
         with self._lock:
-            entry = self._entries.get(key)
-            if entry is None:
-                entry = self._entries[key] = Entry(size)
+            known = self._entries.get(key)
+            if known is None:
+                self._entries[key] = size
                 self.usage += size
                 self.policy.insert(key, parent)
-            elif entry.size != size:
-                self.usage += size - entry.size
-                entry.size = size
+            elif known != size:
+                self.usage += size - known
+                self._entries[key] = size
             if pin:
-                entry.pins += 1
+                self._pins[key] = self._pins.get(key, 0) + 1
 
     def adopt_all(self, found: Iterable[tuple[CacheKey, int]]) -> None:
         for key, size in found:
@@ -131,12 +127,14 @@ class EntryIndex:
         with self._lock:
             return self._drop_locked(key) is not None
 
-    def _drop_locked(self, key: CacheKey) -> Entry | None:
-        entry = self._entries.pop(key, None)
-        if entry is not None:
-            self.usage -= entry.size
+    def _drop_locked(self, key: CacheKey) -> int | None:
+        """Forget ``key`` and its pins: its size, or None when it was not there."""
+        size = self._entries.pop(key, None)
+        if size is not None:
+            self._pins.pop(key, None)
+            self.usage -= size
             self.policy.forget(key)
-        return entry
+        return size
 
     def begin_write(self, key: CacheKey) -> bool:
         """Claim ``key`` for one writer; False when it is stored or being written."""
@@ -171,7 +169,7 @@ class EntryIndex:
             if sum(s for _, s in evicted) < excess:
                 for (key, entry_size), parent in zip(reversed(evicted), reversed(parents),
                                                      strict=True):
-                    self._entries[key] = Entry(entry_size)
+                    self._entries[key] = entry_size
                     self.usage += entry_size
                     self.policy.insert(key, parent)
                 return None
@@ -187,14 +185,15 @@ class EntryIndex:
         lineage = self.policy.lineage
         while excess > 0:
             victims: list[CacheKey] = []
+            entries, pins = self._entries, self._pins
             for key in self.policy.candidates():
                 if not isinstance(key, CacheKey):  # the policy orders only this tier's keys
                     continue
-                entry = self._entries.get(key)
-                if entry is None or entry.pins:
+                size = entries.get(key)
+                if size is None or key in pins:
                     continue
                 victims.append(key)
-                excess -= entry.size
+                excess -= size
                 if excess <= 0:
                     break
             if not victims:
@@ -205,7 +204,7 @@ class EntryIndex:
                 if dropped is None:  # named twice by the policy: dropped already
                     continue
                 parents.append(parent if isinstance(parent, CacheKey) else None)
-                evicted.append((key, dropped.size))
+                evicted.append((key, dropped))
         return evicted, parents
 
     def release(self, reserved: int) -> None:
@@ -217,9 +216,8 @@ class EntryIndex:
         """A reserved write landed: the entry is stored."""
         with self._lock:
             self.reserved -= reserved
-            entry = self._entries.get(key)
-            if entry is None:
-                self._entries[key] = Entry(size)
+            if key not in self._entries:
+                self._entries[key] = size
                 self.usage += size
                 self.policy.insert(key, parent)
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from lmkv.keys.chunking import CacheKey, KeyMeta, TokenChunker, prefix_hashes
+from lmkv.keys.chunking import CacheKey, KeyMeta, TokenChunker, kv_geometry, prefix_hashes
 
 
 def reference_hashes(tokens: list[int], chunk: int) -> list[bytes]:
@@ -82,6 +82,17 @@ def test_key_string_round_trip() -> None:
     assert CacheKey.from_string(layer_key.to_string()) == layer_key
     with pytest.raises(ValueError):
         CacheKey.from_string("not a key")
+
+
+def test_keys_parsed_from_text_share_one_meta() -> None:
+    """A tier that lists a million entry names of one model holds one KeyMeta."""
+    meta = KeyMeta("org/model", 2, 1, "bfloat16", "l2thd", kv_geometry(4, 2, 64))
+    first, second = (CacheKey.from_string(CacheKey(meta, bytes([i]) * 32).to_string())
+                     for i in range(2))
+    assert first.meta == meta and first.meta is second.meta
+    assert first.chunk_hash != second.chunk_hash
+    other = CacheKey.from_string(CacheKey(KeyMeta("other"), bytes(32)).to_string())
+    assert other.meta == KeyMeta("other") and other.meta is not first.meta
 
 
 def test_layerwise_keys() -> None:

@@ -303,3 +303,37 @@ def test_no_prefault_unless_asked_or_for_a_given_buffer() -> None:
     assert MemoryAllocator(1 << 20, pin_memory=False).prefaulter is None
     given = torch.zeros(1 << 20, dtype=torch.uint8)
     assert MemoryAllocator(1 << 20, buffer=given, prefault_ahead=1 << 20).prefaulter is None
+
+
+def test_a_buffer_of_the_arena_keeps_no_tensor_of_its_own() -> None:
+    """A tier of many small chunks pays a few fields per chunk, not a tensor (about
+    1 KiB each): ``tensor`` is the arena's view of the buffer's slot."""
+    alloc = MemoryAllocator(1 << 20, pin_memory=False)
+    objs = [alloc.allocate((4, 8), torch.float16) for _ in range(8)]
+    for i, obj in enumerate(objs):
+        assert obj._tensor is None
+        obj.tensor.fill_(i)
+        assert obj.shape == (4, 8) and obj.dtype == torch.float16
+        assert obj.tensor.data_ptr() == alloc.arena.data_ptr() + obj.offset
+    assert [int(obj.tensor[0, 0]) for obj in objs] == list(range(8))
+    assert objs[0].shape is objs[1].shape  # the layout is interned
+    alloc._views.clear()  # a view made again sees the same bytes
+    assert [int(obj.tensor.sum()) for obj in objs] == [32 * i for i in range(8)]
+    for obj in objs:
+        obj.ref_down()
+
+
+def test_layouts_past_the_interned_ones_still_get_their_buffers(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from lmkv import memory
+
+    monkeypatch.setattr(memory, "MAX_LAYOUTS", 2)
+    alloc = MemoryAllocator(1 << 20, pin_memory=False)
+    objs = [alloc.allocate((n,), torch.int32) for n in range(1, 6)]
+    assert len(alloc._layouts) == 2  # shapes from outside without end: not interned
+    for n, obj in enumerate(objs, 1):
+        obj.tensor.fill_(n)
+        assert obj.shape == (n,) and int(obj.tensor.sum()) == n * n
+    for obj in objs:
+        obj.ref_down()
+    assert alloc.used_bytes == 0
