@@ -18,12 +18,14 @@ from collections.abc import Hashable, Iterator
 from itertools import count
 
 from lmkv.contracts.plugin import OptionsArg
-from lmkv.contracts.policy import EvictionContext, EvictionPolicy
+from lmkv.contracts.policy import EvictionContext, EvictionPolicy, SlotLineage
+from lmkv_policies.lru_slots import SlotRecency, merged
 
 
 class LRUPolicy(EvictionPolicy):
     name = "lru"
-    api_version = "2.0"
+    api_version = "2.1"
+    orders_slots = True
 
     def __init__(self, options: OptionsArg = None, context: EvictionContext | None = None) -> None:
         super().__init__(options, context)
@@ -36,14 +38,34 @@ class LRUPolicy(EvictionPolicy):
         #: ``_back`` maps them to it, ``_heap`` orders them (with stale items).
         self._back: dict[Hashable, int] = {}
         self._heap: list[tuple[int, Hashable]] = []
+        #: The order of a tier's slots, in arrays (``use_slots``); None: by key.
+        self._slot_order: SlotRecency | None = None
+
+    def use_slots(self) -> None:
+        assert isinstance(self.lineage, SlotLineage)
+        order = self._slot_order = SlotRecency(self.lineage, self._clock)
+        # The base calls the hooks for every chunk stored, read or dropped: bound
+        # straight to the arrays' order, they skip a call each (the methods below
+        # dispatch the same way for whoever calls them on the class).
+        self.on_insert = order.insert
+        self.on_access = order.access
+        self.on_remove = order.remove
+        self.on_extended = order.extended
+        self.on_leaf = order.leaf
 
     def on_insert(self, key: Hashable, parent: Hashable | None) -> None:
+        if self._slot_order is not None:
+            self._slot_order.insert(key, parent)  # type: ignore[arg-type]
+            return
         if self.lineage.is_leaf(key):  # a new key: the base forgot a stored one first
             self._order[key] = next(self._clock)
         else:  # a key that extends it was stored first
             self._parked[key] = next(self._clock)
 
     def on_access(self, key: Hashable) -> None:
+        if self._slot_order is not None:
+            self._slot_order.access(key)  # type: ignore[arg-type]
+            return
         # A prefix lookup reads a prompt's inner chunks (parked) and one leaf.
         parked, order = self._parked, self._order
         if key in parked:
@@ -56,10 +78,16 @@ class LRUPolicy(EvictionPolicy):
             order[key] = next(self._clock)
 
     def on_remove(self, key: Hashable) -> None:
+        if self._slot_order is not None:
+            self._slot_order.remove(key)  # type: ignore[arg-type]
+            return
         if self._order.pop(key, None) is None and self._parked.pop(key, None) is None:
             self._back.pop(key, None)
 
     def on_extended(self, key: Hashable) -> None:
+        if self._slot_order is not None:
+            self._slot_order.extended(key)  # type: ignore[arg-type]
+            return
         used = self._order.pop(key, None)
         if used is None:
             used = self._back.pop(key, None)
@@ -67,6 +95,9 @@ class LRUPolicy(EvictionPolicy):
             self._parked[key] = used
 
     def on_leaf(self, key: Hashable) -> None:
+        if self._slot_order is not None:
+            self._slot_order.leaf(key)  # type: ignore[arg-type]
+            return
         used = self._parked.pop(key, None)
         if used is None:
             return
@@ -84,6 +115,8 @@ class LRUPolicy(EvictionPolicy):
                 heapq.heapify(self._heap)
 
     def victims(self) -> Iterator[Hashable]:
+        if self._slot_order is not None:
+            return self._slot_order.victims()
         if not self._back:
             if self._heap:
                 self._heap.clear()
@@ -92,36 +125,9 @@ class LRUPolicy(EvictionPolicy):
 
     def _merged(self) -> Iterator[Hashable]:
         """``_order`` and the heap's live items, least recent first."""
-        back, seen = self._back, set()
-        heap_items = _in_order(self._heap)
-        pending = next(heap_items, None)
-        for key, used in self._order.items():
-            while pending is not None and pending[0] < used:
-                if back.get(pending[1]) == pending[0] and pending[1] not in seen:
-                    seen.add(pending[1])
-                    yield pending[1]
-                pending = next(heap_items, None)
-            yield key
-        while pending is not None:
-            if back.get(pending[1]) == pending[0] and pending[1] not in seen:
-                seen.add(pending[1])
-                yield pending[1]
-            pending = next(heap_items, None)
+        return merged(self._order.items(), self._heap, self._back)
 
     def __len__(self) -> int:
+        if self._slot_order is not None:
+            return len(self._slot_order)
         return len(self._order) + len(self._parked) + len(self._back)
-
-
-def _in_order(heap: list[tuple[int, Hashable]]) -> Iterator[tuple[int, Hashable]]:
-    """A binary heap's items in ascending order without changing it: O(k log k)
-    for the first k (a frontier of the heap's nodes)."""
-    if not heap:
-        return
-    frontier = [(heap[0], 0)]
-    size = len(heap)
-    while frontier:
-        item, i = heapq.heappop(frontier)
-        yield item
-        for child in (2 * i + 1, 2 * i + 2):
-            if child < size:
-                heapq.heappush(frontier, (heap[child], child))

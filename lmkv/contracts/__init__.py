@@ -116,6 +116,7 @@ _LAZY: dict[str, str] = {
     "EvictionContext": "lmkv.contracts.policy",
     "EvictionPolicy": "lmkv.contracts.policy",
     "Lineage": "lmkv.contracts.policy",
+    "SlotLineage": "lmkv.contracts.policy",
     "OffloadContext": "lmkv.contracts.policy",
     "OffloadItem": "lmkv.contracts.policy",
     "OffloadPolicy": "lmkv.contracts.policy",
@@ -151,6 +152,7 @@ if TYPE_CHECKING:
         OffloadContext,
         OffloadItem,
         OffloadPolicy,
+        SlotLineage,
         StoreMeta,
     )
     from lmkv.contracts.prefix_gets import PrefixGets, read_windows
@@ -212,6 +214,7 @@ __all__ = [
     "RemoteTierOptions",
     "Serializer",
     "SerializerContext",
+    "SlotLineage",
     "StorageBackend",
     "StoreMeta",
     "TierCounters",

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
+from array import array
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import repeat
 from typing import Any, ClassVar, Protocol, final
 
 from lmkv.contracts.plugin import NoOptions, OptionsArg, Plugin, PluginOptions
@@ -81,6 +83,74 @@ class Lineage:
         return len(self._parent)
 
 
+class SlotLineage:
+    """``Lineage`` of a tier's slots (dense ints from 0, ``lmkv.keys.slots``), in
+    arrays: a parent and a child count per slot, no Python object per key.
+
+    The same questions as ``Lineage``; a slot that is not stored but that stored
+    slots extend (its chunk was never stored here, or went) keeps its count.
+    """
+
+    __slots__ = ("_children", "_count", "_parent")
+
+    _ABSENT = -2  # a slot not stored
+    _ROOT = -1  # a stored slot without a parent
+
+    def __init__(self) -> None:
+        self._parent = array("i")
+        self._children = array("i")
+        self._count = 0
+
+    def _reach(self, slot: int) -> None:
+        """Grow the arrays to hold ``slot`` (doubling: amortized O(1))."""
+        size = len(self._parent)
+        if slot >= size:
+            more = max(slot + 1 - size, size >> 3, 1024)
+            self._parent.extend(repeat(self._ABSENT, more))
+            self._children.extend(repeat(0, more))
+
+    def add(self, key: Any, parent: Any = None) -> None:
+        """Slot ``key`` is stored, extending slot ``parent`` (stored or not)."""
+        if key in self:
+            self.discard(key)
+        if parent == key:
+            parent = None
+        self._reach(max(key, -1 if parent is None else parent))
+        self._parent[key] = self._ROOT if parent is None else parent
+        self._count += 1
+        if parent is not None:
+            self._children[parent] += 1
+
+    def discard(self, key: Any) -> None:
+        """Slot ``key`` left the tier; its parent may now be a leaf."""
+        if key not in self:
+            return
+        parent = self._parent[key]
+        self._parent[key] = self._ABSENT
+        self._count -= 1
+        if parent >= 0:
+            self._children[parent] -= 1
+
+    def parent(self, key: Any) -> Any:
+        parent = self._parent[key] if 0 <= key < len(self._parent) else -1
+        return parent if parent >= 0 else None
+
+    def children(self, key: Any) -> int:
+        """How many stored slots extend ``key``."""
+        return self._children[key] if 0 <= key < len(self._children) else 0
+
+    def is_leaf(self, key: Any) -> bool:
+        """No stored slot extends ``key``: it may be evicted."""
+        return self.children(key) == 0
+
+    def __contains__(self, key: object) -> bool:
+        return (type(key) is int and 0 <= key < len(self._parent)
+                and self._parent[key] != self._ABSENT)
+
+    def __len__(self) -> int:
+        return self._count
+
+
 class EvictionPolicy(Plugin, ABC):
     """Orders a tier's keys for eviction.
 
@@ -101,11 +171,42 @@ class EvictionPolicy(Plugin, ABC):
     #: leaves it (``watch``); None, the default, costs one attribute test.
     _watcher: Callable[[Hashable, bool], None] | None = None
 
+    #: Set by a policy that can order a tier's slots (dense ints from 0, see
+    #: ``lmkv.keys.slots``) in arrays, without a Python object per key: a tier
+    #: that numbers its keys calls ``order_slots`` before its first ``insert``,
+    #: and the policy's hooks then see slots (and ``lineage`` is a
+    #: ``SlotLineage``). Such a policy implements ``use_slots``.
+    orders_slots: ClassVar[bool] = False
+    #: A slot's key, for the watcher (set by ``order_slots``).
+    _key_of: Callable[[int], Hashable] | None = None
+
     def __init__(self, options: OptionsArg = None, context: EvictionContext | None = None) -> None:
         self.options = self.parse_options(options)
         self.context = EvictionContext() if context is None else context
         #: The stored keys' parents and child counts (kept by the base).
         self.lineage = Lineage()
+        self._slots: SlotLineage | None = None
+
+    @final
+    def order_slots(self, key_of: Callable[[int], Hashable]) -> None:
+        """From now on the tier names its keys by slot (``orders_slots`` policies
+        only, before the first ``insert``); ``key_of(slot)`` is the slot's key,
+        which a watcher is told."""
+        if not self.orders_slots:
+            raise TypeError(f"eviction policy {self.name!r} does not order slots")
+        if len(self.lineage):
+            raise RuntimeError("order_slots after keys were inserted")
+        self._slots = SlotLineage()
+        # The same questions, by slot (a policy that orders slots asks them so).
+        self.lineage = self._slots  # type: ignore[assignment]
+        self._key_of = key_of
+        self.use_slots()
+
+    def use_slots(self) -> None:
+        """The hooks see slots from now on (called once, by ``order_slots``, before
+        any key): a policy that sets ``orders_slots`` switches its order to arrays."""
+        raise NotImplementedError(f"eviction policy {self.name!r} sets orders_slots "
+                                  "but does not implement use_slots")
 
     # -- what a tier calls ----------------------------------------------------
     @final
@@ -115,6 +216,9 @@ class EvictionPolicy(Plugin, ABC):
         Storing a stored key again is forgetting it, then storing it (tiers never
         do; a policy's ``on_insert`` only ever sees keys it does not hold).
         """
+        if self._slots is not None:
+            self._insert_slot(key, parent)  # type: ignore[arg-type]
+            return
         # The tiers call this for every chunk they store: dict operations, inlined.
         lineage = self.lineage
         parents, children = lineage._parent, lineage._children
@@ -135,6 +239,34 @@ class EvictionPolicy(Plugin, ABC):
         if self._watcher is not None:
             self._watcher(key, True)
 
+    def _insert_slot(self, key: int, parent: int | None) -> None:
+        """``insert`` for slots: the same steps, on the lineage's arrays (inlined:
+        the tiers call this for every chunk they store)."""
+        lineage = self._slots
+        assert lineage is not None
+        parents, children = lineage._parent, lineage._children
+        if parent == key:
+            parent = None
+        top = key if parent is None or parent < key else parent
+        if top >= len(parents):
+            lineage._reach(top)
+        if parents[key] != -2:  # stored: forget it first
+            self.forget(key)
+        extended = False
+        if parent is None:
+            parents[key] = -1
+        else:
+            # A stored leaf that gains its first stored extension stops being one.
+            extended = parents[parent] != -2 and not children[parent]
+            children[parent] += 1
+            parents[key] = parent
+        lineage._count += 1
+        if extended:
+            self.on_extended(parent)
+        self.on_insert(key, parent)
+        if self._watcher is not None:
+            self._watcher(self._key_of(key), True)  # type: ignore[misc]
+
     @final
     def access(self, key: Hashable) -> None:
         """A stored key was read."""
@@ -143,6 +275,9 @@ class EvictionPolicy(Plugin, ABC):
     @final
     def forget(self, key: Hashable) -> None:
         """``key`` left the tier (removed or evicted)."""
+        if self._slots is not None:
+            self._forget_slot(key)  # type: ignore[arg-type]
+            return
         lineage = self.lineage
         parents, children = lineage._parent, lineage._children
         parent = parents.pop(key, _ABSENT)
@@ -162,6 +297,26 @@ class EvictionPolicy(Plugin, ABC):
         if self._watcher is not None:
             self._watcher(key, False)
 
+    def _forget_slot(self, key: int) -> None:
+        lineage = self._slots
+        assert lineage is not None
+        parents, children = lineage._parent, lineage._children
+        parent = parents[key] if 0 <= key < len(parents) else -2
+        if parent == -2:
+            self.on_remove(key)  # not in the lineage: let the policy drop what it has
+            return
+        parents[key] = -2
+        lineage._count -= 1
+        left = 1
+        if parent >= 0:
+            left = children[parent] - 1
+            children[parent] = left
+        self.on_remove(key)
+        if not left and parents[parent] != -2:
+            self.on_leaf(parent)  # its last stored extension left: a candidate again
+        if self._watcher is not None:
+            self._watcher(self._key_of(key), False)  # type: ignore[misc]
+
     @final
     def watch(self, watcher: Callable[[Hashable, bool], None] | None) -> None:
         """Tell ``watcher`` of every key the tier stores (``(key, True)``) or drops,
@@ -174,10 +329,20 @@ class EvictionPolicy(Plugin, ABC):
     @final
     def candidates(self) -> Iterator[Hashable]:
         """``victims`` that no stored key extends (leaves), in the policy's order."""
+        if self._slots is not None:
+            yield from self._slot_candidates(self._slots)
+            return
         parents, children = self.lineage._parent, self.lineage._children
         for key in self.victims():
             if key not in children and key in parents:
                 yield key
+
+    def _slot_candidates(self, lineage: SlotLineage) -> Iterator[int]:
+        stored, extended = lineage._parent, lineage._children
+        slot: Any
+        for slot in self.victims():
+            if stored[slot] != SlotLineage._ABSENT and not extended[slot]:
+                yield slot
 
     # -- what a policy implements ---------------------------------------------
     @abstractmethod

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 #: lmkv's version of each kind's contract (``major.minor``). API 1 is lmkv 0.1's.
 API_VERSIONS: dict[str, str] = {
     "storage_backend": "2.0",
-    "eviction_policy": "2.0",
+    "eviction_policy": "2.1",
     "offload_policy": "2.0",
     "serializer": "2.0",
     "gpu_connector": "2.0",
@@ -109,6 +109,8 @@ CALLS: dict[str, tuple[Call, ...]] = {
         Call("forget", kind="final"),
         Call("candidates", kind="final"),
         Call("watch", kind="final"),
+        Call("order_slots", kind="final"),
+        Call("use_slots"),
     ),
     "offload_policy": (
         _CONSTRUCTOR,
@@ -133,11 +135,12 @@ CALLS: dict[str, tuple[Call, ...]] = {
 
 def api_summary() -> str:
     """The plugin API in a few words: ``plugin API 2.0`` when every kind has the
-    same version, else each kind's."""
-    versions = set(API_VERSIONS.values())
-    if len(versions) == 1:
-        return f"plugin API {versions.pop()}"
-    return "plugin API " + ", ".join(f"{k} {v}" for k, v in API_VERSIONS.items())
+    same version, else the version most kinds have and the others by name
+    (``plugin API 2.0, eviction_policy 2.1``)."""
+    versions = list(API_VERSIONS.values())
+    common = max(versions, key=versions.count)
+    others = [f"{kind} {v}" for kind, v in API_VERSIONS.items() if v != common]
+    return ", ".join([f"plugin API {common}", *others])
 
 
 def parse_version(text: object) -> tuple[int, int] | None:

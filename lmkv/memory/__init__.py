@@ -8,7 +8,9 @@ which keeps the per-chunk cost of small chunks near zero.
 
 The view cache is bounded by the memory its views take (about 1 KiB of tensor
 metadata each): at most twice as many views as buffers were ever live at once
-(what uniform chunks reuse), never more than ``VIEW_CACHE_BYTES``. Mixed chunk
+(what uniform chunks reuse), never more than ``VIEW_CACHE_BYTES`` or a
+32nd of the arena (a tiny chunk costs less than its view). A buffer
+holds no view of its own (``MemoryObj.tensor`` asks the cache). Mixed chunk
 sizes create new (offset, shape) pairs without end; the oldest views go first.
 """
 
@@ -445,7 +447,12 @@ class MemoryAllocator:
         self.live_objects = 0
         self._peak_live = 0
         self._views: dict[int, torch.Tensor] = {}
+        # Views never take more than a 32nd of the arena's size (tiny chunks
+        # cost less than their views), nor VIEW_CACHE_BYTES.
+        self._view_cache_most = min(VIEW_CACHE_BYTES, max(
+            self.capacity_bytes // 32, _VIEW_CACHE_MIN * VIEW_COST_BYTES)) // VIEW_COST_BYTES
         self._layouts: dict[tuple, _Layout] = {}
+        self._layout_list: list[_Layout] = []
 
     def allocate(self, shape: Sequence[int], dtype: torch.dtype) -> MemoryObj | None:
         """A buffer of ``shape``/``dtype``, or None when the arena has no room."""
@@ -458,12 +465,6 @@ class MemoryAllocator:
             offset = self._take(size)
             if offset < 0:
                 return None
-            try:
-                self._view(offset, layout)  # made (and cached) now: a bad shape fails here
-            except (RuntimeError, ValueError, TypeError, OverflowError) as exc:
-                # e.g. a crafted shape (2**40, 2**40, 0): its numel overflows
-                self._insert_free(offset, size)
-                raise ValueError(f"no buffer of shape {dims} and {dtype}: {exc}") from None
             self.used_bytes += size
             self.live_objects += 1
             if self.live_objects > self._peak_live:
@@ -486,11 +487,34 @@ class MemoryAllocator:
                 try:
                     ident = len(layouts) if len(layouts) < MAX_LAYOUTS else -1
                     layout = _Layout(ident, dtype, torch.Size(dims), nbytes_of(dims, dtype))
+                    if layout.nbytes <= self.capacity_bytes:
+                        # A view of it, once: a shape torch refuses (a crafted one, say
+                        # (2**40, 2**40, 0), whose numel overflows) fails here, not in
+                        # the hands of whoever reads the buffer.
+                        self.arena[:layout.nbytes].view(dtype).view(layout.shape)
                 except (RuntimeError, ValueError, TypeError, OverflowError) as exc:
                     raise ValueError(f"no buffer of shape {dims} and {dtype}: {exc}") from None
                 if ident >= 0:
                     layouts[(dtype, dims)] = layout
+                    self._layout_list.append(layout)
             return layout
+
+    def interned_layout(self, ident: int) -> _Layout:
+        """The layout numbered ``ident`` (``_Layout.ident`` of an interned one)."""
+        return self._layout_list[ident]
+
+    def slot_size(self, layout: _Layout) -> int:
+        """The bytes a buffer of ``layout`` takes in the arena (aligned)."""
+        return -(-max(layout.nbytes, 1) // self.alignment) * self.alignment
+
+    def free_block(self, offset: int, size: int) -> None:
+        """Give back the buffer at ``offset`` whose MemoryObj is gone (a tier that
+        holds its entries as offsets: ``MemoryObj.ref_down`` of the last reference
+        does this for everyone else)."""
+        with self.lock:
+            if self._insert_free(offset, size):
+                self.used_bytes -= size
+                self.live_objects -= 1
 
     def _take(self, size: int) -> int:
         sizes = self._free_sizes
@@ -532,8 +556,7 @@ class MemoryAllocator:
     @property
     def view_cache_limit(self) -> int:
         """Views the cache may hold now (see the module docstring)."""
-        return min(VIEW_CACHE_BYTES // VIEW_COST_BYTES,
-                   max(_VIEW_CACHE_MIN, 2 * self._peak_live))
+        return min(self._view_cache_most, max(_VIEW_CACHE_MIN, 2 * self._peak_live))
 
     @property
     def view_cache_bytes(self) -> int:

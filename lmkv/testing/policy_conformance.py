@@ -19,7 +19,8 @@ calls (``insert``, ``access``, ``forget``, ``candidates``): ``victims``
 yields stored keys only, each once, and every leaf on a full pass; removing
 everything leaves nothing to evict; memory does not grow with the number of
 keys that went through the policy, only with what is stored (ghost lists
-bounded by the entries stored are fine); through a small cpu tier fed random
+bounded by the entries stored are fine); a policy that orders slots
+(``orders_slots``) orders them as it orders keys; through a small cpu tier fed random
 prompt trees, every stored chunk's parent stays stored (no orphaned prefix:
 each stored prompt is contiguous from its first chunk), pinned and referenced
 entries are never evicted, and usage is back to zero once everything is
@@ -197,6 +198,40 @@ class EvictionPolicyConformance:
         assert list(policy.victims()) == []
         assert list(policy.candidates()) == []
         assert len(policy.lineage) == 0
+
+    def test_slots_are_ordered_as_keys_are(self) -> None:
+        """A policy that says it orders slots (``orders_slots``) gives, slot for key,
+        the candidates it gives when handed keys, through the same random walk
+        (chains, reads, evictions, an inner key removed now and then)."""
+        if not self.make_policy().orders_slots:
+            pytest.skip("this policy orders keys only (orders_slots is False)")
+        by_key, by_slot = self.make_policy(), self.make_policy()
+        by_slot.order_slots(self.key)
+        number: dict[Hashable, int] = {self.key(i): i for i in range(4 * self.operations)}
+        rng = random.Random(self.seed)
+        stored: list[int] = []
+        next_id = 0
+        for step in range(self.operations):
+            roll = rng.random()
+            if roll < 0.45 or not stored:
+                parent = stored[-1] if stored and rng.random() < 0.7 else None
+                by_key.insert(self.key(next_id), None if parent is None else self.key(parent))
+                by_slot.insert(next_id, parent)
+                stored.append(next_id)
+                next_id += 1
+            elif roll < 0.75:
+                chosen = rng.choice(stored)
+                by_key.access(self.key(chosen))
+                by_slot.access(chosen)
+            else:
+                victim = (rng.choice(stored) if roll > 0.95
+                          else number[next(iter(by_key.candidates()))])
+                by_key.forget(self.key(victim))
+                by_slot.forget(victim)
+                stored.remove(victim)
+            if step % 10 == 0:
+                assert [number[k] for k in by_key.candidates()] == \
+                    list(by_slot.candidates()), f"the orders part at step {step}"
 
     def test_memory_does_not_grow_with_keys_that_went_through(self) -> None:
         """Churn: a window of at most 64 stored keys, many keys through it. What the

@@ -1,15 +1,24 @@
 """The ``cpu`` tier: chunk buffers kept in one host-memory arena.
 
-Entries are MemoryObjs in a dict; a full arena evicts unpinned, unreferenced
-entries in the order of the tier's eviction policy and never allocates past
-``max_bytes``.
+A full arena evicts unpinned, unreferenced entries in the order of the tier's
+eviction policy and never allocates past ``max_bytes``.
+
+The index is compact, so that hundreds of thousands of small chunks cost
+little besides their bytes: keys are numbered by slot (``SlotKeys``: the
+chunk hash in a dict per meta, the caller's CacheKey is not kept), and an
+entry is its arena offset, size and layout in arrays by slot. An entry has
+a MemoryObj only while someone else holds a reference to it, or a pin (kept
+in ``_live``; a sweep lets go of those back to the tier's reference alone).
+A policy that orders slots (``lru``) keeps its order in arrays too; any
+other policy is handed keys, as every tier does.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+from array import array
+from collections.abc import Hashable, Iterator, Sequence
 from concurrent.futures import Future
 from typing import Annotated
 
@@ -22,6 +31,7 @@ from lmkv.base.units import ByteCount
 from lmkv.contracts.plugin import OptionsArg, PluginOptions
 from lmkv.contracts.tier import ArenaPlacement, BackendContext, StorageBackend, done_future
 from lmkv.keys.chunking import CacheKey
+from lmkv.keys.slots import SlotKeys
 from lmkv.memory import MemoryAllocator, MemoryObj, nbytes_of
 from lmkv.memory.shm import SharedMemoryUnavailable, SharedSegment, available_memory_bytes
 
@@ -32,6 +42,8 @@ PREFAULT_AHEAD = 512 << 20
 #: The largest ``max_bytes``: more than a 64-bit process can map (x86-64's 57-bit
 #: addresses), so anything past it is a slip, and its figures stay readable.
 MAX_ARENA_BYTES = 64 << 50
+#: Entries with a MemoryObj before the tier looks for ones back to its own reference.
+_SWEEP_MIN = 4096
 
 
 class CPUOptions(PluginOptions):
@@ -113,9 +125,22 @@ class CPUBackend(StorageBackend):
                                                                         pin_memory=False)
         else:
             self.shared_segment, self.allocator = self._arena(options, context)
-        self._entries: dict[CacheKey, MemoryObj] = {}
         self._lock = threading.Lock()
         self._stored_bytes = 0
+        self._count = 0
+        self._keys = SlotKeys()
+        # Per slot: arena offset in units of the alignment (-1: not stored), and the
+        # layout's number (-1: in _odd); the size follows from the layout.
+        self._align = self.allocator.alignment
+        self._offset = array("i" if self.allocator.capacity_bytes // self._align < 2**31
+                             else "q")
+        self._ident = array("h")
+        self._odd: dict[int, object] = {}  # slot -> a layout the allocator did not intern
+        self._live: dict[int, MemoryObj] = {}  # entries held elsewhere too, or pinned
+        self._sweep_at = _SWEEP_MIN
+        self._by_slot = self.policy.orders_slots
+        if self._by_slot:
+            self.policy.order_slots(self._keys.key)
 
     @classmethod
     def _arena(cls, options: CPUOptions, context: BackendContext
@@ -177,7 +202,82 @@ class CPUBackend(StorageBackend):
         return self._stored_bytes
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return self._count
+
+    # -- the index ---------------------------------------------------------
+    def _stored(self, key: CacheKey) -> int:
+        """``key``'s slot when it is stored here, else -1."""
+        slot = self._keys.slot(key)
+        return -1 if slot is None or self._offset[slot] < 0 else slot
+
+    def _obj(self, slot: int) -> MemoryObj:
+        """The entry's MemoryObj (made, holding the tier's reference, when it has
+        none), kept in ``_live`` until a sweep finds it back to that reference."""
+        obj = self._live.get(slot)
+        if obj is None:
+            ident = self._ident[slot]
+            layout = (self.allocator.interned_layout(ident) if ident >= 0
+                      else self._odd[slot])
+            obj = MemoryObj(None, self.allocator, self._offset[slot] * self._align,
+                            self.allocator.slot_size(layout), layout)  # type: ignore[arg-type]
+            self._live[slot] = obj
+        return obj
+
+    def _size(self, slot: int) -> int:
+        """The arena bytes of a stored entry."""
+        ident = self._ident[slot]
+        layout = self.allocator.interned_layout(ident) if ident >= 0 else self._odd[slot]
+        return self.allocator.slot_size(layout)  # type: ignore[arg-type]
+
+    def _sweep(self) -> None:
+        """Let go of the MemoryObjs only the tier holds (one reference, no pin): the
+        entry is its offset again. Amortized: run when ``_live`` doubled."""
+        live = self._live
+        if len(live) < self._sweep_at:
+            return
+        for slot in [s for s, o in live.items() if o.ref_count == 1 and not o.pin_count]:
+            del live[slot]
+        self._sweep_at = max(_SWEEP_MIN, 2 * len(live))
+
+    def _evictable(self, slot: int) -> bool:
+        obj = self._live.get(slot)
+        return obj is None or obj.is_evictable
+
+    def _policy_key(self, slot: int, key: CacheKey | None = None) -> Hashable:
+        """What the policy calls the entry: its slot, or its key."""
+        if self._by_slot:
+            return slot
+        return key if key is not None else self._keys.key(slot)
+
+    def _policy_parent(self, parent: CacheKey | None) -> Hashable | None:
+        """The parent as the policy names it: a policy ordering slots gets one for a
+        parent not stored here too (released when nothing stored extends it)."""
+        if parent is None or not self._by_slot:
+            return parent
+        slot = self._keys.add(parent)
+        if slot == len(self._offset):
+            self._offset.append(-1)
+            self._ident.append(-1)
+        return slot
+
+    def _slot_of(self, name: Hashable) -> int:
+        """A slot from what the policy names (-1: not a stored entry of this tier)."""
+        if self._by_slot:
+            slot = name if type(name) is int else -1
+        else:
+            found = self._keys.slot(name) if isinstance(name, CacheKey) else None
+            slot = -1 if found is None else found
+        return slot if 0 <= slot < len(self._offset) and self._offset[slot] >= 0 else -1
+
+    def _release_slot(self, slot: int) -> None:
+        """``slot`` names nothing stored: give it back unless a stored entry still
+        names it as its parent (a policy ordering slots counts that)."""
+        if self._offset[slot] >= 0:
+            return
+        if self._by_slot and self.policy.lineage.children(slot):
+            return
+        self._keys.remove(slot)
+        self._odd.pop(slot, None)
 
     # -- memory ----------------------------------------------------------
     def allocate(self, shape: Sequence[int], dtype: torch.dtype) -> MemoryObj | None:
@@ -210,7 +310,9 @@ class CPUBackend(StorageBackend):
         with uniform chunks the first eviction always does.
         """
         blocks = self.allocator.free_blocks()
-        blocks += [(o.offset, o.nbytes) for o in self._entries.values() if o.is_evictable]
+        align = self._align
+        blocks += [(self._offset[s] * align, self._size(s)) for s in self._stored_slots()
+                   if self._evictable(s)]
         blocks.sort()
         run_start, run_end = -1, -1
         for start, length in blocks:
@@ -221,65 +323,81 @@ class CPUBackend(StorageBackend):
                 return True
         return False
 
+    def _stored_slots(self) -> Iterator[int]:
+        offsets = self._offset
+        return (slot for slot in self._keys.slots() if offsets[slot] >= 0)
+
     def _evict_locked(self, needed: int) -> int:
         """Evict unpinned, unreferenced entries in policy order; returns bytes freed."""
-        victims: list[CacheKey] = []
+        victims: list[int] = []
         freed = 0
-        for key in self.policy.candidates():
-            if not isinstance(key, CacheKey):  # the policy orders only this tier's keys
-                continue
-            obj = self._entries[key]
-            if obj.is_evictable:
-                victims.append(key)
-                freed += obj.nbytes
+        for name in self.policy.candidates():
+            slot = self._slot_of(name)  # the policy orders only this tier's keys
+            if slot >= 0 and self._evictable(slot):
+                victims.append(slot)
+                freed += self._size(slot)
                 if freed >= needed:
                     break
-        for key in victims:
-            self._drop_locked(key)
+        for slot in victims:
+            self._drop_locked(slot)
         self.counters.evictions += len(victims)
         return freed
 
-    def _drop_locked(self, key: CacheKey) -> MemoryObj:
-        obj = self._entries.pop(key)
-        self.policy.forget(key)
-        self._stored_bytes -= obj.nbytes
-        obj.ref_down()
-        return obj
+    def _drop_locked(self, slot: int) -> None:
+        parent = self.policy.lineage.parent(slot) if self._by_slot else None
+        self.policy.forget(self._policy_key(slot))
+        size = self._size(slot)
+        self._stored_bytes -= size
+        self._count -= 1
+        obj = self._live.pop(slot, None)
+        if obj is not None:
+            obj.ref_down()  # the tier's reference (a reader may hold more)
+        else:
+            self.allocator.free_block(self._offset[slot] * self._align, size)
+        self._offset[slot] = -1
+        self._release_slot(slot)
+        if parent is not None:
+            self._release_slot(parent)  # type: ignore[arg-type]
 
     # -- contract ----------------------------------------------------------
     def contains(self, key: CacheKey, pin: bool = False) -> bool:
         with self._lock:
-            obj = self._entries.get(key)
-            if obj is None:
+            slot = self._stored(key)
+            if slot < 0:
                 return False
             if pin:
-                obj.pin()
+                self._obj(slot).pin()
             return True
 
     def batched_async_contains(self, lookup_id: str, keys: Sequence[CacheKey],
                                pin: bool = False) -> int:
         hits = 0
         with self._lock:
-            entries = self._entries
             for key in keys:
-                obj = entries.get(key)
-                if obj is None:
+                slot = self._stored(key)
+                if slot < 0:
                     break
                 if pin:
-                    obj.pin()
+                    self._obj(slot).pin()
                 hits += 1
         return hits
 
     def batched_submit_put(self, keys: Sequence[CacheKey], objs: Sequence[MemoryObj],
                            parents: Sequence[CacheKey | None] | None = None) -> Future:
-        stored = 0
+        stored = stored_bytes = 0
         lineage = parents if parents is not None else [None] * len(keys)
         with self._lock:
-            entries, policy = self._entries, self.policy
+            self._sweep()
+            policy, slots, live, allocator = self.policy, self._keys, self._live, self.allocator
+            offsets, idents, align = self._offset, self._ident, self._align
+            by_slot = self._by_slot
+            last_key: CacheKey | None = None
+            last_slot = -1
             for key, obj, parent in zip(keys, objs, lineage, strict=True):
-                if key in entries:
-                    continue
-                if obj.allocator is self.allocator:
+                slot = slots.slot(key)
+                if slot is not None and offsets[slot] >= 0:
+                    continue  # stored already
+                if obj._allocator is allocator:
                     if not obj.ref_up():
                         continue  # a released buffer: never store it
                 else:
@@ -293,40 +411,70 @@ class CPUBackend(StorageBackend):
                         copy.ref_down()
                         raise
                     obj = copy
-                entries[key] = obj
-                policy.insert(key, parent)
-                self._stored_bytes += obj.nbytes
+                if slot is None:
+                    slot = slots.add(key)
+                layout = obj._layout
+                if slot == len(offsets):
+                    offsets.append(obj.offset // align)
+                    idents.append(layout.ident)
+                else:
+                    offsets[slot] = obj.offset // align
+                    idents[slot] = layout.ident
+                if layout.ident < 0:
+                    self._odd[slot] = layout
+                live[slot] = obj
+                if not by_slot:
+                    policy.insert(key, parent)
+                elif parent is None:
+                    policy.insert(slot, None)
+                elif parent is last_key:  # a prompt's chunks in order: the one before
+                    policy.insert(slot, last_slot)
+                else:
+                    policy.insert(slot, self._policy_parent(parent))
+                last_key, last_slot = key, slot
+                stored_bytes += obj.nbytes
                 stored += 1
-                self.counters.bytes_in += obj.nbytes
+            self._stored_bytes += stored_bytes
+            self._count += stored
+            self.counters.bytes_in += stored_bytes
             self.counters.puts += stored
         return done_future(stored)
 
     def get_blocking(self, key: CacheKey) -> MemoryObj | None:
         with self._lock:
-            obj = self._entries.get(key)
-            if obj is None:
+            slot = self._stored(key)
+            if slot < 0:
                 self.counters.misses += 1
                 return None
+            obj = self._obj(slot)
             obj.ref_up()
-            self.policy.access(key)
+            self.policy.access(slot if self._by_slot else key)
             self.counters.hits += 1
             self.counters.bytes_out += obj.nbytes
             return obj
 
     def batched_get_non_blocking(self, lookup_id: str, keys: Sequence[CacheKey]) -> Future:
         out: list[MemoryObj] = []
+        got_bytes = 0
         with self._lock:
-            entries, policy = self._entries, self.policy
+            self._sweep()
+            access, slots, live, offsets = (self.policy.access, self._keys, self._live,
+                                            self._offset)
+            by_slot = self._by_slot
             for key in keys:
-                obj = entries.get(key)
-                if obj is None:
+                slot = slots.slot(key)
+                if slot is None or offsets[slot] < 0:
                     break
+                obj = live.get(slot)
+                if obj is None:
+                    obj = self._obj(slot)
                 obj.ref_up()
-                policy.access(key)
+                access(slot if by_slot else key)
                 out.append(obj)
+                got_bytes += obj.nbytes
             self.counters.hits += len(out)
             self.counters.misses += len(keys) - len(out)
-            self.counters.bytes_out += sum(o.nbytes for o in out)
+            self.counters.bytes_out += got_bytes
         return done_future(out)
 
     def pin(self, key: CacheKey) -> bool:
@@ -334,29 +482,53 @@ class CPUBackend(StorageBackend):
 
     def unpin(self, key: CacheKey) -> bool:
         with self._lock:
-            obj = self._entries.get(key)
-            if obj is None:
+            slot = self._stored(key)
+            if slot < 0:
                 return False
-            obj.unpin()
+            self._obj(slot).unpin()
             return True
 
     def remove(self, key: CacheKey) -> bool:
-        """Drop ``key``; a pinned entry is protected and stays (returns False)."""
+        """Drop ``key``; a pinned entry is protected and stays (returns False). A
+        reader still holding it keeps its buffer until it gives it back."""
         with self._lock:
-            obj = self._entries.get(key)
-            if obj is None or obj.pin_count:
+            slot = self._stored(key)
+            if slot < 0:
                 return False
-            self._drop_locked(key)
+            obj = self._live.get(slot)
+            if obj is not None and obj.pin_count:
+                return False
+            self._drop_locked(slot)
             return True
 
     def clear(self) -> None:
         """Drop every unpinned entry."""
         with self._lock:
-            for key in [k for k, o in self._entries.items() if not o.pin_count]:
-                self._drop_locked(key)
+            live = self._live
+            for slot in list(self._stored_slots()):
+                obj = live.get(slot)
+                if obj is None or not obj.pin_count:
+                    self._drop_locked(slot)
+
+    def eviction_candidates(self) -> list[CacheKey]:
+        """The keys the policy would evict first first (leaves only), whatever it
+        names them by."""
+        with self._lock:
+            slots = [self._slot_of(name) for name in self.policy.candidates()]
+            return [self._keys.key(slot) for slot in slots if slot >= 0]
+
+    def entry_refs(self) -> list[tuple[int, int]]:
+        """(references, pins) of every entry, the tier's own reference included
+        (for tests: an entry nobody else holds is ``(1, 0)``)."""
+        with self._lock:
+            out = []
+            for slot in self._stored_slots():
+                obj = self._live.get(slot)
+                out.append((1, 0) if obj is None else (obj.ref_count, obj.pin_count))
+            return out
 
     def stats(self) -> dict[str, int | None]:
-        return {**super().stats(), "entries": len(self._entries),
+        return {**super().stats(), "entries": self._count,
                 "arena_used_bytes": self.allocator.used_bytes}
 
     def close(self) -> None:

@@ -151,8 +151,7 @@ def test_workload_ten_times_the_budget_holds_it_and_leaks_nothing() -> None:
     while pinned:
         assert tier.unpin(pinned.pop())
     # every pin and reference the workload took is back: only the tier's own remain
-    for obj in tier._entries.values():
-        assert (obj.ref_count, obj.pin_count) == (1, 0)
+    assert all(refs == (1, 0) for refs in tier.entry_refs())
     tier.clear()
     assert tier.allocator.used_bytes == 0
     assert tier.allocator.live_objects == 0
@@ -236,8 +235,7 @@ def test_concurrent_clients_keep_counts_and_budget() -> None:
     for t in threads:
         t.join()
     assert errors == []
-    for obj in tier._entries.values():
-        assert (obj.ref_count, obj.pin_count) == (1, 0)
+    assert all(refs == (1, 0) for refs in tier.entry_refs())
     tier.clear()
     assert tier.allocator.used_bytes == 0 and tier.allocator.live_objects == 0
 

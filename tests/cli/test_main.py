@@ -106,7 +106,8 @@ def test_version() -> None:
     assert released and released[0] == lmkv.__version__
     result = run_cli("--version")
     assert result.returncode == 0
-    assert result.stdout.strip() == f"lmkv {lmkv.__version__} (plugin API 2.0)"
+    assert result.stdout.strip() == \
+        f"lmkv {lmkv.__version__} (plugin API 2.0, eviction_policy 2.1)"
 
 
 def test_help_and_the_parser_import_no_torch() -> None:

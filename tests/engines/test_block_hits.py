@@ -103,7 +103,7 @@ def test_aliases_are_tiny_entries_that_go_before_their_chunk() -> None:
         assert is_alias(alias) and alias.nbytes <= 256  # one arena block
         alias.ref_down()
         # The chunk is not a leaf while its aliases stay: they go first.
-        leaves = list(tier.policy.candidates())
+        leaves = tier.eviction_candidates()
         assert chunks.keys[1] not in leaves and chunks.partials[1][2] in leaves
 
 

@@ -114,7 +114,7 @@ def test_a_store_never_evicts_the_prefix_it_builds_on() -> None:
         engine.store(tokens, kv=hf_kv(5 * CHUNK))
         assert engine.lookup(tokens) == 4 * CHUNK  # prefix kept; what fits after it stored
         tier = engine.storage.tiers[0]
-        assert all(o.pin_count == 0 for o in tier._entries.values())
+        assert all(pins == 0 for _, pins in tier.entry_refs())
 
 
 @pytest.mark.parametrize("bad_kv,message", [
@@ -156,7 +156,7 @@ def test_prefetched_chunks_are_consumed_by_retrieve() -> None:
         assert engine.lookup_and_prefetch(tokens, "req-2").result(5) == 96
         engine.release_lookup("req-2")
         tier = engine.storage.tiers[0]
-        assert all((o.ref_count, o.pin_count) == (1, 0) for o in tier._entries.values())
+        assert all(refs == (1, 0) for refs in tier.entry_refs())
 
 
 def test_prefetch_by_hashes_computed_elsewhere() -> None:
@@ -203,7 +203,7 @@ def test_a_lookup_id_reused_for_another_prompt_never_yields_its_kv() -> None:
         assert result.num_tokens == 64
         assert torch.equal(result.kv[0][0][0], kv_b[0][0][0])
         tier = engine.storage.tiers[0]
-        assert all((o.ref_count, o.pin_count) == (1, 0) for o in tier._entries.values())
+        assert all(refs == (1, 0) for refs in tier.entry_refs())
 
 
 def test_prefetch_after_close_is_a_miss() -> None:

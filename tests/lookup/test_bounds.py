@@ -91,7 +91,7 @@ def peer(endpoints: LookupEndpoints) -> Iterator[Peer]:
 
 def held_refs(engine: LocalEngine) -> int:
     tier = engine.storage.tiers[0]
-    return sum(o.ref_count - 1 for o in tier._entries.values())
+    return sum(refs - 1 for refs, _ in tier.entry_refs())
 
 
 def test_a_burst_of_large_lookups_gives_its_memory_back_while_idle(engine, endpoints,

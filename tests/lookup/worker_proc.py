@@ -35,11 +35,11 @@ def hf_kv(total: int, spec: KVSpec = SPEC) -> list[tuple[torch.Tensor, torch.Ten
 def state(engine: LocalEngine, responders: list[LookupResponder]) -> dict[str, Any]:
     """Pins and references held on the cpu tier's entries beyond the tier's own."""
     tier = engine.storage.tiers[0]
-    entries = list(tier._entries.values())
+    entries = tier.entry_refs()
     return {
         "entries": len(entries),
-        "pins": sum(o.pin_count for o in entries),
-        "extra_refs": sum(o.ref_count - 1 for o in entries),
+        "pins": sum(pins for _, pins in entries),
+        "extra_refs": sum(refs - 1 for refs, _ in entries),
         "live_objects": tier.allocator.live_objects,
         "lookups_held": len(engine.storage.events),
         "tier_hits": tier.counters.hits,

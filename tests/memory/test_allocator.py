@@ -131,10 +131,12 @@ def test_uniform_chunks_keep_their_views_cached() -> None:
 
     arena = memory.MemoryAllocator(8 << 20, pin_memory=False)
     objs = [arena.allocate((64, 64), torch.float16) for _ in range(1000)]
+    first = [obj.tensor for obj in objs]
     views = len(arena._views)
     for obj in objs:
         obj.ref_down()
     again = [arena.allocate((64, 64), torch.float16) for _ in range(1000)]
+    assert all(obj.tensor is view for obj, view in zip(again, first, strict=True))
     assert len(arena._views) == views == 1000  # every slot reused its cached view
     for obj in again:
         obj.ref_down()

@@ -20,13 +20,13 @@ def values(objs) -> list[int]:
 
 
 def pins(tier: CPUBackend) -> int:
-    return sum(o.pin_count for o in tier._entries.values())
+    return sum(pins for _, pins in tier.entry_refs())
 
 
 def no_leaks(*tiers: CPUBackend) -> None:
     for tier in tiers:
         assert pins(tier) == 0
-        assert tier.allocator.live_objects == len(tier._entries)
+        assert tier.allocator.live_objects == len(tier)
 
 
 @pytest.fixture
@@ -277,7 +277,7 @@ def test_unclaimed_prefetches_expire_on_a_timer_while_idle() -> None:
     while len(manager.events) and time.monotonic() < deadline:
         time.sleep(0.01)
     assert len(manager.events) == 0 and manager.events.expired == 1
-    assert tier._entries[key(0)].ref_count == 1
+    assert len(tier) == 1 and tier.entry_refs() == [(1, 0)]
     manager.close()
 
 

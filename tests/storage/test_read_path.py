@@ -26,8 +26,8 @@ def values(objs: list) -> list[int]:
 
 def no_leaks(*tiers: CPUBackend) -> None:
     for tier in tiers:
-        assert sum(o.pin_count for o in tier._entries.values()) == 0
-        assert tier.allocator.live_objects == len(tier._entries)
+        assert sum(pins for _, pins in tier.entry_refs()) == 0
+        assert tier.allocator.live_objects == len(tier)
 
 
 class Hung(CPUBackend):

@@ -1,0 +1,115 @@
+"""Cache keys numbered by dense slots, held compactly.
+
+A tier that holds hundreds of thousands of small chunks cannot afford a
+Python object per key in each of its structures. ``SlotKeys`` gives each
+key a slot (a small int, reused after the key leaves) and keeps the key
+itself as its chunk hash in one dict per (meta, layer): the key's meta is
+held once, not per key, and the caller's ``CacheKey`` is not kept. The
+tier's own records, and an eviction policy that orders slots
+(``EvictionPolicy.orders_slots``), live in arrays indexed by slot.
+"""
+
+from __future__ import annotations
+
+from array import array
+
+from lmkv.keys.chunking import CacheKey, KeyMeta
+
+#: One (meta, layer): its meta, layer, chunk hash -> slot, and its number.
+_Space = tuple[KeyMeta, int, dict[bytes | int, int], int]
+
+
+class SlotKeys:
+    """CacheKey <-> slot. Not thread-safe: its tier's lock guards it."""
+
+    __slots__ = ("_free", "_hash_of", "_last", "_space_ids", "_space_of", "_spaces")
+
+    def __init__(self) -> None:
+        #: (meta, layer) -> space number; per space: meta, layer, chunk hash -> slot,
+        #: and its number.
+        self._space_ids: dict[tuple[KeyMeta, int], int] = {}
+        self._spaces: list[_Space] = []
+        self._space_of = array("I")  # each slot's space
+        # Each slot's chunk hash (None: free). A sha256 digest (32 bytes) is held as
+        # the int it spells (64 bytes of memory; its bytes object takes 80), any
+        # other length as its bytes: an int never equals a bytes object.
+        self._hash_of: list[bytes | int | None] = []
+        self._free: list[int] = []
+        self._last: _Space | None = None
+
+    def __len__(self) -> int:
+        return len(self._hash_of) - len(self._free)
+
+    @property
+    def capacity(self) -> int:
+        """One past the highest slot ever given (what arrays by slot must hold)."""
+        return len(self._hash_of)
+
+    def _space(self, meta: KeyMeta, layer: int) -> _Space | None:
+        """The space of ``meta``/``layer``: (meta, layer, hash -> slot, its number)."""
+        last = self._last
+        if last is not None and last[1] == layer and (last[0] is meta or last[0] == meta):
+            return last  # a tier sees one meta almost always: skip hashing it
+        number = self._space_ids.get((meta, layer))
+        if number is None:
+            return None
+        self._last = self._spaces[number]
+        return self._last
+
+    def slot(self, key: CacheKey) -> int | None:
+        """``key``'s slot, or None when it has none."""
+        space = self._last
+        if space is None or space[0] is not key.meta or space[1] != key.layer:
+            space = self._space(key.meta, key.layer)
+            if space is None:
+                return None
+        digest = key.chunk_hash
+        return space[2].get(int.from_bytes(digest, "little") if len(digest) == 32 else digest)
+
+    def add(self, key: CacheKey) -> int:
+        """A slot for ``key``: its own if it has one, else a new one."""
+        space = self._space(key.meta, key.layer)
+        if space is None:
+            number = self._space_ids[(key.meta, key.layer)] = len(self._spaces)
+            space = self._last = (key.meta, key.layer, {}, number)
+            self._spaces.append(space)
+        table = space[2]
+        digest: bytes | int = key.chunk_hash
+        if len(digest) == 32:  # type: ignore[arg-type]
+            digest = int.from_bytes(digest, "little")  # type: ignore[arg-type]
+        slot = table.get(digest)
+        if slot is not None:
+            return slot
+        if self._free:
+            slot = self._free.pop()
+            self._hash_of[slot] = digest
+            self._space_of[slot] = space[3]
+        else:
+            slot = len(self._hash_of)
+            self._hash_of.append(digest)
+            self._space_of.append(space[3])
+        table[digest] = slot
+        return slot
+
+    def key(self, slot: int) -> CacheKey:
+        """The key of a slot in use (a new CacheKey, equal to the one added)."""
+        digest = self._hash_of[slot]
+        if digest is None:
+            raise KeyError(f"slot {slot} is free")
+        meta, layer, _, _ = self._spaces[self._space_of[slot]]
+        if type(digest) is int:
+            digest = digest.to_bytes(32, "little")
+        return CacheKey(meta, digest, layer)  # type: ignore[arg-type]
+
+    def remove(self, slot: int) -> None:
+        """Give ``slot`` back: its key has none from now on."""
+        digest = self._hash_of[slot]
+        if digest is None:
+            return
+        del self._spaces[self._space_of[slot]][2][digest]
+        self._hash_of[slot] = None
+        self._free.append(slot)
+
+    def slots(self) -> list[int]:
+        """Every slot in use."""
+        return [slot for slot, digest in enumerate(self._hash_of) if digest is not None]

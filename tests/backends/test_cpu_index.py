@@ -1,0 +1,177 @@
+"""The cpu tier's compact index: keys by slot, entries as offsets in arrays, the
+lru order in arrays. It must behave exactly as a tier that keeps everything
+per key, and cost a few hundred bytes per entry, not a kilobyte."""
+
+from __future__ import annotations
+
+import random
+import tracemalloc
+
+import pytest
+import torch
+
+from lmkv.contracts.tier import BackendContext
+from lmkv.keys.chunking import CacheKey, KeyMeta
+from lmkv_backends.tiers import cpu as cpu_module
+from lmkv_backends.tiers.cpu import CPUBackend
+from lmkv_policies.lru import LRUPolicy
+
+SHAPE = (4, 16)  # 128 bytes of float16: a tiny chunk
+META = KeyMeta("m")
+
+
+class KeyedLRU(LRUPolicy):
+    """``lru`` handed keys, not slots: the order every other policy is kept in."""
+
+    orders_slots = False
+
+
+def tier(policy: type[LRUPolicy] = LRUPolicy, chunks: int = 64) -> CPUBackend:
+    return CPUBackend(CPUBackend.Options(max_bytes=chunks * 256, prefault_ahead=0),
+                      BackendContext(eviction_policy=policy()))
+
+
+def key(i: int) -> CacheKey:
+    return CacheKey(META, i.to_bytes(32, "little"))
+
+
+def store(backend: CPUBackend, ids: list[int], parents: list[int | None]) -> int:
+    objs = []
+    for i in ids:
+        obj = backend.allocate(SHAPE, torch.float16)
+        if obj is None:
+            break
+        obj.tensor.fill_(i % 2000)
+        objs.append(obj)
+    stored = backend.batched_submit_put(
+        [key(i) for i in ids[:len(objs)]], objs,
+        [None if p is None else key(p) for p in parents[:len(objs)]]).result()
+    for obj in objs:
+        obj.ref_down()
+    return stored
+
+
+def contents(backend: CPUBackend) -> set[int]:
+    out = set()
+    for slot in backend._stored_slots():
+        out.add(int.from_bytes(backend._keys.key(slot).chunk_hash, "little"))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_slot_index_evicts_exactly_what_the_keyed_one_does(seed: int) -> None:
+    """Prompts stored head first and tail first, read, removed and pinned, in a tier
+    too small for them: after each step both tiers hold the same chunks, and each
+    chunk read back holds its own bytes."""
+    rng = random.Random(seed)
+    slots, keyed = tier(), tier(KeyedLRU)
+    assert slots._by_slot and not keyed._by_slot
+    for _ in range(300):
+        op = rng.random()
+        if op < 0.5:
+            start, length = rng.randrange(0, 400, 8), rng.randrange(1, 9)
+            ids = list(range(start, start + length))
+            parents = [None if i == start else i - 1 for i in ids]
+            if rng.random() < 0.25:  # the tail first (a promotion before its head)
+                ids.reverse()
+                parents.reverse()
+            assert store(slots, ids, parents) == store(keyed, ids, parents)
+        elif op < 0.8:
+            ids = sorted(contents(keyed))
+            if not ids:
+                continue
+            first = rng.choice(ids)
+            wanted = [key(first + n) for n in range(rng.randrange(1, 5))]
+            got = [t.batched_get_non_blocking("r", wanted).result() for t in (slots, keyed)]
+            assert len(got[0]) == len(got[1])
+            for obj_a, obj_b, k in zip(*got, wanted, strict=False):
+                value = int.from_bytes(k.chunk_hash, "little") % 2000
+                assert torch.all(obj_a.tensor == value) and torch.all(obj_b.tensor == value)
+                obj_a.ref_down()
+                obj_b.ref_down()
+        elif op < 0.9:
+            ids = sorted(contents(keyed))
+            if ids:
+                victim = key(rng.choice(ids))
+                assert slots.remove(victim) == keyed.remove(victim)
+        else:
+            ids = sorted(contents(keyed))
+            if ids:
+                pinned = key(rng.choice(ids))
+                assert slots.pin(pinned) and keyed.pin(pinned)
+                store(slots, [9000, 9001], [None, 9000])  # pressure while pinned
+                store(keyed, [9000, 9001], [None, 9000])
+                assert slots.contains(pinned) and keyed.contains(pinned)
+                assert slots.unpin(pinned) and keyed.unpin(pinned)
+        assert contents(slots) == contents(keyed)
+        assert slots.usage_bytes == keyed.usage_bytes and len(slots) == len(keyed)
+    assert slots.eviction_candidates() == keyed.eviction_candidates()
+    slots.clear()
+    keyed.clear()
+    assert slots.allocator.used_bytes == keyed.allocator.used_bytes == 0
+    # Nothing stored: every slot given back, the parents' included.
+    assert len(slots._keys) == 0
+
+
+def test_a_slot_given_back_takes_nothing_of_its_last_key() -> None:
+    backend = tier()
+    store(backend, [1, 2], [None, 1])
+    assert backend.pin(key(2))
+    with pytest.raises(AssertionError):
+        assert backend.remove(key(2))  # pinned: stays
+    assert backend.unpin(key(2)) and backend.remove(key(2)) and backend.remove(key(1))
+    assert len(backend._keys) == 0
+    store(backend, [3], [None])  # takes a slot given back
+    assert not backend.contains(key(1)) and not backend.contains(key(2))
+    assert backend.entry_refs() == [(1, 0)]
+    (obj,) = backend.batched_get_non_blocking("r", [key(3)]).result()
+    assert torch.all(obj.tensor == 3)
+    obj.ref_down()
+
+
+def test_a_reader_keeps_its_buffer_after_the_tier_drops_the_entry() -> None:
+    backend = tier()
+    store(backend, [5], [None])
+    (obj,) = backend.batched_get_non_blocking("r", [key(5)]).result()
+    assert backend.remove(key(5)) and not backend.contains(key(5))
+    assert backend.allocator.used_bytes > 0 and torch.all(obj.tensor == 5)
+    obj.ref_down()
+    assert backend.allocator.used_bytes == 0
+
+
+def test_entries_only_the_tier_holds_keep_no_memory_obj(monkeypatch: pytest.MonkeyPatch
+                                                        ) -> None:
+    monkeypatch.setattr(cpu_module, "_SWEEP_MIN", 16)
+    backend = tier(chunks=512)
+    for start in range(0, 400, 8):
+        store(backend, list(range(start, start + 8)), [None, *list(range(start, start + 7))])
+    assert len(backend) == 400 and len(backend._live) <= 2 * 16
+    got = backend.batched_get_non_blocking("r", [key(i) for i in range(8)]).result()
+    assert all(obj.ref_count == 2 for obj in got)  # held by the tier and the reader
+    store(backend, [1000], [None])  # a sweep: what the reader holds stays
+    assert all(backend._live.get(backend._keys.slot(key(i))) is got[i] for i in range(8))
+    for obj in got:
+        obj.ref_down()
+    assert all(refs == (1, 0) for refs in backend.entry_refs())
+
+
+def test_an_entry_costs_the_python_heap_a_few_hundred_bytes() -> None:
+    """What the index keeps per entry on the Python heap (tracemalloc: the key's
+    hash, a dict slot, its slot number, the arrays), keys made and dropped per
+    batch as the storage manager does. A tensor per entry is not on this heap
+    (torch allocates it), and ``test_a_buffer_of_the_arena_keeps_no_tensor...``
+    checks there is none; a MemoryObj or a CacheKey kept per entry would show."""
+    n = 20_000
+    backend = tier(chunks=n + 64)
+    store(backend, [0], [None])  # first-use costs
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for start in range(1, n + 1, 256):
+            ids = list(range(start, min(start + 256, n + 1)))
+            store(backend, ids, [start - 1, *ids[:-1]])
+        per_entry = (tracemalloc.get_traced_memory()[0] - before) / n
+    finally:
+        tracemalloc.stop()
+    assert len(backend) == n + 1
+    assert per_entry < 220, f"{per_entry:.0f} bytes per entry"
