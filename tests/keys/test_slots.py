@@ -1,0 +1,43 @@
+"""``SlotKeys``: keys numbered by dense slots, held as their hashes."""
+
+from __future__ import annotations
+
+import pytest
+
+from lmkv.keys.chunking import CacheKey, KeyMeta
+from lmkv.keys.slots import SlotKeys
+
+
+def test_each_key_has_its_own_slot_and_comes_back_equal() -> None:
+    slots = SlotKeys()
+    a, b = KeyMeta("a"), KeyMeta("b", geometry="2x2x64")
+    keys = [CacheKey(a, bytes([i]) * 32) for i in range(4)]
+    keys += [CacheKey(b, bytes(32)), CacheKey(a, bytes(32), layer=3),  # same hash, other key
+             CacheKey(a, b"short"), CacheKey(a, bytes(31)), CacheKey(a, bytes(33))]
+    numbers = [slots.add(k) for k in keys]
+    assert numbers == list(range(len(keys))) and len(slots) == len(keys)
+    assert [slots.add(k) for k in keys] == numbers  # a key keeps its slot
+    for number, key in zip(numbers, keys, strict=True):
+        assert slots.slot(key) == number
+        assert slots.key(number) == key
+        # an equal key made apart (another meta object) finds the same slot
+        twin = CacheKey(KeyMeta(**{f: getattr(key.meta, f) for f in key.meta.__struct_fields__}),
+                        bytes(key.chunk_hash), key.layer)
+        assert slots.slot(twin) == number
+    assert slots.slot(CacheKey(KeyMeta("c"), bytes(32))) is None
+    assert slots.slot(CacheKey(a, bytes([9]) * 32)) is None
+
+
+def test_a_slot_given_back_is_reused_and_names_the_new_key_only() -> None:
+    slots = SlotKeys()
+    meta = KeyMeta("m")
+    first, second = CacheKey(meta, bytes([1]) * 32), CacheKey(meta, bytes([2]) * 32)
+    number = slots.add(first)
+    slots.remove(number)
+    slots.remove(number)  # twice: nothing more
+    assert slots.slot(first) is None and len(slots) == 0
+    with pytest.raises(KeyError, match="free"):
+        slots.key(number)
+    assert slots.add(second) == number and slots.capacity == 1
+    assert slots.slot(first) is None and slots.key(number) == second
+    assert slots.slots() == [number]
