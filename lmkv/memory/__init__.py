@@ -170,7 +170,12 @@ class MemoryObj:
         tensor = self._tensor
         if tensor is not None:
             return tensor
-        return self._allocator.view_at(self.offset, self._layout)  # type: ignore[union-attr]
+        allocator, layout = self._allocator, self._layout
+        # The cached view, looked up here (``view_at`` does the rest): read per chunk.
+        tensor = allocator._views.get(self.offset << _LAYOUT_BITS | layout.ident)  # type: ignore[union-attr]
+        if tensor is not None and layout.ident >= 0:
+            return tensor
+        return allocator.view_at(self.offset, layout)  # type: ignore[union-attr]
 
     @property
     def shape(self) -> torch.Size:
@@ -232,6 +237,9 @@ class MemoryObj:
     def __repr__(self) -> str:
         return (f"MemoryObj(shape={tuple(self.shape)}, dtype={self.dtype}, "
                 f"offset={self.offset}, ref={self.ref_count}, pin={self.pin_count})")
+
+
+_new_obj = object.__new__
 
 
 def release(objs: Sequence[MemoryObj]) -> None:
@@ -474,7 +482,10 @@ class MemoryAllocator:
                 self._high = offset + size
         if higher and self.prefaulter is not None:
             self.prefaulter.reached(offset + size)
-        return MemoryObj(None, self, offset, size, layout)
+        obj = _new_obj(MemoryObj)  # what __init__ does for a buffer of an arena, inlined
+        obj._tensor, obj._layout, obj._allocator = None, layout, self
+        obj.offset, obj.nbytes, obj.ref_count, obj.pin_count = offset, size, 1, 0
+        return obj
 
     def _layout(self, dims: tuple, dtype: torch.dtype) -> _Layout:
         """The interned layout of ``dims``/``dtype``; past ``MAX_LAYOUTS`` distinct ones

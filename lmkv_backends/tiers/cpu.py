@@ -394,13 +394,11 @@ class CPUBackend(StorageBackend):
             last_key: CacheKey | None = None
             last_slot = -1
             for key, obj, parent in zip(keys, objs, lineage, strict=True):
-                slot = slots.slot(key)
-                if slot is not None and offsets[slot] >= 0:
-                    continue  # stored already
-                if obj._allocator is allocator:
-                    if not obj.ref_up():
-                        continue  # a released buffer: never store it
-                else:
+                if obj._allocator is not allocator:
+                    # Copied in first: making room may evict (and give slots back),
+                    # so no slot is claimed while it runs.
+                    if self._stored(key) >= 0:
+                        continue
                     copy = self._allocate_evicting(obj.shape, obj.dtype)
                     if copy is None:
                         self.counters.dropped_writes += 1
@@ -410,16 +408,19 @@ class CPUBackend(StorageBackend):
                     except BaseException:
                         copy.ref_down()
                         raise
-                    obj = copy
-                if slot is None:
-                    slot = slots.add(key)
-                layout = obj._layout
+                    obj = copy  # its one reference is the tier's
+                elif not obj.ref_up():
+                    continue  # a released buffer: never store it
+                slot = slots.add(key)  # its own, or a new one
                 if slot == len(offsets):
-                    offsets.append(obj.offset // align)
-                    idents.append(layout.ident)
-                else:
-                    offsets[slot] = obj.offset // align
-                    idents[slot] = layout.ident
+                    offsets.append(-1)
+                    idents.append(-1)
+                elif offsets[slot] >= 0:
+                    obj.ref_down()  # stored already: the reference taken goes back
+                    continue
+                layout = obj._layout
+                offsets[slot] = obj.offset // align
+                idents[slot] = layout.ident
                 if layout.ident < 0:
                     self._odd[slot] = layout
                 live[slot] = obj

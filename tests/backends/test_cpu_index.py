@@ -175,3 +175,24 @@ def test_an_entry_costs_the_python_heap_a_few_hundred_bytes() -> None:
         tracemalloc.stop()
     assert len(backend) == n + 1
     assert per_entry < 220, f"{per_entry:.0f} bytes per entry"
+
+
+def test_a_copied_in_chunk_whose_room_evicts_its_own_extension() -> None:
+    """A chunk from outside the arena (copied in) whose room is made by evicting the
+    one stored chunk that extends it: the slot its key had only as that chunk's
+    parent is given back while room is made, and the chunk still lands under its
+    own key, with its own bytes."""
+    from lmkv.memory import tensor_obj
+
+    backend = tier(chunks=16)
+    assert store(backend, [8], [7]) == 1  # 7 has a slot only as 8's parent
+    assert store(backend, list(range(100, 115)), [None] * 15) == 15  # full; 8 the oldest
+    parent_slot = backend._keys.slot(key(7))
+    assert parent_slot is not None and backend._offset[parent_slot] < 0
+    chunk = tensor_obj(torch.full(SHAPE, 7, dtype=torch.float16))
+    assert backend.batched_submit_put([key(7)], [chunk]).result() == 1
+    assert not backend.contains(key(8)) and backend.contains(key(7))
+    (obj,) = backend.batched_get_non_blocking("r", [key(7)]).result()
+    assert torch.all(obj.tensor == 7)
+    obj.ref_down()
+    assert len(backend._keys) == 16 and backend.entry_refs() == [(1, 0)] * 16
