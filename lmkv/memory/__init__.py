@@ -120,12 +120,14 @@ def shape_problem(shape: Sequence[int], itemsize: int, max_bytes: int) -> str | 
 
 
 class _Layout(NamedTuple):
-    """A chunk buffer's dtype and shape, interned per allocator (``ident``)."""
+    """A chunk buffer's dtype and shape, interned per allocator (``ident``), its
+    bytes and the bytes it takes in its allocator's arena (``size``: aligned)."""
 
     ident: int
     dtype: torch.dtype
     shape: torch.Size
     nbytes: int = 0
+    size: int = 0
 
 
 class MemoryObj:
@@ -461,6 +463,7 @@ class MemoryAllocator:
             self.capacity_bytes // 32, _VIEW_CACHE_MIN * VIEW_COST_BYTES)) // VIEW_COST_BYTES
         self._layouts: dict[tuple, _Layout] = {}
         self._layout_list: list[_Layout] = []
+        self._typed: dict[torch.dtype, torch.Tensor | None] = {}  # the arena as each dtype
 
     def allocate(self, shape: Sequence[int], dtype: torch.dtype) -> MemoryObj | None:
         """A buffer of ``shape``/``dtype``, or None when the arena has no room."""
@@ -468,7 +471,7 @@ class MemoryAllocator:
         layout = self._layouts.get((dtype, dims))
         if layout is None:
             layout = self._layout(dims, dtype)
-        size = -(-max(layout.nbytes, 1) // self.alignment) * self.alignment
+        size = layout.size
         with self.lock:
             offset = self._take(size)
             if offset < 0:
@@ -497,7 +500,9 @@ class MemoryAllocator:
             if layout is None:
                 try:
                     ident = len(layouts) if len(layouts) < MAX_LAYOUTS else -1
-                    layout = _Layout(ident, dtype, torch.Size(dims), nbytes_of(dims, dtype))
+                    nbytes = nbytes_of(dims, dtype)
+                    layout = _Layout(ident, dtype, torch.Size(dims), nbytes,
+                                     -(-max(nbytes, 1) // self.alignment) * self.alignment)
                     if layout.nbytes <= self.capacity_bytes:
                         # A view of it, once: a shape torch refuses (a crafted one, say
                         # (2**40, 2**40, 0), whose numel overflows) fails here, not in
@@ -516,7 +521,7 @@ class MemoryAllocator:
 
     def slot_size(self, layout: _Layout) -> int:
         """The bytes a buffer of ``layout`` takes in the arena (aligned)."""
-        return -(-max(layout.nbytes, 1) // self.alignment) * self.alignment
+        return layout.size
 
     def free_block(self, offset: int, size: int) -> None:
         """Give back the buffer at ``offset`` whose MemoryObj is gone (a tier that
@@ -549,11 +554,33 @@ class MemoryAllocator:
         views = self._views
         view = views.get(key)
         if view is None:
-            view = self.arena[offset:offset + layout.nbytes].view(layout.dtype).view(layout.shape)
+            view = self._typed_view(offset, layout)
             if len(views) >= self.view_cache_limit:
                 del views[next(iter(views))]  # the oldest: dicts keep insertion order
             views[key] = view
         return view
+
+    def _typed_view(self, offset: int, layout: _Layout) -> torch.Tensor:
+        """A contiguous view of ``layout`` at ``offset``: one ``as_strided`` of the
+        arena seen as ``layout.dtype`` (three view calls cost three times that, on
+        every miss of the cache)."""
+        dtype, itemsize = layout.dtype, layout.dtype.itemsize
+        typed = self._typed.get(dtype, False)
+        if typed is False:
+            try:
+                typed = self.arena[:self.capacity_bytes // itemsize * itemsize].view(dtype)
+            except RuntimeError:  # an arena placed where this dtype cannot start
+                typed = None
+            self._typed[dtype] = typed
+        if typed is None or offset % itemsize:
+            return self.arena[offset:offset + layout.nbytes].view(dtype).view(layout.shape)
+        strides, step = [], 1
+        for dim in reversed(layout.shape):
+            strides.append(step)
+            step *= dim
+        # as_strided's offset counts from the storage's start, not the view's
+        return typed.as_strided(layout.shape, strides[::-1],
+                                typed.storage_offset() + offset // itemsize)
 
     def view_at(self, offset: int, layout: _Layout) -> torch.Tensor:
         """The tensor of the buffer of ``layout`` at ``offset`` (``MemoryObj.tensor``)."""

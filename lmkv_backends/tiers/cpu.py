@@ -227,7 +227,7 @@ class CPUBackend(StorageBackend):
         """The arena bytes of a stored entry."""
         ident = self._ident[slot]
         layout = self.allocator.interned_layout(ident) if ident >= 0 else self._odd[slot]
-        return self.allocator.slot_size(layout)  # type: ignore[arg-type]
+        return layout.size  # type: ignore[attr-defined]
 
     def _sweep(self) -> None:
         """Let go of the MemoryObjs only the tier holds (one reference, no pin): the
@@ -289,18 +289,20 @@ class CPUBackend(StorageBackend):
             return self._allocate_evicting(shape, dtype)
 
     def _allocate_evicting(self, shape: Sequence[int], dtype: torch.dtype) -> MemoryObj | None:
+        """A buffer, evicting to make room: asked after an allocation failed."""
         size = nbytes_of(shape, dtype)
         if size > self.allocator.capacity_bytes:
             return None
         rounds = 0
         while True:
-            obj = self.allocator.allocate(shape, dtype)
-            if obj is not None:
-                return obj
+            # Asked after an allocation failed: make room first, then allocate.
             if rounds == 1 and not self._could_fit(size):
                 return None  # fragmented around pinned or referenced entries
             if not self._evict_locked(max(1, size - self.allocator.largest_free_block)):
-                return None
+                return self.allocator.allocate(shape, dtype)  # freed meanwhile, or None
+            obj = self.allocator.allocate(shape, dtype)
+            if obj is not None:
+                return obj
             rounds += 1
 
     def _could_fit(self, size: int) -> bool:
@@ -331,9 +333,16 @@ class CPUBackend(StorageBackend):
         """Evict unpinned, unreferenced entries in policy order; returns bytes freed."""
         victims: list[int] = []
         freed = 0
+        live, by_slot, offsets = self._live, self._by_slot, self._offset
         for name in self.policy.candidates():
-            slot = self._slot_of(name)  # the policy orders only this tier's keys
-            if slot >= 0 and self._evictable(slot):
+            if by_slot:  # the policy orders only this tier's keys
+                slot = name if type(name) is int and offsets[name] >= 0 else -1
+            else:
+                slot = self._slot_of(name)
+            if slot < 0:
+                continue
+            obj = live.get(slot)
+            if obj is None or obj.is_evictable:
                 victims.append(slot)
                 freed += self._size(slot)
                 if freed >= needed:
@@ -344,8 +353,6 @@ class CPUBackend(StorageBackend):
         return freed
 
     def _drop_locked(self, slot: int) -> None:
-        parent = self.policy.lineage.parent(slot) if self._by_slot else None
-        self.policy.forget(self._policy_key(slot))
         size = self._size(slot)
         self._stored_bytes -= size
         self._count -= 1
@@ -355,9 +362,19 @@ class CPUBackend(StorageBackend):
         else:
             self.allocator.free_block(self._offset[slot] * self._align, size)
         self._offset[slot] = -1
-        self._release_slot(slot)
+        if not self._by_slot:
+            self.policy.forget(self._keys.key(slot))
+            self._keys.remove(slot)
+            self._odd.pop(slot, None)
+            return
+        lineage = self.policy.lineage
+        parent = lineage.parent(slot)
+        self.policy.forget(slot)
+        if not lineage.children(slot):  # no stored entry names it as its parent
+            self._keys.remove(slot)
+            self._odd.pop(slot, None)
         if parent is not None:
-            self._release_slot(parent)  # type: ignore[arg-type]
+            self._release_slot(parent)
 
     # -- contract ----------------------------------------------------------
     def contains(self, key: CacheKey, pin: bool = False) -> bool:
@@ -399,7 +416,8 @@ class CPUBackend(StorageBackend):
                     # so no slot is claimed while it runs.
                     if self._stored(key) >= 0:
                         continue
-                    copy = self._allocate_evicting(obj.shape, obj.dtype)
+                    copy = allocator.allocate(obj.shape, obj.dtype) or \
+                        self._allocate_evicting(obj.shape, obj.dtype)
                     if copy is None:
                         self.counters.dropped_writes += 1
                         continue
