@@ -487,10 +487,15 @@ class CPUBackend(StorageBackend):
                 obj = live.get(slot)
                 if obj is None:
                     obj = self._obj(slot)
-                obj.ref_up()
                 access(slot if by_slot else key)
                 out.append(obj)
                 got_bytes += obj.nbytes
+            # The readers' references, under the allocator's lock once: each entry
+            # holds the tier's (it is stored, and the tier's lock is held), so
+            # none of these buffers can have been released.
+            with self.allocator.lock:
+                for obj in out:
+                    obj.ref_count += 1
             self.counters.hits += len(out)
             self.counters.misses += len(keys) - len(out)
             self.counters.bytes_out += got_bytes
