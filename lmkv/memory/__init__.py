@@ -565,8 +565,9 @@ class MemoryAllocator:
         arena seen as ``layout.dtype`` (three view calls cost three times that, on
         every miss of the cache)."""
         dtype, itemsize = layout.dtype, layout.dtype.itemsize
-        typed = self._typed.get(dtype, False)
-        if typed is False:
+        if dtype in self._typed:
+            typed = self._typed[dtype]
+        else:
             try:
                 typed = self.arena[:self.capacity_bytes // itemsize * itemsize].view(dtype)
             except RuntimeError:  # an arena placed where this dtype cannot start

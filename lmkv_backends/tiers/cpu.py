@@ -374,7 +374,7 @@ class CPUBackend(StorageBackend):
             self._keys.remove(slot)
             self._odd.pop(slot, None)
         if parent is not None:
-            self._release_slot(parent)
+            self._release_slot(parent)  # type: ignore[arg-type]  # a slot: by_slot
 
     # -- contract ----------------------------------------------------------
     def contains(self, key: CacheKey, pin: bool = False) -> bool:
