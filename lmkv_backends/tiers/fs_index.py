@@ -10,11 +10,13 @@ entries), so callers adopt what they find there and discard what vanished.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Sequence
+from array import array
+from collections.abc import Hashable, Iterable, Sequence
 from urllib.parse import quote, unquote
 
 from lmkv.contracts.policy import EvictionPolicy
 from lmkv.keys.chunking import CacheKey
+from lmkv.keys.slots import SlotKeys
 
 SUFFIX = ".lmkv"
 
@@ -47,76 +49,126 @@ class EntryIndex:
     ``reserve`` accounts a write before it starts, so parallel writers never
     take the tier past ``capacity`` together; it picks unpinned victims in
     the policy's order and hands them back for the caller to delete.
+
+    Compact, as the cpu tier's index: keys numbered by slot (``SlotKeys``), an
+    entry's size in an array by slot, pins only for the entries pinned; a
+    policy that orders slots (``lru``) is handed slots, any other keys. A
+    million entries cost a few hundred MiB, not a gigabyte (bench_metadata.py).
     """
 
     def __init__(self, policy: EvictionPolicy, capacity: int | None) -> None:
         self.policy = policy
         self.capacity = capacity
-        # Each entry's size; pins only for the entries pinned (few at any time): an
-        # entry costs the index one dict slot and its key (bench_metadata.py).
-        self._entries: dict[CacheKey, int] = {}
-        self._pins: dict[CacheKey, int] = {}
+        self._keys = SlotKeys()
+        self._size = array("q")  # per slot: the entry's size; -1: not stored
+        self._pins: dict[int, int] = {}  # slot -> pins, for the entries pinned
         self._writing: set[CacheKey] = set()
         self._lock = threading.Lock()
+        self._count = 0
         self.usage = 0  # bytes of the entries in the index
         self.reserved = 0  # bytes of writes in flight
+        self._by_slot = policy.orders_slots
+        if self._by_slot:
+            policy.order_slots(self._keys.key)
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return self._count
+
+    # -- slots ---------------------------------------------------------------
+    def _stored(self, key: CacheKey) -> int:
+        """``key``'s slot when it is stored, else -1."""
+        slot = self._keys.slot(key)
+        return -1 if slot is None or self._size[slot] < 0 else slot
+
+    def _claim(self, key: CacheKey) -> int:
+        """A slot for ``key`` (its own, or a new one, not stored yet)."""
+        slot = self._keys.add(key)
+        if slot == len(self._size):
+            self._size.append(-1)
+        return slot
+
+    def _name(self, slot: int, key: CacheKey | None = None) -> Hashable:
+        """What the policy calls the entry: its slot, or its key."""
+        if self._by_slot:
+            return slot
+        return key if key is not None else self._keys.key(slot)
+
+    def _parent_name(self, parent: CacheKey | None) -> Hashable | None:
+        """The parent as the policy names it (a slot for a policy ordering slots,
+        held while stored entries name it, stored here or not)."""
+        if parent is None or not self._by_slot:
+            return parent
+        return self._claim(parent)
+
+    def _release(self, slot: int) -> None:
+        """Give ``slot`` back unless it is stored or a stored entry names it."""
+        if self._size[slot] >= 0 or (self._by_slot and self.policy.lineage.children(slot)):
+            return
+        self._keys.remove(slot)
+
+    def _insert_locked(self, key: CacheKey, size: int, parent: CacheKey | None) -> int:
+        slot = self._claim(key)
+        self._size[slot] = size
+        self._count += 1
+        self.usage += size
+        self.policy.insert(self._name(slot, key), self._parent_name(parent))
+        return slot
 
     # -- lookups -------------------------------------------------------------
     def lookup(self, key: CacheKey, pin: bool = False) -> bool:
         with self._lock:
-            if key not in self._entries:
+            slot = self._stored(key)
+            if slot < 0:
                 return False
             if pin:
-                self._pins[key] = self._pins.get(key, 0) + 1
+                self._pins[slot] = self._pins.get(slot, 0) + 1
             return True
 
     def count_prefix(self, keys: Sequence[CacheKey], pin: bool = False) -> int:
         """How many leading ``keys`` the index holds (pinning them when asked)."""
         hits = 0
         with self._lock:
-            entries, pins = self._entries, self._pins
+            pins = self._pins
             for key in keys:
-                if key not in entries:
+                slot = self._stored(key)
+                if slot < 0:
                     break
                 if pin:
-                    pins[key] = pins.get(key, 0) + 1
+                    pins[slot] = pins.get(slot, 0) + 1
                 hits += 1
         return hits
 
     def unpin(self, key: CacheKey) -> bool:
         with self._lock:
-            if key not in self._entries:
+            slot = self._stored(key)
+            if slot < 0:
                 return False
-            left = self._pins.get(key, 0) - 1
+            left = self._pins.get(slot, 0) - 1
             if left > 0:
-                self._pins[key] = left
+                self._pins[slot] = left
             elif left == 0:
-                del self._pins[key]
+                del self._pins[slot]
             return True
 
     def touch(self, key: CacheKey) -> None:
         with self._lock:
-            if key in self._entries:
-                self.policy.access(key)
+            slot = self._stored(key)
+            if slot >= 0:
+                self.policy.access(self._name(slot, key))
 
     # -- changes -------------------------------------------------------------
     def adopt(self, key: CacheKey, size: int, pin: bool = False,
               parent: CacheKey | None = None) -> None:
         """Record an entry found in storage (written by us earlier or by someone else)."""
         with self._lock:
-            known = self._entries.get(key)
-            if known is None:
-                self._entries[key] = size
-                self.usage += size
-                self.policy.insert(key, parent)
-            elif known != size:
-                self.usage += size - known
-                self._entries[key] = size
+            slot = self._stored(key)
+            if slot < 0:
+                slot = self._insert_locked(key, size, parent)
+            elif self._size[slot] != size:
+                self.usage += size - self._size[slot]
+                self._size[slot] = size
             if pin:
-                self._pins[key] = self._pins.get(key, 0) + 1
+                self._pins[slot] = self._pins.get(slot, 0) + 1
 
     def adopt_all(self, found: Iterable[tuple[CacheKey, int]]) -> None:
         for key, size in found:
@@ -125,21 +177,30 @@ class EntryIndex:
     def discard(self, key: CacheKey) -> bool:
         """Forget ``key`` (removed, vanished or corrupt); pins do not keep it."""
         with self._lock:
-            return self._drop_locked(key) is not None
+            slot = self._stored(key)
+            if slot < 0:
+                return False
+            self._drop_locked(slot)
+            return True
 
-    def _drop_locked(self, key: CacheKey) -> int | None:
-        """Forget ``key`` and its pins: its size, or None when it was not there."""
-        size = self._entries.pop(key, None)
-        if size is not None:
-            self._pins.pop(key, None)
-            self.usage -= size
-            self.policy.forget(key)
+    def _drop_locked(self, slot: int) -> int:
+        """Forget a stored slot and its pins: its size."""
+        size = self._size[slot]
+        parent = self.policy.lineage.parent(slot) if self._by_slot else None
+        self.policy.forget(self._name(slot))
+        self._pins.pop(slot, None)
+        self._size[slot] = -1
+        self._count -= 1
+        self.usage -= size
+        self._release(slot)
+        if parent is not None:
+            self._release(parent)  # type: ignore[arg-type]  # a slot: by_slot
         return size
 
     def begin_write(self, key: CacheKey) -> bool:
         """Claim ``key`` for one writer; False when it is stored or being written."""
         with self._lock:
-            if key in self._entries or key in self._writing:
+            if self._stored(key) >= 0 or key in self._writing:
                 return False
             self._writing.add(key)
             return True
@@ -169,9 +230,7 @@ class EntryIndex:
             if sum(s for _, s in evicted) < excess:
                 for (key, entry_size), parent in zip(reversed(evicted), reversed(parents),
                                                      strict=True):
-                    self._entries[key] = entry_size
-                    self.usage += entry_size
-                    self.policy.insert(key, parent)
+                    self._insert_locked(key, entry_size, parent)
                 return None
             self.reserved += size
             return evicted
@@ -182,30 +241,39 @@ class EntryIndex:
         pass finds another: the dropped (key, size) and their parents."""
         evicted: list[tuple[CacheKey, int]] = []
         parents: list[CacheKey | None] = []
-        lineage = self.policy.lineage
+        lineage, sizes, pins = self.policy.lineage, self._size, self._pins
         while excess > 0:
-            victims: list[CacheKey] = []
-            entries, pins = self._entries, self._pins
-            for key in self.policy.candidates():
-                if not isinstance(key, CacheKey):  # the policy orders only this tier's keys
+            victims: list[int] = []
+            for name in self.policy.candidates():
+                slot = self._slot_of(name)  # the policy orders only this tier's keys
+                if slot < 0 or slot in pins:
                     continue
-                size = entries.get(key)
-                if size is None or key in pins:
-                    continue
-                victims.append(key)
-                excess -= size
+                victims.append(slot)
+                excess -= sizes[slot]
                 if excess <= 0:
                     break
             if not victims:
                 break
-            for key in victims:
-                parent = lineage.parent(key)  # before the drop makes the policy forget it
-                dropped = self._drop_locked(key)
-                if dropped is None:  # named twice by the policy: dropped already
+            for slot in victims:
+                if sizes[slot] < 0:  # named twice by the policy: dropped already
                     continue
+                key = self._keys.key(slot)
+                # the parent before the drop makes the policy forget it
+                parent = lineage.parent(self._name(slot, key))
+                if self._by_slot:
+                    parent = None if parent is None else self._keys.key(parent)
                 parents.append(parent if isinstance(parent, CacheKey) else None)
-                evicted.append((key, dropped))
+                evicted.append((key, self._drop_locked(slot)))
         return evicted, parents
+
+    def _slot_of(self, name: Hashable) -> int:
+        """A stored slot from what the policy names; -1 for anything else."""
+        if self._by_slot:
+            slot = name if type(name) is int else -1
+        else:
+            found = self._keys.slot(name) if isinstance(name, CacheKey) else None
+            slot = -1 if found is None else found
+        return slot if 0 <= slot < len(self._size) and self._size[slot] >= 0 else -1
 
     def release(self, reserved: int) -> None:
         with self._lock:
@@ -216,10 +284,8 @@ class EntryIndex:
         """A reserved write landed: the entry is stored."""
         with self._lock:
             self.reserved -= reserved
-            if key not in self._entries:
-                self._entries[key] = size
-                self.usage += size
-                self.policy.insert(key, parent)
+            if self._stored(key) < 0:
+                self._insert_locked(key, size, parent)
 
     def excess_victims(self) -> list[tuple[CacheKey, int]]:
         """Unpinned entries to evict until usage fits the budget (after a restart
@@ -228,3 +294,9 @@ class EntryIndex:
             if self.capacity is None:
                 return []
             return self._evict_locked(self.usage + self.reserved - self.capacity)[0]
+
+    def candidates(self) -> list[CacheKey]:
+        """The keys the policy would evict first first (leaves only)."""
+        with self._lock:
+            slots = [self._slot_of(name) for name in self.policy.candidates()]
+            return [self._keys.key(slot) for slot in slots if slot >= 0]
