@@ -22,7 +22,10 @@ from __future__ import annotations
 import collections
 import contextlib
 import errno
+import heapq
+import itertools
 import logging
+import math
 import os
 import secrets
 import time
@@ -93,8 +96,14 @@ class KVServer:
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
+        # Deferred replies ready to go out, and the grace deadlines of those with an
+        # ``otherwise`` (one flag per such reply: answered already).
         self._completions: collections.deque[
-            tuple[list[bytes], int, Callable[[], Outcome | Deferred]]] = collections.deque()
+            tuple[list[bytes], int, Callable[[], Outcome | Deferred], list[bool] | None]
+        ] = collections.deque()
+        self._deadlines: list[tuple[float, int, list[bytes], int, Callable[[], Outcome],
+                                    list[bool]]] = []
+        self._deadline_ids = itertools.count()
         self._sending: list[tuple[list[zmq.MessageTracker], list[MemoryObj]]] = []
         self._stopping = False
         self._closed = False
@@ -144,6 +153,9 @@ class KVServer:
         next_expiry = time.monotonic() + EXPIRY_CHECK_S
         while not self._stopping:
             timeout_ms = 5 if self._sending else int(EXPIRY_CHECK_S * 1000)
+            if self._deadlines:
+                soonest = self._deadlines[0][0] - time.monotonic()
+                timeout_ms = max(0, min(timeout_ms, math.ceil(soonest * 1000)))
             events = dict(poller.poll(timeout_ms))
             if self._wake_r in events:
                 self._drain_wake_pipe()
@@ -152,6 +164,8 @@ class KVServer:
             if self._sending:
                 self._reap_sent()
             self._run_completions()
+            if self._deadlines:
+                self._run_deadlines()
             if self._router in events:
                 self._receive()
             now = time.monotonic()
@@ -222,22 +236,46 @@ class KVServer:
                         result: Outcome | Deferred) -> None:
         if isinstance(result, Deferred):
             then = result.then
+            answered: list[bool] | None = None
+            if result.otherwise is not None:
+                answered = [False]
+                heapq.heappush(self._deadlines, (
+                    time.monotonic() + result.grace_s, next(self._deadline_ids), envelope,
+                    req_id, result.otherwise, answered))
             result.future.add_done_callback(
-                lambda _f: self._complete_later(envelope, req_id, then))
+                lambda _f: self._complete_later(envelope, req_id, then, answered))
         else:
             self._send(envelope, req_id, result)
 
     def _complete_later(self, envelope: list[bytes], req_id: int,
-                        then: Callable[[], Outcome | Deferred]) -> None:
+                        then: Callable[[], Outcome | Deferred],
+                        answered: list[bool] | None = None) -> None:
         """Called on a storage thread: queue the completion for the loop thread."""
         if self._closed:
             return  # the session was ended at close; nothing waits for the reply
-        self._completions.append((envelope, req_id, then))
+        self._completions.append((envelope, req_id, then, answered))
         self._wake()
+
+    def _run_deadlines(self) -> None:
+        """Answer the deferred replies whose grace ran out with their ``otherwise``."""
+        now = time.monotonic()
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, _, envelope, req_id, otherwise, answered = heapq.heappop(self._deadlines)
+            if answered[0]:
+                continue
+            answered[0] = True
+            try:
+                self._send(envelope, req_id, otherwise())
+            except Exception as exc:
+                self._internal_error(envelope, req_id, exc)
 
     def _run_completions(self) -> None:
         while self._completions:
-            envelope, req_id, then = self._completions.popleft()
+            envelope, req_id, then, answered = self._completions.popleft()
+            if answered is not None:
+                if answered[0]:
+                    continue  # its grace ran out: "otherwise" was the reply
+                answered[0] = True
             try:
                 outcome = then()
             except p.ProtocolError as exc:

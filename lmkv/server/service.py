@@ -82,6 +82,16 @@ class Outcome:
 class Deferred:
     future: Future
     then: Callable[[], Outcome | Deferred]  # may wait again
+    #: With ``otherwise``: the reply is ``then``'s if the future is done within
+    #: ``grace_s``, else ``otherwise``'s at that moment (and ``then`` is not called).
+    grace_s: float = 0.0
+    otherwise: Callable[[], Outcome] | None = None
+
+
+#: How long a prefetching lookup that does not wait may take to be answered
+#: done: a hit in the server's memory (a thread hand-off) is answered with its
+#: tokens, not "still loading" and a ``prefetch_status`` round trip after it.
+PREFETCH_GRACE_S = 0.005
 
 
 @dataclass
@@ -176,7 +186,8 @@ class KVService:
         if future.done():
             return reply()
         if not req.wait:
-            return Outcome(p.LookupReply(lookup_id=req.lookup_id, hit_tokens=0, done=False))
+            return Deferred(future, reply, PREFETCH_GRACE_S, lambda: Outcome(
+                p.LookupReply(lookup_id=req.lookup_id, hit_tokens=0, done=False)))
         return Deferred(future, reply)
 
     def _count_partial(self, session: Session, req: p.Lookup, key: CacheKey,

@@ -261,7 +261,7 @@ class EntryIndex:
                 # the parent before the drop makes the policy forget it
                 parent = lineage.parent(self._name(slot, key))
                 if self._by_slot:
-                    parent = None if parent is None else self._keys.key(parent)
+                    parent = None if parent is None else self._keys.key(parent)  # type: ignore[arg-type]
                 parents.append(parent if isinstance(parent, CacheKey) else None)
                 evicted.append((key, self._drop_locked(slot)))
         return evicted, parents
