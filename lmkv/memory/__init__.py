@@ -155,6 +155,10 @@ class MemoryObj:
             if allocator is None or layout is None or nbytes is None:
                 raise ValueError("a MemoryObj without a tensor needs its arena, layout "
                                  "and size")
+        elif allocator is not None:  # a view of an arena's buffer, made by hand
+            layout = allocator._layout(tuple(tensor.shape), tensor.dtype)
+            if nbytes is None:
+                nbytes = layout.size
         else:
             layout = _Layout(-1, tensor.dtype, tensor.shape)
             if nbytes is None:

@@ -362,6 +362,7 @@ class CPUBackend(StorageBackend):
         else:
             self.allocator.free_block(self._offset[slot] * self._align, size)
         self._offset[slot] = -1
+        self._odd.pop(slot, None)
         if not self._by_slot:
             self.policy.forget(self._keys.key(slot))
             self._keys.remove(slot)
@@ -401,7 +402,7 @@ class CPUBackend(StorageBackend):
 
     def batched_submit_put(self, keys: Sequence[CacheKey], objs: Sequence[MemoryObj],
                            parents: Sequence[CacheKey | None] | None = None) -> Future:
-        stored = stored_bytes = 0
+        stored = 0
         lineage = parents if parents is not None else [None] * len(keys)
         with self._lock:
             self._sweep()
@@ -416,8 +417,12 @@ class CPUBackend(StorageBackend):
                     # so no slot is claimed while it runs.
                     if self._stored(key) >= 0:
                         continue
-                    copy = allocator.allocate(obj.shape, obj.dtype) or \
-                        self._allocate_evicting(obj.shape, obj.dtype)
+                    copy = allocator.allocate(obj.shape, obj.dtype)
+                    if copy is None:
+                        copy = self._allocate_evicting(obj.shape, obj.dtype)
+                        # Making room may have evicted the chunk stored just before
+                        # (and given its slot back): name the parent by its key again.
+                        last_key = None
                     if copy is None:
                         self.counters.dropped_writes += 1
                         continue
@@ -451,12 +456,12 @@ class CPUBackend(StorageBackend):
                 else:
                     policy.insert(slot, self._policy_parent(parent))
                 last_key, last_slot = key, slot
-                stored_bytes += obj.nbytes
+                # Counted as each lands: a later item that raises leaves these right.
+                self._stored_bytes += obj.nbytes
+                self._count += 1
+                self.counters.bytes_in += obj.nbytes
+                self.counters.puts += 1
                 stored += 1
-            self._stored_bytes += stored_bytes
-            self._count += stored
-            self.counters.bytes_in += stored_bytes
-            self.counters.puts += stored
         return done_future(stored)
 
     def get_blocking(self, key: CacheKey) -> MemoryObj | None:

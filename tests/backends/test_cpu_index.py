@@ -196,3 +196,33 @@ def test_a_copied_in_chunk_whose_room_evicts_its_own_extension() -> None:
     assert torch.all(obj.tensor == 7)
     obj.ref_down()
     assert len(backend._keys) == 16 and backend.entry_refs() == [(1, 0)] * 16
+
+
+@pytest.mark.parametrize("policy", [LRUPolicy, KeyedLRU])
+def test_a_chain_copied_in_while_making_room_keeps_its_lineage(policy: type[LRUPolicy]
+                                                              ) -> None:
+    """Chunks from outside the arena, a chain in one put, into a full tier: making
+    room for the second evicts the first (given its slot back). The second must
+    not be named the child of whatever takes that slot next: the chain stays
+    evictable tail first, as under a policy handed keys."""
+    from lmkv.memory import tensor_obj
+
+    backend = tier(policy, chunks=16)
+    assert store(backend, [9], [None]) == 1 and backend.pin(key(9))
+    held = [backend.allocate(SHAPE, torch.float16) for _ in range(14)]  # all but one
+    outside = [tensor_obj(torch.full(SHAPE, v, dtype=torch.float16)) for v in (1, 2)]
+    chain = [key(1), key(2)]  # the parents are these objects, as a chunker makes them
+    assert backend.batched_submit_put(chain, outside, [key(100), chain[0]]).result() == 2
+    assert not backend.contains(key(1)) and backend.contains(key(2))  # 1 made room for 2
+    tail = held.pop()
+    tail.tensor.fill_(3)
+    assert backend.batched_submit_put([key(3)], [tail], [key(2)]).result() == 1
+    tail.ref_down()
+    for obj in held:
+        obj.ref_down()
+    assert backend.unpin(key(9))
+    assert backend.eviction_candidates() == [key(9), key(3)]
+    # Room for the whole arena: every entry goes, the chain tail first.
+    whole = backend.allocate((16, 8, 16), torch.float16)  # 4096 bytes: the arena
+    assert whole is not None and len(backend) == 0
+    whole.ref_down()

@@ -339,3 +339,18 @@ def test_layouts_past_the_interned_ones_still_get_their_buffers(
     for obj in objs:
         obj.ref_down()
     assert alloc.used_bytes == 0
+
+
+def test_a_memory_obj_made_by_hand_over_an_arena_view_gets_the_arenas_layout() -> None:
+    """``MemoryObj(view, allocator, offset)`` (a view of an arena's buffer, made
+    by hand): its layout is the allocator's, so a tier that keeps only its
+    offset and layout rebuilds the same buffer, and gives back all of it."""
+    from lmkv.memory import MemoryObj
+
+    alloc = MemoryAllocator(1 << 20, pin_memory=False)
+    taken = alloc.allocate((8, 128), torch.float16)
+    by_hand = MemoryObj(taken.tensor, alloc, taken.offset)
+    assert by_hand.nbytes == taken.nbytes == 2048 and by_hand._layout is taken._layout
+    assert alloc.view_at(by_hand.offset, by_hand._layout).data_ptr() == taken.tensor.data_ptr()
+    taken.ref_down()
+    assert alloc.used_bytes == 0
