@@ -94,6 +94,8 @@ class ServerClient:
         self.segment: SharedSegment | None = None
         self._channel = Channel(self.address, context, curve)
         self._heartbeat = Heartbeat(self.address, self.session, context, curve)
+        #: Requests whose lease was released one way, not yet known to have arrived.
+        self._sent_releases: list[int] = []
         self._lock = threading.RLock()
         self._chunk_bytes_hint = 32 << 20
 
@@ -152,6 +154,14 @@ class ServerClient:
         message.session = self.session
         self.counters.requests += 1
         result = self._channel.request(message, parts, timeout_ms or self.timeout_ms)
+        if self._sent_releases:
+            if isinstance(result, Failure):
+                # Releases sent one way may have been dropped with the socket: name
+                # their requests as abandoned (harmless for those that arrived).
+                for req_id in self._sent_releases:
+                    self._heartbeat.abandon(req_id)
+            # else: a reply on this connection, so the server read them before it
+            self._sent_releases.clear()
         if result is Failure.UNREACHABLE:
             self.counters.unreachable += 1
             problem = self.connection_problem()
@@ -337,6 +347,7 @@ class ServerClient:
             self._heartbeat.abandon(reply.req_id)
         else:
             self.counters.requests += 1
+            self._sent_releases.append(reply.req_id)
 
     def _views(self, reply: p.RetrieveReply, data: list[zmq.Frame]) -> list[torch.Tensor]:
         """Typed views of the reply's chunks (the valid prefix of them)."""
