@@ -140,27 +140,26 @@ def main() -> None:
         print(json.dumps(run()))
         return
 
-    def row(label: str, got: dict, base: float) -> None:
-        per = got["bytes"] / got["entries"]
-        print(f"  {label:<24} {got['entries']:>9,} entries  {per:7.0f} B/entry  "
-              f"{per / base:5.2f}x the bare dict  {got['bytes'] / 2**20:8.1f} MiB")
+    def section(title: str, n: int, rows: list[tuple[str, str, str]]) -> None:
+        """A heading, the bare dict of ``n`` keys (the baseline), then each
+        ``(label, kind, policy)`` measured in its own process."""
+        base = _child("dict", n, "")
+        per_base = base["bytes"] / base["entries"]
+        print(title)
+        print(f"  {'dict of the keys':<24} {base['entries']:>9,} entries  {per_base:7.0f} "
+              "B/entry  (baseline)")
+        for label, kind, policy in rows:
+            got = _child(kind, n, policy)
+            per = got["bytes"] / got["entries"]
+            print(f"  {label:<24} {got['entries']:>9,} entries  {per:7.0f} B/entry  "
+                  f"{per / per_base:5.2f}x the bare dict  {got['bytes'] / 2**20:8.1f} MiB")
 
     if args.cpu:
-        base = _child("dict", args.cpu, "")
-        per_base = base["bytes"] / base["entries"]
-        print(f"cpu tier, {args.cpu:,} chunks of 256 B (target: 256 B/entry, key included)")
-        print(f"  {'dict of the keys':<24} {base['entries']:>9,} entries  {per_base:7.0f} "
-              "B/entry  (baseline)")
-        for policy in args.policies.split(","):
-            row(f"cpu tier, {policy}", _child("cpu", args.cpu, policy), per_base)
+        section(f"cpu tier, {args.cpu:,} chunks of 256 B (target: 256 B/entry, key included)",
+                args.cpu, [(f"cpu tier, {p}", "cpu", p) for p in args.policies.split(",")])
     if args.fs:
-        base = _child("dict", args.fs, "")
-        per_base = base["bytes"] / base["entries"]
-        print(f"fs tier index, {args.fs:,} entries found at start-up (lru)")
-        print(f"  {'dict of the keys':<24} {base['entries']:>9,} entries  {per_base:7.0f} "
-              "B/entry  (baseline)")
-        row("fs index, lru", _child("fs", args.fs, "lru"), per_base)
-
+        section(f"fs tier index, {args.fs:,} entries found at start-up (lru)", args.fs,
+                [("fs index, lru", "fs", "lru")])
 
 if __name__ == "__main__":
     main()

@@ -12,6 +12,7 @@ tier's own records, and an eviction policy that orders slots
 from __future__ import annotations
 
 from array import array
+from collections.abc import Hashable
 
 from lmkv.keys.chunking import CacheKey, KeyMeta
 
@@ -22,13 +23,15 @@ _Space = tuple[KeyMeta, int, dict[bytes | int, int], int]
 class SlotKeys:
     """CacheKey <-> slot. Not thread-safe: its tier's lock guards it."""
 
-    __slots__ = ("_free", "_hash_of", "_last", "_space_ids", "_space_of", "_spaces")
+    __slots__ = ("_free", "_free_spaces", "_hash_of", "_last", "_space_ids", "_space_of",
+                 "_spaces")
 
     def __init__(self) -> None:
         #: (meta, layer) -> space number; per space: meta, layer, chunk hash -> slot,
         #: and its number.
         self._space_ids: dict[tuple[KeyMeta, int], int] = {}
-        self._spaces: list[_Space] = []
+        self._spaces: list[_Space | None] = []  # None: a number free for another space
+        self._free_spaces: list[int] = []
         self._space_of = array("I")  # each slot's space
         # Each slot's chunk hash (None: free). A sha256 digest (32 bytes) is held as
         # the int it spells (64 bytes of memory; its bytes object takes 80), any
@@ -70,9 +73,13 @@ class SlotKeys:
         """A slot for ``key``: its own if it has one, else a new one."""
         space = self._space(key.meta, key.layer)
         if space is None:
-            number = self._space_ids[(key.meta, key.layer)] = len(self._spaces)
+            number = self._free_spaces.pop() if self._free_spaces else len(self._spaces)
+            self._space_ids[(key.meta, key.layer)] = number
             space = self._last = (key.meta, key.layer, {}, number)
-            self._spaces.append(space)
+            if number == len(self._spaces):
+                self._spaces.append(space)
+            else:
+                self._spaces[number] = space
         table = space[2]
         digest: bytes | int = key.chunk_hash
         if len(digest) == 32:  # type: ignore[arg-type]
@@ -91,12 +98,23 @@ class SlotKeys:
         table[digest] = slot
         return slot
 
+    def slot_named(self, name: Hashable, by_slot: bool) -> int:
+        """The slot an eviction policy's name stands for: the name itself for a
+        policy ordering slots (``by_slot``), else the slot of the key it names;
+        -1 for anything else (whether that slot is stored is the tier's to say)."""
+        if by_slot:
+            return name if type(name) is int and 0 <= name < len(self._hash_of) else -1
+        found = self.slot(name) if isinstance(name, CacheKey) else None
+        return -1 if found is None else found
+
     def key(self, slot: int) -> CacheKey:
         """The key of a slot in use (a new CacheKey, equal to the one added)."""
         digest = self._hash_of[slot]
         if digest is None:
             raise KeyError(f"slot {slot} is free")
-        meta, layer, _, _ = self._spaces[self._space_of[slot]]
+        space = self._spaces[self._space_of[slot]]
+        assert space is not None
+        meta, layer = space[0], space[1]
         if type(digest) is int:
             digest = digest.to_bytes(32, "little")
         return CacheKey(meta, digest, layer)  # type: ignore[arg-type]
@@ -106,9 +124,18 @@ class SlotKeys:
         digest = self._hash_of[slot]
         if digest is None:
             return
-        del self._spaces[self._space_of[slot]][2][digest]
+        number = self._space_of[slot]
+        space = self._spaces[number]
+        assert space is not None
+        del space[2][digest]
         self._hash_of[slot] = None
         self._free.append(slot)
+        if not space[2]:  # its last key left: models seen once cost nothing after
+            del self._space_ids[(space[0], space[1])]
+            self._spaces[number] = None
+            self._free_spaces.append(number)
+            if self._last is space:
+                self._last = None
 
     def slots(self) -> list[int]:
         """Every slot in use."""

@@ -119,7 +119,7 @@ def shape_problem(shape: Sequence[int], itemsize: int, max_bytes: int) -> str | 
     return None
 
 
-class _Layout(NamedTuple):
+class Layout(NamedTuple):
     """A chunk buffer's dtype and shape, interned per allocator (``ident``), its
     bytes and the bytes it takes in its allocator's arena (``size``: aligned)."""
 
@@ -148,7 +148,7 @@ class MemoryObj:
 
     def __init__(self, tensor: torch.Tensor | None, allocator: MemoryAllocator | None = None,
                  offset: int = -1, nbytes: int | None = None,
-                 layout: _Layout | None = None) -> None:
+                 layout: Layout | None = None) -> None:
         """``tensor``: the buffer; None for a buffer of ``allocator``'s arena at
         ``offset`` with ``layout`` (its interned dtype and shape)."""
         if tensor is None:
@@ -160,7 +160,7 @@ class MemoryObj:
             if nbytes is None:
                 nbytes = layout.size
         else:
-            layout = _Layout(-1, tensor.dtype, tensor.shape)
+            layout = Layout(-1, tensor.dtype, tensor.shape)
             if nbytes is None:
                 nbytes = tensor.numel() * tensor.element_size()
         self._tensor = tensor
@@ -465,8 +465,8 @@ class MemoryAllocator:
         # cost less than their views), nor VIEW_CACHE_BYTES.
         self._view_cache_most = min(VIEW_CACHE_BYTES, max(
             self.capacity_bytes // 32, _VIEW_CACHE_MIN * VIEW_COST_BYTES)) // VIEW_COST_BYTES
-        self._layouts: dict[tuple, _Layout] = {}
-        self._layout_list: list[_Layout] = []
+        self._layouts: dict[tuple, Layout] = {}
+        self._layout_list: list[Layout] = []
         self._typed: dict[torch.dtype, torch.Tensor | None] = {}  # the arena as each dtype
 
     def allocate(self, shape: Sequence[int], dtype: torch.dtype) -> MemoryObj | None:
@@ -494,7 +494,7 @@ class MemoryAllocator:
         obj.offset, obj.nbytes, obj.ref_count, obj.pin_count = offset, size, 1, 0
         return obj
 
-    def _layout(self, dims: tuple, dtype: torch.dtype) -> _Layout:
+    def _layout(self, dims: tuple, dtype: torch.dtype) -> Layout:
         """The interned layout of ``dims``/``dtype``; past ``MAX_LAYOUTS`` distinct ones
         (shapes from outside without end) a layout of its own, whose views are not
         cached."""
@@ -505,7 +505,7 @@ class MemoryAllocator:
                 try:
                     ident = len(layouts) if len(layouts) < MAX_LAYOUTS else -1
                     nbytes = nbytes_of(dims, dtype)
-                    layout = _Layout(ident, dtype, torch.Size(dims), nbytes,
+                    layout = Layout(ident, dtype, torch.Size(dims), nbytes,
                                      -(-max(nbytes, 1) // self.alignment) * self.alignment)
                     if layout.nbytes <= self.capacity_bytes:
                         # A view of it, once: a shape torch refuses (a crafted one, say
@@ -519,13 +519,9 @@ class MemoryAllocator:
                     self._layout_list.append(layout)
             return layout
 
-    def interned_layout(self, ident: int) -> _Layout:
-        """The layout numbered ``ident`` (``_Layout.ident`` of an interned one)."""
+    def interned_layout(self, ident: int) -> Layout:
+        """The layout numbered ``ident`` (``Layout.ident`` of an interned one)."""
         return self._layout_list[ident]
-
-    def slot_size(self, layout: _Layout) -> int:
-        """The bytes a buffer of ``layout`` takes in the arena (aligned)."""
-        return layout.size
 
     def free_block(self, offset: int, size: int) -> None:
         """Give back the buffer at ``offset`` whose MemoryObj is gone (a tier that
@@ -550,7 +546,7 @@ class MemoryAllocator:
                 return start
         return -1
 
-    def _view(self, offset: int, layout: _Layout) -> torch.Tensor:
+    def _view(self, offset: int, layout: Layout) -> torch.Tensor:
         """The view of ``layout`` at ``offset``, from the cache (under ``lock``)."""
         if layout.ident < 0:
             return self.arena[offset:offset + layout.nbytes].view(layout.dtype).view(layout.shape)
@@ -564,7 +560,7 @@ class MemoryAllocator:
             views[key] = view
         return view
 
-    def _typed_view(self, offset: int, layout: _Layout) -> torch.Tensor:
+    def _typed_view(self, offset: int, layout: Layout) -> torch.Tensor:
         """A contiguous view of ``layout`` at ``offset``: one ``as_strided`` of the
         arena seen as ``layout.dtype`` (three view calls cost three times that, on
         every miss of the cache)."""
@@ -587,7 +583,7 @@ class MemoryAllocator:
         return typed.as_strided(layout.shape, strides[::-1],
                                 typed.storage_offset() + offset // itemsize)
 
-    def view_at(self, offset: int, layout: _Layout) -> torch.Tensor:
+    def view_at(self, offset: int, layout: Layout) -> torch.Tensor:
         """The tensor of the buffer of ``layout`` at ``offset`` (``MemoryObj.tensor``)."""
         if layout.ident >= 0:
             view = self._views.get(offset << _LAYOUT_BITS | layout.ident)

@@ -32,7 +32,7 @@ from lmkv.contracts.plugin import OptionsArg, PluginOptions
 from lmkv.contracts.tier import ArenaPlacement, BackendContext, StorageBackend, done_future
 from lmkv.keys.chunking import CacheKey
 from lmkv.keys.slots import SlotKeys
-from lmkv.memory import MemoryAllocator, MemoryObj, nbytes_of
+from lmkv.memory import Layout, MemoryAllocator, MemoryObj, nbytes_of
 from lmkv.memory.shm import SharedMemoryUnavailable, SharedSegment, available_memory_bytes
 
 logger = logging.getLogger(__name__)
@@ -135,7 +135,7 @@ class CPUBackend(StorageBackend):
         self._offset = array("i" if self.allocator.capacity_bytes // self._align < 2**31
                              else "q")
         self._ident = array("h")
-        self._odd: dict[int, object] = {}  # slot -> a layout the allocator did not intern
+        self._odd: dict[int, Layout] = {}  # slot -> a layout the allocator did not intern
         self._live: dict[int, MemoryObj] = {}  # entries held elsewhere too, or pinned
         self._sweep_at = _SWEEP_MIN
         self._by_slot = self.policy.orders_slots
@@ -210,24 +210,25 @@ class CPUBackend(StorageBackend):
         slot = self._keys.slot(key)
         return -1 if slot is None or self._offset[slot] < 0 else slot
 
+    def _layout(self, slot: int) -> Layout:
+        """A stored entry's layout (its dtype, shape and arena bytes)."""
+        ident = self._ident[slot]
+        return self.allocator.interned_layout(ident) if ident >= 0 else self._odd[slot]
+
     def _obj(self, slot: int) -> MemoryObj:
         """The entry's MemoryObj (made, holding the tier's reference, when it has
         none), kept in ``_live`` until a sweep finds it back to that reference."""
         obj = self._live.get(slot)
         if obj is None:
-            ident = self._ident[slot]
-            layout = (self.allocator.interned_layout(ident) if ident >= 0
-                      else self._odd[slot])
+            layout = self._layout(slot)
             obj = MemoryObj(None, self.allocator, self._offset[slot] * self._align,
-                            self.allocator.slot_size(layout), layout)  # type: ignore[arg-type]
+                            layout.size, layout)
             self._live[slot] = obj
         return obj
 
     def _size(self, slot: int) -> int:
         """The arena bytes of a stored entry."""
-        ident = self._ident[slot]
-        layout = self.allocator.interned_layout(ident) if ident >= 0 else self._odd[slot]
-        return layout.size  # type: ignore[attr-defined]
+        return self._layout(slot).size
 
     def _sweep(self) -> None:
         """Let go of the MemoryObjs only the tier holds (one reference, no pin): the
@@ -243,12 +244,6 @@ class CPUBackend(StorageBackend):
         obj = self._live.get(slot)
         return obj is None or obj.is_evictable
 
-    def _policy_key(self, slot: int, key: CacheKey | None = None) -> Hashable:
-        """What the policy calls the entry: its slot, or its key."""
-        if self._by_slot:
-            return slot
-        return key if key is not None else self._keys.key(slot)
-
     def _policy_parent(self, parent: CacheKey | None) -> Hashable | None:
         """The parent as the policy names it: a policy ordering slots gets one for a
         parent not stored here too (released when nothing stored extends it)."""
@@ -262,12 +257,8 @@ class CPUBackend(StorageBackend):
 
     def _slot_of(self, name: Hashable) -> int:
         """A slot from what the policy names (-1: not a stored entry of this tier)."""
-        if self._by_slot:
-            slot = name if type(name) is int else -1
-        else:
-            found = self._keys.slot(name) if isinstance(name, CacheKey) else None
-            slot = -1 if found is None else found
-        return slot if 0 <= slot < len(self._offset) and self._offset[slot] >= 0 else -1
+        slot = self._keys.slot_named(name, self._by_slot)
+        return slot if slot >= 0 and self._offset[slot] >= 0 else -1
 
     def _release_slot(self, slot: int) -> None:
         """``slot`` names nothing stored: give it back unless a stored entry still

@@ -268,12 +268,8 @@ class EntryIndex:
 
     def _slot_of(self, name: Hashable) -> int:
         """A stored slot from what the policy names; -1 for anything else."""
-        if self._by_slot:
-            slot = name if type(name) is int else -1
-        else:
-            found = self._keys.slot(name) if isinstance(name, CacheKey) else None
-            slot = -1 if found is None else found
-        return slot if 0 <= slot < len(self._size) and self._size[slot] >= 0 else -1
+        slot = self._keys.slot_named(name, self._by_slot)
+        return slot if slot >= 0 and self._size[slot] >= 0 else -1
 
     def release(self, reserved: int) -> None:
         with self._lock:

@@ -41,3 +41,18 @@ def test_a_slot_given_back_is_reused_and_names_the_new_key_only() -> None:
     assert slots.add(second) == number and slots.capacity == 1
     assert slots.slot(first) is None and slots.key(number) == second
     assert slots.slots() == [number]
+
+
+def test_a_model_whose_keys_all_left_costs_nothing_after() -> None:
+    """Keys of ever new models (a client naming any model it likes) come and go:
+    the per-model tables go with their last key, and their numbers are reused."""
+    slots = SlotKeys()
+    for i in range(1000):
+        key = CacheKey(KeyMeta(f"model-{i}"), bytes([i % 256]) * 32)
+        number = slots.add(key)
+        assert slots.key(number) == key
+        slots.remove(number)
+        assert slots.slot(key) is None
+    assert len(slots._spaces) == 1 and not slots._space_ids and len(slots) == 0
+    kept = CacheKey(KeyMeta("kept"), bytes(32))
+    assert slots.key(slots.add(kept)) == kept
