@@ -6,4 +6,9 @@ pure Python (same results, slower hashing of token lists).
 
 from setuptools import Extension, setup
 
-setup(ext_modules=[Extension("lmkv._ext._tokens", ["lmkv/_ext/tokens.c"], optional=True)])
+setup(ext_modules=[
+    Extension("lmkv._ext._tokens", ["lmkv/_ext/tokens.c"], optional=True),
+    # SIGBUS-safe file mappings (lmkv.contracts.mapped_file): without it, entry
+    # files are read with pread instead of mapped.
+    Extension("lmkv._ext._busguard", ["lmkv/_ext/busguard.c"], optional=True),
+])

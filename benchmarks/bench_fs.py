@@ -52,6 +52,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -106,11 +107,12 @@ def dd(args: str) -> float:
 
 
 def make_tier(root: Path, arena: MemoryAllocator, io_threads: int | None,
-              page_cache: bool = False) -> FSBackend:
+              page_cache: bool = False, mapped_reads: bool = True) -> FSBackend:
     context = BackendContext(serializer=NaiveSerializer(), eviction_policy=LRUPolicy(),
                              allocate=arena.allocate)
     return FSBackend(FSBackend.Options(url=str(root), io_threads=io_threads,
-                                       page_cache=page_cache), context)
+                                       page_cache=page_cache, mapped_reads=mapped_reads),
+                     context)
 
 
 def one_round(work: Path, chunks: list[MemoryObj], keys: list[CacheKey],
@@ -235,12 +237,13 @@ def cross_reader(work: Path, n: int, page_cache: bool, touched: bool) -> dict[st
     return out
 
 
-def cross_direct_reader(work: Path, n: int, page_cache: bool, touched: bool
-                        ) -> dict[str, float]:
+def cross_direct_reader(work: Path, n: int, page_cache: bool, touched: bool,
+                        mapped: bool = True) -> dict[str, float]:
     """A fresh process: open the tier and read every chunk directly
-    (``lmkv.contracts.direct_chunk``: piece by piece through one staging buffer,
-    checksummed there) into the destination, as an engine whose KV is in host
-    memory does."""
+    (``lmkv.contracts.direct_chunk``: piece by piece, each checksummed and copied
+    into the destination as an engine whose KV is in host memory does) through
+    the file's guarded mapping, or (``mapped`` false) with pread into one staging
+    buffer."""
     full, keys = vllm_chunks(n)
     dst = torch.empty_like(full)
     dst.zero_()
@@ -248,18 +251,18 @@ def cross_direct_reader(work: Path, n: int, page_cache: bool, touched: bool
     arena = MemoryAllocator(1 << 20, pin_memory=False)  # (direct reads take none)
     out: dict[str, float] = {}
     start = time.perf_counter()
-    tier = make_tier(work / "entries", arena, None, page_cache)
+    tier = make_tier(work / "entries", arena, None, page_cache, mapped)
     hits = tier.batched_async_contains("bench", keys)
     future = tier.batched_get_direct("bench", keys)
     assert future is not None, "the fs tier offers no direct reads here"
     got = future.result()
-    out["direct_open_ms"] = (time.perf_counter() - start) * 1e3
+    out["direct_open_ms" if mapped else "pread_open_ms"] = (time.perf_counter() - start) * 1e3
     for i, chunk in enumerate(got):
         assert isinstance(chunk, DirectChunk)
         view = _chunk(dst, i)
         for first, piece in chunk.pieces(staging):
             view[first:first + piece.shape[0]].copy_(piece)
-    out["direct_ms"] = (time.perf_counter() - start) * 1e3
+    out["direct_ms" if mapped else "pread_ms"] = (time.perf_counter() - start) * 1e3
     assert hits == n and len(got) == n and torch.equal(dst, full), "direct reads: wrong KV"
     for chunk in got:
         chunk.ref_down()
@@ -279,7 +282,7 @@ def cross_process_main(args: argparse.Namespace) -> None:
     base = [sys.executable, __file__, "--chunks", str(n)]
     if args.touched_arena:
         base.append("--touched-arena")
-    for _ in range(args.rounds):
+    for round_ in range(args.rounds):
         for setting in SETTINGS:
             work = Path(tempfile.mkdtemp(prefix="lmkv-bench-fs-", dir=args.dir))
             try:
@@ -294,27 +297,32 @@ def cross_process_main(args: argparse.Namespace) -> None:
                 reader = json.loads(subprocess.run(
                     [*base, "--role", "reader", "--work", str(work), *flag], check=True,
                     capture_output=True, text=True).stdout)
-                if setting == "cold":  # the direct reader starts cold too
-                    drop_cache([*work.joinpath("entries").iterdir()])
-                direct = json.loads(subprocess.run(
-                    [*base, "--role", "direct", "--work", str(work), *flag], check=True,
-                    capture_output=True, text=True).stdout)
+                direct = {}
+                # (in turn first: the first reader after the writer may find the disk busy)
+                for role in ("direct", "direct-pread")[::1 if round_ % 2 else -1]:
+                    if setting == "cold":  # each direct reader starts cold too
+                        drop_cache([*work.joinpath("entries").iterdir()])
+                    direct.update(json.loads(subprocess.run(
+                        [*base, "--role", role, "--work", str(work), *flag], check=True,
+                        capture_output=True, text=True).stdout))
                 rows[setting].append({**writer, **reader, **direct})
             finally:
                 shutil.rmtree(work, ignore_errors=True)
-    print(f"{'setting':<19}{'fs open':>9}{'fs read':>9}{'fs +copy':>10}{'direct':>8}"
+    print(f"{'setting':<19}{'fs open':>9}{'fs read':>9}{'fs +copy':>10}{'direct':>8}{'pread':>8}"
           f"{'st read':>9}{'st +copy':>10}{'fs/st':>7}{'dir/st':>7}{'fs write':>10}"
           f"{'st write':>10}   (medians, ms)")
     for setting, got in rows.items():
         med = {k: statistics.median(r[k] for r in got) for k in got[0]}
         print(f"{setting:<19}{med['fs_open_ms']:>9.1f}{med['fs_read_ms']:>9.1f}"
-              f"{med['fs_ms']:>10.1f}{med['direct_ms']:>8.1f}{med['st_read_ms']:>9.1f}"
+              f"{med['fs_ms']:>10.1f}{med['direct_ms']:>8.1f}{med['pread_ms']:>8.1f}"
+              f"{med['st_read_ms']:>9.1f}"
               f"{med['st_ms']:>10.1f}{med['fs_ms'] / med['st_ms']:>7.2f}"
               f"{med['direct_ms'] / med['st_ms']:>7.2f}{med['fs_write_ms']:>10.1f}"
               f"{med['st_write_ms']:>10.1f}")
     print("fs read = open + lookup + reads into a fresh arena; +copy = then copied into one "
           "destination tensor; direct = open + lookup + direct reads "
-          "(lmkv.contracts.direct_chunk) into it; "
+          "(lmkv.contracts.direct_chunk) into it through mapped entries (the default), "
+          "pread = the same with mapped_reads: false; "
           "fs write is durable (fdatasync), st write is not")
     print(f"cold: page cache dropped with {method}; load average {os.getloadavg()[0]:.1f}")
 
@@ -330,7 +338,7 @@ def main() -> None:
                         help="a fresh second process reads what a first one stored")
     parser.add_argument("--touched-arena", action="store_true",
                         help="--cross-process: the reader's arena is touched before timing")
-    parser.add_argument("--role", choices=("writer", "reader", "direct"),
+    parser.add_argument("--role", choices=("writer", "reader", "direct", "direct-pread"),
                         help=argparse.SUPPRESS)
     parser.add_argument("--work", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--page-cache", choices=("true", "false"), default="true",
@@ -339,7 +347,8 @@ def main() -> None:
     if args.role:  # one side of --cross-process, in its own process
         torch.set_num_threads(1)  # copies on one thread: two fight over a busy machine
         role = {"writer": cross_writer, "reader": cross_reader,
-                "direct": cross_direct_reader}[args.role]
+                "direct": cross_direct_reader,
+                "direct-pread": partial(cross_direct_reader, mapped=False)}[args.role]
         print(json.dumps(role(args.work, args.chunks, args.page_cache == "true",
                               args.touched_arena)))
         return

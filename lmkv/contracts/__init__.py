@@ -86,6 +86,7 @@ _LAZY: dict[str, str] = {
     "StorageBackend": "lmkv.contracts.tier",
     "done_future": "lmkv.contracts.tier",
     "DirectChunk": "lmkv.contracts.direct_chunk",
+    "MappedFile": "lmkv.contracts.mapped_file",
     # the fault policy tiers share
     "Breaker": "lmkv.contracts.faults",
     "BreakerOpen": "lmkv.contracts.faults",
@@ -143,6 +144,7 @@ if TYPE_CHECKING:
         TierUnavailable,
     )
     from lmkv.contracts.hooks import ENTRY_POINT_GROUP, hookimpl, hookspec
+    from lmkv.contracts.mapped_file import MappedFile
     from lmkv.contracts.pins import PinTable
     from lmkv.contracts.plugin import NoOptions, OptionsArg, Plugin, PluginOptions
     from lmkv.contracts.policy import (
@@ -197,6 +199,7 @@ __all__ = [
     "KeyMeta",
     "LMKVError",
     "Lineage",
+    "MappedFile",
     "MemoryAllocator",
     "MemoryObj",
     "NoOptions",

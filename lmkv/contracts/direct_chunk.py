@@ -33,6 +33,7 @@ import torch
 import xxhash
 
 from lmkv.base.errors import CorruptFrameError
+from lmkv.contracts.mapped_file import MappedFile
 from lmkv.keys.chunking import CacheKey
 from lmkv.memory import MemoryObj
 
@@ -59,11 +60,19 @@ class DirectChunk:
     a read after ``ref_down`` raises ``ChunkReleased`` without telling the tier.
     ``tensor`` is a meta tensor of the chunk's shape and dtype: it
     answers shape checks and holds no data.
+
+    ``mapped``: the payload mapped (``MappedFile``, its offset 0 the payload's
+    first byte). Pieces are then views of the mapping, not copies in the staging
+    buffer: the checksum reads the page cache where it is and the connector
+    copies from there. A read the mapping's guard caught (the file shrank under
+    it, or the disk failed) fails the piece, or the chunk in ``finish`` when it
+    happened while the piece was copied out. The tier closes the mapping in
+    ``close``.
     """
 
     def __init__(self, key: CacheKey, shape: tuple[int, ...], dtype: torch.dtype,
                  checksum: int, read_at: ReadAt, failed: Callable[[BaseException], None],
-                 close: Callable[[], None]) -> None:
+                 close: Callable[[], None], mapped: MappedFile | None = None) -> None:
         if len(shape) != 5 or not all(n > 0 for n in shape):
             raise ValueError(f"a direct chunk is [layers, planes, tokens, heads, dim], "
                              f"not {shape}")
@@ -71,6 +80,7 @@ class DirectChunk:
         self.tensor = torch.empty(shape, dtype=dtype, device="meta")
         self.checksum = checksum
         self._read_at = read_at
+        self._mapped = mapped
         self._failed = failed
         self._lock = threading.Lock()
         self._closer = weakref.finalize(self, close)
@@ -119,6 +129,13 @@ class DirectChunk:
             raise ValueError(f"staging must be a flat uint8 tensor of at least {nbytes} bytes")
         buf = staging[:nbytes]
         view = buf.numpy().data
+        if self._mapped is not None:  # copied out of the mapping: no change after the hash
+            source, _ = self._view(first, layers)
+            buf.copy_(torch.frombuffer(source, dtype=torch.uint8))
+            del source
+            self._check_mapping()
+            hasher.update(view)
+            return buf.view(self.dtype).view(layers, *self.shape[1:])
         with self._lock:
             if self._released:
                 raise ChunkReleased(self.key.to_string())
@@ -141,9 +158,29 @@ class DirectChunk:
         hasher.update(view)
         return buf.view(self.dtype).view(layers, *self.shape[1:])
 
+    def _view(self, first: int, layers: int) -> tuple[memoryview, torch.Tensor]:
+        """Layers ``first`` to ``first + layers`` of a mapped payload, where they are:
+        the bytes and a tensor shaped ``[layers, planes, tokens, heads, dim]``."""
+        mapped = self._mapped
+        assert mapped is not None
+        offset, nbytes = first * self.layer_bytes, layers * self.layer_bytes
+        with self._lock:  # a release after the view is made unmaps once it is gone
+            if self._released:
+                raise ChunkReleased(self.key.to_string())
+            view = mapped.view(offset, nbytes)
+        flat = torch.frombuffer(view, dtype=torch.uint8)
+        return view, flat.view(self.dtype).view(layers, *self.shape[1:])
+
+    def _check_mapping(self) -> None:
+        """``CorruptFrameError`` (the tier told) when a read of the mapping faulted:
+        the file shrank under it, or its disk failed; what was read is zeros."""
+        if self._mapped is not None and self._mapped.damaged:
+            raise self._failure(CorruptFrameError("the entry shrank while it was read"))
+
     def finish(self, hasher: xxhash.xxh3_64) -> None:
         """After the last piece: ``CorruptFrameError`` (the tier told) unless the
         payload read matches the header's checksum."""
+        self._check_mapping()
         if hasher.intdigest() != self.checksum:
             raise self._failure(CorruptFrameError("frame payload checksum mismatch"))
 
@@ -153,12 +190,26 @@ class DirectChunk:
 
     def pieces(self, staging: torch.Tensor, piece_bytes: int = PIECE_BYTES
                ) -> Iterator[tuple[int, torch.Tensor]]:
-        """The pieces one after another: ``(first layer, read_piece's view)``, each
-        valid until the next; then ``finish``. What was yielded must be treated
-        as never loaded when this raises."""
+        """The pieces one after another: ``(first layer, layers shaped [layers,
+        planes, tokens, heads, dim])``, each valid until the next; then ``finish``.
+        What was yielded must be treated as never loaded when this raises.
+
+        A mapped payload's pieces are views of the mapping (``staging`` unused),
+        each folded into the checksum after the caller has copied it out, from
+        the CPU's caches: a change to the file since the copy read it shows as a
+        mismatch, never as KV that was not checked. Otherwise each piece is
+        ``read_piece``'s, in ``staging``."""
         hasher = xxhash.xxh3_64()
-        for first, layers in self.groups(min(piece_bytes, staging.numel())):
-            yield first, self.read_piece(first, layers, staging, hasher)
+        if self._mapped is not None:
+            for first, layers in self.groups(piece_bytes):
+                view, piece = self._view(first, layers)
+                yield first, piece
+                del piece
+                hasher.update(view)
+                self._check_mapping()
+        else:
+            for first, layers in self.groups(min(piece_bytes, staging.numel())):
+                yield first, self.read_piece(first, layers, staging, hasher)
         self.finish(hasher)
 
     def __repr__(self) -> str:

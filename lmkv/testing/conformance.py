@@ -44,6 +44,7 @@ from typing import Any
 import pytest
 import torch
 
+from lmkv.contracts.direct_chunk import DirectChunk
 from lmkv.contracts.policy import EvictionPolicy
 from lmkv.contracts.tier import StorageBackend
 from lmkv.keys.chunking import CacheKey, KeyMeta
@@ -414,6 +415,32 @@ class StorageBackendConformance:
             assert tuple(obj.shape) == self.chunk_shape and obj.dtype == self.dtype
         finally:
             obj.ref_down()
+
+    def test_direct_chunks_read_what_was_stored(self, backend: StorageBackend) -> None:
+        """A tier that leaves chunks in place for an engine to read into its own KV
+        (``batched_get_direct``: ``DirectChunk``s, read from a descriptor or
+        through a ``MappedFile``) hands chunks whose pieces, copied out one after
+        another as an engine does, are the bytes stored, and which give their
+        handles back when released. A tier that makes none is skipped."""
+        expected = self.put(backend, [700, 701])
+        future = backend.batched_get_direct("direct", [self.key(700), self.key(701)])
+        if future is None:
+            pytest.skip("this tier leaves no chunks in place (batched_get_direct is None)")
+        got = future.result(timeout=30)
+        try:
+            assert len(got) == 2
+            for obj, want in zip(got, expected, strict=True):
+                if not isinstance(obj, DirectChunk):  # read in instead: a plain chunk
+                    assert torch.equal(obj.tensor, want)
+                    continue
+                assert tuple(obj.shape) == tuple(want.shape) and obj.dtype == want.dtype
+                out = torch.zeros_like(want)
+                staging = torch.zeros(obj.layer_bytes, dtype=torch.uint8)
+                for first, piece in obj.pieces(staging, obj.layer_bytes):  # a layer a piece
+                    out[first:first + piece.shape[0]].copy_(piece)
+                assert torch.equal(out, want)
+        finally:
+            release(got)
 
     def test_what_a_get_handed_over_stays_the_callers(self, backend: StorageBackend) -> None:
         """Each chunk a get hands over carries a reference of the caller's: once the

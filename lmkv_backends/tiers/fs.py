@@ -31,13 +31,14 @@ from lmkv.base import affinity
 from lmkv.base.errors import ConfigError, CorruptFrameError
 from lmkv.contracts.direct_chunk import DirectChunk
 from lmkv.contracts.faults import TierFaults
+from lmkv.contracts.mapped_file import MappedFile
 from lmkv.contracts.plugin import OptionsArg
-from lmkv.contracts.tier import BackendContext, StorageBackend
+from lmkv.contracts.tier import BackendContext, StorageBackend, done_future
 from lmkv.keys.chunking import CacheKey
 from lmkv.memory import MemoryObj
 from lmkv_backends.tiers.fs_futures import count_true, gather, leading_objects, outcome
 from lmkv_backends.tiers.fs_index import EntryIndex, NotAnEntry, entry_name
-from lmkv_backends.tiers.fs_local import LocalStore
+from lmkv_backends.tiers.fs_local import LocalStore, NotCached, can_tell_cached
 from lmkv_backends.tiers.fs_options import (
     FSOptions,
     display_url,
@@ -69,7 +70,7 @@ _CONSEQUENCES = {"write": "the write is dropped", "put": "the writes are dropped
 
 class FSBackend(StorageBackend):
     name = "fs"
-    api_version = "2.0"
+    api_version = "2.1"
     Options = FSOptions
 
     options: FSOptions
@@ -333,8 +334,10 @@ class FSBackend(StorageBackend):
         return obj
 
     def batched_get_non_blocking(self, lookup_id: str, keys: Sequence[CacheKey],
-                                 get: Callable[[CacheKey], object] | None = None) -> Future:
-        jobs: list[Future] = []
+                                 get: Callable[[CacheKey], object] | None = None,
+                                 before: Sequence[Future] = ()) -> Future:
+        """``before``: the futures of entries read already, ahead of ``keys``."""
+        jobs: list[Future] = list(before)
         for key in keys:
             job = self._submit(self._readers, get or self.get_blocking, key)
             if job is None:  # closed: what was started still counts as a prefix
@@ -349,16 +352,40 @@ class FSBackend(StorageBackend):
         if not (self._raw_reads and self.options.direct_reads
                 and isinstance(self.store, LocalStore)):
             return None
-        return self.batched_get_non_blocking(lookup_id, keys, self._get_direct)
+        if not can_tell_cached():
+            return self.batched_get_non_blocking(lookup_id, keys, self._get_direct)
+        # Entries whose header is in the page cache are opened here, one after
+        # another (about 0.1 ms each: less than handing them to the I/O threads
+        # costs); from the first one whose header would wait for the disk, the
+        # rest are opened on the I/O threads, in parallel.
+        jobs: list[Future] = []
+        for i, key in enumerate(keys):
+            if self._closed:
+                self.counters.misses += 1
+                break
+            try:
+                got = self._get_direct(key, nowait=True)
+            except NotCached:
+                return self.batched_get_non_blocking(lookup_id, keys[i:], self._get_direct,
+                                                     jobs)
+            jobs.append(done_future(got))
+            if got is None:
+                break
+        return gather(jobs, leading_objects)
 
-    def _get_direct(self, key: CacheKey) -> DirectChunk | MemoryObj | None:
+    def _get_direct(self, key: CacheKey, nowait: bool = False
+                    ) -> DirectChunk | MemoryObj | None:
+        """``key``'s entry opened for a direct read (read in when it cannot be left
+        in place), or None. ``nowait``: ``NotCached`` when its header is not in the
+        page cache (nothing counted)."""
         store = self.store
         assert isinstance(store, LocalStore)
         serializer_id = self._serializer.serializer_id
-        found = self._read(key, lambda name, k: store.open_payload(name, k, serializer_id))
+        found = self._read(key, lambda name, k: store.open_payload(name, k, serializer_id,
+                                                                   nowait))
         if found is None:
             return None
-        (fd, header), size = found
+        (fd, header, cached), size = found
         with self._direct_lock:
             held = self._direct_open < self._direct_cap
             if held:
@@ -368,14 +395,20 @@ class FSBackend(StorageBackend):
                 self._direct_closed()
             os.close(fd)
             return self.get_blocking(key)
+        # Mapped when in the page cache (no copy into the staging buffer); read
+        # from the disk, pread's large requests beat a mapping's faults.
+        mapped = (MappedFile.open(fd, header.header_len, header.payload_len)
+                  if self.options.mapped_reads and cached else None)
         chunk = DirectChunk(key, header.shape, header.dtype, header.checksum,
                             partial(store.read_payload, fd, header),
                             partial(self._direct_failed, key),
-                            partial(self._close_direct, store, fd))
+                            partial(self._close_direct, store, fd, mapped), mapped=mapped)
         return self._served(key, chunk, size)
 
-    def _close_direct(self, store: LocalStore, fd: int) -> None:
+    def _close_direct(self, store: LocalStore, fd: int, mapped: MappedFile | None) -> None:
         try:
+            if mapped is not None:
+                mapped.close()
             store.close_payload(fd)
         finally:
             self._direct_closed()

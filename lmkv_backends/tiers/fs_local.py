@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import logging
 import os
 import socket
@@ -46,6 +47,8 @@ HEAD_READ = 4096
 _HOST = socket.gethostname().replace("/", "_") or "host"
 # Opening an entry: never through a symlink, never waiting on a FIFO's writer.
 _READ_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
+#: preadv2 flag: fail with EAGAIN rather than wait for the disk (0: not known here).
+_NOWAIT = getattr(os, "RWF_NOWAIT", 0)
 SYNC_FILE_RANGE_WRITE = 2  # linux/fs.h: start writeback of the range, do not wait
 
 
@@ -205,24 +208,44 @@ class LocalStore:
         finally:
             os.close(fd)
 
-    def open_payload(self, name: str, key: CacheKey, serializer_id: int
-                     ) -> tuple[tuple[int, FrameHeader], int]:
+    def open_payload(self, name: str, key: CacheKey, serializer_id: int,
+                     nowait: bool = False) -> tuple[tuple[int, FrameHeader, bool], int]:
         """Open a raw-payload frame and check its header (as ``read_into`` does):
-        ``((descriptor, header), entry size)``; the payload is left to
-        ``read_payload`` and the descriptor to the caller to close. Raises as
-        ``read_into``."""
+        ``((descriptor, header, whether its end is in the page cache), entry
+        size)``; the payload is left to ``read_payload`` and the descriptor to the
+        caller to close. Raises as ``read_into``; with ``nowait``, ``NotCached``
+        when reading the header would wait for the disk."""
         fd, size = open_entry(self.path(name))
         try:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-            header = read_header(memoryview(os.pread(fd, min(size, HEAD_READ), 0)), key, size)
+            want = min(size, HEAD_READ)
+            if nowait:
+                head = bytearray(want)
+                try:
+                    got = os.preadv(fd, [head], 0, _NOWAIT)
+                except BlockingIOError:
+                    got = -1
+                except OSError as exc:  # a kernel without it: read and wait
+                    if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                        raise
+                    got = os.preadv(fd, [head], 0)
+                if got != want:  # (a short read: only part of it is cached)
+                    raise NotCached(name)
+            else:
+                head = os.pread(fd, want, 0)  # type: ignore[assignment]
+            header = read_header(memoryview(head), key, size)
             _check_raw(header, serializer_id)
             # The disk starts reading the payload now, every entry of a lookup at
-            # once, so the load (one piece after another) finds it in memory.
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+            # once, so the load (one piece after another) finds it in memory;
+            # unless its end is in the page cache already (written or read lately:
+            # asking costs a walk over every page of the entry).
+            cached = _cached(fd, size - 1)
+            if not cached:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
         except BaseException:
             os.close(fd)
             raise
-        return (fd, header), size
+        return (fd, header, cached), size
 
     def read_payload(self, fd: int, header: FrameHeader, offset: int, view: memoryview
                      ) -> None:
@@ -277,6 +300,26 @@ def _check_raw(header: FrameHeader, serializer_id: int) -> None:
         raise CorruptFrameError("payload length does not match dtype and shape")
     if not header.payload_len:
         raise CorruptFrameError(f"frame holds no elements (shape {header.shape})")
+
+
+class NotCached(Exception):
+    """An entry's header is not in the page cache (``open_payload``'s ``nowait``)."""
+
+
+def can_tell_cached() -> bool:
+    """Whether this kernel reads without waiting for the disk when asked (RWF_NOWAIT)."""
+    return bool(_NOWAIT)
+
+
+def _cached(fd: int, offset: int) -> bool:
+    """Whether the byte at ``offset`` is in the page cache (read without waiting
+    for the disk; False where the kernel cannot tell)."""
+    if not _NOWAIT:
+        return False
+    try:
+        return os.preadv(fd, [bytearray(1)], offset, _NOWAIT) == 1
+    except OSError:  # BlockingIOError: not cached; EOPNOTSUPP: an older kernel
+        return False
 
 
 def open_entry(path: str) -> tuple[int, int]:

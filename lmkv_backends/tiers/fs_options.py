@@ -71,6 +71,11 @@ class FSOptions(PluginOptions):
     its own, verified as they go (``lmkv.contracts.direct_chunk``), instead of into the memory
     tier's arena first; such reads are not promoted into the tier above. Off:
     every read goes through a chunk buffer and is promoted."""
+    mapped_reads: bool = True
+    """Local disk, with ``direct_reads``: read an entry's payload through a memory
+    mapping of its file (no copy into the staging buffer), under lmkv's SIGBUS
+    guard (``lmkv.contracts.mapped_file``: an entry that shrinks while mapped is
+    a failed read, never a crash). Off, or where the guard is not built: ``pread``."""
     io_threads: PositiveInt | None = None
     """Parallel I/O per direction; default 4 on local disk, 16 for remote URLs."""
     endpoint_url: str | None = None

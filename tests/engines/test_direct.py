@@ -23,7 +23,22 @@ BLOCK = 16
 LAYER_BYTES = 2 * CHUNK * 2 * 16 * 2  # planes x tokens x heads x dim x fp16
 
 
+MAPPED = {"mapped_reads": True}  # the reads fixture's choice for every engine here
+
+
+@pytest.fixture(autouse=True, params=[True, False], ids=["mapped", "pread"])
+def reads(request: pytest.FixtureRequest) -> bool:
+    """Every test reads entries through a guarded mapping and with pread."""
+    from lmkv.contracts import mapped_file
+
+    if request.param and not mapped_file.available():
+        pytest.skip("the SIGBUS guard (lmkv._ext._busguard) is not built")
+    MAPPED["mapped_reads"] = request.param
+    return request.param
+
+
 def config(root: Path, **fs_options):
+    fs_options = {**MAPPED, **fs_options}
     return load_config(env={}, overrides={
         "lmkv.chunk_size": CHUNK, "lmkv.gpu_connector": "paged",
         "lmkv.tiers": [{"type": "cpu", "options": {"max_bytes": "4MiB"}},
@@ -106,8 +121,10 @@ def test_skipped_tokens_and_a_shorter_hit_are_left_alone(tmp_path: Path) -> None
         assert blocks_equal(before, target, [(11, 11)])
 
 
-@pytest.mark.parametrize("damage", ["flip", "truncate", "swap"])
+@pytest.mark.parametrize("damage", ["flip", "truncate", "shrink", "swap"])
 def test_a_damaged_entry_ends_the_load_before_it(tmp_path: Path, damage: str) -> None:
+    # shrink: to a third, in place, after the lookup mapped it: reading the pages
+    # the file lost would raise SIGBUS in a mapped read without lmkv's guard
     tokens = list(range(4 * CHUNK))
     src = stored(tmp_path, tokens)
     other = list(range(5000, 5000 + 4 * CHUNK))
@@ -126,6 +143,8 @@ def test_a_damaged_entry_ends_the_load_before_it(tmp_path: Path, damage: str) ->
                 f.write(bytes([byte[0] ^ 0xFF]))
         elif damage == "truncate":
             os.truncate(path, os.path.getsize(path) - 100)
+        elif damage == "shrink":
+            os.truncate(path, os.path.getsize(path) // 3)
         target = caches()
         blocks = list(range(8))
         got = reader.retrieve(tokens, lookup_id="r", kv_caches=target,
@@ -182,7 +201,7 @@ def test_a_release_during_a_read_closes_after_it_and_blames_nobody(tmp_path: Pat
 
     tokens = list(range(4 * CHUNK))
     stored(tmp_path, tokens)
-    with engine(tmp_path) as reader:
+    with engine(tmp_path, mapped_reads=False) as reader:  # a read that waits on the disk
         fs = reader.storage.tiers[1]
         key = reader.chunker.chunk(tokens).keys[0]
         chunk = fs.batched_get_direct("x", [key]).result(10)[0]

@@ -6,6 +6,8 @@ own and checks that the named kit tests fail.
 
 from __future__ import annotations
 
+import pytest
+
 from lmkv.contracts import EvictionPolicy, StorageBackend, done_future
 from lmkv.testing import EvictionPolicyConformance, StorageBackendConformance, plugin_class
 from tests.plugins.test_legacy_plugin import PORTED
@@ -104,6 +106,35 @@ class NameTaken(CPU):  # type: ignore[misc, valid-type]
 
     def get_blocking(self, key):
         raise RuntimeError("never reached by a kit that tests this class")
+
+
+FS = plugin_class("storage_backend", "fs")
+
+
+class MisplacedMapFS(FS):  # type: ignore[misc, valid-type]
+    """Reads its mapped entries from the file's first byte: the header comes out
+    as KV (a direct chunk's mapping must start at its payload)."""
+
+    name = "mutant-misplaced-map"
+    api_version = "2.1"
+
+    def _get_direct(self, key, nowait=False):
+        got = super()._get_direct(key, nowait)
+        mapped = getattr(got, "_mapped", None)
+        if mapped is not None:
+            mapped._start = 0
+        return got
+
+
+class TestMisplacedMapFS(StorageBackendConformance):
+    backend_class = MisplacedMapFS
+
+    @pytest.fixture(autouse=True)
+    def _root(self, tmp_path):
+        self.root = tmp_path
+
+    def backend_options(self):
+        return {"url": str(self.root), "durable": False}
 
 
 class TestNoRefCPU(StorageBackendConformance):

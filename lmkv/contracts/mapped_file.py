@@ -1,0 +1,152 @@
+"""Read a file through a memory mapping, safe against the file shrinking under it.
+
+A read through a mapping skips a copy (the page cache's pages are read where they
+are), but a page the file no longer has (the file was truncated after it was
+mapped, or the disk failed to read it) raises SIGBUS, which kills the process: a
+cache must never turn a damaged file into a crashed engine. ``MappedFile`` maps
+a file private (never written back) and registers the mapping with lmkv's SIGBUS
+guard (``lmkv._ext._busguard``, a C extension): a fault inside the mapping
+replaces the rest of it with zero pages and marks it ``damaged``, and the read
+goes on, on zeros. A reader checks ``damaged`` after it has read what it needs
+(the bytes it read are then garbage: treat them as never read) and verifies the
+bytes as it would any it read (a checksum).
+
+Files replaced by rename (how lmkv writes entries) never fault: the mapping
+keeps the old file. ``MappedFile.open`` returns None where the guard is not
+built (a platform without a compiler at install time), is full, or the file
+cannot be mapped: read the file with ``pread`` then.
+
+A mapping is unmapped when it is closed and nothing views it any more; until
+then it stays guarded, so no view can outlive its guard.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import mmap
+import threading
+import types
+
+logger = logging.getLogger(__name__)
+
+_busguard: types.ModuleType | None
+try:
+    from lmkv._ext import _busguard
+except ImportError:  # not built: mapped reads are off, pread serves
+    _busguard = None
+
+#: ``madvise`` advice that faults a range in, read-only, in one call (Linux 5.14).
+MADV_POPULATE_READ = 22
+_PAGE = mmap.PAGESIZE
+
+_lock = threading.Lock()
+_lingering: list[MappedFile] = []  # closed while viewed: unmapped once they are not
+
+
+def available() -> bool:
+    """Whether files can be mapped here with the SIGBUS guard."""
+    return _busguard is not None
+
+
+class MappedFile:
+    """Bytes ``[start, start + length)`` of a file, mapped; ``view(offset, n)``
+    gives ``n`` of them from ``start + offset`` without a copy (writable memory:
+    writing changes this process's copy only)."""
+
+    def __init__(self, mapping: mmap.mmap, slot: int, start: int, length: int) -> None:
+        self._mapping: mmap.mmap | None = mapping
+        self._slot = slot
+        self._start = start
+        self.length = length
+
+    @classmethod
+    def open(cls, fd: int, start: int, length: int) -> MappedFile | None:
+        """Map ``fd``'s bytes up to ``start + length``; None when they cannot be
+        mapped under the guard (read them another way)."""
+        if _busguard is None or length <= 0 or start < 0:
+            return None
+        _retry_lingering()
+        try:
+            mapping = mmap.mmap(fd, start + length, flags=mmap.MAP_PRIVATE,
+                                prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except (OSError, ValueError, OverflowError) as exc:
+            logger.debug("lmkv: could not map a file (%s); reading it instead", exc)
+            return None
+        try:
+            slot = _busguard.guard(mapping)
+        except BaseException:
+            mapping.close()
+            raise
+        if slot < 0:  # the guard's table is full, or no handler could be installed
+            mapping.close()
+            return None
+        return cls(mapping, slot, start, length)
+
+    @property
+    def damaged(self) -> bool:
+        """Whether a read of the mapping faulted (the file shrank, or its disk
+        failed): what was read from it since is zeros, not the file's bytes."""
+        return self._slot >= 0 and _busguard is not None and bool(_busguard.damaged(self._slot))
+
+    def view(self, offset: int, nbytes: int) -> memoryview:
+        """``nbytes`` bytes from ``start + offset``; valid until ``close``."""
+        if self._mapping is None:
+            raise ValueError("the mapping is closed")
+        if offset < 0 or nbytes < 0 or offset + nbytes > self.length:
+            raise ValueError(f"bytes {offset}..{offset + nbytes} are outside the "
+                             f"{self.length} mapped")
+        begin = self._start + offset
+        return memoryview(self._mapping)[begin:begin + nbytes]
+
+    def populate(self, offset: int, nbytes: int) -> None:
+        """Fault ``nbytes`` from ``start + offset`` in now, in one call (no fault per
+        page later); a hint: nothing happens where the kernel cannot."""
+        if self._mapping is None or nbytes <= 0:
+            return
+        begin = (self._start + offset) // _PAGE * _PAGE
+        end = min(self._start + offset + nbytes, self._start + self.length)
+        # (an older kernel says EINVAL; a file that shrank, EFAULT)
+        with contextlib.suppress(OSError, ValueError):
+            self._mapping.madvise(MADV_POPULATE_READ, begin, end - begin)
+
+    def close(self) -> None:
+        """Unmap, now or once the last view of it is gone (it stays guarded till then)."""
+        if self._mapping is None:
+            return
+        if not self._unmap():
+            with _lock:
+                _lingering.append(self)
+
+    def _unmap(self) -> bool:
+        mapping = self._mapping
+        if mapping is None:
+            return True
+        try:
+            mapping.close()
+        except BufferError:  # still viewed
+            return False
+        self._mapping = None
+        if self._slot >= 0 and _busguard is not None:
+            _busguard.release(self._slot)
+            self._slot = -1
+        return True
+
+    def __del__(self) -> None:
+        # Collected without close(): unmap now, or keep it (and its guard) until
+        # the views of the mmap, which do not hold this object, are gone.
+        try:
+            if not self._unmap():
+                with _lock:
+                    _lingering.append(self)
+        except Exception:
+            pass
+
+
+def _retry_lingering() -> None:
+    """Unmap the closed mappings that nothing views any more."""
+    if not _lingering:
+        return
+    with _lock:
+        _lingering[:] = [m for m in _lingering if not m._unmap()]
+

@@ -1,0 +1,182 @@
+"""lmkv.contracts.mapped_file: a file read through a mapping never crashes the
+process when it shrinks under the mapping (SIGBUS), whoever else handles SIGBUS.
+
+Each case that makes a read fault runs in its own Python process: were the guard
+broken, the fault would kill that process, not the test run.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from lmkv.contracts import mapped_file
+from lmkv.contracts.mapped_file import MappedFile
+
+NOT_BUILT = pytest.mark.skipif(not mapped_file.available(),
+                                reason="the SIGBUS guard (lmkv._ext._busguard) is not built")
+
+MiB = 1 << 20
+
+
+def run(tmp_path: Path, body: str) -> subprocess.CompletedProcess:
+    """``body`` in a fresh interpreter, with ``path``: a 4 MiB file of known bytes."""
+    path = tmp_path / "entry"
+    path.write_bytes(bytes(range(256)) * (4 * MiB // 256))
+    script = textwrap.dedent("""
+        import os, sys, threading
+        import torch
+        from lmkv.contracts.mapped_file import MappedFile
+        path = sys.argv[1]
+        MiB = 1 << 20
+    """) + textwrap.dedent(body)
+    return subprocess.run([sys.executable, "-c", script, str(path)], capture_output=True,
+                          text=True, timeout=120)
+
+
+@NOT_BUILT
+def test_views_read_the_files_bytes(tmp_path: Path) -> None:
+    data = os.urandom(3 * MiB + 123)
+    path = tmp_path / "f"
+    path.write_bytes(data)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        mapped = MappedFile.open(fd, 100, len(data) - 100 - 7)
+        assert mapped is not None
+        assert bytes(mapped.view(0, 10)) == data[100:110]
+        assert bytes(mapped.view(MiB, 4096)) == data[100 + MiB:100 + MiB + 4096]
+        mapped.populate(0, mapped.length)
+        assert not mapped.damaged
+        with pytest.raises(ValueError, match="outside"):
+            mapped.view(mapped.length - 1, 2)
+        mapped.close()
+        with pytest.raises(ValueError, match="closed"):
+            mapped.view(0, 1)
+    finally:
+        os.close(fd)
+
+
+@NOT_BUILT
+def test_a_file_truncated_under_a_read_reads_zeros_and_says_so(tmp_path: Path) -> None:
+    # torch copies from the mapping on another thread; pytest-like faulthandler on
+    done = run(tmp_path, """
+        import faulthandler
+        faulthandler.enable()
+        fd = os.open(path, os.O_RDWR)
+        mapped = MappedFile.open(fd, 0, 4 * MiB)
+        src = torch.frombuffer(mapped.view(0, 4 * MiB), dtype=torch.uint8)
+        assert int(src[:256].sum()) == sum(range(256)) and not mapped.damaged
+        os.ftruncate(fd, MiB)  # in place, under the mapping
+        dst = torch.full((4 * MiB,), 7, dtype=torch.uint8)
+        t = threading.Thread(target=dst.copy_, args=(src,))
+        t.start(); t.join()
+        assert mapped.damaged
+        assert int(dst[MiB:].sum()) == 0  # what the file no longer has: zeros
+        assert torch.equal(dst[:256], torch.arange(256, dtype=torch.uint8))
+        del src
+        mapped.close()
+        print("alive")
+    """)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "alive"
+
+
+@NOT_BUILT
+def test_a_fault_outside_lmkvs_mappings_still_kills(tmp_path: Path) -> None:
+    # lmkv's handler passes what is not its own to the handler before it
+    # (faulthandler here), then to the default: the process dies of SIGBUS.
+    done = run(tmp_path, """
+        import faulthandler, mmap
+        faulthandler.enable()
+        fd = os.open(path, os.O_RDWR)
+        ours = MappedFile.open(fd, 0, 4096)
+        theirs = mmap.mmap(fd, 4 * MiB, prot=mmap.PROT_READ)
+        os.ftruncate(fd, 4096)
+        print("reading", flush=True)
+        theirs[2 * MiB]
+        print("survived")
+    """)
+    assert done.returncode == -signal.SIGBUS
+    assert "reading" in done.stdout and "survived" not in done.stdout
+    assert "Fatal Python error: Bus error" in done.stderr  # faulthandler was called
+
+
+@NOT_BUILT
+def test_a_handler_installed_after_lmkvs_does_not_unguard_it(tmp_path: Path) -> None:
+    # faulthandler enabled after lmkv's guard took SIGBUS: the next mapping puts
+    # the guard back in front, and faults outside lmkv still reach faulthandler.
+    done = run(tmp_path, """
+        import faulthandler
+        fd = os.open(path, os.O_RDWR)
+        first = MappedFile.open(fd, 0, 4096)
+        faulthandler.enable()
+        mapped = MappedFile.open(fd, 0, 4 * MiB)
+        os.ftruncate(fd, 4096)
+        view = mapped.view(2 * MiB, 16)
+        assert bytes(view) == bytes(16) and mapped.damaged
+        del view
+        mapped.close(); first.close()
+        print("alive")
+    """)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "alive"
+
+
+@NOT_BUILT
+def test_a_mapping_closed_while_viewed_stays_mapped_and_guarded(tmp_path: Path) -> None:
+    done = run(tmp_path, """
+        from lmkv.contracts import mapped_file
+        fd = os.open(path, os.O_RDWR)
+        mapped = MappedFile.open(fd, 0, 4 * MiB)
+        view = torch.frombuffer(mapped.view(0, 4 * MiB), dtype=torch.uint8)
+        mapped.close()  # a view is alive: it lingers
+        assert mapped_file._lingering == [mapped]
+        os.ftruncate(fd, 4096)
+        assert int(view[3 * MiB:].sum()) == 0 and mapped.damaged  # guarded still
+        del view
+        other = MappedFile.open(fd, 0, 4096)  # opening retries the lingering ones
+        assert mapped_file._lingering == []
+        other.close()
+        print("alive")
+    """)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "alive"
+
+
+@NOT_BUILT
+def test_past_the_guards_table_files_are_not_mapped(tmp_path: Path) -> None:
+    path = tmp_path / "f"
+    path.write_bytes(b"x" * 4096)
+    fd = os.open(path, os.O_RDONLY)
+    held = []
+    try:
+        while (mapped := MappedFile.open(fd, 0, 4096)) is not None:
+            held.append(mapped)
+            assert len(held) <= 4096
+        assert len(held) > 0  # (slots other mappings of this process hold are not free)
+        for mapped in held:
+            mapped.close()
+        held = []
+        again = MappedFile.open(fd, 0, 4096)  # the slots came back
+        assert again is not None
+        again.close()
+    finally:
+        for mapped in held:
+            mapped.close()
+        os.close(fd)
+
+
+def test_the_guard_is_built_where_the_other_extension_is() -> None:
+    """Both C extensions build in the same step: the token one without the guard
+    means busguard.c failed to compile here (mapped reads would be off)."""
+    try:
+        from lmkv._ext import _tokens  # noqa: F401
+    except ImportError:
+        pytest.skip("no C extension was built here")
+    assert mapped_file.available()
