@@ -494,6 +494,21 @@ class MemoryAllocator:
         obj.offset, obj.nbytes, obj.ref_count, obj.pin_count = offset, size, 1, 0
         return obj
 
+    def layout(self, shape: Sequence[int], dtype: torch.dtype) -> Layout:
+        """The layout a buffer of ``shape``/``dtype`` gets (ValueError: no such buffer)."""
+        dims = shape if type(shape) is tuple else tuple(shape)
+        layout = self._layouts.get((dtype, dims))
+        return layout if layout is not None else self._layout(dims, dtype)
+
+    def reuse(self, offset: int, layout: Layout) -> MemoryObj:
+        """A buffer of ``layout`` over the used block at ``offset``, which its owner
+        let go of without freeing it (a tier handing an evicted entry's bytes,
+        of the same layout, straight to a new buffer: no free, no allocation)."""
+        obj = _new_obj(MemoryObj)
+        obj._tensor, obj._layout, obj._allocator = None, layout, self
+        obj.offset, obj.nbytes, obj.ref_count, obj.pin_count = offset, layout.size, 1, 0
+        return obj
+
     def _layout(self, dims: tuple, dtype: torch.dtype) -> Layout:
         """The interned layout of ``dims``/``dtype``; past ``MAX_LAYOUTS`` distinct ones
         (shapes from outside without end) a layout of its own, whose views are not

@@ -284,6 +284,9 @@ class CPUBackend(StorageBackend):
         size = nbytes_of(shape, dtype)
         if size > self.allocator.capacity_bytes:
             return None
+        reused = self._reuse_victim(shape, dtype)
+        if reused is not None:
+            return reused
         rounds = 0
         while True:
             # Asked after an allocation failed: make room first, then allocate.
@@ -295,6 +298,36 @@ class CPUBackend(StorageBackend):
             if obj is not None:
                 return obj
             rounds += 1
+
+    def _reuse_victim(self, shape: Sequence[int], dtype: torch.dtype) -> MemoryObj | None:
+        """A full arena of uniform chunks, the common case: when the policy's first
+        evictable victim is a chunk of this layout that nobody holds, it is evicted
+        and its bytes become the new buffer (no free, no search for a block).
+        None otherwise (nothing evicted: the general path takes over)."""
+        try:
+            layout = self.allocator.layout(shape, dtype)
+        except ValueError:
+            return None
+        if layout.ident < 0:
+            return None
+        live, offsets, by_slot = self._live, self._offset, self._by_slot
+        for name in self.policy.candidates():
+            if by_slot:
+                slot = name if type(name) is int and offsets[name] >= 0 else -1
+            else:
+                slot = self._slot_of(name)
+            if slot < 0:
+                continue
+            obj = live.get(slot)
+            if obj is not None and not obj.is_evictable:
+                continue  # pinned or held: never a victim
+            if obj is not None or self._ident[slot] != layout.ident:
+                return None
+            offset = offsets[slot] * self._align
+            self._drop_locked(slot, free=False)
+            self.counters.evictions += 1
+            return self.allocator.reuse(offset, layout)
+        return None
 
     def _could_fit(self, size: int) -> bool:
         """Whether evicting every evictable entry would leave a contiguous block of ``size``.
@@ -343,14 +376,16 @@ class CPUBackend(StorageBackend):
         self.counters.evictions += len(victims)
         return freed
 
-    def _drop_locked(self, slot: int) -> None:
+    def _drop_locked(self, slot: int, free: bool = True) -> None:
+        """Forget ``slot``'s entry and give its bytes back (``free`` false: the
+        caller takes them over; only for an entry without a MemoryObj)."""
         size = self._size(slot)
         self._stored_bytes -= size
         self._count -= 1
         obj = self._live.pop(slot, None)
         if obj is not None:
             obj.ref_down()  # the tier's reference (a reader may hold more)
-        else:
+        elif free:
             self.allocator.free_block(self._offset[slot] * self._align, size)
         self._offset[slot] = -1
         self._odd.pop(slot, None)

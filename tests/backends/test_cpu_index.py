@@ -226,3 +226,38 @@ def test_a_chain_copied_in_while_making_room_keeps_its_lineage(policy: type[LRUP
     whole = backend.allocate((16, 8, 16), torch.float16)  # 4096 bytes: the arena
     assert whole is not None and len(backend) == 0
     whole.ref_down()
+
+
+@pytest.mark.parametrize("policy", [LRUPolicy, KeyedLRU])
+def test_a_full_arena_hands_the_victims_bytes_to_the_new_buffer(policy) -> None:
+    backend = tier(policy, chunks=16)
+    assert store(backend, list(range(16)), [None] * 16) == 16
+    alloc = backend.allocator
+    used, live = alloc.used_bytes, alloc.live_objects
+    first = backend._offset[backend._keys.slot(key(0))] * backend._align
+    held = backend.get_blocking(key(1))  # held by a reader: never a victim
+    assert backend.pin(key(2))  # pinned: never a victim
+    obj = backend.allocate(SHAPE, torch.float16)  # full: evicts key 0, takes its bytes
+    assert obj is not None and obj.offset == first
+    assert not backend.contains(key(0)) and backend.counters.evictions == 1
+    assert (alloc.used_bytes, alloc.live_objects) == (used, live)  # handed over, not freed
+    again = backend.allocate(SHAPE, torch.float16)  # next victim: key 3 (1 held, 2 pinned)
+    assert again is not None
+    assert not backend.contains(key(3))
+    assert backend.contains(key(1)) and backend.contains(key(2))
+    for got in (obj, again, held):
+        got.ref_down()
+    assert alloc.used_bytes == used - 2 * obj.nbytes  # the new buffers freed as any
+    assert backend.unpin(key(2))
+    assert store(backend, [100, 101, 102], [None] * 3) == 3  # the arena serves on
+    backend.close()
+
+
+def test_a_victim_of_another_size_is_evicted_the_general_way() -> None:
+    backend = tier(chunks=16)
+    assert store(backend, list(range(16)), [None] * 16) == 16
+    obj = backend.allocate((16, 16), torch.float16)  # two chunks' bytes (256 each, aligned)
+    assert obj is not None and backend.counters.evictions == 2
+    assert not backend.contains(key(0)) and not backend.contains(key(1))
+    obj.ref_down()
+    backend.close()

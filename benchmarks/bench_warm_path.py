@@ -1,0 +1,160 @@
+"""lmkv's own time on a warm request (lookup, then load into the engine's paged
+KV) against a memcpy of the same bytes in the same process and run.
+
+The engine is lmkv's local engine with the paged connector over vLLM's CPU
+layout, for ``bench_vllm.py``'s model (8 layers, 4 KV heads of 64, float32,
+128-token blocks, 256-token chunks). For N = 512, 2048 and 4096 tokens:
+
+* ``memory``: the prompt is in the cpu tier (stored by this process): lookup
+  and load of the whole prompt;
+* ``disk``: the prompt was stored into the fs tier by another process; a fresh
+  process opens the tier, looks the prompt up and loads it (direct reads: from
+  the page cache into the KV, each entry verified), the first request of that
+  process as in a restarted engine.
+
+The baseline is ``torch.Tensor.copy_`` of N tokens' KV (the same bytes) between
+two touched buffers, best of ``--repeats``. Target: lookup + load at most 1.3x
+the memcpy.
+
+    python benchmarks/bench_warm_path.py --repeats 7
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+LAYERS, HEADS, DIM, BLOCK, CHUNK = 8, 4, 64, 128, 256
+DTYPE = torch.float32
+LENGTHS = (512, 2048, 4096)
+BLOCKS = 2 * max(LENGTHS) // BLOCK  # room for a stored copy and a loaded one
+
+
+def engine(root: str | None, direct: bool):  # type: ignore[no-untyped-def]
+    from lmkv import KVSpec, load_config
+    from lmkv.testing.engines import open_local_engine
+
+    tiers: list = [{"type": "cpu", "options": {"max_bytes": "1GiB"}}]
+    if root is not None:
+        tiers.append({"type": "fs", "options": {"url": root}})
+    config = load_config(env={}, overrides={"lmkv.chunk_size": CHUNK,
+                                            "lmkv.gpu_connector": "paged",
+                                            "lmkv.tiers": tiers})
+    spec = KVSpec(num_layers=LAYERS, num_kv_heads=HEADS, head_dim=DIM, dtype=DTYPE)
+    return open_local_engine(config, spec, model_name="bench-warm-path", kv_kind="paged",
+                             block_size=BLOCK, direct_reads=direct)
+
+
+def caches(fill: bool) -> list[torch.Tensor]:
+    """vLLM CPU-layout caches ``[blocks, heads, block, 2 * dim]``, touched."""
+    make = torch.randn if fill else torch.zeros
+    return [make(BLOCKS, HEADS, BLOCK, 2 * DIM, dtype=DTYPE) for _ in range(LAYERS)]
+
+
+def prompt(n: int) -> list[int]:
+    return [(n * 7919 + i) % 32000 for i in range(n)]
+
+
+def memcpy_ms(n: int, repeats: int) -> float:
+    nbytes = n * LAYERS * 2 * HEADS * DIM * DTYPE.itemsize
+    src, dst = torch.randn(nbytes // 4), torch.zeros(nbytes // 4)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - start)
+    return best * 1e3
+
+
+def timed(eng, n: int, kv: list[torch.Tensor], tag: str) -> tuple[float, float]:  # type: ignore[no-untyped-def]
+    tokens = prompt(n)
+    start = time.perf_counter()
+    hit = eng.lookup_and_prefetch(tokens, tag).result(30)
+    looked = time.perf_counter()
+    loaded = eng.retrieve(tokens, lookup_id=tag, kv_caches=kv,
+                          block_ids=list(range(BLOCKS // 2, BLOCKS // 2 + n // BLOCK))).num_tokens
+    done = time.perf_counter()
+    assert hit == loaded == n, f"{n} tokens: hit {hit}, loaded {loaded}"
+    return (looked - start) * 1e3, (done - looked) * 1e3
+
+
+def memory(repeats: int) -> dict[str, list[float]]:
+    out: dict[str, list[float]] = {}
+    with engine(None, direct=False) as eng:
+        src = caches(fill=True)
+        kv = caches(fill=False)
+        for n in LENGTHS:
+            assert eng.store(prompt(n), kv_caches=src, block_ids=list(range(n // BLOCK))) == n
+            samples = [timed(eng, n, kv, f"m{n}-{i}") for i in range(repeats)]
+            out[str(n)] = [min(s[0] + s[1] for s in samples),
+                           statistics.median(s[0] for s in samples),
+                           statistics.median(s[1] for s in samples), memcpy_ms(n, repeats)]
+    return out
+
+
+def write(root: str) -> None:
+    with engine(root, direct=False) as eng:
+        src = caches(fill=True)
+        for n in LENGTHS:
+            assert eng.store(prompt(n), kv_caches=src, block_ids=list(range(n // BLOCK))) == n
+        assert eng.storage.flush(120), "disk writes unfinished"
+
+
+def read(root: str, n: int, repeats: int) -> list[float]:
+    kv = caches(fill=False)
+    base = memcpy_ms(n, repeats)  # (also warms the copy paths up, as an engine's forward)
+    with engine(root, direct=True) as eng:
+        lookup, load = timed(eng, n, kv, "first")
+    return [lookup + load, lookup, load, base]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--role", choices=("write", "read"), help=argparse.SUPPRESS)
+    parser.add_argument("--root", help=argparse.SUPPRESS)
+    parser.add_argument("--tokens", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    torch.set_num_threads(min(2, os.cpu_count() or 1))
+    if args.role == "write":
+        write(args.root)
+        return
+    if args.role == "read":
+        print(json.dumps(read(args.root, args.tokens, args.repeats)))
+        return
+    rows = {"memory": memory(args.repeats)}
+    with tempfile.TemporaryDirectory(prefix="lmkv-bench-warm-", dir="/var/tmp") as root:
+        me = [sys.executable, __file__, "--root", root, "--repeats", str(args.repeats)]
+        subprocess.run([*me, "--role", "write"], check=True)
+        disk: dict[str, list[list[float]]] = {str(n): [] for n in LENGTHS}
+        for _ in range(args.repeats):
+            for n in LENGTHS:
+                got = subprocess.run([*me, "--role", "read", "--tokens", str(n)], check=True,
+                                     capture_output=True, text=True).stdout
+                disk[str(n)].append(json.loads(got))
+        rows["disk"] = {n: [statistics.median(s[k] for s in samples) for k in range(4)]
+                        for n, samples in disk.items()}
+    print(f"lmkv's own time on a warm request vs memcpy of the same bytes ({DTYPE}, "
+          f"{LAYERS} layers x {HEADS} heads x {DIM}; memory: best lookup+load of "
+          f"{args.repeats} and medians of each; disk: medians over {args.repeats} fresh "
+          "processes)")
+    print(f"{'path':<8}{'tokens':>7}{'MiB':>6}{'lookup':>9}{'load':>8}{'l+l':>8}"
+          f"{'memcpy':>8}{'x memcpy':>10}")
+    for path, by_n in rows.items():
+        for n, (both, lookup, load, base) in by_n.items():
+            mib = int(n) * LAYERS * 2 * HEADS * DIM * DTYPE.itemsize / (1 << 20)
+            print(f"{path:<8}{n:>7}{mib:>6.0f}{lookup:>9.2f}{load:>8.2f}{both:>8.2f}"
+                  f"{base:>8.2f}{both / base:>10.2f}")
+    print(f"load average {os.getloadavg()[0]:.1f}; target: x memcpy <= 1.3")
+
+
+if __name__ == "__main__":
+    main()
