@@ -13,6 +13,7 @@
  * reads ACTIVE slots. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <errno.h>
 #include <signal.h>
 #include <stdatomic.h>
 #include <stdint.h>
@@ -35,9 +36,12 @@ static struct range ranges[SLOTS];
 static struct sigaction previous;
 static uintptr_t page_mask;
 
+static __thread int dispatching; /* this thread is in the handler before ours */
+
 static void
 on_sigbus(int sig, siginfo_t *info, void *context)
 {
+    int saved_errno = errno;
     if (info != NULL && info->si_code > 0) { /* a fault, not kill() or raise() */
         uintptr_t addr = (uintptr_t)info->si_addr;
         for (int i = 0; i < SLOTS; i++) {
@@ -53,19 +57,32 @@ on_sigbus(int sig, siginfo_t *info, void *context)
                                         MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0);
             if (got == (void *)page) {
                 atomic_store_explicit(&r->damaged, 1, memory_order_release);
+                errno = saved_errno;
                 return; /* the faulting read runs again, on zeros */
             }
             break;
         }
     }
-    if (previous.sa_flags & SA_SIGINFO) {
-        if (previous.sa_sigaction != NULL) {
-            previous.sa_sigaction(sig, info, context);
+    /* Not ours: the handler before ours, once. A handler that hands the signal on
+     * by raising it again (faulthandler does, after its report) reaches us
+     * nested: that goes to the default, never round the chain again. */
+    if (!dispatching) {
+        int called = 0;
+        dispatching = 1;
+        if (previous.sa_flags & SA_SIGINFO) {
+            if (previous.sa_sigaction != NULL) {
+                previous.sa_sigaction(sig, info, context);
+                called = 1;
+            }
+        } else if (previous.sa_handler != SIG_DFL && previous.sa_handler != SIG_IGN) {
+            previous.sa_handler(sig);
+            called = 1;
+        }
+        dispatching = 0;
+        if (called) {
+            errno = saved_errno;
             return;
         }
-    } else if (previous.sa_handler != SIG_DFL && previous.sa_handler != SIG_IGN) {
-        previous.sa_handler(sig);
-        return;
     }
     /* The default: a fault repeats on return and kills the process as it would
      * have without this handler; a signal sent by kill() or raise() is sent again. */

@@ -16,13 +16,14 @@ keeps the old file. ``MappedFile.open`` returns None where the guard is not
 built (a platform without a compiler at install time), is full, or the file
 cannot be mapped: read the file with ``pread`` then.
 
-A mapping is unmapped when it is closed and nothing views it any more; until
-then it stays guarded, so no view can outlive its guard.
+A mapping is unmapped when it is closed with no view of it alive, else at a
+later ``open`` or ``close`` once none is; until then it stays guarded. The
+mapping holds a descriptor of its own (Python's ``mmap`` duplicates the one
+it is given): the caller may close its own at once.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import mmap
 import threading
@@ -35,10 +36,6 @@ try:
     from lmkv._ext import _busguard
 except ImportError:  # not built: mapped reads are off, pread serves
     _busguard = None
-
-#: ``madvise`` advice that faults a range in, read-only, in one call (Linux 5.14).
-MADV_POPULATE_READ = 22
-_PAGE = mmap.PAGESIZE
 
 _lock = threading.Lock()
 _lingering: list[MappedFile] = []  # closed while viewed: unmapped once they are not
@@ -59,6 +56,7 @@ class MappedFile:
         self._slot = slot
         self._start = start
         self.length = length
+        self._damaged_before = False  # (a fault seen under a slot given back since)
 
     @classmethod
     def open(cls, fd: int, start: int, length: int) -> MappedFile | None:
@@ -87,6 +85,8 @@ class MappedFile:
     def damaged(self) -> bool:
         """Whether a read of the mapping faulted (the file shrank, or its disk
         failed): what was read from it since is zeros, not the file's bytes."""
+        if self._damaged_before:
+            return True
         return self._slot >= 0 and _busguard is not None and bool(_busguard.damaged(self._slot))
 
     def view(self, offset: int, nbytes: int) -> memoryview:
@@ -99,19 +99,10 @@ class MappedFile:
         begin = self._start + offset
         return memoryview(self._mapping)[begin:begin + nbytes]
 
-    def populate(self, offset: int, nbytes: int) -> None:
-        """Fault ``nbytes`` from ``start + offset`` in now, in one call (no fault per
-        page later); a hint: nothing happens where the kernel cannot."""
-        if self._mapping is None or nbytes <= 0:
-            return
-        begin = (self._start + offset) // _PAGE * _PAGE
-        end = min(self._start + offset + nbytes, self._start + self.length)
-        # (an older kernel says EINVAL; a file that shrank, EFAULT)
-        with contextlib.suppress(OSError, ValueError):
-            self._mapping.madvise(MADV_POPULATE_READ, begin, end - begin)
-
     def close(self) -> None:
-        """Unmap, now or once the last view of it is gone (it stays guarded till then)."""
+        """Unmap, now or, when a view of it is still alive, at a later ``open`` or
+        ``close`` once none is (it stays guarded till then)."""
+        _retry_lingering()
         if self._mapping is None:
             return
         if not self._unmap():
@@ -119,17 +110,24 @@ class MappedFile:
                 _lingering.append(self)
 
     def _unmap(self) -> bool:
+        """Unmap unless viewed (False). The guard lets go of the range before it is
+        unmapped, never after: addresses unmapped first could be mapped again by
+        another thread while the guard still named them."""
         mapping = self._mapping
         if mapping is None:
             return True
+        slot, self._slot = self._slot, -1
+        damaged = False
+        if slot >= 0 and _busguard is not None:
+            damaged = bool(_busguard.release(slot))
         try:
             mapping.close()
-        except BufferError:  # still viewed
+        except BufferError:  # still viewed: guarded again, at once
+            self._slot = _busguard.guard(mapping) if _busguard is not None else -1
+            if damaged and self._slot >= 0:
+                self._damaged_before = True
             return False
         self._mapping = None
-        if self._slot >= 0 and _busguard is not None:
-            _busguard.release(self._slot)
-            self._slot = -1
         return True
 
     def __del__(self) -> None:

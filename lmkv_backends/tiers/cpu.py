@@ -321,12 +321,13 @@ class CPUBackend(StorageBackend):
             obj = live.get(slot)
             if obj is not None and not obj.is_evictable:
                 continue  # pinned or held: never a victim
-            if obj is not None or self._ident[slot] != layout.ident:
+            if self._ident[slot] != layout.ident:
                 return None
             offset = offsets[slot] * self._align
-            self._drop_locked(slot, free=False)
+            taken = self._drop_locked(slot, free=False)
             self.counters.evictions += 1
-            return self.allocator.reuse(offset, layout)
+            # (its MemoryObj, when it had one: the tier's reference is the caller's now)
+            return taken if taken is not None else self.allocator.reuse(offset, layout)
         return None
 
     def _could_fit(self, size: int) -> bool:
@@ -376,15 +377,20 @@ class CPUBackend(StorageBackend):
         self.counters.evictions += len(victims)
         return freed
 
-    def _drop_locked(self, slot: int, free: bool = True) -> None:
-        """Forget ``slot``'s entry and give its bytes back (``free`` false: the
-        caller takes them over; only for an entry without a MemoryObj)."""
+    def _drop_locked(self, slot: int, free: bool = True) -> MemoryObj | None:
+        """Forget ``slot``'s entry and give its bytes back. ``free`` false: the
+        caller takes them over (an entry nobody else holds): its MemoryObj, with
+        the tier's reference, is returned when it has one."""
         size = self._size(slot)
         self._stored_bytes -= size
         self._count -= 1
         obj = self._live.pop(slot, None)
+        taken = None
         if obj is not None:
-            obj.ref_down()  # the tier's reference (a reader may hold more)
+            if free:
+                obj.ref_down()  # the tier's reference (a reader may hold more)
+            else:
+                taken = obj
         elif free:
             self.allocator.free_block(self._offset[slot] * self._align, size)
         self._offset[slot] = -1
@@ -393,7 +399,7 @@ class CPUBackend(StorageBackend):
             self.policy.forget(self._keys.key(slot))
             self._keys.remove(slot)
             self._odd.pop(slot, None)
-            return
+            return taken
         lineage = self.policy.lineage
         parent = lineage.parent(slot)
         self.policy.forget(slot)
@@ -402,6 +408,7 @@ class CPUBackend(StorageBackend):
             self._odd.pop(slot, None)
         if parent is not None:
             self._release_slot(parent)  # type: ignore[arg-type]  # a slot: by_slot
+        return taken
 
     # -- contract ----------------------------------------------------------
     def contains(self, key: CacheKey, pin: bool = False) -> bool:

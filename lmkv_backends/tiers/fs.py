@@ -396,20 +396,39 @@ class FSBackend(StorageBackend):
             os.close(fd)
             return self.get_blocking(key)
         # Mapped when in the page cache (no copy into the staging buffer); read
-        # from the disk, pread's large requests beat a mapping's faults.
-        mapped = (MappedFile.open(fd, header.header_len, header.payload_len)
-                  if self.options.mapped_reads and cached else None)
-        chunk = DirectChunk(key, header.shape, header.dtype, header.checksum,
-                            partial(store.read_payload, fd, header),
-                            partial(self._direct_failed, key),
-                            partial(self._close_direct, store, fd, mapped), mapped=mapped)
+        # from the disk, pread's large requests beat a mapping's faults. Not with
+        # page_cache off: its reads hand their pages back on close.
+        mapped = None
+        if self.options.mapped_reads and cached and store.page_cache:
+            try:
+                mapped = MappedFile.open(fd, header.header_len, header.payload_len)
+            except BaseException:
+                os.close(fd)
+                self._direct_closed()
+                raise
+        if mapped is not None:
+            # The mapping holds a descriptor of its own: this one goes now.
+            os.close(fd)
+            chunk = DirectChunk(key, header.shape, header.dtype, header.checksum,
+                                partial(_read_mapped, mapped),
+                                partial(self._direct_failed, key),
+                                partial(self._close_mapped, mapped), mapped=mapped)
+        else:
+            chunk = DirectChunk(key, header.shape, header.dtype, header.checksum,
+                                partial(store.read_payload, fd, header),
+                                partial(self._direct_failed, key),
+                                partial(self._close_direct, store, fd))
         return self._served(key, chunk, size)
 
-    def _close_direct(self, store: LocalStore, fd: int, mapped: MappedFile | None) -> None:
+    def _close_direct(self, store: LocalStore, fd: int) -> None:
         try:
-            if mapped is not None:
-                mapped.close()
             store.close_payload(fd)
+        finally:
+            self._direct_closed()
+
+    def _close_mapped(self, mapped: MappedFile) -> None:
+        try:
+            mapped.close()
         finally:
             self._direct_closed()
 
@@ -485,3 +504,10 @@ def _descriptor_limit() -> int:
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     return 1024 if soft == resource.RLIM_INFINITY else int(soft)
 
+
+def _read_mapped(mapped: MappedFile, offset: int, view: memoryview) -> None:
+    """A mapped entry's ``read_at``: the payload's bytes from ``offset`` copied out
+    of the mapping (CorruptFrameError when the file shrank under it)."""
+    view[:] = mapped.view(offset, view.nbytes)
+    if mapped.damaged:
+        raise CorruptFrameError("the entry shrank while it was read")

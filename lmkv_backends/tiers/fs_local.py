@@ -49,6 +49,7 @@ _HOST = socket.gethostname().replace("/", "_") or "host"
 _READ_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
 #: preadv2 flag: fail with EAGAIN rather than wait for the disk (0: not known here).
 _NOWAIT = getattr(os, "RWF_NOWAIT", 0)
+_NOWAIT_REFUSED = [False]  # set once a read with it was refused (EOPNOTSUPP, EINVAL)
 SYNC_FILE_RANGE_WRITE = 2  # linux/fs.h: start writeback of the range, do not wait
 
 
@@ -225,10 +226,13 @@ class LocalStore:
                     got = os.preadv(fd, [head], 0, _NOWAIT)
                 except BlockingIOError:
                     got = -1
-                except OSError as exc:  # a kernel without it: read and wait
+                except OSError as exc:
                     if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
                         raise
-                    got = os.preadv(fd, [head], 0)
+                    # A kernel or filesystem that cannot tell: never asked again,
+                    # and this entry (as every one after) goes to the I/O threads.
+                    _NOWAIT_REFUSED[0] = True
+                    got = -1
                 if got != want:  # (a short read: only part of it is cached)
                     raise NotCached(name)
             else:
@@ -308,13 +312,13 @@ class NotCached(Exception):
 
 def can_tell_cached() -> bool:
     """Whether this kernel reads without waiting for the disk when asked (RWF_NOWAIT)."""
-    return bool(_NOWAIT)
+    return bool(_NOWAIT) and not _NOWAIT_REFUSED[0]
 
 
 def _cached(fd: int, offset: int) -> bool:
     """Whether the byte at ``offset`` is in the page cache (read without waiting
     for the disk; False where the kernel cannot tell)."""
-    if not _NOWAIT:
+    if not can_tell_cached():
         return False
     try:
         return os.preadv(fd, [bytearray(1)], offset, _NOWAIT) == 1

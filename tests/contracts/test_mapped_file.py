@@ -51,7 +51,6 @@ def test_views_read_the_files_bytes(tmp_path: Path) -> None:
         assert mapped is not None
         assert bytes(mapped.view(0, 10)) == data[100:110]
         assert bytes(mapped.view(MiB, 4096)) == data[100 + MiB:100 + MiB + 4096]
-        mapped.populate(0, mapped.length)
         assert not mapped.damaged
         with pytest.raises(ValueError, match="outside"):
             mapped.view(mapped.length - 1, 2)
@@ -180,3 +179,24 @@ def test_the_guard_is_built_where_the_other_extension_is() -> None:
     except ImportError:
         pytest.skip("no C extension was built here")
     assert mapped_file.available()
+
+
+@NOT_BUILT
+def test_a_handler_that_raises_again_is_called_once(tmp_path: Path) -> None:
+    # faulthandler enabled after the guard, the guard put back in front of it: a
+    # fault outside lmkv's mappings reaches faulthandler once (it reports, then
+    # raises the signal again) and the process dies of SIGBUS, no loop.
+    done = run(tmp_path, """
+        import faulthandler, mmap
+        fd = os.open(path, os.O_RDWR)
+        first = MappedFile.open(fd, 0, 4096)
+        faulthandler.enable()
+        second = MappedFile.open(fd, 0, 4096)  # the guard back in front
+        theirs = mmap.mmap(fd, 4 * MiB, prot=mmap.PROT_READ)
+        os.ftruncate(fd, 4096)
+        print("reading", flush=True)
+        theirs[2 * MiB]
+        print("survived")
+    """)
+    assert done.returncode == -signal.SIGBUS
+    assert done.stderr.count("Fatal Python error: Bus error") == 1
