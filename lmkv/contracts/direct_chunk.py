@@ -62,12 +62,13 @@ class DirectChunk:
     answers shape checks and holds no data.
 
     ``mapped``: the payload mapped (``MappedFile``, its offset 0 the payload's
-    first byte). Pieces are then views of the mapping, not copies in the staging
-    buffer: the checksum reads the page cache where it is and the connector
-    copies from there. A read the mapping's guard caught (the file shrank under
-    it, or the disk failed) fails the piece, or the chunk in ``finish`` when it
-    happened while the piece was copied out. The tier closes the mapping in
-    ``close``.
+    first byte). ``pieces`` then yields views of the mapping, not copies in the
+    staging buffer: the checksum reads the page cache where it is and the
+    connector copies from there. A read the mapping's guard caught (the file
+    shrank under it, or the disk failed) fails the piece, or the chunk in
+    ``finish`` when it happened while the piece was copied out. ``read_piece``
+    always reads with ``read_at`` (a tier may have it copy out of the mapping).
+    The tier closes the mapping in ``close``.
     """
 
     def __init__(self, key: CacheKey, shape: tuple[int, ...], dtype: torch.dtype,
@@ -129,13 +130,6 @@ class DirectChunk:
             raise ValueError(f"staging must be a flat uint8 tensor of at least {nbytes} bytes")
         buf = staging[:nbytes]
         view = buf.numpy().data
-        if self._mapped is not None:  # copied out of the mapping: no change after the hash
-            source, _ = self._view(first, layers)
-            buf.copy_(torch.frombuffer(source, dtype=torch.uint8))
-            del source
-            self._check_mapping()
-            hasher.update(view)
-            return buf.view(self.dtype).view(layers, *self.shape[1:])
         with self._lock:
             if self._released:
                 raise ChunkReleased(self.key.to_string())

@@ -310,25 +310,14 @@ class CPUBackend(StorageBackend):
             return None
         if layout.ident < 0:
             return None
-        live, offsets, by_slot = self._live, self._offset, self._by_slot
-        for name in self.policy.candidates():
-            if by_slot:
-                slot = name if type(name) is int and offsets[name] >= 0 else -1
-            else:
-                slot = self._slot_of(name)
-            if slot < 0:
-                continue
-            obj = live.get(slot)
-            if obj is not None and not obj.is_evictable:
-                continue  # pinned or held: never a victim
-            if self._ident[slot] != layout.ident:
-                return None
-            offset = offsets[slot] * self._align
-            taken = self._drop_locked(slot, free=False)
-            self.counters.evictions += 1
-            # (its MemoryObj, when it had one: the tier's reference is the caller's now)
-            return taken if taken is not None else self.allocator.reuse(offset, layout)
-        return None
+        slot = next(self._victims(), -1)
+        if slot < 0 or self._ident[slot] != layout.ident:
+            return None
+        offset = self._offset[slot] * self._align
+        taken = self._drop_locked(slot, free=False)
+        self.counters.evictions += 1
+        # (its MemoryObj, when it had one: the tier's reference is the caller's now)
+        return taken if taken is not None else self.allocator.reuse(offset, layout)
 
     def _could_fit(self, size: int) -> bool:
         """Whether evicting every evictable entry would leave a contiguous block of ``size``.
@@ -354,10 +343,9 @@ class CPUBackend(StorageBackend):
         offsets = self._offset
         return (slot for slot in self._keys.slots() if offsets[slot] >= 0)
 
-    def _evict_locked(self, needed: int) -> int:
-        """Evict unpinned, unreferenced entries in policy order; returns bytes freed."""
-        victims: list[int] = []
-        freed = 0
+    def _victims(self) -> Iterator[int]:
+        """Stored slots that no one else holds or pins, in the policy's eviction
+        order (drop one only after the iteration ends)."""
         live, by_slot, offsets = self._live, self._by_slot, self._offset
         for name in self.policy.candidates():
             if by_slot:  # the policy orders only this tier's keys
@@ -368,10 +356,17 @@ class CPUBackend(StorageBackend):
                 continue
             obj = live.get(slot)
             if obj is None or obj.is_evictable:
-                victims.append(slot)
-                freed += self._size(slot)
-                if freed >= needed:
-                    break
+                yield slot
+
+    def _evict_locked(self, needed: int) -> int:
+        """Evict unpinned, unreferenced entries in policy order; returns bytes freed."""
+        victims: list[int] = []
+        freed = 0
+        for slot in self._victims():
+            victims.append(slot)
+            freed += self._size(slot)
+            if freed >= needed:
+                break
         for slot in victims:
             self._drop_locked(slot)
         self.counters.evictions += len(victims)
