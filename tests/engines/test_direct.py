@@ -237,6 +237,37 @@ def test_a_release_during_a_read_closes_after_it_and_blames_nobody(tmp_path: Pat
         assert fs._direct_open == 0
 
 
+def test_read_piece_reads_the_stored_layers_and_fails_a_shrunk_entry(
+        tmp_path: Path, reads: bool) -> None:
+    # piece by piece into a staging buffer (read_at: pread, or a copy out of the
+    # mapping), each layer the one stored; an entry truncated in place fails the
+    # read as corrupt (the guard turns a mapped read's SIGBUS into that)
+    import xxhash
+
+    from lmkv.base.errors import CorruptFrameError
+
+    tokens = list(range(CHUNK))
+    stored(tmp_path, tokens)
+    with engine(tmp_path) as reader:
+        fs = reader.storage.tiers[1]
+        key = reader.chunker.chunk(tokens).keys[0]
+        whole = fs.get_blocking(key)
+        assert whole is not None
+        chunk = fs.batched_get_direct("x", [key]).result(10)[0]
+        assert isinstance(chunk, DirectChunk) and (chunk._mapped is not None) == reads
+        staging = torch.zeros(LAYER_BYTES, dtype=torch.uint8)
+        hasher = xxhash.xxh3_64()
+        for layer in range(2):
+            piece = chunk.read_piece(layer, 1, staging, hasher)
+            assert torch.equal(piece[0], whole.tensor[layer])
+        os.truncate(tmp_path / entry_name(key), LAYER_BYTES)  # in place, under the reader
+        with pytest.raises(CorruptFrameError):
+            chunk.read_piece(3, 1, staging, hasher)
+        assert fs.counters.corrupt_frames == 1
+        whole.ref_down()
+        chunk.ref_down()
+
+
 def test_past_the_descriptor_cap_chunks_are_read_in(tmp_path: Path) -> None:
     tokens = list(range(4 * CHUNK))
     src = stored(tmp_path, tokens)
