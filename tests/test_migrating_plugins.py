@@ -11,10 +11,15 @@ import warnings
 from pathlib import Path
 
 import pytest
+import torch
 
 from lmkv.contracts.versions import API_VERSIONS
 from lmkv.plugins.registry import KINDS
-from lmkv.testing import EvictionPolicyConformance, StorageBackendConformance
+from lmkv.testing import (
+    EvictionPolicyConformance,
+    GPUConnectorConformance,
+    StorageBackendConformance,
+)
 from lmkv.testing.building import load_problem
 
 DOC = (Path(__file__).resolve().parents[1] / "docs" / "migrating-plugins.md").read_text()
@@ -90,3 +95,19 @@ class TestAfterPolicyKit(AFTER["TestOldestFirst"], EvictionPolicyConformance):
 
 class TestAfterTierKit(AFTER["TestDictTier"], StorageBackendConformance):
     pass
+
+
+class TestAfterConnectorKit(GPUConnectorConformance):
+    """The heads-outer connector of the 2.1 section passes the GPU-connector kit."""
+
+    connector_class = AFTER["HeadsOuterConnector"]
+
+    def engine_state(self, spec, tokens, seed):  # type: ignore[no-untyped-def]
+        shape = (spec.num_layers, spec.num_kv_heads, tokens, spec.kv_planes, spec.head_dim)
+        if seed is None:
+            return {"kv": torch.zeros(shape, dtype=spec.dtype)}
+        gen = torch.Generator().manual_seed(seed)
+        return {"kv": torch.randn(shape, generator=gen).to(spec.dtype)}
+
+    def token_kv(self, state, layer, token):  # type: ignore[no-untyped-def]
+        return state["kv"][layer, :, token].transpose(0, 1)

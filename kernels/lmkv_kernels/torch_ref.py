@@ -39,7 +39,19 @@ def gather_blocks(caches: Sequence[torch.Tensor], block_ids: BlockIds, chunks: C
         stop = start + buf.shape[2]
         # gather on the cache's device, then one transfer to the buffer
         out = buf if buf.device == device else torch.empty_like(buf, device=device)
-        if rows and out.is_contiguous():  # one gather per layer, whatever the table
+        runs = _head_runs(out, g)
+        if runs is not None:  # cpu caches, heads-outer buffer: a copy per block run
+            layers = runs.unbind(0)
+            for block, count, offset, length, t in _pieces(start, stop, ids, g.block_size):
+                t0 = t - start
+                for cache, rows in zip(caches, layers, strict=True):
+                    part = rows.narrow(1, t0, count * length)
+                    if count == 1:
+                        part.copy_(cache[block].narrow(1, offset, length))
+                    else:
+                        part.view(heads, count, length, 2 * d).transpose(0, 1).copy_(
+                            cache.narrow(0, block, count))
+        elif rows and out.is_contiguous():  # one gather per layer, whatever the table
             index = (token_rows[start:stop] + kv_head_rows).view(-1)
             for layer, cache_rows in enumerate(rows):
                 torch.index_select(cache_rows, 0, index,
@@ -78,6 +90,17 @@ def scatter_blocks(caches: Sequence[torch.Tensor], block_ids: BlockIds, chunks: 
     block_rows = 2 * heads * block_size
     for start, buf, pieces in loads:
         src = buf.to(device, non_blocking=True)  # one transfer
+        runs = _head_runs(src, g)
+        if runs is not None:  # cpu caches, heads-outer buffer: a copy per block run
+            for cache, rows in zip(caches, runs.unbind(0), strict=True):
+                for block, count, offset, length, t in pieces:
+                    part = rows.narrow(1, t - start, count * length)
+                    if count == 1:
+                        cache[block].narrow(1, offset, length).copy_(part)
+                    else:
+                        cache.narrow(0, block, count).copy_(
+                            part.view(heads, count, length, 2 * d).transpose(0, 1))
+            continue
         if scatter and rows and len(pieces) > 2:
             first = max(start, skip_tokens)
             index = (token_rows[first:start + buf.shape[2]] + kv_head_rows).view(-1)
@@ -112,6 +135,21 @@ def _bitwise(caches: Sequence[torch.Tensor], chunks: Chunks
         return caches, chunks
     return ([cache.view(as_int) for cache in caches],
             [(start, buf.view(as_int)) for start, buf in chunks])
+
+
+def _head_runs(buf: torch.Tensor, g: PagedGeometry) -> torch.Tensor | None:
+    """For cpu caches, a chunk buffer held heads outer (``[layers, heads, tokens,
+    2, dim]`` in memory, viewed ``[layers, 2, tokens, heads, dim]``) as ``[layers,
+    heads, tokens, 2 * dim]``: a head's tokens are then rows of a cpu block, and a
+    run of blocks copies as one strided copy of whole rows. None for any other
+    layout or buffer order."""
+    if g.layout != "cpu" or g.planes != 2:
+        return None
+    runs = buf.permute(0, 3, 2, 1, 4)
+    d = g.head_dim
+    if runs.stride(4) != 1 or runs.stride(3) != d or runs.stride(2) != 2 * d:
+        return None
+    return runs.flatten(3)
 
 
 def _rows(caches: Sequence[torch.Tensor], g: PagedGeometry) -> list[torch.Tensor] | None:

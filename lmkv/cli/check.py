@@ -45,7 +45,8 @@ def dry_run(config: LMKVConfig) -> list[str]:
     except Exception as exc:
         problems.append(_one_line("lazy_offload_policy", exc))
     if plugins.gpu_connector is not None:
-        spec = KVSpec(**_STAND_IN, dtype=torch.float16)
+        spec = KVSpec(_STAND_IN["num_layers"], _STAND_IN["num_kv_heads"],
+                      _STAND_IN["head_dim"], dtype=torch.float16)
         try:
             plugins.gpu_connector.create(ConnectorContext(spec=spec))
         except Exception as exc:

@@ -1,12 +1,20 @@
 """The GPUConnector ABC: moves KV between an engine's layout and chunk buffers.
 
-Every chunk buffer has the canonical shape ``[num_layers, 2, num_tokens,
+A chunk buffer has the canonical shape ``[num_layers, 2, num_tokens,
 num_kv_heads, head_dim]`` (K at index 0, V at 1): the layout tag ``l2thd`` in
 each key. MLA's KV, one latent vector per token, is ``[num_layers, 1,
 num_tokens, 1, latent_dim]`` (``KVSpec.kv_planes`` 1, tag ``l1thd``).
 Connectors translate an engine's own layout (transformers per-layer tensors,
 vLLM paged caches) to and from it, so KV stored by one engine layout can be
 loaded into another.
+
+A spec with ``heads_outer`` holds its chunks as ``[num_layers, num_kv_heads,
+num_tokens, 2, head_dim]`` instead (tag ``lht2d``): the order of vLLM's CPU
+caches, whose blocks then copy in runs of whole blocks instead of one row of
+``head_dim`` at a time. Such chunks are named apart (the tag is in every key),
+so an engine of the other order never reads them. ``KVSpec.planes_first``
+gives any chunk buffer's canonical view; tokens are dimension 2 and layers
+dimension 0 in both orders.
 """
 
 from __future__ import annotations
@@ -38,9 +46,23 @@ class KVSpec:
     #: tensor-parallel rank, so its keys name it once for all of them
     #: (``lmkv.engines.keys.engine_chunker``) instead of once per rank.
     replicas: int = 1
+    #: Chunk buffers are ``[layers, kv_heads, tokens, planes, head_dim]`` (tag
+    #: ``lht2d``) instead of ``[layers, planes, tokens, kv_heads, head_dim]``: set
+    #: by a connector whose engine keeps each head's K and V of a token together
+    #: (vLLM's CPU caches), where that order copies at memcpy speed.
+    heads_outer: bool = False
 
     def chunk_shape(self, num_tokens: int) -> tuple[int, int, int, int, int]:
+        if self.heads_outer:
+            return (self.num_layers, self.num_kv_heads, num_tokens, self.kv_planes,
+                    self.head_dim)
         return (self.num_layers, self.kv_planes, num_tokens, self.num_kv_heads, self.head_dim)
+
+    def planes_first(self, buffer: torch.Tensor) -> torch.Tensor:
+        """A chunk buffer of this spec (or a piece of its layers, or a slice of its
+        tokens) as ``[layers, planes, tokens, kv_heads, head_dim]``: a view, the
+        same memory."""
+        return buffer.permute(0, 3, 2, 1, 4) if self.heads_outer else buffer
 
     def chunk_nbytes(self, num_tokens: int) -> int:
         return (self.num_layers * self.kv_planes * num_tokens * self.num_kv_heads
@@ -48,7 +70,10 @@ class KVSpec:
 
     @property
     def chunk_layout(self) -> str:
-        """The chunk layout tag in keys: ``l2thd``, or ``l1thd`` for one plane (MLA)."""
+        """The chunk layout tag in keys: ``l2thd``, ``l1thd`` for one plane (MLA),
+        ``lht2d`` with ``heads_outer``."""
+        if self.heads_outer:
+            return f"lht{self.kv_planes}d"
         return CHUNK_LAYOUT if self.kv_planes == 2 else f"l{self.kv_planes}thd"
 
 
@@ -58,7 +83,7 @@ class ChunkSpan:
 
     start: int
     end: int
-    buffer: torch.Tensor  # [layers, 2, end - start, kv_heads, head_dim]
+    buffer: torch.Tensor  # KVSpec.chunk_shape(end - start): tokens are dimension 2
 
 
 @dataclass(frozen=True)
@@ -81,6 +106,10 @@ class GPUConnector(Plugin, ABC):
     paged caches).
     """
 
+    #: The order of the chunk buffers the connector fills and reads, the tag in
+    #: the keys of two-plane KV: ``l2thd``; a connector that takes a
+    #: ``heads_outer`` spec says ``lht2d`` (engines refuse a connector whose tag
+    #: differs from such a spec's, rather than name one order's bytes as the other).
     chunk_layout: str = CHUNK_LAYOUT
     #: What kind of engine KV the connector takes: integrations check it (the
     #: transformers integration needs "hf"; vLLM's paged caches are "paged"; each

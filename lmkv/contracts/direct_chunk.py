@@ -75,8 +75,8 @@ class DirectChunk:
                  checksum: int, read_at: ReadAt, failed: Callable[[BaseException], None],
                  close: Callable[[], None], mapped: MappedFile | None = None) -> None:
         if len(shape) != 5 or not all(n > 0 for n in shape):
-            raise ValueError(f"a direct chunk is [layers, planes, tokens, heads, dim], "
-                             f"not {shape}")
+            raise ValueError(f"a direct chunk is a chunk's shape ([layers, planes, tokens, "
+                             f"heads, dim] or heads outer), not {shape}")
         self.key = key
         self.tensor = torch.empty(shape, dtype=dtype, device="meta")
         self.checksum = checksum
@@ -109,6 +109,11 @@ class DirectChunk:
         self._closer()
 
     @property
+    def mapped(self) -> bool:
+        """Whether ``pieces`` yields views of a mapping (its ``staging`` unused)."""
+        return self._mapped is not None
+
+    @property
     def layer_bytes(self) -> int:
         return self.nbytes // self.shape[0]
 
@@ -123,7 +128,7 @@ class DirectChunk:
                    hasher: xxhash.xxh3_64) -> torch.Tensor:
         """Layers ``first`` to ``first + layers`` read into ``staging`` (flat uint8)
         and folded into ``hasher``, which must have seen every earlier piece: a
-        view of ``staging`` shaped ``[layers, planes, tokens, heads, dim]``.
+        view of ``staging`` shaped as the chunk's layers (``[layers, ...shape[1:]]``).
         ``CorruptFrameError`` (the tier told) when the bytes cannot be read."""
         nbytes = layers * self.layer_bytes
         if staging.dtype != torch.uint8 or staging.dim() != 1 or staging.numel() < nbytes:
@@ -154,7 +159,7 @@ class DirectChunk:
 
     def _view(self, first: int, layers: int) -> tuple[memoryview, torch.Tensor]:
         """Layers ``first`` to ``first + layers`` of a mapped payload, where they are:
-        the bytes and a tensor shaped ``[layers, planes, tokens, heads, dim]``."""
+        the bytes and a tensor shaped as the chunk's layers (``[layers, ...shape[1:]]``)."""
         mapped = self._mapped
         assert mapped is not None
         offset, nbytes = first * self.layer_bytes, layers * self.layer_bytes
@@ -185,7 +190,7 @@ class DirectChunk:
     def pieces(self, staging: torch.Tensor, piece_bytes: int = PIECE_BYTES
                ) -> Iterator[tuple[int, torch.Tensor]]:
         """The pieces one after another: ``(first layer, layers shaped [layers,
-        planes, tokens, heads, dim])``, each valid until the next; then ``finish``.
+        ...shape[1:]])``, each valid until the next; then ``finish``.
         What was yielded must be treated as never loaded when this raises.
 
         A mapped payload's pieces are views of the mapping (``staging`` unused),

@@ -34,7 +34,7 @@ API_VERSIONS: dict[str, str] = {
     "eviction_policy": "2.1",
     "offload_policy": "2.0",
     "serializer": "2.0",
-    "gpu_connector": "2.0",
+    "gpu_connector": "2.1",
 }
 #: The lmkv release that stops taking a class without ``api_version``.
 UNDECLARED_UNTIL = "0.3"
@@ -136,7 +136,7 @@ CALLS: dict[str, tuple[Call, ...]] = {
 def api_summary() -> str:
     """The plugin API in a few words: ``plugin API 2.0`` when every kind has the
     same version, else the version most kinds have and the others by name
-    (``plugin API 2.0, storage_backend 2.1, eviction_policy 2.1``)."""
+    (``plugin API 2.1, offload_policy 2.0, serializer 2.0``)."""
     versions = list(API_VERSIONS.values())
     common = max(versions, key=versions.count)
     others = [f"{kind} {v}" for kind, v in API_VERSIONS.items() if v != common]

@@ -6,7 +6,8 @@ connector as usual. A direct chunk is read a few layers at a time (a piece)
 into a staging buffer (allocated once and touched, so reads never fault in
 fresh pages, and small enough to stay in the CPU's caches), folded into the
 chunk's checksum there, and copied from there into the KV by the same
-connector built for that many layers.
+connector built for that many layers. A chunk its tier mapped is copied from
+the mapping, with no staging buffer (``DirectChunk.mapped``).
 
 The reads run on the calling thread. A reader thread that fetched the next
 piece while this one copied measured slower inside vLLM's CPU build (its
@@ -34,6 +35,7 @@ from lmkv.contracts.direct_chunk import PIECE_BYTES, DirectChunk
 from lmkv.memory import MemoryObj
 
 logger = logging.getLogger(__name__)
+_NO_STAGING = torch.empty(0, dtype=torch.uint8)
 
 
 class DirectLoads:
@@ -48,8 +50,10 @@ class DirectLoads:
              kv: dict[str, Any]) -> int:
         """Copy ``spans`` (chunk ``i`` from ``objs[i]``) into the KV in order; the
         number of chunks loaded: all of them unless a direct chunk failed."""
-        direct = [obj for obj in objs[:len(spans)] if isinstance(obj, DirectChunk)]
-        staging = self._take(max(chunk.layer_bytes for chunk in direct))
+        read = [obj.layer_bytes for obj in objs[:len(spans)]
+                if isinstance(obj, DirectChunk) and not obj.mapped]
+        # (mapped chunks' pieces are views of their mappings: no staging buffer)
+        staging = self._take(max(read)) if read else _NO_STAGING
         try:
             i, n = 0, len(spans)
             while i < n:
@@ -68,7 +72,8 @@ class DirectLoads:
                 i = j
             return n
         finally:
-            self._give(staging)
+            if read:
+                self._give(staging)
 
     def _read(self, chunk: DirectChunk, span: ChunkSpan, staging: torch.Tensor,
               kv: dict[str, Any]) -> None:

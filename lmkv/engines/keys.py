@@ -67,6 +67,9 @@ def engine_chunker(config: LMKVConfig, spec: KVSpec, model_name: str, connector:
     # those consecutively) is named once for all of them: by the group of ranks
     # (a pipeline stage), whose layers differ.
     replicas = max(spec.replicas, 1)
+    if spec.heads_outer and connector.chunk_layout != spec.chunk_layout:
+        raise ValueError(f"lmkv: gpu_connector {connector.name!r} moves {connector.chunk_layout} "
+                         f"chunks; this engine's KV spec holds {spec.chunk_layout} chunks")
     layout = connector.chunk_layout if spec.kv_planes == 2 else spec.chunk_layout
     meta = KeyMeta(config.model_name or model_name, max(world_size // replicas, 1),
                    worker_id // replicas, dtype_name(spec.dtype), layout,

@@ -9,6 +9,11 @@
   (``policy_class``, ``policy_options()``): the load check, leaves only, no
   orphaned prefix through a real tier, pins and references respected,
   bounded memory, usage back to zero.
+* ``GPUConnectorConformance``: the same for a GPU connector
+  (``connector_class``, ``connector_options()``, and your engine's state:
+  ``engine_state``, ``token_kv``): the load check, each token's KV where the
+  spec's chunk order puts it, chunks loaded back bit for bit, and the chunk
+  layout an engine names them by.
 * Plugins built the way lmkv builds them (``lmkv.testing.building``):
   ``load_problem(cls)`` (why lmkv's load check would leave a class out; "" when
   it fits), ``build_plugin(cls, options, context)``, ``config_of(tiers,
@@ -47,9 +52,11 @@ from lmkv.testing.building import (
     storage_from,
 )
 from lmkv.testing.conformance import StorageBackendConformance
+from lmkv.testing.connector_conformance import GPUConnectorConformance
 from lmkv.testing.plugins import fresh_plugin_manager, registered_plugin
 from lmkv.testing.policy_conformance import EvictionPolicyConformance
 
-__all__ = ["EvictionPolicyConformance", "StorageBackendConformance", "build_plugin",
+__all__ = ["EvictionPolicyConformance", "GPUConnectorConformance",
+           "StorageBackendConformance", "build_plugin",
            "config_of", "fresh_plugin_manager", "load_problem", "plugin_class",
            "registered_plugin", "selectable", "storage_from"]

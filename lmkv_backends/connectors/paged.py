@@ -1,5 +1,7 @@
 """vLLM-style paged KV caches, copied to and from lmkv's chunk buffers
-``[layers, planes, tokens, kv_heads, head_dim]`` by the ``lmkv_kernels`` copies.
+``[layers, planes, tokens, kv_heads, head_dim]`` by the ``lmkv_kernels`` copies
+(for ``cpu`` caches held heads outer, ``[layers, kv_heads, tokens, 2, head_dim]``:
+``KVSpec.heads_outer``, the caches' own order, so a block copies as whole rows).
 
 The connector checks what it is given (once a call, one line when wrong). The
 caches' layout is, in this order: the connector's ``layout`` option, the
@@ -12,6 +14,7 @@ there, never a new connector.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any, Literal
 
 import torch
@@ -36,7 +39,11 @@ class PagedOptions(PluginOptions):
 
 
 def _spec(g: PagedGeometry, num_layers: int, dtype: torch.dtype) -> KVSpec:
-    return KVSpec(num_layers, g.kv_heads, g.head_dim, dtype, kv_planes=g.planes)
+    # cpu caches keep a head's K and V of a token side by side, block after block
+    # ([blocks, heads, block, 2 * dim]): chunks in that order ([layers, heads,
+    # tokens, 2, dim]) copy a whole block of a head in one run.
+    return KVSpec(num_layers, g.kv_heads, g.head_dim, dtype, kv_planes=g.planes,
+                  heads_outer=g.layout == "cpu")
 
 
 class PagedConnector(GPUConnector):
@@ -52,7 +59,7 @@ class PagedConnector(GPUConnector):
     """
 
     name = "paged"
-    api_version = "2.0"
+    api_version = "2.1"
     kv_kind = "paged"
     writes_in_place = True
     Options = PagedOptions
@@ -62,13 +69,20 @@ class PagedConnector(GPUConnector):
     def spec_from(cls, *, kv_caches: Sequence[torch.Tensor],  # type: ignore[override]
                   kv_layout: str | None = None, **_: Any) -> KVSpec:
         """The spec of vLLM's paged caches in ``kv_layout`` (None: read from their
-        shapes)."""
+        shapes). For ``cpu`` caches its chunks are ``heads_outer`` (``lht2d``)."""
         check(len(kv_caches) > 0, "no KV caches; expected one paged cache per layer")
         g = lmkv_kernels.geometry(kv_caches[0], kv_layout)  # type: ignore[arg-type]
-        return _spec(g, len(kv_caches), kv_caches[0].dtype)
+        spec = _spec(g, len(kv_caches), kv_caches[0].dtype)
+        if cls.to_chunks is not PagedConnector.to_chunks \
+                or cls.from_chunks is not PagedConnector.from_chunks:
+            # a subclass with copies of its own moves the canonical order it knows
+            spec = replace(spec, heads_outer=False)
+        return spec
 
     def __init__(self, options: OptionsArg, context: ConnectorContext) -> None:
         super().__init__(options, context)
+        self.chunk_layout = context.spec.chunk_layout if context.spec.heads_outer \
+            else type(self).chunk_layout
         options = self.options
         assert isinstance(options, PagedOptions)
         layout = options.layout if options.layout != "auto" else context.kv_layout
@@ -116,7 +130,7 @@ class PagedConnector(GPUConnector):
         """``after``: the forward's stream or an event on it (``TransferStream.store``),
         when the caller is not the forward's thread."""
         g = self._validate(kv_caches, block_ids, max((s.end for s in spans), default=0))
-        chunks = [(s.start, s.buffer) for s in spans]
+        chunks = [(s.start, self.spec.planes_first(s.buffer)) for s in spans]
         # On the transfer stream, after the forward that wrote the KV (lmkv.memory.transfer_stream);
         # the buffers are published to tiers and other threads next: after its event.
         stream_for(kv_caches[0].device).store(
@@ -131,7 +145,7 @@ class PagedConnector(GPUConnector):
         the forward's stream (``TransferStream.load``), when the caller is not the
         forward's thread."""
         g = self._validate(kv_caches, block_ids, max((s.end for s in spans), default=0))
-        chunks = [(s.start, s.buffer) for s in spans]
+        chunks = [(s.start, self.spec.planes_first(s.buffer)) for s in spans]
         # The compute stream's later kernels wait for the copy on the GPU; the chunk
         # buffers are released after this returns: after its event.
         stream_for(kv_caches[0].device).load(

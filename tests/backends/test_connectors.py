@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -260,8 +262,43 @@ def test_paged_block_ids_as_a_tensor(layout: str) -> None:
 
 @pytest.mark.parametrize("layout", ["flash", "cpu"])
 def test_paged_connector_reads_the_spec_from_the_caches(layout: str) -> None:
+    """cpu caches' chunks are held heads outer (``lht2d``), the caches' own order."""
     caches = make_paged(layout, 5, 16)
-    assert PagedConnector.spec_from(kv_caches=caches) == SPEC
+    spec = PagedConnector.spec_from(kv_caches=caches)
+    assert spec == replace(SPEC, heads_outer=layout == "cpu")
+    assert spec.chunk_shape(7) == ((L, H, 7, 2, D) if layout == "cpu" else (L, 2, 7, H, D))
+    assert PagedConnector(None, ConnectorContext(spec)).chunk_layout == spec.chunk_layout \
+        == ("lht2d" if layout == "cpu" else "l2thd")
+
+
+@pytest.mark.parametrize("total,chunk,block", [(64, 16, 16), (100, 32, 16), (70, 24, 16),
+                                              (40, 32, 128)])
+def test_heads_outer_chunks_hold_the_same_kv_in_the_caches_order(total: int, chunk: int,
+                                                                   block: int) -> None:
+    """A heads-outer spec's chunks are the canonical chunks with heads and planes
+    swapped in memory, bit for bit; they load back into cpu and flash caches alike."""
+    spec = replace(SPEC, heads_outer=True)
+    caches = make_paged("cpu", 12, block)
+    ids = torch.randperm(12)[:-(-total // block)].tolist()
+    canonical = spans_for(total, chunk)
+    PagedConnector(None, ConnectorContext(SPEC)).to_chunks(canonical, kv_caches=caches,
+                                                           block_ids=ids)
+    outer = [ChunkSpan(s.start, s.end, torch.empty(spec.chunk_shape(s.end - s.start)))
+             for s in canonical]
+    conn = PagedConnector(None, ConnectorContext(spec))
+    conn.to_chunks(outer, kv_caches=caches, block_ids=ids)
+    for a, b in zip(canonical, outer, strict=True):
+        assert b.buffer.is_contiguous()
+        assert torch.equal(a.buffer.permute(0, 3, 2, 1, 4), b.buffer)
+        assert spec.planes_first(b.buffer).data_ptr() == b.buffer.data_ptr()
+    for layout in ("cpu", "flash"):
+        other = make_paged(layout, 12, block)
+        other = [torch.zeros_like(c) for c in other]
+        back = list(reversed(range(12)))[:len(ids)]
+        conn.from_chunks(outer, kv_caches=other, block_ids=back)
+        ks, vs = token_kv(caches, "cpu", ids, block, total)
+        ks2, vs2 = token_kv(other, layout, back, block, total)
+        assert all(torch.equal(x, y) for x, y in zip(ks + vs, ks2 + vs2, strict=True))
 
 
 def test_paged_connector_refuses_caches_in_no_known_layout() -> None:

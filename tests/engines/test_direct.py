@@ -6,6 +6,7 @@ recomputed) and never lands as KV of another prompt."""
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,15 @@ LAYER_BYTES = 2 * CHUNK * 2 * 16 * 2  # planes x tokens x heads x dim x fp16
 
 
 MAPPED = {"mapped_reads": True}  # the reads fixture's choice for every engine here
+ORDER = {"spec": SPEC}  # the order fixture's choice: the spec every engine here has
+
+
+@pytest.fixture(autouse=True, params=[False, True], ids=["l2thd", "lht2d"])
+def order(request: pytest.FixtureRequest) -> bool:
+    """Every test with chunks in the canonical order and held heads outer (the
+    spec vLLM's cpu caches get from the paged connector)."""
+    ORDER["spec"] = replace(SPEC, heads_outer=request.param)
+    return request.param
 
 
 @pytest.fixture(autouse=True, params=[True, False], ids=["mapped", "pread"])
@@ -46,7 +56,7 @@ def config(root: Path, **fs_options):
 
 
 def engine(root: Path, direct: bool = True, **fs_options) -> LocalEngine:
-    return open_local_engine(config(root, **fs_options), SPEC, model_name="direct",
+    return open_local_engine(config(root, **fs_options), ORDER["spec"], model_name="direct",
                              kv_kind="paged", block_size=BLOCK, direct_reads=direct)
 
 

@@ -230,3 +230,24 @@ def test_mla_kv_is_named_once_for_the_ranks_that_replicate_it() -> None:
     assert (meta(mla, 3).world_size, meta(mla, 3).worker_id) == (2, 1)
     assert meta(mla, 0).kv_layout == "l1thd"
     assert meta(SPEC, 0) != meta(SPEC, 1) and meta(SPEC, 0).kv_layout == "l2thd"
+
+
+def test_heads_outer_chunks_are_named_apart_and_need_a_connector_that_moves_them() -> None:
+    """A heads-outer spec's chunks (``lht2d``) never share a key with canonical
+    ones of the same geometry; a connector that moves canonical chunks cannot
+    serve such a spec (its bytes would be named as the other order's)."""
+    from dataclasses import replace
+
+    from lmkv.contracts.connector import ConnectorContext, GPUConnector
+    from lmkv.engines.keys import engine_chunker
+    from lmkv_backends.connectors.paged import PagedConnector
+
+    config = load_config(env={})
+    outer = replace(SPEC, heads_outer=True)
+    paged = PagedConnector(None, ConnectorContext(outer))
+    meta = engine_chunker(config, outer, "m", paged, 1, 0).meta
+    assert meta.kv_layout == "lht2d"
+    assert meta != engine_chunker(config, SPEC, "m", GPUConnector, 1, 0).meta
+    with pytest.raises(ValueError, match="moves l2thd chunks; this engine's KV spec holds "
+                                         "lht2d chunks"):
+        engine_chunker(config, outer, "m", GPUConnector, 1, 0)

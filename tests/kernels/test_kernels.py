@@ -69,14 +69,21 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def chunks_of(total: int, sizes: list[int], dtype: torch.dtype,
-              layout: str = "flash") -> list[tuple[int, torch.Tensor]]:
+              layout: str = "flash", heads_outer: bool = False
+              ) -> list[tuple[int, torch.Tensor]]:
+    """Zeroed buffers ``[layers, planes, tokens, heads, dim]``; ``heads_outer``: views
+    of buffers held ``[layers, heads, tokens, planes, dim]`` (``KVSpec.heads_outer``)."""
     planes, heads, dim = dims(layout)
     chunks, start = [], 0
     for size in sizes:
         size = min(size, total - start)
         if size <= 0:
             break
-        chunks.append((start, torch.zeros(LAYERS, planes, size, heads, dim, dtype=dtype)))
+        if heads_outer:
+            buf = torch.zeros(LAYERS, heads, size, planes, dim, dtype=dtype).permute(0, 3, 2, 1, 4)
+        else:
+            buf = torch.zeros(LAYERS, planes, size, heads, dim, dtype=dtype)
+        chunks.append((start, buf))
         start += size
     return chunks
 
@@ -84,8 +91,9 @@ def chunks_of(total: int, sizes: list[int], dtype: torch.dtype,
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("heads_outer", [False, True], ids=["l2thd", "lht2d"])
 def test_reference_round_trip_with_random_block_tables(layout: str, dtype: torch.dtype,
-                                                       seed: int) -> None:
+                                                       seed: int, heads_outer: bool) -> None:
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     block = rng.choice([1, 4, 16, 48])
@@ -96,7 +104,7 @@ def test_reference_round_trip_with_random_block_tables(layout: str, dtype: torch
     dst_ids = rng.sample(range(num_blocks), n)
     sizes = [rng.choice([1, 7, 16, 64, 100]) for _ in range(total)]
     src = make_caches(layout, num_blocks, block, dtype, gen)
-    chunks = chunks_of(total, sizes, dtype, layout)
+    chunks = chunks_of(total, sizes, dtype, layout, heads_outer)
 
     gather_blocks(src, src_ids, chunks, layout=layout)
     for start, buf in chunks:
@@ -230,6 +238,30 @@ def test_copies_whole_runs_of_consecutive_blocks_at_once() -> None:
         (4, 3, 0, 96, 0), (9, 1, 0, 96, 288), (10, 1, 0, 16, 384)]
     assert _pieces(100, 300, [4, 5, 6, 7], 96) == [
         (5, 1, 4, 92, 100), (6, 1, 0, 96, 192), (7, 1, 0, 12, 288)]
+
+
+def test_heads_outer_buffers_copy_cpu_blocks_in_runs(monkeypatch) -> None:
+    """cpu caches and heads-outer buffers (``KVSpec.heads_outer``): one copy per
+    layer and run of consecutive blocks, for buffers sliced by tokens too; any
+    other order or layout goes the general way."""
+    g = geometry(torch.zeros(8, HEADS, 16, 2 * DIM), "cpu")
+    held = torch.zeros(LAYERS, HEADS, 64, 2, DIM)
+    view = held.permute(0, 3, 2, 1, 4)
+    assert torch_ref._head_runs(view, g).data_ptr() == held.data_ptr()
+    assert torch_ref._head_runs(view[:, :, 16:48], g) is not None
+    assert torch_ref._head_runs(torch.zeros(LAYERS, 2, 64, HEADS, DIM), g) is None
+    assert torch_ref._head_runs(view, geometry(torch.zeros(2, 8, 16, HEADS, DIM),
+                                               "flash")) is None
+    caches = [torch.randn(8, HEADS, 16, 2 * DIM) for _ in range(LAYERS)]
+    copies = []
+    real = torch.Tensor.copy_
+    monkeypatch.setattr(torch.Tensor, "copy_",
+                        lambda self, src, *a, **k: copies.append(1) or real(self, src, *a, **k))
+    scatter_blocks(caches, [2, 3, 4, 6], [(0, view)], layout="cpu", kernels="torch")
+    assert len(copies) == 2 * LAYERS  # blocks 2-4, then 6
+    copies.clear()
+    gather_blocks(caches, [2, 3, 4, 6], [(0, view)], layout="cpu", kernels="torch")
+    assert len(copies) == 2 * LAYERS
 
 
 @pytest.mark.parametrize("head_dim,offset", [(8, 0), (8, 1), (4, 0)])

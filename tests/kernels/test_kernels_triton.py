@@ -249,3 +249,27 @@ def test_index_tables_go_to_cuda_pinned_and_non_blocking_on_the_caches_device(
     want = torch.empty_like(buf)
     torch_ref.gather_blocks(caches, [3], [(0, want)], "cpu")
     assert torch.equal(buf, want)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_triton_copies_heads_outer_buffers_as_the_reference(triton_impl: ModuleType,
+                                                            layout: str) -> None:
+    """Buffers held ``[layers, heads, tokens, planes, dim]`` (``KVSpec.heads_outer``,
+    the order of cpu caches) and viewed in the canonical order: the same bits
+    as the reference's own heads-outer path."""
+    caches, ids, chunks, skip = case(layout, torch.bfloat16, 9)
+
+    def held(chunks):  # type: ignore[no-untyped-def]
+        return [(start, torch.zeros(buf.shape[0], buf.shape[3], buf.shape[2], buf.shape[1],
+                                    buf.shape[4], dtype=buf.dtype).permute(0, 3, 2, 1, 4))
+                for start, buf in chunks]
+
+    want, got = held(chunks), held(chunks)
+    torch_ref.gather_blocks(caches, ids, want, layout)
+    triton_impl.gather_blocks(caches, ids, got, layout)
+    assert same([b for _, b in got], [b for _, b in want])
+    dst = [torch.zeros_like(c) for c in caches]
+    dst_ref = [torch.zeros_like(c) for c in caches]
+    triton_impl.scatter_blocks(dst, ids, got, skip, layout)
+    torch_ref.scatter_blocks(dst_ref, ids, want, skip, layout)
+    assert same(dst, dst_ref)

@@ -6,11 +6,16 @@ own and checks that the named kit tests fail.
 
 from __future__ import annotations
 
-import pytest
+from dataclasses import replace
 
-from lmkv.contracts import EvictionPolicy, StorageBackend, done_future
+import pytest
+import torch
+
+import lmkv_kernels
+from lmkv.contracts import EvictionPolicy, KVSpec, StorageBackend, done_future
 from lmkv.testing import EvictionPolicyConformance, StorageBackendConformance, plugin_class
 from tests.plugins.test_legacy_plugin import PORTED
+from tests.testing.test_connector_kit import PagedKit
 
 Tier = PORTED["LegacyTier"]  # a correct frame tier (the kits pass it)
 Policy = PORTED["OldestFirst"]  # a correct policy
@@ -183,3 +188,47 @@ class TestHandBuiltPolicy(EvictionPolicyConformance):
 
     def make_policy(self) -> EvictionPolicy:  # what the 0.1 kit let a plugin do
         return HandBuiltPolicy()
+
+
+Paged = plugin_class("gpu_connector", "paged")
+
+
+class CanonicalIntoOuter(Paged):  # type: ignore[misc, valid-type]
+    """Says its chunks are held heads outer (as cpu caches get them) but fills and
+    reads them in the canonical order: with two KV heads the shapes agree, the
+    round trip holds, and every other engine of the layout would read scrambled KV."""
+
+    name = "mutant-canonical-into-outer"
+    api_version = "2.1"
+
+    @classmethod
+    def spec_from(cls, **kv):
+        return replace(super().spec_from(**kv), heads_outer=True)
+
+    def to_chunks(self, spans, *, kv_caches, block_ids, after=None, **_):
+        lmkv_kernels.gather_blocks(kv_caches, block_ids, [(s.start, s.buffer) for s in spans],
+                                   layout="cpu")
+
+    def from_chunks(self, spans, *, kv_caches, block_ids, skip_tokens=0, after=None, **_):
+        lmkv_kernels.scatter_blocks(kv_caches, block_ids, [(s.start, s.buffer) for s in spans],
+                                    skip_tokens, layout="cpu")
+
+
+class OuterChunksCanonicalName(Paged):  # type: ignore[misc, valid-type]
+    """Moves heads-outer chunks but names them ``l2thd``: the canonical order's tag."""
+
+    name = "mutant-outer-named-canonical"
+    api_version = "2.1"
+
+    def __init__(self, options, context):
+        super().__init__(options, context)
+        self.chunk_layout = "l2thd"
+
+
+class TestCanonicalIntoOuter(PagedKit):
+    connector_class = CanonicalIntoOuter
+    spec = KVSpec(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float32)
+
+
+class TestOuterChunksCanonicalName(PagedKit):
+    connector_class = OuterChunksCanonicalName

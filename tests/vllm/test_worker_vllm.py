@@ -49,7 +49,10 @@ def test_the_worker_takes_the_spec_the_connector_reads(tmp_path, layout: str) ->
     kv = caches(layout)
     side.register(kv)
     try:
-        assert side.engine.spec == KVSpec(LAYERS, HEADS, DIM, torch.float32)
+        # cpu caches: chunks in their order (heads outer), named lht2d
+        assert side.engine.spec == KVSpec(LAYERS, HEADS, DIM, torch.float32,
+                                          heads_outer=layout == "cpu")
+        assert side.engine.chunker.meta.kv_layout == ("lht2d" if layout == "cpu" else "l2thd")
         tokens = list(range(32))
         assert side.engine.store(tokens, kv_caches=side.kv_caches, block_ids=[4, 1]) == 32
         before = [c.clone() for c in side.kv_caches]
