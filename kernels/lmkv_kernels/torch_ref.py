@@ -44,8 +44,8 @@ def gather_blocks(caches: Sequence[torch.Tensor], block_ids: BlockIds, chunks: C
             layers = runs.unbind(0)
             for block, count, offset, length, t in _pieces(start, stop, ids, g.block_size):
                 t0 = t - start
-                for cache, rows in zip(caches, layers, strict=True):
-                    part = rows.narrow(1, t0, count * length)
+                for cache, head_rows in zip(caches, layers, strict=True):
+                    part = head_rows.narrow(1, t0, count * length)
                     if count == 1:
                         part.copy_(cache[block].narrow(1, offset, length))
                     else:
@@ -92,9 +92,9 @@ def scatter_blocks(caches: Sequence[torch.Tensor], block_ids: BlockIds, chunks: 
         src = buf.to(device, non_blocking=True)  # one transfer
         runs = _head_runs(src, g)
         if runs is not None:  # cpu caches, heads-outer buffer: a copy per block run
-            for cache, rows in zip(caches, runs.unbind(0), strict=True):
+            for cache, head_rows in zip(caches, runs.unbind(0), strict=True):
                 for block, count, offset, length, t in pieces:
-                    part = rows.narrow(1, t - start, count * length)
+                    part = head_rows.narrow(1, t - start, count * length)
                     if count == 1:
                         cache[block].narrow(1, offset, length).copy_(part)
                     else:

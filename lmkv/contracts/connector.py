@@ -6,7 +6,7 @@ each key. MLA's KV, one latent vector per token, is ``[num_layers, 1,
 num_tokens, 1, latent_dim]`` (``KVSpec.kv_planes`` 1, tag ``l1thd``).
 Connectors translate an engine's own layout (transformers per-layer tensors,
 vLLM paged caches) to and from it, so KV stored by one engine layout can be
-loaded into another.
+loaded into another, with the exception below.
 
 A spec with ``heads_outer`` holds its chunks as ``[num_layers, num_kv_heads,
 num_tokens, 2, head_dim]`` instead (tag ``lht2d``): the order of vLLM's CPU

@@ -5,6 +5,7 @@ stored by a local engine is found, and checked, the same way by a remote one."""
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import Any
 
 from lmkv.base.logutil import RateLimitedLog
@@ -67,7 +68,11 @@ def engine_chunker(config: LMKVConfig, spec: KVSpec, model_name: str, connector:
     # those consecutively) is named once for all of them: by the group of ranks
     # (a pipeline stage), whose layers differ.
     replicas = max(spec.replicas, 1)
-    if spec.heads_outer and connector.chunk_layout != spec.chunk_layout:
+    heads_outer = replace(spec, heads_outer=True).chunk_layout
+    if (spec.heads_outer or connector.chunk_layout == heads_outer) \
+            and connector.chunk_layout != spec.chunk_layout:
+        # one order's bytes named as the other's: scrambled KV for every engine
+        # that reads them (the shapes agree when there are as many heads as planes)
         raise ValueError(f"lmkv: gpu_connector {connector.name!r} moves {connector.chunk_layout} "
                          f"chunks; this engine's KV spec holds {spec.chunk_layout} chunks")
     layout = connector.chunk_layout if spec.kv_planes == 2 else spec.chunk_layout

@@ -35,7 +35,7 @@ from lmkv.storage.manager import StorageManager
 logger = logging.getLogger(__name__)
 _log = RateLimitedLog(logger)
 
-TOKEN_AXIS = 2  # of a 5-dimension KV chunk: layers, K/V, tokens, heads, head size
+TOKEN_AXIS = 2  # of a 5-dimension KV chunk: layers, K/V or heads, tokens, heads or K/V, head size
 
 
 def entry_misfit(entry: torch.Tensor, dtype: torch.dtype, shape: list[int],

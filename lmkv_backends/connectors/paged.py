@@ -46,6 +46,14 @@ def _spec(g: PagedGeometry, num_layers: int, dtype: torch.dtype) -> KVSpec:
                   heads_outer=g.layout == "cpu")
 
 
+def _own_copies(cls: type) -> bool:
+    """Whether ``cls`` copies with this connector's own ``to_chunks``/``from_chunks``:
+    only those know heads-outer chunks; a subclass with copies of its own moves
+    the canonical order it was written for."""
+    return (getattr(cls, "to_chunks", None) is PagedConnector.to_chunks
+            and getattr(cls, "from_chunks", None) is PagedConnector.from_chunks)
+
+
 class PagedConnector(GPUConnector):
     """vLLM-style paged KV caches addressed by block ids.
 
@@ -73,16 +81,12 @@ class PagedConnector(GPUConnector):
         check(len(kv_caches) > 0, "no KV caches; expected one paged cache per layer")
         g = lmkv_kernels.geometry(kv_caches[0], kv_layout)  # type: ignore[arg-type]
         spec = _spec(g, len(kv_caches), kv_caches[0].dtype)
-        if cls.to_chunks is not PagedConnector.to_chunks \
-                or cls.from_chunks is not PagedConnector.from_chunks:
-            # a subclass with copies of its own moves the canonical order it knows
-            spec = replace(spec, heads_outer=False)
-        return spec
+        return spec if _own_copies(cls) else replace(spec, heads_outer=False)
 
     def __init__(self, options: OptionsArg, context: ConnectorContext) -> None:
         super().__init__(options, context)
-        self.chunk_layout = context.spec.chunk_layout if context.spec.heads_outer \
-            else type(self).chunk_layout
+        if context.spec.heads_outer and _own_copies(type(self)):
+            self.chunk_layout = context.spec.chunk_layout
         options = self.options
         assert isinstance(options, PagedOptions)
         layout = options.layout if options.layout != "auto" else context.kv_layout

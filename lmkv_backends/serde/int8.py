@@ -36,7 +36,8 @@ class Int8Options(PluginOptions):
 
 
 def _reduce_dim(granularity: int) -> int:
-    # chunk layout [layers, 2, tokens, heads, head_dim]
+    # chunks are [layers, 2, tokens, heads, head_dim] or, heads outer, [layers,
+    # heads, tokens, 2, head_dim]: head_dim last and tokens at 2 in both
     return -1 if granularity == _GRANULARITY["token"] else 2
 
 
@@ -52,7 +53,8 @@ class Int8Serializer(Serializer):
             return self.framed(obj, b"".join([_PREFIX.pack(_RAW),
                                               obj.byte_view().numpy().tobytes()]), key)
         if obj.tensor.dim() != 5:
-            raise ValueError("int8 quantizes chunk buffers [layers, 2, tokens, heads, head_dim]")
+            raise ValueError("int8 quantizes chunk buffers [layers, 2, tokens, heads, head_dim] "
+                             "(or heads outer: [layers, heads, tokens, 2, head_dim])")
         granularity = _GRANULARITY[self.options.granularity]
         x = obj.tensor.float()
         scale = x.abs().amax(dim=_reduce_dim(granularity), keepdim=True) / 127.0

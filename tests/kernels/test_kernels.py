@@ -264,6 +264,23 @@ def test_heads_outer_buffers_copy_cpu_blocks_in_runs(monkeypatch) -> None:
     assert len(copies) == 2 * LAYERS
 
 
+def test_one_call_takes_heads_outer_and_canonical_chunks_together() -> None:
+    """A heads-outer chunk's copies leave the canonical path's row tables alone: a
+    canonical chunk after it in the same call is copied too, bit for bit."""
+    gen = torch.Generator().manual_seed(3)
+    caches = [torch.randn(8, HEADS, 16, 2 * DIM, generator=gen) for _ in range(LAYERS)]
+    ids = [5, 2, 7, 0, 3, 6]  # three blocks a chunk, none consecutive: the scatter path
+    outer = torch.zeros(LAYERS, HEADS, 48, 2, DIM).permute(0, 3, 2, 1, 4)
+    canonical = torch.zeros(LAYERS, 2, 48, HEADS, DIM)
+    gather_blocks(caches, ids, [(0, outer), (48, canonical)], layout="cpu", kernels="torch")
+    want = torch.zeros(LAYERS, 2, 96, HEADS, DIM)
+    gather_blocks(caches, ids, [(0, want)], layout="cpu", kernels="torch")
+    assert torch.equal(outer, want[:, :, :48]) and torch.equal(canonical, want[:, :, 48:])
+    out = [torch.zeros_like(c) for c in caches]
+    scatter_blocks(out, ids, [(0, outer), (48, canonical)], layout="cpu", kernels="torch")
+    assert all(torch.equal(o[ids], c[ids]) for o, c in zip(out, caches, strict=True))
+
+
 @pytest.mark.parametrize("head_dim,offset", [(8, 0), (8, 1), (4, 0)])
 def test_scatter_moves_rows_bit_for_bit(head_dim: int, offset: int) -> None:
     """Rows go as 16-byte elements when their size and alignment allow, else as they are."""

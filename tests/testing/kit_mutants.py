@@ -200,6 +200,7 @@ class CanonicalIntoOuter(Paged):  # type: ignore[misc, valid-type]
 
     name = "mutant-canonical-into-outer"
     api_version = "2.1"
+    chunk_layout = "lht2d"  # (its copies are its own: paged would name them l2thd)
 
     @classmethod
     def spec_from(cls, **kv):
@@ -212,6 +213,21 @@ class CanonicalIntoOuter(Paged):  # type: ignore[misc, valid-type]
     def from_chunks(self, spans, *, kv_caches, block_ids, skip_tokens=0, after=None, **_):
         lmkv_kernels.scatter_blocks(kv_caches, block_ids, [(s.start, s.buffer) for s in spans],
                                     skip_tokens, layout="cpu")
+
+
+class ClaimsOuterOnCanonicalSpec(Paged):  # type: ignore[misc, valid-type]
+    """Copies of its own (canonical, on the inherited spec) but says ``lht2d``: its
+    chunks would be named as heads-outer ones, which other engines read so."""
+
+    name = "mutant-claims-outer"
+    api_version = "2.1"
+    chunk_layout = "lht2d"
+
+    def to_chunks(self, spans, **kv):
+        return super().to_chunks(spans, **kv)
+
+    def from_chunks(self, spans, **kv):
+        return super().from_chunks(spans, **kv)
 
 
 class OuterChunksCanonicalName(Paged):  # type: ignore[misc, valid-type]
@@ -227,6 +243,11 @@ class OuterChunksCanonicalName(Paged):  # type: ignore[misc, valid-type]
 
 class TestCanonicalIntoOuter(PagedKit):
     connector_class = CanonicalIntoOuter
+    spec = KVSpec(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float32)
+
+
+class TestClaimsOuterOnCanonicalSpec(PagedKit):
+    connector_class = ClaimsOuterOnCanonicalSpec
     spec = KVSpec(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float32)
 
 

@@ -222,3 +222,55 @@ def test_fp8_caches_vllm_keeps_as_bytes_are_keyed_by_their_format(tmp_path) -> N
     with pytest.raises(ConfigError, match="calculate_kv_scales"):
         side.register(raw)
     side.close()
+
+
+def test_a_paged_subclass_with_copies_of_its_own_gets_canonical_chunks(
+        tmp_path, register_lmkv_plugin) -> None:  # type: ignore[no-untyped-def]
+    """A connector written for API 2.0 on the paged connector (its own copies, the
+    paged connector's spec read through the class, not ``super()``) moves the
+    canonical order: the worker names and holds its chunks so, never lht2d."""
+    from lmkv.contracts import hookimpl
+    from lmkv_backends.connectors.paged import PagedConnector
+
+    class Logged(PagedConnector):
+        name = "logged-paged"
+        api_version = "2.0"
+        copies = 0
+
+        @classmethod
+        def spec_from(cls, **kv):  # type: ignore[no-untyped-def, override]
+            return PagedConnector.spec_from(**kv)  # (cls is PagedConnector in there)
+
+        def to_chunks(self, spans, **kv):  # type: ignore[no-untyped-def, override]
+            type(self).copies += 1
+            for span in spans:  # the canonical order this class was written for
+                assert span.buffer.shape[1] == 2
+            return super().to_chunks(spans, **kv)
+
+        def from_chunks(self, spans, **kv):  # type: ignore[no-untyped-def, override]
+            type(self).copies += 1
+            return super().from_chunks(spans, **kv)
+
+    class Plugin:
+        @hookimpl
+        def lmkv_gpu_connectors(self):  # type: ignore[no-untyped-def]
+            return [Logged]
+
+    register_lmkv_plugin(Plugin())
+    side = worker(tmp_path, **{"lmkv.gpu_connector": "logged-paged"})
+    side.register(caches("cpu"))
+    try:
+        assert not side.engine.spec.heads_outer
+        assert side.engine.chunker.meta.kv_layout == "l2thd"
+        tokens = list(range(32))
+        assert side.engine.store(tokens, kv_caches=side.kv_caches, block_ids=[4, 1]) == 32
+        before = [c.clone() for c in side.kv_caches]
+        for c in side.kv_caches:
+            c.zero_()
+        assert side.engine.retrieve(tokens, kv_caches=side.kv_caches,
+                                    block_ids=[4, 1]).num_tokens == 32
+        assert all(torch.equal(c[[4, 1]], b[[4, 1]])
+                   for c, b in zip(side.kv_caches, before, strict=True))
+        assert Logged.copies >= 2
+    finally:
+        side.close()

@@ -6,8 +6,8 @@ right before each attention layer and ``save_kv_layer`` right after it, so the
 first layers can compute while a loader thread copies the later ones in, and a
 store can copy each layer out as soon as the forward has written it.
 
-lmkv's storage unit is the whole-model chunk: one frame ``[layers, 2, tokens,
-kv_heads, head_dim]`` under one key (the per-layer keys of ``lmkv.keys.chunking`` and
+lmkv's storage unit is the whole-model chunk: one frame ``[layers, ...]`` (the
+spec's chunk shape, layers first) under one key (the per-layer keys of ``lmkv.keys.chunking`` and
 the storage's ``keys_per_chunk`` exist, but no engine writes them). Layerwise
 mode keeps that unit: a load fetches each chunk once and scatters it into
 vLLM's caches layer by layer; a store gathers each layer into the chunk's
