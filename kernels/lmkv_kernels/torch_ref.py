@@ -40,17 +40,9 @@ def gather_blocks(caches: Sequence[torch.Tensor], block_ids: BlockIds, chunks: C
         # gather on the cache's device, then one transfer to the buffer
         out = buf if buf.device == device else torch.empty_like(buf, device=device)
         runs = _head_runs(out, g)
-        if runs is not None:  # cpu caches, heads-outer buffer: a copy per block run
-            layers = runs.unbind(0)
-            for block, count, offset, length, t in _pieces(start, stop, ids, g.block_size):
-                t0 = t - start
-                for cache, head_rows in zip(caches, layers, strict=True):
-                    part = head_rows.narrow(1, t0, count * length)
-                    if count == 1:
-                        part.copy_(cache[block].narrow(1, offset, length))
-                    else:
-                        part.view(heads, count, length, 2 * d).transpose(0, 1).copy_(
-                            cache.narrow(0, block, count))
+        if runs is not None:  # cpu caches, heads-outer buffer (KVSpec.heads_outer)
+            _heads_outer(caches, runs, start, start, stop, ids, g, rows is not None,
+                         into_caches=False)
         elif rows and out.is_contiguous():  # one gather per layer, whatever the table
             index = (token_rows[start:stop] + kv_head_rows).view(-1)
             for layer, cache_rows in enumerate(rows):
@@ -91,15 +83,9 @@ def scatter_blocks(caches: Sequence[torch.Tensor], block_ids: BlockIds, chunks: 
     for start, buf, pieces in loads:
         src = buf.to(device, non_blocking=True)  # one transfer
         runs = _head_runs(src, g)
-        if runs is not None:  # cpu caches, heads-outer buffer: a copy per block run
-            for cache, head_rows in zip(caches, runs.unbind(0), strict=True):
-                for block, count, offset, length, t in pieces:
-                    part = head_rows.narrow(1, t - start, count * length)
-                    if count == 1:
-                        cache[block].narrow(1, offset, length).copy_(part)
-                    else:
-                        cache.narrow(0, block, count).copy_(
-                            part.view(heads, count, length, 2 * d).transpose(0, 1))
+        if runs is not None:  # cpu caches, heads-outer buffer (KVSpec.heads_outer)
+            _heads_outer(caches, runs, start, max(start, skip_tokens), start + buf.shape[2],
+                         ids, g, rows is not None, into_caches=True)
             continue
         if scatter and rows and len(pieces) > 2:
             first = max(start, skip_tokens)
@@ -135,6 +121,57 @@ def _bitwise(caches: Sequence[torch.Tensor], chunks: Chunks
         return caches, chunks
     return ([cache.view(as_int) for cache in caches],
             [(start, buf.view(as_int)) for start, buf in chunks])
+
+
+def _heads_outer(caches: Sequence[torch.Tensor], runs: torch.Tensor, start: int, first: int,
+                 stop: int, ids: Sequence[int], g: PagedGeometry, contiguous: bool, *,
+                 into_caches: bool) -> None:
+    """Tokens ``[first, stop)`` between cpu caches and a heads-outer chunk holding
+    tokens from ``start`` (``runs``: ``[layers, heads, tokens, 2 * dim]``, see
+    ``_head_runs``). A head's tokens of a whole block are one row of ``block *
+    2 * dim`` elements on both sides: whole blocks go as rows by index, one
+    gather or scatter per layer, whatever the block table (consecutive or
+    scattered ids alike). A chunk whose tokens lie in at most two runs of
+    consecutive blocks (a fresh request's table, large blocks) goes by a copy
+    per run instead: long strided copies beat the element-wise scatter. The
+    partial blocks at either end, chunks that do not start on a block, and
+    caches that are not contiguous go by a copy per run of blocks too."""
+    bs, heads, width = g.block_size, g.kv_heads, 2 * g.head_dim
+    a = b = stop
+    pieces = _pieces(first, stop, ids, bs)
+    if len(pieces) > 2 and contiguous and start % bs == 0:
+        a = min(-(-first // bs) * bs, stop)
+        b = max(a, stop // bs * bs)
+        pieces = _pieces(first, a, ids, bs) + _pieces(b, stop, ids, bs)
+    layers = runs.unbind(0)
+    if b > a:  # whole blocks, rows ``block * heads + head`` of each layer's cache
+        n, row = (b - a) // bs, bs * width
+        device = caches[0].device
+        blocks = torch.as_tensor(ids[a // bs:b // bs], dtype=torch.int64, device=device)
+        index = blocks[None, :] * heads + torch.arange(heads, device=device)[:, None]
+        for cache, head_rows in zip(caches, layers, strict=True):
+            part = head_rows.narrow(1, a - start, n * bs).view(heads, n, row)
+            cache_rows = cache.view(-1, row)
+            # one call for all heads where the chunk's heads are back to back
+            pairs = ([(index.view(-1), part.view(heads * n, row))] if part.stride(0) == n * row
+                     else list(zip(index, part, strict=True)))
+            for rows_index, chunk_rows in pairs:
+                if into_caches:
+                    _scatter(cache_rows, rows_index, chunk_rows)
+                else:
+                    torch.index_select(cache_rows, 0, rows_index, out=chunk_rows)
+    for cache, head_rows in zip(caches, layers, strict=True):
+        for block, count, offset, length, t in pieces:
+            part = head_rows.narrow(1, t - start, count * length)
+            if count > 1:
+                part = part.view(heads, count, length, width).transpose(0, 1)
+                blocks_of = cache.narrow(0, block, count)
+            else:
+                blocks_of = cache[block].narrow(1, offset, length)
+            if into_caches:
+                blocks_of.copy_(part)
+            else:
+                part.copy_(blocks_of)
 
 
 def _head_runs(buf: torch.Tensor, g: PagedGeometry) -> torch.Tensor | None:

@@ -240,10 +240,10 @@ def test_copies_whole_runs_of_consecutive_blocks_at_once() -> None:
         (5, 1, 4, 92, 100), (6, 1, 0, 96, 192), (7, 1, 0, 12, 288)]
 
 
-def test_heads_outer_buffers_copy_cpu_blocks_in_runs(monkeypatch) -> None:
-    """cpu caches and heads-outer buffers (``KVSpec.heads_outer``): one copy per
-    layer and run of consecutive blocks, for buffers sliced by tokens too; any
-    other order or layout goes the general way."""
+def test_heads_outer_buffers_move_whole_cpu_blocks_as_rows(monkeypatch) -> None:
+    """cpu caches and heads-outer buffers (``KVSpec.heads_outer``): whole blocks go
+    by index, one gather or scatter a layer whatever the block table, partial
+    blocks by a copy each; any other buffer order or layout goes the general way."""
     g = geometry(torch.zeros(8, HEADS, 16, 2 * DIM), "cpu")
     held = torch.zeros(LAYERS, HEADS, 64, 2, DIM)
     view = held.permute(0, 3, 2, 1, 4)
@@ -253,15 +253,28 @@ def test_heads_outer_buffers_copy_cpu_blocks_in_runs(monkeypatch) -> None:
     assert torch_ref._head_runs(view, geometry(torch.zeros(2, 8, 16, HEADS, DIM),
                                                "flash")) is None
     caches = [torch.randn(8, HEADS, 16, 2 * DIM) for _ in range(LAYERS)]
-    copies = []
-    real = torch.Tensor.copy_
-    monkeypatch.setattr(torch.Tensor, "copy_",
-                        lambda self, src, *a, **k: copies.append(1) or real(self, src, *a, **k))
+    calls = []
+
+    def counted(name, real):  # type: ignore[no-untyped-def]
+        return lambda *a, **k: calls.append(name) or real(*a, **k)
+
+    monkeypatch.setattr(torch.Tensor, "copy_", counted("copy", torch.Tensor.copy_))
+    monkeypatch.setattr(torch_ref, "_scatter", counted("scatter", torch_ref._scatter))
+    monkeypatch.setattr(torch, "index_select", counted("gather", torch.index_select))
+    ids = [2, 7, 4, 6]  # scattered
+    scatter_blocks(caches, ids, [(0, view)], layout="cpu", kernels="torch")
+    assert calls == ["scatter"] * LAYERS
+    calls.clear()
+    gather_blocks(caches, ids, [(0, view)], layout="cpu", kernels="torch")
+    assert calls == ["gather"] * LAYERS
+    calls.clear()
+    scatter_blocks(caches, ids, [(0, view)], skip_tokens=8, layout="cpu", kernels="torch")
+    # block 2's second half: a copy a layer; blocks 7, 4, 6 are not the chunk's
+    # heads back to back any more: a scatter a head and layer
+    assert sorted(calls) == ["copy"] * LAYERS + ["scatter"] * LAYERS * HEADS
+    calls.clear()
     scatter_blocks(caches, [2, 3, 4, 6], [(0, view)], layout="cpu", kernels="torch")
-    assert len(copies) == 2 * LAYERS  # blocks 2-4, then 6
-    copies.clear()
-    gather_blocks(caches, [2, 3, 4, 6], [(0, view)], layout="cpu", kernels="torch")
-    assert len(copies) == 2 * LAYERS
+    assert calls == ["copy"] * 2 * LAYERS  # two runs of consecutive blocks: a copy each
 
 
 def test_one_call_takes_heads_outer_and_canonical_chunks_together() -> None:
