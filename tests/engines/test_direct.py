@@ -318,3 +318,46 @@ def test_an_entry_that_cannot_be_opened_is_a_fault_not_a_foreign_file(
         assert fs.counters.errors == 1 and fs.special_files == 0
         monkeypatch.undo()
         assert fs.contains(key)  # still indexed: read again once descriptors are back
+
+
+def test_an_entry_partly_out_of_the_page_cache_is_read_not_mapped(tmp_path: Path) -> None:
+    """The kernel reclaims an idle file's pages piecemeal: an entry whose last page
+    is cached but a middle one is not is read with pread (large requests, the
+    disk started at lookup), never through a mapping that would fault page by
+    page; its KV loads all the same."""
+    from lmkv_backends.tiers import fs_local
+
+    tokens = list(range(2 * CHUNK))
+    src = stored(tmp_path, tokens)
+    # (the chunks' entries: not the small aliases block-granular hits name)
+    files = [p for p in tmp_path.iterdir() if p.suffix == ".lmkv" and p.stat().st_size > 8192]
+    assert len(files) == 2
+    for path in files:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            size = os.fstat(fd).st_size
+            os.fsync(fd)
+            # out of the page cache, then its first and last pages read back alone
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # (no read-ahead)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            last = (size - 1) // 4096 * 4096
+            os.pread(fd, 4096, 0)
+            os.pread(fd, size - last, last)
+            if fs_local._pages_cached(fd, size) is not False:
+                pytest.skip("this kernel cannot tell (cachestat), or kept the pages")
+        finally:
+            os.close(fd)
+    with engine(tmp_path) as reader:
+        taken = []
+        original = reader.storage.take_prefetched
+
+        def spy(*args, **kwargs):
+            objs = original(*args, **kwargs)
+            taken.extend(objs or [])
+            return objs
+
+        reader.storage.take_prefetched = spy
+        target = caches()
+        assert load(reader, tokens, target, [9, 3, 12, 0]) == (64, 64)
+        assert taken and all(isinstance(o, DirectChunk) and not o.mapped for o in taken)
+        assert blocks_equal(src, target, [(0, 9), (1, 3), (2, 12), (3, 0)])
