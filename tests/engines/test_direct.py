@@ -81,6 +81,20 @@ def blocks_equal(src, dst, pairs) -> bool:
     return all(torch.equal(s[a], d[b]) for s, d in zip(src, dst, strict=True) for a, b in pairs)
 
 
+def taken_by(reader: LocalEngine) -> list:
+    """What the reader's loads take from its lookups, from now on (a spy)."""
+    taken: list = []
+    original = reader.storage.take_prefetched
+
+    def spy(*args, **kwargs):
+        objs = original(*args, **kwargs)
+        taken.extend(objs or [])
+        return objs
+
+    reader.storage.take_prefetched = spy  # type: ignore[method-assign]
+    return taken
+
+
 def load(reader: LocalEngine, tokens: list[int], target, block_ids, lookup_id: str = "r",
          **kv):
     hit = reader.lookup_and_prefetch(tokens, lookup_id).result(10)
@@ -97,15 +111,7 @@ def test_a_fresh_engine_reads_disk_chunks_straight_into_its_kv(tmp_path: Path,
     with engine(tmp_path) as reader:
         assert reader.direct is not None
         reader.direct.piece_bytes = piece_bytes  # one layer, 3 (+1), all at once
-        taken = []
-        original = reader.storage.take_prefetched
-
-        def spy(*args, **kwargs):
-            objs = original(*args, **kwargs)
-            taken.extend(objs or [])
-            return objs
-
-        reader.storage.take_prefetched = spy
+        taken = taken_by(reader)
         target = caches()
         blocks = [9, 3, 12, 0, 5, 7, 1, 14]
         assert load(reader, tokens, target, blocks) == (128, 128)
@@ -348,15 +354,7 @@ def test_an_entry_partly_out_of_the_page_cache_is_read_not_mapped(tmp_path: Path
         finally:
             os.close(fd)
     with engine(tmp_path) as reader:
-        taken = []
-        original = reader.storage.take_prefetched
-
-        def spy(*args, **kwargs):
-            objs = original(*args, **kwargs)
-            taken.extend(objs or [])
-            return objs
-
-        reader.storage.take_prefetched = spy
+        taken = taken_by(reader)
         target = caches()
         assert load(reader, tokens, target, [9, 3, 12, 0]) == (64, 64)
         assert taken and all(isinstance(o, DirectChunk) and not o.mapped for o in taken)
