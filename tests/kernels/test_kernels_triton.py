@@ -90,6 +90,19 @@ def case(layout: str, dtype: torch.dtype, seed: int):
     return caches, ids, chunks, skip
 
 
+def scattered_alike(triton_impl: ModuleType, like: list[torch.Tensor],
+                    caches: list[torch.Tensor], ids: list[int],
+                    got: list[tuple[int, torch.Tensor]], want: list[tuple[int, torch.Tensor]],
+                    skip: int, layout: str) -> bool:
+    """Triton's scatter of ``got`` into zeroed caches shaped as ``like`` and the
+    reference's of ``want`` into zeroed ``caches`` write the same bits."""
+    dst = [torch.zeros_like(c) for c in like]
+    dst_ref = [torch.zeros_like(c) for c in caches]
+    triton_impl.scatter_blocks(dst, ids, got, skip, layout)
+    torch_ref.scatter_blocks(dst_ref, ids, want, skip, layout)
+    return same(dst, dst_ref)
+
+
 def fresh(chunks: list[tuple[int, torch.Tensor]]) -> list[tuple[int, torch.Tensor]]:
     return [(start, torch.zeros_like(buf)) for start, buf in chunks]
 
@@ -133,11 +146,7 @@ def test_triton_copies_strided_caches_and_buffers(triton_impl: ModuleType, layou
                                dtype=buf.dtype).transpose(0, 1)) for start, buf in chunks]
     triton_impl.gather_blocks(strided, ids, got, layout)
     assert same([b for _, b in got], [b for _, b in want])
-    dst = [torch.zeros_like(c) for c in strided]
-    dst_ref = [torch.zeros_like(c) for c in caches]
-    triton_impl.scatter_blocks(dst, ids, got, skip, layout)
-    torch_ref.scatter_blocks(dst_ref, ids, want, skip, layout)
-    assert same(dst, dst_ref)
+    assert scattered_alike(triton_impl, strided, caches, ids, got, want, skip, layout)
 
 
 def test_staged_buffers_go_in_bounded_batches(triton_impl: ModuleType, monkeypatch) -> None:
@@ -268,8 +277,4 @@ def test_triton_copies_heads_outer_buffers_as_the_reference(triton_impl: ModuleT
     torch_ref.gather_blocks(caches, ids, want, layout)
     triton_impl.gather_blocks(caches, ids, got, layout)
     assert same([b for _, b in got], [b for _, b in want])
-    dst = [torch.zeros_like(c) for c in caches]
-    dst_ref = [torch.zeros_like(c) for c in caches]
-    triton_impl.scatter_blocks(dst, ids, got, skip, layout)
-    torch_ref.scatter_blocks(dst_ref, ids, want, skip, layout)
-    assert same(dst, dst_ref)
+    assert scattered_alike(triton_impl, caches, caches, ids, got, want, skip, layout)
