@@ -32,8 +32,8 @@ def gather_blocks(caches: Sequence[torch.Tensor], block_ids: BlockIds, chunks: C
     end = max(start + buf.shape[2] for start, buf in chunks)
     device, d, heads = caches[0].device, g.head_dim, g.kv_heads
     rows = _rows(caches, g)
-    if rows:
-        token_rows, kv_head_rows = _gather_index(block_ids, end, caches[0], g)
+    if rows and any(_head_runs(buf, g) is None for _, buf in chunks):  # (heads-outer ones
+        token_rows, kv_head_rows = _gather_index(block_ids, end, caches[0], g)  # index less)
     ids = _as_list(block_ids)
     for start, buf in chunks:
         stop = start + buf.shape[2]
@@ -70,8 +70,9 @@ def scatter_blocks(caches: Sequence[torch.Tensor], block_ids: BlockIds, chunks: 
     end = max(start + buf.shape[2] for start, buf in chunks)
     device, d, heads, block_size = caches[0].device, g.head_dim, g.kv_heads, g.block_size
     ids = _as_list(block_ids)
-    loads = [(start, buf, _pieces(max(start, skip_tokens), start + buf.shape[2], ids,
-                                  block_size))
+    # (heads-outer chunks plan their own copies: no pieces here)
+    loads = [(start, buf, [] if _head_runs(buf, g) is not None else
+              _pieces(max(start, skip_tokens), start + buf.shape[2], ids, block_size))
              for start, buf in chunks if start + buf.shape[2] > skip_tokens]
     rows = _rows(caches, g)
     # small or scattered blocks (over two copies a layer): one scatter per layer

@@ -46,12 +46,12 @@ def _spec(g: PagedGeometry, num_layers: int, dtype: torch.dtype) -> KVSpec:
                   heads_outer=g.layout == "cpu")
 
 
-def _own_copies(cls: type) -> bool:
+def _own_copies(cls: type[GPUConnector]) -> bool:
     """Whether ``cls`` copies with this connector's own ``to_chunks``/``from_chunks``:
     only those know heads-outer chunks; a subclass with copies of its own moves
     the canonical order it was written for."""
-    return (getattr(cls, "to_chunks", None) is PagedConnector.to_chunks
-            and getattr(cls, "from_chunks", None) is PagedConnector.from_chunks)
+    return cls.to_chunks is PagedConnector.to_chunks \
+        and cls.from_chunks is PagedConnector.from_chunks
 
 
 class PagedConnector(GPUConnector):

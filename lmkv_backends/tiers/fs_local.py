@@ -21,6 +21,7 @@ import ctypes
 import errno
 import logging
 import os
+import platform
 import socket
 import stat
 import sys
@@ -325,24 +326,27 @@ class _CacheStatRange(ctypes.Structure):
     _fields_ = [("off", ctypes.c_uint64), ("len", ctypes.c_uint64)]
 
 
-_CACHESTAT = 451  # cachestat(2), Linux 6.5: the same number on every architecture
+#: cachestat(2), Linux 6.5: its number where lmkv knows it (x86-64 and the
+#: architectures of the generic table; others number their calls apart).
+_CACHESTAT = 451 if platform.machine() in ("x86_64", "aarch64", "arm64", "riscv64") else None
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
-def _load_syscall() -> Callable[..., int] | None:
-    """libc's ``syscall`` (Linux only), for ``cachestat``; None elsewhere."""
+def _libc_function(name: str) -> Callable[..., int] | None:
+    """A function of this process's C library, errno kept (Linux only; ``os``
+    lacks it); None where there is none."""
     if sys.platform != "linux":
         return None
     try:
-        fn = ctypes.CDLL(None, use_errno=True).syscall
+        return getattr(ctypes.CDLL(None, use_errno=True), name)
     except (OSError, AttributeError):
         return None
-    fn.restype = ctypes.c_long
-    return fn
 
 
-_syscall = _load_syscall()
-_CACHESTAT_REFUSED = [_syscall is None]
+_syscall = _libc_function("syscall")
+if _syscall is not None:
+    _syscall.restype = ctypes.c_long  # type: ignore[attr-defined]
+_CACHESTAT_REFUSED = [_syscall is None or _CACHESTAT is None]
 
 
 def _pages_cached(fd: int, size: int) -> bool | None:
@@ -480,18 +484,11 @@ def _start_writeback(fd: int, offset: int, length: int) -> None:
     os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
 
 
-def _load_sync_file_range() -> Callable[..., int] | None:
-    """glibc's ``sync_file_range`` (Linux only; Python's ``os`` lacks it)."""
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_sync_file_range = _load_sync_file_range()
+_sync_file_range = _libc_function("sync_file_range")
+if _sync_file_range is not None:
+    _sync_file_range.argtypes = (ctypes.c_int, ctypes.c_int64,  # type: ignore[attr-defined]
+                                 ctypes.c_int64, ctypes.c_uint)
+    _sync_file_range.restype = ctypes.c_int  # type: ignore[attr-defined]
 
 
 def _start_writeback_keeping(fd: int, offset: int, length: int) -> None:
