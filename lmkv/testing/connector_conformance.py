@@ -14,9 +14,9 @@ does, for the spec it reads from that state (``spec_from``; the kit's
   for bit: a connector that fills ``heads_outer`` buffers in the canonical
   order fails here, not in a user's engine;
 * chunks load back into other engine state bit for bit;
-* an engine names its chunks by the connector's ``chunk_layout`` and takes it
-  for that spec (a connector whose tag differs from a ``heads_outer`` spec's
-  is refused).
+* an engine takes the connector for that spec and never names its chunks by
+  the other order's tag (a connector whose tag differs from its spec's where
+  either names heads-outer chunks is refused).
 """
 
 from __future__ import annotations
