@@ -353,6 +353,13 @@ def _pages_cached(fd: int, size: int) -> bool | None:
     """Whether every page of a file of ``size`` bytes is in the page cache, from
     one ``cachestat`` call (about 30 us for 4 MiB); None where the kernel cannot
     tell (older than 6.5: remembered)."""
+    pages = _pages_cached_count(fd, size)
+    return None if pages is None else pages >= -(-size // _PAGE)
+
+
+def _pages_cached_count(fd: int, size: int) -> int | None:
+    """How many pages of the first ``size`` bytes of ``fd`` are in the page cache
+    (``cachestat``); None where the kernel cannot tell."""
     if _CACHESTAT_REFUSED[0]:
         return None
     assert _syscall is not None
@@ -361,7 +368,7 @@ def _pages_cached(fd: int, size: int) -> bool | None:
         if ctypes.get_errno() in (errno.ENOSYS, errno.EPERM):  # (EPERM: a seccomp filter)
             _CACHESTAT_REFUSED[0] = True
         return None
-    return stats.nr_cache >= -(-size // _PAGE)
+    return int(stats.nr_cache)
 
 
 def _cached(fd: int, size: int) -> bool:
