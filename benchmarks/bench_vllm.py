@@ -57,9 +57,9 @@ except in a run of ``lmkv-layerwise`` alone, whose table has its own);
 Hit tokens are vLLM's own count for the request (``RequestOutput.num_cached_tokens``:
 prefix-cache hits plus the tokens a connector loaded), reported for every
 configuration next to its warm TTFT, with the difference and the ratio to the
-prefix cache's in the same run. ``--fs-page-cache true|false`` sets the fs
-tier's ``page_cache`` option in the ``lmkv-2proc`` configuration (default: the
-tier's default).
+prefix cache's in the same run. ``--fs-page-cache true|false`` and
+``--fs-durable true|false`` set the fs tier's ``page_cache`` and ``durable``
+options in the ``lmkv-2proc`` configuration (default: the tier's defaults).
 """
 
 from __future__ import annotations
@@ -81,6 +81,7 @@ DTYPE = os.environ.get("BENCH_DTYPE", "float32")
 SPLIT = os.environ.get("BENCH_SPLIT", "chunk")
 SEED = int(os.environ.get("BENCH_SEED", "0"))
 FS_PAGE_CACHE = os.environ.get("BENCH_FS_PAGE_CACHE", "")  # "": the tier's default
+FS_DURABLE = os.environ.get("BENCH_FS_DURABLE", "")  # "": the tier's default
 CHUNK = 256
 MAX_MODEL_LEN = 4608
 CONFIGS = ("prefix-cache", "example-conn", "example-conn-2proc", "lmkv", "lmkv-2proc",
@@ -148,6 +149,8 @@ def make_llm(model_dir: str, mode: str, tmp: str):  # type: ignore[no-untyped-de
             fs: dict = {"url": os.path.join(tmp, "lmkv-fs")}
             if FS_PAGE_CACHE:
                 fs["page_cache"] = FS_PAGE_CACHE == "true"
+            if FS_DURABLE:
+                fs["durable"] = FS_DURABLE == "true"
             tiers.append({"type": "fs", "options": fs})
         if mode.startswith("lmkv-mooncake"):
             tiers.append({"type": "mooncake", "options": json.loads(os.environ["BENCH_MOONCAKE"])})
@@ -399,6 +402,8 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0, help="the --split random RNG's seed")
     parser.add_argument("--fs-page-cache", choices=("true", "false"), default="",
                         help="the fs tier's page_cache option in lmkv-2proc")
+    parser.add_argument("--fs-durable", choices=("true", "false"), default="",
+                        help="the fs tier's durable option in lmkv-2proc")
     parser.add_argument("--profile", default="", metavar="DIR",
                         help="cProfile each warm request into DIR (timings then include "
                              "the profiler's cost: find where time goes, do not compare)")
@@ -413,6 +418,7 @@ def main() -> int:
     REPEATS, DTYPE, SPLIT, SEED = args.repeats, args.dtype, args.split, args.seed
     os.environ.update(BENCH_REPEATS=str(REPEATS), BENCH_DTYPE=DTYPE, BENCH_SPLIT=SPLIT,
                       BENCH_SEED=str(SEED), BENCH_FS_PAGE_CACHE=args.fs_page_cache,
+                      BENCH_FS_DURABLE=args.fs_durable,
                       BENCH_PROFILE=os.path.abspath(args.profile) if args.profile else "")
     cpus = f"0-{(os.cpu_count() or 1) - 1}"  # every configuration gets every CPU
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": cpus,

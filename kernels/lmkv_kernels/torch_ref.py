@@ -31,9 +31,12 @@ def gather_blocks(caches: Sequence[torch.Tensor], block_ids: BlockIds, chunks: C
     caches, chunks = _bitwise(caches, chunks)
     end = max(start + buf.shape[2] for start, buf in chunks)
     device, d, heads = caches[0].device, g.head_dim, g.kv_heads
-    rows = _rows(caches, g)
-    if rows and any(_head_runs(buf, g) is None for _, buf in chunks):  # (heads-outer ones
-        token_rows, kv_head_rows = _gather_index(block_ids, end, caches[0], g)  # index less)
+    canonical = any(_head_runs(buf, g) is None for _, buf in chunks)
+    contiguous = all(cache.is_contiguous() for cache in caches)
+    # (heads-outer chunks need neither row tables nor an index)
+    rows = _rows(caches, g) if contiguous and canonical else None
+    if rows:
+        token_rows, kv_head_rows = _gather_index(block_ids, end, caches[0], g)
     ids = _as_list(block_ids)
     for start, buf in chunks:
         stop = start + buf.shape[2]
@@ -41,7 +44,7 @@ def gather_blocks(caches: Sequence[torch.Tensor], block_ids: BlockIds, chunks: C
         out = buf if buf.device == device else torch.empty_like(buf, device=device)
         runs = _head_runs(out, g)
         if runs is not None:  # cpu caches, heads-outer buffer (KVSpec.heads_outer)
-            _heads_outer(caches, runs, start, start, stop, ids, g, rows is not None,
+            _heads_outer(caches, runs, start, start, stop, ids, g, contiguous,
                          into_caches=False)
         elif rows and out.is_contiguous():  # one gather per layer, whatever the table
             index = (token_rows[start:stop] + kv_head_rows).view(-1)
@@ -74,7 +77,10 @@ def scatter_blocks(caches: Sequence[torch.Tensor], block_ids: BlockIds, chunks: 
     loads = [(start, buf, [] if _head_runs(buf, g) is not None else
               _pieces(max(start, skip_tokens), start + buf.shape[2], ids, block_size))
              for start, buf in chunks if start + buf.shape[2] > skip_tokens]
-    rows = _rows(caches, g)
+    # (heads-outer chunks need only to know whether the caches are contiguous)
+    contiguous = all(cache.is_contiguous() for cache in caches)
+    rows = (_rows(caches, g) if contiguous and any(pieces for _, _, pieces in loads)
+            else None)
     # small or scattered blocks (over two copies a layer): one scatter per layer
     scatter = bool(rows) and any(len(pieces) > 2 for _, _, pieces in loads)
     if scatter:
@@ -86,7 +92,7 @@ def scatter_blocks(caches: Sequence[torch.Tensor], block_ids: BlockIds, chunks: 
         runs = _head_runs(src, g)
         if runs is not None:  # cpu caches, heads-outer buffer (KVSpec.heads_outer)
             _heads_outer(caches, runs, start, max(start, skip_tokens), start + buf.shape[2],
-                         ids, g, rows is not None, into_caches=True)
+                         ids, g, contiguous, into_caches=True)
             continue
         if scatter and rows and len(pieces) > 2:
             first = max(start, skip_tokens)
@@ -144,8 +150,8 @@ def _heads_outer(caches: Sequence[torch.Tensor], runs: torch.Tensor, start: int,
         a = min(-(-first // bs) * bs, stop)
         b = max(a, stop // bs * bs)
         pieces = _pieces(first, a, ids, bs) + _pieces(b, stop, ids, bs)
-    layers = runs.unbind(0)
     if b > a:  # whole blocks, rows ``block * heads + head`` of each layer's cache
+        layers = runs.unbind(0)
         n, row = (b - a) // bs, bs * width
         device = caches[0].device
         blocks = torch.as_tensor(ids[a // bs:b // bs], dtype=torch.int64, device=device)
@@ -161,18 +167,32 @@ def _heads_outer(caches: Sequence[torch.Tensor], runs: torch.Tensor, start: int,
                     _scatter(cache_rows, rows_index, chunk_rows)
                 else:
                     torch.index_select(cache_rows, 0, rows_index, out=chunk_rows)
-    for cache, head_rows in zip(caches, layers, strict=True):
-        for block, count, offset, length, t in pieces:
-            part = head_rows.narrow(1, t - start, count * length)
-            if count > 1:
-                part = part.view(heads, count, length, width).transpose(0, 1)
-                blocks_of = cache.narrow(0, block, count)
-            else:
-                blocks_of = cache[block].narrow(1, offset, length)
-            if into_caches:
-                blocks_of.copy_(part)
-            else:
-                part.copy_(blocks_of)
+    for block, count, offset, length, t in pieces:
+        # every layer's part at once (views), then one call copies them all
+        part = runs.narrow(2, t - start, count * length)
+        if count > 1:
+            parts = part.view(len(caches), heads, count, length, width).transpose(1, 2)
+            blocks_of = [cache.narrow(0, block, count) for cache in caches]
+        else:
+            parts = part
+            blocks_of = [cache[block].narrow(1, offset, length) for cache in caches]
+        if into_caches:
+            _copy_all(blocks_of, parts.unbind(0))
+        else:
+            _copy_all(list(parts.unbind(0)), blocks_of)
+
+
+def _copy_all(dst: list[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
+    """``d.copy_(s)`` for each pair, in one call where torch has it (the loop runs
+    in C++: a layer's copy then costs no Python)."""
+    if _FOREACH_COPY is not None:
+        _FOREACH_COPY(dst, list(src))
+        return
+    for d, s in zip(dst, src, strict=True):
+        d.copy_(s)
+
+
+_FOREACH_COPY = getattr(torch, "_foreach_copy_", None)
 
 
 def _head_runs(buf: torch.Tensor, g: PagedGeometry) -> torch.Tensor | None:

@@ -258,7 +258,9 @@ def test_heads_outer_buffers_move_whole_cpu_blocks_as_rows(monkeypatch) -> None:
     def counted(name, real):  # type: ignore[no-untyped-def]
         return lambda *a, **k: calls.append(name) or real(*a, **k)
 
-    monkeypatch.setattr(torch.Tensor, "copy_", counted("copy", torch.Tensor.copy_))
+    copy_all = torch_ref._copy_all
+    monkeypatch.setattr(torch_ref, "_copy_all",  # one call copies a run in every layer
+                        lambda dst, src: calls.append(f"copy x{len(dst)}") or copy_all(dst, src))
     monkeypatch.setattr(torch_ref, "_scatter", counted("scatter", torch_ref._scatter))
     monkeypatch.setattr(torch, "index_select", counted("gather", torch.index_select))
     ids = [2, 7, 4, 6]  # scattered
@@ -269,12 +271,36 @@ def test_heads_outer_buffers_move_whole_cpu_blocks_as_rows(monkeypatch) -> None:
     assert calls == ["gather"] * LAYERS
     calls.clear()
     scatter_blocks(caches, ids, [(0, view)], skip_tokens=8, layout="cpu", kernels="torch")
-    # block 2's second half: a copy a layer; blocks 7, 4, 6 are not the chunk's
-    # heads back to back any more: a scatter a head and layer
-    assert sorted(calls) == ["copy"] * LAYERS + ["scatter"] * LAYERS * HEADS
+    # block 2's second half: one copy of every layer's part; blocks 7, 4, 6 are
+    # not the chunk's heads back to back any more: a scatter a head and layer
+    assert sorted(calls) == [f"copy x{LAYERS}"] + ["scatter"] * LAYERS * HEADS
     calls.clear()
     scatter_blocks(caches, [2, 3, 4, 6], [(0, view)], layout="cpu", kernels="torch")
-    assert calls == ["copy"] * 2 * LAYERS  # two runs of consecutive blocks: a copy each
+    assert calls == [f"copy x{LAYERS}"] * 2  # two runs of consecutive blocks: a call each
+
+
+@pytest.mark.parametrize("foreach", [True, False], ids=["foreach-copy", "copy-loop"])
+@pytest.mark.parametrize("ids,skip", [([2, 3, 4, 6], 0), ([2, 3, 4, 6], 8), ([5, 6], 3),
+                                      ([7, 1, 4, 6], 21)])
+def test_heads_outer_runs_copy_every_layer_bit_for_bit(monkeypatch, foreach: bool,
+                                                       ids: list[int], skip: int) -> None:
+    """The copies of runs of blocks (every layer's part in one call, or a loop where
+    torch lacks ``_foreach_copy_``) move what the canonical path moves."""
+    if not foreach:
+        monkeypatch.setattr(torch_ref, "_FOREACH_COPY", None)
+    gen = torch.Generator().manual_seed(len(ids) + skip)
+    tokens = 16 * len(ids) - 5  # a partial last block
+    caches = [torch.randn(8, HEADS, 16, 2 * DIM, generator=gen) for _ in range(LAYERS)]
+    outer = torch.zeros(LAYERS, HEADS, tokens, 2, DIM).permute(0, 3, 2, 1, 4)
+    want = torch.zeros(LAYERS, 2, tokens, HEADS, DIM)
+    gather_blocks(caches, ids, [(0, outer)], layout="cpu", kernels="torch")
+    gather_blocks(caches, ids, [(0, want)], layout="cpu", kernels="torch")
+    assert torch.equal(outer, want)
+    out = [torch.randn(8, HEADS, 16, 2 * DIM, generator=gen) for _ in range(LAYERS)]
+    expected = [o.clone() for o in out]
+    scatter_blocks(out, ids, [(0, outer)], skip_tokens=skip, layout="cpu", kernels="torch")
+    scatter_blocks(expected, ids, [(0, want)], skip_tokens=skip, layout="cpu", kernels="torch")
+    assert all(torch.equal(o, e) for o, e in zip(out, expected, strict=True))
 
 
 def test_one_call_takes_heads_outer_and_canonical_chunks_together() -> None:
