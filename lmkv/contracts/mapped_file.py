@@ -20,14 +20,25 @@ A mapping is unmapped when it is closed with no view of it alive, else at a
 later ``open`` or ``close`` once none is; until then it stays guarded. The
 mapping holds a descriptor of its own (Python's ``mmap`` duplicates the one
 it is given): the caller may close its own at once.
+
+``populate()`` faults every page of the mapping in at once (Linux 5.14's
+``MADV_POPULATE_READ``, the GIL let go), waiting for the disk where pages are
+missing: a file partly out of the page cache is then read through the mapping
+without a fault (a synchronous read) per missing page. A file shorter than
+its mapping makes it fail (False), never raise SIGBUS.
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import logging
 import mmap
+import sys
 import threading
 import types
+
+from lmkv.memory import libc_madvise
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +50,17 @@ except ImportError:  # not built: mapped reads are off, pread serves
 
 _lock = threading.Lock()
 _lingering: list[MappedFile] = []  # closed while viewed: unmapped once they are not
+
+#: madvise(MADV_POPULATE_READ), Linux 5.14 (22 is Linux's value; Python 3.11's
+#: mmap has no name for it); refused once (an older kernel), never asked again.
+_POPULATE_READ: int = getattr(mmap, "MADV_POPULATE_READ", 22)
+_madvise = libc_madvise() if sys.platform.startswith("linux") else None
+_POPULATE_REFUSED = [_madvise is None]
+
+
+def can_populate() -> bool:
+    """Whether ``MappedFile.populate`` can work here (as far as is known yet)."""
+    return available() and not _POPULATE_REFUSED[0]
 
 
 def available() -> bool:
@@ -80,6 +102,29 @@ class MappedFile:
             mapping.close()
             return None
         return cls(mapping, slot, start, length)
+
+    def populate(self) -> bool:
+        """Fault every page of the mapped range in, reading what the page cache
+        lacks from the disk (the GIL let go meanwhile); False where that failed:
+        the file is shorter than the mapping, the disk failed, or the kernel
+        has no such call (then never asked again). Nothing is read into this
+        process's memory: the pages are the page cache's."""
+        madvise = _madvise
+        if madvise is None or _POPULATE_REFUSED[0] or self._mapping is None:
+            return False
+        holder = ctypes.c_char.from_buffer(self._mapping)  # (an export while it lives)
+        try:
+            base = ctypes.addressof(holder)
+        finally:
+            del holder
+        page = mmap.PAGESIZE
+        first = self._start // page * page
+        end = self._start + self.length
+        if madvise(base + first, end - first, _POPULATE_READ) == 0:
+            return True
+        if ctypes.get_errno() == errno.EINVAL:  # a kernel without it (or a bad range)
+            _POPULATE_REFUSED[0] = True
+        return False
 
     @property
     def damaged(self) -> bool:

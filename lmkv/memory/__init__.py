@@ -55,7 +55,7 @@ _MADV_POPULATE_WRITE: int = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 PREFAULT_STEP = 8 << 20  # bytes per madvise call of the prefault thread
 
 
-def _libc_madvise() -> Callable[[int, int, int], int] | None:
+def libc_madvise() -> Callable[[int, int, int], int] | None:
     """libc's ``madvise`` through ctypes, which lets go of the GIL for the call.
     (``mmap.madvise`` holds it: faulting in 8 MiB then stalls every other thread
     of the process, the lookup's and the engine's, for milliseconds.)"""
@@ -68,7 +68,7 @@ def _libc_madvise() -> Callable[[int, int, int], int] | None:
     return fn
 
 
-_MADVISE = _libc_madvise() if _POPULATE_WRITE_KNOWN else None
+_MADVISE = libc_madvise() if _POPULATE_WRITE_KNOWN else None
 
 # Tests turn this on so a double release raises; in production it is logged loudly.
 strict_refcounts = False

@@ -31,7 +31,7 @@ from lmkv.base import affinity
 from lmkv.base.errors import ConfigError, CorruptFrameError
 from lmkv.contracts.direct_chunk import DirectChunk
 from lmkv.contracts.faults import TierFaults
-from lmkv.contracts.mapped_file import MappedFile
+from lmkv.contracts.mapped_file import MappedFile, can_populate
 from lmkv.contracts.plugin import OptionsArg
 from lmkv.contracts.tier import BackendContext, StorageBackend, done_future
 from lmkv.keys.chunking import CacheKey
@@ -377,7 +377,8 @@ class FSBackend(StorageBackend):
                     ) -> DirectChunk | MemoryObj | None:
         """``key``'s entry opened for a direct read (read in when it cannot be left
         in place), or None. ``nowait``: ``NotCached`` when its header is not in the
-        page cache (nothing counted)."""
+        page cache, or part of its payload is not and would be read in before it
+        is mapped (nothing counted): the I/O threads open it then."""
         store = self.store
         assert isinstance(store, LocalStore)
         serializer_id = self._serializer.serializer_id
@@ -386,6 +387,11 @@ class FSBackend(StorageBackend):
         if found is None:
             return None
         (fd, header, cached), size = found
+        populate = (not cached and self.options.mapped_reads and store.page_cache
+                    and len(header.shape) == 5 and can_populate())
+        if populate and nowait:  # its missing pages are read on the I/O threads
+            os.close(fd)
+            raise NotCached(key.to_string())
         with self._direct_lock:
             held = self._direct_open < self._direct_cap
             if held:
@@ -395,13 +401,19 @@ class FSBackend(StorageBackend):
                 self._direct_closed()
             os.close(fd)
             return self.get_blocking(key)
-        # Mapped when in the page cache (no copy into the staging buffer); read
-        # from the disk, pread's large requests beat a mapping's faults. Not with
+        # Mapped when in the page cache (no copy into the staging buffer). An
+        # entry partly out of it is mapped once its missing pages are read in
+        # (the disk started at open; ``populate`` waits for it, here, on an I/O
+        # thread): never through faults, one synchronous read per missing page.
+        # Where that cannot be done, pread's large requests read it. Not with
         # page_cache off: its reads hand their pages back on close.
         mapped = None
-        if self.options.mapped_reads and cached and store.page_cache:
+        if self.options.mapped_reads and (cached or populate) and store.page_cache:
             try:
                 mapped = MappedFile.open(fd, header.header_len, header.payload_len)
+                if mapped is not None and populate and not mapped.populate():
+                    mapped.close()
+                    mapped = None
             except BaseException:
                 os.close(fd)
                 self._direct_closed()

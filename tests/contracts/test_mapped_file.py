@@ -62,6 +62,48 @@ def test_views_read_the_files_bytes(tmp_path: Path) -> None:
 
 
 @NOT_BUILT
+def test_populate_reads_a_files_missing_pages_in_and_fails_on_a_short_file(
+        tmp_path: Path) -> None:
+    """``populate`` faults every page of the mapping in (the page cache's pages:
+    what was reclaimed is read from the disk); a file shorter than its mapping
+    makes it answer False, in this process, never SIGBUS."""
+    from lmkv_backends.tiers.fs_local import _pages_cached
+
+    if not mapped_file.can_populate():
+        pytest.skip("this kernel cannot populate a mapping (MADV_POPULATE_READ)")
+    data = os.urandom(4 * MiB)
+    path = tmp_path / "f"
+    path.write_bytes(data)
+    fd = os.open(path, os.O_RDWR)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # (no read-ahead)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        if _pages_cached(fd, len(data)) is not False:
+            pytest.skip("this kernel cannot tell (cachestat), or kept the pages")
+        mapped = MappedFile.open(fd, 4096, len(data) - 4096)
+        assert mapped is not None
+        assert mapped.populate()
+        assert _pages_cached(fd, len(data)) is True
+        assert bytes(mapped.view(MiB, 4096)) == data[4096 + MiB:8192 + MiB]
+        mapped.close()
+    finally:
+        os.close(fd)
+    # shrunk in place under the mapping (in a process of its own: were populate to
+    # raise SIGBUS, it would kill that one)
+    done = run(tmp_path, """
+        from lmkv.contracts import mapped_file
+        fd = os.open(path, os.O_RDWR)
+        mapped = MappedFile.open(fd, 0, 4 * MiB)
+        os.ftruncate(fd, MiB)
+        print(mapped.populate(), mapped_file.can_populate())
+        mapped.close()
+    """)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["False", "True"]  # a short file, not a kernel without it
+
+
+@NOT_BUILT
 def test_a_file_truncated_under_a_read_reads_zeros_and_says_so(tmp_path: Path) -> None:
     # torch copies from the mapping on another thread; pytest-like faulthandler on
     done = run(tmp_path, """

@@ -326,12 +326,26 @@ def test_an_entry_that_cannot_be_opened_is_a_fault_not_a_foreign_file(
         assert fs.contains(key)  # still indexed: read again once descriptors are back
 
 
-def test_an_entry_partly_out_of_the_page_cache_is_read_not_mapped(tmp_path: Path) -> None:
+@pytest.mark.parametrize("populate", [True, False], ids=["populated", "no-populate"])
+def test_an_entry_partly_out_of_the_page_cache_is_read_in_before_it_is_mapped(
+        tmp_path: Path, monkeypatch, populate: bool, reads: bool) -> None:
     """The kernel reclaims an idle file's pages piecemeal: an entry whose last page
-    is cached but a middle one is not is read with pread (large requests, the
-    disk started at lookup), never through a mapping that would fault page by
-    page; its KV loads all the same."""
+    is cached but a middle one is not has its missing pages read in at lookup
+    (``MappedFile.populate``, on the I/O threads) and is then mapped; where the
+    kernel cannot populate a mapping, it is read with pread (large requests,
+    the disk started at lookup). Never a mapping that faults page by page; its
+    KV loads all the same."""
+    from lmkv.contracts import mapped_file
     from lmkv_backends.tiers import fs_local
+
+    if populate and not mapped_file.can_populate():
+        pytest.skip("this kernel cannot populate a mapping (MADV_POPULATE_READ)")
+    populated: list[bool] = []
+    real = mapped_file.MappedFile.populate
+    monkeypatch.setattr(mapped_file.MappedFile, "populate",
+                        lambda self: populated.append(True) or real(self))
+    if not populate:
+        monkeypatch.setattr(mapped_file, "_POPULATE_REFUSED", [True])
 
     tokens = list(range(2 * CHUNK))
     src = stored(tmp_path, tokens)
@@ -357,5 +371,9 @@ def test_an_entry_partly_out_of_the_page_cache_is_read_not_mapped(tmp_path: Path
         taken = taken_by(reader)
         target = caches()
         assert load(reader, tokens, target, [9, 3, 12, 0]) == (64, 64)
-        assert taken and all(isinstance(o, DirectChunk) and not o.mapped for o in taken)
+        assert taken and all(isinstance(o, DirectChunk) and o.mapped == (populate and reads)
+                             for o in taken)
+        # (an entry whose read-ahead, started at its first open, is done by the
+        # time an I/O thread opens it again is whole then: mapped at once)
+        assert len(populated) <= (len(taken) if populate and reads else 0)
         assert blocks_equal(src, target, [(0, 9), (1, 3), (2, 12), (3, 0)])
