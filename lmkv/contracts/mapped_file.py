@@ -34,6 +34,7 @@ import ctypes
 import errno
 import logging
 import mmap
+import os
 import sys
 import threading
 import types
@@ -122,8 +123,11 @@ class MappedFile:
         end = self._start + self.length
         if madvise(base + first, end - first, _POPULATE_READ) == 0:
             return True
-        if ctypes.get_errno() == errno.EINVAL:  # a kernel without it (or a bad range)
+        err = ctypes.get_errno()
+        if err == errno.EINVAL:  # a kernel without it (or a bad range)
             _POPULATE_REFUSED[0] = True
+            logger.debug("lmkv: no populating of mappings here (%s); partly cached "
+                         "entries are read with pread", os.strerror(err))
         return False
 
     @property

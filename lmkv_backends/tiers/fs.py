@@ -415,6 +415,8 @@ class FSBackend(StorageBackend):
                     mapped.close()
                     mapped = None
             except BaseException:
+                if mapped is not None:
+                    mapped.close()
                 os.close(fd)
                 self._direct_closed()
                 raise

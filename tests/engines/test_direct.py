@@ -6,6 +6,7 @@ recomputed) and never lands as KV of another prompt."""
 from __future__ import annotations
 
 import os
+import threading
 from dataclasses import replace
 from pathlib import Path
 
@@ -340,10 +341,15 @@ def test_an_entry_partly_out_of_the_page_cache_is_read_in_before_it_is_mapped(
 
     if populate and not mapped_file.can_populate():
         pytest.skip("this kernel cannot populate a mapping (MADV_POPULATE_READ)")
-    populated: list[bool] = []
+    populated: list[str] = []  # the threads that populated, and whether it worked
     real = mapped_file.MappedFile.populate
-    monkeypatch.setattr(mapped_file.MappedFile, "populate",
-                        lambda self: populated.append(True) or real(self))
+
+    def spied(self):  # type: ignore[no-untyped-def]
+        done = real(self)
+        populated.append(f"{threading.current_thread().name.split('_')[0]} {done}")
+        return done
+
+    monkeypatch.setattr(mapped_file.MappedFile, "populate", spied)
     if not populate:
         monkeypatch.setattr(mapped_file, "_POPULATE_REFUSED", [True])
 
@@ -376,4 +382,6 @@ def test_an_entry_partly_out_of_the_page_cache_is_read_in_before_it_is_mapped(
         # (an entry whose read-ahead, started at its first open, is done by the
         # time an I/O thread opens it again is whole then: mapped at once)
         assert len(populated) <= (len(taken) if populate and reads else 0)
+        # on the I/O threads, never the lookup's own, and it worked
+        assert set(populated) <= {"lmkv-fs-read True"}, populated
         assert blocks_equal(src, target, [(0, 9), (1, 3), (2, 12), (3, 0)])
