@@ -25,22 +25,29 @@ that lost its tail keeps the rest for a while, and the next evictions trim
 other prompts first (on the Mooncake trace this keeps 1-4 points more hits
 than sending the parent to the least recent end, which empties one prompt
 after the other).
+
+It orders a tier's slots where the tier numbers its keys (``orders_slots``):
+T1 and T2 by slot, the ghosts by a name that outlives the slot
+(``ghost_name``), as a slot is reused for another key.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator
+from typing import Any
 
 from lmkv.contracts.plugin import OptionsArg
 from lmkv.contracts.policy import EvictionContext, EvictionPolicy
+from lmkv_policies.ghosts import ghost_name, same_name
 
 T1, T2 = 1, 2
 
 
 class ARCPolicy(EvictionPolicy):
     name = "arc"
-    api_version = "2.0"
+    api_version = "2.1"
+    orders_slots = True
 
     def __init__(self, options: OptionsArg = None, context: EvictionContext | None = None) -> None:
         super().__init__(options, context)
@@ -53,17 +60,23 @@ class ARCPolicy(EvictionPolicy):
         self._b2: OrderedDict[Hashable, None] = OrderedDict()
         self.p = 0.0  # target size of T1, in entries
         self.c = 0  # the most entries stored at once
+        #: What a key that left is remembered by (its slot's key, by slot).
+        self._name: Callable[[Any], Hashable] = same_name
+
+    def use_slots(self) -> None:
+        self._name = ghost_name(self)
 
     # -- hooks -----------------------------------------------------------------
     def on_insert(self, key: Hashable, parent: Hashable | None) -> None:
         b1, b2 = self._b1, self._b2
-        if key in b1:  # evicted after one use: recency deserves more room
+        name = self._name(key) if b1 or b2 else None
+        if name is not None and name in b1:  # evicted after one use: recency deserves more room
             self.p = min(float(self.c), self.p + max(1.0, len(b2) / len(b1)))
-            del b1[key]
+            del b1[name]
             where = T2
-        elif key in b2:  # evicted after several uses: frequency deserves more room
-            self.p = max(0.0, self.p - max(1.0, len(b1) / len(b2)))
-            del b2[key]
+        elif name is not None and name in b2:  # evicted after several uses: frequency
+            self.p = max(0.0, self.p - max(1.0, len(b1) / len(b2)))  # deserves more room
+            del b2[name]
             where = T2
         else:
             where = T1
@@ -93,7 +106,7 @@ class ARCPolicy(EvictionPolicy):
         if where is None:
             return
         ghosts = self._b1 if where == T1 else self._b2
-        ghosts[key] = None
+        ghosts[self._name(key)] = None
         self._trim()
 
     def on_extended(self, key: Hashable) -> None:

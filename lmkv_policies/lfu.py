@@ -13,18 +13,23 @@ its count; when its last extension leaves it goes back to the most recent end
 of its count's bucket (it is at least as frequent as the leaf that just went;
 trimming other prompts before emptying this one keeps more hits on the
 Mooncake trace).
+
+It orders a tier's slots where the tier numbers its keys (``orders_slots``):
+counts and buckets by slot, and the counts of keys that left by a name that
+outlives the slot (``ghost_name``), as a slot is reused for another key.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable, Iterator
-from typing import Annotated
+from collections.abc import Callable, Hashable, Iterator
+from typing import Annotated, Any
 
 from pydantic import Field
 
 from lmkv.contracts.plugin import OptionsArg, PluginOptions
 from lmkv.contracts.policy import EvictionContext, EvictionPolicy
+from lmkv_policies.ghosts import ghost_name, same_name
 
 
 class LFUOptions(PluginOptions):
@@ -41,7 +46,8 @@ class LFUOptions(PluginOptions):
 
 class LFUPolicy(EvictionPolicy):
     name = "lfu"
-    api_version = "2.0"
+    api_version = "2.1"
+    orders_slots = True
     Options = LFUOptions
     options: LFUOptions
 
@@ -55,6 +61,11 @@ class LFUPolicy(EvictionPolicy):
         #: Counts of keys that left, least recent first (bounded: ``history``).
         self._history: OrderedDict[Hashable, int] = OrderedDict()
         self.c = 0  # the most entries stored at once
+        #: What a key that left is remembered by (its slot's key, by slot).
+        self._name: Callable[[Any], Hashable] = same_name
+
+    def use_slots(self) -> None:
+        self._name = ghost_name(self)
 
     # -- buckets ---------------------------------------------------------------
     def _enter(self, key: Hashable, count: int) -> None:
@@ -74,7 +85,9 @@ class LFUPolicy(EvictionPolicy):
 
     # -- hooks -----------------------------------------------------------------
     def on_insert(self, key: Hashable, parent: Hashable | None) -> None:
-        count = min(self._history.pop(key, 0) + 1, self.options.max_frequency)
+        history = self._history
+        count = (min(history.pop(self._name(key), 0) + 1, self.options.max_frequency)
+                 if history else 1)
         self._count[key] = count
         if self.lineage.is_leaf(key):
             self._enter(key, count)
@@ -98,7 +111,7 @@ class LFUPolicy(EvictionPolicy):
             bound = int(self.options.history * self.c)
             if bound:
                 history = self._history
-                history[key] = count
+                history[self._name(key)] = count
                 while len(history) > bound:
                     history.popitem(last=False)
 

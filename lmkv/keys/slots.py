@@ -119,6 +119,20 @@ class SlotKeys:
             digest = digest.to_bytes(32, "little")
         return CacheKey(meta, digest, layer)  # type: ignore[arg-type]
 
+    def name(self, slot: int) -> Hashable:
+        """A name for the key ``slot`` holds now that outlives the slot (a slot is
+        given to another key once its key leaves): equal keys get equal names,
+        made of what the index holds already (no key is built). Keys of one chunk
+        hash in spaces numbered alike at different times may share a name: fit
+        for what a policy remembers of keys that left, never to find an entry."""
+        digest = self._hash_of[slot]
+        if digest is None:
+            raise KeyError(f"slot {slot} is free")
+        space = self._space_of[slot]
+        if type(digest) is int:
+            return digest ^ (space << 256) if space else digest
+        return (space, digest)
+
     def remove(self, slot: int) -> None:
         """Give ``slot`` back: its key has none from now on."""
         digest = self._hash_of[slot]

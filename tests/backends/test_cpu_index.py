@@ -10,23 +10,39 @@ import tracemalloc
 import pytest
 import torch
 
+from lmkv.contracts.policy import EvictionPolicy
 from lmkv.contracts.tier import BackendContext
 from lmkv.keys.chunking import CacheKey, KeyMeta
 from lmkv_backends.tiers import cpu as cpu_module
 from lmkv_backends.tiers.cpu import CPUBackend
+from lmkv_policies.arc import ARCPolicy
+from lmkv_policies.lfu import LFUPolicy
 from lmkv_policies.lru import LRUPolicy
+from lmkv_policies.s3fifo import S3FIFOPolicy
 
 SHAPE = (4, 16)  # 128 bytes of float16: a tiny chunk
 META = KeyMeta("m")
 
 
 class KeyedLRU(LRUPolicy):
-    """``lru`` handed keys, not slots: the order every other policy is kept in."""
+    """``lru`` handed keys, not slots: the order a policy without slots is kept in."""
 
     orders_slots = False
 
 
-def tier(policy: type[LRUPolicy] = LRUPolicy, chunks: int = 64) -> CPUBackend:
+def keyed(policy: type[EvictionPolicy]) -> type[EvictionPolicy]:
+    """``policy`` handed keys, not slots."""
+    return type(f"Keyed{policy.__name__}", (policy,), {"orders_slots": False})
+
+
+# Every built-in policy that orders slots, with its twin handed keys. lfu, arc and
+# s3fifo remember keys that left (ghosts): the random walks below store evicted
+# keys again, into slots other keys held meanwhile.
+SLOT_POLICIES = [(LRUPolicy, KeyedLRU)] + [(p, keyed(p))
+                                           for p in (LFUPolicy, ARCPolicy, S3FIFOPolicy)]
+
+
+def tier(policy: type[EvictionPolicy] = LRUPolicy, chunks: int = 64) -> CPUBackend:
     return CPUBackend(CPUBackend.Options(max_bytes=chunks * 256, prefault_ahead=0),
                       BackendContext(eviction_policy=policy()))
 
@@ -59,12 +75,15 @@ def contents(backend: CPUBackend) -> set[int]:
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_the_slot_index_evicts_exactly_what_the_keyed_one_does(seed: int) -> None:
+@pytest.mark.parametrize("policies", SLOT_POLICIES, ids=lambda p: p[0].name)
+def test_the_slot_index_evicts_exactly_what_the_keyed_one_does(
+        seed: int, policies: tuple[type[EvictionPolicy], type[EvictionPolicy]]) -> None:
     """Prompts stored head first and tail first, read, removed and pinned, in a tier
     too small for them: after each step both tiers hold the same chunks, and each
-    chunk read back holds its own bytes."""
+    chunk read back holds its own bytes. A policy ordering slots decides as it
+    does handed keys, what it remembers of keys that left included."""
     rng = random.Random(seed)
-    slots, keyed = tier(), tier(KeyedLRU)
+    slots, keyed = tier(policies[0]), tier(policies[1])
     assert slots._by_slot and not keyed._by_slot
     for _ in range(300):
         op = rng.random()

@@ -56,3 +56,26 @@ def test_a_model_whose_keys_all_left_costs_nothing_after() -> None:
     assert len(slots._spaces) == 1 and not slots._space_ids and len(slots) == 0
     kept = CacheKey(KeyMeta("kept"), bytes(32))
     assert slots.key(slots.add(kept)) == kept
+
+
+def test_a_name_stands_for_its_key_after_the_slot_goes_to_another() -> None:
+    """``name``: what a policy remembers a key that left by. Equal keys, equal
+    names; the key a slot held keeps its name once the slot holds another."""
+    slots = SlotKeys()
+    meta = KeyMeta("a")
+    first, second = CacheKey(meta, bytes([1]) * 32), CacheKey(meta, bytes([2]) * 32)
+    layered = CacheKey(meta, bytes([1]) * 32, layer=3)  # the same hash, another key
+    short = CacheKey(meta, b"short")
+    slot = slots.add(first)
+    named = slots.name(slot)
+    assert slots.name(slots.add(layered)) != named
+    assert slots.name(slots.add(short)) not in (named, slots.name(slots.slot(layered)))
+    slots.remove(slot)
+    with pytest.raises(KeyError):
+        slots.name(slot)
+    assert slots.add(second) == slot  # the slot given back goes to another key
+    assert slots.name(slot) != named
+    slots.remove(slot)
+    again = slots.add(first)
+    assert slots.name(again) == named  # the key back: its name again
+    hash(named)
