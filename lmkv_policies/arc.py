@@ -84,7 +84,9 @@ class ARCPolicy(EvictionPolicy):
         self._sizes[where] += 1
         if self.lineage.is_leaf(key):
             self._leaves[where][key] = None
-        self.c = max(self.c, len(self._list))
+        stored = len(self._list)
+        if stored > self.c:
+            self.c = stored
 
     def on_access(self, key: Hashable) -> None:
         where = self._list.get(key)

@@ -91,7 +91,9 @@ class LFUPolicy(EvictionPolicy):
         self._count[key] = count
         if self.lineage.is_leaf(key):
             self._enter(key, count)
-        self.c = max(self.c, len(self._count))
+        stored = len(self._count)
+        if stored > self.c:
+            self.c = stored
         self._used()
 
     def on_access(self, key: Hashable) -> None:

@@ -97,7 +97,9 @@ class S3FIFOPolicy(EvictionPolicy):
         self._sizes[where] += 1
         if self.lineage.is_leaf(key):
             self._fifo[where][key] = None
-        self.c = max(self.c, len(self._queue))
+        stored = len(self._queue)
+        if stored > self.c:
+            self.c = stored
 
     def on_access(self, key: Hashable) -> None:
         freq = self._freq.get(key)

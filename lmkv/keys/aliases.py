@@ -54,10 +54,12 @@ def make_alias(target: CacheKey, allocate: Allocate) -> MemoryObj | None:
 
 
 def is_alias(obj: MemoryObj) -> bool:
-    tensor = obj.tensor
-    return (tensor.dtype == torch.uint8 and tensor.dim() == 1
-            and tensor.numel() > len(MAGIC)
-            and bytes(tensor[:len(MAGIC)].numpy()) == MAGIC)
+    # Told by the buffer's dtype and shape first: a chunk of KV is never a short
+    # run of bytes, and its tensor (a view, made on demand) is not built to say so.
+    shape = obj.shape
+    if obj.dtype != torch.uint8 or len(shape) != 1 or shape[0] <= len(MAGIC):
+        return False
+    return bytes(obj.tensor[:len(MAGIC)].numpy()) == MAGIC
 
 
 def alias_target(key: CacheKey, obj: MemoryObj) -> CacheKey | None:

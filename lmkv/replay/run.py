@@ -30,7 +30,9 @@ from lmkv.replay.defaults import PHYSICAL_CHUNK_BYTES
 from lmkv.replay.trace import Trace
 from lmkv.storage.manager import StorageManager, chain_parents
 
-_SHAPE = (PHYSICAL_CHUNK_BYTES,)
+# A chunk of KV has a dimension per layer, head and token: never one run of bytes,
+# the shape of an alias (lmkv.keys.aliases), which every read checks for.
+_SHAPE = (1, PHYSICAL_CHUNK_BYTES)
 _DTYPE = torch.uint8
 
 

@@ -376,7 +376,7 @@ class StorageManager:
         appended to ``longer``."""
         out: list[MemoryObj] = []
         for i, (key, obj) in enumerate(zip(keys, objs, strict=False)):
-            target = alias_target(key, obj) if obj.tensor.dim() == 1 else None
+            target = alias_target(key, obj) if len(obj.shape) == 1 else None
             if target is None:
                 out.append(obj)
                 continue
