@@ -231,18 +231,55 @@ def run(model_dir: str, mode: str, tmp: str) -> dict:
             before = worker.counters.loaded_tokens if worker else 0
             spent.update(dict.fromkeys(spent, 0.0))
             spent["cached"] = _cached_share(tmp) if reader else float("nan")
+            threads = _thread_cpu()
             with _profiled(mode, length, i):
                 ms, cached = ttft(warm_prompt(length, i))
             warm.append(ms)
             hits.append(cached)
             loaded.append(worker.counters.loaded_tokens - before if worker else None)
-            parts.append(dict(spent))
+            parts.append({**spent, "threads": _busiest(threads, _thread_cpu())})
         result[str(length)] = {"cold": cold, "warm": warm, "hits": hits, "loaded": loaded,
                                "parts": parts, "split": [split_point(length, i)
                                                          for i in range(REPEATS)]}
     if worker is not None:
         result["worker_counters"] = vars(worker.counters)
     return result
+
+
+def _thread_cpu() -> dict[str, float]:
+    """CPU ms each thread of this process has used so far (by ``name:tid``: a Python
+    thread's name, else the kernel's, e.g. the OpenMP workers'; Linux ``/proc``;
+    empty elsewhere)."""
+    import threading
+    named = {t.native_id: t.name for t in threading.enumerate()}
+    out: dict[str, float] = {}
+    tick = 1e3 / os.sysconf("SC_CLK_TCK")
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                name = f.read().strip()
+        except OSError:
+            continue  # the thread ended
+        name = named.get(int(tid), name)
+        out[f"{name}:{tid}"] = (int(fields[11]) + int(fields[12])) * tick  # utime + stime
+    return out
+
+
+def _busiest(before: dict[str, float], after: dict[str, float], top: int = 5) -> str:
+    """The threads that used the most CPU between two ``_thread_cpu`` snapshots, as
+    ``name ms`` (tids left out: threads of one name add up)."""
+    used: dict[str, float] = {}
+    for thread, ms in after.items():
+        name = thread.rsplit(":", 1)[0].rstrip("0123456789").rstrip("_-")
+        used[name] = used.get(name, 0.0) + ms - before.get(thread, 0.0)
+    ranked = sorted(((ms, name) for name, ms in used.items() if ms > 0), reverse=True)
+    return ", ".join(f"{name} {ms:.0f}" for ms, name in ranked[:top])
 
 
 def _cached_share(tmp: str) -> float:
@@ -526,6 +563,9 @@ def report(results: dict, configs: list[str]) -> bool:
           {m: {n: [f"{p['lookup']:.1f}/{p['asks']:.0f}/{p['load']:.1f}"
                    for p in r[str(n)]["parts"]] for n in LENGTHS}
            for m, r in results.items() if m.startswith("lmkv")})
+    print("CPU ms of the process's busiest threads during each warm sample (by name):",
+          {m: {n: [p.get("threads", "") for p in r[str(n)]["parts"]] for n in LENGTHS}
+           for m, r in results.items()})
     print("share of the stored files in the page cache before each warm sample:",
           {m: {n: [round(p["cached"], 2) for p in r[str(n)]["parts"]] for n in LENGTHS}
            for m, r in results.items() if m.endswith("-2proc")})
