@@ -16,8 +16,12 @@ from collections.abc import Hashable
 
 from lmkv.keys.chunking import CacheKey, KeyMeta
 
-#: One (meta, layer): its meta, layer, chunk hash -> slot, and its number.
-_Space = tuple[KeyMeta, int, dict[bytes | int, int], int]
+_TAG_MASK = (1 << 64) - 1
+
+#: One (meta, layer): its meta, layer, chunk hash -> slot, its number, and its tag
+#: (a hash of meta and layer: what its keys' names carry, the same whichever number
+#: the space has).
+_Space = tuple[KeyMeta, int, dict[bytes | int, int], int, int]
 
 
 class SlotKeys:
@@ -71,11 +75,14 @@ class SlotKeys:
 
     def add(self, key: CacheKey) -> int:
         """A slot for ``key``: its own if it has one, else a new one."""
-        space = self._space(key.meta, key.layer)
+        space = self._last  # (the space of the last key, almost always this one's)
+        if space is None or space[0] is not key.meta or space[1] != key.layer:
+            space = self._space(key.meta, key.layer)
         if space is None:
             number = self._free_spaces.pop() if self._free_spaces else len(self._spaces)
             self._space_ids[(key.meta, key.layer)] = number
-            space = self._last = (key.meta, key.layer, {}, number)
+            tag = hash((key.meta, key.layer)) & _TAG_MASK
+            space = self._last = (key.meta, key.layer, {}, number, tag)
             if number == len(self._spaces):
                 self._spaces.append(space)
             else:
@@ -122,16 +129,19 @@ class SlotKeys:
     def name(self, slot: int) -> Hashable:
         """A name for the key ``slot`` holds now that outlives the slot (a slot is
         given to another key once its key leaves): equal keys get equal names,
-        made of what the index holds already (no key is built). Keys of one chunk
-        hash in spaces numbered alike at different times may share a name: fit
-        for what a policy remembers of keys that left, never to find an entry."""
+        made of what the index holds already (no key is built): its chunk hash and
+        its space's tag, which a (meta, layer) keeps whichever space number it
+        gets. Two keys share a name only when their chunk hashes are equal and
+        their (meta, layer) tags collide (64-bit hashes): fit for what a policy
+        remembers of keys that left, never to find an entry."""
         digest = self._hash_of[slot]
         if digest is None:
             raise KeyError(f"slot {slot} is free")
-        space = self._space_of[slot]
+        space = self._spaces[self._space_of[slot]]
+        assert space is not None
         if type(digest) is int:
-            return digest ^ (space << 256) if space else digest
-        return (space, digest)
+            return digest ^ (space[4] << 256)
+        return (space[4], digest)
 
     def remove(self, slot: int) -> None:
         """Give ``slot`` back: its key has none from now on."""

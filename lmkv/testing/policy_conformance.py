@@ -202,35 +202,72 @@ class EvictionPolicyConformance:
     def test_slots_are_ordered_as_keys_are(self) -> None:
         """A policy that says it orders slots (``orders_slots``) gives, slot for key,
         the candidates it gives when handed keys, through the same random walk
-        (chains, reads, evictions, an inner key removed now and then)."""
+        (chains, reads, evictions, an inner key removed now and then), with slots
+        numbered as a tier numbers them: a slot goes to another key once its key
+        has left and no stored key extends it, and keys that left come back (into
+        whichever slot is free then). A policy that remembers keys that left must
+        not remember them by slot."""
         if not self.make_policy().orders_slots:
             pytest.skip("this policy orders keys only (orders_slots is False)")
         by_key, by_slot = self.make_policy(), self.make_policy()
-        by_slot.order_slots(self.key)
-        number: dict[Hashable, int] = {self.key(i): i for i in range(4 * self.operations)}
+        key_of: dict[int, Hashable] = {}  # slot -> the key it holds now
+        slot_of: dict[Hashable, int] = {}  # key -> its slot while it holds one
+        free: list[int] = []
+        by_slot.order_slots(lambda slot: key_of[slot])
         rng = random.Random(self.seed)
-        stored: list[int] = []
-        next_id = 0
+        stored: list[Hashable] = []
+        gone: list[Hashable] = []
+
+        def claim(key: Hashable) -> int:
+            slot = slot_of.get(key)
+            if slot is None:
+                slot = free.pop() if free else len(key_of)
+                key_of[slot], slot_of[key] = key, slot
+            return slot
+
+        def release(key: Hashable | None) -> None:
+            """Give ``key``'s slot back when nothing stored names it."""
+            slot = None if key is None else slot_of.get(key)
+            if slot is None or key in stored or by_slot.lineage.children(slot):
+                return
+            del slot_of[key], key_of[slot]
+            free.append(slot)
+
+        fresh = 0
         for step in range(self.operations):
             roll = rng.random()
             if roll < 0.45 or not stored:
+                if gone and rng.random() < 0.4:  # a key that left comes back
+                    key = gone.pop(rng.randrange(len(gone)))
+                else:
+                    key, fresh = self.key(fresh), fresh + 1
                 parent = stored[-1] if stored and rng.random() < 0.7 else None
-                by_key.insert(self.key(next_id), None if parent is None else self.key(parent))
-                by_slot.insert(next_id, parent)
-                stored.append(next_id)
-                next_id += 1
+                parent_slot = None if parent is None else slot_of[parent]
+                by_key.insert(key, parent)
+                by_slot.insert(claim(key), parent_slot)
+                stored.append(key)
             elif roll < 0.75:
                 chosen = rng.choice(stored)
-                by_key.access(self.key(chosen))
-                by_slot.access(chosen)
+                by_key.access(chosen)
+                by_slot.access(slot_of[chosen])
             else:
-                victim = (rng.choice(stored) if roll > 0.95
-                          else number[next(iter(by_key.candidates()))])
-                by_key.forget(self.key(victim))
-                by_slot.forget(victim)
+                if roll > 0.95:
+                    victim = rng.choice(stored)
+                else:  # each policy is asked, as its tier would ask it
+                    victim = next(iter(by_key.candidates()))
+                    assert next(iter(by_slot.candidates())) == slot_of[victim], \
+                        f"another victim at step {step}"
+                slot = slot_of[victim]
+                above = by_slot.lineage.parent(slot)  # the parent's slot, or None
+                by_key.forget(victim)
+                by_slot.forget(slot)
                 stored.remove(victim)
+                gone.append(victim)
+                release(victim)
+                if above is not None:
+                    release(key_of.get(int(above)))  # type: ignore[call-overload]
             if step % 10 == 0:
-                assert [number[k] for k in by_key.candidates()] == \
+                assert [slot_of[k] for k in by_key.candidates()] == \
                     list(by_slot.candidates()), f"the orders part at step {step}"
 
     def test_memory_does_not_grow_with_keys_that_went_through(self) -> None:

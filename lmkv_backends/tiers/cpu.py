@@ -9,8 +9,9 @@ chunk hash in a dict per meta, the caller's CacheKey is not kept), and an
 entry is its arena offset, size and layout in arrays by slot. An entry has
 a MemoryObj only while someone else holds a reference to it, or a pin (kept
 in ``_live``; a sweep lets go of those back to the tier's reference alone).
-A policy that orders slots (``lru``) keeps its order in arrays too; any
-other policy is handed keys, as every tier does.
+A policy that orders slots (every built-in one) is handed slots, and
+``lru`` keeps its order in arrays too; any other policy is handed keys, as
+every tier does.
 """
 
 from __future__ import annotations

@@ -79,3 +79,21 @@ def test_a_name_stands_for_its_key_after_the_slot_goes_to_another() -> None:
     again = slots.add(first)
     assert slots.name(again) == named  # the key back: its name again
     hash(named)
+
+
+def test_a_name_does_not_follow_a_space_number_to_another_model() -> None:
+    """Spaces that empty give their numbers back; a model back under another
+    number keeps its keys' names, and a model taking a freed number takes none."""
+    slots = SlotKeys()
+    a, b = KeyMeta("a"), KeyMeta("b")
+    digest = bytes([7]) * 32
+    first_a, first_b = slots.add(CacheKey(a, digest)), slots.add(CacheKey(b, digest))
+    named_a, named_b = slots.name(first_a), slots.name(first_b)
+    assert named_a != named_b
+    slots.remove(first_b)
+    slots.remove(first_a)  # both spaces empty: their numbers are free, a's handed first
+    again_b, again_a = slots.add(CacheKey(b, digest)), slots.add(CacheKey(a, digest))
+    assert slots._space_of[again_b] != slots._space_of[first_b]  # b has a's old number
+    assert (slots.name(again_a), slots.name(again_b)) == (named_a, named_b)
+    layered = slots.add(CacheKey(a, digest, layer=5))
+    assert slots.name(layered) not in (named_a, named_b)
