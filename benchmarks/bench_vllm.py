@@ -230,7 +230,8 @@ def run(model_dir: str, mode: str, tmp: str) -> dict:
         for i in range(REPEATS):
             before = worker.counters.loaded_tokens if worker else 0
             spent.update(dict.fromkeys(spent, 0.0))
-            spent["cached"] = _cached_share(tmp) if reader else float("nan")
+            spent["cached"] = (_cached_share(tmp, "example" if mode.startswith("example")
+                                             else "lmkv-fs") if reader else float("nan"))
             threads = _thread_cpu()
             with _profiled(mode, length, i):
                 ms, cached = ttft(warm_prompt(length, i))
@@ -282,29 +283,29 @@ def _busiest(before: dict[str, float], after: dict[str, float], top: int = 5) ->
     return ", ".join(f"{name} {ms:.0f}" for ms, name in ranked[:top])
 
 
-def _cached_share(tmp: str) -> float:
-    """The share of the stored files' bytes (lmkv's fs tier, ExampleConnector's
-    folder) in the page cache now (Linux 6.5+ ``cachestat``; NaN where the
-    kernel cannot tell): this kernel reclaims idle files' pages a minute or so
-    after they were written, and a load from the disk is another load."""
+def _cached_share(tmp: str, folder: str) -> float:
+    """The share of the bytes of the files under ``tmp/folder`` (lmkv's fs tier,
+    ``lmkv-fs``, or ExampleConnector's, ``example``) in the page cache now (Linux
+    6.5+ ``cachestat``; NaN where the kernel cannot tell): this kernel reclaims idle
+    files' pages a minute or so after they were written, and a load from the disk
+    is another load."""
     from lmkv_backends.tiers.fs_local import _PAGE, _pages_cached_count
     total = cached = 0
-    for folder in ("lmkv-fs", "example"):
-        for root, _, files in os.walk(os.path.join(tmp, folder)):
-            for name in files:
-                try:
-                    fd = os.open(os.path.join(root, name), os.O_RDONLY)
-                except OSError:
-                    continue
-                try:
-                    size = os.fstat(fd).st_size
-                    pages = _pages_cached_count(fd, size)
-                finally:
-                    os.close(fd)
-                if pages is None:
-                    return float("nan")
-                total += size
-                cached += min(size, pages * _PAGE)
+    for root, _, files in os.walk(os.path.join(tmp, folder)):
+        for name in files:
+            try:
+                fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                size = os.fstat(fd).st_size
+                pages = _pages_cached_count(fd, size)
+            finally:
+                os.close(fd)
+            if pages is None:
+                return float("nan")
+            total += size
+            cached += min(size, pages * _PAGE)
     return cached / total if total else float("nan")
 
 
