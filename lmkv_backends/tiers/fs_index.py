@@ -53,8 +53,8 @@ class EntryIndex:
     Compact, as the cpu tier's index: keys numbered by slot (``SlotKeys``), an
     entry's size in an array by slot, pins only for the entries pinned; a
     policy that orders slots (every built-in one) is handed slots, any other
-    keys. A
-    million entries cost a few hundred MiB, not a gigabyte (bench_metadata.py).
+    keys. A million entries cost a few hundred MiB, not a gigabyte
+    (bench_metadata.py).
     """
 
     def __init__(self, policy: EvictionPolicy, capacity: int | None) -> None:
