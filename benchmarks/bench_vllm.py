@@ -145,6 +145,8 @@ def make_llm(model_dir: str, mode: str, tmp: str):  # type: ignore[no-untyped-de
         # disk reader fills a fresh arena, where first touches of huge pages cost more
         tiers: list = [{"type": "cpu", "options": {
             "max_bytes": "2GiB", "huge_pages": mode in ("lmkv", "lmkv-layerwise")}}]
+        if os.environ.get("BENCH_PREFAULT_AHEAD"):
+            tiers[0]["options"]["prefault_ahead"] = os.environ["BENCH_PREFAULT_AHEAD"]
         if mode.startswith("lmkv-2proc"):
             fs: dict = {"url": os.path.join(tmp, "lmkv-fs")}
             if FS_PAGE_CACHE:

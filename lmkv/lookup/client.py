@@ -61,6 +61,7 @@ from lmkv.base.logutil import RateLimitedLog
 from lmkv.config.model import LMKVConfig, LookupConfig
 from lmkv.engines.keys import hit_block_size
 from lmkv.keys.chunking import DEFAULT_CHUNK_SIZE, Identity, KeyMeta, TokenChunker
+from lmkv.lookup import local
 from lmkv.lookup.messages import (
     TOKEN_BYTES,
     LookupCleanup,
@@ -142,7 +143,9 @@ class LookupClient:
     (default 3000) bounds a lookup; ``backoff_ms`` (default 10) is how long a
     poll of a pending lookup waits for its answer; ``results_kept`` finished
     results stay pollable; ``max_tokens`` (default 1,048,576; pass the model's
-    maximum length) bounds a lookup, as it bounds the workers.
+    maximum length) bounds a lookup, as it bounds the workers. ``local_calls``
+    (default True): a worker whose responder runs in this process is called,
+    not sent messages (``lmkv.lookup.local``).
     """
 
     def __init__(self, endpoints: LookupEndpoints, *, chunk_size: int = DEFAULT_CHUNK_SIZE,
@@ -150,7 +153,7 @@ class LookupClient:
                  timeout_ms: float = DEFAULT_TIMEOUT_MS,
                  backoff_ms: float = DEFAULT_BACKOFF_MS,
                  results_kept: int = DEFAULT_RESULTS_KEPT,
-                 max_tokens: int = DEFAULT_MAX_TOKENS) -> None:
+                 max_tokens: int = DEFAULT_MAX_TOKENS, local_calls: bool = True) -> None:
         if chunk_size <= 0:
             raise ValueError(f"chunk_size {chunk_size}: must be a positive integer")
         if timeout_ms <= 0:
@@ -172,9 +175,12 @@ class LookupClient:
         self.backoff_s = backoff_ms / 1000
         self.results_kept = results_kept
         self.max_chunks = max_chunks_for(max_tokens, chunk_size)
+        self.local_calls = local_calls
         self.counters = LookupClientCounters()
 
-        self._lock = threading.Lock()
+        # Re-entrant: a worker of this process (``lmkv.lookup.local``) may answer
+        # while the request is being sent, on the sending thread.
+        self._lock = threading.RLock()
         self._cond = threading.Condition(self._lock)
         self._pending: dict[str, _Pending] = {}
         self._results: OrderedDict[str, int] = OrderedDict()
@@ -245,7 +251,6 @@ class LookupClient:
         request = LookupRequest(lookup_id, hashes, offsets, request_configs or {},
                                 parts, self.block_size if parts and self.block_size else 0,
                                 os.urandom(TOKEN_BYTES))
-        message = encode(request)
         with self._lock:
             if self._closed:
                 raise RuntimeError("the lookup client is closed")
@@ -272,14 +277,17 @@ class LookupClient:
             pending = _Pending(time.monotonic() + self.timeout_s, request.token,
                                request.offsets, request.block_tokens)
             self._pending[lookup_id] = pending
-            sent = self._send_locked(message, lookup_id)
+            sent = self._send_locked(request, lookup_id)
             if sent != self._all_ranks:  # a worker cannot answer: the lookup is a miss
                 del self._pending[lookup_id]
                 self._finish(lookup_id, 0)
                 if sent:  # the others release what they prefetch, then owe an answer
                     self._cleanup_locked(lookup_id)
-                    self._owed[lookup_id] = _Owed(sent, pending.deadline + STALE_ANSWER_TTL_S,
-                                                  pending.token)
+                    owed = sent & ~pending.answered  # (a worker of this process answered)
+                    if owed:
+                        self._owed[lookup_id] = _Owed(owed,
+                                                      pending.deadline + STALE_ANSWER_TTL_S,
+                                                      pending.token)
 
     def poll(self, lookup_id: str, wait_s: float | None = None) -> int | None:
         """-1 unknown, None pending (after waiting up to ``wait_s``, default
@@ -372,15 +380,35 @@ class LookupClient:
                                           pending.token)
 
     def _cleanup_locked(self, lookup_id: str) -> None:
-        self._send_locked(encode(LookupCleanup(lookup_id)), lookup_id)
+        self._send_locked(LookupCleanup(lookup_id), lookup_id)
         self.counters.cleanups_sent += 1
 
-    def _send_locked(self, message: bytes, lookup_id: str) -> int:
-        """Send ``message`` to every worker; returns the ranks that took it (bit r: rank r)."""
+    def _send_locked(self, message: LookupRequest | LookupCleanup, lookup_id: str) -> int:
+        """Send ``message`` to every worker; returns the ranks that took it (bit r: rank r).
+
+        A worker whose responder runs in this process is called instead: a
+        request's answer may then come back before this returns."""
         sent = 0
+        encoded: bytes | None = None
         for rank, sock in enumerate(self._workers):
+            responder = local.find(self.endpoints.requests[rank]) if self.local_calls else None
+            if responder is not None:
+                try:
+                    if isinstance(message, LookupRequest):
+                        responder.ask(message, self._answered)
+                    else:
+                        responder.cleanup(lookup_id)
+                except Exception as exc:  # a bug: as a worker that cannot be reached
+                    self.counters.failed_sends += 1
+                    _log.log(logging.ERROR, f"local:{rank}", "lmkv lookup %s: worker %d of "
+                             "this process failed: %r", lookup_id, rank, exc)
+                    continue
+                sent |= 1 << rank
+                continue
+            if encoded is None:
+                encoded = encode(message)
             try:
-                sock.send(message, zmq.NOBLOCK)
+                sock.send(encoded, zmq.NOBLOCK)
                 sent |= 1 << rank
             except zmq.ZMQError as exc:  # Again: the worker's queue is full (stalled worker)
                 self.counters.failed_sends += 1

@@ -33,6 +33,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from functools import partial
@@ -44,6 +45,7 @@ from lmkv.base.logutil import RateLimitedLog
 from lmkv.config.model import LookupConfig
 from lmkv.engines.protocol import Engine
 from lmkv.keys.chunking import DEFAULT_CHUNK_SIZE
+from lmkv.lookup import local
 from lmkv.lookup.messages import (
     LookupCleanup,
     LookupRequest,
@@ -98,9 +100,14 @@ class ResponderCounters:
     dropped_queued: int = 0  # bulk requests a cleanup reached before they started
 
 
+#: Where an answer goes when the request came as a call (``LookupResponder.ask``).
+Reply = Callable[[LookupResponse], None]
+
+
 @dataclass
 class _Queued:
     request: LookupRequest
+    reply: Reply | None = None
     cancelled: bool = False
 
 
@@ -138,6 +145,8 @@ class LookupResponder:
                                      curve=self._auth)
         self._responses = push_socket(self._context, response_endpoint, curve=curve)
         self.request_endpoint = last_endpoint(self._requests)
+        self._registered = request_endpoint
+        local.register(request_endpoint, self)  # a client of this process calls ``ask``
         self._send_lock = threading.Lock()
         self._closed = False
         self._stop = threading.Event()
@@ -219,41 +228,57 @@ class LookupResponder:
             self._reject("unexpected", "a %s (workers take requests and cleanups)",
                          type(message).__name__)
 
+    # -- requests from this process (``lmkv.lookup.local``) ----------------------
+    def ask(self, request: LookupRequest, reply: Reply) -> None:
+        """A request from a client in this process: served as one from the socket,
+        its answer handed to ``reply`` (at once when the engine answers at once)."""
+        if self._stop.is_set():
+            reply(LookupResponse(request.lookup_id, 0, self.rank, request.token))
+            return
+        self._start(request, reply)
+
+    def cleanup(self, lookup_id: str) -> None:
+        """A cleanup from a client in this process."""
+        if not self._stop.is_set():
+            self._cleanup(lookup_id)
+
     def _reject(self, key: str, what: str, *args: object) -> None:
         self.counters.rejected_messages += 1
         _log.log(logging.ERROR, f"reject:{key}", "lmkv lookup responder: rejected " + what, *args)
 
-    def _refuse_oversize(self, lookup_id: str, token: bytes, what: str) -> None:
+    def _refuse_oversize(self, lookup_id: str, token: bytes, what: str,
+                         reply: Reply | None = None) -> None:
         self.counters.requests += 1
         self.counters.oversize += 1
         _log.warning("oversize", "lmkv lookup %s: %s is over the limit of %d chunks "
                      "(lookup.max_tokens); answering a miss", lookup_id, what, self.max_chunks)
-        self._answer(lookup_id, token, 0)
+        self._answer(lookup_id, token, 0, reply)
 
-    def _start(self, request: LookupRequest) -> None:
+    def _start(self, request: LookupRequest, reply: Reply | None = None) -> None:
         n = len(request.hashes)
         if n > self.max_chunks:
-            self._refuse_oversize(request.lookup_id, request.token, f"a request of {n} chunks")
+            self._refuse_oversize(request.lookup_id, request.token, f"a request of {n} chunks",
+                                  reply)
             return
         self.counters.requests += 1
         if request.request_configs:
             logger.debug("lmkv lookup %s: ignoring request_configs %s", request.lookup_id,
                          sorted(request.request_configs))
         if n <= BULK_CHUNKS:
-            self._prefetch(request)
+            self._prefetch(request, reply)
             return
         with self._lane:
             if self._queued_chunks + n > self.max_queued_chunks:
                 shed = True
             else:
                 shed = False
-                entry = _Queued(request)
+                entry = _Queued(request, reply)
                 self._bulk.append(entry)
                 self._queued_ids.setdefault(request.lookup_id, []).append(entry)
                 self._queued_chunks += n
                 self._lane.notify()
         if shed:
-            self._shed(request, "the bulk lane is full")
+            self._shed(request, "the bulk lane is full", reply)
 
     def _cleanup(self, lookup_id: str) -> None:
         self.counters.cleanups += 1
@@ -264,11 +289,11 @@ class LookupResponder:
                 entry.cancelled = True
         self.engine.release_lookup(lookup_id)
 
-    def _shed(self, request: LookupRequest, why: str) -> None:
+    def _shed(self, request: LookupRequest, why: str, reply: Reply | None) -> None:
         with self._lane:  # the receiving thread and the bulk lane both shed
             self.counters.shed += 1
         _log.warning("shed", "lmkv lookup %s: %s; answering a miss", request.lookup_id, why)
-        self._answer(request.lookup_id, request.token, 0)
+        self._answer(request.lookup_id, request.token, 0, reply)
 
     def _run_bulk(self) -> None:
         affinity.apply()
@@ -287,14 +312,15 @@ class LookupResponder:
                     del self._queued_ids[request.lookup_id]
             if entry.cancelled:
                 self.counters.dropped_queued += 1
-                self._answer(request.lookup_id, request.token, 0)  # every request: once
+                # every request: once
+                self._answer(request.lookup_id, request.token, 0, entry.reply)
                 continue
             try:
-                self._prefetch(request)
+                self._prefetch(request, entry.reply)
             except Exception as exc:  # a bug; the lane must keep serving
                 _unexpected(exc)
 
-    def _prefetch(self, request: LookupRequest) -> None:
+    def _prefetch(self, request: LookupRequest, reply: Reply | None = None) -> None:
         lookup_id, n = request.lookup_id, len(request.hashes)
         with self._lane:
             if self._inflight_chunks + n > self.max_inflight_chunks:
@@ -303,7 +329,7 @@ class LookupResponder:
                 over = False
                 self._inflight_chunks += n
         if over:
-            self._shed(request, "too many chunks are being prefetched")
+            self._shed(request, "too many chunks are being prefetched", reply)
             return
         try:
             blocks = (request.partials, request.block_tokens) if request.partials else ()
@@ -312,12 +338,12 @@ class LookupResponder:
         except Exception as exc:  # the engine refused: answer a miss, keep serving
             _log.log(logging.ERROR, "engine", "lmkv lookup %s: prefetch failed: %s",
                      lookup_id, exc)
-            self._prefetched(lookup_id, request.token, n, None)
+            self._prefetched(lookup_id, request.token, n, reply, None)
             return
-        future.add_done_callback(partial(self._prefetched, lookup_id, request.token, n))
+        future.add_done_callback(partial(self._prefetched, lookup_id, request.token, n, reply))
 
     # -- answering -------------------------------------------------------------
-    def _prefetched(self, lookup_id: str, token: bytes, chunks: int,
+    def _prefetched(self, lookup_id: str, token: bytes, chunks: int, reply: Reply | None,
                     future: Future | None) -> None:
         """Runs in the storage manager's prefetch thread (or at once when already done)."""
         with self._lane:
@@ -329,9 +355,19 @@ class LookupResponder:
             except BaseException as exc:  # cancelled or failed: a miss
                 _log.log(logging.ERROR, "result", "lmkv lookup %s: prefetch failed: %s",
                          lookup_id, exc)
-        self._answer(lookup_id, token, max(hits, 0))
+        self._answer(lookup_id, token, max(hits, 0), reply)
 
-    def _answer(self, lookup_id: str, token: bytes, hits: int) -> None:
+    def _answer(self, lookup_id: str, token: bytes, hits: int,
+                reply: Reply | None = None) -> None:
+        if reply is not None:  # asked by a call: answered by one
+            try:
+                reply(LookupResponse(lookup_id, hits, self.rank, token))
+            except Exception as exc:  # the client's bug: the responder keeps serving
+                _unexpected(exc)
+                return
+            with self._send_lock:
+                self.counters.answers += 1
+            return
         answer = encode(LookupResponse(lookup_id, hits, self.rank, token))
         with self._send_lock:
             if self._closed:
@@ -358,6 +394,7 @@ class LookupResponder:
         """Stop serving. Prefetched chunks stay with the engine (``engine.close`` frees them)."""
         if self._stop.is_set():
             return
+        local.unregister(self._registered, self)
         self._stop.set()
         with self._lane:
             self._lane.notify_all()

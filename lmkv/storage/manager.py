@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from lmkv.base import affinity
+from lmkv.base import affinity, foreground
 from lmkv.config.model import LMKVConfig
 from lmkv.contracts.tier import (
     ArenaPlacement,
@@ -247,9 +247,34 @@ class StorageManager:
         if self._closed:
             return done_future(0)
         task = self.events.start(lookup_id, keys)
-        self._executor.submit(self._prefetch, task, list(keys), list(chunk_ends), keys_per_chunk,
-                              partials, direct and keys_per_chunk == 1)
+        args = (task, list(keys), list(chunk_ends), keys_per_chunk, partials,
+                direct and keys_per_chunk == 1)
+        foreground.enter()  # (background work waits until the prefetch has answered)
+        if self._in_memory(lookup_id, keys):
+            # Nothing to read but this process's memory: answered on the caller's
+            # thread (a hand-off to the prefetch threads and back costs more than
+            # the whole lookup).
+            self._prefetch_in_foreground(*args)
+        else:
+            try:
+                self._executor.submit(self._prefetch_in_foreground, *args)
+            except BaseException:
+                foreground.leave()
+                raise
         return task.future
+
+    def _prefetch_in_foreground(self, *args: Any) -> None:
+        try:
+            self._prefetch(*args)
+        finally:
+            foreground.leave()
+
+    def _in_memory(self, lookup_id: str, keys: Sequence[CacheKey]) -> bool:
+        """Whether the first tier holds memory (no I/O to ask or read it) and every
+        key is stored there."""
+        first = self.tiers[0]
+        return (bool(keys) and first.holds_memory_objs
+                and self._contains(first, lookup_id, keys, pin=False) == len(keys))
 
     def take_prefetched(self, lookup_id: str, keys: Sequence[CacheKey] | None = None,
                         timeout: float | None = None, longer: bool = False
@@ -280,8 +305,9 @@ class StorageManager:
             return []
         promotion = Promotion()
         try:
-            plans = self._plan("", list(keys), 1)
-            return self._fetch("", plans, 1, promotion) if plans else []
+            with foreground.busy():
+                plans = self._plan("", list(keys), 1)
+                return self._fetch("", plans, 1, promotion) if plans else []
         except Exception:  # a bug, not a tier fault (tiers never raise): a miss
             logger.exception("lmkv get of %d chunks failed", len(keys))
             return []
@@ -474,7 +500,9 @@ class StorageManager:
         for the caller to promote once the read is over.
         """
         chunks = sum(len(ks) for _, ks in plans) // kpc
-        taken = self._semaphore.acquire(chunks) if self._semaphore else 0
+        # (gets from the tier that holds memory allocate nothing: not counted)
+        reads = self._semaphore is not None and any(t is not self._memory for t, _ in plans)
+        taken = self._semaphore.acquire(chunks) if reads and self._semaphore else 0
         futures = [self._start_get(tier, lookup_id, ks, direct and tier is not self.tiers[0])
                    for tier, ks in plans]
         done = 0
@@ -502,7 +530,7 @@ class StorageManager:
                 release(self._result(tier, future))
                 for key in ks:
                     tier.unpin(key)
-            if self._semaphore:
+            if taken and self._semaphore:
                 self._semaphore.release(taken)
 
     def _start_get(self, tier: StorageBackend, lookup_id: str, keys: list[CacheKey],

@@ -306,3 +306,55 @@ def test_semaphore_counts_chunks_in_layerwise_mode(two_tiers) -> None:
         obj.ref_down()
     manager._semaphore.release(held)
     assert manager._semaphore.used == 0
+
+
+class Gated(CPUBackend):
+    """A lower tier whose gets wait for ``gate`` (a slow disk or network)."""
+
+    name = "gated"
+    gate: threading.Event | None = None
+
+    def batched_get_non_blocking(self, lookup_id, keys):
+        if self.gate is not None:
+            self.gate.wait(10)
+        return super().batched_get_non_blocking(lookup_id, keys)
+
+
+def test_a_lookup_the_memory_tier_answers_whole_is_answered_on_the_callers_thread() -> None:
+    upper, lower = cpu(), cpu(Gated)
+    lower.gate = threading.Event()
+    manager = StorageManager([upper, lower])
+    manager.set_chunk_bytes(NBYTES)
+    try:
+        fill(upper, [0, 1, 2])
+        fill(lower, [3])
+        keys = [key(i) for i in range(3)]
+        ends = [256, 512, 768]
+        threads = []
+        manager._executor.submit = lambda *a, **k: threads.append(a)  # type: ignore[method-assign]
+        future = manager.lookup_and_prefetch("mem", keys, ends)
+        assert future.done() and future.result() == 768 and not threads
+        assert manager._semaphore.used == 0  # memory reads allocate nothing: not counted
+        objs = manager.take_prefetched("mem", keys)
+        assert values(objs) == [0, 1, 2]
+        for obj in objs:
+            obj.ref_down()
+        # one key only the slow tier holds: the lookup goes to the prefetch threads,
+        # and the caller is not held up by the tier
+        del manager._executor.submit
+        future = manager.lookup_and_prefetch("both", [*keys, key(3)], [*ends, 1024])
+        time.sleep(0.05)
+        assert not future.done()
+        lower.gate.set()
+        assert future.result(5) == 1024
+        objs = manager.take_prefetched("both")
+        assert values(objs) == [0, 1, 2, 3]
+        for obj in objs:
+            obj.ref_down()
+        # a partial memory hit with nothing below goes to the threads too, and answers
+        assert manager.lookup_and_prefetch("miss", [key(0), key(9)], [256, 512]).result(5) == 256
+        manager.release_prefetched("miss")
+    finally:
+        lower.gate.set()
+        manager.close()
+    no_leaks(upper, lower)

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from lmkv.base import affinity
+from lmkv.base import affinity, foreground
 from lmkv.base.errors import ConfigError
 from lmkv.config.model import LMKVConfig
 from lmkv.contracts.connector import ConnectorContext
@@ -74,6 +74,9 @@ class WorkerSide:
         self.counters = WorkerCounters()
         self._token_bytes = 0  # KV bytes of one token in this worker's caches
         self._step_failed: set[int] = set()  # blocks this step's synchronous loads missed
+        # From a step's loads to its stores the forward runs: on the CPU (cpu
+        # caches), lmkv's background work waits meanwhile (lmkv.base.foreground).
+        self._in_forward = False
         self.engine: Engine | None = None
         self.responder: LookupResponder | None = None
         self.kv_caches: list[torch.Tensor] = []
@@ -161,6 +164,9 @@ class WorkerSide:
         assert self.engine is not None, "register_kv_caches was not called"
         self._finish_loads()  # (the last step's, if nothing collected them)
         self._step_failed = set()  # a new step: its synchronous loads start afresh
+        if not self._in_forward and self.kv_caches and self.kv_caches[0].device.type == "cpu":
+            self._in_forward = True
+            foreground.enter()
         # On the forward's thread: what its stream queued so far (none of this
         # step's layers yet). The loader threads' copies wait for it, not for their
         # own thread's stream; the forward reads a loaded layer only after the host
@@ -341,6 +347,7 @@ class WorkerSide:
         stores, whose blocks the scheduler protects until confirmed, in the
         background, off the step's path."""
         assert self.engine is not None, "register_kv_caches was not called"
+        self._forward_done()
         self._finish_loads()
         layered = self._finish_stores()  # this step's eager stores, copied meanwhile
         ready = self._mark()  # on the forward's thread: after the step's forward
@@ -421,7 +428,13 @@ class WorkerSide:
             failed, self._failed = self._failed, set()
         return failed
 
+    def _forward_done(self) -> None:
+        if self._in_forward:
+            self._in_forward = False
+            foreground.leave()
+
     def close(self) -> None:
+        self._forward_done()
         self._loader.shutdown(wait=True)
         if self.config.layerwise:
             self._layer_loader.shutdown(wait=True)
