@@ -60,6 +60,8 @@ configuration next to its warm TTFT, with the difference and the ratio to the
 prefix cache's in the same run. ``--fs-page-cache true|false`` and
 ``--fs-durable true|false`` set the fs tier's ``page_cache`` and ``durable``
 options in the ``lmkv-2proc`` configuration (default: the tier's defaults).
+``BENCH_PREFAULT_AHEAD`` in the environment (a byte size, ``0``: off) sets
+the cpu tier's ``prefault_ahead`` in every lmkv configuration.
 """
 
 from __future__ import annotations
