@@ -90,6 +90,8 @@ class StorageManager:
         ``dry_run``: each tier is told it is built only to check it can be
         (``BackendContext.dry_run``, ``lmkv config check``): close the manager at
         once."""
+        if not dry_run:  # (process-wide: the last engine configured sets it)
+            foreground.configure(config.background_yield_ms / 1000)
         tiers = build_tiers(config, arena, dry_run)
         try:
             return cls(tiers, write_queue_chunks=config.write_through_queue_chunks,

@@ -121,3 +121,22 @@ def test_the_prefault_thread_faults_nothing_while_a_request_is_served(long_yield
         assert alloc.prefaulter.done == 0
     assert alloc.prefaulter.wait(30)
     obj.ref_down()
+
+
+def test_the_config_sets_the_bound_and_zero_never_waits(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lmkv import load_config
+
+    monkeypatch.setattr(foreground, "MAX_YIELD_S", foreground.MAX_YIELD_S)  # restored after
+    config = load_config(env={"LMKV_BACKGROUND_YIELD_MS": "0"},
+                         overrides={"lmkv.tiers": [{"type": "cpu",
+                                                    "options": {"max_bytes": "16MiB"}}]})
+    manager = StorageManager.from_config(config)
+    manager.close()
+    assert foreground.MAX_YIELD_S == 0
+    with foreground.busy():
+        assert foreground.wait_idle() is False  # at once: it does not wait
+    manager = StorageManager.from_config(load_config(env={}, overrides={
+        "lmkv.background_yield_ms": 20, "lmkv.tiers": config.model_dump()["tiers"]}))
+    manager.close()
+    assert abs(foreground.MAX_YIELD_S - 0.02) < 1e-9
+    assert load_config(env={}).background_yield_ms == 200
