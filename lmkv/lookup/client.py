@@ -279,7 +279,7 @@ class LookupClient:
             self._pending[lookup_id] = pending
             sent = self._send_locked(request, lookup_id)
             if sent != self._all_ranks:  # a worker cannot answer: the lookup is a miss
-                del self._pending[lookup_id]
+                self._pending.pop(lookup_id, None)
                 self._finish(lookup_id, 0)
                 if sent:  # the others release what they prefetch, then owe an answer
                     self._cleanup_locked(lookup_id)

@@ -11,6 +11,7 @@ sockets as before; the answers, local or not, are checked the same way.
 
 from __future__ import annotations
 
+import os
 import threading
 import weakref
 from typing import Any
@@ -31,6 +32,17 @@ def unregister(endpoint: str, responder: Any) -> None:
         ref = _responders.get(endpoint)
         if ref is not None and ref() in (responder, None):
             del _responders[endpoint]
+
+
+def _forget_all() -> None:
+    """In a forked child: the parent's responders have no threads here."""
+    global _lock
+    _lock = threading.Lock()
+    _responders.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_all)
 
 
 def find(endpoint: str) -> Any | None:

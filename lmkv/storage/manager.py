@@ -252,31 +252,38 @@ class StorageManager:
         args = (task, list(keys), list(chunk_ends), keys_per_chunk, partials,
                 direct and keys_per_chunk == 1)
         foreground.enter()  # (background work waits until the prefetch has answered)
-        if self._in_memory(lookup_id, keys):
+        plans = self._in_memory(lookup_id, keys)
+        if plans is not None:
             # Nothing to read but this process's memory: answered on the caller's
             # thread (a hand-off to the prefetch threads and back costs more than
             # the whole lookup).
-            self._prefetch_in_foreground(*args)
-        else:
             try:
-                self._executor.submit(self._prefetch_in_foreground, *args)
-            except BaseException:
+                self._prefetch(*args, plans=plans)
+            finally:
                 foreground.leave()
-                raise
+            return task.future
+        try:
+            job = self._executor.submit(self._prefetch, *args)
+        except BaseException:
+            foreground.leave()
+            raise
+        # (also when the job is cancelled unrun, as a closing manager does)
+        job.add_done_callback(lambda _: foreground.leave())
         return task.future
 
-    def _prefetch_in_foreground(self, *args: Any) -> None:
-        try:
-            self._prefetch(*args)
-        finally:
-            foreground.leave()
-
-    def _in_memory(self, lookup_id: str, keys: Sequence[CacheKey]) -> bool:
-        """Whether the first tier holds memory (no I/O to ask or read it) and every
-        key is stored there."""
+    def _in_memory(self, lookup_id: str, keys: Sequence[CacheKey]
+                   ) -> list[tuple[StorageBackend, list[CacheKey]]] | None:
+        """The plan of a lookup the first tier serves whole from this process's
+        memory (its keys pinned there), or None (nothing left pinned)."""
         first = self.tiers[0]
-        return (bool(keys) and first.holds_memory_objs
-                and self._contains(first, lookup_id, keys, pin=False) == len(keys))
+        if not keys or not first.holds_memory_objs:
+            return None
+        hit = self._contains(first, lookup_id, keys, pin=True)
+        if hit == len(keys):
+            return [(first, list(keys))]
+        for key in keys[:hit]:
+            first.unpin(key)
+        return None
 
     def take_prefetched(self, lookup_id: str, keys: Sequence[CacheKey] | None = None,
                         timeout: float | None = None, longer: bool = False
@@ -317,10 +324,13 @@ class StorageManager:
             self._promote(promotion)
 
     def _prefetch(self, task: PrefetchTask, keys: list[CacheKey], chunk_ends: list[int],
-                  keys_per_chunk: int, partials: Partials | None, direct: bool = False) -> None:
+                  keys_per_chunk: int, partials: Partials | None, direct: bool = False,
+                  plans: list[tuple[StorageBackend, list[CacheKey]]] | None = None) -> None:
+        """``plans``: made (and pinned) by the caller already."""
         promotion = Promotion()
         try:
-            plans = self._plan(task.lookup_id, keys, keys_per_chunk)
+            if plans is None:
+                plans = self._plan(task.lookup_id, keys, keys_per_chunk)
             longer: list[int] = []
             objs = (self._fetch(task.lookup_id, plans, keys_per_chunk, promotion, longer,
                                 direct) if plans else [])

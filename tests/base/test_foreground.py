@@ -140,3 +140,26 @@ def test_the_config_sets_the_bound_and_zero_never_waits(monkeypatch: pytest.Monk
     manager.close()
     assert abs(foreground.MAX_YIELD_S - 0.02) < 1e-9
     assert load_config(env={}).background_yield_ms == 200
+
+
+def test_a_manager_closed_with_lookups_queued_leaves_nothing_busy() -> None:
+    from tests.storage.test_prefetch import Gated
+
+    upper, lower = cpu(), cpu(Gated)
+    lower.gate = threading.Event()
+    manager = StorageManager([upper, lower])
+    obj = lower.allocate(SHAPE, torch.float32)
+    lower.batched_submit_put([key(5)], [obj]).result()
+    obj.ref_down()
+    try:
+        for i in range(6):  # more than the prefetch threads: some wait, never run
+            manager.lookup_and_prefetch(f"q{i}", [key(5)], [256])
+        assert foreground.is_busy()
+        manager.close(timeout=0.2)  # the queued ones are cancelled, never run
+    finally:
+        lower.gate.set()  # the running ones finish
+        manager.close()
+    deadline = time.monotonic() + 10
+    while foreground.is_busy() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not foreground.is_busy()

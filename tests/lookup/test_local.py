@@ -140,3 +140,14 @@ def test_a_second_responder_on_an_endpoint_keeps_its_registration() -> None:
     assert local.find("ipc:///nowhere") is second
     local.unregister("ipc:///nowhere", second)
     assert local.find("ipc:///nowhere") is None
+
+
+def test_a_forked_child_finds_none_of_its_parents_responders(endpoints, responder) -> None:
+    import os
+
+    assert local.find(endpoints.requests[0]) is responder
+    pid = os.fork()
+    if pid == 0:  # the child: the parent's responder has no threads here
+        os._exit(0 if local.find(endpoints.requests[0]) is None else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0

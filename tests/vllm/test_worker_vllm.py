@@ -291,6 +291,9 @@ def test_a_forward_on_the_cpu_holds_lmkvs_background_work_back(tmp_path) -> None
         assert foreground.is_busy()
         side.save(LMKVConnectorMetadata())
         assert not foreground.is_busy()
+        side.load(LMKVConnectorMetadata())  # a step with no forward: no stores follow,
+        side.forward_done()  # the step's end (get_finished) lets go
+        assert not foreground.is_busy()
         side.load(LMKVConnectorMetadata())
     finally:
         side.close()  # a worker closed mid-step lets go too

@@ -164,9 +164,11 @@ class WorkerSide:
         assert self.engine is not None, "register_kv_caches was not called"
         self._finish_loads()  # (the last step's, if nothing collected them)
         self._step_failed = set()  # a new step: its synchronous loads start afresh
-        if not self._in_forward and self.kv_caches and self.kv_caches[0].device.type == "cpu":
-            self._in_forward = True
-            foreground.enter()
+        if self.kv_caches and self.kv_caches[0].device.type == "cpu":
+            with self._lock:
+                entered, self._in_forward = not self._in_forward, True
+            if entered:
+                foreground.enter()
         # On the forward's thread: what its stream queued so far (none of this
         # step's layers yet). The loader threads' copies wait for it, not for their
         # own thread's stream; the forward reads a loaded layer only after the host
@@ -347,7 +349,7 @@ class WorkerSide:
         stores, whose blocks the scheduler protects until confirmed, in the
         background, off the step's path."""
         assert self.engine is not None, "register_kv_caches was not called"
-        self._forward_done()
+        self.forward_done()
         self._finish_loads()
         layered = self._finish_stores()  # this step's eager stores, copied meanwhile
         ready = self._mark()  # on the forward's thread: after the step's forward
@@ -428,13 +430,15 @@ class WorkerSide:
             failed, self._failed = self._failed, set()
         return failed
 
-    def _forward_done(self) -> None:
-        if self._in_forward:
-            self._in_forward = False
+    def forward_done(self) -> None:
+        """The step's forward is over (its stores start, or the step ended)."""
+        with self._lock:
+            left, self._in_forward = self._in_forward, False
+        if left:
             foreground.leave()
 
     def close(self) -> None:
-        self._forward_done()
+        self.forward_done()
         self._loader.shutdown(wait=True)
         if self.config.layerwise:
             self._layer_loader.shutdown(wait=True)
