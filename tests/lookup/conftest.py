@@ -21,7 +21,8 @@ from typing import Any
 
 import pytest
 
-from lmkv.lookup import LookupClient, LookupEndpoints
+from lmkv.engines.local import LocalEngine
+from lmkv.lookup import LookupClient, LookupEndpoints, LookupResponder
 from tests.lookup import worker_proc
 
 CHUNK = 32
@@ -185,3 +186,25 @@ def make_client(workers: Workers) -> Iterator[Callable[..., LookupClient]]:
     finally:
         for client in made:
             client.close()
+
+
+@pytest.fixture
+def engine() -> Iterator[LocalEngine]:
+    """A worker's engine in this process (rank 0, a small cpu tier)."""
+    engine = worker_proc.make_engine(CHUNK, 1 << 22, rank=0)
+    yield engine
+    engine.close()
+
+
+@pytest.fixture
+def endpoints() -> Iterator[LookupEndpoints]:
+    """A one-worker ipc channel of its own."""
+    with tempfile.TemporaryDirectory(prefix="lmkv-", dir="/tmp") as runtime_dir:
+        yield LookupEndpoints.ipc("inproc", 1, runtime_dir)
+
+
+@pytest.fixture
+def responder(engine: LocalEngine, endpoints: LookupEndpoints) -> Iterator[LookupResponder]:
+    """``engine`` served on ``endpoints`` from this process."""
+    with LookupResponder.for_rank(engine, endpoints, 0) as responder:
+        yield responder

@@ -3,7 +3,6 @@ one responder in this process, a real engine, raw ZMQ peers."""
 
 from __future__ import annotations
 
-import tempfile
 import threading
 from collections.abc import Iterator
 from concurrent.futures import Future
@@ -23,7 +22,7 @@ from lmkv.lookup import (
 )
 from lmkv.lookup.messages import decode, encode, max_request_bytes
 from tests.lookup.conftest import CHUNK, prompt, wait_for
-from tests.lookup.worker_proc import hf_kv, make_engine
+from tests.lookup.worker_proc import hf_kv
 
 MAX_CHUNKS = 1024
 BIG = 600  # chunks: over the responder's BULK_CHUNKS, so it takes the bulk lane
@@ -67,19 +66,6 @@ def chunk_ends(n: int) -> list[int]:
 
 def misses(n: int, seed: int = 7) -> list[bytes]:
     return prefix_hashes(prompt(seed, n), CHUNK)
-
-
-@pytest.fixture
-def engine() -> Iterator[LocalEngine]:
-    engine = make_engine(CHUNK, 1 << 22, rank=0)
-    yield engine
-    engine.close()
-
-
-@pytest.fixture
-def endpoints() -> Iterator[LookupEndpoints]:
-    with tempfile.TemporaryDirectory(prefix="lmkv-", dir="/tmp") as runtime_dir:
-        yield LookupEndpoints.ipc("bounds", 1, runtime_dir)
 
 
 @pytest.fixture

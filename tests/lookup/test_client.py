@@ -2,37 +2,15 @@
 
 from __future__ import annotations
 
-import tempfile
 import threading
-from collections.abc import Iterator
 
 import pytest
 import zmq
 
 import lmkv.lookup.sockets
-from lmkv.engines.local import LocalEngine
-from lmkv.lookup import LookupClient, LookupEndpoints, LookupResponder
+from lmkv.lookup import LookupClient
 from tests.lookup.conftest import CHUNK, poll_result, prompt, wait_for
-from tests.lookup.worker_proc import hf_kv, make_engine
-
-
-@pytest.fixture
-def engine() -> Iterator[LocalEngine]:
-    engine = make_engine(CHUNK, 1 << 22, rank=0)
-    yield engine
-    engine.close()
-
-
-@pytest.fixture
-def endpoints() -> Iterator[LookupEndpoints]:
-    with tempfile.TemporaryDirectory(prefix="lmkv-", dir="/tmp") as runtime_dir:
-        yield LookupEndpoints.ipc("inproc", 1, runtime_dir)
-
-
-@pytest.fixture
-def responder(engine: LocalEngine, endpoints: LookupEndpoints) -> Iterator[LookupResponder]:
-    with LookupResponder.for_rank(engine, endpoints, 0) as responder:
-        yield responder
+from tests.lookup.worker_proc import hf_kv
 
 
 def test_a_pending_id_is_not_asked_twice_and_results_are_kept_up_to_a_bound(

@@ -3,36 +3,12 @@
 
 from __future__ import annotations
 
-import tempfile
 import threading
-from collections.abc import Iterator
 
-import pytest
-
-from lmkv.engines.local import LocalEngine
-from lmkv.lookup import LookupClient, LookupEndpoints, LookupResponder, local
+from lmkv.lookup import LookupClient, LookupResponder, local
 from lmkv.lookup.messages import LookupResponse
 from tests.lookup.conftest import CHUNK, poll_result, prompt
-from tests.lookup.worker_proc import hf_kv, make_engine
-
-
-@pytest.fixture
-def engine() -> Iterator[LocalEngine]:
-    engine = make_engine(CHUNK, 1 << 22, rank=0)
-    yield engine
-    engine.close()
-
-
-@pytest.fixture
-def endpoints() -> Iterator[LookupEndpoints]:
-    with tempfile.TemporaryDirectory(prefix="lmkv-", dir="/tmp") as runtime_dir:
-        yield LookupEndpoints.ipc("local", 1, runtime_dir)
-
-
-@pytest.fixture
-def responder(engine: LocalEngine, endpoints: LookupEndpoints) -> Iterator[LookupResponder]:
-    with LookupResponder.for_rank(engine, endpoints, 0) as responder:
-        yield responder
+from tests.lookup.worker_proc import hf_kv
 
 
 def test_a_memory_hit_is_answered_before_lookup_returns_and_its_chunks_are_loaded(
