@@ -33,7 +33,7 @@ from typing import NamedTuple
 
 import torch
 
-from lmkv.base import foreground
+from lmkv.base import affinity, foreground
 from lmkv.base.errors import RefCountError
 
 logger = logging.getLogger(__name__)
@@ -393,6 +393,10 @@ class _PrefaultThread:
 
     @staticmethod
     def _serve(jobs: queue.SimpleQueue[_Prefaulter]) -> None:
+        # Work that can wait: on the engine's CPUs, below its threads' priority (it
+        # would inherit the starting thread's, which in vLLM's worker is the
+        # forward's main thread, CPU and priority both).
+        affinity.apply_background()
         while True:
             prefaulter = jobs.get()
             try:

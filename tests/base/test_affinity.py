@@ -7,6 +7,7 @@ import os
 import threading
 
 import pytest
+import torch
 
 from lmkv.base import affinity
 from lmkv.base.affinity import _parse_list
@@ -124,3 +125,24 @@ def test_the_storing_threads_of_the_storage_manager_and_the_fs_tier_run_below(tm
         assert set(writers.values()) == {base + affinity.BACKGROUND_NICE}, nice
     finally:
         manager.close()
+
+
+def test_the_arena_prefault_thread_runs_below_the_process() -> None:
+    """It starts with the first prefaulting arena, from whatever thread made it
+    (in vLLM's worker, the forward's main thread): it must not keep that thread's
+    priority."""
+    import lmkv.memory as memory
+    from lmkv.memory import MemoryAllocator
+
+    base = os.getpriority(os.PRIO_PROCESS, os.getpid())
+    if base + affinity.BACKGROUND_NICE > 19:
+        pytest.skip("this process runs at the lowest priority already")
+    if memory._MADVISE is None:
+        pytest.skip("no libc madvise here")
+    alloc = MemoryAllocator(16 << 20, pin_memory=False, prefault_ahead=4 << 20)
+    obj = alloc.allocate((4096,), torch.uint8)
+    assert alloc.prefaulter is not None and alloc.prefaulter.wait(30)
+    obj.ref_down()
+    (thread,) = [t for t in threading.enumerate() if t.name == "lmkv-arena-prefault"]
+    assert thread.native_id is not None
+    assert os.getpriority(os.PRIO_PROCESS, thread.native_id) == base + affinity.BACKGROUND_NICE
