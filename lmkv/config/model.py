@@ -215,9 +215,6 @@ class LMKVConfig(_Model):
     serializer: PluginRef = Field(default_factory=lambda: PluginRef(type="naive"))
     gpu_connector: PluginRef | None = None
     write_through_queue_chunks: PositiveInt = 1024
-    # Background work waits this long at most for the request being served
-    # (lmkv.base.foreground); 0: it never waits.
-    background_yield_ms: Annotated[float, Field(strict=True, ge=0, le=10_000)] = 200.0
     lookup: LookupConfig = Field(default_factory=LookupConfig)
     mode: Literal["in_process", "server"] = "in_process"
     async_load: StrictBool = False

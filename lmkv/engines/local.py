@@ -32,7 +32,6 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Any
 
-from lmkv.base import foreground
 from lmkv.base.logutil import RateLimitedLog
 from lmkv.config.model import LMKVConfig
 from lmkv.contracts.connector import ChunkSpan, GPUConnector, KVSpec
@@ -203,8 +202,7 @@ class LocalEngine:
         builds the KV once every chunk is in (``RetrieveResult.kv``).
         """
         start = time.perf_counter()
-        with foreground.busy():
-            result = self._retrieve(tokens, lookup_id, identity, kv)
+        result = self._retrieve(tokens, lookup_id, identity, kv)
         if self.record_metrics and result.num_tokens:
             record_load(result.num_tokens, self.spec.chunk_nbytes(result.num_tokens), start)
         return result

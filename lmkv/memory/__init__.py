@@ -33,7 +33,7 @@ from typing import NamedTuple
 
 import torch
 
-from lmkv.base import affinity, foreground
+from lmkv.base import affinity
 from lmkv.base.errors import RefCountError
 
 logger = logging.getLogger(__name__)
@@ -327,7 +327,6 @@ class _Prefaulter:
     def run(self) -> None:
         """Fault in up to the target, step by step (on the prefault thread)."""
         while True:
-            foreground.wait_idle()  # not while a request is served: first touches can wait
             with self._lock:
                 start = self.done
                 if start >= self._target:

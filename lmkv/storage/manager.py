@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from lmkv.base import affinity, foreground
+from lmkv.base import affinity
 from lmkv.config.model import LMKVConfig
 from lmkv.contracts.tier import (
     ArenaPlacement,
@@ -90,8 +90,6 @@ class StorageManager:
         ``dry_run``: each tier is told it is built only to check it can be
         (``BackendContext.dry_run``, ``lmkv config check``): close the manager at
         once."""
-        if not dry_run:  # (process-wide: the last engine configured sets it)
-            foreground.configure(config.background_yield_ms / 1000)
         tiers = build_tiers(config, arena, dry_run)
         try:
             return cls(tiers, write_queue_chunks=config.write_through_queue_chunks,
@@ -251,24 +249,14 @@ class StorageManager:
         task = self.events.start(lookup_id, keys)
         args = (task, list(keys), list(chunk_ends), keys_per_chunk, partials,
                 direct and keys_per_chunk == 1)
-        foreground.enter()  # (background work waits until the prefetch has answered)
         plans = self._in_memory(lookup_id, keys)
         if plans is not None:
             # Nothing to read but this process's memory: answered on the caller's
             # thread (a hand-off to the prefetch threads and back costs more than
             # the whole lookup).
-            try:
-                self._prefetch(*args, plans=plans)
-            finally:
-                foreground.leave()
-            return task.future
-        try:
-            job = self._executor.submit(self._prefetch, *args)
-        except BaseException:
-            foreground.leave()
-            raise
-        # (also when the job is cancelled unrun, as a closing manager does)
-        job.add_done_callback(lambda _: foreground.leave())
+            self._prefetch(*args, plans=plans)
+        else:
+            self._executor.submit(self._prefetch, *args)
         return task.future
 
     def _in_memory(self, lookup_id: str, keys: Sequence[CacheKey]
@@ -314,9 +302,8 @@ class StorageManager:
             return []
         promotion = Promotion()
         try:
-            with foreground.busy():
-                plans = self._plan("", list(keys), 1)
-                return self._fetch("", plans, 1, promotion) if plans else []
+            plans = self._plan("", list(keys), 1)
+            return self._fetch("", plans, 1, promotion) if plans else []
         except Exception:  # a bug, not a tier fault (tiers never raise): a miss
             logger.exception("lmkv get of %d chunks failed", len(keys))
             return []

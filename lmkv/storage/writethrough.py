@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Sequence
 
-from lmkv.base import affinity, foreground
+from lmkv.base import affinity
 from lmkv.base.logutil import RateLimitedLog
 from lmkv.contracts.tier import StorageBackend
 from lmkv.keys.chunking import CacheKey
@@ -72,7 +72,6 @@ class WriteThrough:
             if item is _STOP:
                 return
             keys, objs, parents = item
-            foreground.wait_idle()  # a request being served goes first
             try:
                 self.tier.batched_submit_put(keys, objs, parents=parents).result(
                     timeout=PUT_TIMEOUT_S)

@@ -27,7 +27,7 @@ from contextlib import AbstractContextManager
 from functools import partial
 from typing import Any
 
-from lmkv.base import affinity, foreground
+from lmkv.base import affinity
 from lmkv.base.errors import ConfigError, CorruptFrameError
 from lmkv.contracts.direct_chunk import DirectChunk
 from lmkv.contracts.faults import TierFaults
@@ -239,7 +239,6 @@ class FSBackend(StorageBackend):
             self._pending.discard(batch)
 
     def _write(self, key: CacheKey, obj: MemoryObj, parent: CacheKey | None = None) -> bool:
-        foreground.wait_idle()  # one entry at a time, none while a request is served
         name = entry_name(key)
         with self._guard("write", key):
             try:

@@ -269,8 +269,7 @@ def test_empty_config_file_is_refused(tmp_path: Path, name: str, text: str) -> N
 
 @pytest.mark.parametrize("overrides,expected", [
     ({"lmkv.chunksize": 1}, "config key 'chunksize' (from lmkv.chunksize): unknown key; did you "
-                            "mean 'chunk_size'? allowed: async_load, background_yield_ms, "
-                            "block_size, chunk_size, "
+                            "mean 'chunk_size'? allowed: async_load, block_size, chunk_size, "
                             "gpu_connector,"),
     ({"lmkv.lookup.timeout": 1}, "config key 'lookup.timeout' (from lmkv.lookup.timeout): "
                                  "unknown key; did you mean 'timeout_ms'? allowed: backoff_ms, "

@@ -274,27 +274,3 @@ def test_a_paged_subclass_with_copies_of_its_own_gets_canonical_chunks(
         assert Logged.copies >= 2
     finally:
         side.close()
-
-
-def test_a_forward_on_the_cpu_holds_lmkvs_background_work_back(tmp_path) -> None:
-    """From a step's loads to its stores vLLM's forward runs; with cpu caches it
-    runs on the CPUs lmkv's background threads would take (lmkv.base.foreground)."""
-    from lmkv.base import foreground
-    from lmkv.integrations.vllm.metadata import LMKVConnectorMetadata
-
-    side = worker(tmp_path)
-    side.register(caches("cpu"))
-    try:
-        assert not foreground.is_busy()
-        side.load(LMKVConnectorMetadata())
-        side.load(LMKVConnectorMetadata())  # a step whose stores never came: counted once
-        assert foreground.is_busy()
-        side.save(LMKVConnectorMetadata())
-        assert not foreground.is_busy()
-        side.load(LMKVConnectorMetadata())  # a step with no forward: no stores follow,
-        side.forward_done()  # the step's end (get_finished) lets go
-        assert not foreground.is_busy()
-        side.load(LMKVConnectorMetadata())
-    finally:
-        side.close()  # a worker closed mid-step lets go too
-    assert not foreground.is_busy()

@@ -142,8 +142,6 @@ class LMKVConnector(KVConnectorBase_V1):
         last call)."""
         if self.worker_side is None:
             return None, None
-        # Every step ends here, a step with no forward (no wait_for_save) too.
-        self.worker_side.forward_done()
         return self.worker_side.take_finished_saves(), self.worker_side.take_finished_loads()
 
     def get_block_ids_with_load_errors(self) -> set[int]:

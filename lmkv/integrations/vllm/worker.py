@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from lmkv.base import affinity, foreground
+from lmkv.base import affinity
 from lmkv.base.errors import ConfigError
 from lmkv.config.model import LMKVConfig
 from lmkv.contracts.connector import ConnectorContext
@@ -74,9 +74,6 @@ class WorkerSide:
         self.counters = WorkerCounters()
         self._token_bytes = 0  # KV bytes of one token in this worker's caches
         self._step_failed: set[int] = set()  # blocks this step's synchronous loads missed
-        # From a step's loads to its stores the forward runs: on the CPU (cpu
-        # caches), lmkv's background work waits meanwhile (lmkv.base.foreground).
-        self._in_forward = False
         self.engine: Engine | None = None
         self.responder: LookupResponder | None = None
         self.kv_caches: list[torch.Tensor] = []
@@ -164,11 +161,6 @@ class WorkerSide:
         assert self.engine is not None, "register_kv_caches was not called"
         self._finish_loads()  # (the last step's, if nothing collected them)
         self._step_failed = set()  # a new step: its synchronous loads start afresh
-        if self.kv_caches and self.kv_caches[0].device.type == "cpu":
-            with self._lock:
-                entered, self._in_forward = not self._in_forward, True
-            if entered:
-                foreground.enter()
         # On the forward's thread: what its stream queued so far (none of this
         # step's layers yet). The loader threads' copies wait for it, not for their
         # own thread's stream; the forward reads a loaded layer only after the host
@@ -349,7 +341,6 @@ class WorkerSide:
         stores, whose blocks the scheduler protects until confirmed, in the
         background, off the step's path."""
         assert self.engine is not None, "register_kv_caches was not called"
-        self.forward_done()
         self._finish_loads()
         layered = self._finish_stores()  # this step's eager stores, copied meanwhile
         ready = self._mark()  # on the forward's thread: after the step's forward
@@ -430,15 +421,7 @@ class WorkerSide:
             failed, self._failed = self._failed, set()
         return failed
 
-    def forward_done(self) -> None:
-        """The step's forward is over (its stores start, or the step ended)."""
-        with self._lock:
-            left, self._in_forward = self._in_forward, False
-        if left:
-            foreground.leave()
-
     def close(self) -> None:
-        self.forward_done()
         self._loader.shutdown(wait=True)
         if self.config.layerwise:
             self._layer_loader.shutdown(wait=True)
