@@ -247,31 +247,26 @@ class StorageManager:
         if self._closed:
             return done_future(0)
         task = self.events.start(lookup_id, keys)
-        args = (task, list(keys), list(chunk_ends), keys_per_chunk, partials,
-                direct and keys_per_chunk == 1)
-        plans = self._in_memory(lookup_id, keys)
-        if plans is not None:
-            # Nothing to read but this process's memory: answered on the caller's
-            # thread (a hand-off to the prefetch threads and back costs more than
-            # the whole lookup).
-            self._prefetch(*args, plans=plans)
-        else:
-            self._executor.submit(self._prefetch, *args)
-        return task.future
-
-    def _in_memory(self, lookup_id: str, keys: Sequence[CacheKey]
-                   ) -> list[tuple[StorageBackend, list[CacheKey]]] | None:
-        """The plan of a lookup the first tier serves whole from this process's
-        memory (its keys pinned there), or None (nothing left pinned)."""
+        keys = list(keys)
         first = self.tiers[0]
-        if not keys or not first.holds_memory_objs:
-            return None
-        hit = self._contains(first, lookup_id, keys, pin=True)
-        if hit == len(keys):
-            return [(first, list(keys))]
-        for key in keys[:hit]:
-            first.unpin(key)
-        return None
+        # A first tier that holds memory is asked here (no I/O): what it holds is
+        # pinned for the plan, and a lookup it holds whole is answered on the
+        # caller's thread (a hand-off to the prefetch threads and back costs more
+        # than the whole lookup).
+        pinned = (self._contains(first, lookup_id, keys, pin=True)
+                  if first.holds_memory_objs else None)
+        args = (task, keys, list(chunk_ends), keys_per_chunk, partials,
+                direct and keys_per_chunk == 1, pinned)
+        if pinned == len(keys):
+            self._prefetch(*args)
+            return task.future
+        try:
+            self._executor.submit(self._prefetch, *args)
+        except BaseException:
+            for key in keys[:pinned or 0]:
+                first.unpin(key)
+            raise
+        return task.future
 
     def take_prefetched(self, lookup_id: str, keys: Sequence[CacheKey] | None = None,
                         timeout: float | None = None, longer: bool = False
@@ -312,12 +307,12 @@ class StorageManager:
 
     def _prefetch(self, task: PrefetchTask, keys: list[CacheKey], chunk_ends: list[int],
                   keys_per_chunk: int, partials: Partials | None, direct: bool = False,
-                  plans: list[tuple[StorageBackend, list[CacheKey]]] | None = None) -> None:
-        """``plans``: made (and pinned) by the caller already."""
+                  pinned: int | None = None) -> None:
+        """``pinned``: the leading keys the first tier holds, pinned by the caller
+        (None: not asked yet)."""
         promotion = Promotion()
         try:
-            if plans is None:
-                plans = self._plan(task.lookup_id, keys, keys_per_chunk)
+            plans = self._plan(task.lookup_id, keys, keys_per_chunk, pinned)
             longer: list[int] = []
             objs = (self._fetch(task.lookup_id, plans, keys_per_chunk, promotion, longer,
                                 direct) if plans else [])
@@ -428,16 +423,18 @@ class StorageManager:
                 return found
         return None
 
-    def _plan(self, lookup_id: str, keys: list[CacheKey], kpc: int
-              ) -> list[tuple[StorageBackend, list[CacheKey]]]:
-        """Which tier serves which keys; the planned keys are pinned."""
+    def _plan(self, lookup_id: str, keys: list[CacheKey], kpc: int,
+              first_pinned: int | None = None) -> list[tuple[StorageBackend, list[CacheKey]]]:
+        """Which tier serves which keys; the planned keys are pinned.
+        ``first_pinned``: the first tier was asked (and pinned) already."""
         plans = []
         done = 0
-        for tier in self.tiers:
+        for i, tier in enumerate(self.tiers):
             if done == len(keys):
                 break
             remaining = keys[done:]
-            raw = self._contains(tier, lookup_id, remaining, pin=True)
+            raw = (first_pinned if i == 0 and first_pinned is not None
+                   else self._contains(tier, lookup_id, remaining, pin=True))
             hit = raw // kpc * kpc
             for key in remaining[hit:raw]:
                 tier.unpin(key)
@@ -500,8 +497,9 @@ class StorageManager:
         """
         chunks = sum(len(ks) for _, ks in plans) // kpc
         # (gets from the tier that holds memory allocate nothing: not counted)
-        reads = self._semaphore is not None and any(t is not self._memory for t, _ in plans)
-        taken = self._semaphore.acquire(chunks) if reads and self._semaphore else 0
+        semaphore = (self._semaphore if any(t is not self._memory for t, _ in plans)
+                     else None)
+        taken = semaphore.acquire(chunks) if semaphore else 0
         futures = [self._start_get(tier, lookup_id, ks, direct and tier is not self.tiers[0])
                    for tier, ks in plans]
         done = 0
@@ -529,8 +527,8 @@ class StorageManager:
                 release(self._result(tier, future))
                 for key in ks:
                     tier.unpin(key)
-            if taken and self._semaphore:
-                self._semaphore.release(taken)
+            if semaphore and taken:
+                semaphore.release(taken)
 
     def _start_get(self, tier: StorageBackend, lookup_id: str, keys: list[CacheKey],
                    direct: bool = False) -> Future:

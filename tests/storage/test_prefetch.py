@@ -358,3 +358,30 @@ def test_a_lookup_the_memory_tier_answers_whole_is_answered_on_the_callers_threa
         lower.gate.set()
         manager.close()
     no_leaks(upper, lower)
+
+
+def test_the_memory_tier_is_asked_once_a_lookup_whatever_it_holds() -> None:
+    class Counting(CPUBackend):
+        name = "counting"
+        asked = 0
+
+        def batched_async_contains(self, lookup_id, keys, pin=False):
+            self.asked += 1
+            return super().batched_async_contains(lookup_id, keys, pin=pin)
+
+    upper, lower = cpu(Counting), cpu()
+    manager = StorageManager([upper, lower])
+    try:
+        fill(upper, [0])
+        fill(lower, [1])
+        for lookup_id, ids, hit in (("whole", [0], 256), ("part", [0, 1], 512),
+                                    ("none", [7], 0)):
+            before = upper.asked
+            keys = [key(i) for i in ids]
+            ends = [256 * (i + 1) for i in range(len(ids))]
+            assert manager.lookup_and_prefetch(lookup_id, keys, ends).result(5) == hit
+            assert upper.asked - before == 1, lookup_id
+            manager.release_prefetched(lookup_id)
+    finally:
+        manager.close()
+    no_leaks(upper, lower)
