@@ -11,4 +11,8 @@ setup(ext_modules=[
     # SIGBUS-safe file mappings (lmkv.contracts.mapped_file): without it, entry
     # files are read with pread instead of mapped.
     Extension("lmkv._ext._busguard", ["lmkv/_ext/busguard.c"], optional=True),
+    # Multi-threaded memcpy copies between host-memory paged caches and chunk
+    # buffers (lmkv_kernels.host_impl): without it, torch's copies (torch_ref).
+    Extension("lmkv_kernels._native._host", ["kernels/lmkv_kernels/_native/host.c"],
+              optional=True),
 ])

@@ -47,24 +47,26 @@ memcpy does it at full speed; no kernel would do better).
 
 ``implementation(device)`` picks the module that does the copies for caches
 on ``device``: ``lmkv_kernels.triton_impl`` (Triton kernels) for CUDA caches
-where Triton is installed, else ``lmkv_kernels.torch_ref`` (torch ops, any
-device: the reference every implementation matches bit for bit).
-``LMKV_KERNELS=torch`` (or ``kernels="torch"``) forces the reference,
-``triton`` forces Triton (an error where it is not installed), ``auto`` is the
-default.
+where Triton is installed, ``lmkv_kernels.host_impl`` (memcpy runs over
+threads, in C) for caches in host memory where its extension was built, else
+``lmkv_kernels.torch_ref`` (torch ops, any device: the reference every
+implementation matches bit for bit). ``LMKV_KERNELS=torch`` (or
+``kernels="torch"``) forces the reference, ``triton`` forces Triton and
+``host`` the C copies (an error where they are not installed), ``auto`` is the
+default. ``use_host_cpus(cpus)`` names the CPUs the C copies' threads run on.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from types import ModuleType
 from typing import Literal
 
 import torch
 
-from lmkv_kernels import torch_ref
+from lmkv_kernels import host_impl, torch_ref
 from lmkv_kernels.layouts import (
     LAYOUTS,
     Layout,
@@ -77,10 +79,10 @@ from lmkv_kernels.layouts import (
 
 __all__ = ["KERNELS", "LAYOUTS", "Kernels", "Layout", "PagedGeometry", "check_layout",
            "gather_blocks", "gather_dense", "geometry", "implementation", "layout_of",
-           "planes_of", "scatter_blocks", "scatter_dense"]
+           "planes_of", "scatter_blocks", "scatter_dense", "use_host_cpus"]
 
-Kernels = Literal["auto", "triton", "torch"]
-KERNELS: tuple[Kernels, ...] = ("auto", "triton", "torch")
+Kernels = Literal["auto", "triton", "host", "torch"]
+KERNELS: tuple[Kernels, ...] = ("auto", "triton", "host", "torch")
 #: The environment variable that chooses the implementation when a caller does not.
 ENV = "LMKV_KERNELS"
 
@@ -93,11 +95,13 @@ def triton_available() -> bool:
 def implementation(device: torch.device | str, kernels: Kernels | None = None) -> ModuleType:
     """The module whose ``gather_blocks``/``scatter_blocks`` serve caches on ``device``.
 
-    ``kernels``: ``auto`` (Triton for CUDA caches where it is installed, else the
-    reference), ``triton`` (Triton on any device: CUDA, or CPU tensors under
-    ``TRITON_INTERPRET=1``), ``torch`` (the reference); None reads ``LMKV_KERNELS``
-    (default ``auto``). ValueError (one line) for any other choice, or ``triton``
-    where Triton is not installed.
+    ``kernels``: ``auto`` (Triton for CUDA caches where it is installed, the C
+    copies for host caches where they were built, else the reference),
+    ``triton`` (Triton on any device: CUDA, or CPU tensors under
+    ``TRITON_INTERPRET=1``), ``host`` (the C copies; caches on other devices, or
+    in layouts they do not serve, go to the reference), ``torch`` (the
+    reference); None reads ``LMKV_KERNELS`` (default ``auto``). ValueError (one
+    line) for any other choice, or for ``triton`` or ``host`` where not installed.
     """
     choice = kernels if kernels is not None else (os.environ.get(ENV) or "auto")
     if choice not in KERNELS:
@@ -105,13 +109,28 @@ def implementation(device: torch.device | str, kernels: Kernels | None = None) -
         raise ValueError(f"{where} = {choice!r}: expected one of {', '.join(KERNELS)}")
     if choice == "torch":
         return torch_ref
-    if choice == "auto" and (torch.device(device).type != "cuda" or not triton_available()):
+    if choice == "host":
+        if not host_impl.available():
+            raise ValueError("kernels = 'host' but lmkv_kernels' C copies were not built "
+                             "(reinstall lmkv with a C compiler)")
+        return host_impl
+    on_host = torch.device(device).type == "cpu"
+    if choice == "auto" and on_host:
+        return host_impl if host_impl.available() else torch_ref
+    if choice == "auto" and not triton_available():
         return torch_ref
     if not triton_available():
         raise ValueError("kernels = 'triton' but Triton is not installed (pip install triton)")
     from lmkv_kernels import triton_impl
 
     return triton_impl
+
+
+def use_host_cpus(cpus: Iterable[int] | None) -> None:
+    """The CPUs the C copies for host caches run on, one thread each (None: as
+    many threads as torch's, on the caller's CPUs). An engine that binds each of
+    its threads to one CPU names its set here."""
+    host_impl.use_cpus(cpus)
 
 
 def gather_blocks(caches: Sequence[torch.Tensor], block_ids: Sequence[int] | torch.Tensor,

@@ -67,6 +67,11 @@ def share(cpus: frozenset[int] | None) -> None:
                         _format(mine), _format(cpus))
 
 
+def shared() -> frozenset[int] | None:
+    """The CPUs ``share`` named (None: none shared)."""
+    return _shared
+
+
 def apply() -> None:
     """Run the calling thread on the shared CPUs at the process's priority (a
     thread initializer)."""

@@ -20,6 +20,7 @@ from typing import Any, Literal
 import torch
 
 import lmkv_kernels
+from lmkv.base import affinity
 from lmkv.contracts.connector import ChunkSpan, ConnectorContext, GPUConnector, KVSpec
 from lmkv.contracts.plugin import OptionsArg, PluginOptions
 from lmkv.memory.transfer_stream import stream_for
@@ -32,10 +33,12 @@ class PagedOptions(PluginOptions):
     """The caches' layout; ``auto``: the one the integration names (vLLM's
     attention backend), else the one their shape shows (an error where flash
     and flashinfer cannot be told apart)."""
-    kernels: Literal["auto", "triton", "torch"] = "auto"
+    kernels: Literal["auto", "triton", "host", "torch"] = "auto"
     """Which copies run (``lmkv_kernels.implementation``): ``auto`` is Triton for
-    CUDA caches where it is installed, else the torch reference; ``torch``
-    forces the reference; ``triton`` forces Triton."""
+    CUDA caches where it is installed, the C copies (memcpy runs over threads)
+    for caches in host memory where they were built, else the torch reference;
+    ``torch`` forces the reference; ``triton`` forces Triton; ``host`` forces
+    the C copies."""
 
 
 def _spec(g: PagedGeometry, num_layers: int, dtype: torch.dtype) -> KVSpec:
@@ -94,6 +97,10 @@ class PagedConnector(GPUConnector):
             None if layout is None else lmkv_kernels.check_layout(layout))
         self.kernels: lmkv_kernels.Kernels | None = (
             None if options.kernels == "auto" else options.kernels)
+        # the host copies' threads: on the engine's CPUs where it binds its threads
+        cpus = affinity.shared()
+        if cpus is not None:
+            lmkv_kernels.use_host_cpus(cpus)
 
     def _validate(self, kv_caches: Sequence[torch.Tensor], block_ids: Any,
                   end: int) -> PagedGeometry:

@@ -18,6 +18,7 @@ from lmkv_kernels import (
     LAYOUTS,
     gather_blocks,
     geometry,
+    host_impl,
     implementation,
     layout_of,
     scatter_blocks,
@@ -92,8 +93,14 @@ def chunks_of(total: int, sizes: list[int], dtype: torch.dtype,
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("heads_outer", [False, True], ids=["l2thd", "lht2d"])
-def test_reference_round_trip_with_random_block_tables(layout: str, dtype: torch.dtype,
-                                                       seed: int, heads_outer: bool) -> None:
+@pytest.mark.parametrize("kernels", ["torch", "host"])
+def test_host_round_trip_with_random_block_tables(layout: str, dtype: torch.dtype,
+                                                  seed: int, heads_outer: bool,
+                                                  kernels: str) -> None:
+    """The reference and the C copies (``host``: cpu-layout caches with heads-outer
+    buffers in C, the rest by the reference) against a token-by-token read."""
+    if kernels == "host" and not host_impl.available():
+        pytest.skip("lmkv_kernels' C copies were not built")
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     block = rng.choice([1, 4, 16, 48])
@@ -106,7 +113,7 @@ def test_reference_round_trip_with_random_block_tables(layout: str, dtype: torch
     src = make_caches(layout, num_blocks, block, dtype, gen)
     chunks = chunks_of(total, sizes, dtype, layout, heads_outer)
 
-    gather_blocks(src, src_ids, chunks, layout=layout)
+    gather_blocks(src, src_ids, chunks, layout=layout, kernels=kernels)  # type: ignore[arg-type]
     for start, buf in chunks:
         for i in range(buf.shape[2]):
             for layer in range(LAYERS):
@@ -117,7 +124,8 @@ def test_reference_round_trip_with_random_block_tables(layout: str, dtype: torch
     skip = rng.randint(0, total)
     dst = make_caches(layout, num_blocks, block, dtype, gen)
     before = [c.clone() for c in dst]
-    scatter_blocks(dst, torch.tensor(dst_ids), chunks, skip_tokens=skip, layout=layout)
+    scatter_blocks(dst, torch.tensor(dst_ids), chunks, skip_tokens=skip, layout=layout,
+                   kernels=kernels)  # type: ignore[arg-type]
     written = torch.zeros(num_blocks, block, dtype=torch.bool)
     for t in range(skip, total):
         written[dst_ids[t // block], t % block] = True
@@ -199,10 +207,12 @@ def test_a_named_layout_decides_where_the_shape_cannot() -> None:
     assert torch.equal(buf[0, 0, :4], cache[1, 0]) and torch.equal(buf[0, 1, 4:], cache[0, 1])
 
 
-def test_the_reference_serves_the_cpu_and_whatever_triton_cannot(monkeypatch) -> None:
+def test_the_reference_serves_whatever_triton_and_c_cannot(monkeypatch) -> None:
     monkeypatch.delenv("LMKV_KERNELS", raising=False)
-    assert implementation(torch.device("cpu")) is torch_ref
-    assert implementation("cpu", "auto") is torch_ref
+    host = host_impl if host_impl.available() else torch_ref
+    assert implementation(torch.device("cpu")) is host
+    assert implementation("cpu", "auto") is host
+    assert implementation("cpu", "torch") is torch_ref
     assert implementation("cuda", "torch") is torch_ref
     monkeypatch.setenv("LMKV_KERNELS", "torch")
     assert implementation("cuda") is torch_ref
@@ -211,6 +221,12 @@ def test_the_reference_serves_the_cpu_and_whatever_triton_cannot(monkeypatch) ->
     assert implementation("cuda") is torch_ref  # no Triton: the reference, silently
     with pytest.raises(ValueError, match="'triton' but Triton is not installed"):
         implementation("cuda", "triton")
+    monkeypatch.setattr(host_impl, "_host", None)  # built without a C compiler
+    assert implementation("cpu") is torch_ref
+    with pytest.raises(ValueError, match=r"^kernels = 'host' but lmkv_kernels' C copies "
+                                         r"were not built \(reinstall lmkv with a C "
+                                         r"compiler\)$"):
+        implementation("cpu", "host")
 
 
 def test_cuda_caches_get_triton_where_it_is_installed(monkeypatch) -> None:
@@ -226,7 +242,7 @@ def test_cuda_caches_get_triton_where_it_is_installed(monkeypatch) -> None:
 def test_an_unknown_choice_is_one_line(monkeypatch) -> None:
     monkeypatch.setenv("LMKV_KERNELS", "cuda")
     with pytest.raises(ValueError, match=r"^LMKV_KERNELS = 'cuda': expected one of auto, "
-                                         r"triton, torch$"):
+                                         r"triton, host, torch$"):
         implementation("cpu")
     with pytest.raises(ValueError, match=r"^kernels = 'fast': expected one of"):
         implementation("cpu", "fast")  # type: ignore[arg-type]
@@ -356,7 +372,9 @@ def test_lmkv_kernels_imports_torch_and_the_standard_library_only() -> None:
             "print(sorted(m for m in sys.modules if m.split('.')[0].startswith('lmkv')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout
-    assert eval(out) == ["lmkv_kernels", "lmkv_kernels.layouts", "lmkv_kernels.torch_ref"]
+    assert set(eval(out)) - {"lmkv_kernels._native", "lmkv_kernels._native._host"} == {
+        "lmkv_kernels", "lmkv_kernels.host_impl", "lmkv_kernels.layouts",
+        "lmkv_kernels.torch_ref"}
 
 
 @pytest.mark.slow  # a fresh interpreter

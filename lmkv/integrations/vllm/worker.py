@@ -111,6 +111,10 @@ class WorkerSide:
         if spec.head_dim != self.head_size:
             raise ValueError(f"lmkv: the paged KV caches hold heads of {spec.head_dim} "
                              f"elements; the model's head size is {self.head_size}")
+        # vLLM's CPU build may bind this thread to one CPU; lmkv's threads (started
+        # from here on, the connector's copies' among them) run on every CPU of the
+        # rank instead (lmkv.base.affinity).
+        affinity.share(affinity.engine_cpus())
         connector = resolved.create(ConnectorContext(spec, self.kv_layout))
         if spec.heads_outer and connector.chunk_layout != spec.chunk_layout:
             # a connector that moves canonical chunks (one written for API 2.0 on
@@ -118,9 +122,6 @@ class WorkerSide:
             spec = replace(spec, heads_outer=False)
             connector = resolved.create(ConnectorContext(spec, self.kv_layout))
         self._token_bytes = spec.chunk_nbytes(1)
-        # vLLM's CPU build may bind this thread to one CPU; lmkv's threads (started
-        # from here on) run on every CPU of the rank instead (lmkv.base.affinity).
-        affinity.share(affinity.engine_cpus())
         if self.config.layerwise:
             connector = self.layered = LayeredConnector.around(connector, resolved.create)
         self.engine = open_engine(self.config, spec, model_name=self.model_name,

@@ -1,0 +1,8 @@
+from collections.abc import Sequence
+
+def copy_blocks(into_caches: bool, caches: Sequence[int], cache_bytes: int,
+                cache_strides: tuple[int, int, int], num_blocks: int, heads: int, row: int,
+                block_size: int, block_ids: Sequence[int],
+                chunks: Sequence[tuple[int, int, tuple[int, int, int], int, int, int]],
+                threads: int, cpus: Sequence[int] | None) -> None:
+    """Copy token rows between per-layer paged caches and chunk buffers (host.c)."""

@@ -1,0 +1,358 @@
+/* Copies between paged KV caches in host memory and chunk buffers, as plain
+ * memcpy runs split over threads (lmkv_kernels.host_impl is the Python side).
+ *
+ * The caches are one per layer; a token's row (``row`` bytes: one head's K and
+ * V of one token in the cpu layout) lives in layer ``l``'s cache at
+ *   block_ids[t / block_size] * cache_block + head * cache_head + (t % block_size) * cache_token
+ * and in the chunk buffer (holding the request's tokens from ``start``) at
+ *   l * chunk_layer + head * chunk_head + (t - start) * chunk_token.
+ * Tokens ``[first, stop)`` are copied, one memcpy per layer, head and block
+ * (a run of tokens in one block), or per token where a side's tokens are not
+ * back to back.
+ *
+ * Every address is checked against the extents the caller gives before any byte
+ * moves: a block id out of range, or a run past a cache's or the buffer's end,
+ * raises ValueError and copies nothing. The GIL is released while bytes move;
+ * the caller keeps the tensors alive for the call. Large copies are split over
+ * up to ``threads`` threads (the caller's among them), each a contiguous share
+ * of the runs; helper threads run on ``cpus`` where given (the engine's CPUs:
+ * a thread inherits its creator's affinity, which an engine may have narrowed to
+ * one CPU). */
+#define _GNU_SOURCE
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdint.h>
+#include <string.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <emmintrin.h>
+#define STREAMING 1
+#endif
+
+#define MAX_THREADS 16
+/* below this many bytes a copy runs on the calling thread alone: starting a
+ * thread costs more than the second thread saves */
+#define SPLIT_BYTES (1 << 20)
+
+typedef struct {
+    int64_t block;     /* the cache block */
+    Py_ssize_t offset; /* first token's offset in the block */
+    Py_ssize_t count;  /* tokens */
+    Py_ssize_t t;      /* first token (the request's numbering) */
+} piece;
+
+typedef struct {
+    char *base;
+    Py_ssize_t layer, head, token; /* strides, bytes */
+    Py_ssize_t start;              /* the request's token at the buffer's first row */
+    piece *pieces;                 /* into the plan's array */
+    Py_ssize_t npieces;
+    Py_ssize_t items; /* first item of this chunk (items: chunk, layer, head, piece) */
+} chunk;
+
+typedef struct {
+    int into_caches;
+    char **caches;
+    Py_ssize_t layers, heads, row;
+    Py_ssize_t cache_block, cache_head, cache_token;
+    chunk *chunks;
+    Py_ssize_t nchunks;
+} plan;
+
+typedef struct {
+    const plan *plan;
+    Py_ssize_t begin, end; /* this thread's items */
+    const cpu_set_t *cpus;
+} job;
+
+/* A copy whose stores bypass the CPU's caches (x86: non-temporal stores): a
+ * cached store first reads the destination's line from memory, a third more
+ * traffic on a copy that is bound by memory's bandwidth, and the KV copied
+ * is far larger than the caches anyway. memcpy does the same for copies
+ * larger than about the last-level cache; these are runs of a few KiB each. */
+static void
+copy_run(char *dst, const char *src, size_t n)
+{
+#ifdef STREAMING
+    if (n >= 4096) {
+        size_t head = (16 - ((uintptr_t)dst & 15)) & 15;
+        memcpy(dst, src, head);
+        dst += head;
+        src += head;
+        n -= head;
+        size_t body = n & ~(size_t)63;
+        for (size_t i = 0; i < body; i += 64) {
+            __m128i a = _mm_loadu_si128((const __m128i *)(src + i));
+            __m128i b = _mm_loadu_si128((const __m128i *)(src + i + 16));
+            __m128i c = _mm_loadu_si128((const __m128i *)(src + i + 32));
+            __m128i d = _mm_loadu_si128((const __m128i *)(src + i + 48));
+            _mm_stream_si128((__m128i *)(dst + i), a);
+            _mm_stream_si128((__m128i *)(dst + i + 16), b);
+            _mm_stream_si128((__m128i *)(dst + i + 32), c);
+            _mm_stream_si128((__m128i *)(dst + i + 48), d);
+        }
+        memcpy(dst + body, src + body, n - body);
+        return;
+    }
+#endif
+    memcpy(dst, src, n);
+}
+
+static void
+run(const job *j)
+{
+    const plan *p = j->plan;
+    for (Py_ssize_t c = 0; c < p->nchunks; c++) {
+        const chunk *k = &p->chunks[c];
+        Py_ssize_t per_layer = p->heads * k->npieces;
+        Py_ssize_t first = k->items, last = k->items + p->layers * per_layer;
+        if (last <= j->begin || first >= j->end)
+            continue;
+        Py_ssize_t from = j->begin > first ? j->begin : first;
+        Py_ssize_t to = j->end < last ? j->end : last;
+        for (Py_ssize_t item = from - first; item < to - first; item++) {
+            Py_ssize_t layer = item / per_layer;
+            Py_ssize_t rest = item % per_layer;
+            Py_ssize_t head = rest / k->npieces;
+            const piece *q = &k->pieces[rest % k->npieces];
+            char *in_cache = p->caches[layer] + q->block * p->cache_block
+                             + head * p->cache_head + q->offset * p->cache_token;
+            char *in_chunk = k->base + layer * k->layer + head * k->head
+                             + (q->t - k->start) * k->token;
+            char *dst = p->into_caches ? in_cache : in_chunk;
+            char *src = p->into_caches ? in_chunk : in_cache;
+            Py_ssize_t dst_step = p->into_caches ? p->cache_token : k->token;
+            Py_ssize_t src_step = p->into_caches ? k->token : p->cache_token;
+            if (dst_step == p->row && src_step == p->row) {
+                copy_run(dst, src, (size_t)(q->count * p->row));
+            } else {
+                for (Py_ssize_t i = 0; i < q->count; i++)
+                    copy_run(dst + i * dst_step, src + i * src_step, (size_t)p->row);
+            }
+        }
+    }
+#ifdef STREAMING
+    _mm_sfence(); /* the streamed stores visible before the copy returns */
+#endif
+}
+
+static void *
+helper(void *arg)
+{
+    const job *j = (const job *)arg;
+    if (j->cpus != NULL)
+        (void)pthread_setaffinity_np(pthread_self(), sizeof(cpu_set_t), j->cpus);
+    run(j);
+    return NULL;
+}
+
+static int
+item_size(PyObject *seq, Py_ssize_t i, Py_ssize_t *out)
+{
+    *out = PyLong_AsSsize_t(PySequence_Fast_GET_ITEM(seq, i));
+    return (*out == -1 && PyErr_Occurred()) ? -1 : 0;
+}
+
+static PyObject *
+bad(const char *message)
+{
+    PyErr_Format(PyExc_ValueError, "copy_blocks: %s", message);
+    return NULL;
+}
+
+/* Split tokens [first, stop) of one chunk into runs inside blocks, each checked
+ * against the extents; appends to pieces. -1 with an exception set when wrong. */
+static int
+plan_chunk(chunk *k, Py_ssize_t first, Py_ssize_t stop, Py_ssize_t nbytes, PyObject *ids,
+           const plan *p, Py_ssize_t num_blocks, Py_ssize_t cache_bytes, Py_ssize_t block_size)
+{
+    Py_ssize_t reach_cache = (p->heads - 1) * p->cache_head + p->row;
+    Py_ssize_t reach_chunk = (p->layers - 1) * k->layer + (p->heads - 1) * k->head + p->row;
+    if (first < k->start || stop < first) {
+        bad("tokens before the buffer's first");
+        return -1;
+    }
+    if (stop > first && (stop - 1) / block_size >= PySequence_Fast_GET_SIZE(ids)) {
+        bad("the block table does not cover the tokens copied");
+        return -1;
+    }
+    k->npieces = 0;
+    for (Py_ssize_t t = first; t < stop;) {
+        Py_ssize_t offset = t % block_size;
+        Py_ssize_t count = block_size - offset < stop - t ? block_size - offset : stop - t;
+        Py_ssize_t block;
+        if (item_size(ids, t / block_size, &block) < 0)
+            return -1;
+        if (block < 0 || block >= num_blocks) {
+            PyErr_Format(PyExc_ValueError, "copy_blocks: block id %zd out of range 0..%zd",
+                         block, num_blocks - 1);
+            return -1;
+        }
+        if (block * p->cache_block + (offset + count - 1) * p->cache_token + reach_cache
+                > cache_bytes
+            || (t - k->start + count - 1) * k->token + reach_chunk > nbytes) {
+            bad("a run past the end of a tensor");
+            return -1;
+        }
+        k->pieces[k->npieces++] = (piece){block, offset, count, t};
+        t += count;
+    }
+    return 0;
+}
+
+/* copy_blocks(into_caches, caches, cache_bytes, (block, head, token) strides,
+ *             num_blocks, heads, row, block_size, block_ids,
+ *             chunks: [(address, bytes, (layer, head, token) strides, start, first, stop)],
+ *             threads, cpus or None) */
+static PyObject *
+copy_blocks(PyObject *self, PyObject *args)
+{
+    int into_caches;
+    PyObject *caches_obj, *ids_obj, *chunks_obj, *cpus_obj;
+    Py_ssize_t cache_bytes, num_blocks, heads, row, block_size, threads;
+    Py_ssize_t cs[3];
+    if (!PyArg_ParseTuple(args, "pOn(nnn)nnnnOOnO", &into_caches, &caches_obj, &cache_bytes,
+                          &cs[0], &cs[1], &cs[2], &num_blocks, &heads, &row, &block_size,
+                          &ids_obj, &chunks_obj, &threads, &cpus_obj))
+        return NULL;
+    if (heads <= 0 || row <= 0 || block_size <= 0 || threads <= 0 || cs[0] < 0 || cs[1] < 0
+        || cs[2] < 0)
+        return bad("bad geometry");
+
+    PyObject *caches_seq = NULL, *ids_seq = NULL, *chunks_seq = NULL, *result = NULL;
+    char **caches = NULL;
+    chunk *chunks = NULL;
+    piece *pieces = NULL;
+    cpu_set_t cpus;
+    int have_cpus = 0;
+    plan p;
+
+    caches_seq = PySequence_Fast(caches_obj, "caches: a sequence of addresses");
+    ids_seq = caches_seq ? PySequence_Fast(ids_obj, "block_ids: a sequence of ints") : NULL;
+    chunks_seq = ids_seq ? PySequence_Fast(chunks_obj, "chunks: a sequence of tuples") : NULL;
+    if (chunks_seq == NULL)
+        goto done;
+    Py_ssize_t layers = PySequence_Fast_GET_SIZE(caches_seq);
+    Py_ssize_t nchunks = PySequence_Fast_GET_SIZE(chunks_seq);
+    if (layers == 0 || nchunks == 0) {
+        result = Py_None;
+        Py_INCREF(result);
+        goto done;
+    }
+    caches = PyMem_Malloc(sizeof(char *) * (size_t)layers);
+    chunks = PyMem_Calloc((size_t)nchunks, sizeof(chunk));
+    /* a chunk of n tokens lies in at most n / block_size + 2 blocks */
+    Py_ssize_t room = 0;
+    for (Py_ssize_t c = 0; c < nchunks; c++) {
+        PyObject *item = PySequence_Fast_GET_ITEM(chunks_seq, c);
+        Py_ssize_t addr, nbytes, ls, hs, ts, start, first, stop;
+        if (!PyArg_ParseTuple(item, "nn(nnn)nnn", &addr, &nbytes, &ls, &hs, &ts, &start, &first,
+                              &stop))
+            goto done;
+        if (chunks == NULL)
+            continue;
+        if (ls < 0 || hs < 0 || ts < 0 || addr == 0) {
+            bad("bad chunk buffer");
+            goto done;
+        }
+        chunks[c] = (chunk){(char *)addr, ls, hs, ts, start, NULL, 0, 0};
+        room += (stop > first ? stop - first : 0) / block_size + 2;
+    }
+    pieces = PyMem_Malloc(sizeof(piece) * (size_t)room);
+    if (caches == NULL || chunks == NULL || pieces == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t l = 0; l < layers; l++) {
+        Py_ssize_t addr;
+        if (item_size(caches_seq, l, &addr) < 0)
+            goto done;
+        if (addr == 0) {
+            bad("bad cache");
+            goto done;
+        }
+        caches[l] = (char *)addr;
+    }
+    p = (plan){into_caches, caches, layers, heads, row, cs[0], cs[1], cs[2], chunks, nchunks};
+    Py_ssize_t used = 0, items = 0, bytes = 0;
+    for (Py_ssize_t c = 0; c < nchunks; c++) {
+        PyObject *item = PySequence_Fast_GET_ITEM(chunks_seq, c);
+        Py_ssize_t addr, nbytes, ls, hs, ts, start, first, stop;
+        if (!PyArg_ParseTuple(item, "nn(nnn)nnn", &addr, &nbytes, &ls, &hs, &ts, &start, &first,
+                              &stop))
+            goto done;
+        chunks[c].pieces = pieces + used;
+        if (plan_chunk(&chunks[c], first, stop, nbytes, ids_seq, &p, num_blocks, cache_bytes,
+                       block_size) < 0)
+            goto done;
+        used += chunks[c].npieces;
+        chunks[c].items = items;
+        items += layers * heads * chunks[c].npieces;
+        bytes += (stop - first) * layers * heads * row;
+    }
+    if (cpus_obj != Py_None) {
+        PyObject *cpu_seq = PySequence_Fast(cpus_obj, "cpus: a sequence of CPU numbers");
+        if (cpu_seq == NULL)
+            goto done;
+        CPU_ZERO(&cpus);
+        for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(cpu_seq); i++) {
+            Py_ssize_t cpu;
+            if (item_size(cpu_seq, i, &cpu) < 0) {
+                Py_DECREF(cpu_seq);
+                goto done;
+            }
+            if (cpu >= 0 && cpu < CPU_SETSIZE) {
+                CPU_SET((int)cpu, &cpus);
+                have_cpus = 1;
+            }
+        }
+        Py_DECREF(cpu_seq);
+    }
+
+    Py_ssize_t n = threads > MAX_THREADS ? MAX_THREADS : threads;
+    if (bytes < SPLIT_BYTES)
+        n = 1;
+    if (n > items)
+        n = items > 0 ? items : 1;
+    job jobs[MAX_THREADS];
+    pthread_t tids[MAX_THREADS];
+    int started[MAX_THREADS] = {0};
+    for (Py_ssize_t i = 0; i < n; i++)
+        jobs[i] = (job){&p, items * i / n, items * (i + 1) / n, have_cpus ? &cpus : NULL};
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 1; i < n; i++)
+        started[i] = pthread_create(&tids[i], NULL, helper, &jobs[i]) == 0;
+    run(&jobs[0]);
+    for (Py_ssize_t i = 1; i < n; i++) {
+        if (started[i])
+            pthread_join(tids[i], NULL);
+        else
+            run(&jobs[i]); /* no thread to be had: this one does its share */
+    }
+    Py_END_ALLOW_THREADS
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    PyMem_Free(caches);
+    PyMem_Free(chunks);
+    PyMem_Free(pieces);
+    Py_XDECREF(caches_seq);
+    Py_XDECREF(ids_seq);
+    Py_XDECREF(chunks_seq);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"copy_blocks", copy_blocks, METH_VARARGS,
+     "Copy token rows between per-layer paged caches and a chunk buffer (see host.c)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_host", NULL, -1, methods};
+
+PyMODINIT_FUNC
+PyInit__host(void)
+{
+    return PyModule_Create(&module);
+}

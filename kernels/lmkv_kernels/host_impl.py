@@ -1,0 +1,124 @@
+"""The paged copies for caches in host memory: ``memcpy`` runs split over
+threads, in C (``lmkv_kernels._native._host``, built from ``_native/host.c``
+where a C compiler is at hand at install time).
+
+It serves cpu-layout caches and chunk buffers held heads outer
+(``KVSpec.heads_outer``: a head's tokens of a block are one run on both sides),
+vLLM's CPU build: a load or store of a prompt is then one call, and its runs
+are shared between the calling thread and helpers (``use_cpus``), where
+torch's copies run one block at a time on one thread. Anything else (other
+layouts, buffers in another order or on another device) goes to
+``torch_ref``, the reference the copies here match bit for bit (a memcpy
+moves bits as they are).
+
+Every run is checked against the block table's range and both tensors'
+storage before a byte moves (``ValueError``, nothing copied): the C side
+trusts no address it did not check.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from lmkv_kernels import torch_ref
+from lmkv_kernels.layouts import Layout, PagedGeometry, geometry
+
+try:
+    from lmkv_kernels._native import _host
+except ImportError:  # built without a C compiler: torch's copies
+    _host = None  # type: ignore[assignment]  # (None: the module was not built)
+
+Chunks = Sequence[tuple[int, torch.Tensor]]
+BlockIds = Sequence[int] | torch.Tensor
+
+_cpus: tuple[int, ...] | None = None
+
+
+def available() -> bool:
+    """Whether the C copies were built."""
+    return _host is not None
+
+
+def use_cpus(cpus: Iterable[int] | None) -> None:
+    """The CPUs the copies run on, one thread each (the caller's among them);
+    None: as many threads as torch's (``torch.get_num_threads()``), on the
+    caller's CPUs. An engine that binds its threads one to a CPU gives its set
+    here: a helper thread would otherwise inherit the caller's single CPU."""
+    global _cpus
+    _cpus = tuple(sorted(set(cpus))) if cpus is not None else None
+
+
+def gather_blocks(caches: Sequence[torch.Tensor], block_ids: BlockIds, chunks: Chunks,
+                  layout: Layout | None = None) -> None:
+    rest = _copy(caches, block_ids, chunks, 0, layout, into_caches=False)
+    if rest:
+        torch_ref.gather_blocks(caches, block_ids, rest, layout)
+
+
+def scatter_blocks(caches: Sequence[torch.Tensor], block_ids: BlockIds, chunks: Chunks,
+                   skip_tokens: int = 0, layout: Layout | None = None) -> None:
+    rest = _copy(caches, block_ids, chunks, skip_tokens, layout, into_caches=True)
+    if rest:
+        torch_ref.scatter_blocks(caches, block_ids, rest, skip_tokens, layout)
+
+
+def _copy(caches: Sequence[torch.Tensor], block_ids: BlockIds, chunks: Chunks,
+          skip_tokens: int, layout: Layout | None, *, into_caches: bool) -> list:
+    """Copy what the C side serves; the chunks it does not, returned."""
+    if not chunks:
+        return []
+    g = geometry(caches[0], layout)
+    if _host is None or not _served(caches, g):
+        return list(chunks)
+    size = caches[0].element_size()
+    first_cache = caches[0]
+    runs: list[tuple[int, int, tuple[int, int, int], int, int, int]] = []
+    rest = []
+    for start, buf in chunks:
+        stop = start + buf.shape[2]
+        first = max(start, skip_tokens) if into_caches else start
+        if stop <= first:
+            continue
+        heads_outer = _head_runs(buf, g) if buf.device.type == "cpu" else None
+        if heads_outer is None or heads_outer.dtype != first_cache.dtype:
+            rest.append((start, buf))
+            continue
+        runs.append((heads_outer.data_ptr(), _extent(heads_outer), _strides(heads_outer, size),
+                     start, first, stop))
+    if runs:
+        ids = block_ids.tolist() if isinstance(block_ids, torch.Tensor) else block_ids
+        cpus = _cpus
+        threads = len(cpus) if cpus else max(1, torch.get_num_threads())
+        _host.copy_blocks(into_caches, [cache.data_ptr() for cache in caches],
+                          min(_extent(cache) for cache in caches),
+                          _strides(first_cache, size), g.num_blocks,
+                          g.kv_heads, 2 * g.head_dim * size, g.block_size, ids, runs,
+                          threads, cpus)
+    return rest
+
+
+def _served(caches: Sequence[torch.Tensor], g: PagedGeometry) -> bool:
+    """cpu-layout caches in host memory, one shape, dtype and strides, rows whole."""
+    if g.layout != "cpu" or g.planes != 2:
+        return False
+    first = caches[0]
+    if first.device.type != "cpu" or first.stride(3) != 1:
+        return False
+    return all(c.device == first.device and c.shape == first.shape and c.dtype == first.dtype
+               and c.stride() == first.stride() for c in caches)
+
+
+def _strides(t: torch.Tensor, size: int) -> tuple[int, int, int]:
+    """The first three strides of ``t``, in bytes."""
+    a, b, c = t.stride()[:3]
+    return a * size, b * size, c * size
+
+
+def _extent(t: torch.Tensor) -> int:
+    """Bytes from ``t``'s first element to the end of its storage."""
+    return int(t.untyped_storage().nbytes() - t.storage_offset() * t.element_size())
+
+
+_head_runs = torch_ref._head_runs

@@ -1,0 +1,156 @@
+"""lmkv_kernels' C copies for host caches (``host_impl``, ``host.c``): bit for bit
+the reference's moves, split over threads or not, on the CPUs named; every
+address checked before a byte moves; what they do not serve goes to the
+reference. (The token-by-token round trip over every layout and dtype:
+``test_kernels.py``.)"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+from lmkv_kernels import gather_blocks, host_impl, scatter_blocks, torch_ref, use_host_cpus
+
+pytestmark = pytest.mark.skipif(not host_impl.available(),
+                                reason="lmkv_kernels' C copies were not built")
+
+HEADS, DIM = 4, 64
+
+
+def caches(layers: int, blocks: int, block: int, dtype: torch.dtype,
+           gen: torch.Generator) -> list[torch.Tensor]:
+    return [torch.randn(blocks, HEADS, block, 2 * DIM, generator=gen).to(dtype)
+            for _ in range(layers)]
+
+
+def outer(layers: int, tokens: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    """A heads-outer chunk buffer (``KVSpec.heads_outer``), viewed ``[layers, 2, tokens,
+    heads, dim]``, filled."""
+    held = torch.randn(layers, HEADS, tokens, 2, DIM, generator=gen).to(dtype)
+    return held.permute(0, 3, 2, 1, 4)
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+@pytest.fixture(autouse=True)
+def _own_cpus():  # type: ignore[no-untyped-def]
+    yield
+    use_host_cpus(None)
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
+def test_large_copies_split_over_threads_match_the_reference(seed: int,
+                                                             dtype: torch.dtype) -> None:
+    """Prompts of MiBs (split over threads), scattered block tables, chunks that
+    straddle blocks, a skipped prefix: the reference's bits, nothing else touched."""
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    layers, block = rng.choice([(2, 16), (4, 128), (3, 48)])
+    tokens = rng.randint(block, 1200)
+    n = -(-tokens // block)
+    num_blocks = n + rng.randint(0, 6)
+    ids = rng.sample(range(num_blocks), n)
+    chunks, start = [], rng.choice([0, 0, 5])
+    while start < tokens:
+        size = min(rng.choice([100, 256, 333]), tokens - start)
+        chunks.append((start, outer(layers, size, dtype, gen)))
+        start += size
+    skip = rng.choice([0, 0, 1, tokens // 2])
+    if seed % 2:
+        use_host_cpus(os.sched_getaffinity(0))
+    mine = caches(layers, num_blocks, block, dtype, gen)
+    ref = [c.clone() for c in mine]
+    scatter_blocks(mine, ids, chunks, skip, layout="cpu", kernels="host")
+    scatter_blocks(ref, ids, chunks, skip, layout="cpu", kernels="torch")
+    assert all(torch.equal(bits(a), bits(b)) for a, b in zip(mine, ref, strict=True))
+    got = [(s, torch.zeros_like(b)) for s, b in chunks]
+    want = [(s, torch.zeros_like(b)) for s, b in chunks]
+    gather_blocks(mine, ids, got, layout="cpu", kernels="host")
+    gather_blocks(mine, ids, want, layout="cpu", kernels="torch")
+    assert all(torch.equal(bits(a), bits(b)) for (_, a), (_, b) in zip(got, want, strict=True))
+
+
+def test_a_bad_block_id_or_short_table_copies_nothing() -> None:
+    """Every run is checked before the first byte moves: one line, caches as they were."""
+    gen = torch.Generator().manual_seed(1)
+    mine = caches(2, 8, 16, torch.float32, gen)
+    before = [c.clone() for c in mine]
+    chunk = outer(2, 64, torch.float32, gen)
+    for ids, match in (([0, 1, 2, 8], r"block id 8 out of range 0\.\.7"),
+                       ([0, 1, -1, 3], r"block id -1 out of range"),
+                       ([0, 1, 2], "the block table does not cover the tokens copied")):
+        with pytest.raises(ValueError, match=f"^copy_blocks: {match}"):
+            scatter_blocks(mine, ids, [(0, chunk)], layout="cpu", kernels="host")
+        assert all(torch.equal(a, b) for a, b in zip(mine, before, strict=True))
+
+
+def test_runs_past_a_tensor_s_storage_are_refused() -> None:
+    """Extents come from the tensors' storage, not their shapes: a cache or buffer
+    smaller than the copy says is refused."""
+    gen = torch.Generator().manual_seed(2)
+    mine = caches(2, 8, 16, torch.float32, gen)
+    chunk = outer(2, 32, torch.float32, gen)
+    from lmkv_kernels._native import _host
+
+    args = (True, [c.data_ptr() for c in mine], mine[0].numel() * 4,
+            tuple(s * 4 for s in mine[0].stride()[:3]), 8, HEADS, 2 * DIM * 4, 16, [0, 1])
+    strides = tuple(s * 4 for s in chunk.permute(0, 3, 2, 1, 4).flatten(3).stride()[:3])
+    short = chunk.numel() * 4 - 1
+    with pytest.raises(ValueError, match=r"^copy_blocks: a run past the end of a tensor$"):
+        _host.copy_blocks(*args, [(chunk.data_ptr(), short, strides, 0, 0, 32)], 1, None)
+    with pytest.raises(ValueError, match=r"^copy_blocks: a run past the end of a tensor$"):
+        _host.copy_blocks(True, args[1], 16 * 4 * 2 * DIM * 4 - 1, *args[3:],
+                          [(chunk.data_ptr(), chunk.numel() * 4, strides, 0, 0, 32)], 1, None)
+    with pytest.raises(ValueError, match=r"^copy_blocks: tokens before the buffer's first$"):
+        _host.copy_blocks(*args, [(chunk.data_ptr(), chunk.numel() * 4, strides, 4, 0, 32)],
+                          1, None)
+
+
+def test_what_the_c_copies_do_not_serve_goes_to_the_reference(monkeypatch) -> None:
+    """Canonical buffers beside heads-outer ones, and layouts other than cpu, are
+    copied by the reference; the heads-outer ones by C."""
+    gen = torch.Generator().manual_seed(3)
+    mine = caches(2, 8, 16, torch.float32, gen)
+    ids = [3, 1, 6, 0, 2, 7]
+    heads_outer = outer(2, 48, torch.float32, gen)
+    canonical = torch.randn(2, 2, 48, HEADS, DIM, generator=gen)
+    handed = []
+    real = torch_ref.scatter_blocks
+    monkeypatch.setattr(torch_ref, "scatter_blocks",
+                        lambda c, i, chunks, *a: handed.extend(s for s, _ in chunks)
+                        or real(c, i, chunks, *a))
+    ref = [c.clone() for c in mine]
+    scatter_blocks(mine, ids, [(0, heads_outer), (48, canonical)], layout="cpu", kernels="host")
+    assert handed == [48]
+    monkeypatch.setattr(torch_ref, "scatter_blocks", real)
+    scatter_blocks(ref, ids, [(0, heads_outer), (48, canonical)], layout="cpu",
+                   kernels="torch")
+    assert all(torch.equal(a, b) for a, b in zip(mine, ref, strict=True))
+    flash = [torch.zeros(2, 8, 16, HEADS, DIM) for _ in range(2)]
+    handed.clear()
+    monkeypatch.setattr(torch_ref, "scatter_blocks",
+                        lambda c, i, chunks, *a: handed.extend(s for s, _ in chunks)
+                        or real(c, i, chunks, *a))
+    scatter_blocks(flash, ids, [(0, canonical)], layout="flash", kernels="host")
+    assert handed == [0]
+
+
+def test_helper_threads_run_on_the_cpus_named() -> None:
+    """Named CPUs that this process may not use are ignored by the kernel's
+    affinity call (a thread keeps its own); the copy is the same either way."""
+    gen = torch.Generator().manual_seed(4)
+    mine = caches(4, 40, 128, torch.float32, gen)
+    ref = [c.clone() for c in mine]
+    chunks = [(s, outer(4, 256, torch.float32, gen)) for s in range(0, 4096, 256)]
+    ids = list(range(40))[::-1][:32]
+    for cpus in ([0], sorted(os.sched_getaffinity(0)), [10_000]):
+        use_host_cpus(cpus)
+        scatter_blocks(mine, ids, chunks, layout="cpu", kernels="host")
+    scatter_blocks(ref, ids, chunks, layout="cpu", kernels="torch")
+    assert all(torch.equal(a, b) for a, b in zip(mine, ref, strict=True))
