@@ -47,8 +47,8 @@ def _own_cpus():  # type: ignore[no-untyped-def]
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
 def test_large_copies_split_over_threads_match_the_reference(seed: int,
                                                              dtype: torch.dtype) -> None:
-    """Prompts of MiBs (split over threads), scattered block tables, chunks that
-    straddle blocks, a skipped prefix: the reference's bits, nothing else touched."""
+    """Prompts of MiBs, scattered block tables, chunks that straddle blocks, a
+    skipped prefix: the reference's bits, nothing else touched."""
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     layers, block = rng.choice([(2, 16), (4, 128), (3, 48)])
@@ -142,8 +142,9 @@ def test_what_the_c_copies_do_not_serve_goes_to_the_reference(monkeypatch) -> No
 
 
 def test_helper_threads_run_on_the_cpus_named() -> None:
-    """Named CPUs that this process may not use are ignored by the kernel's
-    affinity call (a thread keeps its own); the copy is the same either way."""
+    """A 32 MiB load, split over threads (from 16 MiB on): one thread, the CPUs
+    this process has, and CPUs it does not have (ignored: a thread keeps its own
+    affinity); the copy is the same every way."""
     gen = torch.Generator().manual_seed(4)
     mine = caches(4, 40, 128, torch.float32, gen)
     ref = [c.clone() for c in mine]
