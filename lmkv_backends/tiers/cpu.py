@@ -38,7 +38,8 @@ from lmkv.memory.shm import SharedMemoryUnavailable, SharedSegment, available_me
 
 logger = logging.getLogger(__name__)
 
-#: The default ``prefault_ahead``'s ceiling: a 4096-token Llama-3-8B bf16 prefix.
+#: A ceiling for ``prefault_ahead`` where it is turned on: a 4096-token Llama-3-8B
+#: bf16 prefix.
 PREFAULT_AHEAD = 512 << 20
 #: The largest ``max_bytes``: more than a 64-bit process can map (x86-64's 57-bit
 #: addresses), so anything past it is a slip, and its figures stay readable.
@@ -64,8 +65,11 @@ class CPUOptions(PluginOptions):
     prefault_ahead: ByteCount | None = None
     """Bytes of a private, not page-locked arena kept faulted in past the highest
     offset used so far, by a background thread, so chunks read in from a lower tier
-    (or stored) land on pages that are already there; 0: off. Default:
-    ``max_bytes / 16``, at most ``PREFAULT_AHEAD``."""
+    (or stored) land on pages that are already there. Unset or 0: off (the
+    default: inside an engine that keeps every CPU busy, a CPU build of vLLM,
+    the faulting lands in the next requests; see docs/tiers/cpu.md). A
+    suggested size where CPUs are to spare: ``max_bytes / 16``, at most
+    ``PREFAULT_AHEAD``."""
     allow_overcommit: bool = False
     """Make the arena even when ``max_bytes`` is larger than the memory this machine
     has available when it is made; off: that is an error there (the arena would
@@ -160,8 +164,7 @@ class CPUBackend(StorageBackend):
             allocator = MemoryAllocator(
                 int(options.max_bytes), pin_memory=options.pin_memory,
                 buffer=segment.tensor if segment else None, huge_pages=options.huge_pages,
-                prefault_ahead=int(ahead) if ahead is not None
-                else min(PREFAULT_AHEAD, int(options.max_bytes) // 16))
+                prefault_ahead=int(ahead) if ahead is not None else 0)
         except (OSError, MemoryError, RuntimeError) as exc:  # RuntimeError: pinned memory
             if segment is not None:
                 segment.close()

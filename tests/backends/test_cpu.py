@@ -323,16 +323,16 @@ def test_an_arena_that_cannot_be_allocated_is_one_config_error_naming_the_key() 
     assert "\n" not in message
 
 
-def test_a_private_arena_is_prefaulted_ahead_by_default() -> None:
+def test_a_private_arena_is_prefaulted_ahead_only_when_asked() -> None:
     def ahead(**options: object) -> int | None:
         tier = CPUBackend(CPUBackend.Options(pin_memory=False, shared_memory=False, **options),
                           BackendContext(eviction_policy=LRUPolicy()))
         prefaulter = tier.allocator.prefaulter
         return None if prefaulter is None else prefaulter._ahead
 
-    if ahead(max_bytes="64MiB") is None:
+    if ahead(max_bytes="64MiB", prefault_ahead="1MiB") is None:
         pytest.skip("no MADV_POPULATE_WRITE on this platform")
-    assert ahead(max_bytes="64MiB") == 4 << 20  # max_bytes / 16
-    assert ahead(max_bytes="16GiB", allow_overcommit=True) == 512 << 20  # the ceiling
     assert ahead(max_bytes="64MiB", prefault_ahead="1MiB") == 1 << 20
+    assert ahead(max_bytes="64MiB") is None  # off by default
+    assert ahead(max_bytes="64MiB", prefault_ahead=None) is None
     assert ahead(max_bytes="64MiB", prefault_ahead=0) is None

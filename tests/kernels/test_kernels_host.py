@@ -142,7 +142,7 @@ def test_what_the_c_copies_do_not_serve_goes_to_the_reference(monkeypatch) -> No
 
 
 def test_helper_threads_run_on_the_cpus_named() -> None:
-    """A 32 MiB load, split over threads (from 16 MiB on): one thread, the CPUs
+    """A 32 MiB load, split over threads (from 1 MiB on): one thread, the CPUs
     this process has, and CPUs it does not have (ignored: a thread keeps its own
     affinity); the copy is the same every way."""
     gen = torch.Generator().manual_seed(4)
@@ -155,3 +155,73 @@ def test_helper_threads_run_on_the_cpus_named() -> None:
         scatter_blocks(mine, ids, chunks, layout="cpu", kernels="host")
     scatter_blocks(ref, ids, chunks, layout="cpu", kernels="torch")
     assert all(torch.equal(a, b) for a, b in zip(mine, ref, strict=True))
+
+
+def _big_load(seed: int) -> tuple[list[torch.Tensor], list[int], list]:
+    """32 MiB of float32 KV (over the split threshold): caches, a table, chunks."""
+    gen = torch.Generator().manual_seed(seed)
+    mine = caches(4, 40, 128, torch.float32, gen)
+    chunks = [(s, outer(4, 256, torch.float32, gen)) for s in range(0, 4096, 256)]
+    return mine, random.Random(seed).sample(range(40), 32), chunks
+
+
+def test_copies_from_two_threads_at_once_are_both_whole() -> None:
+    """One copy has the helper threads, the other copies on its own thread."""
+    import threading
+
+    loads = [_big_load(seed) for seed in (5, 6)]
+    refs = []
+    for mine, ids, chunks in loads:
+        ref = [c.clone() for c in mine]
+        scatter_blocks(ref, ids, chunks, layout="cpu", kernels="torch")
+        refs.append(ref)
+    barrier = threading.Barrier(2)
+
+    def copy(load) -> None:  # type: ignore[no-untyped-def]
+        mine, ids, chunks = load
+        barrier.wait(10)
+        for _ in range(5):
+            scatter_blocks(mine, ids, chunks, layout="cpu", kernels="host")
+
+    threads = [threading.Thread(target=copy, args=(load,)) for load in loads]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads)
+    for (mine, _, _), ref in zip(loads, refs, strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(mine, ref, strict=True))
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork here")
+def test_a_forked_child_copies_with_helpers_of_its_own() -> None:
+    """The parent's helper threads are not in a forked child: it starts its own
+    (and no lock a parent's thread held at the fork is held in it)."""
+    import time
+
+    mine, ids, chunks = _big_load(7)
+    use_host_cpus(range(4))  # four threads: helpers, wherever the CPUs are
+    scatter_blocks(mine, ids, chunks, layout="cpu", kernels="host")  # the parent's pool
+    again = [torch.zeros_like(c) for c in mine]
+    pid = os.fork()
+    if pid == 0:  # the child: copy again, exit 0 when it matches
+        code = 1
+        try:
+            # (torch's OpenMP threads are not fork-safe: none in the child)
+            torch.set_num_threads(1)
+            scatter_blocks(again, ids, chunks, layout="cpu", kernels="host")
+            code = 0 if all(torch.equal(a[ids], b[ids])
+                            for a, b in zip(again, mine, strict=True)) else 1
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + 60
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child's copy did not finish in 60 s")
+        time.sleep(0.05)
+    assert os.waitstatus_to_exitcode(status) == 0

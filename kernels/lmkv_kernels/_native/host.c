@@ -32,12 +32,9 @@
 #endif
 
 #define MAX_THREADS 16
-/* Below this many bytes a copy runs on the calling thread alone: one thread
- * comes close to memory's bandwidth on a small host, and a helper whose CPU is
- * busy (an engine's spinning OpenMP thread) delays the copy by more than it
- * saves (vLLM's CPU build, 8 MiB loads: 0.8-2.6 ms with a helper, 0.8-1.0
- * without). */
-#define SPLIT_BYTES (16 << 20)
+/* Below this many bytes a copy runs on the calling thread alone (waking a
+ * helper costs about what it would save). */
+#define SPLIT_BYTES (1 << 20)
 
 typedef struct {
     int64_t block;     /* the cache block */
@@ -65,9 +62,9 @@ typedef struct {
 } plan;
 
 /* The threads take the items (chunk, layer, head, piece) in batches of BATCH
- * from a shared counter: a thread that starts late (its CPU busy with another
- * thread) takes what is left, and the copy waits for no thread that has
- * nothing to do but the batch it holds. */
+ * from a shared counter: a thread that joins late (its CPU busy with another
+ * thread) takes what is left, and the copy waits for no thread but those
+ * holding a batch. */
 #define BATCH 4
 
 typedef struct {
@@ -75,6 +72,9 @@ typedef struct {
     Py_ssize_t items;
     _Atomic Py_ssize_t next; /* the first item no thread has taken */
     const cpu_set_t *cpus;
+    int wanted; /* helpers that may join */
+    int joined; /* helpers that joined (under the pool's lock) */
+    int active; /* helpers copying (under the pool's lock) */
 } job;
 
 /* A copy whose stores bypass the CPU's caches (x86: non-temporal stores): a
@@ -159,14 +159,101 @@ run(job *j)
 #endif
 }
 
+/* The helper threads: started on the first copy that wants them and kept,
+ * asleep between copies. A copy publishes its job and wakes them; each helper
+ * joins (up to the job's wants) while the job is open, takes batches, and
+ * says when it is done. The caller closes the job when it runs out of items
+ * and waits only for the helpers that joined: one that wakes after that finds
+ * no job and sleeps again. One copy uses the pool at a time; another, in the
+ * meantime, copies on its own thread. A forked child starts a pool of its own
+ * (the parent's threads are not in it: pool_after_fork_in_child). */
+static pthread_mutex_t pool_lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t pool_wake = PTHREAD_COND_INITIALIZER;
+static pthread_cond_t pool_done = PTHREAD_COND_INITIALIZER;
+static pthread_mutex_t pool_user = PTHREAD_MUTEX_INITIALIZER; /* the copy using the pool */
+static job *pool_job;                 /* the open job, or NULL */
+static unsigned long pool_generation; /* jobs published so far */
+static int pool_threads;              /* helpers started */
+
 static void *
 helper(void *arg)
 {
-    job *j = (job *)arg;
-    if (j->cpus != NULL)
-        (void)pthread_setaffinity_np(pthread_self(), sizeof(cpu_set_t), j->cpus);
-    run(j);
+    (void)arg;
+    unsigned long seen = 0;
+    cpu_set_t applied;
+    int have_applied = 0;
+    pthread_mutex_lock(&pool_lock);
+    for (;;) {
+        while (pool_job == NULL || pool_generation == seen)
+            pthread_cond_wait(&pool_wake, &pool_lock);
+        seen = pool_generation;
+        job *j = pool_job;
+        if (j->joined >= j->wanted)
+            continue;
+        j->joined++;
+        j->active++;
+        pthread_mutex_unlock(&pool_lock);
+        if (j->cpus != NULL && (!have_applied || !CPU_EQUAL(&applied, j->cpus))) {
+            applied = *j->cpus;
+            have_applied = 1;
+            (void)pthread_setaffinity_np(pthread_self(), sizeof(cpu_set_t), &applied);
+        }
+        run(j);
+        pthread_mutex_lock(&pool_lock);
+        if (--j->active == 0)
+            pthread_cond_broadcast(&pool_done);
+    }
     return NULL;
+}
+
+/* In a forked child (only the forking thread is there): a pool of its own,
+ * with locks no thread of the parent may be holding. */
+static void
+pool_after_fork_in_child(void)
+{
+    pthread_mutex_init(&pool_lock, NULL);
+    pthread_mutex_init(&pool_user, NULL);
+    pthread_cond_init(&pool_wake, NULL);
+    pthread_cond_init(&pool_done, NULL);
+    pool_job = NULL;
+    pool_threads = 0;
+}
+
+/* Copy ``work`` with up to ``helpers`` pool threads beside the calling one
+ * (called without the GIL). */
+static void
+run_pooled(job *work, int helpers)
+{
+    if (helpers <= 0 || pthread_mutex_trylock(&pool_user) != 0) {
+        run(work); /* another copy has the pool: this one copies alone */
+        return;
+    }
+    pthread_mutex_lock(&pool_lock);
+    while (pool_threads < helpers) {
+        pthread_t tid;
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        int failed = pthread_create(&tid, &attr, helper, NULL);
+        pthread_attr_destroy(&attr);
+        if (failed)
+            break; /* fewer helpers, or none: the caller copies what is left */
+        pool_threads++;
+    }
+    work->wanted = helpers;
+    pool_job = work;
+    pool_generation++;
+    pthread_cond_broadcast(&pool_wake);
+    pthread_mutex_unlock(&pool_lock);
+
+    run(work);
+
+    pthread_mutex_lock(&pool_lock);
+    pool_job = NULL; /* closed: no helper joins it from now on */
+    while (work->active > 0)
+        pthread_cond_wait(&pool_done, &pool_lock);
+    pthread_mutex_unlock(&pool_lock);
+    pthread_mutex_unlock(&pool_user);
 }
 
 static int
@@ -337,17 +424,9 @@ copy_blocks(PyObject *self, PyObject *args)
         n = 1;
     if (n > items)
         n = items > 0 ? items : 1;
-    job work = {&p, items, 0, have_cpus ? &cpus : NULL};
-    pthread_t tids[MAX_THREADS];
-    int started[MAX_THREADS] = {0};
+    job work = {&p, items, 0, have_cpus ? &cpus : NULL, 0, 0, 0};
     Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t i = 1; i < n; i++)
-        started[i] = pthread_create(&tids[i], NULL, helper, &work) == 0;
-    run(&work); /* (and everything left, where no thread could be started) */
-    for (Py_ssize_t i = 1; i < n; i++) {
-        if (started[i])
-            pthread_join(tids[i], NULL);
-    }
+    run_pooled(&work, (int)n - 1);
     Py_END_ALLOW_THREADS
     result = Py_None;
     Py_INCREF(result);
@@ -372,5 +451,9 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_host", NULL, -1, me
 PyMODINIT_FUNC
 PyInit__host(void)
 {
+    if (pthread_atfork(NULL, NULL, pool_after_fork_in_child) != 0) {
+        PyErr_SetString(PyExc_ImportError, "lmkv_kernels._host: pthread_atfork failed");
+        return NULL;
+    }
     return PyModule_Create(&module);
 }
