@@ -45,7 +45,8 @@ def use_cpus(cpus: Iterable[int] | None) -> None:
     """The CPUs the copies run on, one thread each (the caller's among them);
     None: as many threads as torch's (``torch.get_num_threads()``), on the
     caller's CPUs. An engine that binds its threads one to a CPU gives its set
-    here: a helper thread would otherwise inherit the caller's single CPU."""
+    here: a helper thread would otherwise inherit the caller's single CPU. (A
+    helper keeps the CPUs it was last given: None does not widen it again.)"""
     global _cpus
     _cpus = tuple(sorted(set(cpus))) if cpus is not None else None
 
@@ -82,8 +83,10 @@ def _copy(caches: Sequence[torch.Tensor], block_ids: BlockIds, chunks: Chunks,
         if stop <= first:
             continue
         heads_outer = _head_runs(buf, g) if buf.device.type == "cpu" else None
-        if heads_outer is None or heads_outer.dtype != first_cache.dtype:
-            rest.append((start, buf))
+        if heads_outer is None or heads_outer.dtype != first_cache.dtype \
+                or tuple(heads_outer.shape[:2]) != (len(caches), g.kv_heads) \
+                or heads_outer.shape[3] != 2 * g.head_dim:
+            rest.append((start, buf))  # (the reference copies it, or says what is wrong)
             continue
         runs.append((heads_outer.data_ptr(), _extent(heads_outer), _strides(heads_outer, size),
                      start, first, stop))

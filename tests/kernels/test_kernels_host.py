@@ -107,9 +107,45 @@ def test_runs_past_a_tensor_s_storage_are_refused() -> None:
     with pytest.raises(ValueError, match=r"^copy_blocks: a run past the end of a tensor$"):
         _host.copy_blocks(True, args[1], 16 * 4 * 2 * DIM * 4 - 1, *args[3:],
                           [(chunk.data_ptr(), chunk.numel() * 4, strides, 0, 0, 32)], 1, None)
-    with pytest.raises(ValueError, match=r"^copy_blocks: tokens before the buffer's first$"):
-        _host.copy_blocks(*args, [(chunk.data_ptr(), chunk.numel() * 4, strides, 4, 0, 32)],
-                          1, None)
+    for start, first, stop in ((4, 0, 32), (-8, -8, 8), (0, 8, 4)):
+        with pytest.raises(ValueError, match=r"^copy_blocks: tokens before the buffer's "
+                                             r"first, or a negative range$"):
+            _host.copy_blocks(*args, [(chunk.data_ptr(), chunk.numel() * 4, strides, start,
+                                       first, stop)], 1, None)
+    huge = 1 << 62  # strides whose products overflow: refused, not wrapped past the check
+    for cache_strides, chunk_strides in (((huge, 4, 4), strides), (args[3], (huge, huge, 4))):
+        with pytest.raises(ValueError, match=r"^copy_blocks: a run past the end of a tensor$"):
+            _host.copy_blocks(True, args[1], args[2], cache_strides, *args[4:],
+                              [(chunk.data_ptr(), chunk.numel() * 4, chunk_strides, 0, 0, 32)],
+                              1, None)
+
+
+def test_a_negative_start_never_reaches_memory_before_the_caches() -> None:
+    """A chunk said to start before token 0 is refused (the reference would wrap
+    the block table's index; the C side would address before the cache)."""
+    gen = torch.Generator().manual_seed(8)
+    mine = caches(1, 4, 16, torch.float32, gen)
+    before = [c.clone() for c in mine]
+    with pytest.raises(ValueError, match="negative range"):
+        gather_blocks(mine, [0], [(-8, outer(1, 16, torch.float32, gen))], layout="cpu",
+                      kernels="host")
+    with pytest.raises(ValueError, match="negative range"):
+        scatter_blocks(mine, [0], [(-8, outer(1, 16, torch.float32, gen))], skip_tokens=-8,
+                       layout="cpu", kernels="host")
+    assert all(torch.equal(a, b) for a, b in zip(mine, before, strict=True))
+
+
+def test_a_buffer_of_other_layers_or_heads_goes_to_the_reference() -> None:
+    """A view of fewer layers (or heads) than the caches, over a larger slab, is
+    never copied past the view: the reference gets it (and refuses it)."""
+    gen = torch.Generator().manual_seed(9)
+    mine = caches(2, 4, 16, torch.float32, gen)
+    slab = torch.randn(2, HEADS, 16, 2, DIM, generator=gen)
+    one_layer = slab[:1].permute(0, 3, 2, 1, 4)
+    before = [c.clone() for c in mine]
+    with pytest.raises(RuntimeError):
+        scatter_blocks(mine, [0], [(0, one_layer)], layout="cpu", kernels="host")
+    assert torch.equal(mine[1], before[1])  # the slab's second layer never landed
 
 
 def test_what_the_c_copies_do_not_serve_goes_to_the_reference(monkeypatch) -> None:

@@ -23,6 +23,7 @@
 #include <Python.h>
 #include <pthread.h>
 #include <sched.h>
+#include <signal.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <string.h>
@@ -50,6 +51,7 @@ typedef struct {
     piece *pieces;                 /* into the plan's array */
     Py_ssize_t npieces;
     Py_ssize_t items; /* first item of this chunk (items: chunk, layer, head, piece) */
+    Py_ssize_t nbytes, first, stop; /* as given: its extent, the tokens to copy */
 } chunk;
 
 typedef struct {
@@ -114,11 +116,21 @@ copy_run(char *dst, const char *src, size_t n)
 static void
 copy_items(const plan *p, Py_ssize_t begin, Py_ssize_t end)
 {
-    for (Py_ssize_t c = 0; c < p->nchunks; c++) {
+    Py_ssize_t low = 0, high = p->nchunks - 1; /* the last chunk starting at or before begin */
+    while (low < high) {
+        Py_ssize_t mid = (low + high + 1) / 2;
+        if (p->chunks[mid].items <= begin)
+            low = mid;
+        else
+            high = mid - 1;
+    }
+    for (Py_ssize_t c = low; c < p->nchunks; c++) {
         const chunk *k = &p->chunks[c];
         Py_ssize_t per_layer = p->heads * k->npieces;
         Py_ssize_t first = k->items, last = k->items + p->layers * per_layer;
-        if (last <= begin || first >= end)
+        if (first >= end)
+            break;
+        if (last <= begin)
             continue;
         Py_ssize_t from = begin > first ? begin : first;
         Py_ssize_t to = end < last ? end : last;
@@ -232,9 +244,19 @@ run_pooled(job *work, int helpers)
     while (pool_threads < helpers) {
         pthread_t tid;
         pthread_attr_t attr;
+        sigset_t all, before;
         pthread_attr_init(&attr);
         pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        /* helpers take no asynchronous signal (the process's are the interpreter's
+         * to handle); faults stay deliverable: lmkv's SIGBUS guard needs them */
+        sigfillset(&all);
+        sigdelset(&all, SIGBUS);
+        sigdelset(&all, SIGSEGV);
+        sigdelset(&all, SIGFPE);
+        sigdelset(&all, SIGILL);
+        pthread_sigmask(SIG_SETMASK, &all, &before);
         int failed = pthread_create(&tid, &attr, helper, NULL);
+        pthread_sigmask(SIG_SETMASK, &before, NULL);
         pthread_attr_destroy(&attr);
         if (failed)
             break; /* fewer helpers, or none: the caller copies what is left */
@@ -270,16 +292,30 @@ bad(const char *message)
     return NULL;
 }
 
-/* Split tokens [first, stop) of one chunk into runs inside blocks, each checked
- * against the extents; appends to pieces. -1 with an exception set when wrong. */
-static int
-plan_chunk(chunk *k, Py_ssize_t first, Py_ssize_t stop, Py_ssize_t nbytes, PyObject *ids,
-           const plan *p, Py_ssize_t num_blocks, Py_ssize_t cache_bytes, Py_ssize_t block_size)
+/* a * b + c; -1 where any is negative or the result overflows. */
+static Py_ssize_t
+mul_add(Py_ssize_t a, Py_ssize_t b, Py_ssize_t c)
 {
-    Py_ssize_t reach_cache = (p->heads - 1) * p->cache_head + p->row;
-    Py_ssize_t reach_chunk = (p->layers - 1) * k->layer + (p->heads - 1) * k->head + p->row;
-    if (first < k->start || stop < first) {
-        bad("tokens before the buffer's first");
+    Py_ssize_t r;
+    if (a < 0 || b < 0 || c < 0 || __builtin_mul_overflow(a, b, &r)
+        || __builtin_add_overflow(r, c, &r))
+        return -1;
+    return r;
+}
+
+/* Split tokens [k->first, k->stop) of one chunk into runs inside blocks, each
+ * checked against the extents; at most ``room`` pieces. -1 with an exception
+ * set when wrong. */
+static int
+plan_chunk(chunk *k, Py_ssize_t room, PyObject *ids, const plan *p, Py_ssize_t num_blocks,
+           Py_ssize_t cache_bytes, Py_ssize_t block_size)
+{
+    Py_ssize_t first = k->first, stop = k->stop;
+    Py_ssize_t reach_cache = mul_add(p->heads - 1, p->cache_head, p->row);
+    Py_ssize_t reach_chunk = mul_add(p->layers - 1, k->layer,
+                                     mul_add(p->heads - 1, k->head, p->row));
+    if (reach_cache < 0 || reach_chunk < 0) {
+        bad("a run past the end of a tensor");
         return -1;
     }
     if (stop > first && (stop - 1) / block_size >= PySequence_Fast_GET_SIZE(ids)) {
@@ -287,7 +323,7 @@ plan_chunk(chunk *k, Py_ssize_t first, Py_ssize_t stop, Py_ssize_t nbytes, PyObj
         return -1;
     }
     k->npieces = 0;
-    for (Py_ssize_t t = first; t < stop;) {
+    for (Py_ssize_t t = first; t < stop;) { /* (0 <= start <= first: t, offset >= 0) */
         Py_ssize_t offset = t % block_size;
         Py_ssize_t count = block_size - offset < stop - t ? block_size - offset : stop - t;
         Py_ssize_t block;
@@ -298,10 +334,15 @@ plan_chunk(chunk *k, Py_ssize_t first, Py_ssize_t stop, Py_ssize_t nbytes, PyObj
                          block, num_blocks - 1);
             return -1;
         }
-        if (block * p->cache_block + (offset + count - 1) * p->cache_token + reach_cache
-                > cache_bytes
-            || (t - k->start + count - 1) * k->token + reach_chunk > nbytes) {
+        Py_ssize_t cache_end = mul_add(block, p->cache_block,
+                                       mul_add(offset + count - 1, p->cache_token, reach_cache));
+        Py_ssize_t chunk_end = mul_add(t - k->start + count - 1, k->token, reach_chunk);
+        if (cache_end < 0 || cache_end > cache_bytes || chunk_end < 0 || chunk_end > k->nbytes) {
             bad("a run past the end of a tensor");
+            return -1;
+        }
+        if (k->npieces >= room) { /* (cannot happen: room counts every block touched) */
+            bad("internal: more runs than planned");
             return -1;
         }
         k->pieces[k->npieces++] = (piece){block, offset, count, t};
@@ -337,9 +378,10 @@ copy_blocks(PyObject *self, PyObject *args)
     int have_cpus = 0;
     plan p;
 
-    caches_seq = PySequence_Fast(caches_obj, "caches: a sequence of addresses");
-    ids_seq = caches_seq ? PySequence_Fast(ids_obj, "block_ids: a sequence of ints") : NULL;
-    chunks_seq = ids_seq ? PySequence_Fast(chunks_obj, "chunks: a sequence of tuples") : NULL;
+    /* tuples: copies no callback can change under the checks */
+    caches_seq = PySequence_Tuple(caches_obj);
+    ids_seq = caches_seq ? PySequence_Tuple(ids_obj) : NULL;
+    chunks_seq = ids_seq ? PySequence_Tuple(chunks_obj) : NULL;
     if (chunks_seq == NULL)
         goto done;
     Py_ssize_t layers = PySequence_Fast_GET_SIZE(caches_seq);
@@ -351,7 +393,6 @@ copy_blocks(PyObject *self, PyObject *args)
     }
     caches = PyMem_Malloc(sizeof(char *) * (size_t)layers);
     chunks = PyMem_Calloc((size_t)nchunks, sizeof(chunk));
-    /* a chunk of n tokens lies in at most n / block_size + 2 blocks */
     Py_ssize_t room = 0;
     for (Py_ssize_t c = 0; c < nchunks; c++) {
         PyObject *item = PySequence_Fast_GET_ITEM(chunks_seq, c);
@@ -361,12 +402,22 @@ copy_blocks(PyObject *self, PyObject *args)
             goto done;
         if (chunks == NULL)
             continue;
-        if (ls < 0 || hs < 0 || ts < 0 || addr == 0) {
+        if (ls < 0 || hs < 0 || ts < 0 || addr == 0 || nbytes < 0) {
             bad("bad chunk buffer");
             goto done;
         }
-        chunks[c] = (chunk){(char *)addr, ls, hs, ts, start, NULL, 0, 0};
-        room += (stop > first ? stop - first : 0) / block_size + 2;
+        if (start < 0 || first < start || stop < first) {
+            bad("tokens before the buffer's first, or a negative range");
+            goto done;
+        }
+        chunks[c] = (chunk){(char *)addr, ls, hs, ts, start, NULL, 0, 0, nbytes, first, stop};
+        /* a run of n tokens lies in at most n / block_size + 2 blocks */
+        Py_ssize_t most = (stop - first) / block_size + 2;
+        if (room > PY_SSIZE_T_MAX / (Py_ssize_t)sizeof(piece) - most) {
+            bad("too many tokens");
+            goto done;
+        }
+        room += most;
     }
     pieces = PyMem_Malloc(sizeof(piece) * (size_t)room);
     if (caches == NULL || chunks == NULL || pieces == NULL) {
@@ -386,19 +437,14 @@ copy_blocks(PyObject *self, PyObject *args)
     p = (plan){into_caches, caches, layers, heads, row, cs[0], cs[1], cs[2], chunks, nchunks};
     Py_ssize_t used = 0, items = 0, bytes = 0;
     for (Py_ssize_t c = 0; c < nchunks; c++) {
-        PyObject *item = PySequence_Fast_GET_ITEM(chunks_seq, c);
-        Py_ssize_t addr, nbytes, ls, hs, ts, start, first, stop;
-        if (!PyArg_ParseTuple(item, "nn(nnn)nnn", &addr, &nbytes, &ls, &hs, &ts, &start, &first,
-                              &stop))
-            goto done;
-        chunks[c].pieces = pieces + used;
-        if (plan_chunk(&chunks[c], first, stop, nbytes, ids_seq, &p, num_blocks, cache_bytes,
-                       block_size) < 0)
+        chunk *k = &chunks[c];
+        k->pieces = pieces + used;
+        if (plan_chunk(k, room - used, ids_seq, &p, num_blocks, cache_bytes, block_size) < 0)
             goto done;
         used += chunks[c].npieces;
         chunks[c].items = items;
         items += layers * heads * chunks[c].npieces;
-        bytes += (stop - first) * layers * heads * row;
+        bytes += (k->stop - k->first) * layers * heads * row;
     }
     if (cpus_obj != Py_None) {
         PyObject *cpu_seq = PySequence_Fast(cpus_obj, "cpus: a sequence of CPU numbers");
