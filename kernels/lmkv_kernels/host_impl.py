@@ -24,14 +24,12 @@ import torch
 
 from lmkv_kernels import torch_ref
 from lmkv_kernels.layouts import Layout, PagedGeometry, geometry
+from lmkv_kernels.torch_ref import BlockIds, Chunks
 
 try:
     from lmkv_kernels._native import _host
 except ImportError:  # built without a C compiler: torch's copies
     _host = None  # type: ignore[assignment]  # (None: the module was not built)
-
-Chunks = Sequence[tuple[int, torch.Tensor]]
-BlockIds = Sequence[int] | torch.Tensor
 
 _cpus: tuple[int, ...] | None = None
 
