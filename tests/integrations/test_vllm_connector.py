@@ -588,3 +588,42 @@ def test_a_prompt_leaving_a_stored_one_mid_chunk_loads_its_whole_blocks(tmp_path
         sched.close()
         server.close()
         engine.close()
+
+
+def test_held_blocks_keep_an_idle_engine_stepping_until_they_go_back(
+        tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``awaits_release`` (the connector's ``has_pending_push_work``): true while a lazy
+    store's protected blocks or a finished request's kept blocks wait for the workers,
+    false once they report, and false after the bound without a report."""
+    from lmkv.integrations.vllm import scheduler as scheduler_module
+    sched, engine, server, _ = _scheduler_and_worker(tmp_path)
+    try:
+        lazy, pool = make_lazy(world_size=1)
+        sched.lazy = lazy
+        assert not sched.awaits_release()
+        store(pool, lazy, "a", [0, 1], 8)
+        lazy.finished("a")
+        (spec,) = lazy.select(10)
+        assert sched.awaits_release()
+        sched.confirmed({spec.store_id: 1})
+        assert not sched.awaits_release()
+        assert [pool.blocks[i].ref_cnt for i in (0, 1)] == [0, 0]
+        # an eager decode tail: vLLM keeps the blocks until it hears the store is done
+        monkeypatch.setattr(sched, "_plan_decode_tail", lambda request, block_ids: True)
+        request = SimpleNamespace(request_id="b", prompt_token_ids=[1, 2], block_hashes=[])
+        assert sched.finished(request, [3])
+        assert sched.awaits_release()
+        sched.confirmed({}, {"other"})
+        assert sched.awaits_release()
+        sched.confirmed({}, {"b"})
+        assert not sched.awaits_release()
+        # a store that is never confirmed stops the stepping after the bound
+        assert sched.finished(SimpleNamespace(request_id="c", prompt_token_ids=[1],
+                                              block_hashes=[]), [4])
+        assert sched.awaits_release()
+        monkeypatch.setattr(scheduler_module, "RELEASE_STEPPING_S", 0.0)
+        assert not sched.awaits_release()
+    finally:
+        sched.close()
+        server.close()
+        engine.close()

@@ -182,6 +182,8 @@ def run(model_dir: str, mode: str) -> dict:
     outputs = [generate(first)]  # stored (eager) or buffered (lazy) before the second
     if mode == "lazy":
         generate(list(range(20, 120)))  # a step with scheduled tokens: the store goes out
+        from subruns import settle  # this folder is sys.path[0] in a run
+        settle(llm)  # idle steps until the workers confirm it and the blocks go back
         assert llm.reset_prefix_cache(), "vLLM could not reset its prefix cache"
     outputs.append(generate(second))
     result: dict = {"outputs": outputs, "metrics": _metrics(llm)}

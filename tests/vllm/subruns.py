@@ -41,6 +41,20 @@ def run_modes(script: str, model_dir: str, modes: Iterable[str], tmp: Path) -> d
     return out
 
 
+def settle(llm: object, bound_s: float = 60.0) -> None:
+    """Step an idle ``vllm.LLM`` while its connector holds blocks for stores the
+    workers have not confirmed (``has_pending_push_work``: vLLM's server loop steps
+    by itself then; ``LLM.generate`` returns first), for at most ``bound_s``."""
+    import time
+
+    core = llm.llm_engine.engine_core.engine_core  # type: ignore[attr-defined]
+    connector = core.scheduler.connector
+    deadline = time.monotonic() + bound_s
+    while connector.has_pending_push_work():
+        assert time.monotonic() < deadline, "the stores were not confirmed in time"
+        llm.llm_engine.step()  # type: ignore[attr-defined]
+
+
 def serve_run(run: Callable[[str, str], dict], usage: Callable[[], int | str]) -> None:
     """A test file's ``__main__``: ``--run MODE MODEL_DIR OUT.json`` writes
     ``run(MODEL_DIR, MODE)`` as JSON; anything else exits with ``usage()``."""

@@ -74,6 +74,8 @@ def run(model_dir: str, mode: str) -> dict:
     if mode.startswith("lazy"):
         # steps with scheduled tokens: the store goes out, the workers confirm it
         generate([_tokens(40, 9)], 16)
+        from subruns import settle  # this folder is sys.path[0] in a run
+        settle(llm)
         assert llm.reset_prefix_cache(), "vLLM could not reset its prefix cache"
     before = counters.loaded_tokens if counters else 0
     (second,) = generate([prompt + answer + _tokens(Q, 2)], 16)
