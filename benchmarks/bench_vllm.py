@@ -62,6 +62,12 @@ prefix cache's in the same run. ``--fs-page-cache true|false`` and
 options in the ``lmkv-2proc`` configuration (default: the tier's defaults).
 ``BENCH_PREFAULT_AHEAD`` in the environment (a byte size, ``0``: off) sets
 the cpu tier's ``prefault_ahead`` in every lmkv configuration.
+``--timeline N`` prints, for each warm prompt of N tokens, when each connector
+call began and how long it took, in ms from the request's start (``S.``: the
+scheduler's connector, ``W.``: the worker's; in lmkv configurations also
+``P.prefetch`` and ``P.fs_direct``: the lookup's work on lmkv's prefetch
+thread and the fs tier's opening of entries), to find where a warm request's
+time goes across threads.
 """
 
 from __future__ import annotations
@@ -215,6 +221,7 @@ def run(model_dir: str, mode: str, tmp: str) -> dict:
         out = llm.generate([TokensPrompt(prompt_token_ids=p)], params, use_tqdm=False)
         return (time.perf_counter() - t0) * 1e3, out[0].num_cached_tokens
 
+    timeline = _Timeline(llm, mode) if os.environ.get("BENCH_TIMELINE") else None
     ttft(tokens("warm-up", 64))  # one short unrelated request first
     if mode == "lmkv-layerwise":
         return run_layerwise(worker, ttft)
@@ -237,8 +244,12 @@ def run(model_dir: str, mode: str, tmp: str) -> dict:
             spent["cached"] = (_cached_share(tmp, "example" if mode.startswith("example")
                                              else "lmkv-fs") if reader else float("nan"))
             threads = _thread_cpu()
+            if timeline is not None:
+                timeline.start()
             with _profiled(mode, length, i):
                 ms, cached = ttft(warm_prompt(length, i))
+            if timeline is not None and str(length) == os.environ["BENCH_TIMELINE"]:
+                spent["timeline"] = timeline.text()  # type: ignore[assignment]
             warm.append(ms)
             hits.append(cached)
             loaded.append(worker.counters.loaded_tokens - before if worker else None)
@@ -249,6 +260,53 @@ def run(model_dir: str, mode: str, tmp: str) -> dict:
     if worker is not None:
         result["worker_counters"] = vars(worker.counters)
     return result
+
+
+class _Timeline:
+    """``--timeline``: each connector call (and lmkv's prefetch work) of a request,
+    as ``name@start+duration`` in ms from ``start()``."""
+
+    def __init__(self, llm, mode: str) -> None:  # type: ignore[no-untyped-def]
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+        self.events: list[tuple[str, float, float]] = []
+        self.t0 = 0.0
+        scheduler = llm.llm_engine.engine_core.engine_core.scheduler.connector
+        if scheduler is None:
+            return
+        for name in ("get_num_new_matched_tokens", "update_state_after_alloc",
+                     "build_connector_meta", "request_finished"):
+            self._wrap(scheduler, name, "S." + name)
+        worker = get_kv_transfer_group()
+        for name in ("bind_connector_metadata", "start_load_kv", "wait_for_save",
+                     "get_finished"):
+            self._wrap(worker, name, "W." + name)
+        if mode.startswith("lmkv"):
+            from lmkv.storage.manager import StorageManager
+            from lmkv_backends.tiers.fs import FSBackend
+            self._wrap(StorageManager, "_prefetch", "P.prefetch")
+            self._wrap(FSBackend, "batched_get_direct", "P.fs_direct")
+
+    def _wrap(self, owner, name: str, label: str) -> None:  # type: ignore[no-untyped-def]
+        fn = getattr(owner, name, None)
+        if fn is None:
+            return
+        events = self.events
+
+        def call(*args, **kwargs):  # type: ignore[no-untyped-def]
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                events.append((label, t, time.perf_counter()))
+        setattr(owner, name, call)
+
+    def start(self) -> None:
+        self.events.clear()
+        self.t0 = time.perf_counter()
+
+    def text(self) -> str:
+        return " ".join(f"{n}@{(a - self.t0) * 1e3:.1f}+{(b - a) * 1e3:.1f}"
+                        for n, a, b in sorted(self.events, key=lambda e: e[1]))
 
 
 def _thread_cpu() -> dict[str, float]:
@@ -446,6 +504,9 @@ def main() -> int:
                         help="the fs tier's page_cache option in lmkv-2proc")
     parser.add_argument("--fs-durable", choices=("true", "false"), default="",
                         help="the fs tier's durable option in lmkv-2proc")
+    parser.add_argument("--timeline", type=int, choices=LENGTHS, metavar="N",
+                        help="print each warm prompt's connector calls at N tokens "
+                             "(see the docstring)")
     parser.add_argument("--profile", default="", metavar="DIR",
                         help="cProfile each warm request into DIR (timings then include "
                              "the profiler's cost: find where time goes, do not compare)")
@@ -461,6 +522,7 @@ def main() -> int:
     os.environ.update(BENCH_REPEATS=str(REPEATS), BENCH_DTYPE=DTYPE, BENCH_SPLIT=SPLIT,
                       BENCH_SEED=str(SEED), BENCH_FS_PAGE_CACHE=args.fs_page_cache,
                       BENCH_FS_DURABLE=args.fs_durable,
+                      BENCH_TIMELINE=str(args.timeline or ""),
                       BENCH_PROFILE=os.path.abspath(args.profile) if args.profile else "")
     cpus = f"0-{(os.cpu_count() or 1) - 1}"  # every configuration gets every CPU
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": cpus,
@@ -574,6 +636,11 @@ def report(results: dict, configs: list[str]) -> bool:
     print("share of the stored files in the page cache before each warm sample:",
           {m: {n: [round(p["cached"], 2) for p in r[str(n)]["parts"]] for n in LENGTHS}
            for m, r in results.items() if m.endswith("-2proc")})
+    if os.environ.get("BENCH_TIMELINE"):
+        n = os.environ["BENCH_TIMELINE"]
+        for m, r in results.items():
+            for i, p in enumerate(r[n]["parts"]):
+                print(f"timeline {m} {n} #{i}: {p.get('timeline', '')}")
     print("hit tokens per warm prompt:", {m: {n: r[str(n)]["hits"] for n in LENGTHS}
                                           for m, r in results.items()})
     return ok
