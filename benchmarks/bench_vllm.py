@@ -66,8 +66,9 @@ the cpu tier's ``prefault_ahead`` in every lmkv configuration.
 call began and how long it took, in ms from the request's start (``S.``: the
 scheduler's connector, ``W.``: the worker's; in lmkv configurations also
 ``P.prefetch`` and ``P.fs_direct``: the lookup's work on lmkv's prefetch
-thread and the fs tier's opening of entries), to find where a warm request's
-time goes across threads.
+thread, and the fs tier's call that opens the entries whose pages are cached
+and hands the others to its I/O threads), to find where a warm request's time
+goes across threads.
 """
 
 from __future__ import annotations
@@ -588,7 +589,7 @@ def report(results: dict, configs: list[str]) -> bool:
             row, base = med[m][n], pc[n]
             loaded = r[str(n)]["loaded"]
             part = {k: statistics.median(p[k] for p in r[str(n)]["parts"])
-                    for k in r[str(n)]["parts"][0]}
+                    for k, v in r[str(n)]["parts"][0].items() if isinstance(v, float)}
             note = "" if loaded[0] is None else (
                 f"{part['lookup']:.1f} ({part['asks']:.0f}) / {part['load']:.1f} / "
                 f"{part['save']:.1f}  {loaded}")

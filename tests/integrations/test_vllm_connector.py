@@ -591,38 +591,45 @@ def test_a_prompt_leaving_a_stored_one_mid_chunk_loads_its_whole_blocks(tmp_path
 
 
 def test_held_blocks_keep_an_idle_engine_stepping_until_they_go_back(
-        tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``awaits_release`` (the connector's ``has_pending_push_work``): true while a lazy
-    store's protected blocks or a finished request's kept blocks wait for the workers,
-    false once they report, and false after the bound without a report."""
-    from lmkv.integrations.vllm import scheduler as scheduler_module
+        tmp_path, caplog: pytest.LogCaptureFixture) -> None:
+    """``awaits_release`` (the connector's ``has_pending_push_work``): true while lazy
+    stores' protected blocks wait for the workers, false once they are confirmed;
+    false (with one warning) once the stores have made no progress for the bound,
+    and true again when they do."""
+    from lmkv.integrations.vllm.scheduler import RELEASE_STEPPING_S
     sched, engine, server, _ = _scheduler_and_worker(tmp_path)
+    now = [1000.0]
+    sched._clock = lambda: now[0]
     try:
         lazy, pool = make_lazy(world_size=1)
         sched.lazy = lazy
         assert not sched.awaits_release()
         store(pool, lazy, "a", [0, 1], 8)
         lazy.finished("a")
-        (spec,) = lazy.select(10)
+        (first,) = lazy.select(10)
         assert sched.awaits_release()
-        sched.confirmed({spec.store_id: 1})
-        assert not sched.awaits_release()
+        now[0] += RELEASE_STEPPING_S - 1
+        assert sched.awaits_release()  # within the bound
+        store(pool, lazy, "b", [2, 3], 8)
+        lazy.finished("b")
+        (second,) = lazy.select(10)  # progress: the bound starts again
+        assert sched.awaits_release()  # (vLLM's loop asks at every turn)
+        now[0] += RELEASE_STEPPING_S - 1
+        assert sched.awaits_release()
+        sched.confirmed({first.store_id: 1})  # progress again
         assert [pool.blocks[i].ref_cnt for i in (0, 1)] == [0, 0]
-        # an eager decode tail: vLLM keeps the blocks until it hears the store is done
-        monkeypatch.setattr(sched, "_plan_decode_tail", lambda request, block_ids: True)
-        request = SimpleNamespace(request_id="b", prompt_token_ids=[1, 2], block_hashes=[])
-        assert sched.finished(request, [3])
         assert sched.awaits_release()
-        sched.confirmed({}, {"other"})
+        now[0] += RELEASE_STEPPING_S - 1
         assert sched.awaits_release()
-        sched.confirmed({}, {"b"})
+        with caplog.at_level(logging.WARNING, logger="lmkv"):
+            now[0] += 2  # no progress for the bound: the stepping stops, said once
+            assert not sched.awaits_release()
+            assert not sched.awaits_release()
+        assert caplog.text.count("unconfirmed for") == 1
+        assert [pool.blocks[i].ref_cnt for i in (2, 3)] == [1, 1]  # still protected
+        sched.confirmed({second.store_id: 1})  # a late confirmation still releases
         assert not sched.awaits_release()
-        # a store that is never confirmed stops the stepping after the bound
-        assert sched.finished(SimpleNamespace(request_id="c", prompt_token_ids=[1],
-                                              block_hashes=[]), [4])
-        assert sched.awaits_release()
-        monkeypatch.setattr(scheduler_module, "RELEASE_STEPPING_S", 0.0)
-        assert not sched.awaits_release()
+        assert [pool.blocks[i].ref_cnt for i in (2, 3)] == [0, 0]
     finally:
         sched.close()
         server.close()

@@ -178,17 +178,15 @@ class LMKVConnector(KVConnectorBase_V1):
 
     def update_connector_output(self, connector_output: Any) -> None:
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
-        done = meta.done if isinstance(meta, LMKVWorkerMetadata) else {}
-        sent = getattr(connector_output, "finished_sending", None) or ()
-        if done or sent:
-            self.scheduler_side.confirmed(done, sent)
+        if isinstance(meta, LMKVWorkerMetadata):
+            self.scheduler_side.confirmed(meta.done)
         if self.scheduler_events is not None:
             self.scheduler_events.collect(getattr(connector_output, "kv_cache_events", None))
 
     def has_pending_push_work(self) -> bool:
-        """True while blocks wait for stores to be confirmed: vLLM keeps stepping an
-        idle engine, so they go back (and ``reset_prefix_cache`` succeeds) without
-        waiting for the next request."""
+        """True while lazy stores hold blocks the workers have not confirmed: vLLM's
+        engine loop keeps stepping an idle engine, so they go back without waiting
+        for the next request (``SchedulerSide.awaits_release``)."""
         return self.scheduler_side is not None and self.scheduler_side.awaits_release()
 
     def take_events(self) -> Iterable[KVCacheEvent]:

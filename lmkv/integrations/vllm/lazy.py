@@ -63,6 +63,9 @@ class LazyOffload:
         self._pending: set[str] = set()  # requests with buffered stores, not finished
         self._plans: dict[str, _Plan] = {}  # buffered, not submitted (finished or not)
         self._protected: dict[str, list[Any]] = {}  # store id -> touched blocks
+        #: Stores protected plus stores released so far: it moves while stores make
+        #: progress (``SchedulerSide.awaits_release``).
+        self.changes = 0
         self._confirmed: dict[str, int] = {}  # store id -> workers that confirmed
         self._ids = itertools.count()
         self.skipped = 0
@@ -205,6 +208,7 @@ class LazyOffload:
             blocks = [self.pool.blocks[bid] for bid in block_ids]
             self.pool.touch(blocks)
             self._protected[store_id] = blocks
+            self.changes += 1
             out.append(replace(spec, block_ids=block_ids, store_id=store_id))
         return out
 
@@ -267,6 +271,7 @@ class LazyOffload:
             blocks = self._protected.pop(store_id, None)
             if blocks is not None:
                 self.pool.free_blocks(blocks)
+                self.changes += 1
 
     @property
     def queue_depth(self) -> int:

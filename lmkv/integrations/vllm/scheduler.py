@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -107,8 +107,12 @@ class SchedulerSide:
         self._preemptions: dict[str, int] = {}
         self._resuming: set[str] = set()
         self._finish_specs: list[StoreSpec] = []  # eager decode tails, for the next step
-        self._kept: set[str] = set()  # finished req ids whose blocks vLLM keeps for a store
-        self._release_since: float | None = None  # when blocks began waiting on stores
+        # Lazy stores' protected blocks: when the stores last made progress, and
+        # how many protects and releases had happened then (awaits_release).
+        self._release_since: float | None = None
+        self._release_changes = -1
+        self._release_warned = False
+        self._clock: Callable[[], float] = time.monotonic
         #: vLLM's names of a request's first N tokens' blocks (set by the connector
         #: when vLLM publishes KV events; ``events.block_names``).
         self.name_blocks: Callable[[Any, int], BlockNames | None] | None = None
@@ -361,8 +365,6 @@ class SchedulerSide:
             self.lazy.finished(req_id, block_ids)
         self._hits.pop(req_id, None)
         self._drop_prefetch(req_id)
-        if delay:
-            self._kept.add(req_id)
         return delay
 
     def _plan_decode_tail(self, request: Any, block_ids: list[int]) -> bool:
@@ -388,30 +390,36 @@ class SchedulerSide:
         self._submit_store(req_id, req, spec, self._finish_specs)
         return self.lazy is None
 
-    def confirmed(self, done: dict[str, int], sent: Collection[str] = ()) -> None:
-        """Workers report: ``done``, lazy stores confirmed (store id -> workers);
-        ``sent``, finished requests whose kept blocks vLLM now frees."""
-        if self.lazy is not None and done:
+    def confirmed(self, done: dict[str, int]) -> None:
+        if self.lazy is not None:
             self.lazy.confirmed(done)
-        self._kept.difference_update(sent)
-        if done or sent:
-            self._release_since = None  # progress: the bound starts again
 
     def awaits_release(self) -> bool:
-        """Whether blocks are held for stores the workers have not confirmed yet (a
-        lazy store's protected blocks, a finished request's kept blocks). vLLM keeps
-        stepping an idle engine while this is true (``has_pending_push_work``), so the
-        confirmations come in and the blocks go back without waiting for the next
-        request; for at most ``RELEASE_STEPPING_S`` without a confirmation, so a store
-        that never finishes cannot keep an idle engine spinning."""
-        held = bool(self._kept) or (self.lazy is not None and self.lazy.protected_stores > 0)
-        if not held:
+        """Whether lazy stores hold vLLM's blocks (protected until every worker
+        confirms them) while the engine may have nothing else to step for. vLLM
+        keeps stepping an idle engine while this is true (``has_pending_push_work``):
+        the empty steps carry the confirmations, and the blocks go back without
+        waiting for the next request. (Blocks a finished request keeps for an eager
+        decode tail need nothing here: vLLM steps until it hears of that store.) At
+        most ``RELEASE_STEPPING_S`` after the stores last made progress (a store
+        protected or released), so a store that is never confirmed cannot keep an
+        idle engine spinning; its blocks then go back when traffic brings steps."""
+        lazy = self.lazy
+        if lazy is None or not lazy.protected_stores:
             self._release_since = None
             return False
-        now = time.monotonic()
-        if self._release_since is None:
-            self._release_since = now
-        return now - self._release_since < RELEASE_STEPPING_S
+        now = self._clock()
+        if self._release_since is None or lazy.changes != self._release_changes:
+            self._release_since, self._release_changes = now, lazy.changes
+            self._release_warned = False
+        if now - self._release_since < RELEASE_STEPPING_S:
+            return True
+        if not self._release_warned:  # once, until the stores move again
+            self._release_warned = True
+            logger.warning("lmkv: %d lazy store(s) unconfirmed for %.0f s; their blocks "
+                           "are held until a request brings an engine step",
+                           lazy.protected_stores, now - self._release_since)
+        return False
 
     def close(self) -> None:
         logger.info("lmkv scheduler counters: %s, lookup channel: %s",
