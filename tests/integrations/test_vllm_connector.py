@@ -596,12 +596,12 @@ def test_held_blocks_keep_an_idle_engine_stepping_until_they_go_back(
     stores' protected blocks wait for the workers, false once they are confirmed;
     false (with one warning) once the stores have made no progress for the bound,
     and true again when they do."""
-    from lmkv.integrations.vllm.scheduler import RELEASE_STEPPING_S
+    from lmkv.integrations.vllm.lazy import RELEASE_STEPPING_S
     sched, engine, server, _ = _scheduler_and_worker(tmp_path)
     now = [1000.0]
-    sched._clock = lambda: now[0]
     try:
         lazy, pool = make_lazy(world_size=1)
+        lazy._clock = lambda: now[0]
         sched.lazy = lazy
         assert not sched.awaits_release()
         store(pool, lazy, "a", [0, 1], 8)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -37,6 +38,9 @@ from lmkv.integrations.vllm.specs import StoreSpec
 from lmkv.metrics import recorder
 
 logger = logging.getLogger(__name__)
+
+#: How long an idle engine keeps stepping for confirmations that do not come.
+RELEASE_STEPPING_S = 30.0
 
 
 @dataclass
@@ -63,9 +67,9 @@ class LazyOffload:
         self._pending: set[str] = set()  # requests with buffered stores, not finished
         self._plans: dict[str, _Plan] = {}  # buffered, not submitted (finished or not)
         self._protected: dict[str, list[Any]] = {}  # store id -> touched blocks
-        #: Stores protected plus stores released so far: it moves while stores make
-        #: progress (``SchedulerSide.awaits_release``).
-        self.changes = 0
+        self._clock: Callable[[], float] = time.monotonic
+        self._moved = 0.0  # when a store was last protected or released
+        self._warned = False  # the stall warning, once per stall
         self._confirmed: dict[str, int] = {}  # store id -> workers that confirmed
         self._ids = itertools.count()
         self.skipped = 0
@@ -208,7 +212,7 @@ class LazyOffload:
             blocks = [self.pool.blocks[bid] for bid in block_ids]
             self.pool.touch(blocks)
             self._protected[store_id] = blocks
-            self.changes += 1
+            self._moved, self._warned = self._clock(), False
             out.append(replace(spec, block_ids=block_ids, store_id=store_id))
         return out
 
@@ -271,7 +275,24 @@ class LazyOffload:
             blocks = self._protected.pop(store_id, None)
             if blocks is not None:
                 self.pool.free_blocks(blocks)
-                self.changes += 1
+                self._moved, self._warned = self._clock(), False
+
+    def awaits_release(self) -> bool:
+        """Whether protected blocks wait for the workers' confirmations, at most
+        ``RELEASE_STEPPING_S`` after a store was last protected or released (then
+        False, with one warning: a store never confirmed cannot keep an idle engine
+        stepping; its blocks go back when traffic brings steps)."""
+        if not self._protected:
+            return False
+        stalled = self._clock() - self._moved
+        if stalled < RELEASE_STEPPING_S:
+            return True
+        if not self._warned:
+            self._warned = True
+            logger.warning("lmkv: %d lazy store(s) unconfirmed for %.0f s; their blocks "
+                           "are held until a request brings an engine step",
+                           len(self._protected), stalled)
+        return False
 
     @property
     def queue_depth(self) -> int:

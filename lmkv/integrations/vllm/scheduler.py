@@ -50,9 +50,6 @@ from lmkv.metrics.record import record_lookup
 
 logger = logging.getLogger(__name__)
 
-#: How long an idle engine keeps stepping for confirmations that do not come.
-RELEASE_STEPPING_S = 30.0
-
 
 @dataclass
 class _Req:
@@ -107,12 +104,6 @@ class SchedulerSide:
         self._preemptions: dict[str, int] = {}
         self._resuming: set[str] = set()
         self._finish_specs: list[StoreSpec] = []  # eager decode tails, for the next step
-        # Lazy stores' protected blocks: when the stores last made progress, and
-        # how many protects and releases had happened then (awaits_release).
-        self._release_since: float | None = None
-        self._release_changes = -1
-        self._release_warned = False
-        self._clock: Callable[[], float] = time.monotonic
         #: vLLM's names of a request's first N tokens' blocks (set by the connector
         #: when vLLM publishes KV events; ``events.block_names``).
         self.name_blocks: Callable[[Any, int], BlockNames | None] | None = None
@@ -395,31 +386,13 @@ class SchedulerSide:
             self.lazy.confirmed(done)
 
     def awaits_release(self) -> bool:
-        """Whether lazy stores hold vLLM's blocks (protected until every worker
-        confirms them) while the engine may have nothing else to step for. vLLM
-        keeps stepping an idle engine while this is true (``has_pending_push_work``):
-        the empty steps carry the confirmations, and the blocks go back without
-        waiting for the next request. (Blocks a finished request keeps for an eager
-        decode tail need nothing here: vLLM steps until it hears of that store.) At
-        most ``RELEASE_STEPPING_S`` after the stores last made progress (a store
-        protected or released), so a store that is never confirmed cannot keep an
-        idle engine spinning; its blocks then go back when traffic brings steps."""
-        lazy = self.lazy
-        if lazy is None or not lazy.protected_stores:
-            self._release_since = None
-            return False
-        now = self._clock()
-        if self._release_since is None or lazy.changes != self._release_changes:
-            self._release_since, self._release_changes = now, lazy.changes
-            self._release_warned = False
-        if now - self._release_since < RELEASE_STEPPING_S:
-            return True
-        if not self._release_warned:  # once, until the stores move again
-            self._release_warned = True
-            logger.warning("lmkv: %d lazy store(s) unconfirmed for %.0f s; their blocks "
-                           "are held until a request brings an engine step",
-                           lazy.protected_stores, now - self._release_since)
-        return False
+        """Whether lazy stores hold vLLM's blocks until every worker confirms them.
+        vLLM keeps stepping an idle engine while this is true
+        (``has_pending_push_work``): the empty steps carry the confirmations, and the
+        blocks go back without waiting for the next request (bounded:
+        ``LazyOffload.awaits_release``). Blocks a finished request keeps for an eager
+        decode tail need nothing here: vLLM steps until it hears of that store."""
+        return self.lazy is not None and self.lazy.awaits_release()
 
     def close(self) -> None:
         logger.info("lmkv scheduler counters: %s, lookup channel: %s",
