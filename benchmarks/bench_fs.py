@@ -38,6 +38,16 @@ memory. Settings:
     .venv/bin/python benchmarks/bench_fs.py [--dir /var/tmp] [--chunks 16] [--rounds 3]
     .venv/bin/python benchmarks/bench_fs.py [--page-cache true|false]
     .venv/bin/python benchmarks/bench_fs.py --cross-process [--rounds 5] [--touched-arena]
+    .venv/bin/python benchmarks/bench_fs.py --write-cpu [--rounds 5]
+
+``--write-cpu`` measures the CPU time (every thread of the process, user and
+system) that storing ``bench_vllm.py``'s 4 MiB chunks costs, durable and not:
+the fs tier as it is (``WRITE_SEGMENT`` bytes per ``pwritev``), the same tier
+writing each entry in one call (what it did before), and, as the baseline, a
+plain ``pwrite`` of the same bytes into new files in 1 MiB pieces, without
+fsync. On kernels that cache files in large folios, a write of several MiB in
+one call can cost many times the CPU of the same bytes in pieces; every
+figure is a ratio against the baseline of the same round.
 """
 
 from __future__ import annotations
@@ -46,6 +56,7 @@ import argparse
 import json
 import os
 import re
+import resource
 import shutil
 import statistics
 import subprocess
@@ -62,6 +73,7 @@ from lmkv.contracts.tier import BackendContext
 from lmkv.keys.chunking import CacheKey, KeyMeta
 from lmkv.memory import MemoryAllocator, MemoryObj
 from lmkv_backends.serde.naive import NaiveSerializer
+from lmkv_backends.tiers import fs_local
 from lmkv_backends.tiers.fs import FSBackend
 from lmkv_policies.lru import LRUPolicy
 
@@ -153,6 +165,79 @@ def one_round(work: Path, chunks: list[MemoryObj], keys: list[CacheKey],
         tier.close()
     return {"dd_write": dd_write, "write": written / write_s, "dd_read": dd_read,
             "read": read_bytes / read_s, "cache": method}
+
+
+# -- CPU time of writes ------------------------------------------------------------------
+def _cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def write_cpu_main(args: argparse.Namespace) -> None:
+    """CPU seconds per stored chunk: the tier's write path against plain pwrites."""
+    n = args.chunks
+    full, keys = vllm_chunks(n)
+    chunk_bytes = _chunk(full, 0).numel() * full.element_size()
+    arena = MemoryAllocator(n * chunk_bytes + (1 << 20), pin_memory=False)
+    chunks = []
+    for i in range(n):
+        obj = arena.allocate(VLLM_SHAPE, VLLM_DTYPE)
+        obj.tensor.copy_(_chunk(full, i))
+        chunks.append(obj)
+    work = Path(tempfile.mkdtemp(prefix="lmkv-bench-fs-", dir=args.dir))
+    payload = [memoryview(obj.byte_view().numpy()) for obj in chunks]
+
+    def plain(root: Path) -> None:
+        root.mkdir()
+        for i, view in enumerate(payload):
+            fd = os.open(root / f"{i}", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                for off in range(0, view.nbytes, 1 << 20):
+                    os.pwrite(fd, view[off:off + (1 << 20)], off)
+            finally:
+                os.close(fd)
+
+    def tier(root: Path, durable: bool, segment: int) -> None:
+        saved = fs_local.WRITE_SEGMENT
+        fs_local.WRITE_SEGMENT = segment
+        try:
+            backend = FSBackend(FSBackend.Options(url=str(root), durable=durable,
+                                                  page_cache=True),
+                                BackendContext(serializer=NaiveSerializer(),
+                                               eviction_policy=LRUPolicy()))
+            try:
+                assert backend.batched_submit_put(keys, chunks).result() == n
+            finally:
+                backend.close()
+        finally:
+            fs_local.WRITE_SEGMENT = saved
+
+    cases = {"plain pwrite, 1 MiB pieces (baseline)": plain}
+    for durable in (False, True):
+        name = "durable" if durable else "not durable"
+        cases[f"fs tier, {name}, {fs_local.WRITE_SEGMENT >> 10} KiB pieces"] = partial(
+            tier, durable=durable, segment=fs_local.WRITE_SEGMENT)
+        cases[f"fs tier, {name}, one call per entry"] = partial(
+            tier, durable=durable, segment=1 << 40)
+    samples: dict[str, list[float]] = {label: [] for label in cases}
+    try:
+        for r in range(args.rounds):
+            for label, run in cases.items():  # interleaved: drift hits every case alike
+                root = work / f"{r}-{len(samples[label])}-{abs(hash(label))}"
+                before = _cpu_s()
+                run(root)
+                samples[label].append((_cpu_s() - before) / n)
+                # (kept until the end: pages freed here would be the next case's
+                # new pages, which a long-running engine's writes rarely find)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print(f"CPU time per stored chunk of {chunk_bytes / (1 << 20):.0f} MiB on {args.dir} "
+          f"({fs_type(args.dir.resolve())}), kernel {os.uname().release}; "
+          f"median of {args.rounds}")
+    base = statistics.median(samples["plain pwrite, 1 MiB pieces (baseline)"])
+    for label, got in samples.items():
+        med = statistics.median(got)
+        print(f"  {label:<44} {med * 1e3:7.2f} ms  x baseline {med / base:5.2f}")
 
 
 # -- across processes: fs tier vs ExampleConnector's safetensors files ---------------------
@@ -338,6 +423,8 @@ def main() -> None:
                         help="a fresh second process reads what a first one stored")
     parser.add_argument("--touched-arena", action="store_true",
                         help="--cross-process: the reader's arena is touched before timing")
+    parser.add_argument("--write-cpu", action="store_true",
+                        help="CPU time of the tier's writes against plain pwrites")
     parser.add_argument("--role", choices=("writer", "reader", "direct", "direct-pread"),
                         help=argparse.SUPPRESS)
     parser.add_argument("--work", type=Path, help=argparse.SUPPRESS)
@@ -358,6 +445,9 @@ def main() -> None:
         sys.exit(f"{args.dir} is on {kind}: pick a directory on a disk")
     if args.cross_process:
         cross_process_main(args)
+        return
+    if args.write_cpu:
+        write_cpu_main(args)
         return
     work = Path(tempfile.mkdtemp(prefix="lmkv-bench-fs-", dir=args.dir))
     n = args.chunks

@@ -280,6 +280,32 @@ def test_a_durable_write_keeping_the_page_cache_starts_writeback_early(
     assert started == []  # not durable: the OS writes it back when it likes
 
 
+def test_a_large_entry_is_written_in_pieces_of_at_most_a_mib(
+        make: Callable[..., FSBackend], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A write of several MiB in one call makes the kernel give the file new large
+    folios, at many times the CPU of the same bytes in pieces (docs/benchmarks.md):
+    every pwritev of an entry carries at most 1 MiB, and together all of it."""
+    calls: list[int] = []
+    real = os.pwritev
+
+    def spy(fd: int, buffers: list, offset: int, *flags: int) -> int:
+        calls.append(sum(memoryview(b).nbytes for b in buffers))
+        return real(fd, buffers, offset, *flags)
+
+    monkeypatch.setattr(fs_local.os, "pwritev", spy)
+    backend = make()
+    big = torch.randn(3 << 18)  # 3 MiB of float32: more than two pieces
+    assert backend.batched_submit_put([key(7)], [tensor_obj(big)]).result(TIMEOUT) == 1
+    assert max(calls) <= 1 << 20 and len(calls) >= 3
+    assert sum(calls) == backend.store.stat(entry_name(key(7)))
+    got = backend.get_blocking(key(7))
+    assert got is not None
+    try:
+        assert torch.equal(got.tensor, big)
+    finally:
+        got.ref_down()
+
+
 def test_another_process_writing_the_directory_is_seen(make: Callable[..., FSBackend]) -> None:
     reader = make()  # started before the writer stores anything
     writer = make()
