@@ -97,6 +97,10 @@ class TestAfterTierKit(AFTER["TestDictTier"], StorageBackendConformance):
     pass
 
 
+class TestAfterMemoryTierKit(AFTER["TestMemoryDictTier"]):
+    """The 2.2 section's tier, which says its lookups need no I/O."""
+
+
 class TestAfterConnectorKit(GPUConnectorConformance):
     """The heads-outer connector of the 2.1 section passes the GPU-connector kit."""
 

@@ -133,6 +133,11 @@ class StorageBackend(Plugin, ABC):
 
     #: True when entries live as MemoryObjs in this process (no serializer needed).
     holds_memory_objs: bool = False
+    #: True when ``batched_async_contains`` answers from this process's memory and
+    #: the batched gets return without waiting for I/O (their reads run on the
+    #: tier's own threads): the storage manager may then look up on the caller's
+    #: thread instead of handing the lookup to a prefetch thread (API 2.2).
+    lookups_in_memory: bool = False
     #: The arena of a tier that holds memory (``holds_memory_objs``), else None.
     allocator: MemoryAllocator | None = None
     #: The shared-memory segment the arena lives in, when it does (``lmkv server``).

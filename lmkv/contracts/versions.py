@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 #: lmkv's version of each kind's contract (``major.minor``). API 1 is lmkv 0.1's.
 API_VERSIONS: dict[str, str] = {
-    "storage_backend": "2.1",
+    "storage_backend": "2.2",
     "eviction_policy": "2.1",
     "offload_policy": "2.0",
     "serializer": "2.0",
@@ -136,7 +136,7 @@ CALLS: dict[str, tuple[Call, ...]] = {
 def api_summary() -> str:
     """The plugin API in a few words: ``plugin API 2.0`` when every kind has the
     same version, else the version most kinds have and the others by name
-    (``plugin API 2.1, offload_policy 2.0, serializer 2.0``)."""
+    (``plugin API 2.1, storage_backend 2.2, offload_policy 2.0, serializer 2.0``)."""
     versions = list(API_VERSIONS.values())
     common = max(versions, key=versions.count)
     others = [f"{kind} {v}" for kind, v in API_VERSIONS.items() if v != common]

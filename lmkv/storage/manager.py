@@ -46,10 +46,27 @@ from lmkv.storage.writethrough import WriteThrough
 logger = logging.getLogger(__name__)
 
 GET_TIMEOUT_S = 30.0
+#: The most chunks below the first tier a lookup starts on its caller's thread
+#: (tiers that look up in memory: ``StorageBackend.lookups_in_memory``); a
+#: longer one is handed to a prefetch thread, so no caller waits long on opens.
+INLINE_LOOKUP_CHUNKS = 32
 #: How many dropped keys a manager remembers, to keep reads in flight from
 #: promoting them back (a read lasts at most GET_TIMEOUT_S).
 DROPPED_REMEMBERED = 1024
 _CONFIG = LMKVConfig.model_fields  # defaults are the config's, written once
+
+
+@dataclass
+class _Gets:
+    """The gets of a lookup's plan, started (``StorageManager._start_gets``): one
+    future per planned tier, and the prefetch semaphore's chunks they hold."""
+
+    futures: list[Future]
+    semaphore: WeightedSemaphore | None
+    taken: int
+
+    def done(self) -> bool:
+        return all(future.done() for future in self.futures)
 
 
 class StorageManager:
@@ -63,6 +80,11 @@ class StorageManager:
             raise ValueError("the storage manager needs at least one tier")
         self.tiers = list(tiers)
         self._memory = memory_tier(self.tiers)
+        # Every tier answers lookups from memory and starts its reads without
+        # waiting (a first tier that holds memory is asked on the caller's
+        # thread anyway): a lookup may start there.
+        self._looks_up_here = all(t.lookups_in_memory for t in self.tiers[1:]) and (
+            self.tiers[0].lookups_in_memory or self.tiers[0].holds_memory_objs)
         # Only a first tier that holds memory takes promotions: else reads collect none.
         self._promotes = self.tiers[0].holds_memory_objs
         self._gates: list[AdmissionGate | None] = [
@@ -260,6 +282,9 @@ class StorageManager:
         if pinned == len(keys):
             self._prefetch(*args)
             return task.future
+        if self._looks_up_here:
+            self._look_up_here(*args)
+            return task.future
         try:
             self._executor.submit(self._prefetch, *args)
         except BaseException:
@@ -267,6 +292,36 @@ class StorageManager:
                 first.unpin(key)
             raise
         return task.future
+
+    def _look_up_here(self, task: PrefetchTask, keys: list[CacheKey], chunk_ends: list[int],
+                      kpc: int, partials: Partials | None, direct: bool,
+                      pinned: int | None) -> None:
+        """A lookup over tiers that answer from memory, started on the caller's
+        thread: the plan, and the reads (a tier that leaves chunks in place opens
+        the entries whose pages are cached as it is asked). It also ends here
+        when every read is done and nothing is left to look for; otherwise a
+        prefetch thread waits for the reads and ends it. A hand-off to a thread
+        costs more than the whole lookup while the engine's own threads keep
+        every CPU busy (vLLM's CPU build spins its OpenMP threads between
+        forwards)."""
+        try:
+            plans = self._plan(task.lookup_id, keys, kpc, pinned)
+            lower = sum(len(ks) for t, ks in plans if t is not self.tiers[0]) // kpc
+            gets = (self._start_gets(task.lookup_id, plans, kpc, direct, wait=False)
+                    if plans and lower <= INLINE_LOOKUP_CHUNKS else None)
+        except Exception as exc:  # a bug, not a tier fault (tiers never raise)
+            logger.exception("lmkv prefetch %s failed", task.lookup_id)
+            self.events.fail(task, exc)
+            return
+        whole = sum(len(ks) for _, ks in plans) == len(keys)
+        args = (task, keys, chunk_ends, kpc, partials, direct, pinned, plans, gets)
+        if (not plans or (gets is not None and gets.done())) and (partials is None or whole):
+            self._prefetch(*args)
+            return
+        try:
+            self._executor.submit(self._prefetch, *args)
+        except RuntimeError:  # shut down meanwhile: ended here (what it holds goes back)
+            self._prefetch(*args)
 
     def take_prefetched(self, lookup_id: str, keys: Sequence[CacheKey] | None = None,
                         timeout: float | None = None, longer: bool = False
@@ -307,15 +362,19 @@ class StorageManager:
 
     def _prefetch(self, task: PrefetchTask, keys: list[CacheKey], chunk_ends: list[int],
                   keys_per_chunk: int, partials: Partials | None, direct: bool = False,
-                  pinned: int | None = None) -> None:
+                  pinned: int | None = None,
+                  plans: list[tuple[StorageBackend, list[CacheKey]]] | None = None,
+                  gets: _Gets | None = None) -> None:
         """``pinned``: the leading keys the first tier holds, pinned by the caller
-        (None: not asked yet)."""
+        (None: not asked yet). ``plans`` and ``gets``: the plan made and the reads
+        started already, on the caller's thread (``_look_up_here``)."""
         promotion = Promotion()
         try:
-            plans = self._plan(task.lookup_id, keys, keys_per_chunk, pinned)
+            if plans is None:
+                plans = self._plan(task.lookup_id, keys, keys_per_chunk, pinned)
             longer: list[int] = []
             objs = (self._fetch(task.lookup_id, plans, keys_per_chunk, promotion, longer,
-                                direct) if plans else [])
+                                direct, gets) if plans else [])
             chunks = len(objs) // keys_per_chunk
             hit = chunk_ends[chunks - 1] if chunks else 0
             if partials is not None and keys_per_chunk == 1 and chunks < len(keys):
@@ -445,9 +504,10 @@ class StorageManager:
 
     def _fetch(self, lookup_id: str, plans: list[tuple[StorageBackend, list[CacheKey]]],
                kpc: int, promotion: Promotion, longer: list[int] | None = None,
-               direct: bool = False) -> list[MemoryObj]:
+               direct: bool = False, gets: _Gets | None = None) -> list[MemoryObj]:
         objs: list[MemoryObj] = []
-        with closing(self._iter_fetch(lookup_id, plans, kpc, promotion, direct)) as reads:
+        with closing(self._iter_fetch(lookup_id, plans, kpc, promotion, direct,
+                                      gets)) as reads:
             for _, ks, got in reads:
                 found: list[int] = []
                 resolved = self._resolved(ks, got, found) if kpc == 1 else got
@@ -483,11 +543,30 @@ class StorageManager:
         finally:
             self._promote(promotion)
 
+    def _start_gets(self, lookup_id: str, plans: list[tuple[StorageBackend, list[CacheKey]]],
+                    kpc: int, direct: bool, wait: bool = True) -> _Gets | None:
+        """Start every planned get, once the prefetch semaphore has room for their
+        chunks (without ``wait``: None when it has none now, nothing started)."""
+        chunks = sum(len(ks) for _, ks in plans) // kpc
+        # (gets from the tier that holds memory allocate nothing: not counted)
+        semaphore = (self._semaphore if chunks and any(t is not self._memory for t, _ in plans)
+                     else None)
+        taken = 0
+        if semaphore is not None:
+            taken = semaphore.acquire(chunks, timeout=None if wait else 0)
+            if not taken and not wait:
+                return None
+        futures = [self._start_get(tier, lookup_id, ks, direct and tier is not self.tiers[0])
+                   for tier, ks in plans]
+        return _Gets(futures, semaphore, taken)
+
     def _iter_fetch(self, lookup_id: str, plans: list[tuple[StorageBackend, list[CacheKey]]],
-                    kpc: int, promotion: Promotion, direct: bool = False
+                    kpc: int, promotion: Promotion, direct: bool = False,
+                    gets: _Gets | None = None
                     ) -> Generator[tuple[StorageBackend, list[CacheKey], list[MemoryObj]],
                                    None, None]:
-        """Start every planned get, then yield each tier's chunks in order.
+        """Start every planned get (unless ``gets`` did already), then yield each
+        tier's chunks in order.
 
         A tier that returns fewer chunks than planned ends the answer there:
         everything after it is released. Pins are dropped as each tier
@@ -495,13 +574,10 @@ class StorageManager:
         collected in ``promotion``, each with the parent it has in the prompt,
         for the caller to promote once the read is over.
         """
-        chunks = sum(len(ks) for _, ks in plans) // kpc
-        # (gets from the tier that holds memory allocate nothing: not counted)
-        semaphore = (self._semaphore if any(t is not self._memory for t, _ in plans)
-                     else None)
-        taken = semaphore.acquire(chunks) if semaphore else 0
-        futures = [self._start_get(tier, lookup_id, ks, direct and tier is not self.tiers[0])
-                   for tier, ks in plans]
+        if gets is None:
+            gets = self._start_gets(lookup_id, plans, kpc, direct)
+            assert gets is not None  # (waited for the semaphore)
+        futures, semaphore, taken = gets.futures, gets.semaphore, gets.taken
         done = 0
         short = False
         before: CacheKey | None = None  # the key before this plan's first

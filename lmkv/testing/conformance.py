@@ -605,6 +605,56 @@ class StorageBackendConformance:
                 "what the tier served was not promoted into the memory tier"
         assert storage.tiers[0].batched_async_contains("manager", keys) == 4
 
+    def test_a_tier_that_looks_up_in_memory_is_asked_on_the_lookups_thread(self) -> None:
+        """A tier that says ``lookups_in_memory`` (API 2.2) is asked on the thread
+        that looks up, in a storage manager whose every tier says so: its
+        ``batched_async_contains`` and the start of its gets run there, and the
+        prefetch threads get only the waiting for reads still pending. Here they
+        cannot run until the lookup has returned: a lookup still finds what was
+        stored, bit-exactly, and one of keys the tier does not hold is answered
+        before it returns, with nothing handed over. A tier that keeps the
+        default (False) is skipped."""
+        cls = self._backend_class()
+        below = not cls.holds_memory_objs
+        tiers = ([{"type": "cpu", "options": {"max_bytes": 64 * self.chunk_bytes()}}]
+                 if below else [])
+        storage = self.build_storage([*tiers, self._tier_ref()])
+        storage.set_chunk_bytes(self.chunk_bytes())
+        tier = storage.tiers[-1]
+        if not tier.lookups_in_memory:
+            pytest.skip("this tier does not say its lookups need no I/O (lookups_in_memory)")
+        keys, parents = self.chain(960, 3)
+        objs = [self.make_obj(tier, 960 + i) for i in range(3)]
+        expected = [o.tensor.clone() for o in objs]
+        assert storage.put(keys, objs, parents).result(timeout=60) == 3
+        release(objs)
+        assert storage.flush(60), "the write-through to the tier did not finish"
+        if below:  # the memory tier loses the last one: it comes from this tier
+            assert storage.tiers[0].remove(keys[2])
+        handed: list[tuple[Callable[..., Any], tuple[Any, ...]]] = []
+
+        def hand(fn: Callable[..., Any], *args: Any) -> None:  # what it hands over, kept
+            handed.append((fn, args))
+
+        storage._executor.submit = hand  # type: ignore[method-assign, assignment]
+        ends = [(i + 1) * self.chunk_shape[2] for i in range(3)]
+        future = storage.lookup_and_prefetch("here", keys, ends)
+        for fn, args in handed:  # the waiting it handed over, run now
+            fn(*args)
+        assert future.result(timeout=60) == ends[-1]
+        got = storage.take_prefetched("here", keys, timeout=60)
+        assert got is not None
+        try:
+            assert [torch.equal(o.tensor, d) for o, d in zip(got, expected, strict=True)] \
+                == [True] * 3
+        finally:
+            release(got)
+        handed.clear()
+        missing = [self.key(990), self.key(991)]
+        future = storage.lookup_and_prefetch("absent", missing, ends[:2])
+        assert future.done() and future.result() == 0 and not handed, \
+            "a lookup of keys no tier holds was handed to a prefetch thread"
+
 
 def _eventually(condition: Callable[[], bool], deadline_s: float) -> bool:
     """Poll ``condition`` until it holds or ``deadline_s`` passes (a liveness bound)."""

@@ -110,10 +110,11 @@ class CPUOptions(PluginOptions):
 
 class CPUBackend(StorageBackend):
     name = "cpu"
-    api_version = "2.0"
+    api_version = "2.2"
     Options = CPUOptions
     options: CPUOptions
     holds_memory_objs = True
+    lookups_in_memory = True
 
     def __init__(self, options: OptionsArg = None, context: BackendContext | None = None) -> None:
         super().__init__(options, context)

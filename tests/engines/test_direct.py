@@ -385,3 +385,43 @@ def test_an_entry_partly_out_of_the_page_cache_is_read_in_before_it_is_mapped(
         # on the I/O threads, never the lookup's own, and it worked
         assert set(populated) <= {"lmkv-fs-read True"}, populated
         assert blocks_equal(src, target, [(0, 9), (1, 3), (2, 12), (3, 0)])
+
+
+def test_only_an_entry_that_would_wait_for_the_disk_leaves_the_lookups_thread(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Entries in the page cache are opened by the lookup itself; one out of it is
+    opened on the tier's I/O threads, and the entries after it are still opened
+    by the lookup (not handed over with it): a hand-off costs more than an open
+    while the engine's threads keep the CPUs busy. The KV loads all the same."""
+    from lmkv_backends.tiers import fs as fs_tier
+    from lmkv_backends.tiers import fs_local
+
+    if not fs_local.can_tell_cached():
+        pytest.skip("this kernel cannot read without waiting (RWF_NOWAIT)")
+    tokens = list(range(3 * CHUNK))
+    src = stored(tmp_path, tokens)
+    with engine(tmp_path) as reader:
+        keys = reader.chunker.chunk(tokens).keys
+        fd = os.open(tmp_path / entry_name(keys[1]), os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            if fs_local._pages_cached(fd, os.fstat(fd).st_size) is not False:
+                pytest.skip("this kernel cannot tell (cachestat), or kept the pages")
+        finally:
+            os.close(fd)
+        opened: dict[int, str] = {}
+        real = fs_tier.FSBackend._get_direct
+
+        def spied(self, key, nowait=False):  # type: ignore[no-untyped-def]
+            got = real(self, key, nowait)  # (raises NotCached for the one out of it)
+            opened[keys.index(key)] = threading.current_thread().name.split("_")[0]
+            return got
+
+        monkeypatch.setattr(fs_tier.FSBackend, "_get_direct", spied)
+        target = caches()
+        assert load(reader, tokens, target, [9, 3, 12, 0, 5, 7]) == (96, 96)
+        assert opened[1] == "lmkv-fs-read", opened
+        assert opened[0] != "lmkv-fs-read" and opened[2] != "lmkv-fs-read", opened
+        assert blocks_equal(src, target, list(zip(range(6), [9, 3, 12, 0, 5, 7],
+                                                  strict=True)))

@@ -113,7 +113,7 @@ def test_a_built_in_lends_no_api_version_to_a_subclass() -> None:
     class Subclass(cpu):  # type: ignore[misc, valid-type]
         name = "sub-cpu"
 
-    assert declared_version(cpu, StorageBackend) == "2.0"
+    assert declared_version(cpu, StorageBackend) == "2.2"
     assert declared_version(Subclass, StorageBackend) is None
     assert check("storage_backend", Subclass, StorageBackend).undeclared
 

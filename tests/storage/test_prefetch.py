@@ -313,6 +313,7 @@ class Gated(CPUBackend):
 
     name = "gated"
     gate: threading.Event | None = None
+    lookups_in_memory = False  # its gets wait: lookups over it go to a prefetch thread
 
     def batched_get_non_blocking(self, lookup_id, keys):
         if self.gate is not None:
