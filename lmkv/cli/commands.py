@@ -250,10 +250,24 @@ def _watch_seconds(text: str) -> float:
     return value
 
 
+class _Version(argparse.Action):
+    """``--version``: the line as it is (argparse's own action wraps it to the
+    terminal's width)."""
+
+    def __init__(self, option_strings: list[str], dest: str = argparse.SUPPRESS,
+                 default: str = argparse.SUPPRESS, help: str | None = None) -> None:
+        super().__init__(option_strings, dest=dest, default=default, nargs=0,
+                         help=help or "show the version and the plugin API, and exit")
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: object, option_string: str | None = None) -> None:
+        print(f"lmkv {__version__} ({api_summary()})")
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineArgumentParser(prog="lmkv", description="lmkv: a tiered KV-cache layer")
-    parser.add_argument("--version", action="version",
-                        version=f"lmkv {__version__} ({api_summary()})")
+    parser.add_argument("--version", action=_Version)
     parser.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS,
                         help="logging level (default WARNING, INFO for `lmkv server`; "
                              "env LMKV_LOG_LEVEL)")
