@@ -133,10 +133,14 @@ class StorageBackend(Plugin, ABC):
 
     #: True when entries live as MemoryObjs in this process (no serializer needed).
     holds_memory_objs: bool = False
-    #: True when ``batched_async_contains`` answers from this process's memory and
-    #: the batched gets return without waiting for I/O (their reads run on the
-    #: tier's own threads): the storage manager may then look up on the caller's
-    #: thread instead of handing the lookup to a prefetch thread (API 2.2).
+    #: True when ``batched_async_contains`` answers without the network or another
+    #: thread (from memory, at most a stat of a local file) and the batched gets
+    #: return without waiting for a payload (their reads run on the tier's own
+    #: threads; a direct get may open entries already in the page cache): the
+    #: storage manager may then look up on the caller's thread instead of
+    #: handing the lookup to a prefetch thread. Taken from a class written for
+    #: API 2.2 or later only (a subclass of the cpu or fs tier written for an
+    #: earlier one does not inherit it).
     lookups_in_memory: bool = False
     #: The arena of a tier that holds memory (``holds_memory_objs``), else None.
     allocator: MemoryAllocator | None = None

@@ -37,6 +37,7 @@ from lmkv.contracts.tier import (
 from lmkv.keys.aliases import Alias, alias_target, is_alias, make_alias
 from lmkv.keys.chunking import CacheKey
 from lmkv.memory import MemoryObj, release
+from lmkv.plugins.contract import declared_version
 from lmkv.storage.admission import AdmissionGate
 from lmkv.storage.build import build_tiers, close_all, memory_tier, tensor_allocate
 from lmkv.storage.prefetch import EventManager, PrefetchTask, WeightedSemaphore
@@ -65,8 +66,17 @@ class _Gets:
     semaphore: WeightedSemaphore | None
     taken: int
 
-    def done(self) -> bool:
-        return all(future.done() for future in self.futures)
+    def settled(self, plans: list[tuple[StorageBackend, list[CacheKey]]]) -> bool:
+        """Every get done, each with all its planned chunks and no alias among them
+        (an alias is followed with a read): what is left of the lookup needs no
+        I/O."""
+        for (_, ks), future in zip(plans, self.futures, strict=True):
+            if not future.done() or future.cancelled() or future.exception() is not None:
+                return False
+            got = future.result()
+            if len(got) != len(ks) or any(len(obj.shape) == 1 for obj in got):
+                return False
+        return True
 
 
 class StorageManager:
@@ -80,11 +90,13 @@ class StorageManager:
             raise ValueError("the storage manager needs at least one tier")
         self.tiers = list(tiers)
         self._memory = memory_tier(self.tiers)
-        # Every tier answers lookups from memory and starts its reads without
-        # waiting (a first tier that holds memory is asked on the caller's
-        # thread anyway): a lookup may start there.
-        self._looks_up_here = all(t.lookups_in_memory for t in self.tiers[1:]) and (
-            self.tiers[0].lookups_in_memory or self.tiers[0].holds_memory_objs)
+        # Every tier looks up in memory and starts its reads without waiting (a
+        # first tier that holds memory is asked on the caller's thread anyway):
+        # a lookup may start there.
+        self._looks_up_here = all(looks_up_in_memory(t) for t in self.tiers[1:]) and (
+            looks_up_in_memory(self.tiers[0]) or self.tiers[0].holds_memory_objs)
+        self._handed: dict[object, tuple[Any, ...]] = {}  # lookups handed over, not run
+        self._handed_lock = threading.Lock()
         # Only a first tier that holds memory takes promotions: else reads collect none.
         self._promotes = self.tiers[0].holds_memory_objs
         self._gates: list[AdmissionGate | None] = [
@@ -282,8 +294,7 @@ class StorageManager:
         if pinned == len(keys):
             self._prefetch(*args)
             return task.future
-        if self._looks_up_here:
-            self._look_up_here(*args)
+        if self._looks_up_here and self._look_up_here(*args):
             return task.future
         try:
             self._executor.submit(self._prefetch, *args)
@@ -295,33 +306,81 @@ class StorageManager:
 
     def _look_up_here(self, task: PrefetchTask, keys: list[CacheKey], chunk_ends: list[int],
                       kpc: int, partials: Partials | None, direct: bool,
-                      pinned: int | None) -> None:
-        """A lookup over tiers that answer from memory, started on the caller's
+                      pinned: int | None) -> bool:
+        """A lookup over tiers that look up in memory, started on the caller's
         thread: the plan, and the reads (a tier that leaves chunks in place opens
-        the entries whose pages are cached as it is asked). It also ends here
-        when every read is done and nothing is left to look for; otherwise a
-        prefetch thread waits for the reads and ends it. A hand-off to a thread
-        costs more than the whole lookup while the engine's own threads keep
-        every CPU busy (vLLM's CPU build spins its OpenMP threads between
-        forwards)."""
+        the entries whose pages are cached as it is asked). It ends here when
+        every read is done, whole, with no alias to follow and nothing left to
+        look for; otherwise a prefetch thread waits for the reads and ends it.
+        False (nothing done): a lookup of more than ``INLINE_LOOKUP_CHUNKS``
+        chunks past what the first tier pinned, or one the prefetch budget has
+        no room for now, goes to a prefetch thread whole. A hand-off costs more
+        than the whole lookup while the engine's own threads keep every CPU busy
+        (vLLM's CPU build spins its OpenMP threads between forwards)."""
+        chunks = len(keys) // kpc
+        if chunks - (pinned or 0) // kpc > INLINE_LOOKUP_CHUNKS:
+            return False
+        semaphore = self._semaphore
+        held = semaphore.acquire(chunks, timeout=0) if semaphore is not None and chunks else 0
+        if semaphore is not None and chunks and not held:
+            return False
         try:
             plans = self._plan(task.lookup_id, keys, kpc, pinned)
-            lower = sum(len(ks) for t, ks in plans if t is not self.tiers[0]) // kpc
-            gets = (self._start_gets(task.lookup_id, plans, kpc, direct, wait=False)
-                    if plans and lower <= INLINE_LOOKUP_CHUNKS else None)
+            planned = sum(len(ks) for _, ks in plans) // kpc
+            # (gets from the tier that holds memory allocate nothing: not counted)
+            counted = any(t is not self._memory for t, _ in plans) and planned
+            taken = min(held, planned) if counted else 0
+            if held > taken:
+                semaphore.release(held - taken)  # type: ignore[union-attr]
+            held = 0
+            gets = _Gets([self._start_get(tier, task.lookup_id, ks,
+                                          direct and tier is not self.tiers[0])
+                          for tier, ks in plans], semaphore if taken else None, taken)
         except Exception as exc:  # a bug, not a tier fault (tiers never raise)
+            if held:
+                semaphore.release(held)  # type: ignore[union-attr]
             logger.exception("lmkv prefetch %s failed", task.lookup_id)
             self.events.fail(task, exc)
-            return
-        whole = sum(len(ks) for _, ks in plans) == len(keys)
+            return True
         args = (task, keys, chunk_ends, kpc, partials, direct, pinned, plans, gets)
-        if (not plans or (gets is not None and gets.done())) and (partials is None or whole):
+        whole = planned * kpc == len(keys)
+        if gets.settled(plans) and (partials is None or whole):
             self._prefetch(*args)
-            return
+        else:
+            self._hand_over(args)
+        return True
+
+    def _hand_over(self, args: tuple[Any, ...]) -> None:
+        """A lookup whose reads were started, ended on a prefetch thread; one the
+        manager's close cancels before it runs gives back what it holds there."""
+        token = object()
+        with self._handed_lock:
+            self._handed[token] = args
         try:
-            self._executor.submit(self._prefetch, *args)
-        except RuntimeError:  # shut down meanwhile: ended here (what it holds goes back)
+            self._executor.submit(self._end_handed, token)
+        except RuntimeError:  # shut down meanwhile
+            self._abandon_handed()
+
+    def _end_handed(self, token: object) -> None:
+        with self._handed_lock:
+            args = self._handed.pop(token, None)
+        if args is not None:
             self._prefetch(*args)
+
+    def _abandon_handed(self) -> None:
+        """Give back what the lookups handed over and never run hold: their pins,
+        their prefetch budget, and what their reads return (as they return)."""
+        with self._handed_lock:
+            left, self._handed = list(self._handed.values()), {}
+        for task, *_, plans, gets in left:
+            for (tier, ks), future in zip(plans, gets.futures, strict=True):
+                future.add_done_callback(_release_result)
+                for key in ks:
+                    tier.unpin(key)
+            if gets.semaphore is not None and gets.taken:
+                gets.semaphore.release(gets.taken)
+            if not task.future.done():  # closed: a miss
+                task.future.set_result(0)
 
     def take_prefetched(self, lookup_id: str, keys: Sequence[CacheKey] | None = None,
                         timeout: float | None = None, longer: bool = False
@@ -544,18 +603,14 @@ class StorageManager:
             self._promote(promotion)
 
     def _start_gets(self, lookup_id: str, plans: list[tuple[StorageBackend, list[CacheKey]]],
-                    kpc: int, direct: bool, wait: bool = True) -> _Gets | None:
+                    kpc: int, direct: bool) -> _Gets:
         """Start every planned get, once the prefetch semaphore has room for their
-        chunks (without ``wait``: None when it has none now, nothing started)."""
+        chunks."""
         chunks = sum(len(ks) for _, ks in plans) // kpc
         # (gets from the tier that holds memory allocate nothing: not counted)
-        semaphore = (self._semaphore if chunks and any(t is not self._memory for t, _ in plans)
+        semaphore = (self._semaphore if any(t is not self._memory for t, _ in plans)
                      else None)
-        taken = 0
-        if semaphore is not None:
-            taken = semaphore.acquire(chunks, timeout=None if wait else 0)
-            if not taken and not wait:
-                return None
+        taken = semaphore.acquire(chunks) if semaphore else 0
         futures = [self._start_get(tier, lookup_id, ks, direct and tier is not self.tiers[0])
                    for tier, ks in plans]
         return _Gets(futures, semaphore, taken)
@@ -576,7 +631,6 @@ class StorageManager:
         """
         if gets is None:
             gets = self._start_gets(lookup_id, plans, kpc, direct)
-            assert gets is not None  # (waited for the semaphore)
         futures, semaphore, taken = gets.futures, gets.semaphore, gets.taken
         done = 0
         short = False
@@ -710,6 +764,7 @@ class StorageManager:
             writer.close(timeout)
         self.events.close()
         self._executor.shutdown(wait=False, cancel_futures=True)
+        self._abandon_handed()
         for tier in self.tiers:
             try:
                 tier.close()
@@ -740,6 +795,20 @@ def chain_parents(keys: Sequence[CacheKey], before: CacheKey | None = None,
         [before.with_layer(i) if before.layer >= 0 else before for i in range(kpc)]
         if before is not None else [None] * kpc)
     return [head[i] if i < kpc else keys[i - kpc] for i in range(len(keys))]
+
+
+def looks_up_in_memory(tier: StorageBackend) -> bool:
+    """``tier.lookups_in_memory``, taken from a class written for storage backend
+    API 2.2 or later only: one written for an earlier API may inherit True from
+    lmkv's cpu or fs tier without meaning it."""
+    if not tier.lookups_in_memory:
+        return False
+    declared = declared_version(type(tier), StorageBackend)
+    try:
+        major, minor = (int(part) for part in str(declared).split("."))
+    except ValueError:
+        return False
+    return (major, minor) >= (2, 2)
 
 
 def _release_result(future: Future) -> None:

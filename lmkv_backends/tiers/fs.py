@@ -36,7 +36,13 @@ from lmkv.contracts.plugin import OptionsArg
 from lmkv.contracts.tier import BackendContext, StorageBackend, done_future
 from lmkv.keys.chunking import CacheKey
 from lmkv.memory import MemoryObj
-from lmkv_backends.tiers.fs_futures import count_true, gather, leading_objects, outcome
+from lmkv_backends.tiers.fs_futures import (
+    count_true,
+    gather,
+    leading_objects,
+    outcome,
+    release_outcome,
+)
 from lmkv_backends.tiers.fs_index import EntryIndex, NotAnEntry, entry_name
 from lmkv_backends.tiers.fs_local import LocalStore, NotCached, can_tell_cached
 from lmkv_backends.tiers.fs_options import (
@@ -61,6 +67,9 @@ class _Failed(enum.Enum):
 
 
 FAILED = _Failed.FAILED  # a probe that could not tell (storage failed): not a removal
+#: Entries in a row whose direct open would wait for the disk before a lookup
+#: hands the rest of them to the I/O threads at once.
+COLD_RUN = 2
 #: What the caller of each operation gets when it fails (for the fault log).
 _CONSEQUENCES = {"write": "the write is dropped", "put": "the writes are dropped",
                  "evict": "the entry is left behind", "remove": "the entry is left in place",
@@ -359,26 +368,39 @@ class FSBackend(StorageBackend):
             return self.batched_get_non_blocking(lookup_id, keys, self._get_direct)
         # Entries wholly in the page cache are opened here, one after another
         # (about 0.1 ms each: less than a hand-off to another thread costs, and
-        # far less while the engine's own threads keep every CPU busy); only an
-        # entry whose header or payload would wait for the disk goes to the I/O
-        # threads, and those run in parallel with the rest.
+        # far less while the engine's own threads keep every CPU busy); an entry
+        # whose header or payload would wait for the disk goes to the I/O threads,
+        # in parallel with the rest, and after ``COLD_RUN`` such entries in a row
+        # so does the rest (a tier that is cold as a whole: its opens would wait
+        # too).
         jobs: list[Future] = []
-        for key in keys:
-            if self._closed:
-                self.counters.misses += 1
-                break
-            try:
-                got = self._get_direct(key, nowait=True)
-            except NotCached:
-                job = self._submit(self._readers, self._get_direct, key)
-                if job is None:  # closed meanwhile
+        cold = 0  # entries in a row that would have waited
+        try:
+            for i, key in enumerate(keys):
+                if self._closed:
                     self.counters.misses += 1
                     break
-                jobs.append(job)
-                continue
-            jobs.append(done_future(got))
-            if got is None:
-                break
+                if cold >= COLD_RUN:  # the rest is likely off the disk too (inodes as well)
+                    return self.batched_get_non_blocking(lookup_id, keys[i:],
+                                                         self._get_direct, jobs)
+                try:
+                    got = self._get_direct(key, nowait=True)
+                except NotCached:
+                    cold += 1
+                    job = self._submit(self._readers, self._get_direct, key)
+                    if job is None:  # closed meanwhile
+                        self.counters.misses += 1
+                        break
+                    jobs.append(job)
+                    continue
+                cold = 0
+                jobs.append(done_future(got))
+                if got is None:
+                    break
+        except BaseException:  # a bug: what the I/O threads open goes back as it comes
+            for job in jobs:
+                job.add_done_callback(release_outcome)
+            raise
         return gather(jobs, leading_objects)
 
     def _get_direct(self, key: CacheKey, nowait: bool = False
@@ -397,7 +419,8 @@ class FSBackend(StorageBackend):
         (fd, header, cached), size = found
         populate = (not cached and self.options.mapped_reads and store.page_cache
                     and len(header.shape) == 5 and can_populate())
-        if populate and nowait:  # its missing pages are read on the I/O threads
+        if nowait and (populate or len(header.shape) != 5):
+            # its missing pages are read, or it is read in (an alias), on the I/O threads
             os.close(fd)
             raise NotCached(key.to_string())
         with self._direct_lock:
@@ -408,6 +431,8 @@ class FSBackend(StorageBackend):
             if held:                              # read it in
                 self._direct_closed()
             os.close(fd)
+            if nowait:  # (on the I/O threads)
+                raise NotCached(key.to_string())
             return self.get_blocking(key)
         # Mapped when in the page cache (no copy into the staging buffer). An
         # entry partly out of it is mapped once its missing pages are read in

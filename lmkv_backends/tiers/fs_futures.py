@@ -48,6 +48,16 @@ def gather(futures: Sequence[Future], combine: Callable[[list[Future]], Any],
     return out
 
 
+def release_outcome(future: Future) -> None:
+    """Give back the chunk a job opened or read (a done-callback for jobs whose
+    result nobody takes)."""
+    if future.cancelled() or future.exception() is not None:
+        return
+    obj = future.result()
+    if obj is not None:
+        obj.ref_down()
+
+
 def count_true(futures: list[Future]) -> int:
     return sum(1 for f in futures if outcome(f, False))
 

@@ -241,6 +241,8 @@ class LocalStore:
                     _NOWAIT_REFUSED[0] = True
                     got = -1
                 if got != want:  # (a short read: only part of it is cached)
+                    # the disk starts on all of it now, before an I/O thread opens it
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
                     raise NotCached(name)
             else:
                 head = os.pread(fd, want, 0)  # type: ignore[assignment]

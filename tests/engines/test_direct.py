@@ -425,3 +425,48 @@ def test_only_an_entry_that_would_wait_for_the_disk_leaves_the_lookups_thread(
         assert opened[0] != "lmkv-fs-read" and opened[2] != "lmkv-fs-read", opened
         assert blocks_equal(src, target, list(zip(range(6), [9, 3, 12, 0, 5, 7],
                                                   strict=True)))
+
+
+def test_a_tier_cold_as_a_whole_is_opened_on_the_io_threads_after_two_tries(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every entry out of the page cache (a restarted host, say): after ``COLD_RUN``
+    entries in a row that would wait, the lookup stops trying the rest on its
+    own thread (opening a cold file waits for the disk too) and hands them all
+    to the I/O threads. The KV loads all the same."""
+    from lmkv_backends.tiers import fs as fs_tier
+    from lmkv_backends.tiers import fs_local
+
+    if not fs_local.can_tell_cached():
+        pytest.skip("this kernel cannot read without waiting (RWF_NOWAIT)")
+    tokens = list(range(4 * CHUNK))
+    src = stored(tmp_path, tokens)
+    for path in tmp_path.iterdir():
+        if path.suffix == ".lmkv":
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+    with engine(tmp_path) as reader:
+        keys = reader.chunker.chunk(tokens).keys
+        fd = os.open(tmp_path / entry_name(keys[3]), os.O_RDONLY)
+        try:
+            if fs_local._pages_cached(fd, os.fstat(fd).st_size) is not False:
+                pytest.skip("this kernel cannot tell (cachestat), or kept the pages")
+        finally:
+            os.close(fd)
+        tried: list[int] = []
+        real = fs_tier.FSBackend._get_direct
+
+        def spied(self, key, nowait=False):  # type: ignore[no-untyped-def]
+            if nowait:
+                tried.append(keys.index(key))
+            return real(self, key, nowait)
+
+        monkeypatch.setattr(fs_tier.FSBackend, "_get_direct", spied)
+        target = caches()
+        blocks = [9, 3, 12, 0, 5, 7, 1, 14]
+        assert load(reader, tokens, target, blocks) == (128, 128)
+        assert tried == list(range(fs_tier.COLD_RUN)), tried
+        assert blocks_equal(src, target, list(zip(range(8), blocks, strict=True)))

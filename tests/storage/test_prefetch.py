@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from concurrent.futures import Future
 
 import pytest
 import torch
@@ -386,3 +387,121 @@ def test_the_memory_tier_is_asked_once_a_lookup_whatever_it_holds() -> None:
     finally:
         manager.close()
     no_leaks(upper, lower)
+
+
+class Later(CPUBackend):
+    """A lower tier that looks up in memory (API 2.2) and answers its gets when
+    ``answer`` is set, on a thread of its own (a disk's I/O threads)."""
+
+    name = "later"
+    api_version = "2.2"
+    answer: threading.Event | None = None
+
+    def batched_get_non_blocking(self, lookup_id, keys):
+        out: Future = Future()
+
+        def run() -> None:
+            assert self.answer is not None
+            self.answer.wait(10)
+            out.set_result(super(Later, self).batched_get_non_blocking(lookup_id, keys)
+                           .result())
+
+        threading.Thread(target=run, daemon=True).start()
+        return out
+
+
+def test_a_lookup_over_tiers_that_look_up_in_memory_starts_on_the_callers_thread() -> None:
+    """The plan and the gets start on the caller's thread; a get still pending
+    is waited for on a prefetch thread; a lookup with its reads all done ends on
+    the caller's thread with nothing handed over."""
+    upper, lower = cpu(), cpu(Later)
+    lower.answer = threading.Event()
+    manager = StorageManager([upper, lower])
+    manager.set_chunk_bytes(NBYTES)
+    try:
+        fill(upper, [0, 1])
+        fill(lower, [2])
+        keys, ends = [key(0), key(1), key(2)], [256, 512, 768]
+        handed = []
+        real = manager._executor.submit
+
+        def spy(fn, *args):  # type: ignore[no-untyped-def]
+            handed.append(fn.__name__)
+            return real(fn, *args)
+
+        manager._executor.submit = spy  # type: ignore[method-assign]
+        future = manager.lookup_and_prefetch("later", keys, ends)
+        assert pins(lower) == 1  # planned, pinned and asked here
+        assert handed == ["_end_handed"] and not future.done()
+        lower.answer.set()
+        assert future.result(5) == 768
+        objs = manager.take_prefetched("later", keys)
+        assert values(objs) == [0, 1, 2]
+        for obj in objs:
+            obj.ref_down()
+        no_leaks(upper, lower)
+    finally:
+        manager.close()
+    upper, plain = cpu(), cpu()  # the cpu tier's gets are done at once: it all ends here
+    fill(upper, [0, 1])
+    fill(plain, [2])
+    manager = StorageManager([upper, plain])
+    manager.set_chunk_bytes(NBYTES)
+    try:
+        handed.clear()
+        real = manager._executor.submit
+        manager._executor.submit = spy  # type: ignore[method-assign]
+        future = manager.lookup_and_prefetch("here", keys, ends)
+        assert future.done() and future.result() == 768 and not handed
+        for obj in manager.take_prefetched("here", keys):
+            obj.ref_down()
+        no_leaks(upper, plain)
+    finally:
+        manager.close()
+
+
+def test_a_lookup_handed_over_and_never_run_gives_back_what_it_holds_at_close() -> None:
+    upper, lower = cpu(), cpu(Later)
+    lower.answer = threading.Event()
+    manager = StorageManager([upper, lower])
+    manager.set_chunk_bytes(NBYTES)
+    fill(upper, [0])
+    fill(lower, [1, 2])
+    manager._executor.submit = lambda *a, **k: None  # type: ignore[method-assign]
+    future = manager.lookup_and_prefetch("never", [key(0), key(1), key(2)], [256, 512, 768])
+    assert pins(lower) == 2 and manager._semaphore.used == 3
+    manager.close()  # the queued end is cancelled: its pins and budget go back
+    assert future.result(1) == 0
+    assert pins(upper) == pins(lower) == 0 and manager._semaphore.used == 0
+    lower.answer.set()  # what the get returns afterwards is released as it comes
+    deadline = time.monotonic() + 5
+    while lower.allocator.live_objects and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert lower.allocator.live_objects == 0
+
+
+def test_a_tier_written_for_an_earlier_api_does_not_inherit_lookups_in_memory() -> None:
+    """A subclass of the cpu tier written for 2.1 (or declaring nothing) keeps its
+    lookups on the prefetch threads; one written for 2.2 inherits the cpu tier's
+    ``lookups_in_memory``."""
+    from lmkv.storage.manager import looks_up_in_memory
+
+    class Old(CPUBackend):
+        name = "old-cpu"
+        api_version = "2.1"
+
+    class Undeclared(CPUBackend):
+        name = "undeclared-cpu"
+
+    class New(CPUBackend):
+        name = "new-cpu"
+        api_version = "2.2"
+
+    tiers = [cpu(Old), cpu(Undeclared), cpu(New), cpu()]
+    try:
+        assert [looks_up_in_memory(t) for t in tiers] == [False, False, True, True]
+        assert not StorageManager([tiers[3], tiers[0]])._looks_up_here
+        assert StorageManager([tiers[3], tiers[2]])._looks_up_here
+    finally:
+        for tier in tiers:
+            tier.close()
