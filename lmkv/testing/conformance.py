@@ -49,7 +49,7 @@ from lmkv.contracts.policy import EvictionPolicy
 from lmkv.contracts.tier import StorageBackend
 from lmkv.keys.chunking import CacheKey, KeyMeta
 from lmkv.memory import MemoryObj, release, tensor_obj
-from lmkv.storage.manager import StorageManager
+from lmkv.storage.manager import StorageManager, looks_up_in_memory
 from lmkv.testing.building import load_problem, selectable, storage_from
 from lmkv.testing.cross_process import check_read_across_processes, given_options
 from lmkv.testing.tiers import strict_refcounts
@@ -562,24 +562,36 @@ class StorageBackendConformance:
         assert seen == dict(zip(keys, parents, strict=True)), \
             "the tier did not hand its policy the parents it was given"
 
+    def _managed(self) -> tuple[StorageManager, bool]:
+        """A storage manager lmkv builds with the tier last, below a cpu tier unless
+        it holds memory itself; and whether it is below one."""
+        below = not self._backend_class().holds_memory_objs
+        tiers = ([{"type": "cpu", "options": {"max_bytes": 64 * self.chunk_bytes()}}]
+                 if below else [])
+        storage = self.build_storage([*tiers, self._tier_ref()])
+        storage.set_chunk_bytes(self.chunk_bytes())
+        return storage, below
+
+    def _stored_chain(self, storage: StorageManager, first: int, n: int
+                      ) -> tuple[list[CacheKey], list[torch.Tensor]]:
+        """A prompt of ``n`` chunks stored through ``storage`` (written through to
+        its last tier): its keys and its chunks' contents."""
+        keys, parents = self.chain(first, n)
+        objs = [self.make_obj(storage.tiers[-1], first + i) for i in range(n)]
+        expected = [o.tensor.clone() for o in objs]
+        assert storage.put(keys, objs, parents).result(timeout=60) == n
+        release(objs)
+        assert storage.flush(60), "the write-through to the tier did not finish"
+        return keys, expected
+
     def test_a_storage_manager_serves_the_tier(self) -> None:
         """The tier in a storage manager lmkv builds from a config: a store goes
         through (written through when the tier is below a memory tier), a lookup
         prefetches it back bit-exactly, a get and a stream read it, and a chunk the
         upper tier lost is read from this one and promoted."""
-        cls = self._backend_class()
-        below = not cls.holds_memory_objs
-        tiers = ([{"type": "cpu", "options": {"max_bytes": 64 * self.chunk_bytes()}}]
-                 if below else [])
-        storage = self.build_storage([*tiers, self._tier_ref()])
-        storage.set_chunk_bytes(self.chunk_bytes())
+        storage, below = self._managed()
         tier = storage.tiers[-1]
-        keys, parents = self.chain(900, 4)
-        objs = [self.make_obj(tier, 900 + i) for i in range(4)]
-        expected = [o.tensor.clone() for o in objs]
-        assert storage.put(keys, objs, parents).result(timeout=60) == 4
-        release(objs)
-        assert storage.flush(60), "the write-through to the tier did not finish"
+        keys, expected = self._stored_chain(storage, 900, 4)
         assert tier.batched_async_contains("manager", keys) == 4
         if below:  # the memory tier loses the last two: they come from this tier
             for key in keys[2:]:
@@ -614,21 +626,11 @@ class StorageBackendConformance:
         stored, bit-exactly, and one of keys the tier does not hold is answered
         before it returns, with nothing handed over. A tier that keeps the
         default (False) is skipped."""
-        cls = self._backend_class()
-        below = not cls.holds_memory_objs
-        tiers = ([{"type": "cpu", "options": {"max_bytes": 64 * self.chunk_bytes()}}]
-                 if below else [])
-        storage = self.build_storage([*tiers, self._tier_ref()])
-        storage.set_chunk_bytes(self.chunk_bytes())
-        tier = storage.tiers[-1]
-        if not tier.lookups_in_memory:
-            pytest.skip("this tier does not say its lookups need no I/O (lookups_in_memory)")
-        keys, parents = self.chain(960, 3)
-        objs = [self.make_obj(tier, 960 + i) for i in range(3)]
-        expected = [o.tensor.clone() for o in objs]
-        assert storage.put(keys, objs, parents).result(timeout=60) == 3
-        release(objs)
-        assert storage.flush(60), "the write-through to the tier did not finish"
+        storage, below = self._managed()
+        if not looks_up_in_memory(storage.tiers[-1]):
+            pytest.skip("this tier does not say its lookups need no I/O (lookups_in_memory, "
+                        "API 2.2)")
+        keys, expected = self._stored_chain(storage, 960, 3)
         if below:  # the memory tier loses the last one: it comes from this tier
             assert storage.tiers[0].remove(keys[2])
         handed: list[tuple[Callable[..., Any], tuple[Any, ...]]] = []
