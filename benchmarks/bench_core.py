@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from _timing import best_of
+from _timing import best_of, interleaved_best
 
 from lmkv.config.model import load_config
 from lmkv.contracts.policy import EvictionContext
@@ -76,9 +76,12 @@ def bench_tier(label: str, shape: tuple[int, ...], n_chunks: int, rounds: int) -
             d.copy_(obj.tensor)
             obj.ref_down()
 
-    base = best_of(copy_in, rounds)
-    t_store = best_of(store, rounds, setup=tier.clear)  # clearing is not measured
-    t_get = best_of(retrieve, rounds)
+    # Interleaved, a round of each at a time: measured one after the other, the
+    # machine's drift between them (other jobs, memory state) moved the ratios
+    # by more than lmkv's own cost (1.03-1.10 for a store that costs more than
+    # the copy).
+    base, t_store, t_get = interleaved_best(
+        [(copy_in, None), (store, tier.clear), (retrieve, None)], rounds)  # (clears untimed)
     gbs = chunk_bytes * n_chunks / 1e9
     print(f"\n[{label}] {n_chunks} chunks of {chunk_bytes / MiB:.2f} MiB {tuple(shape)} bf16")
     print(f"  torch copy_ baseline : {gbs / base:6.2f} GB/s  {n_chunks / base:9.0f} chunks/s")
