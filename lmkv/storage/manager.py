@@ -15,12 +15,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Generator, Iterator, Sequence
-from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, InvalidStateError, ThreadPoolExecutor
 from contextlib import closing
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +35,7 @@ from lmkv.contracts.tier import (
     StorageBackend,
     done_future,
 )
+from lmkv.contracts.versions import parse_version
 from lmkv.keys.aliases import Alias, alias_target, is_alias, make_alias
 from lmkv.keys.chunking import CacheKey
 from lmkv.memory import MemoryObj, release
@@ -70,12 +72,15 @@ class _Gets:
         """Every get done, each with all its planned chunks and no alias among them
         (an alias is followed with a read): what is left of the lookup needs no
         I/O."""
-        for (_, ks), future in zip(plans, self.futures, strict=True):
-            if not future.done() or future.cancelled() or future.exception() is not None:
-                return False
-            got = future.result()
-            if len(got) != len(ks) or any(len(obj.shape) == 1 for obj in got):
-                return False
+        try:
+            for (_, ks), future in zip(plans, self.futures, strict=True):
+                if not future.done() or future.cancelled() or future.exception() is not None:
+                    return False
+                got = future.result()
+                if len(got) != len(ks) or any(len(obj.shape) == 1 for obj in got):
+                    return False
+        except Exception:  # a tier's bug: the prefetch thread's last resort takes it
+            return False
         return True
 
 
@@ -328,7 +333,7 @@ class StorageManager:
             plans = self._plan(task.lookup_id, keys, kpc, pinned)
             planned = sum(len(ks) for _, ks in plans) // kpc
             # (gets from the tier that holds memory allocate nothing: not counted)
-            counted = any(t is not self._memory for t, _ in plans) and planned
+            counted = bool(planned) and any(t is not self._memory for t, _ in plans)
             taken = min(held, planned) if counted else 0
             if held > taken:
                 semaphore.release(held - taken)  # type: ignore[union-attr]
@@ -358,8 +363,11 @@ class StorageManager:
             self._handed[token] = args
         try:
             self._executor.submit(self._end_handed, token)
-        except RuntimeError:  # shut down meanwhile
-            self._abandon_handed()
+        except RuntimeError:  # shut down meanwhile (or no thread to be had): a miss
+            with self._handed_lock:
+                mine = self._handed.pop(token, None)
+            if mine is not None:
+                self._abandon(mine)
 
     def _end_handed(self, token: object) -> None:
         with self._handed_lock:
@@ -368,19 +376,26 @@ class StorageManager:
             self._prefetch(*args)
 
     def _abandon_handed(self) -> None:
-        """Give back what the lookups handed over and never run hold: their pins,
-        their prefetch budget, and what their reads return (as they return)."""
+        """Give back what the lookups handed over and never run hold."""
         with self._handed_lock:
             left, self._handed = list(self._handed.values()), {}
-        for task, *_, plans, gets in left:
-            for (tier, ks), future in zip(plans, gets.futures, strict=True):
-                future.add_done_callback(_release_result)
-                for key in ks:
-                    tier.unpin(key)
-            if gets.semaphore is not None and gets.taken:
-                gets.semaphore.release(gets.taken)
-            if not task.future.done():  # closed: a miss
-                task.future.set_result(0)
+        for args in left:
+            self._abandon(args)
+
+    def _abandon(self, args: tuple[Any, ...]) -> None:
+        """A lookup handed over that will never run: its pins and its prefetch
+        budget go back, what its reads return is released as it returns, and it
+        answers a miss."""
+        task, *_, plans, gets = args
+        for (tier, ks), future in zip(plans, gets.futures, strict=True):
+            future.add_done_callback(_release_result)
+            for key in ks:
+                tier.unpin(key)
+        if gets.semaphore is not None and gets.taken:
+            gets.semaphore.release(gets.taken)
+        with contextlib.suppress(InvalidStateError):  # (answered meanwhile: closed)
+            if not task.future.done():
+                self.events.finish(task, [], 0)
 
     def take_prefetched(self, lookup_id: str, keys: Sequence[CacheKey] | None = None,
                         timeout: float | None = None, longer: bool = False
@@ -803,12 +818,8 @@ def looks_up_in_memory(tier: StorageBackend) -> bool:
     lmkv's cpu or fs tier without meaning it."""
     if not tier.lookups_in_memory:
         return False
-    declared = declared_version(type(tier), StorageBackend)
-    try:
-        major, minor = (int(part) for part in str(declared).split("."))
-    except ValueError:
-        return False
-    return (major, minor) >= (2, 2)
+    declared = parse_version(declared_version(type(tier), StorageBackend))
+    return declared is not None and declared >= (2, 2)
 
 
 def _release_result(future: Future) -> None:

@@ -9,6 +9,7 @@ from concurrent.futures import Future
 import pytest
 import torch
 
+from lmkv.contracts.tier import done_future
 from lmkv.keys.chunking import CacheKey
 from lmkv.storage.manager import StorageManager
 from lmkv.storage.prefetch import EventManager, WeightedSemaphore
@@ -463,21 +464,66 @@ def test_a_lookup_over_tiers_that_look_up_in_memory_starts_on_the_callers_thread
 def test_a_lookup_handed_over_and_never_run_gives_back_what_it_holds_at_close() -> None:
     upper, lower = cpu(), cpu(Later)
     lower.answer = threading.Event()
-    manager = StorageManager([upper, lower])
+    manager = StorageManager([upper, lower], prefetch_threads=1)
     manager.set_chunk_bytes(NBYTES)
     fill(upper, [0])
     fill(lower, [1, 2])
-    manager._executor.submit = lambda *a, **k: None  # type: ignore[method-assign]
+    busy = threading.Event()
+    manager._executor.submit(busy.wait, 10)  # the one prefetch thread: held
     future = manager.lookup_and_prefetch("never", [key(0), key(1), key(2)], [256, 512, 768])
     assert pins(lower) == 2 and manager._semaphore.used == 3
-    manager.close()  # the queued end is cancelled: its pins and budget go back
+    (args,) = manager._handed.values()
+    lower.answer.set()  # its read is done, and holds two of the tier's buffers
+    args[-1].futures[1].result(5)
+    manager.close()  # the queued end is cancelled: what it holds goes back
+    busy.set()
     assert future.result(1) == 0
     assert pins(upper) == pins(lower) == 0 and manager._semaphore.used == 0
-    lower.answer.set()  # what the get returns afterwards is released as it comes
-    deadline = time.monotonic() + 5
-    while lower.allocator.live_objects and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert lower.allocator.live_objects == 0
+    assert lower.allocator.live_objects == 0, "the read's buffers were not released"
+
+
+class Short(CPUBackend):
+    """A 2.2 tier whose gets return one chunk fewer than asked (one evicted
+    between the lookup's contains and its get)."""
+
+    name = "short"
+    api_version = "2.2"
+
+    def batched_get_non_blocking(self, lookup_id, keys):
+        got = super().batched_get_non_blocking(lookup_id, keys).result()
+        for obj in got[len(keys) - 1:]:
+            obj.ref_down()
+        return done_future(got[:len(keys) - 1])
+
+
+def test_a_lookup_whose_reads_came_back_short_ends_on_a_prefetch_thread() -> None:
+    """The reads are done at once but one came back short: what is left may read
+    (block-granular hits): it is handed to a prefetch thread, not ended on the
+    caller's."""
+    upper, lower = cpu(), cpu(Short)
+    manager = StorageManager([upper, lower])
+    manager.set_chunk_bytes(NBYTES)
+    try:
+        fill(upper, [0])
+        fill(lower, [1, 2])
+        handed = []
+        real = manager._executor.submit
+
+        def spy(fn, *args):  # type: ignore[no-untyped-def]
+            handed.append(fn.__name__)
+            return real(fn, *args)
+
+        manager._executor.submit = spy  # type: ignore[method-assign]
+        keys = [key(0), key(1), key(2)]
+        future = manager.lookup_and_prefetch("short", keys, [256, 512, 768])
+        assert future.result(5) == 512 and handed == ["_end_handed"]
+        objs = manager.take_prefetched("short", keys)
+        assert values(objs) == [0, 1]
+        for obj in objs:
+            obj.ref_down()
+        no_leaks(upper, lower)
+    finally:
+        manager.close()
 
 
 def test_a_tier_written_for_an_earlier_api_does_not_inherit_lookups_in_memory() -> None:
