@@ -390,6 +390,19 @@ def test_the_memory_tier_is_asked_once_a_lookup_whatever_it_holds() -> None:
     no_leaks(upper, lower)
 
 
+def hand_offs(manager: StorageManager) -> list[str]:
+    """The names of what ``manager`` hands its prefetch threads from now on."""
+    handed: list[str] = []
+    real = manager._executor.submit
+
+    def spy(fn, *args):  # type: ignore[no-untyped-def]
+        handed.append(fn.__name__)
+        return real(fn, *args)
+
+    manager._executor.submit = spy  # type: ignore[method-assign]
+    return handed
+
+
 class Later(CPUBackend):
     """A lower tier that looks up in memory (API 2.2) and answers its gets when
     ``answer`` is set, on a thread of its own (a disk's I/O threads)."""
@@ -423,14 +436,7 @@ def test_a_lookup_over_tiers_that_look_up_in_memory_starts_on_the_callers_thread
         fill(upper, [0, 1])
         fill(lower, [2])
         keys, ends = [key(0), key(1), key(2)], [256, 512, 768]
-        handed = []
-        real = manager._executor.submit
-
-        def spy(fn, *args):  # type: ignore[no-untyped-def]
-            handed.append(fn.__name__)
-            return real(fn, *args)
-
-        manager._executor.submit = spy  # type: ignore[method-assign]
+        handed = hand_offs(manager)
         future = manager.lookup_and_prefetch("later", keys, ends)
         assert pins(lower) == 1  # planned, pinned and asked here
         assert handed == ["_end_handed"] and not future.done()
@@ -449,9 +455,7 @@ def test_a_lookup_over_tiers_that_look_up_in_memory_starts_on_the_callers_thread
     manager = StorageManager([upper, plain])
     manager.set_chunk_bytes(NBYTES)
     try:
-        handed.clear()
-        real = manager._executor.submit
-        manager._executor.submit = spy  # type: ignore[method-assign]
+        handed = hand_offs(manager)
         future = manager.lookup_and_prefetch("here", keys, ends)
         assert future.done() and future.result() == 768 and not handed
         for obj in manager.take_prefetched("here", keys):
@@ -506,14 +510,7 @@ def test_a_lookup_whose_reads_came_back_short_ends_on_a_prefetch_thread() -> Non
     try:
         fill(upper, [0])
         fill(lower, [1, 2])
-        handed = []
-        real = manager._executor.submit
-
-        def spy(fn, *args):  # type: ignore[no-untyped-def]
-            handed.append(fn.__name__)
-            return real(fn, *args)
-
-        manager._executor.submit = spy  # type: ignore[method-assign]
+        handed = hand_offs(manager)
         keys = [key(0), key(1), key(2)]
         future = manager.lookup_and_prefetch("short", keys, [256, 512, 768])
         assert future.result(5) == 512 and handed == ["_end_handed"]
