@@ -331,24 +331,15 @@ class StorageManager:
             return False
         try:
             plans = self._plan(task.lookup_id, keys, kpc, pinned)
-            planned = sum(len(ks) for _, ks in plans) // kpc
-            # (gets from the tier that holds memory allocate nothing: not counted)
-            counted = bool(planned) and any(t is not self._memory for t, _ in plans)
-            taken = min(held, planned) if counted else 0
-            if held > taken:
-                semaphore.release(held - taken)  # type: ignore[union-attr]
-            held = 0
-            gets = _Gets([self._start_get(tier, task.lookup_id, ks,
-                                          direct and tier is not self.tiers[0])
-                          for tier, ks in plans], semaphore if taken else None, taken)
         except Exception as exc:  # a bug, not a tier fault (tiers never raise)
             if held:
                 semaphore.release(held)  # type: ignore[union-attr]
             logger.exception("lmkv prefetch %s failed", task.lookup_id)
             self.events.fail(task, exc)
             return True
+        gets = self._start_gets(task.lookup_id, plans, kpc, direct, held)
         args = (task, keys, chunk_ends, kpc, partials, direct, pinned, plans, gets)
-        whole = planned * kpc == len(keys)
+        whole = sum(len(ks) for _, ks in plans) == len(keys)
         if gets.settled(plans) and (partials is None or whole):
             self._prefetch(*args)
         else:
@@ -618,14 +609,20 @@ class StorageManager:
             self._promote(promotion)
 
     def _start_gets(self, lookup_id: str, plans: list[tuple[StorageBackend, list[CacheKey]]],
-                    kpc: int, direct: bool) -> _Gets:
+                    kpc: int, direct: bool, held: int | None = None) -> _Gets:
         """Start every planned get, once the prefetch semaphore has room for their
-        chunks."""
+        chunks. ``held``: chunks of the semaphore taken already, for at least as
+        many as planned (what the plan does not need goes back)."""
         chunks = sum(len(ks) for _, ks in plans) // kpc
         # (gets from the tier that holds memory allocate nothing: not counted)
-        semaphore = (self._semaphore if any(t is not self._memory for t, _ in plans)
+        semaphore = (self._semaphore if chunks and any(t is not self._memory for t, _ in plans)
                      else None)
-        taken = semaphore.acquire(chunks) if semaphore else 0
+        if held is None:
+            taken = semaphore.acquire(chunks) if semaphore else 0
+        else:
+            taken = min(held, chunks) if semaphore else 0
+            if held > taken:
+                self._semaphore.release(held - taken)  # type: ignore[union-attr]
         futures = [self._start_get(tier, lookup_id, ks, direct and tier is not self.tiers[0])
                    for tier, ks in plans]
         return _Gets(futures, semaphore, taken)

@@ -108,9 +108,6 @@ class FSBackend(StorageBackend):
                                   f"the directory: {exc.strerror or exc}") from None
         else:
             self.store = RemoteStore(open_remote(options, prefix), self.faults)
-        # On local disk the index is in memory (a miss stats one file) and reads
-        # run on the I/O threads (direct ones open cached entries at once).
-        self.lookups_in_memory = isinstance(self.store, LocalStore)
         capacity = int(options.max_bytes) if options.max_bytes is not None else None
         self.index = EntryIndex(policy, capacity)
         self._raw_reads = self.store.reads_into and serializer.raw_payload
@@ -166,6 +163,12 @@ class FSBackend(StorageBackend):
         scanned = getattr(self.store, "special_files", 0)
         return {**super().stats(), "entries": len(self.index),
                 "special_files": self.special_files + scanned}
+
+    @property
+    def lookups_in_memory(self) -> bool:  # type: ignore[override]  # (read-only here)
+        """On local disk the index is in memory (a miss stats one file) and reads
+        run on the I/O threads (direct ones open cached entries at once)."""
+        return isinstance(self.store, LocalStore)
 
     # -- lookup --------------------------------------------------------------------
     def contains(self, key: CacheKey, pin: bool = False) -> bool:
@@ -419,8 +422,7 @@ class FSBackend(StorageBackend):
         (fd, header, cached), size = found
         populate = (not cached and self.options.mapped_reads and store.page_cache
                     and len(header.shape) == 5 and can_populate())
-        if nowait and (populate or len(header.shape) != 5):
-            # its missing pages are read, or it is read in (an alias), on the I/O threads
+        if populate and nowait:  # its missing pages are read on the I/O threads
             os.close(fd)
             raise NotCached(key.to_string())
         with self._direct_lock:
@@ -431,7 +433,7 @@ class FSBackend(StorageBackend):
             if held:                              # read it in
                 self._direct_closed()
             os.close(fd)
-            if nowait:  # (on the I/O threads)
+            if nowait:  # read in on the I/O threads
                 raise NotCached(key.to_string())
             return self.get_blocking(key)
         # Mapped when in the page cache (no copy into the staging buffer). An

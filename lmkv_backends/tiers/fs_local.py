@@ -45,7 +45,7 @@ STALE_TMP_S = 3600.0
 # Bytes per pwritev: the unit in which a durable write is handed to the disk early.
 # At most 1 MiB: a kernel that caches files in large folios (Linux 6.x on ext4)
 # gives a larger write new folios of 2 MiB and more, and on a virtual machine
-# whose host backs them lazily that cost 8-12x the CPU time (a new 4 MiB entry:
+# whose host backs them lazily that cost 6-12x the CPU time (a new 4 MiB entry:
 # about 9 ms written in one call, under 1 ms in pieces of 1 MiB; see
 # docs/benchmarks.md, "What a write costs the kernel").
 WRITE_SEGMENT = 1 << 20
