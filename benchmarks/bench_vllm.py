@@ -68,7 +68,10 @@ scheduler's connector, ``W.``: the worker's; in lmkv configurations also
 ``P.prefetch`` and ``P.fs_direct``: the lookup's work on lmkv's prefetch
 thread, and the fs tier's call that opens the entries whose pages are cached
 and hands the others to its I/O threads), to find where a warm request's time
-goes across threads.
+goes across threads. Two lines give the CPU milliseconds of the process's
+busiest threads (by name, from ``/proc``, in the kernel's 10 ms ticks) during
+each warm and each cold sample: lmkv's background threads (the fs tier's
+``lmkv-fs-write``, its I/O threads) beside vLLM's own.
 """
 
 from __future__ import annotations
@@ -236,8 +239,11 @@ def run(model_dir: str, mode: str, tmp: str) -> dict:
     reader = mode.endswith("-reader")
     result: dict = {}
     for length in LENGTHS:
-        cold = [ttft(cold_prompt(length, i, "fresh" if reader else "base"))[0]
-                for i in range(REPEATS)]
+        cold, cold_threads = [], []
+        for i in range(REPEATS):
+            threads = _thread_cpu()
+            cold.append(ttft(cold_prompt(length, i, "fresh" if reader else "base"))[0])
+            cold_threads.append(_busiest(threads, _thread_cpu()))
         warm, hits, loaded, parts = [], [], [], []
         for i in range(REPEATS):
             before = worker.counters.loaded_tokens if worker else 0
@@ -256,8 +262,8 @@ def run(model_dir: str, mode: str, tmp: str) -> dict:
             loaded.append(worker.counters.loaded_tokens - before if worker else None)
             parts.append({**spent, "threads": _busiest(threads, _thread_cpu())})
         result[str(length)] = {"cold": cold, "warm": warm, "hits": hits, "loaded": loaded,
-                               "parts": parts, "split": [split_point(length, i)
-                                                         for i in range(REPEATS)]}
+                               "parts": parts, "cold_threads": cold_threads,
+                               "split": [split_point(length, i) for i in range(REPEATS)]}
     if worker is not None:
         result["worker_counters"] = vars(worker.counters)
     return result
@@ -633,6 +639,9 @@ def report(results: dict, configs: list[str]) -> bool:
            for m, r in results.items() if m.startswith("lmkv")})
     print("CPU ms of the process's busiest threads during each warm sample (by name):",
           {m: {n: [p.get("threads", "") for p in r[str(n)]["parts"]] for n in LENGTHS}
+           for m, r in results.items()})
+    print("CPU ms of the process's busiest threads during each cold sample (by name):",
+          {m: {n: r[str(n)].get("cold_threads", []) for n in LENGTHS}
            for m, r in results.items()})
     print("share of the stored files in the page cache before each warm sample:",
           {m: {n: [round(p["cached"], 2) for p in r[str(n)]["parts"]] for n in LENGTHS}
