@@ -69,8 +69,8 @@ scheduler's connector, ``W.``: the worker's; in lmkv configurations also
 thread, and the fs tier's call that opens the entries whose pages are cached
 and hands the others to its I/O threads), to find where a warm request's time
 goes across threads. Two lines give the CPU milliseconds of the process's
-busiest threads (by name, from ``/proc``, in the kernel's 10 ms ticks) during
-each warm and each cold sample: lmkv's background threads (the fs tier's
+busiest threads (by name, from ``/proc``'s ``schedstat``) during each warm
+and each cold sample: lmkv's background threads (the fs tier's
 ``lmkv-fs-write``, its I/O threads) beside vLLM's own.
 """
 
@@ -319,7 +319,8 @@ class _Timeline:
 def _thread_cpu() -> dict[str, float]:
     """CPU ms each thread of this process has used so far (by ``name:tid``: a Python
     thread's name, else the kernel's, e.g. the OpenMP workers'; Linux ``/proc``;
-    empty elsewhere)."""
+    empty elsewhere): the scheduler's own count in ns (``schedstat``), or, on a
+    kernel without it, ``stat``'s user and system time in clock ticks (10 ms)."""
     import threading
     named = {t.native_id: t.name for t in threading.enumerate()}
     out: dict[str, float] = {}
@@ -329,15 +330,20 @@ def _thread_cpu() -> dict[str, float]:
     except OSError:
         return out
     for tid in tids:
+        task = f"/proc/self/task/{tid}"
         try:
-            with open(f"/proc/self/task/{tid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            with open(f"/proc/self/task/{tid}/comm") as f:
+            with open(f"{task}/comm") as f:
                 name = f.read().strip()
+            try:
+                with open(f"{task}/schedstat") as f:
+                    ms = int(f.read().split()[0]) / 1e6  # on a CPU, ns
+            except (FileNotFoundError, IndexError, ValueError):
+                with open(f"{task}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                ms = (int(fields[11]) + int(fields[12])) * tick  # utime + stime
         except OSError:
             continue  # the thread ended
-        name = named.get(int(tid), name)
-        out[f"{name}:{tid}"] = (int(fields[11]) + int(fields[12])) * tick  # utime + stime
+        out[f"{named.get(int(tid), name)}:{tid}"] = ms
     return out
 
 
