@@ -320,7 +320,8 @@ def _thread_cpu() -> dict[str, float]:
     """CPU ms each thread of this process has used so far (by ``name:tid``: a Python
     thread's name, else the kernel's, e.g. the OpenMP workers'; Linux ``/proc``;
     empty elsewhere): the scheduler's own count in ns (``schedstat``), or, on a
-    kernel without it, ``stat``'s user and system time in clock ticks (10 ms)."""
+    kernel without it, ``stat``'s user and system time in clock ticks (usually
+    10 ms)."""
     import threading
     named = {t.native_id: t.name for t in threading.enumerate()}
     out: dict[str, float] = {}
@@ -338,6 +339,8 @@ def _thread_cpu() -> dict[str, float]:
                 with open(f"{task}/schedstat") as f:
                     ms = int(f.read().split()[0]) / 1e6  # on a CPU, ns
             except (FileNotFoundError, IndexError, ValueError):
+                ms = 0.0
+            if not ms:  # no schedstat, or a kernel that keeps it at 0
                 with open(f"{task}/stat") as f:
                     fields = f.read().rsplit(")", 1)[1].split()
                 ms = (int(fields[11]) + int(fields[12])) * tick  # utime + stime
