@@ -29,6 +29,33 @@ def configure_logging(flag: str | None, default: str) -> str | None:
     return None
 
 
+def log_where_nothing_does() -> str | None:
+    """Give lmkv's loggers a stderr handler when nothing handles them: inside another
+    program (vLLM, whose own logger does not propagate) lmkv's lines would otherwise
+    be lost below WARNING and come out bare above. Nothing is changed where the
+    ``lmkv`` logger or the root logger has a handler already (the program or the
+    user configured logging). The level is ``LMKV_LOG_LEVEL``, else INFO; returns a
+    one-line warning (logged too) when that is not one of ``LOG_LEVELS``."""
+    own = logging.getLogger("lmkv")
+    if own.handlers or logging.getLogger().handlers:
+        return None
+    level = (os.environ.get(LOG_LEVEL_ENV) or "INFO").upper()
+    problem = None
+    if level not in LOG_LEVELS:
+        problem = (f"{LOG_LEVEL_ENV} = {level!r}: allowed: {', '.join(LOG_LEVELS)}; "
+                   "lmkv logs at INFO")
+        level = "INFO"
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s [lmkv] %(message)s",
+                                           "%m-%d %H:%M:%S"))
+    own.addHandler(handler)
+    own.setLevel(level)
+    own.propagate = False  # as vLLM's own logger: a root handler added later doubles nothing
+    if problem:
+        own.warning(problem)
+    return problem
+
+
 def _own_debug_only(record: logging.LogRecord) -> bool:
     return record.levelno >= logging.WARNING or record.name.startswith("lmkv")
 

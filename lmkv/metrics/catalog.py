@@ -79,7 +79,8 @@ CATALOG: tuple[Metric, ...] = (
     _tier("tier_evictions_total", "counter", "Chunks a tier evicted to make room."),
     _tier("tier_errors_total", "counter", "Operations a tier failed (it degrades to misses)."),
     _tier("tier_dropped_writes_total", "counter",
-          "Writes a tier dropped (full, or its queue was)."),
+          "Writes a tier dropped (full, its queue full, or given up to make room in the "
+          "first tier)."),
     _tier("tier_corrupt_frames_total", "counter",
           "Entries a tier found corrupt or not the chunk asked for (miss, removed)."),
     _tier("tier_bytes_in_total", "counter", "Bytes written into a tier."),

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import math
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Generator, Iterator, Sequence
@@ -29,6 +30,7 @@ from typing import Any
 import torch
 
 from lmkv.base import affinity
+from lmkv.base.logutil import RateLimitedLog
 from lmkv.config.model import LMKVConfig
 from lmkv.contracts.tier import (
     ArenaPlacement,
@@ -47,6 +49,7 @@ from lmkv.storage.promotion import Promotion
 from lmkv.storage.writethrough import WriteThrough
 
 logger = logging.getLogger(__name__)
+_room_log = RateLimitedLog(logger)
 
 GET_TIMEOUT_S = 30.0
 #: The most chunks below the first tier a lookup starts on its caller's thread
@@ -146,10 +149,40 @@ class StorageManager:
 
     def allocate(self, shape: Sequence[int], dtype: torch.dtype) -> MemoryObj | None:
         """A chunk buffer from the first tier that holds memory (evicting as needed);
-        a plain tensor when no tier does (nothing then keeps it past the call)."""
+        a plain tensor when no tier does (nothing then keeps it past the call).
+
+        Chunks waiting in a write-through queue are held, so the tier cannot evict
+        them: when it finds no room, the oldest writes still waiting (any lower
+        tier) are given up, one at a time, until it does or none waits. A lower
+        tier that falls behind loses its oldest writes; the first tier keeps taking
+        new chunks (without this, a slow disk under a small memory tier would
+        refuse every new store until it caught up)."""
         memory = self._memory
-        return memory.allocate(shape, dtype) if memory is not None else tensor_allocate(
-            shape, dtype)
+        if memory is None:
+            return tensor_allocate(shape, dtype)
+        obj = memory.allocate(shape, dtype)
+        if obj is None and self._writers:
+            capacity = memory.capacity_bytes
+            if capacity is None or math.prod(shape) * dtype.itemsize <= capacity:
+                while obj is None and self._give_up_a_write(memory):
+                    obj = memory.allocate(shape, dtype)
+        return obj
+
+    def _give_up_a_write(self, memory: StorageBackend) -> bool:
+        """Drop the oldest write waiting in any write-through queue; False when none
+        waits."""
+        waiting = [(w.oldest_queued, i) for i, w in enumerate(self._writers)]
+        waiting = [(order, i) for order, i in waiting if order is not None]
+        if not waiting:
+            return False
+        writer = self._writers[min(waiting)[1]]
+        dropped = writer.cancel_oldest()
+        if dropped:
+            _room_log.warning(f"behind:{writer.tier.name}",
+                              "lmkv %s tier: writes fall behind; gave up %d queued chunk "
+                              "writes to make room in the %s tier", writer.tier.name,
+                              dropped, memory.name)
+        return True
 
     # -- store ---------------------------------------------------------------
     def put(self, keys: Sequence[CacheKey], objs: Sequence[MemoryObj],

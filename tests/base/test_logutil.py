@@ -41,3 +41,31 @@ def test_both_commands_set_logging_up_the_same_way(command: list[str]) -> None:
     assert done.returncode == 2
     assert "LMKV_LOG_LEVEL = 'LOUD': allowed: DEBUG, INFO, WARNING, ERROR" in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1
+
+
+EMBEDDED = ("import logging; from lmkv.base.logutil import log_where_nothing_does; "
+            "{before}print(log_where_nothing_does()); "
+            "logging.getLogger('lmkv.integrations.vllm.worker').info('lmkv: ready'); "
+            "logging.getLogger('lmkv.tiers').debug('lmkv detail')")
+
+
+def test_inside_another_program_lmkv_lines_get_a_handler() -> None:
+    done = _run(EMBEDDED.format(before=""))
+    assert done.stdout.strip() == "None"
+    lines = done.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("INFO ") and lines[0].endswith(
+        "[lmkv] lmkv: ready")
+    done = _run(EMBEDDED.format(before=""), LMKV_LOG_LEVEL="debug")
+    assert "lmkv detail" in done.stderr
+    done = _run(EMBEDDED.format(before=""), LMKV_LOG_LEVEL="loud")
+    want = "LMKV_LOG_LEVEL = 'LOUD': allowed: DEBUG, INFO, WARNING, ERROR; lmkv logs at INFO"
+    assert done.stdout.strip() == want and want in done.stderr and "lmkv: ready" in done.stderr
+
+
+def test_logging_the_program_configured_is_left_alone() -> None:
+    done = _run(EMBEDDED.format(before="logging.basicConfig(format='mine %(message)s'); "))
+    assert done.stdout.strip() == "None"
+    assert done.stderr.strip() == ""  # root at WARNING, as the program set it: no INFO line
+    done = _run(EMBEDDED.format(
+        before="logging.basicConfig(level='INFO', format='mine %(message)s'); "))
+    assert done.stderr.strip() == "mine lmkv: ready"

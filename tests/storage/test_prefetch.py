@@ -196,6 +196,72 @@ def test_write_through_never_blocks_and_a_full_queue_drops() -> None:
     no_leaks(upper, lower)
 
 
+def test_a_lower_tier_that_falls_behind_gives_up_its_oldest_waiting_writes() -> None:
+    """Chunks waiting for the write-through are held: the memory tier cannot evict
+    them. When it needs the room, the oldest writes still waiting are given up
+    (counted as dropped) and the new chunks are stored; the write being made is
+    never given up, and neither is a write that is not in the way."""
+    upper, lower = cpu(max_bytes=8 * NBYTES), cpu(Slow)
+    lower.release_event = threading.Event()
+    manager = StorageManager([upper, lower])
+
+    def store(ids: list[int]) -> int:
+        objs = []
+        for _ in ids:
+            obj = manager.allocate(SHAPE, torch.float32)
+            if obj is None:
+                break
+            objs.append(obj)
+        if objs:
+            manager.put([key(i) for i in ids[:len(objs)]], objs).result()
+        for obj in objs:
+            obj.ref_down()
+        return len(objs)
+
+    assert store([0, 1]) == 2  # taken by the writer, which the lower tier stalls
+    deadline = time.monotonic() + 5
+    while lower_queue(manager) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert store([2, 3]) == 2 and store([4, 5]) == 2  # waiting in the queue
+    assert lower.counters.dropped_writes == 0
+    assert store([6, 7, 8, 9]) == 4  # 2 free, then 2, 3 give up their writes
+    assert lower.counters.dropped_writes == 2
+    assert not any(upper.contains(key(i)) for i in (2, 3))
+    assert all(upper.contains(key(i)) for i in (0, 1, 4, 5, 6, 7, 8, 9))
+    lower.release_event.set()
+    assert manager.flush(10)
+    assert [i for i in range(10) if lower.contains(key(i))] == [0, 1, 4, 5, 6, 7, 8, 9]
+    manager.close()
+    no_leaks(upper, lower)
+
+
+def test_a_write_being_made_is_never_given_up() -> None:
+    upper, lower = cpu(max_bytes=4 * NBYTES), cpu(Slow)
+    lower.release_event = threading.Event()
+    manager = StorageManager([upper, lower])
+    objs = [manager.allocate(SHAPE, torch.float32) for _ in range(4)]
+    manager.put([key(i) for i in range(4)], objs).result()
+    for obj in objs:
+        obj.ref_down()
+    deadline = time.monotonic() + 5
+    while lower_queue(manager) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert manager.allocate(SHAPE, torch.float32) is None  # held by the write being made
+    assert lower.counters.dropped_writes == 0
+    lower.release_event.set()
+    assert manager.flush(10)
+    obj = manager.allocate(SHAPE, torch.float32)
+    assert obj is not None
+    obj.ref_down()
+    manager.close()
+    no_leaks(upper, lower)
+
+
+def lower_queue(manager: StorageManager) -> bool:
+    """Whether a write waits in the first lower tier's queue (not taken by its writer)."""
+    return manager._writers[0].oldest_queued is not None
+
+
 def test_close_returns_promptly_with_a_hung_lower_tier() -> None:
     upper, lower = cpu(), cpu(Slow)
     lower.release_event = threading.Event()  # never set: the tier hangs

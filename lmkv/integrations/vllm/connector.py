@@ -18,6 +18,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.core.kv_cache_utils import get_block_hash
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 
+from lmkv.base.logutil import log_where_nothing_does
 from lmkv.integrations.vllm.config import config_from_extra
 from lmkv.integrations.vllm.events import (
     SchedulerEvents,
@@ -39,6 +40,7 @@ class LMKVConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: Any, role: KVConnectorRole,
                  kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        log_where_nothing_does()  # vLLM's logging covers only its own loggers
         config = config_from_extra(self._kv_transfer_config.kv_connector_extra_config)
         check_kv_cache_groups(kv_cache_config, vllm_config.model_config.model,
                               (FullAttentionSpec, MLAAttentionSpec))
