@@ -57,9 +57,10 @@ except in a run of ``lmkv-layerwise`` alone, whose table has its own);
 Hit tokens are vLLM's own count for the request (``RequestOutput.num_cached_tokens``:
 prefix-cache hits plus the tokens a connector loaded), reported for every
 configuration next to its warm TTFT, with the difference and the ratio to the
-prefix cache's in the same run. ``--fs-page-cache true|false`` and
-``--fs-durable true|false`` set the fs tier's ``page_cache`` and ``durable``
-options in the ``lmkv-2proc`` configuration (default: the tier's defaults).
+prefix cache's in the same run. ``--fs-page-cache true|false``,
+``--fs-durable true|false`` and ``--fs-mapped-reads true|false`` set the fs
+tier's ``page_cache``, ``durable`` and ``mapped_reads`` options in the
+``lmkv-2proc`` configuration (default: the tier's defaults).
 ``BENCH_PREFAULT_AHEAD`` in the environment (a byte size, ``0``: off) sets
 the cpu tier's ``prefault_ahead`` in every lmkv configuration.
 ``--timeline N`` prints, for each warm prompt of N tokens, when each connector
@@ -94,6 +95,7 @@ SPLIT = os.environ.get("BENCH_SPLIT", "chunk")
 SEED = int(os.environ.get("BENCH_SEED", "0"))
 FS_PAGE_CACHE = os.environ.get("BENCH_FS_PAGE_CACHE", "")  # "": the tier's default
 FS_DURABLE = os.environ.get("BENCH_FS_DURABLE", "")  # "": the tier's default
+FS_MAPPED = os.environ.get("BENCH_FS_MAPPED_READS", "")  # "": the tier's default
 CHUNK = 256
 MAX_MODEL_LEN = 4608
 CONFIGS = ("prefix-cache", "example-conn", "example-conn-2proc", "lmkv", "lmkv-2proc",
@@ -165,6 +167,8 @@ def make_llm(model_dir: str, mode: str, tmp: str):  # type: ignore[no-untyped-de
                 fs["page_cache"] = FS_PAGE_CACHE == "true"
             if FS_DURABLE:
                 fs["durable"] = FS_DURABLE == "true"
+            if FS_MAPPED:
+                fs["mapped_reads"] = FS_MAPPED == "true"
             tiers.append({"type": "fs", "options": fs})
         if mode.startswith("lmkv-mooncake"):
             tiers.append({"type": "mooncake", "options": json.loads(os.environ["BENCH_MOONCAKE"])})
@@ -520,6 +524,8 @@ def main() -> int:
                         help="the fs tier's page_cache option in lmkv-2proc")
     parser.add_argument("--fs-durable", choices=("true", "false"), default="",
                         help="the fs tier's durable option in lmkv-2proc")
+    parser.add_argument("--fs-mapped-reads", choices=("true", "false"), default="",
+                        help="the fs tier's mapped_reads option in lmkv-2proc")
     parser.add_argument("--timeline", type=int, choices=LENGTHS, metavar="N",
                         help="print each warm prompt's connector calls at N tokens "
                              "(see the docstring)")
@@ -538,6 +544,7 @@ def main() -> int:
     os.environ.update(BENCH_REPEATS=str(REPEATS), BENCH_DTYPE=DTYPE, BENCH_SPLIT=SPLIT,
                       BENCH_SEED=str(SEED), BENCH_FS_PAGE_CACHE=args.fs_page_cache,
                       BENCH_FS_DURABLE=args.fs_durable,
+                      BENCH_FS_MAPPED_READS=args.fs_mapped_reads,
                       BENCH_TIMELINE=str(args.timeline or ""),
                       BENCH_PROFILE=os.path.abspath(args.profile) if args.profile else "")
     cpus = f"0-{(os.cpu_count() or 1) - 1}"  # every configuration gets every CPU

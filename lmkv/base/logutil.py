@@ -24,6 +24,7 @@ def configure_logging(flag: str | None, default: str) -> str | None:
     if level not in LOG_LEVELS:
         return f"{LOG_LEVEL_ENV} = {level!r}: allowed: {', '.join(LOG_LEVELS)}"
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("lmkv").setLevel(logging.NOTSET)  # the root's level, as asked
     for handler in logging.getLogger().handlers:
         handler.addFilter(_own_debug_only)
     return None
@@ -34,8 +35,10 @@ def log_where_nothing_does() -> str | None:
     program (vLLM, whose own logger does not propagate) lmkv's lines would otherwise
     be lost below WARNING and come out bare above. Nothing is changed where the
     ``lmkv`` logger or the root logger has a handler already (the program or the
-    user configured logging). The level is ``LMKV_LOG_LEVEL``, else INFO; returns a
-    one-line warning (logged too) when that is not one of ``LOG_LEVELS``."""
+    user configured logging), and the handler stands aside once the root logger
+    has one (a program that configures logging later). The level is
+    ``LMKV_LOG_LEVEL``, else INFO; returns a one-line warning (logged too) when
+    that is not one of ``LOG_LEVELS``."""
     own = logging.getLogger("lmkv")
     if own.handlers or logging.getLogger().handlers:
         return None
@@ -45,15 +48,23 @@ def log_where_nothing_does() -> str | None:
         problem = (f"{LOG_LEVEL_ENV} = {level!r}: allowed: {', '.join(LOG_LEVELS)}; "
                    "lmkv logs at INFO")
         level = "INFO"
-    handler = logging.StreamHandler()
+    handler = _UntilRootHandles()
     handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s [lmkv] %(message)s",
                                            "%m-%d %H:%M:%S"))
     own.addHandler(handler)
     own.setLevel(level)
-    own.propagate = False  # as vLLM's own logger: a root handler added later doubles nothing
     if problem:
         own.warning(problem)
     return problem
+
+
+class _UntilRootHandles(logging.StreamHandler):
+    """Writes to stderr while the root logger has no handler (then lmkv's lines
+    propagate to the program's own)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not logging.getLogger().handlers:
+            super().emit(record)
 
 
 def _own_debug_only(record: logging.LogRecord) -> bool:

@@ -152,11 +152,13 @@ class StorageManager:
         a plain tensor when no tier does (nothing then keeps it past the call).
 
         Chunks waiting in a write-through queue are held, so the tier cannot evict
-        them: when it finds no room, the oldest writes still waiting (any lower
-        tier) are given up, one at a time, until it does or none waits. A lower
-        tier that falls behind loses its oldest writes; the first tier keeps taking
-        new chunks (without this, a slow disk under a small memory tier would
-        refuse every new store until it caught up)."""
+        them: when it finds no room, chunks whose writes have not started are given
+        up one at a time (``WriteThrough.give_up_one``: the oldest write first, its
+        tail first, only a chunk nothing else holds), each then evictable, until the
+        tier has room or no such chunk waits. A lower tier that cannot keep up
+        loses its oldest writes, not the first tier its new chunks (without this, a
+        slow disk under a small memory tier refused every new store until it caught
+        up)."""
         memory = self._memory
         if memory is None:
             return tensor_allocate(shape, dtype)
@@ -164,25 +166,31 @@ class StorageManager:
         if obj is None and self._writers:
             capacity = memory.capacity_bytes
             if capacity is None or math.prod(shape) * dtype.itemsize <= capacity:
-                while obj is None and self._give_up_a_write(memory):
+                given_up = 0
+                while obj is None and self._give_up_a_write():
+                    given_up += 1
                     obj = memory.allocate(shape, dtype)
+                if given_up:
+                    _room_log.warning("behind", "lmkv: lower tiers fall behind; gave up %d "
+                                      "queued chunk writes to make room in the %s tier",
+                                      given_up, memory.name)
         return obj
 
-    def _give_up_a_write(self, memory: StorageBackend) -> bool:
-        """Drop the oldest write waiting in any write-through queue; False when none
-        waits."""
-        waiting = [(w.oldest_queued, i) for i, w in enumerate(self._writers)]
-        waiting = [(order, i) for order, i in waiting if order is not None]
-        if not waiting:
-            return False
-        writer = self._writers[min(waiting)[1]]
-        dropped = writer.cancel_oldest()
-        if dropped:
-            _room_log.warning(f"behind:{writer.tier.name}",
-                              "lmkv %s tier: writes fall behind; gave up %d queued chunk "
-                              "writes to make room in the %s tier", writer.tier.name,
-                              dropped, memory.name)
-        return True
+    def _give_up_a_write(self) -> bool:
+        """Give up one chunk's writes that wait in the queues (the queue whose oldest
+        write is oldest is asked first; the chunk's writes waiting in the other
+        queues go too); False when none can be."""
+        writers = self._writers
+        holders = 1 + len(writers)  # the first tier and one queue per lower tier
+        for _, i in sorted((order, i) for i, w in enumerate(writers)
+                           if (order := w.oldest_queued) is not None):
+            obj = writers[i].give_up_one(holders)
+            if obj is not None:
+                for other in writers:
+                    if other is not writers[i]:
+                        other.give_up(obj)
+                return True
+        return False
 
     # -- store ---------------------------------------------------------------
     def put(self, keys: Sequence[CacheKey], objs: Sequence[MemoryObj],

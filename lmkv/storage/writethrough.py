@@ -4,8 +4,9 @@ The engine never waits on a slow tier: each lower tier has one queue and one
 writer thread. A full queue drops the write (counted on the tier as a
 dropped write) instead of blocking. Queued chunks hold a reference, so the
 buffer stays valid until the tier has it; while that reference is held, the
-first tier cannot evict the chunk, so when it needs the room a write still
-waiting in a queue is given up (``cancel_oldest``) rather than the new store.
+first tier cannot evict the chunk, so when it needs the room a chunk whose
+write still waits in a queue is given up (``give_up_one``) rather than the new
+store.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ class WriteThrough:
         self.tier = tier
         self.max_chunks = max_chunks
         # (order, keys, objs, parents) not yet taken by the writer, oldest first
-        self._queue: deque[tuple[int, list, list, list | None]] = deque()
+        self._queue: deque[tuple[int, list, list, list]] = deque()
         self._pending = 0  # chunks queued or being written
         self._stopping = False
         self._lock = threading.Lock()
@@ -52,10 +53,13 @@ class WriteThrough:
     def submit(self, keys: Sequence[CacheKey], objs: Sequence[MemoryObj],
                parents: Sequence[CacheKey | None] | None = None) -> bool:
         """Queue a write (``parents``: as for ``StorageBackend.batched_submit_put``);
-        False (and counted as dropped) when the queue is full."""
+        False (and counted as dropped) when the queue is full or closed."""
         n = len(keys)
         with self._lock:
-            if self._stopping or self._pending + n > self.max_chunks:
+            if self._stopping:
+                self.tier.counters.dropped_writes += n
+                return False
+            if self._pending + n > self.max_chunks:
                 self.tier.counters.dropped_writes += n
                 _log.warning(f"full:{self.tier.name}", "lmkv %s tier: write-through queue "
                              "full (%d chunks); dropping a write", self.tier.name,
@@ -65,7 +69,7 @@ class WriteThrough:
             for obj in objs:
                 obj.ref_up()
             self._queue.append((next(_order), list(keys), list(objs),
-                                None if parents is None else list(parents)))
+                                [None] * n if parents is None else list(parents)))
             self._work.notify()
         return True
 
@@ -82,20 +86,45 @@ class WriteThrough:
         except IndexError:
             return None
 
-    def cancel_oldest(self) -> int:
-        """Give up the oldest write not yet taken by the writer (counted as dropped):
-        its references go, so the first tier may evict its chunks. Returns the
-        chunks given up (0: nothing was waiting)."""
+    def give_up_one(self, holders: int = 2) -> MemoryObj | None:
+        """Give up one chunk's write that has not started (counted as dropped), so
+        the first tier may evict the chunk: the first, oldest write first and its
+        last chunk first (a prompt's tail, what a prefix-aware policy evicts
+        first), whose buffer at most ``holders`` references hold (the tier that
+        stores it, and this queue and the other lower tiers' ones) and no pin:
+        anything more would keep it in memory. The chunk given up, or None when no
+        such chunk waits."""
         with self._lock:
-            if not self._queue:
-                return 0
-            _, keys, objs, _ = self._queue.popleft()
-            self._pending -= len(keys)
-            self._idle.notify_all()
-        for obj in objs:
-            obj.ref_down()
-        self.tier.counters.dropped_writes += len(keys)
-        return len(keys)
+            for item in self._queue:
+                objs = item[2]
+                for i in range(len(objs) - 1, -1, -1):
+                    obj = objs[i]
+                    if obj.ref_count <= holders and not obj.pin_count:
+                        self._drop_at(item, i)
+                        return obj
+        return None
+
+    def give_up(self, obj: MemoryObj) -> bool:
+        """Give up ``obj``'s write if it waits here (not started); whether it did."""
+        with self._lock:
+            for item in self._queue:
+                for i, queued in enumerate(item[2]):
+                    if queued is obj:
+                        self._drop_at(item, i)
+                        return True
+        return False
+
+    def _drop_at(self, item: tuple[int, list, list, list], i: int) -> None:
+        """Under the lock: drop chunk ``i`` of the queued ``item``."""
+        _, keys, objs, parents = item
+        obj = objs[i]
+        del keys[i], objs[i], parents[i]
+        if not keys:
+            self._queue.remove(item)
+        obj.ref_down()
+        self._pending -= 1
+        self._idle.notify_all()
+        self.tier.counters.dropped_writes += 1
 
     def _run(self) -> None:
         affinity.apply_background()
@@ -106,8 +135,9 @@ class WriteThrough:
                 if not self._queue:
                     return
                 _, keys, objs, parents = self._queue.popleft()
+            lineage = None if all(parent is None for parent in parents) else parents
             try:
-                self.tier.batched_submit_put(keys, objs, parents=parents).result(
+                self.tier.batched_submit_put(keys, objs, parents=lineage).result(
                     timeout=PUT_TIMEOUT_S)
             except Exception as exc:  # the tier absorbs its faults; this is the last resort
                 self.tier.faults.last_resort("write-through put", exc, "the writes are dropped")
@@ -132,18 +162,18 @@ class WriteThrough:
     def close(self, timeout: float = 2.0) -> None:
         """Stop the writer; writes still queued after ``timeout`` are dropped."""
         self.flush(timeout)
+        dropped = 0
         with self._lock:
             self._stopping = True
-            left = list(self._queue)
+            for _, keys, objs, _ in self._queue:
+                dropped += len(keys)
+                for obj in objs:
+                    obj.ref_down()
             self._queue.clear()
-            self._pending -= sum(len(keys) for _, keys, _, _ in left)
+            self._pending -= dropped
+            self._idle.notify_all()
             self._work.notify_all()
         self._thread.join(timeout=0.5)
-        dropped = 0
-        for _, keys, objs, _ in left:
-            dropped += len(keys)
-            for obj in objs:
-                obj.ref_down()
         if dropped:
             self.tier.counters.dropped_writes += dropped
             logger.warning("lmkv %s tier: %d queued writes dropped at close", self.tier.name,

@@ -49,23 +49,42 @@ EMBEDDED = ("import logging; from lmkv.base.logutil import log_where_nothing_doe
             "logging.getLogger('lmkv.tiers').debug('lmkv detail')")
 
 
+def _embedded(before: str = "", **env: str) -> subprocess.CompletedProcess[str]:
+    base = {k: v for k, v in os.environ.items() if k != "LMKV_LOG_LEVEL"}
+    return subprocess.run([sys.executable, "-c", EMBEDDED.format(before=before)],
+                          capture_output=True, text=True, env={**base, **env}, timeout=60)
+
+
 def test_inside_another_program_lmkv_lines_get_a_handler() -> None:
-    done = _run(EMBEDDED.format(before=""))
+    done = _embedded()
     assert done.stdout.strip() == "None"
     lines = done.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith("INFO ") and lines[0].endswith(
         "[lmkv] lmkv: ready")
-    done = _run(EMBEDDED.format(before=""), LMKV_LOG_LEVEL="debug")
+    done = _embedded(LMKV_LOG_LEVEL="debug")
     assert "lmkv detail" in done.stderr
-    done = _run(EMBEDDED.format(before=""), LMKV_LOG_LEVEL="loud")
+    done = _embedded(LMKV_LOG_LEVEL="loud")
     want = "LMKV_LOG_LEVEL = 'LOUD': allowed: DEBUG, INFO, WARNING, ERROR; lmkv logs at INFO"
     assert done.stdout.strip() == want and want in done.stderr and "lmkv: ready" in done.stderr
 
 
 def test_logging_the_program_configured_is_left_alone() -> None:
-    done = _run(EMBEDDED.format(before="logging.basicConfig(format='mine %(message)s'); "))
+    done = _embedded("logging.basicConfig(format='mine %(message)s'); ")
     assert done.stdout.strip() == "None"
     assert done.stderr.strip() == ""  # root at WARNING, as the program set it: no INFO line
-    done = _run(EMBEDDED.format(
-        before="logging.basicConfig(level='INFO', format='mine %(message)s'); "))
+    done = _embedded("logging.basicConfig(level='INFO', format='mine %(message)s'); ")
     assert done.stderr.strip() == "mine lmkv: ready"
+
+
+def test_logging_configured_later_takes_lmkv_lines_over() -> None:
+    later = ("import logging; from lmkv.base.logutil import log_where_nothing_does; "
+             "log_where_nothing_does(); "
+             "logging.getLogger('lmkv.a').info('before'); "
+             "logging.basicConfig(format='mine %(message)s'); "
+             "logging.getLogger('lmkv.a').info('after')")
+    base = {k: v for k, v in os.environ.items() if k != "LMKV_LOG_LEVEL"}
+    done = subprocess.run([sys.executable, "-c", later], capture_output=True, text=True,
+                          env=base, timeout=60)
+    lines = done.stderr.splitlines()
+    assert lines[0].endswith("[lmkv] before")
+    assert lines[1:] == ["mine after"]  # once, through the program's handler

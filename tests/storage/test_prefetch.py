@@ -198,9 +198,10 @@ def test_write_through_never_blocks_and_a_full_queue_drops() -> None:
 
 def test_a_lower_tier_that_falls_behind_gives_up_its_oldest_waiting_writes() -> None:
     """Chunks waiting for the write-through are held: the memory tier cannot evict
-    them. When it needs the room, the oldest writes still waiting are given up
-    (counted as dropped) and the new chunks are stored; the write being made is
-    never given up, and neither is a write that is not in the way."""
+    them. When it needs the room, chunks whose writes wait are given up one at a
+    time (counted as dropped), the oldest write first, and the new chunks are
+    stored; not a chunk something else holds too, nor more than the room needs,
+    nor the write being made."""
     upper, lower = cpu(max_bytes=8 * NBYTES), cpu(Slow)
     lower.release_event = threading.Event()
     manager = StorageManager([upper, lower])
@@ -224,7 +225,12 @@ def test_a_lower_tier_that_falls_behind_gives_up_its_oldest_waiting_writes() -> 
         time.sleep(0.01)
     assert store([2, 3]) == 2 and store([4, 5]) == 2  # waiting in the queue
     assert lower.counters.dropped_writes == 0
-    assert store([6, 7, 8, 9]) == 4  # 2 free, then 2, 3 give up their writes
+    reader = upper.get_blocking(key(3))  # held by a reader too: giving it up frees nothing
+    assert store([6, 7, 8]) == 3  # 2 free, then one chunk's write given up: 2's
+    assert lower.counters.dropped_writes == 1
+    assert not upper.contains(key(2)) and upper.contains(key(3))
+    reader.ref_down()
+    assert store([9]) == 1  # now 3's
     assert lower.counters.dropped_writes == 2
     assert not any(upper.contains(key(i)) for i in (2, 3))
     assert all(upper.contains(key(i)) for i in (0, 1, 4, 5, 6, 7, 8, 9))
@@ -233,6 +239,34 @@ def test_a_lower_tier_that_falls_behind_gives_up_its_oldest_waiting_writes() -> 
     assert [i for i in range(10) if lower.contains(key(i))] == [0, 1, 4, 5, 6, 7, 8, 9]
     manager.close()
     no_leaks(upper, lower)
+
+
+def test_a_chunk_queued_for_two_lower_tiers_is_given_up_in_both() -> None:
+    upper, disk, remote = cpu(max_bytes=4 * NBYTES), cpu(Slow), cpu(Slow)
+    gate = disk.release_event = remote.release_event = threading.Event()
+    manager = StorageManager([upper, disk, remote])
+    for ids in ([0], [1, 2]):
+        objs = [manager.allocate(SHAPE, torch.float32) for _ in ids]
+        manager.put([key(i) for i in ids], objs).result()
+        for obj in objs:
+            obj.ref_down()
+        deadline = time.monotonic() + 5  # both writers take [0] (stalled); [1, 2] waits
+        while ids == [0] and any(w.oldest_queued is not None for w in manager._writers):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    obj = manager.allocate(SHAPE, torch.float32)  # one free, then 2 given up in both
+    other = manager.allocate(SHAPE, torch.float32)
+    assert obj is not None and other is not None
+    assert disk.counters.dropped_writes == remote.counters.dropped_writes == 1
+    assert not upper.contains(key(2)) and upper.contains(key(1))
+    for held in (obj, other):
+        held.ref_down()
+    gate.set()
+    assert manager.flush(10)
+    assert [i for i in range(3) if disk.contains(key(i))] == [0, 1]
+    assert [i for i in range(3) if remote.contains(key(i))] == [0, 1]
+    manager.close()
+    no_leaks(upper, disk, remote)
 
 
 def test_a_write_being_made_is_never_given_up() -> None:

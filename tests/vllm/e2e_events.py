@@ -110,10 +110,11 @@ def settle(port: int, model: str, subscriber: Subscriber, fs_blocks: int) -> Non
 
     The write-through to the disk lands after the request's steps, and its events
     go out with the next engine step: short requests (under a block: lmkv stores
-    nothing of them, vLLM publishes nothing) bring those steps. Until the write
-    lands, the queue holds the prompt's chunks in the three-chunk cpu tier, and
-    the next prompt would find no room there (the store is then dropped, by
-    design: lmkv never waits for a slower tier)."""
+    nothing of them, vLLM publishes nothing) bring those steps. While the disk
+    writes the prompt's chunks, they are held in the three-chunk cpu tier, and
+    the next prompt would find no room there: its store would be cut short
+    (lmkv never waits for a slower tier; it gives up writes that have not
+    started, not one in progress)."""
     deadline = time.monotonic() + SETTLE_TIMEOUT_S
     while time.monotonic() < deadline:
         if subscriber.blocks_stored("lmkv:fs") >= fs_blocks:
