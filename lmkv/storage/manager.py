@@ -171,8 +171,8 @@ class StorageManager:
                     given_up += 1
                     obj = memory.allocate(shape, dtype)
                 if given_up:
-                    _room_log.warning("behind", "lmkv: lower tiers fall behind; gave up %d "
-                                      "queued chunk writes to make room in the %s tier",
+                    _room_log.warning("behind", "lmkv: lower tiers fall behind; gave up the queued "
+                                      "writes of %d chunk(s) to make room in the %s tier",
                                       given_up, memory.name)
         return obj
 
