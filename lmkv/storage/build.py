@@ -4,8 +4,10 @@ A tier that stores bytes (fs, redis, mooncake) decodes what it reads into
 buffers from ``BackendContext.allocate``: the arena of the tier that holds
 memory (``holds_memory_objs``, the cpu tier), wherever that tier sits in the
 list. That tier is therefore built first and the others are handed its
-``allocate`` when they are built, so no tier calls back into the storage
-manager or into a list still being filled. Without a tier that holds memory
+``allocate`` when they are built (``ReadAllocate``), so no tier calls into a
+list still being filled; the storage manager made over the tiers then takes
+that ``allocate`` over, so a read into memory may give up queued writes as a
+store does (``StorageManager.allocate``). Without a tier that holds memory
 they are handed ``tensor_allocate``: plain tensors, which nothing keeps past
 the read. The tier that holds memory is handed no ``allocate``: it allocates
 from its own arena.
@@ -32,6 +34,19 @@ def tensor_allocate(shape: Sequence[int], dtype: torch.dtype) -> MemoryObj:
     return tensor_obj(torch.empty(tuple(shape), dtype=dtype))
 
 
+class ReadAllocate:
+    """The ``allocate`` the tiers below the memory tier are handed: the memory
+    tier's own until ``target`` is set to another (the storage manager's)."""
+
+    __slots__ = ("target",)
+
+    def __init__(self, target: Allocate) -> None:
+        self.target = target
+
+    def __call__(self, shape: Sequence[int], dtype: torch.dtype) -> MemoryObj | None:
+        return self.target(shape, dtype)
+
+
 def memory_tier(tiers: Sequence[StorageBackend]) -> StorageBackend | None:
     """The first tier that holds memory, or None."""
     return next((t for t in tiers if t.holds_memory_objs), None)
@@ -48,7 +63,7 @@ def build_tiers(config: LMKVConfig, arena: ArenaPlacement = ArenaPlacement.PRIVA
                   None)
     order = sorted(range(len(plugins.tiers)), key=lambda i: i != memory)  # memory first
     built: dict[int, StorageBackend] = {}
-    allocate: Allocate = tensor_allocate
+    allocate: Allocate | ReadAllocate = tensor_allocate
     try:
         for i in order:
             tier = plugins.tiers[i]
@@ -62,7 +77,7 @@ def build_tiers(config: LMKVConfig, arena: ArenaPlacement = ArenaPlacement.PRIVA
             )
             built[i] = tier.backend.create(context)
             if i == memory:
-                allocate = built[i].allocate
+                allocate = ReadAllocate(built[i].allocate)
     except BaseException:
         # Threads, connections and arenas of the tiers already built go back first.
         close_all(list(built.values()))

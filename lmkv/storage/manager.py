@@ -43,7 +43,13 @@ from lmkv.keys.chunking import CacheKey
 from lmkv.memory import MemoryObj, release
 from lmkv.plugins.contract import declared_version
 from lmkv.storage.admission import AdmissionGate
-from lmkv.storage.build import build_tiers, close_all, memory_tier, tensor_allocate
+from lmkv.storage.build import (
+    ReadAllocate,
+    build_tiers,
+    close_all,
+    memory_tier,
+    tensor_allocate,
+)
 from lmkv.storage.prefetch import EventManager, PrefetchTask, WeightedSemaphore
 from lmkv.storage.promotion import Promotion
 from lmkv.storage.writethrough import WriteThrough
@@ -98,6 +104,10 @@ class StorageManager:
             raise ValueError("the storage manager needs at least one tier")
         self.tiers = list(tiers)
         self._memory = memory_tier(self.tiers)
+        for tier in self.tiers:  # reads into memory make room as stores do
+            read_allocate = tier.context.allocate
+            if isinstance(read_allocate, ReadAllocate) and self._memory is not None:
+                read_allocate.target = self.allocate
         # Every tier looks up in memory and starts its reads without waiting (a
         # first tier that holds memory is asked on the caller's thread anyway):
         # a lookup may start there.

@@ -648,3 +648,51 @@ def test_a_tier_written_for_an_earlier_api_does_not_inherit_lookups_in_memory() 
     finally:
         for tier in tiers:
             tier.close()
+
+
+def test_a_read_into_memory_gives_up_waiting_writes_as_a_store_does(tmp_path) -> None:
+    """A lower tier reads into buffers of the memory tier: while writes hold every
+    chunk there, the read makes room the way a store does (the storage manager
+    takes over the ``allocate`` the tiers were built with)."""
+    from lmkv import load_config
+
+    config = load_config(env={}, overrides={"lmkv.tiers": [
+        {"type": "cpu", "options": {"max_bytes": 4 * NBYTES}},
+        {"type": "fs", "options": {"url": str(tmp_path)}}]})
+    manager = StorageManager.from_config(config)
+    upper, disk = manager.tiers
+
+    def store(i: int) -> None:
+        obj = manager.allocate(SHAPE, torch.float32)
+        obj.tensor.fill_(i)
+        manager.put([key(i)], [obj]).result()
+        obj.ref_down()
+
+    gate = threading.Event()
+    try:
+        store(100)
+        assert manager.flush(10) and disk.contains(key(100))
+        assert upper.remove(key(100))
+        put = disk.batched_submit_put
+
+        def stalled(keys, objs, parents=None):  # type: ignore[no-untyped-def]
+            gate.wait(10)
+            return put(keys, objs, parents=parents)
+
+        disk.batched_submit_put = stalled  # type: ignore[method-assign]
+        for i in range(4):  # the writer takes 0 (stalled), 1-3 wait: the arena is held
+            store(i)
+        deadline = time.monotonic() + 5
+        while len(manager._writers[0]._queue) != 3:  # (0 taken by the writer)
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        got = manager.get([key(100)])
+        assert len(got) == 1 and bool((got[0].tensor == 100).all())
+        got[0].ref_down()
+        assert disk.counters.dropped_writes == 1  # the write of 1, the oldest waiting
+        gate.set()
+        assert manager.flush(10)
+        assert [i for i in range(4) if disk.contains(key(i))] == [0, 2, 3]
+    finally:
+        gate.set()
+        manager.close()
