@@ -70,11 +70,12 @@ class BackendContext:
     eviction_policy: EvictionPolicy | None = None
     #: Where deserialized chunks go: buffers of the tier that holds memory
     #: (``holds_memory_objs``: the cpu tier's arena), whatever its place in
-    #: ``tiers``; None when no room can be made (the storage manager, once made,
-    #: answers the call and may give up queued writes for room). That tier is
-    #: built first, so a constructor may already call it. Plain tensors when no
-    #: tier holds memory; None for the tier that holds memory itself (it
-    #: allocates from its own arena).
+    #: ``tiers``; a call answers None when no room can be made. That tier is
+    #: built first, so a constructor may already call it; in tiers built from a
+    #: config, the storage manager answers the calls once it is made, and may
+    #: give up chunk writes still queued for lower tiers to make room. Plain
+    #: tensors when no tier holds memory; the field is None for the tier that
+    #: holds memory itself (it allocates from its own arena).
     allocate: Allocate | None = None
     #: This tier's position in ``tiers`` (for messages: ``tiers.<i>.options``).
     tier_index: int = 0

@@ -35,13 +35,15 @@ def tensor_allocate(shape: Sequence[int], dtype: torch.dtype) -> MemoryObj:
 
 
 class ReadAllocate:
-    """The ``allocate`` the tiers below the memory tier are handed: the memory
-    tier's own until ``target`` is set to another (the storage manager's)."""
+    """The ``allocate`` the tiers below the memory tier are handed: ``memory``'s
+    own until ``target`` is set to another (the storage manager's, until it
+    closes)."""
 
-    __slots__ = ("target",)
+    __slots__ = ("memory", "target")
 
-    def __init__(self, target: Allocate) -> None:
-        self.target = target
+    def __init__(self, memory: StorageBackend) -> None:
+        self.memory = memory
+        self.target: Allocate = memory.allocate
 
     def __call__(self, shape: Sequence[int], dtype: torch.dtype) -> MemoryObj | None:
         return self.target(shape, dtype)
@@ -77,7 +79,7 @@ def build_tiers(config: LMKVConfig, arena: ArenaPlacement = ArenaPlacement.PRIVA
             )
             built[i] = tier.backend.create(context)
             if i == memory:
-                allocate = ReadAllocate(built[i].allocate)
+                allocate = ReadAllocate(built[i])
     except BaseException:
         # Threads, connections and arenas of the tiers already built go back first.
         close_all(list(built.values()))

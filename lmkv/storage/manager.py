@@ -104,10 +104,13 @@ class StorageManager:
             raise ValueError("the storage manager needs at least one tier")
         self.tiers = list(tiers)
         self._memory = memory_tier(self.tiers)
-        for tier in self.tiers:  # reads into memory make room as stores do
-            read_allocate = tier.context.allocate
-            if isinstance(read_allocate, ReadAllocate) and self._memory is not None:
-                read_allocate.target = self.allocate
+        # Reads into memory make room as stores do (given back at close: the tiers
+        # must not keep this manager alive).
+        self._reads = [read for tier in self.tiers
+                       if isinstance(read := tier.context.allocate, ReadAllocate)
+                       and read.memory is self._memory]
+        for read in self._reads:
+            read.target = self.allocate
         # Every tier looks up in memory and starts its reads without waiting (a
         # first tier that holds memory is asked on the caller's thread anyway):
         # a lookup may start there.
@@ -177,9 +180,12 @@ class StorageManager:
             capacity = memory.capacity_bytes
             if capacity is None or math.prod(shape) * dtype.itemsize <= capacity:
                 given_up = 0
-                while obj is None and self._give_up_a_write():
-                    given_up += 1
-                    obj = memory.allocate(shape, dtype)
+                try:
+                    while obj is None and self._give_up_a_write():
+                        given_up += 1
+                        obj = memory.allocate(shape, dtype)
+                except Exception:  # a bug here must not fail a read or a store
+                    logger.exception("lmkv: making room in the %s tier failed", memory.name)
                 if given_up:
                     _room_log.warning("behind", "lmkv: lower tiers fall behind; gave up the queued "
                                       "writes of %d chunk(s) to make room in the %s tier",
@@ -825,6 +831,8 @@ class StorageManager:
         self._closed = True
         for writer in self._writers:
             writer.close(timeout)
+        for read in self._reads:  # the tiers' reads no longer lead here
+            read.target = read.memory.allocate
         self.events.close()
         self._executor.shutdown(wait=False, cancel_futures=True)
         self._abandon_handed()

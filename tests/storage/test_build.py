@@ -79,3 +79,23 @@ def test_without_a_memory_tier_reads_decode_into_plain_tensors(tmp_path: Path) -
         assert got.allocator is None and int(got.tensor.flatten()[0]) == 7
     finally:
         manager.close()
+
+
+def test_a_closed_manager_is_not_kept_alive_by_its_tiers(tmp_path: Path) -> None:
+    import gc
+    import weakref
+
+    config = load_config(env={}, overrides={"lmkv.tiers": [
+        {"type": "cpu", "options": {"max_bytes": "1MiB"}},
+        {"type": "fs", "options": {"url": str(tmp_path)}}]})
+    gc.disable()
+    try:
+        manager = StorageManager.from_config(config)
+        fs = manager.tiers[1]
+        ref = weakref.ref(manager)
+        manager.close()
+        assert fs.context.allocate.target == fs.context.allocate.memory.allocate
+        del manager
+        assert ref() is None  # without a collection: no cycle through the tiers
+    finally:
+        gc.enable()
