@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import math
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Generator, Iterator, Sequence
@@ -40,7 +39,7 @@ from lmkv.contracts.tier import (
 from lmkv.contracts.versions import parse_version
 from lmkv.keys.aliases import Alias, alias_target, is_alias, make_alias
 from lmkv.keys.chunking import CacheKey
-from lmkv.memory import MemoryObj, release
+from lmkv.memory import MemoryObj, nbytes_of, release
 from lmkv.plugins.contract import declared_version
 from lmkv.storage.admission import AdmissionGate
 from lmkv.storage.build import (
@@ -178,7 +177,7 @@ class StorageManager:
         obj = memory.allocate(shape, dtype)
         if obj is None and self._writers:
             capacity = memory.capacity_bytes
-            if capacity is None or math.prod(shape) * dtype.itemsize <= capacity:
+            if capacity is None or nbytes_of(shape, dtype) <= capacity:
                 given_up = 0
                 try:
                     while obj is None and self._give_up_a_write():
