@@ -29,7 +29,8 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from types import ModuleType
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -131,7 +132,200 @@ class Layout(NamedTuple):
     size: int = 0
 
 
-class MemoryObj:
+class _PyObjCore:
+    """A chunk buffer's fields and reference counts, in Python: what
+    ``lmkv._ext._memory.MemoryObjCore`` does where the accelerator is not built
+    (the same behaviour; counts change under the allocator's lock)."""
+
+    __slots__ = ("_allocator", "_layout", "_tensor", "nbytes", "offset", "pin_count",
+                 "ref_count")
+
+    _allocator: MemoryAllocator | None
+    _layout: Layout
+    _tensor: torch.Tensor | None
+    nbytes: int
+    offset: int
+    pin_count: int
+    ref_count: int
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        tensor = self._tensor
+        if tensor is not None:
+            return tensor
+        allocator, layout = self._allocator, self._layout
+        # The cached view, looked up here (``view_at`` does the rest): read per chunk.
+        tensor = allocator._views.get(self.offset << _LAYOUT_BITS | layout.ident)  # type: ignore[union-attr]
+        if tensor is not None and layout.ident >= 0:
+            return tensor
+        return allocator.view_at(self.offset, layout)  # type: ignore[union-attr]
+
+    def ref_up(self) -> bool:
+        """Take a reference; False (a bug, logged or raised) if the buffer was released."""
+        lock = self._allocator.lock if self._allocator else _detached_lock
+        with lock:
+            if self.ref_count <= 0:
+                _refcount_bug(f"ref_up on a released buffer at offset {self.offset}")
+                return False
+            self.ref_count += 1
+            return True
+
+    def ref_down(self) -> None:
+        """Give a reference back; the buffer returns to its arena at zero."""
+        allocator = self._allocator
+        lock = allocator.lock if allocator else _detached_lock
+        with lock:
+            if self.ref_count <= 0:
+                _refcount_bug(f"ref_down below zero at offset {self.offset}")
+                return
+            self.ref_count -= 1
+            if self.ref_count == 0 and allocator is not None:
+                if self.pin_count:
+                    _refcount_bug(f"buffer at offset {self.offset} freed while pinned")
+                if not allocator._core.free(self.offset, self.nbytes):
+                    _refcount_bug(f"double free of arena block at offset {self.offset}")
+
+    def pin(self) -> None:
+        """Pin: never evicted while pinned."""
+        lock = self._allocator.lock if self._allocator else _detached_lock
+        with lock:
+            self.pin_count += 1
+
+    def unpin(self) -> None:
+        """Take a pin back."""
+        lock = self._allocator.lock if self._allocator else _detached_lock
+        with lock:
+            if self.pin_count <= 0:
+                _refcount_bug(f"unpin below zero at offset {self.offset}")
+                return
+            self.pin_count -= 1
+
+
+class _PyArenaCore:
+    """An arena's free list (first fit over blocks sorted by start, coalescing) and
+    its counts, in Python: what ``lmkv._ext._memory.ArenaCore`` does where the
+    accelerator is not built. Every method takes the core's own lock."""
+
+    def __init__(self, allocator: MemoryAllocator, capacity: int, obj_type: type,
+                 layouts: dict[tuple, Layout]) -> None:
+        self._allocator = allocator
+        self._obj_type = obj_type
+        self._layouts = layouts
+        self._lock = threading.Lock()
+        self._starts: list[int] = [0]
+        self._sizes: list[int] = [capacity]
+        self.capacity = capacity
+        self.used_bytes = self.live_objects = self.peak_live = self.high = 0
+
+    def allocate(self, shape: Sequence[int], dtype: torch.dtype) -> MemoryObj | None:
+        dims = shape if type(shape) is tuple else tuple(shape)
+        layout = self._layouts.get((dtype, dims))
+        if layout is None:
+            layout = self._allocator._layout(dims, dtype)
+        return self.allocate_layout(layout)
+
+    def allocate_layout(self, layout: Layout) -> MemoryObj | None:
+        size = layout.size
+        with self._lock:
+            offset = self._take(size)
+            if offset < 0:
+                return None
+            self.used_bytes += size
+            self.live_objects += 1
+            if self.live_objects > self.peak_live:
+                self.peak_live = self.live_objects
+            higher = offset + size > self.high
+            if higher:
+                self.high = offset + size
+        obj = self.make(offset, layout)
+        prefaulter = self._allocator.prefaulter
+        if higher and prefaulter is not None:
+            prefaulter.reached(offset + size)
+        return obj
+
+    def make(self, offset: int, layout: Layout) -> MemoryObj:
+        obj: MemoryObj = _new_obj(self._obj_type)
+        obj._tensor, obj._layout, obj._allocator = None, layout, self._allocator
+        obj.offset, obj.nbytes, obj.ref_count, obj.pin_count = offset, layout.size, 1, 0
+        return obj
+
+    def _take(self, size: int) -> int:
+        sizes = self._sizes
+        for i, free in enumerate(sizes):
+            if free >= size:
+                start = self._starts[i]
+                if free == size:
+                    del self._starts[i]
+                    del sizes[i]
+                else:
+                    self._starts[i] = start + size
+                    sizes[i] = free - size
+                return start
+        return -1
+
+    def free(self, start: int, size: int) -> bool:
+        """Give a block back (coalescing); False on a double free (an overlap)."""
+        with self._lock:
+            starts, sizes = self._starts, self._sizes
+            i = bisect.bisect_left(starts, start)
+            overlaps_next = i < len(starts) and starts[i] < start + size
+            overlaps_prev = i > 0 and starts[i - 1] + sizes[i - 1] > start
+            if overlaps_next or overlaps_prev or start < 0 or size <= 0 \
+                    or start + size > self.capacity:
+                return False
+            merge_prev = i > 0 and starts[i - 1] + sizes[i - 1] == start
+            merge_next = i < len(starts) and start + size == starts[i]
+            if merge_prev and merge_next:
+                sizes[i - 1] += size + sizes[i]
+                del starts[i]
+                del sizes[i]
+            elif merge_prev:
+                sizes[i - 1] += size
+            elif merge_next:
+                starts[i] = start
+                sizes[i] += size
+            else:
+                starts.insert(i, start)
+                sizes.insert(i, size)
+            self.used_bytes -= size
+            self.live_objects -= 1
+            return True
+
+    def blocks(self) -> list[tuple[int, int]]:
+        with self._lock:
+            return list(zip(self._starts, self._sizes, strict=True))
+
+    @property
+    def largest(self) -> int:
+        with self._lock:
+            return max(self._sizes, default=0)
+
+
+_new_obj = object.__new__
+
+# The optional C accelerator (setup.py): the same behaviour, without a Python
+# frame per allocate, tensor, ref_up or ref_down.
+_native: ModuleType | None
+try:
+    from lmkv._ext import _memory as _native
+except ImportError:  # pragma: no cover - depends on the build
+    _native = None
+
+if TYPE_CHECKING:  # the same fields and methods, whichever is used
+    _ObjCore = _PyObjCore
+    _ArenaCore = _PyArenaCore
+else:
+    _ObjCore = _native.MemoryObjCore if _native is not None else _PyObjCore
+    _ArenaCore = _native.ArenaCore if _native is not None else _PyArenaCore
+#: Whether chunk buffers and arenas run on the C accelerator.
+NATIVE = _native is not None
+#: ``release(objs)``: one reference given back on each (what a reader took).
+release: Callable[[Sequence[MemoryObj]], None]
+#: ``add_refs(objs)``: one reference taken on each (live buffers only).
+add_refs: Callable[[Sequence[MemoryObj]], None]
+
+
+class MemoryObj(_ObjCore):
     """One chunk buffer: a typed tensor view with a reference and a pin count.
 
     The creator holds the first reference. Whoever keeps the object (a tier,
@@ -144,8 +338,7 @@ class MemoryObj:
     many small chunks pays for each a few fields, not a tensor (about 1 KiB).
     """
 
-    __slots__ = ("_allocator", "_layout", "_tensor", "nbytes", "offset", "pin_count",
-                 "ref_count")
+    __slots__ = ()
 
     def __init__(self, tensor: torch.Tensor | None, allocator: MemoryAllocator | None = None,
                  offset: int = -1, nbytes: int | None = None,
@@ -173,18 +366,6 @@ class MemoryObj:
         self.pin_count = 0
 
     @property
-    def tensor(self) -> torch.Tensor:
-        tensor = self._tensor
-        if tensor is not None:
-            return tensor
-        allocator, layout = self._allocator, self._layout
-        # The cached view, looked up here (``view_at`` does the rest): read per chunk.
-        tensor = allocator._views.get(self.offset << _LAYOUT_BITS | layout.ident)  # type: ignore[union-attr]
-        if tensor is not None and layout.ident >= 0:
-            return tensor
-        return allocator.view_at(self.offset, layout)  # type: ignore[union-attr]
-
-    @property
     def shape(self) -> torch.Size:
         return self._layout.shape
 
@@ -205,56 +386,26 @@ class MemoryObj:
         # One reference is the tier's own.
         return self.ref_count <= 1 and self.pin_count == 0
 
-    def ref_up(self) -> bool:
-        """Take a reference; False (a bug, logged or raised) if the buffer was released."""
-        lock = self._allocator.lock if self._allocator else _detached_lock
-        with lock:
-            if self.ref_count <= 0:
-                _refcount_bug(f"ref_up on a released buffer at offset {self.offset}")
-                return False
-            self.ref_count += 1
-            return True
-
-    def ref_down(self) -> None:
-        allocator = self._allocator
-        lock = allocator.lock if allocator else _detached_lock
-        with lock:
-            if self.ref_count <= 0:
-                _refcount_bug(f"ref_down below zero at offset {self.offset}")
-                return
-            self.ref_count -= 1
-            if self.ref_count == 0 and allocator is not None:
-                if self.pin_count:
-                    _refcount_bug(f"buffer at offset {self.offset} freed while pinned")
-                allocator._free_locked(self)
-
-    def pin(self) -> None:
-        lock = self._allocator.lock if self._allocator else _detached_lock
-        with lock:
-            self.pin_count += 1
-
-    def unpin(self) -> None:
-        lock = self._allocator.lock if self._allocator else _detached_lock
-        with lock:
-            if self.pin_count <= 0:
-                _refcount_bug(f"unpin below zero at offset {self.offset}")
-                return
-            self.pin_count -= 1
-
     def __repr__(self) -> str:
         return (f"MemoryObj(shape={tuple(self.shape)}, dtype={self.dtype}, "
                 f"offset={self.offset}, ref={self.ref_count}, pin={self.pin_count})")
 
 
-_new_obj = object.__new__
-
-
-def release(objs: Sequence[MemoryObj]) -> None:
-    """Drop one reference on each of ``objs`` (what a reader took from a tier)."""
+def _release_py(objs: Sequence[MemoryObj]) -> None:
     for obj in objs:
         obj.ref_down()
 
 
+def _add_refs_py(objs: Sequence[MemoryObj]) -> None:
+    for obj in objs:
+        obj.ref_up()
+
+
+if _native is not None:
+    _native.setup(_refcount_bug, _LAYOUT_BITS)
+    release, add_refs = _native.release, _native.add_refs
+else:  # pragma: no cover - depends on the build
+    release, add_refs = _release_py, _add_refs_py
 _detached_lock = threading.Lock()
 
 
@@ -457,14 +608,7 @@ class MemoryAllocator:
         if self._mapping is not None and prefault_ahead > 0 and _MADVISE is not None:
             self.prefaulter = _Prefaulter(self._mapping, self.arena.data_ptr(),
                                           self.capacity_bytes, prefault_ahead)
-        self._high = 0  # the highest offset handed out so far
-        self.lock = threading.Lock()
-        # Free blocks, sorted by start; sizes kept alongside for first-fit scans.
-        self._free_starts: list[int] = [0]
-        self._free_sizes: list[int] = [self.capacity_bytes]
-        self.used_bytes = 0
-        self.live_objects = 0
-        self._peak_live = 0
+        self.lock = threading.Lock()  # the view cache and the layouts
         self._views: dict[int, torch.Tensor] = {}
         # Views never take more than a 32nd of the arena's size (tiny chunks
         # cost less than their views), nor VIEW_CACHE_BYTES.
@@ -473,31 +617,34 @@ class MemoryAllocator:
         self._layouts: dict[tuple, Layout] = {}
         self._layout_list: list[Layout] = []
         self._typed: dict[torch.dtype, torch.Tensor | None] = {}  # the arena as each dtype
+        # The free list and the counts (first fit over blocks sorted by start,
+        # coalescing), in C where the accelerator is built.
+        self._core = _ArenaCore(self, self.capacity_bytes, MemoryObj, self._layouts)
+        #: ``allocate(shape, dtype)``: a buffer, or None when the arena has no room.
+        self.allocate: Allocate = self._core.allocate  # type: ignore[method-assign]  # no Python frame
 
     def allocate(self, shape: Sequence[int], dtype: torch.dtype) -> MemoryObj | None:
-        """A buffer of ``shape``/``dtype``, or None when the arena has no room."""
-        dims = shape if type(shape) is tuple else tuple(shape)
-        layout = self._layouts.get((dtype, dims))
-        if layout is None:
-            layout = self._layout(dims, dtype)
-        size = layout.size
-        with self.lock:
-            offset = self._take(size)
-            if offset < 0:
-                return None
-            self.used_bytes += size
-            self.live_objects += 1
-            if self.live_objects > self._peak_live:
-                self._peak_live = self.live_objects
-            higher = offset + size > self._high
-            if higher:
-                self._high = offset + size
-        if higher and self.prefaulter is not None:
-            self.prefaulter.reached(offset + size)
-        obj = _new_obj(MemoryObj)  # what __init__ does for a buffer of an arena, inlined
-        obj._tensor, obj._layout, obj._allocator = None, layout, self
-        obj.offset, obj.nbytes, obj.ref_count, obj.pin_count = offset, size, 1, 0
-        return obj
+        """A buffer of ``shape``/``dtype``, or None when the arena has no room
+        (each allocator's own is its core's, set in ``__init__``)."""
+        return self._core.allocate(shape, dtype)
+
+    def allocate_layout(self, layout: Layout) -> MemoryObj | None:
+        """A buffer of an interned ``layout``, or None when the arena has no room."""
+        return self._core.allocate_layout(layout)
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes of the arena handed out (aligned)."""
+        return self._core.used_bytes
+
+    @property
+    def live_objects(self) -> int:
+        """Buffers handed out and not given back."""
+        return self._core.live_objects
+
+    @property
+    def _peak_live(self) -> int:
+        return self._core.peak_live
 
     def layout(self, shape: Sequence[int], dtype: torch.dtype) -> Layout:
         """The layout a buffer of ``shape``/``dtype`` gets (ValueError: no such buffer)."""
@@ -509,10 +656,7 @@ class MemoryAllocator:
         """A buffer of ``layout`` over the used block at ``offset``, which its owner
         let go of without freeing it (a tier handing an evicted entry's bytes,
         of the same layout, straight to a new buffer: no free, no allocation)."""
-        obj = _new_obj(MemoryObj)
-        obj._tensor, obj._layout, obj._allocator = None, layout, self
-        obj.offset, obj.nbytes, obj.ref_count, obj.pin_count = offset, layout.size, 1, 0
-        return obj
+        return self._core.make(offset, layout)
 
     def _layout(self, dims: tuple, dtype: torch.dtype) -> Layout:
         """The interned layout of ``dims``/``dtype``; past ``MAX_LAYOUTS`` distinct ones
@@ -547,24 +691,8 @@ class MemoryAllocator:
         """Give back the buffer at ``offset`` whose MemoryObj is gone (a tier that
         holds its entries as offsets: ``MemoryObj.ref_down`` of the last reference
         does this for everyone else)."""
-        with self.lock:
-            if self._insert_free(offset, size):
-                self.used_bytes -= size
-                self.live_objects -= 1
-
-    def _take(self, size: int) -> int:
-        sizes = self._free_sizes
-        for i, free in enumerate(sizes):
-            if free >= size:
-                start = self._free_starts[i]
-                if free == size:
-                    del self._free_starts[i]
-                    del sizes[i]
-                else:
-                    self._free_starts[i] = start + size
-                    sizes[i] = free - size
-                return start
-        return -1
+        if not self._core.free(offset, size):
+            _refcount_bug(f"double free of arena block at offset {offset}")
 
     def _view(self, offset: int, layout: Layout) -> torch.Tensor:
         """The view of ``layout`` at ``offset``, from the cache (under ``lock``)."""
@@ -622,42 +750,10 @@ class MemoryAllocator:
         """Estimated memory held by cached views."""
         return len(self._views) * VIEW_COST_BYTES
 
-    def _free_locked(self, obj: MemoryObj) -> None:
-        if self._insert_free(obj.offset, obj.nbytes):
-            self.used_bytes -= obj.nbytes
-            self.live_objects -= 1
-
-    def _insert_free(self, start: int, size: int) -> bool:
-        """Return a block to the free list (coalescing); False on a double free."""
-        starts, sizes = self._free_starts, self._free_sizes
-        i = bisect.bisect_left(starts, start)
-        overlaps_next = i < len(starts) and starts[i] < start + size
-        overlaps_prev = i > 0 and starts[i - 1] + sizes[i - 1] > start
-        if overlaps_next or overlaps_prev:
-            _refcount_bug(f"double free of arena block at offset {start}")
-            return False
-        merge_prev = i > 0 and starts[i - 1] + sizes[i - 1] == start
-        merge_next = i < len(starts) and start + size == starts[i]
-        if merge_prev and merge_next:
-            sizes[i - 1] += size + sizes[i]
-            del starts[i]
-            del sizes[i]
-        elif merge_prev:
-            sizes[i - 1] += size
-        elif merge_next:
-            starts[i] = start
-            sizes[i] += size
-        else:
-            starts.insert(i, start)
-            sizes.insert(i, size)
-        return True
-
     def free_blocks(self) -> list[tuple[int, int]]:
         """(offset, size) of every free block."""
-        with self.lock:
-            return list(zip(self._free_starts, self._free_sizes, strict=True))
+        return self._core.blocks()
 
     @property
     def largest_free_block(self) -> int:
-        with self.lock:
-            return max(self._free_sizes, default=0)
+        return self._core.largest

@@ -33,7 +33,7 @@ from lmkv.contracts.plugin import OptionsArg, PluginOptions
 from lmkv.contracts.tier import ArenaPlacement, BackendContext, StorageBackend, done_future
 from lmkv.keys.chunking import CacheKey
 from lmkv.keys.slots import SlotKeys
-from lmkv.memory import Layout, MemoryAllocator, MemoryObj, nbytes_of
+from lmkv.memory import Layout, MemoryAllocator, MemoryObj, add_refs, nbytes_of
 from lmkv.memory.shm import SharedMemoryUnavailable, SharedSegment, available_memory_bytes
 
 logger = logging.getLogger(__name__)
@@ -225,9 +225,7 @@ class CPUBackend(StorageBackend):
         none), kept in ``_live`` until a sweep finds it back to that reference."""
         obj = self._live.get(slot)
         if obj is None:
-            layout = self._layout(slot)
-            obj = MemoryObj(None, self.allocator, self._offset[slot] * self._align,
-                            layout.size, layout)
+            obj = self.allocator.reuse(self._offset[slot] * self._align, self._layout(slot))
             self._live[slot] = obj
         return obj
 
@@ -528,12 +526,10 @@ class CPUBackend(StorageBackend):
                 access(slot if by_slot else key)
                 out.append(obj)
                 got_bytes += obj.nbytes
-            # The readers' references, under the allocator's lock once: each entry
-            # holds the tier's (it is stored, and the tier's lock is held), so
-            # none of these buffers can have been released.
-            with self.allocator.lock:
-                for obj in out:
-                    obj.ref_count += 1
+            # The readers' references, in one call: each entry holds the tier's (it
+            # is stored, and the tier's lock is held), so none of these buffers
+            # can have been released.
+            add_refs(out)
             self.counters.hits += len(out)
             self.counters.misses += len(keys) - len(out)
             self.counters.bytes_out += got_bytes
