@@ -13,6 +13,8 @@ setup(ext_modules=[
     # Chunk buffers' reference counts and an arena's free list (lmkv.memory):
     # without it, the same in Python (a few more microseconds a chunk).
     Extension("lmkv._ext._memory", ["lmkv/_ext/memory.c"], optional=True),
+    # Cache keys numbered by slot (lmkv.keys.slots): without it, the same in Python.
+    Extension("lmkv._ext._slots", ["lmkv/_ext/slots.c"], optional=True),
     Extension("lmkv._ext._busguard", ["lmkv/_ext/busguard.c"], optional=True),
     # Multi-threaded memcpy copies between host-memory paged caches and chunk
     # buffers (lmkv_kernels.host_impl): without it, torch's copies (torch_ref).

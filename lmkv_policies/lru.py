@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
-from collections.abc import Hashable, Iterator
+from collections.abc import Hashable, Iterator, Sequence
 from itertools import count
 
 from lmkv.contracts.plugin import OptionsArg
@@ -24,7 +24,7 @@ from lmkv_policies.lru_slots import SlotRecency, merged
 
 class LRUPolicy(EvictionPolicy):
     name = "lru"
-    api_version = "2.1"
+    api_version = "2.2"
     orders_slots = True
 
     def __init__(self, options: OptionsArg = None, context: EvictionContext | None = None) -> None:
@@ -61,6 +61,18 @@ class LRUPolicy(EvictionPolicy):
             self._order[key] = next(self._clock)
         else:  # a key that extends it was stored first
             self._parked[key] = next(self._clock)
+
+    def on_insert_many(self, keys: list[Hashable], parents: list[Hashable | None]) -> None:
+        # (called for slots only: a batch whose lineage is in place)
+        assert self._slot_order is not None
+        self._slot_order.insert_many(keys, parents)  # type: ignore[arg-type]
+
+    def on_access_many(self, keys: Sequence[Hashable]) -> None:
+        if self._slot_order is not None:
+            self._slot_order.access_many(keys)  # type: ignore[arg-type]
+            return
+        for key in keys:
+            self.on_access(key)
 
     def on_access(self, key: Hashable) -> None:
         if self._slot_order is not None:

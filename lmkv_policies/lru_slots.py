@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import heapq
 from array import array
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from itertools import count, repeat
 from typing import TypeVar
 
@@ -100,6 +100,66 @@ class SlotRecency:
             self._used[slot] = next(self._clock)
             self._state[slot] = _PARKED
             self._parked += 1
+
+    def insert_many(self, slots: list[int], parents: list[int | None]) -> None:
+        """``insert`` of each slot, the lineage already holding all of them: what
+        ``extended`` and ``insert`` slot by slot would leave (a slot that a later
+        one extends goes straight to parked, where it would have gone)."""
+        state = self._state
+        top = max(slots)
+        if top >= len(state):
+            self._reach(top)
+            state = self._state
+        for parent in parents:  # stored leaves before the batch, extended now
+            if parent is not None and parent < len(state) and state[parent] in (_ORDER, _BACK):
+                self.extended(parent)
+        children, used, prevs, nexts = (self.lineage._children, self._used, self._prev,
+                                        self._next)
+        clock, tail, ordered, parked = self._clock, self._tail, 0, 0
+        for slot in slots:
+            used[slot] = next(clock)
+            if children[slot]:  # a slot that extends it is stored
+                state[slot] = _PARKED
+                parked += 1
+            else:  # a leaf: to the tail
+                state[slot] = _ORDER
+                prevs[slot] = tail
+                nexts[slot] = -1
+                if tail >= 0:
+                    nexts[tail] = slot
+                else:
+                    self._head = slot
+                tail = slot
+                ordered += 1
+        self._tail = tail
+        self._ordered += ordered
+        self._parked += parked
+
+    def access_many(self, slots: Sequence[int]) -> None:
+        """``access`` of each slot (a prompt's inner chunks, parked, in one pass)."""
+        state, used, clock = self._state, self._used, self._clock
+        prevs, nexts = self._prev, self._next
+        size = len(state)
+        for slot in slots:
+            found = state[slot] if slot < size else _NONE
+            if found == _PARKED:
+                used[slot] = next(clock)
+            elif found == _ORDER:  # to the tail (``access``, inlined)
+                used[slot] = next(clock)
+                tail = self._tail
+                if slot == tail:
+                    continue
+                before, after = prevs[slot], nexts[slot]
+                if before >= 0:
+                    nexts[before] = after
+                else:
+                    self._head = after
+                prevs[after] = before
+                prevs[slot], nexts[slot] = tail, -1
+                nexts[tail] = slot
+                self._tail = slot
+            else:
+                self.access(slot)
 
     def access(self, slot: int) -> None:
         state = self._state[slot] if slot < len(self._state) else _NONE

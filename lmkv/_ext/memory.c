@@ -711,6 +711,219 @@ release(PyObject *module, PyObject *arg)
     Py_RETURN_NONE;
 }
 
+/* own_refs(objs, allocator): when every one of ``objs`` is a live buffer of
+ * ``allocator``, take a reference on each and answer True; else change nothing
+ * and answer False. */
+static PyObject *
+own_refs(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "own_refs(objs, allocator)");
+        return NULL;
+    }
+    PyObject *seq = PySequence_Fast(args[0], "own_refs takes a sequence of buffers");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (!PyObject_TypeCheck(items[i], &MemObjType)
+                || ((MemObj *)items[i])->allocator != args[1]
+                || ((MemObj *)items[i])->ref_count <= 0) {
+            Py_DECREF(seq);
+            Py_RETURN_FALSE;
+        }
+    }
+    for (Py_ssize_t i = 0; i < n; i++)
+        ((MemObj *)items[i])->ref_count++;
+    Py_DECREF(seq);
+    Py_RETURN_TRUE;
+}
+
+static int
+pop_last(PyObject *list)
+{
+    Py_ssize_t n = PyList_GET_SIZE(list);
+    return PyList_SetSlice(list, n - 1, n, NULL);
+}
+
+/* record_puts(keys, objs, slots, parents, offsets, idents, odd, live, align, out):
+ * a cpu tier's batch of its own buffers (lmkv_backends.tiers.cpu): for each
+ * item whose slot holds nothing (``offsets[slot] < 0``), its offset (in units of
+ * ``align``) and layout number go to ``offsets`` / ``idents`` (array('i' or 'q')
+ * and array('h'), sized for every slot), an uninterned layout to ``odd``, the
+ * buffer to ``live``; ``out`` is [new slots, their parents' slots, buffers of
+ * slots stored already, [(position in new, item) of parents to resolve],
+ * [stored bytes]]. A parent that is the key recorded just before is that key's
+ * slot; None stays None; any other is left to the caller (None in its place).
+ * On an error, ``out`` holds every item recorded before it, whole. */
+static PyObject *
+record_puts(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 10) {
+        PyErr_SetString(PyExc_TypeError, "record_puts takes 10 arguments");
+        return NULL;
+    }
+    PyObject *keys = args[0], *objs = args[1], *slots = args[2], *parents = args[3];
+    PyObject *odd = args[6], *live = args[7], *out = args[9];
+    Py_ssize_t align = PyLong_AsSsize_t(args[8]);
+    if (align == -1 && PyErr_Occurred())
+        return NULL;
+    if (align <= 0 || !PyList_CheckExact(keys) || !PyList_CheckExact(objs)
+            || !PyList_CheckExact(slots) || !PyList_CheckExact(parents)
+            || !PyDict_CheckExact(odd) || !PyDict_CheckExact(live)
+            || !PyList_CheckExact(out) || PyList_GET_SIZE(out) != 5) {
+        PyErr_SetString(PyExc_TypeError, "record_puts: lists, dicts and a positive align");
+        return NULL;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(keys);
+    if (PyList_GET_SIZE(objs) != n || PyList_GET_SIZE(slots) != n
+            || PyList_GET_SIZE(parents) != n) {
+        PyErr_SetString(PyExc_ValueError, "record_puts: keys, objs, slots and parents differ in length");
+        return NULL;
+    }
+    PyObject *new = PyList_GET_ITEM(out, 0), *new_parents = PyList_GET_ITEM(out, 1);
+    PyObject *again = PyList_GET_ITEM(out, 2), *unresolved = PyList_GET_ITEM(out, 3);
+    PyObject *tally = PyList_GET_ITEM(out, 4);
+    if (!PyList_CheckExact(new) || !PyList_CheckExact(new_parents) || !PyList_CheckExact(again)
+            || !PyList_CheckExact(unresolved) || !PyList_CheckExact(tally)
+            || PyList_GET_SIZE(tally) != 1) {
+        PyErr_SetString(PyExc_TypeError, "record_puts: out is four lists and [bytes]");
+        return NULL;
+    }
+    Py_buffer ob, ib;
+    Py_ssize_t stored = 0, last = -1;
+    if (PyObject_GetBuffer(args[4], &ob, PyBUF_WRITABLE | PyBUF_FORMAT) < 0)
+        return NULL;
+    if (PyObject_GetBuffer(args[5], &ib, PyBUF_WRITABLE | PyBUF_FORMAT) < 0) {
+        PyBuffer_Release(&ob);
+        return NULL;
+    }
+    int wide = ob.itemsize == 8;
+    if (!((ob.itemsize == 4 || ob.itemsize == 8) && ob.format && strchr("ilqn", ob.format[0]))
+            || !(ib.itemsize == 2 && ib.format && ib.format[0] == 'h')) {
+        PyErr_SetString(PyExc_TypeError, "record_puts: offsets array('i'/'q'), idents array('h')");
+        goto fail;
+    }
+    Py_ssize_t noff = ob.len / ob.itemsize, nid = ib.len / ib.itemsize;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *obj_o = PyList_GET_ITEM(objs, i), *slot_o = PyList_GET_ITEM(slots, i);
+        if (!PyObject_TypeCheck(obj_o, &MemObjType)) {
+            PyErr_Format(PyExc_TypeError, "record_puts: item %zd is no MemoryObj", i);
+            goto fail;
+        }
+        MemObj *obj = (MemObj *)obj_o;
+        Py_ssize_t slot = PyLong_AsSsize_t(slot_o);
+        if (slot == -1 && PyErr_Occurred())
+            goto fail;
+        if (slot < 0 || slot >= noff || slot >= nid) {
+            PyErr_Format(PyExc_IndexError, "record_puts: slot %zd past the arrays", slot);
+            goto fail;
+        }
+        long long was = wide ? ((int64_t *)ob.buf)[slot] : ((int32_t *)ob.buf)[slot];
+        if (was >= 0) {
+            if (PyList_Append(again, obj_o) < 0)
+                goto fail;
+            continue;
+        }
+        PyObject *layout = obj->layout;
+        if (layout == NULL || !PyTuple_Check(layout) || PyTuple_GET_SIZE(layout) < 1) {
+            PyErr_SetString(PyExc_TypeError, "record_puts: a buffer without a layout");
+            goto fail;
+        }
+        long ident = PyLong_AsLong(PyTuple_GET_ITEM(layout, 0));
+        if (ident == -1 && PyErr_Occurred())
+            goto fail;
+        Py_ssize_t unit = obj->offset / align;
+        if (ident < -1 || ident > 32767 || obj->offset % align
+                || (!wide && unit > INT32_MAX) || unit < 0) {
+            PyErr_SetString(PyExc_ValueError, "record_puts: a buffer's offset or layout out of range");
+            goto fail;
+        }
+        /* The lists and dicts first (each may fail, and is undone if a later one
+         * does), the arrays last (they cannot). */
+        PyObject *parent = PyList_GET_ITEM(parents, i);
+        PyObject *parent_slot = NULL;
+        int resolve = 0;
+        if (parent == Py_None) {
+            parent_slot = Py_NewRef(Py_None);
+        } else if (last >= 0 && parent == PyList_GET_ITEM(keys, last)) {
+            parent_slot = Py_NewRef(PyList_GET_ITEM(slots, last));
+        } else {
+            parent_slot = Py_NewRef(Py_None);
+            resolve = 1;
+        }
+        int steps = 0;
+        if (PyList_Append(new, slot_o) < 0)
+            goto undo;
+        steps = 1;
+        if (PyList_Append(new_parents, parent_slot) < 0)
+            goto undo;
+        steps = 2;
+        if (resolve) {
+            PyObject *pair = Py_BuildValue("(nn)", PyList_GET_SIZE(new) - 1, i);
+            if (pair == NULL || PyList_Append(unresolved, pair) < 0) {
+                Py_XDECREF(pair);
+                goto undo;
+            }
+            Py_DECREF(pair);
+        }
+        steps = 3;
+        if (PyDict_SetItem(live, slot_o, obj_o) < 0)
+            goto undo;
+        steps = 4;
+        if (ident < 0 && PyDict_SetItem(odd, slot_o, layout) < 0)
+            goto undo;
+        Py_DECREF(parent_slot);
+        if (wide)
+            ((int64_t *)ob.buf)[slot] = unit;
+        else
+            ((int32_t *)ob.buf)[slot] = (int32_t)unit;
+        ((int16_t *)ib.buf)[slot] = (int16_t)ident;
+        stored += obj->nbytes;
+        last = i;
+        continue;
+    undo:
+        Py_DECREF(parent_slot);
+        {
+            PyObject *exc_type, *exc_value, *exc_tb;
+            PyErr_Fetch(&exc_type, &exc_value, &exc_tb);
+            if (steps >= 4)
+                PyDict_DelItem(live, slot_o);
+            if (steps >= 3 && resolve)
+                pop_last(unresolved);
+            if (steps >= 2)
+                pop_last(new_parents);
+            if (steps >= 1)
+                pop_last(new);
+            PyErr_Clear();
+            PyErr_Restore(exc_type, exc_value, exc_tb);
+        }
+        goto fail;
+    }
+    PyBuffer_Release(&ob);
+    PyBuffer_Release(&ib);
+    {
+        PyObject *total = PyLong_FromSsize_t(stored);
+        if (total == NULL || PyList_SetItem(tally, 0, total) < 0)
+            return NULL;
+    }
+    Py_RETURN_NONE;
+fail:
+    PyBuffer_Release(&ob);
+    PyBuffer_Release(&ib);
+    {
+        PyObject *exc_type, *exc_value, *exc_tb;
+        PyErr_Fetch(&exc_type, &exc_value, &exc_tb);
+        PyObject *total = PyLong_FromSsize_t(stored);
+        if (total != NULL)
+            PyList_SetItem(tally, 0, total);
+        PyErr_Clear();
+        PyErr_Restore(exc_type, exc_value, exc_tb);
+    }
+    return NULL;
+}
+
 static PyObject *
 setup(PyObject *module, PyObject *args)
 {
@@ -818,6 +1031,10 @@ static PyMethodDef module_methods[] = {
     {"setup", setup, METH_VARARGS, "setup(refcount_bug, layout_bits)"},
     {"add_refs", add_refs, METH_O, "Take a reference on each buffer of a list."},
     {"release", release, METH_O, "Give back a reference on each buffer of a list."},
+    {"own_refs", (PyCFunction)(void (*)(void))own_refs, METH_FASTCALL,
+     "own_refs(objs, allocator): a reference on each, when all are live buffers of it."},
+    {"record_puts", (PyCFunction)(void (*)(void))record_puts, METH_FASTCALL,
+     "record_puts(...): a cpu tier's batch of its own buffers, recorded."},
     {NULL},
 };
 

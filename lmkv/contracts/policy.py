@@ -11,6 +11,7 @@ from itertools import repeat
 from typing import Any, ClassVar, Protocol, final
 
 from lmkv.contracts.plugin import NoOptions, OptionsArg, Plugin, PluginOptions
+from lmkv.contracts.versions import parse_version
 
 
 @dataclass(frozen=True)
@@ -186,6 +187,7 @@ class EvictionPolicy(Plugin, ABC):
         #: The stored keys' parents and child counts (kept by the base).
         self.lineage = Lineage()
         self._slots: SlotLineage | None = None
+        self._hooks: dict[str, Any] = {}  # the batch hooks found (``_batched``)
 
     @final
     def order_slots(self, key_of: Callable[[int], Hashable]) -> None:
@@ -268,9 +270,103 @@ class EvictionPolicy(Plugin, ABC):
             self._watcher(self._key_of(key), True)  # type: ignore[misc]
 
     @final
+    def insert_many(self, keys: Sequence[Hashable],
+                    parents: Sequence[Hashable | None] | None = None) -> None:
+        """``insert`` of each of ``keys`` with its parent (``parents``; None: every
+        key a root), in order: what a tier calls for a batch it stored."""
+        if parents is None:
+            parents = [None] * len(keys)
+        hook = self._batched("on_insert_many") if self._slots is not None else None
+        if hook is None:
+            for key, parent in zip(keys, parents, strict=True):
+                self.insert(key, parent)
+            return
+        self._insert_slots(hook, keys, parents)  # type: ignore[arg-type]
+
+    def _insert_slots(self, hook: Callable[..., None], keys: Sequence[int],
+                      parents: Sequence[int | None]) -> None:
+        """``insert_many`` of slots, for a policy with ``on_insert_many``: the
+        lineage of the whole batch first, then the hook once (a stored key, which
+        tiers never insert again, splits the batch and goes through ``insert``)."""
+        lineage = self._slots
+        assert lineage is not None
+        stored, children = lineage._parent, lineage._children
+        top = max(keys, default=-1)
+        for parent in parents:
+            if parent is not None and parent > top:
+                top = parent
+        if top >= len(stored):
+            lineage._reach(top)
+        run: list[int] = []
+        run_parents: list[int | None] = []
+        for key, parent in zip(keys, parents, strict=True):
+            if stored[key] != -2:
+                self._insert_run(hook, run, run_parents)
+                run, run_parents = [], []
+                self.insert(key, parent)
+                continue
+            if parent is None or parent == key:
+                stored[key] = -1
+                parent = None
+            else:
+                children[parent] += 1
+                stored[key] = parent
+            run.append(key)
+            run_parents.append(parent)
+        lineage._count += len(run)
+        self._insert_run(hook, run, run_parents, counted=True)
+
+    def _insert_run(self, hook: Callable[..., None], keys: list[int],
+                    parents: list[int | None], counted: bool = False) -> None:
+        """The policy's ``on_insert_many`` for a run whose lineage is in place."""
+        if not keys:
+            return
+        if not counted:
+            assert self._slots is not None
+            self._slots._count += len(keys)
+        hook(keys, parents)
+        if self._watcher is not None:
+            key_of, watcher = self._key_of, self._watcher
+            for key in keys:
+                watcher(key_of(key), True)  # type: ignore[misc]
+
+    @final
     def access(self, key: Hashable) -> None:
         """A stored key was read."""
         self.on_access(key)
+
+    @final
+    def access_many(self, keys: Sequence[Hashable]) -> None:
+        """``access`` of each of ``keys``, in order: a tier's batch of reads."""
+        hook = self._batched("on_access_many")
+        if hook is not None:
+            hook(keys)
+            return
+        on_access = self.on_access
+        for key in keys:
+            on_access(key)
+
+    def _batched(self, name: str) -> Callable[..., None] | None:
+        """The policy's batch hook ``name`` when it may stand for its per-key hooks:
+        a class written for eviction policy API 2.2 or later defines it, and no
+        class of the policy below that one replaces a per-key hook it stands for
+        (a subclass of ``lru`` with its own ``on_insert`` gets one call per key)."""
+        found = self._hooks.get(name, _ABSENT)
+        if found is _ABSENT:
+            found = None
+            per_key = _BATCH_HOOKS[name]
+            for klass in type(self).__mro__:
+                if klass is EvictionPolicy:
+                    break
+                if name in vars(klass):
+                    version = parse_version(getattr(klass, "api_version", None))
+                    if version is not None and version >= (2, 2):
+                        found = getattr(self, name)
+                    break
+                if any(hook in vars(klass) for hook in per_key):
+                    break
+            self._hooks[name] = found
+        return found
 
     @final
     def forget(self, key: Hashable) -> None:
@@ -366,6 +462,22 @@ class EvictionPolicy(Plugin, ABC):
         never makes it skip, so an eviction costs what it evicts).
         """
 
+    def on_insert_many(self, keys: list[Any], parents: list[Any]) -> None:
+        """Optional (eviction policy API 2.2; policies ordering slots): ``keys``
+        were stored, in order, each extending its parent (None: a root). Called
+        once the lineage holds all of them (``lineage.children`` counts
+        extensions stored later in the batch, and ``lineage.is_leaf`` of a stored
+        key one of them extends is false already): leave the policy as
+        ``on_extended`` and ``on_insert`` key by key would have. Not defined: lmkv
+        calls those instead (this base's is never called)."""
+        raise NotImplementedError
+
+    def on_access_many(self, keys: Sequence[Any]) -> None:
+        """Optional (eviction policy API 2.2): ``on_access`` of each of ``keys``, in
+        order. Not defined: lmkv calls ``on_access`` per key (this base's is never
+        called)."""
+        raise NotImplementedError
+
     def on_extended(self, key: Hashable) -> None:
         """The stored leaf ``key`` gained its first stored extension: it is no longer
         a candidate until ``on_leaf``. Called before the extension's ``on_insert``.
@@ -375,6 +487,13 @@ class EvictionPolicy(Plugin, ABC):
         """The stored key ``key`` is a leaf again: its last stored extension left
         (called after that one's ``on_remove``). A policy that orders leaves only
         puts ``key`` back here, where its own history says it belongs."""
+
+
+#: The per-key hooks a batch hook stands for (``EvictionPolicy._batched``).
+_BATCH_HOOKS: dict[str, tuple[str, ...]] = {
+    "on_insert_many": ("on_insert", "on_extended", "use_slots"),
+    "on_access_many": ("on_access", "use_slots"),
+}
 
 
 class StoreMeta(Protocol):

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 #: lmkv's version of each kind's contract (``major.minor``). API 1 is lmkv 0.1's.
 API_VERSIONS: dict[str, str] = {
     "storage_backend": "2.2",
-    "eviction_policy": "2.1",
+    "eviction_policy": "2.2",
     "offload_policy": "2.0",
     "serializer": "2.0",
     "gpu_connector": "2.1",
@@ -103,9 +103,13 @@ CALLS: dict[str, tuple[Call, ...]] = {
         Call("on_remove", ("key",)),
         Call("on_extended", ("key",)),
         Call("on_leaf", ("key",)),
+        Call("on_insert_many", ("keys", "parents")),
+        Call("on_access_many", ("keys",)),
         Call("victims"),
         Call("insert", kind="final"),
+        Call("insert_many", kind="final"),
         Call("access", kind="final"),
+        Call("access_many", kind="final"),
         Call("forget", kind="final"),
         Call("candidates", kind="final"),
         Call("watch", kind="final"),

@@ -12,7 +12,8 @@ tier's own records, and an eviction policy that orders slots
 from __future__ import annotations
 
 from array import array
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
+from typing import TYPE_CHECKING
 
 from lmkv.keys.chunking import CacheKey, KeyMeta
 
@@ -24,8 +25,11 @@ _TAG_MASK = (1 << 64) - 1
 _Space = tuple[KeyMeta, int, dict[bytes | int, int], int, int]
 
 
-class SlotKeys:
-    """CacheKey <-> slot. Not thread-safe: its tier's lock guards it."""
+class PySlotKeys:
+    """CacheKey <-> slot. Not thread-safe: its tier's lock guards it.
+
+    The pure-Python one: ``SlotKeys`` is the C accelerator's where it is built
+    (``lmkv._ext._slots``), with the same slots, keys and names, op for op."""
 
     __slots__ = ("_free", "_free_spaces", "_hash_of", "_last", "_space_ids", "_space_of",
                  "_spaces")
@@ -105,6 +109,16 @@ class SlotKeys:
         table[digest] = slot
         return slot
 
+    def add_many(self, keys: Sequence[CacheKey]) -> list[int]:
+        """``add`` of each key, in order: their slots."""
+        return [self.add(key) for key in keys]
+
+    def space_number(self, slot: int) -> int:
+        """The number of the space (meta, layer) of the key ``slot`` holds."""
+        if self._hash_of[slot] is None:
+            raise KeyError(f"slot {slot} is free")
+        return self._space_of[slot]
+
     def slot_named(self, name: Hashable, by_slot: bool) -> int:
         """The slot an eviction policy's name stands for: the name itself for a
         policy ordering slots (``by_slot``), else the slot of the key it names;
@@ -164,3 +178,24 @@ class SlotKeys:
     def slots(self) -> list[int]:
         """Every slot in use."""
         return [slot for slot, digest in enumerate(self._hash_of) if digest is not None]
+
+
+# The optional C accelerator (setup.py): the same answers, without a Python frame
+# per key, and a smaller index (its chunk hash, space and a table entry per key).
+try:
+    from lmkv._ext import _slots as _native
+except ImportError:  # pragma: no cover - depends on the build
+    _native = None  # type: ignore[assignment]
+
+if TYPE_CHECKING:
+    SlotKeys = PySlotKeys
+elif _native is not None:
+    class SlotKeys(_native.SlotKeys):
+        """CacheKey <-> slot (in C). Not thread-safe: its tier's lock guards it."""
+
+        __slots__ = ()
+
+        def __init__(self) -> None:
+            super().__init__(CacheKey)
+else:  # pragma: no cover - depends on the build
+    SlotKeys = PySlotKeys

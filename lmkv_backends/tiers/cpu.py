@@ -21,6 +21,7 @@ import threading
 from array import array
 from collections.abc import Hashable, Iterator, Sequence
 from concurrent.futures import Future
+from itertools import repeat
 from typing import Annotated
 
 import torch
@@ -33,7 +34,15 @@ from lmkv.contracts.plugin import OptionsArg, PluginOptions
 from lmkv.contracts.tier import ArenaPlacement, BackendContext, StorageBackend, done_future
 from lmkv.keys.chunking import CacheKey
 from lmkv.keys.slots import SlotKeys
-from lmkv.memory import Layout, MemoryAllocator, MemoryObj, add_refs, nbytes_of
+from lmkv.memory import (
+    Layout,
+    MemoryAllocator,
+    MemoryObj,
+    add_refs,
+    nbytes_of,
+    own_refs,
+    release,
+)
 from lmkv.memory.shm import SharedMemoryUnavailable, SharedSegment, available_memory_bytes
 
 logger = logging.getLogger(__name__)
@@ -437,7 +446,10 @@ class CPUBackend(StorageBackend):
         lineage = parents if parents is not None else [None] * len(keys)
         with self._lock:
             self._sweep()
-            policy, slots, live, allocator = self.policy, self._keys, self._live, self.allocator
+            allocator = self.allocator
+            if self._by_slot and own_refs(objs, allocator):  # (the tier's references)
+                return done_future(self._put_own(keys, objs, lineage))
+            policy, slots, live = self.policy, self._keys, self._live
             offsets, idents, align = self._offset, self._ident, self._align
             by_slot = self._by_slot
             last_key: CacheKey | None = None
@@ -495,6 +507,34 @@ class CPUBackend(StorageBackend):
                 stored += 1
         return done_future(stored)
 
+    def _put_own(self, keys: Sequence[CacheKey], objs: Sequence[MemoryObj],
+                 parents: Sequence[CacheKey | None]) -> int:
+        """The common batch (under the lock): every buffer of this tier's arena, the
+        tier's reference on each taken (``own_refs``), slots ordered by the
+        policy. The same steps as the general loop, each for the whole batch."""
+        index, offsets = self._keys, self._offset
+        slots = index.add_many(keys)  # their own, or new ones
+        more = index.capacity - len(offsets)
+        if more > 0:
+            offsets.extend(repeat(-1, more))
+            self._ident.extend(repeat(-1, more))
+        out: list = [[], [], [], [], [0]]
+        new, new_parents, again, unresolved, tally = out
+        try:
+            _record_puts(list(keys), list(objs), slots, list(parents), offsets, self._ident,
+                         self._odd, self._live, self._align, out)
+            for at, item in unresolved:  # a parent other than the chunk before
+                new_parents[at] = self._policy_parent(parents[item])
+        finally:
+            # What landed is ordered and counted, even past an item that raised.
+            self.policy.insert_many(new, new_parents)
+            self._stored_bytes += tally[0]
+            self._count += len(new)
+            self.counters.bytes_in += tally[0]
+            self.counters.puts += len(new)
+            release(again)  # stored already: the references taken go back
+        return len(new)
+
     def get_blocking(self, key: CacheKey) -> MemoryObj | None:
         with self._lock:
             slot = self._stored(key)
@@ -513,19 +553,19 @@ class CPUBackend(StorageBackend):
         got_bytes = 0
         with self._lock:
             self._sweep()
-            access, slots, live, offsets = (self.policy.access, self._keys, self._live,
-                                            self._offset)
-            by_slot = self._by_slot
+            index, live, offsets = self._keys, self._live, self._offset
+            found: list[int] = []
             for key in keys:
-                slot = slots.slot(key)
+                slot = index.slot(key)
                 if slot is None or offsets[slot] < 0:
                     break
                 obj = live.get(slot)
                 if obj is None:
                     obj = self._obj(slot)
-                access(slot if by_slot else key)
+                found.append(slot)
                 out.append(obj)
                 got_bytes += obj.nbytes
+            self.policy.access_many(found if self._by_slot else keys[:len(found)])
             # The readers' references, in one call: each entry holds the tier's (it
             # is stored, and the tier's lock is held), so none of these buffers
             # can have been released.
@@ -594,3 +634,40 @@ class CPUBackend(StorageBackend):
         super().close()
         if self.shared_segment is not None:
             self.shared_segment.close()
+
+
+def _record_puts_py(keys: list[CacheKey], objs: list[MemoryObj], slots: list[int],
+                    parents: list[CacheKey | None], offsets: array, idents: array,
+                    odd: dict[int, Layout], live: dict[int, MemoryObj], align: int,
+                    out: list) -> None:
+    """``lmkv._ext._memory.record_puts`` where the accelerator is not built: the
+    same records, item by item (see ``CPUBackend._put_own``)."""
+    new, new_parents, again, unresolved, tally = out
+    last: CacheKey | None = None
+    last_slot = -1
+    for i, (key, obj, slot, parent) in enumerate(zip(keys, objs, slots, parents, strict=True)):
+        if offsets[slot] >= 0:
+            again.append(obj)
+            continue
+        layout = obj._layout
+        new.append(slot)
+        if parent is None:
+            new_parents.append(None)
+        elif last is not None and parent is last:
+            new_parents.append(last_slot)
+        else:
+            new_parents.append(None)
+            unresolved.append((len(new) - 1, i))
+        live[slot] = obj
+        if layout.ident < 0:
+            odd[slot] = layout
+        offsets[slot] = obj.offset // align
+        idents[slot] = layout.ident
+        tally[0] += obj.nbytes
+        last, last_slot = key, slot
+
+
+try:
+    from lmkv._ext._memory import record_puts as _record_puts
+except ImportError:  # pragma: no cover - depends on the build
+    _record_puts = _record_puts_py

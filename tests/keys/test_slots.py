@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from lmkv.keys.chunking import CacheKey, KeyMeta
-from lmkv.keys.slots import SlotKeys
+from lmkv.keys.slots import PySlotKeys, SlotKeys
 
 
 def test_each_key_has_its_own_slot_and_comes_back_equal() -> None:
@@ -89,11 +91,58 @@ def test_a_name_does_not_follow_a_space_number_to_another_model() -> None:
     digest = bytes([7]) * 32
     first_a, first_b = slots.add(CacheKey(a, digest)), slots.add(CacheKey(b, digest))
     named_a, named_b = slots.name(first_a), slots.name(first_b)
+    first_b_space = slots.space_number(first_b)
     assert named_a != named_b
     slots.remove(first_b)
     slots.remove(first_a)  # both spaces empty: their numbers are free, a's handed first
     again_b, again_a = slots.add(CacheKey(b, digest)), slots.add(CacheKey(a, digest))
-    assert slots._space_of[again_b] != slots._space_of[first_b]  # b has a's old number
+    assert slots.space_number(again_b) != first_b_space  # b has a's old number
     assert (slots.name(again_a), slots.name(again_b)) == (named_a, named_b)
     layered = slots.add(CacheKey(a, digest, layer=5))
     assert slots.name(layered) not in (named_a, named_b)
+
+
+@pytest.mark.skipif(SlotKeys is PySlotKeys, reason="the C accelerator is not built here")
+def test_the_c_slot_keys_answer_as_the_python_ones_op_for_op() -> None:
+    """Random adds, lookups and removes of keys over several models and layers
+    (hashes of 32 bytes and of other lengths, equal metas made apart) on both:
+    the same slots, keys, names and sizes after every step."""
+    rng = random.Random(11)
+    metas = [KeyMeta(f"m{i % 3}", geometry="" if i < 3 else "2x2x64") for i in range(5)]
+    pool = [CacheKey(rng.choice(metas), rng.randbytes(rng.choice((32, 32, 32, 8, 33))),
+                     rng.choice((-1, -1, 0, 7))) for _ in range(600)]
+    c, py = SlotKeys(), PySlotKeys()
+    for step in range(20000):
+        roll = rng.random()
+        if roll < 0.45:
+            key = rng.choice(pool)
+            if rng.random() < 0.2:  # an equal key made apart
+                key = CacheKey(KeyMeta(**{f: getattr(key.meta, f)
+                                          for f in key.meta.__struct_fields__}),
+                               bytes(key.chunk_hash), key.layer)
+            assert c.add(key) == py.add(key)
+        elif roll < 0.75:
+            key = rng.choice(pool)
+            assert c.slot(key) == py.slot(key)
+            assert c.slot_named(key, False) == py.slot_named(key, False)
+        elif py.capacity:
+            slot = rng.randrange(py.capacity)
+            assert c.slot_named(slot, True) == py.slot_named(slot, True)
+            if rng.random() < 0.5:
+                c.remove(slot)
+                py.remove(slot)
+            elif slot in py.slots():
+                assert c.key(slot) == py.key(slot)
+                assert c.name(slot) == py.name(slot)
+                assert c.space_number(slot) == py.space_number(slot)
+            else:
+                with pytest.raises(KeyError):
+                    c.key(slot)
+        assert len(c) == len(py) and c.capacity == py.capacity
+        if step % 500 == 0:
+            assert c.slots() == py.slots()
+            assert c.add_many(pool[:50]) == py.add_many(pool[:50])
+    for slot in py.slots():
+        c.remove(slot)
+        py.remove(slot)
+    assert len(c) == 0 and not c._space_ids and all(s is None for s in c._spaces)

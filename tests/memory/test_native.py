@@ -24,16 +24,19 @@ native = pytest.mark.skipif(not memory.NATIVE, reason="the C accelerator is not 
 
 
 def test_the_whole_memory_and_cpu_tier_suites_pass_without_the_accelerator() -> None:
-    """Where the extension cannot be built, lmkv runs on the Python twin: the
-    allocator's, the cpu tier's and its index's tests, in a process that cannot
-    import it."""
+    """Where the extensions cannot be built, lmkv runs on their Python twins: the
+    allocator's, the cpu and fs tiers', their indexes' and the policies' tests, in
+    a process that cannot import them."""
     code = (
         "import sys; sys.modules['lmkv._ext._memory'] = None\n"
+        "sys.modules['lmkv._ext._slots'] = None\n"
         "import lmkv.memory as m; assert not m.NATIVE, 'the accelerator was imported'\n"
         "assert m.MemoryObj.__mro__[1] is m._PyObjCore\n"
+        "import lmkv.keys.slots as s; assert s.SlotKeys is s.PySlotKeys\n"
         "import pytest\n"
         "sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', 'tests/memory/test_allocator.py',"
         " 'tests/backends/test_cpu.py', 'tests/backends/test_cpu_index.py',"
+        " 'tests/keys/test_slots.py', 'tests/backends/test_fs.py', 'tests/policies',"
         " 'tests/memory/test_native.py::test_counts_stay_right_under_threads',"
         " 'tests/memory/test_native.py::test_bad_counts_are_reported_not_applied']))\n")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
