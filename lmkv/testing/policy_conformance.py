@@ -270,6 +270,62 @@ class EvictionPolicyConformance:
                 assert [slot_of[k] for k in by_key.candidates()] == \
                     list(by_slot.candidates()), f"the orders part at step {step}"
 
+    def test_batches_are_ordered_as_one_key_at_a_time(self) -> None:
+        """``insert_many`` and ``access_many`` (what a tier calls for a batch, and
+        what the optional ``on_insert_many`` / ``on_access_many`` hooks serve) leave
+        the policy as ``insert`` and ``access`` key by key do: the same candidates
+        after every batch of a random walk of prompts stored as batches (chains
+        from a stored key or a root, parents out of order, a key extended by one
+        stored before it), read as batches, and evicted. Run with slots when the
+        policy orders slots, with keys otherwise."""
+        one, many = self.make_policy(), self.make_policy()
+        slots = one.orders_slots
+        if slots:
+            one.order_slots(self.key)
+            many.order_slots(self.key)
+        name = (lambda i: i) if slots else self.key
+        rng = random.Random(self.seed)
+        stored: list[int] = []
+        fresh = 0
+        for step in range(self.operations // 3):
+            roll = rng.random()
+            if roll < 0.5 or not stored:
+                n = rng.randint(1, 6)
+                ids = list(range(fresh, fresh + n))
+                fresh += n
+                head = rng.choice(stored) if stored and rng.random() < 0.6 else None
+                parents: list[int | None] = [head, *ids[:-1]]
+                if rng.random() < 0.2 and n > 1:  # a tail stored before its head
+                    i = rng.randrange(1, n)
+                    ids[i - 1], ids[i] = ids[i], ids[i - 1]
+                    parents[i - 1], parents[i] = parents[i], parents[i - 1]
+                if rng.random() < 0.1 and stored:  # a parent from elsewhere
+                    parents[-1] = rng.choice(stored)
+                keys = [name(i) for i in ids]
+                named = [None if p is None else name(p) for p in parents]
+                for key, parent in zip(keys, named, strict=True):
+                    one.insert(key, parent)
+                many.insert_many(keys, named)
+                stored += ids
+            elif roll < 0.8:
+                reads = [name(i) for i in rng.sample(stored, min(len(stored), 5))]
+                for key in reads:
+                    one.access(key)
+                many.access_many(reads)
+            else:
+                for _ in range(rng.randint(1, 4)):
+                    victim = next(iter(one.candidates()), None)
+                    if victim is None:
+                        break
+                    assert next(iter(many.candidates()), None) == victim, \
+                        f"another victim at step {step}"
+                    one.forget(victim)
+                    many.forget(victim)
+                    stored.remove(victim if slots else int.from_bytes(
+                        victim.chunk_hash, "little"))  # type: ignore[union-attr]
+            assert list(one.candidates()) == list(many.candidates()), \
+                f"the orders part at step {step}"
+
     def test_memory_does_not_grow_with_keys_that_went_through(self) -> None:
         """Churn: a window of at most 64 stored keys, many keys through it. What the
         policy keeps after 10x more churn may not grow by more than a few KiB."""

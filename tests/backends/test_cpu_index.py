@@ -280,3 +280,53 @@ def test_a_victim_of_another_size_is_evicted_the_general_way() -> None:
     assert not backend.contains(key(0)) and not backend.contains(key(1))
     obj.ref_down()
     backend.close()
+
+
+@pytest.mark.skipif(cpu_module._record_puts is cpu_module._record_puts_py,
+                    reason="the C accelerator is not built here")
+def test_the_c_batch_record_is_the_python_one() -> None:
+    """``record_puts`` (a batch of the tier's own buffers) in C and its Python twin,
+    on random batches: slots stored already, a key twice, parents that are the
+    chunk before, roots and others left to resolve, layouts interned and not: the
+    same arrays, dicts and outputs."""
+    from array import array
+
+    from lmkv.memory import Layout, MemoryAllocator
+
+    rng = random.Random(5)
+    alloc = MemoryAllocator(1 << 20, pin_memory=False)
+    interned = alloc.layout((4, 8), torch.float16)
+    odd_layout = Layout(-1, torch.float16, torch.Size((3,)), 6, 256)
+    for wide in ("i", "q"):
+        states = [(array(wide, [-1] * 64), array("h", [-1] * 64), {}, {}) for _ in range(2)]
+        for _ in range(200):
+            n = rng.randint(0, 8)
+            keys = [key(rng.randrange(40)) for _ in range(n)]
+            objs = [alloc.reuse(256 * rng.randrange(1000),
+                                odd_layout if rng.random() < 0.2 else interned)
+                    for _ in range(n)]
+            slots = [rng.randrange(64) for _ in range(n)]
+            parents = [rng.choice([None, keys[i - 1] if i else None, key(99)])
+                       for i in range(n)]
+            outs = []
+            for record, (offsets, idents, odd, live) in zip(
+                    (cpu_module._record_puts, cpu_module._record_puts_py), states, strict=True):
+                out: list = [[], [], [], [], [0]]
+                record(keys, objs, slots, parents, offsets, idents, odd, live, 256, out)
+                outs.append(out)
+            assert outs[0] == outs[1]
+            assert states[0][0] == states[1][0] and states[0][1] == states[1][1]
+            assert states[0][2] == states[1][2] and states[0][3] == states[1][3]
+            if rng.random() < 0.3:  # entries leave
+                for offsets, idents, odd, live in states:
+                    for slot in range(0, 64, 3):
+                        offsets[slot] = idents[slot] = -1
+                        odd.pop(slot, None)
+                        live.pop(slot, None)
+    with pytest.raises(TypeError):
+        cpu_module._record_puts([key(1)], ["not a buffer"], [0], [None], array("i", [-1]),
+                                array("h", [-1]), {}, {}, 256, [[], [], [], [], [0]])
+    with pytest.raises(IndexError):
+        cpu_module._record_puts([key(1)], [alloc.reuse(0, interned)], [5], [None],
+                                array("i", [-1]), array("h", [-1]), {}, {}, 256,
+                                [[], [], [], [], [0]])
