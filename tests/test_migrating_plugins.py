@@ -93,6 +93,10 @@ class TestAfterPolicyKit(AFTER["TestOldestFirst"], EvictionPolicyConformance):
     pass
 
 
+class TestAfterBatchedPolicyKit(AFTER["TestBatchedArrivalOrder"]):
+    """The 2.2 section's policy, which takes batches in one call."""
+
+
 class TestAfterTierKit(AFTER["TestDictTier"], StorageBackendConformance):
     pass
 

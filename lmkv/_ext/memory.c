@@ -711,33 +711,28 @@ release(PyObject *module, PyObject *arg)
     Py_RETURN_NONE;
 }
 
-/* own_refs(objs, allocator): when every one of ``objs`` is a live buffer of
- * ``allocator``, take a reference on each and answer True; else change nothing
- * and answer False. */
+/* owned(objs, allocator): whether every one of ``objs`` is a live buffer of
+ * ``allocator`` (none released). Changes nothing. */
 static PyObject *
-own_refs(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+owned(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "own_refs(objs, allocator)");
+        PyErr_SetString(PyExc_TypeError, "owned(objs, allocator)");
         return NULL;
     }
-    PyObject *seq = PySequence_Fast(args[0], "own_refs takes a sequence of buffers");
+    PyObject *seq = PySequence_Fast(args[0], "owned takes a sequence of buffers");
     if (seq == NULL)
         return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     PyObject **items = PySequence_Fast_ITEMS(seq);
-    for (Py_ssize_t i = 0; i < n; i++) {
-        if (!PyObject_TypeCheck(items[i], &MemObjType)
-                || ((MemObj *)items[i])->allocator != args[1]
-                || ((MemObj *)items[i])->ref_count <= 0) {
-            Py_DECREF(seq);
-            Py_RETURN_FALSE;
-        }
+    int all = 1;
+    for (Py_ssize_t i = 0; i < n && all; i++) {
+        all = PyObject_TypeCheck(items[i], &MemObjType)
+            && ((MemObj *)items[i])->allocator == args[1]
+            && ((MemObj *)items[i])->ref_count > 0;
     }
-    for (Py_ssize_t i = 0; i < n; i++)
-        ((MemObj *)items[i])->ref_count++;
     Py_DECREF(seq);
-    Py_RETURN_TRUE;
+    return PyBool_FromLong(all);
 }
 
 static int
@@ -749,12 +744,12 @@ pop_last(PyObject *list)
 
 /* record_puts(keys, objs, slots, parents, offsets, idents, odd, live, align, out):
  * a cpu tier's batch of its own buffers (lmkv_backends.tiers.cpu): for each
- * item whose slot holds nothing (``offsets[slot] < 0``), its offset (in units of
- * ``align``) and layout number go to ``offsets`` / ``idents`` (array('i' or 'q')
- * and array('h'), sized for every slot), an uninterned layout to ``odd``, the
- * buffer to ``live``; ``out`` is [new slots, their parents' slots, buffers of
- * slots stored already, [(position in new, item) of parents to resolve],
- * [stored bytes]]. A parent that is the key recorded just before is that key's
+ * item whose slot holds nothing (``offsets[slot] < 0``) and whose buffer is
+ * live, its offset (in units of ``align``) and layout number go to ``offsets``
+ * / ``idents`` (array('i' or 'q') and array('h'), sized for every slot), an
+ * uninterned layout to ``odd``, the buffer to ``live``, with a reference taken
+ * on it (the tier's); ``out`` is [new slots, their parents' slots,
+ * [(position in new, item) of parents to resolve], [stored bytes]]. A parent that is the key recorded just before is that key's
  * slot; None stays None; any other is left to the caller (None in its place).
  * On an error, ``out`` holds every item recorded before it, whole. */
 static PyObject *
@@ -772,7 +767,7 @@ record_puts(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (align <= 0 || !PyList_CheckExact(keys) || !PyList_CheckExact(objs)
             || !PyList_CheckExact(slots) || !PyList_CheckExact(parents)
             || !PyDict_CheckExact(odd) || !PyDict_CheckExact(live)
-            || !PyList_CheckExact(out) || PyList_GET_SIZE(out) != 5) {
+            || !PyList_CheckExact(out) || PyList_GET_SIZE(out) != 4) {
         PyErr_SetString(PyExc_TypeError, "record_puts: lists, dicts and a positive align");
         return NULL;
     }
@@ -783,12 +778,11 @@ record_puts(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     PyObject *new = PyList_GET_ITEM(out, 0), *new_parents = PyList_GET_ITEM(out, 1);
-    PyObject *again = PyList_GET_ITEM(out, 2), *unresolved = PyList_GET_ITEM(out, 3);
-    PyObject *tally = PyList_GET_ITEM(out, 4);
-    if (!PyList_CheckExact(new) || !PyList_CheckExact(new_parents) || !PyList_CheckExact(again)
+    PyObject *unresolved = PyList_GET_ITEM(out, 2), *tally = PyList_GET_ITEM(out, 3);
+    if (!PyList_CheckExact(new) || !PyList_CheckExact(new_parents)
             || !PyList_CheckExact(unresolved) || !PyList_CheckExact(tally)
             || PyList_GET_SIZE(tally) != 1) {
-        PyErr_SetString(PyExc_TypeError, "record_puts: out is four lists and [bytes]");
+        PyErr_SetString(PyExc_TypeError, "record_puts: out is three lists and [bytes]");
         return NULL;
     }
     Py_buffer ob, ib;
@@ -821,8 +815,10 @@ record_puts(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             goto fail;
         }
         long long was = wide ? ((int64_t *)ob.buf)[slot] : ((int32_t *)ob.buf)[slot];
-        if (was >= 0) {
-            if (PyList_Append(again, obj_o) < 0)
+        if (was >= 0)
+            continue; /* stored already */
+        if (obj->ref_count <= 0) { /* a released buffer: never stored */
+            if (report("ref_up on a released buffer at offset %zd", obj->offset) < 0)
                 goto fail;
             continue;
         }
@@ -880,6 +876,7 @@ record_puts(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         else
             ((int32_t *)ob.buf)[slot] = (int32_t)unit;
         ((int16_t *)ib.buf)[slot] = (int16_t)ident;
+        obj->ref_count++; /* the tier's */
         stored += obj->nbytes;
         last = i;
         continue;
@@ -1031,8 +1028,8 @@ static PyMethodDef module_methods[] = {
     {"setup", setup, METH_VARARGS, "setup(refcount_bug, layout_bits)"},
     {"add_refs", add_refs, METH_O, "Take a reference on each buffer of a list."},
     {"release", release, METH_O, "Give back a reference on each buffer of a list."},
-    {"own_refs", (PyCFunction)(void (*)(void))own_refs, METH_FASTCALL,
-     "own_refs(objs, allocator): a reference on each, when all are live buffers of it."},
+    {"owned", (PyCFunction)(void (*)(void))owned, METH_FASTCALL,
+     "owned(objs, allocator): whether all are live buffers of it."},
     {"record_puts", (PyCFunction)(void (*)(void))record_puts, METH_FASTCALL,
      "record_puts(...): a cpu tier's batch of its own buffers, recorded."},
     {NULL},

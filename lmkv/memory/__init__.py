@@ -401,24 +401,19 @@ def _add_refs_py(objs: Sequence[MemoryObj]) -> None:
         obj.ref_up()
 
 
-def _own_refs_py(objs: Sequence[MemoryObj], allocator: MemoryAllocator) -> bool:
-    with allocator.lock:
-        if not all(obj._allocator is allocator and obj.ref_count > 0 for obj in objs):
-            return False
-        for obj in objs:
-            obj.ref_count += 1
-    return True
+def _owned_py(objs: Sequence[MemoryObj], allocator: MemoryAllocator) -> bool:
+    return all(obj._allocator is allocator and obj.ref_count > 0 for obj in objs)
 
 
-#: ``own_refs(objs, allocator)``: when every one of ``objs`` is a live buffer of
-#: ``allocator``, a reference taken on each and True; else nothing taken, False.
-own_refs: Callable[[Sequence[MemoryObj], MemoryAllocator], bool]
+#: ``owned(objs, allocator)``: whether every one of ``objs`` is a live buffer of
+#: ``allocator`` (none released).
+owned: Callable[[Sequence[MemoryObj], MemoryAllocator], bool]
 
 if _native is not None:
     _native.setup(_refcount_bug, _LAYOUT_BITS)
-    release, add_refs, own_refs = _native.release, _native.add_refs, _native.own_refs
+    release, add_refs, owned = _native.release, _native.add_refs, _native.owned
 else:  # pragma: no cover - depends on the build
-    release, add_refs, own_refs = _release_py, _add_refs_py, _own_refs_py
+    release, add_refs, owned = _release_py, _add_refs_py, _owned_py
 _detached_lock = threading.Lock()
 
 

@@ -40,8 +40,7 @@ from lmkv.memory import (
     MemoryObj,
     add_refs,
     nbytes_of,
-    own_refs,
-    release,
+    owned,
 )
 from lmkv.memory.shm import SharedMemoryUnavailable, SharedSegment, available_memory_bytes
 
@@ -447,7 +446,7 @@ class CPUBackend(StorageBackend):
         with self._lock:
             self._sweep()
             allocator = self.allocator
-            if self._by_slot and own_refs(objs, allocator):  # (the tier's references)
+            if self._by_slot and owned(objs, allocator):
                 return done_future(self._put_own(keys, objs, lineage))
             policy, slots, live = self.policy, self._keys, self._live
             offsets, idents, align = self._offset, self._ident, self._align
@@ -509,17 +508,18 @@ class CPUBackend(StorageBackend):
 
     def _put_own(self, keys: Sequence[CacheKey], objs: Sequence[MemoryObj],
                  parents: Sequence[CacheKey | None]) -> int:
-        """The common batch (under the lock): every buffer of this tier's arena, the
-        tier's reference on each taken (``own_refs``), slots ordered by the
-        policy. The same steps as the general loop, each for the whole batch."""
+        """The common batch (under the lock): every buffer of this tier's arena and
+        live, slots ordered by the policy. The same steps as the general loop,
+        each for the whole batch: the keys' slots, the records (each with the
+        tier's reference, taken as it is recorded) and the policy's inserts."""
         index, offsets = self._keys, self._offset
         slots = index.add_many(keys)  # their own, or new ones
         more = index.capacity - len(offsets)
         if more > 0:
             offsets.extend(repeat(-1, more))
             self._ident.extend(repeat(-1, more))
-        out: list = [[], [], [], [], [0]]
-        new, new_parents, again, unresolved, tally = out
+        out: list = [[], [], [], [0]]
+        new, new_parents, unresolved, tally = out
         try:
             _record_puts(list(keys), list(objs), slots, list(parents), offsets, self._ident,
                          self._odd, self._live, self._align, out)
@@ -532,7 +532,9 @@ class CPUBackend(StorageBackend):
             self._count += len(new)
             self.counters.bytes_in += tally[0]
             self.counters.puts += len(new)
-            release(again)  # stored already: the references taken go back
+            if len(new) < len(slots):  # stored already, or not stored: slots unused
+                for slot in slots:
+                    self._release_slot(slot)
         return len(new)
 
     def get_blocking(self, key: CacheKey) -> MemoryObj | None:
@@ -642,12 +644,13 @@ def _record_puts_py(keys: list[CacheKey], objs: list[MemoryObj], slots: list[int
                     out: list) -> None:
     """``lmkv._ext._memory.record_puts`` where the accelerator is not built: the
     same records, item by item (see ``CPUBackend._put_own``)."""
-    new, new_parents, again, unresolved, tally = out
+    new, new_parents, unresolved, tally = out
     last: CacheKey | None = None
     last_slot = -1
     for i, (key, obj, slot, parent) in enumerate(zip(keys, objs, slots, parents, strict=True)):
         if offsets[slot] >= 0:
-            again.append(obj)
+            continue  # stored already
+        if not obj.ref_up():  # the tier's reference; False: a released buffer
             continue
         layout = obj._layout
         new.append(slot)
