@@ -113,10 +113,12 @@ core_insert(Core *self, Py_ssize_t start, Py_ssize_t size)
             hi = mid;
     }
     Py_ssize_t i = lo;
-    int overlaps_next = i < n && starts[i] < start + size;
+    /* (the block checked first: no sum below can overflow past the arena) */
+    if (start < 0 || size <= 0 || size > self->capacity - start)
+        return 0;
+    int overlaps_next = i < n && starts[i] - start < size;
     int overlaps_prev = i > 0 && starts[i - 1] + sizes[i - 1] > start;
-    if (overlaps_next || overlaps_prev || start < 0 || size <= 0
-            || start + size > self->capacity)
+    if (overlaps_next || overlaps_prev)
         return 0;
     int merge_prev = i > 0 && starts[i - 1] + sizes[i - 1] == start;
     int merge_next = i < n && start + size == starts[i];
@@ -238,9 +240,21 @@ core_allocate_layout(Core *self, PyObject *layout)
     return obj;
 }
 
+static int
+core_ready(Core *self)
+{
+    if (self->layouts == NULL || self->allocator == NULL || self->obj_type == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "an ArenaCore that __init__ did not make");
+        return -1;
+    }
+    return 0;
+}
+
 static PyObject *
 core_allocate(Core *self, PyObject *const *args, Py_ssize_t nargs)
 {
+    if (core_ready(self) < 0)
+        return NULL;
     if (nargs != 2) {
         PyErr_SetString(PyExc_TypeError, "allocate(shape, dtype)");
         return NULL;
@@ -283,12 +297,16 @@ core_allocate(Core *self, PyObject *const *args, Py_ssize_t nargs)
 static PyObject *
 core_allocate_layout_py(Core *self, PyObject *layout)
 {
+    if (core_ready(self) < 0)
+        return NULL;
     return core_allocate_layout(self, layout);
 }
 
 static PyObject *
 core_make_py(Core *self, PyObject *const *args, Py_ssize_t nargs)
 {
+    if (core_ready(self) < 0)
+        return NULL;
     if (nargs != 2) {
         PyErr_SetString(PyExc_TypeError, "make(offset, layout)");
         return NULL;
@@ -297,8 +315,11 @@ core_make_py(Core *self, PyObject *const *args, Py_ssize_t nargs)
     if (offset == -1 && PyErr_Occurred())
         return NULL;
     Py_ssize_t size = layout_size(args[1]);
-    if (size < 0)
+    if (size < 0) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError, "a Layout's size is negative");
         return NULL;
+    }
     return core_make(self, offset, args[1], size);
 }
 
@@ -566,12 +587,11 @@ memobj_tensor(MemObj *self, void *unused)
             return NULL;
         }
         PyObject *view = PyDict_Check(views) ? PyDict_GetItemWithError(views, key) : NULL;
+        Py_XINCREF(view); /* (borrowed from views: taken before views goes) */
         Py_DECREF(key);
         Py_DECREF(views);
-        if (view != NULL) {
-            Py_INCREF(view);
+        if (view != NULL)
             return view;
-        }
         if (PyErr_Occurred())
             return NULL;
     }
@@ -657,11 +677,13 @@ static PyTypeObject MemObjType = {
 static PyObject *
 add_refs(PyObject *module, PyObject *arg)
 {
-    PyObject *seq = PySequence_Fast(arg, "add_refs takes a list of buffers");
+    /* A private tuple: what a callback (a bug report, a duck-typed ref_down)
+     * does to the caller's list cannot move the items under this loop. */
+    PyObject *seq = PySequence_Tuple(arg);
     if (seq == NULL)
         return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    PyObject **items = PySequence_Fast_ITEMS(seq);
+    Py_ssize_t n = PyTuple_GET_SIZE(seq);
+    PyObject **items = &PyTuple_GET_ITEM(seq, 0);
     for (Py_ssize_t i = 0; i < n; i++) { /* checked first: all or nothing */
         if (!PyObject_TypeCheck(items[i], &MemObjType)) {
             PyErr_Format(PyExc_TypeError, "item %zd is a %.100s, not a MemoryObj", i,
@@ -688,11 +710,13 @@ add_refs(PyObject *module, PyObject *arg)
 static PyObject *
 release(PyObject *module, PyObject *arg)
 {
-    PyObject *seq = PySequence_Fast(arg, "release takes a list of buffers");
+    /* A private tuple: what a callback (a bug report, a duck-typed ref_down)
+     * does to the caller's list cannot move the items under this loop. */
+    PyObject *seq = PySequence_Tuple(arg);
     if (seq == NULL)
         return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    PyObject **items = PySequence_Fast_ITEMS(seq);
+    Py_ssize_t n = PyTuple_GET_SIZE(seq);
+    PyObject **items = &PyTuple_GET_ITEM(seq, 0);
     for (Py_ssize_t i = 0; i < n; i++) {
         int bad;
         if (PyObject_TypeCheck(items[i], &MemObjType)) {
@@ -742,6 +766,18 @@ pop_last(PyObject *list)
     return PyList_SetSlice(list, n - 1, n, NULL);
 }
 
+/* tally[0] += stored (0; -1 with an exception set). */
+static int
+add_tally(PyObject *tally, Py_ssize_t stored)
+{
+    PyObject *total = PyLong_FromSsize_t(stored);
+    PyObject *sum = total ? PyNumber_Add(PyList_GET_ITEM(tally, 0), total) : NULL;
+    Py_XDECREF(total);
+    if (sum == NULL)
+        return -1;
+    return PyList_SetItem(tally, 0, sum);
+}
+
 /* record_puts(keys, objs, slots, parents, offsets, idents, odd, live, align, out):
  * a cpu tier's batch of its own buffers (lmkv_backends.tiers.cpu): for each
  * item whose slot holds nothing (``offsets[slot] < 0``) and whose buffer is
@@ -749,7 +785,7 @@ pop_last(PyObject *list)
  * / ``idents`` (array('i' or 'q') and array('h'), sized for every slot), an
  * uninterned layout to ``odd``, the buffer to ``live``, with a reference taken
  * on it (the tier's); ``out`` is [new slots, their parents' slots,
- * [(position in new, item) of parents to resolve], [stored bytes]]. A parent that is the key recorded just before is that key's
+ * [(position in new, item) of parents to resolve], [stored bytes, added to]]. A parent that is the key recorded just before is that key's
  * slot; None stays None; any other is left to the caller (None in its place).
  * On an error, ``out`` holds every item recorded before it, whole. */
 static PyObject *
@@ -759,39 +795,44 @@ record_puts(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_TypeError, "record_puts takes 10 arguments");
         return NULL;
     }
-    PyObject *keys = args[0], *objs = args[1], *slots = args[2], *parents = args[3];
     PyObject *odd = args[6], *live = args[7], *out = args[9];
     Py_ssize_t align = PyLong_AsSsize_t(args[8]);
     if (align == -1 && PyErr_Occurred())
         return NULL;
-    if (align <= 0 || !PyList_CheckExact(keys) || !PyList_CheckExact(objs)
-            || !PyList_CheckExact(slots) || !PyList_CheckExact(parents)
+    if (align <= 0 || !PyList_CheckExact(args[0]) || !PyList_CheckExact(args[1])
+            || !PyList_CheckExact(args[2]) || !PyList_CheckExact(args[3])
             || !PyDict_CheckExact(odd) || !PyDict_CheckExact(live)
             || !PyList_CheckExact(out) || PyList_GET_SIZE(out) != 4) {
         PyErr_SetString(PyExc_TypeError, "record_puts: lists, dicts and a positive align");
         return NULL;
     }
-    Py_ssize_t n = PyList_GET_SIZE(keys);
-    if (PyList_GET_SIZE(objs) != n || PyList_GET_SIZE(slots) != n
-            || PyList_GET_SIZE(parents) != n) {
+    Py_ssize_t n = PyList_GET_SIZE(args[0]);
+    if (PyList_GET_SIZE(args[1]) != n || PyList_GET_SIZE(args[2]) != n
+            || PyList_GET_SIZE(args[3]) != n) {
         PyErr_SetString(PyExc_ValueError, "record_puts: keys, objs, slots and parents differ in length");
         return NULL;
     }
+    /* Private tuples: a callback (a bug report) cannot move the items under the loop. */
+    PyObject *keys = PyList_AsTuple(args[0]), *objs = PyList_AsTuple(args[1]);
+    PyObject *slots = PyList_AsTuple(args[2]), *parents = PyList_AsTuple(args[3]);
+    PyObject *result = NULL;
+    if (keys == NULL || objs == NULL || slots == NULL || parents == NULL)
+        goto done;
     PyObject *new = PyList_GET_ITEM(out, 0), *new_parents = PyList_GET_ITEM(out, 1);
     PyObject *unresolved = PyList_GET_ITEM(out, 2), *tally = PyList_GET_ITEM(out, 3);
     if (!PyList_CheckExact(new) || !PyList_CheckExact(new_parents)
             || !PyList_CheckExact(unresolved) || !PyList_CheckExact(tally)
             || PyList_GET_SIZE(tally) != 1) {
         PyErr_SetString(PyExc_TypeError, "record_puts: out is three lists and [bytes]");
-        return NULL;
+        goto done;
     }
     Py_buffer ob, ib;
     Py_ssize_t stored = 0, last = -1;
     if (PyObject_GetBuffer(args[4], &ob, PyBUF_WRITABLE | PyBUF_FORMAT) < 0)
-        return NULL;
+        goto done;
     if (PyObject_GetBuffer(args[5], &ib, PyBUF_WRITABLE | PyBUF_FORMAT) < 0) {
         PyBuffer_Release(&ob);
-        return NULL;
+        goto done;
     }
     int wide = ob.itemsize == 8;
     if (!((ob.itemsize == 4 || ob.itemsize == 8) && ob.format && strchr("ilqn", ob.format[0]))
@@ -801,7 +842,7 @@ record_puts(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     }
     Py_ssize_t noff = ob.len / ob.itemsize, nid = ib.len / ib.itemsize;
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *obj_o = PyList_GET_ITEM(objs, i), *slot_o = PyList_GET_ITEM(slots, i);
+        PyObject *obj_o = PyTuple_GET_ITEM(objs, i), *slot_o = PyTuple_GET_ITEM(slots, i);
         if (!PyObject_TypeCheck(obj_o, &MemObjType)) {
             PyErr_Format(PyExc_TypeError, "record_puts: item %zd is no MemoryObj", i);
             goto fail;
@@ -838,13 +879,13 @@ record_puts(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         }
         /* The lists and dicts first (each may fail, and is undone if a later one
          * does), the arrays last (they cannot). */
-        PyObject *parent = PyList_GET_ITEM(parents, i);
+        PyObject *parent = PyTuple_GET_ITEM(parents, i);
         PyObject *parent_slot = NULL;
         int resolve = 0;
         if (parent == Py_None) {
             parent_slot = Py_NewRef(Py_None);
-        } else if (last >= 0 && parent == PyList_GET_ITEM(keys, last)) {
-            parent_slot = Py_NewRef(PyList_GET_ITEM(slots, last));
+        } else if (last >= 0 && parent == PyTuple_GET_ITEM(keys, last)) {
+            parent_slot = Py_NewRef(PyTuple_GET_ITEM(slots, last));
         } else {
             parent_slot = Py_NewRef(Py_None);
             resolve = 1;
@@ -900,25 +941,25 @@ record_puts(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     }
     PyBuffer_Release(&ob);
     PyBuffer_Release(&ib);
-    {
-        PyObject *total = PyLong_FromSsize_t(stored);
-        if (total == NULL || PyList_SetItem(tally, 0, total) < 0)
-            return NULL;
-    }
-    Py_RETURN_NONE;
+    if (add_tally(tally, stored) == 0)
+        result = Py_NewRef(Py_None);
+    goto done;
 fail:
     PyBuffer_Release(&ob);
     PyBuffer_Release(&ib);
     {
         PyObject *exc_type, *exc_value, *exc_tb;
         PyErr_Fetch(&exc_type, &exc_value, &exc_tb);
-        PyObject *total = PyLong_FromSsize_t(stored);
-        if (total != NULL)
-            PyList_SetItem(tally, 0, total);
+        add_tally(tally, stored);
         PyErr_Clear();
         PyErr_Restore(exc_type, exc_value, exc_tb);
     }
-    return NULL;
+done:
+    Py_XDECREF(keys);
+    Py_XDECREF(objs);
+    Py_XDECREF(slots);
+    Py_XDECREF(parents);
+    return result;
 }
 
 static PyObject *
@@ -950,6 +991,10 @@ static PyObject *
 orelse_call(PyObject *callable, PyObject *const *args, size_t nargsf, PyObject *kwnames)
 {
     OrElseVC *self = (OrElseVC *)callable;
+    if (self->fast == NULL || self->slow == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "an or_else that __init__ did not make");
+        return NULL;
+    }
     PyObject *res = PyObject_Vectorcall(self->fast, args, nargsf, kwnames);
     if (res != Py_None)
         return res;
@@ -960,6 +1005,10 @@ orelse_call(PyObject *callable, PyObject *const *args, size_t nargsf, PyObject *
 static PyObject *
 orelse_call_tp(OrElseVC *self, PyObject *args, PyObject *kwargs)
 {
+    if (self->fast == NULL || self->slow == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "an or_else that __init__ did not make");
+        return NULL;
+    }
     PyObject *res = PyObject_Call(self->fast, args, kwargs);
     if (res != Py_None)
         return res;

@@ -43,6 +43,7 @@ typedef struct {
     int32_t *table;
     Py_ssize_t tsize, tfilled; /* slots of the table; entries not EMPTY */
     Py_ssize_t last;     /* the space of the last key seen, or -1 */
+    uint64_t version;    /* bumped by every change of the table */
 } SlotKeys;
 
 static int
@@ -81,8 +82,6 @@ same_digest(PyObject *a, PyObject *b)
         Py_ssize_t n = PyBytes_GET_SIZE(a);
         return n == PyBytes_GET_SIZE(b) && memcmp(PyBytes_AS_STRING(a), PyBytes_AS_STRING(b), n) == 0;
     }
-    if (PyBytes_CheckExact(a) != PyBytes_CheckExact(b))
-        return 0;
     return PyObject_RichCompareBool(a, b, Py_EQ);
 }
 
@@ -91,6 +90,7 @@ same_digest(PyObject *a, PyObject *b)
 static Py_ssize_t
 probe(SlotKeys *self, PyObject *digest, Py_ssize_t space, Py_hash_t h)
 {
+restart:;
     size_t mask = (size_t)self->tsize - 1, i = (size_t)h & mask;
     Py_ssize_t first_gone = -1;
     for (Py_ssize_t n = 0; n < self->tsize; n++) {
@@ -101,9 +101,24 @@ probe(SlotKeys *self, PyObject *digest, Py_ssize_t space, Py_hash_t h)
             if (first_gone < 0)
                 first_gone = (Py_ssize_t)i;
         } else if (self->hashes[slot] == h && self->space_of[slot] == (uint32_t)space) {
-            int eq = same_digest(self->digest[slot], digest);
-            if (eq < 0)
-                return -self->tsize - 2;
+            PyObject *held = self->digest[slot];
+            int eq;
+            if (held == digest) {
+                eq = 1;
+            } else if (PyBytes_CheckExact(held) && PyBytes_CheckExact(digest)) {
+                eq = same_digest(held, digest);
+            } else {
+                /* A comparison that may run Python code (an __eq__), which may
+                 * change this table: the probe starts again if it did. */
+                uint64_t version = self->version;
+                Py_INCREF(held);
+                eq = same_digest(held, digest);
+                Py_DECREF(held);
+                if (eq < 0)
+                    return -self->tsize - 2;
+                if (self->version != version)
+                    goto restart;
+            }
             if (eq)
                 return (Py_ssize_t)i;
         }
@@ -137,6 +152,7 @@ rebuild(SlotKeys *self, Py_ssize_t size)
     self->table = table;
     self->tsize = size;
     self->tfilled = filled;
+    self->version++;
     return 0;
 }
 
@@ -284,16 +300,21 @@ add(SlotKeys *self, PyObject *key)
     if (space == -1 && (space = new_space(self, meta, layer)) < 0)
         goto done;
     h = mix(h, space);
-    if ((self->tfilled + 1) * 4 > self->tsize * 3) { /* at most 3/4 filled */
-        Py_ssize_t live = self->nslots - self->nfree + 1, size = 64;
-        while (size * 3 < live * 4 * 2)
-            size *= 2;
-        if (rebuild(self, size) < 0)
+    Py_ssize_t at;
+    for (;;) {
+        if ((self->tfilled + 1) * 4 > self->tsize * 3) { /* at most 3/4 filled */
+            Py_ssize_t live = self->nslots - self->nfree + 1, size = 64;
+            while (size * 3 < live * 4 * 2)
+                size *= 2;
+            if (rebuild(self, size) < 0)
+                goto done;
+        }
+        at = probe(self, digest, space, h);
+        if (at == -self->tsize - 2)
             goto done;
+        if (at >= 0 || (self->tfilled + 1) * 4 <= self->tsize * 3)
+            break; /* (an __eq__ in the probe may have filled the table: again) */
     }
-    Py_ssize_t at = probe(self, digest, space, h);
-    if (at == -self->tsize - 2)
-        goto done;
     if (at >= 0) {
         out = self->table[at];
         goto done;
@@ -336,6 +357,7 @@ add(SlotKeys *self, PyObject *key)
     if (self->table[pos] == EMPTY)
         self->tfilled++;
     self->table[pos] = (int32_t)slot;
+    self->version++;
     out = slot;
 done:
     Py_DECREF(meta);
@@ -345,9 +367,21 @@ done:
 
 /* ------------------------------------------------------------ Python API */
 
+static int
+ready(SlotKeys *self)
+{
+    if (self->space_ids == NULL || self->table == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "a SlotKeys that __init__ did not make");
+        return -1;
+    }
+    return 0;
+}
+
 static PyObject *
 sk_slot(SlotKeys *self, PyObject *key)
 {
+    if (ready(self) < 0)
+        return NULL;
     Py_ssize_t slot = lookup(self, key);
     if (slot == -2)
         return NULL;
@@ -359,6 +393,8 @@ sk_slot(SlotKeys *self, PyObject *key)
 static PyObject *
 sk_add(SlotKeys *self, PyObject *key)
 {
+    if (ready(self) < 0)
+        return NULL;
     Py_ssize_t slot = add(self, key);
     return slot < 0 ? NULL : PyLong_FromSsize_t(slot);
 }
@@ -366,6 +402,8 @@ sk_add(SlotKeys *self, PyObject *key)
 static PyObject *
 sk_add_many(SlotKeys *self, PyObject *keys)
 {
+    if (ready(self) < 0)
+        return NULL;
     PyObject *seq = PySequence_Fast(keys, "add_many takes a sequence of keys");
     if (seq == NULL)
         return NULL;
@@ -393,6 +431,8 @@ sk_add_many(SlotKeys *self, PyObject *keys)
 static int
 check_slot(SlotKeys *self, PyObject *arg, Py_ssize_t *slot)
 {
+    if (ready(self) < 0)
+        return -1;
     *slot = PyLong_AsSsize_t(arg);
     if (*slot == -1 && PyErr_Occurred())
         return -1;
@@ -483,6 +523,7 @@ sk_remove(SlotKeys *self, PyObject *arg)
         self->tfilled--;
     self->digest[slot] = NULL;
     self->free[self->nfree++] = slot;
+    self->version++;
     Py_DECREF(digest);
     if (--sp->count == 0) { /* its last key left: models seen once cost nothing after */
         PyObject *meta = sp->meta;
@@ -502,6 +543,8 @@ sk_remove(SlotKeys *self, PyObject *arg)
 static PyObject *
 sk_slot_named(SlotKeys *self, PyObject *const *args, Py_ssize_t nargs)
 {
+    if (ready(self) < 0)
+        return NULL;
     if (nargs != 2) {
         PyErr_SetString(PyExc_TypeError, "slot_named(name, by_slot)");
         return NULL;
@@ -534,6 +577,8 @@ sk_slot_named(SlotKeys *self, PyObject *const *args, Py_ssize_t nargs)
 static PyObject *
 sk_slots(SlotKeys *self, PyObject *unused)
 {
+    if (ready(self) < 0)
+        return NULL;
     PyObject *out = PyList_New(0);
     if (out == NULL)
         return NULL;
@@ -567,6 +612,8 @@ sk_space_number(SlotKeys *self, PyObject *arg)
 static PyObject *
 sk_spaces(SlotKeys *self, void *unused)
 {
+    if (ready(self) < 0)
+        return NULL;
     PyObject *out = PyList_New(self->nspaces);
     if (out == NULL)
         return NULL;
@@ -585,6 +632,8 @@ sk_spaces(SlotKeys *self, void *unused)
 static PyObject *
 sk_space_ids(SlotKeys *self, void *unused)
 {
+    if (ready(self) < 0)
+        return NULL;
     return PyDict_Copy(self->space_ids);
 }
 
@@ -598,6 +647,15 @@ static Py_ssize_t
 sk_len(SlotKeys *self)
 {
     return self->nslots - self->nfree;
+}
+
+static PyObject *
+sk_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    SlotKeys *self = (SlotKeys *)type->tp_alloc(type, 0);
+    if (self != NULL)
+        self->last = -1;
+    return (PyObject *)self;
 }
 
 static int
@@ -698,7 +756,7 @@ static PyTypeObject SlotKeysType = {
     .tp_basicsize = sizeof(SlotKeys),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
     .tp_doc = "CacheKey <-> dense slot (lmkv.keys.slots.SlotKeys, in C).",
-    .tp_new = PyType_GenericNew,
+    .tp_new = sk_new,
     .tp_init = (initproc)sk_init,
     .tp_dealloc = (destructor)sk_dealloc,
     .tp_traverse = (traverseproc)sk_traverse,

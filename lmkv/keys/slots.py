@@ -115,6 +115,7 @@ class PySlotKeys:
 
     def space_number(self, slot: int) -> int:
         """The number of the space (meta, layer) of the key ``slot`` holds."""
+        self._check(slot)
         if self._hash_of[slot] is None:
             raise KeyError(f"slot {slot} is free")
         return self._space_of[slot]
@@ -128,8 +129,13 @@ class PySlotKeys:
         found = self.slot(name) if isinstance(name, CacheKey) else None
         return -1 if found is None else found
 
+    def _check(self, slot: int) -> None:
+        if not 0 <= slot < len(self._hash_of):
+            raise IndexError(f"slot {slot} out of range")
+
     def key(self, slot: int) -> CacheKey:
         """The key of a slot in use (a new CacheKey, equal to the one added)."""
+        self._check(slot)
         digest = self._hash_of[slot]
         if digest is None:
             raise KeyError(f"slot {slot} is free")
@@ -148,6 +154,7 @@ class PySlotKeys:
         gets. Two keys share a name only when their chunk hashes are equal and
         their (meta, layer) tags collide (64-bit hashes): fit for what a policy
         remembers of keys that left, never to find an entry."""
+        self._check(slot)
         digest = self._hash_of[slot]
         if digest is None:
             raise KeyError(f"slot {slot} is free")
@@ -159,6 +166,7 @@ class PySlotKeys:
 
     def remove(self, slot: int) -> None:
         """Give ``slot`` back: its key has none from now on."""
+        self._check(slot)
         digest = self._hash_of[slot]
         if digest is None:
             return

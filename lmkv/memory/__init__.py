@@ -405,6 +405,17 @@ def _owned_py(objs: Sequence[MemoryObj], allocator: MemoryAllocator) -> bool:
     return all(obj._allocator is allocator and obj.ref_count > 0 for obj in objs)
 
 
+def _or_else_py(fast: Callable[..., object], slow: Callable[..., object]) -> Callable[..., object]:
+    def call(*args: object) -> object:
+        got = fast(*args)
+        return got if got is not None else slow(*args)
+    return call
+
+
+#: ``or_else(fast, slow)``: a callable that answers ``fast(*args)``, or ``slow(*args)``
+#: when that is None (a tier's allocate: its arena's, then making room).
+or_else: Callable[[Callable[..., object], Callable[..., object]], Callable[..., object]]
+
 #: ``owned(objs, allocator)``: whether every one of ``objs`` is a live buffer of
 #: ``allocator`` (none released).
 owned: Callable[[Sequence[MemoryObj], MemoryAllocator], bool]
@@ -412,8 +423,9 @@ owned: Callable[[Sequence[MemoryObj], MemoryAllocator], bool]
 if _native is not None:
     _native.setup(_refcount_bug, _LAYOUT_BITS)
     release, add_refs, owned = _native.release, _native.add_refs, _native.owned
+    or_else = _native.or_else
 else:  # pragma: no cover - depends on the build
-    release, add_refs, owned = _release_py, _add_refs_py, _owned_py
+    release, add_refs, owned, or_else = _release_py, _add_refs_py, _owned_py, _or_else_py
 _detached_lock = threading.Lock()
 
 
@@ -628,12 +640,12 @@ class MemoryAllocator:
         # The free list and the counts (first fit over blocks sorted by start,
         # coalescing), in C where the accelerator is built.
         self._core = _ArenaCore(self, self.capacity_bytes, MemoryObj, self._layouts)
-        #: ``allocate(shape, dtype)``: a buffer, or None when the arena has no room.
-        self.allocate: Allocate = self._core.allocate  # type: ignore[method-assign]  # no Python frame
+        #: ``allocate`` without a Python frame of its own (the core's): for the
+        #: callers that allocate per chunk.
+        self.fast_allocate: Allocate = self._core.allocate
 
     def allocate(self, shape: Sequence[int], dtype: torch.dtype) -> MemoryObj | None:
-        """A buffer of ``shape``/``dtype``, or None when the arena has no room
-        (each allocator's own is its core's, set in ``__init__``)."""
+        """A buffer of ``shape``/``dtype``, or None when the arena has no room."""
         return self._core.allocate(shape, dtype)
 
     def allocate_layout(self, layout: Layout) -> MemoryObj | None:

@@ -40,6 +40,7 @@ from lmkv.memory import (
     MemoryObj,
     add_refs,
     nbytes_of,
+    or_else,
     owned,
 )
 from lmkv.memory.shm import SharedMemoryUnavailable, SharedSegment, available_memory_bytes
@@ -155,6 +156,9 @@ class CPUBackend(StorageBackend):
         self._by_slot = self.policy.orders_slots
         if self._by_slot:
             self.policy.order_slots(self._keys.key)
+        if type(self).allocate is CPUBackend.allocate:  # (one call on the common path)
+            self.allocate = or_else(self.allocator.fast_allocate,  # type: ignore[method-assign,assignment]
+                                    self._allocate_locked)
 
     @classmethod
     def _arena(cls, options: CPUOptions, context: BackendContext
@@ -283,10 +287,15 @@ class CPUBackend(StorageBackend):
 
     # -- memory ----------------------------------------------------------
     def allocate(self, shape: Sequence[int], dtype: torch.dtype) -> MemoryObj | None:
-        """A buffer from this tier's arena, evicting as needed; None when nothing can go."""
+        """A buffer from this tier's arena, evicting as needed; None when nothing can go.
+        (Each tier's own is its arena's allocate, then ``_allocate_locked``, in one
+        call: set in ``__init__`` unless a subclass has its own.)"""
         obj = self.allocator.allocate(shape, dtype)
         if obj is not None:
             return obj
+        return self._allocate_locked(shape, dtype)
+
+    def _allocate_locked(self, shape: Sequence[int], dtype: torch.dtype) -> MemoryObj | None:
         with self._lock:
             return self._allocate_evicting(shape, dtype)
 
@@ -650,22 +659,30 @@ def _record_puts_py(keys: list[CacheKey], objs: list[MemoryObj], slots: list[int
     for i, (key, obj, slot, parent) in enumerate(zip(keys, objs, slots, parents, strict=True)):
         if offsets[slot] >= 0:
             continue  # stored already
-        if not obj.ref_up():  # the tier's reference; False: a released buffer
+        if obj.ref_count <= 0:
+            obj.ref_up()  # a released buffer, never stored: reported there
             continue
         layout = obj._layout
+        resolve = parent is not None and (last is None or parent is not last)
         new.append(slot)
-        if parent is None:
-            new_parents.append(None)
-        elif last is not None and parent is last:
-            new_parents.append(last_slot)
-        else:
-            new_parents.append(None)
-            unresolved.append((len(new) - 1, i))
-        live[slot] = obj
-        if layout.ident < 0:
-            odd[slot] = layout
+        new_parents.append(last_slot if parent is not None and not resolve else None)
+        try:
+            if resolve:
+                unresolved.append((len(new) - 1, i))
+            live[slot] = obj
+            if layout.ident < 0:
+                odd[slot] = layout
+        except BaseException:  # this item is undone whole, as the C one does
+            if live.get(slot) is obj:
+                del live[slot]
+            if resolve and unresolved and unresolved[-1] == (len(new) - 1, i):
+                unresolved.pop()
+            new.pop()
+            new_parents.pop()
+            raise
         offsets[slot] = obj.offset // align
         idents[slot] = layout.ident
+        obj.ref_up()  # the tier's
         tally[0] += obj.nbytes
         last, last_slot = key, slot
 

@@ -146,3 +146,61 @@ def test_the_c_slot_keys_answer_as_the_python_ones_op_for_op() -> None:
         c.remove(slot)
         py.remove(slot)
     assert len(c) == 0 and not c._space_ids and all(s is None for s in c._spaces)
+
+
+@pytest.mark.parametrize("kind", [PySlotKeys, SlotKeys], ids=["python", "default"])
+def test_odd_digests_and_bad_slots(kind: type) -> None:
+    """A chunk hash of a bytes subclass is the same key as its bytes; a digest whose
+    ``__eq__`` changes the index while it is compared leaves it right; a slot out of
+    range is an IndexError, never another slot."""
+    slots = kind()
+    meta = KeyMeta("odd")
+
+    class Bytes(bytes):
+        pass
+
+    digest = bytes([3]) * 32
+    number = slots.add(CacheKey(meta, digest))
+    assert slots.slot(CacheKey(meta, Bytes(digest))) == number
+    assert slots.add(CacheKey(meta, Bytes(digest))) == number
+
+    class Meddling:
+        """Compared with a key of equal hash, it stores many keys first."""
+
+        def __init__(self, value: int) -> None:
+            self.value = value
+
+        def __hash__(self) -> int:
+            return 12345
+
+        def __len__(self) -> int:
+            return 8
+
+        def __eq__(self, other: object) -> bool:
+            for i in range(300):
+                slots.add(CacheKey(meta, bytes([i % 256, i // 256]) * 16))
+            return isinstance(other, Meddling) and other.value == self.value
+
+    first = slots.add(CacheKey(meta, Meddling(1)))  # type: ignore[arg-type]
+    second = slots.add(CacheKey(meta, Meddling(2)))  # type: ignore[arg-type]
+    assert first != second
+    assert slots.slot(CacheKey(meta, Meddling(1))) == first  # type: ignore[arg-type]
+    assert slots.slot(CacheKey(meta, Meddling(2))) == second  # type: ignore[arg-type]
+    for bad in (-1, slots.capacity, 2**40):
+        with pytest.raises(IndexError):
+            slots.key(bad)
+        with pytest.raises(IndexError):
+            slots.remove(bad)
+    assert slots.slot(CacheKey(meta, digest)) == number
+
+
+@pytest.mark.skipif(SlotKeys is PySlotKeys, reason="the C accelerator is not built here")
+def test_an_index_made_without_init_says_so() -> None:
+    from lmkv._ext import _slots
+
+    bare = _slots.SlotKeys.__new__(_slots.SlotKeys)
+    with pytest.raises(RuntimeError, match="__init__"):
+        bare.slot(CacheKey(KeyMeta("m"), bytes(32)))
+    with pytest.raises(RuntimeError, match="__init__"):
+        bare.add(CacheKey(KeyMeta("m"), bytes(32)))
+    assert len(bare) == 0

@@ -181,3 +181,43 @@ def test_a_buffer_made_over_a_block_is_the_arenas_view() -> None:
     detached.ref_down()
     detached.ref_down()
     assert detached.ref_count == 0  # no arena: nothing to give back
+
+
+@native
+def test_callbacks_that_change_the_list_do_not_move_the_loop() -> None:
+    """``release`` of a list whose items' ``ref_down`` (a duck-typed one) empties it:
+    each item of the list as given is released once, nothing read past it."""
+    alloc = MemoryAllocator(1 << 16, pin_memory=False)
+    objs = [alloc.allocate((16,), torch.float32) for _ in range(3)]
+
+    class Meddler:
+        def __init__(self, victim: list) -> None:
+            self.victim = victim
+
+        def ref_down(self) -> None:
+            self.victim.clear()
+            self.victim.extend([0] * 1000)
+
+    items: list = []
+    items += [Meddler(items), *objs]
+    memory.release(items)
+    assert all(obj.ref_count == 0 for obj in objs) and alloc.live_objects == 0
+
+
+@native
+def test_a_core_refuses_what_no_arena_holds() -> None:
+    alloc = MemoryAllocator(1 << 16, pin_memory=False)
+    core = alloc._core
+    assert core.free(2**62, 2**62) is False  # (their sum overflows 64 bits)
+    assert core.free(-256, 512) is False and core.free(0, 0) is False
+    assert (core.used_bytes, core.live_objects, core.blocks()) == (0, 0, [(0, 1 << 16)])
+    with pytest.raises(ValueError, match="negative"):
+        core.make(0, memory.Layout(0, torch.uint8, torch.Size([1]), 1, -5))
+    for made in (memory._native.ArenaCore.__new__(memory._native.ArenaCore),):
+        with pytest.raises(RuntimeError, match="__init__"):
+            made.allocate((1,), torch.uint8)
+    bare = memory._native.or_else.__new__(memory._native.or_else)
+    with pytest.raises(RuntimeError, match="__init__"):
+        bare(1)
+    assert memory.or_else(lambda x: None, lambda x: x + 1)(1) == 2
+    assert memory.or_else(lambda x: x, lambda x: x + 1)(1) == 1
