@@ -38,3 +38,19 @@ def interleaved_best(cases: list[tuple[Callable[[], object], Callable[[], object
             if r:
                 best[i] = min(best[i], time.perf_counter() - t0)
     return best
+
+
+def interleaved_times(cases: list[tuple[Callable[[], object], Callable[[], object] | None]],
+                      rounds: int) -> list[list[float]]:
+    """Every timed call of each ``(fn, setup)``: ``rounds`` rounds of a call of each in
+    turn (after one warm-up round), for ratios taken within a round."""
+    times: list[list[float]] = [[] for _ in cases]
+    for r in range(rounds + 1):
+        for i, (fn, setup) in enumerate(cases):
+            if setup:
+                setup()
+            t0 = time.perf_counter()
+            fn()
+            if r:
+                times[i].append(time.perf_counter() - t0)
+    return times
