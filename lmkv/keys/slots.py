@@ -3,8 +3,11 @@
 A tier that holds hundreds of thousands of small chunks cannot afford a
 Python object per key in each of its structures. ``SlotKeys`` gives each
 key a slot (a small int, reused after the key leaves) and keeps the key
-itself as its chunk hash in one dict per (meta, layer): the key's meta is
-held once, not per key, and the caller's ``CacheKey`` is not kept. The
+itself as its chunk hash, grouped by (meta, layer): the key's meta is held
+once, not per key, and the caller's ``CacheKey`` is not kept. The C
+accelerator's (``lmkv._ext._slots``, the default where it is built) keeps one
+open-addressing table of slots; the Python one here a dict per (meta,
+layer). The
 tier's own records, and an eviction policy that orders slots
 (``EvictionPolicy.orders_slots``), live in arrays indexed by slot.
 """
