@@ -46,12 +46,13 @@ class LRUPolicy(EvictionPolicy):
         order = self._slot_order = SlotRecency(self.lineage, self._clock)
         # The base calls the hooks for every chunk stored, read or dropped: bound
         # straight to the arrays' order, they skip a call each (the methods below
-        # dispatch the same way for whoever calls them on the class).
-        self.on_insert = order.insert
-        self.on_access = order.access
-        self.on_remove = order.remove
-        self.on_extended = order.extended
-        self.on_leaf = order.leaf
+        # dispatch the same way for whoever calls them on the class). A hook a
+        # subclass replaced stays its own.
+        for hook, bound in (("on_insert", order.insert), ("on_access", order.access),
+                            ("on_remove", order.remove), ("on_extended", order.extended),
+                            ("on_leaf", order.leaf)):
+            if getattr(type(self), hook) is getattr(LRUPolicy, hook):
+                setattr(self, hook, bound)
 
     def on_insert(self, key: Hashable, parent: Hashable | None) -> None:
         if self._slot_order is not None:

@@ -276,6 +276,8 @@ class EvictionPolicy(Plugin, ABC):
         key a root), in order: what a tier calls for a batch it stored."""
         if parents is None:
             parents = [None] * len(keys)
+        elif len(parents) != len(keys):
+            raise ValueError(f"insert_many: {len(keys)} keys but {len(parents)} parents")
         hook = self._batched("on_insert_many") if self._slots is not None else None
         if hook is None:
             for key, parent in zip(keys, parents, strict=True):
@@ -350,7 +352,9 @@ class EvictionPolicy(Plugin, ABC):
         """The policy's batch hook ``name`` when it may stand for its per-key hooks:
         a class written for eviction policy API 2.2 or later defines it, and no
         class of the policy below that one replaces a per-key hook it stands for
-        (a subclass of ``lru`` with its own ``on_insert`` gets one call per key)."""
+        (a subclass of ``lru`` with its own ``on_insert`` gets one call per key).
+        lmkv calls this base's ``insert_many`` and ``access_many`` whatever a
+        class written for 2.0 or 2.1 has under those names."""
         found = self._hooks.get(name, _ABSENT)
         if found is _ABSENT:
             found = None
@@ -358,8 +362,8 @@ class EvictionPolicy(Plugin, ABC):
             for klass in type(self).__mro__:
                 if klass is EvictionPolicy:
                     break
-                if name in vars(klass):
-                    version = parse_version(getattr(klass, "api_version", None))
+                if name in vars(klass):  # written for 2.2 by that class
+                    version = parse_version(_declared(klass))
                     if version is not None and version >= (2, 2):
                         found = getattr(self, name)
                     break
@@ -487,6 +491,18 @@ class EvictionPolicy(Plugin, ABC):
         """The stored key ``key`` is a leaf again: its last stored extension left
         (called after that one's ``on_remove``). A policy that orders leaves only
         puts ``key`` back here, where its own history says it belongs."""
+
+
+def _declared(klass: type) -> object:
+    """The ``api_version`` ``klass`` was written for: its own, or one of its
+    plugin's classes' above it; a class of lmkv's lends none to a subclass (as
+    ``lmkv.plugins.contract.declared_version``)."""
+    for above in klass.__mro__:
+        if above is not klass and above.__module__.startswith(("lmkv.", "lmkv_")):
+            return None
+        if "api_version" in vars(above):
+            return vars(above)["api_version"]
+    return None
 
 
 #: The per-key hooks a batch hook stands for (``EvictionPolicy._batched``).

@@ -406,9 +406,9 @@ def _owned_py(objs: Sequence[MemoryObj], allocator: MemoryAllocator) -> bool:
 
 
 def _or_else_py(fast: Callable[..., object], slow: Callable[..., object]) -> Callable[..., object]:
-    def call(*args: object) -> object:
-        got = fast(*args)
-        return got if got is not None else slow(*args)
+    def call(*args: object, **kwargs: object) -> object:
+        got = fast(*args, **kwargs)
+        return got if got is not None else slow(*args, **kwargs)
     return call
 
 

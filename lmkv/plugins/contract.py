@@ -61,11 +61,14 @@ def check(kind: str, cls: type, base: type) -> Verdict:
         missing = sorted(getattr(cls, "__abstractmethods__", ()))
         return Verdict(f"abstract method{'s' if len(missing) > 1 else ''} not implemented: "
                        f"{', '.join(missing)}")
+    declared = parse_version(declared_version(cls, base))
     for call in CALLS[kind]:
+        if call.since and (declared is None or declared < parse_version(call.since)):  # type: ignore[operator]
+            continue  # added later than the class was written for: its own, if any
         problem = _call_problem(cls, base, call)
         if problem:
             return Verdict(problem)
-    return Verdict(undeclared=declared_version(cls, base) is None)
+    return Verdict(undeclared=declared is None)
 
 
 def _version_problem(kind: str, cls: type, base: type) -> str:

@@ -284,15 +284,26 @@ class EvictionPolicyConformance:
             one.order_slots(self.key)
             many.order_slots(self.key)
         name = (lambda i: i) if slots else self.key
+        told: tuple[list, list] = ([], [])
+        one.watch(lambda key, stored: told[0].append((key, stored)))
+        many.watch(lambda key, stored: told[1].append((key, stored)))
         rng = random.Random(self.seed)
         stored: list[int] = []
+        gone: list[int] = []  # ids that left: taken again, as a tier reuses a slot
         fresh = 0
         for step in range(self.operations // 3):
             roll = rng.random()
             if roll < 0.5 or not stored:
                 n = rng.randint(1, 6)
-                ids = list(range(fresh, fresh + n))
-                fresh += n
+                ids = []
+                for _ in range(n):
+                    back = [i for i in gone if not one.lineage.children(name(i))]
+                    if back and rng.random() < 0.4:
+                        ids.append(back[0])
+                        gone.remove(back[0])
+                    else:
+                        ids.append(fresh)
+                        fresh += 1
                 head = rng.choice(stored) if stored and rng.random() < 0.6 else None
                 parents: list[int | None] = [head, *ids[:-1]]
                 if rng.random() < 0.2 and n > 1:  # a tail stored before its head
@@ -321,10 +332,14 @@ class EvictionPolicyConformance:
                         f"another victim at step {step}"
                     one.forget(victim)
                     many.forget(victim)
-                    gone: Any = victim  # a slot, or a key of self.key's
-                    stored.remove(gone if slots else int.from_bytes(gone.chunk_hash, "little"))
+                    left: Any = victim  # a slot, or a key of self.key's
+                    left = left if slots else int.from_bytes(left.chunk_hash, "little")
+                    stored.remove(left)
+                    gone.append(left)
             assert list(one.candidates()) == list(many.candidates()), \
                 f"the orders part at step {step}"
+            assert len(one.lineage) == len(many.lineage), f"the lineages part at step {step}"
+            assert told[0] == told[1], f"the watchers were told apart at step {step}"
 
     def test_memory_does_not_grow_with_keys_that_went_through(self) -> None:
         """Churn: a window of at most 64 stored keys, many keys through it. What the

@@ -31,6 +31,7 @@ from pydantic_core import PydanticCustomError
 from lmkv.base.errors import ConfigError
 from lmkv.base.units import ByteCount
 from lmkv.contracts.plugin import OptionsArg, PluginOptions
+from lmkv.contracts.policy import EvictionPolicy
 from lmkv.contracts.tier import ArenaPlacement, BackendContext, StorageBackend, done_future
 from lmkv.keys.chunking import CacheKey
 from lmkv.keys.slots import SlotKeys
@@ -522,29 +523,59 @@ class CPUBackend(StorageBackend):
         each for the whole batch: the keys' slots, the records (each with the
         tier's reference, taken as it is recorded) and the policy's inserts."""
         index, offsets = self._keys, self._offset
-        slots = index.add_many(keys)  # their own, or new ones
-        more = index.capacity - len(offsets)
-        if more > 0:
-            offsets.extend(repeat(-1, more))
-            self._ident.extend(repeat(-1, more))
+        try:
+            slots = index.add_many(keys)  # their own, or new ones
+        except BaseException:
+            self._give_back(keys)  # the slots given before the key that failed
+            raise
+        self._reach_slots()
         out: list = [[], [], [], [0]]
         new, new_parents, unresolved, tally = out
+        failure: BaseException | None = None
         try:
             _record_puts(list(keys), list(objs), slots, list(parents), offsets, self._ident,
                          self._odd, self._live, self._align, out)
-            for at, item in unresolved:  # a parent other than the chunk before
+        except BaseException as exc:  # what was recorded before it is ordered below
+            failure = exc
+        # What landed is ordered and counted, even past an item that raised.
+        for at, item in unresolved:  # a parent other than the chunk before
+            try:
                 new_parents[at] = self._policy_parent(parents[item])
+            except BaseException as exc:  # stored as a root, as its own prompt's head
+                failure = failure or exc
+        self._stored_bytes += tally[0]
+        self._count += len(new)
+        self.counters.bytes_in += tally[0]
+        self.counters.puts += len(new)
+        try:
+            # the base's, whatever a policy written for an earlier API calls its own
+            EvictionPolicy.insert_many(self.policy, new, new_parents)
         finally:
-            # What landed is ordered and counted, even past an item that raised.
-            self.policy.insert_many(new, new_parents)
-            self._stored_bytes += tally[0]
-            self._count += len(new)
-            self.counters.bytes_in += tally[0]
-            self.counters.puts += len(new)
             if len(new) < len(slots):  # stored already, or not stored: slots unused
                 for slot in slots:
                     self._release_slot(slot)
+        if failure is not None:
+            raise failure
         return len(new)
+
+    def _reach_slots(self) -> None:
+        """The arrays by slot hold every slot the index has given."""
+        more = self._keys.capacity - len(self._offset)
+        if more > 0:
+            self._offset.extend(repeat(-1, more))
+            self._ident.extend(repeat(-1, more))
+
+    def _give_back(self, keys: Sequence[CacheKey]) -> None:
+        """The slots of ``keys`` that hold nothing stored, given back (after a batch
+        that failed while it claimed them)."""
+        self._reach_slots()
+        for key in keys:
+            try:
+                slot = self._keys.slot(key)
+            except Exception:  # the key that failed: it has none
+                continue
+            if slot is not None:
+                self._release_slot(slot)
 
     def get_blocking(self, key: CacheKey) -> MemoryObj | None:
         with self._lock:
@@ -576,7 +607,8 @@ class CPUBackend(StorageBackend):
                 found.append(slot)
                 out.append(obj)
                 got_bytes += obj.nbytes
-            self.policy.access_many(found if self._by_slot else keys[:len(found)])
+            EvictionPolicy.access_many(self.policy,
+                                       found if self._by_slot else keys[:len(found)])
             # The readers' references, in one call: each entry holds the tier's (it
             # is stored, and the tier's lock is held), so none of these buffers
             # can have been released.

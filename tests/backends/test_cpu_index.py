@@ -336,3 +336,18 @@ def test_the_c_batch_record_is_the_python_one(monkeypatch: pytest.MonkeyPatch) -
         cpu_module._record_puts([key(1)], [alloc.reuse(0, interned)], [5], [None],
                                 array("i", [-1]), array("h", [-1]), {}, {}, 256,
                                 [[], [], [], [0]])
+
+
+def test_a_batch_with_a_bad_key_leaves_no_slot_behind() -> None:
+    """A key that cannot be numbered (not a CacheKey) fails the batch: the slots the
+    keys before it were given go back, and the buffers stay the caller's."""
+    backend = tier()
+    objs = [backend.allocate(SHAPE, torch.float16) for _ in range(3)]
+    with pytest.raises((AttributeError, TypeError)):
+        backend.batched_submit_put([key(1), key(2), "not a key"], objs)  # type: ignore[list-item]
+    assert len(backend._keys) == 0 and len(backend) == 0
+    assert all(obj.ref_count == 1 for obj in objs)
+    assert store(backend, [1, 2], [None, 1]) == 2  # and the tier goes on
+    for obj in objs:
+        obj.ref_down()
+    assert len(backend) == 2

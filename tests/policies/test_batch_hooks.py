@@ -140,3 +140,74 @@ def test_lru_batches_declare_the_api_they_use() -> None:
     policy = _slots(LRUPolicy(None, EvictionContext()))
     assert policy._batched("on_insert_many") is not None
     assert policy._batched("on_access_many") is not None
+
+
+class OldWithSameNames(Recorder):
+    """Written for 2.1, with members of the names 2.2 added, its own."""
+
+    name = "old-same-names"
+    api_version = "2.1"
+
+    def insert_many(self, anything: object) -> None:  # type: ignore[override]
+        raise AssertionError("lmkv called a 2.1 policy's own insert_many")
+
+    def on_access_many(self) -> None:  # type: ignore[override]
+        raise AssertionError("lmkv called a 2.1 policy's own on_access_many")
+
+
+def test_a_policy_for_an_older_api_keeps_members_of_the_new_names() -> None:
+    """A 2.1 class may have had an ``insert_many`` or an ``on_access_many`` of its
+    own: it still loads, and lmkv calls the base's batch methods, never its own."""
+    assert not check("eviction_policy", OldWithSameNames, EvictionPolicy).problem
+    policy = _slots(OldWithSameNames(None, EvictionContext()))
+    EvictionPolicy.insert_many(policy, [0, 1], [None, 0])
+    EvictionPolicy.access_many(policy, [1])
+    assert [call[0] for call in policy.calls] == ["insert", "extended", "insert", "access"]
+
+
+class Undeclared(LRUPolicy):
+    """A subclass of lru declaring no version, with a batch hook of its own."""
+
+    name = "undeclared-lru"
+
+    def on_access_many(self, keys: Sequence[Any]) -> None:
+        raise AssertionError("the hook of a class not written for 2.2 was called")
+
+
+class OwnInsertLRU(LRUPolicy):
+    """A subclass of lru (written for 2.1) with its own on_insert."""
+
+    name = "own-insert-lru"
+    api_version = "2.1"
+
+    def __init__(self, options: Any = None, context: EvictionContext | None = None) -> None:
+        super().__init__(options, context)
+        self.seen: list[Hashable] = []
+
+    def on_insert(self, key: Hashable, parent: Hashable | None) -> None:
+        self.seen.append(key)
+        super().on_insert(key, parent)
+
+
+def test_hooks_count_only_from_the_class_that_declares_2_2() -> None:
+    policy = _slots(Undeclared(None, EvictionContext()))
+    policy.insert_many([0, 1], [None, 0])
+    policy.access_many([0, 1])  # per key: the subclass's hook is not taken
+    assert list(policy.candidates()) == [1]
+
+
+def test_a_subclass_of_lru_with_its_own_on_insert_has_it_called() -> None:
+    policy = _slots(OwnInsertLRU(None, EvictionContext()))
+    policy.insert_many([0, 1, 2], [None, 0, 1])
+    policy.insert(3)
+    assert policy.seen == [0, 1, 2, 3]
+    assert list(policy.candidates()) == [2, 3]
+
+
+def test_a_batch_with_too_few_parents_changes_nothing() -> None:
+    import pytest
+
+    policy = _slots(LRUPolicy(None, EvictionContext()))
+    with pytest.raises(ValueError, match="3 keys but 2 parents"):
+        policy.insert_many([0, 1, 2], [None, 0])
+    assert len(policy.lineage) == 0 and list(policy.candidates()) == []
