@@ -23,23 +23,6 @@ def best_of(fn: Callable[[], object], rounds: int, *, warm_up: bool = True,
     return min(times)
 
 
-def interleaved_best(cases: list[tuple[Callable[[], object], Callable[[], object] | None]],
-                     rounds: int) -> list[float]:
-    """The fastest of ``rounds`` timed calls of each ``(fn, setup)``, a call of each
-    in turn per round (one warm-up round first); ``setup`` runs untimed before
-    its ``fn``."""
-    best = [float("inf")] * len(cases)
-    for r in range(rounds + 1):
-        for i, (fn, setup) in enumerate(cases):
-            if setup:
-                setup()
-            t0 = time.perf_counter()
-            fn()
-            if r:
-                best[i] = min(best[i], time.perf_counter() - t0)
-    return best
-
-
 def interleaved_times(cases: list[tuple[Callable[[], object], Callable[[], object] | None]],
                       rounds: int) -> list[list[float]]:
     """Every timed call of each ``(fn, setup)``: ``rounds`` rounds of a call of each in

@@ -443,16 +443,25 @@ check_slot(SlotKeys *self, PyObject *arg, Py_ssize_t *slot)
     return 0;
 }
 
+/* check_slot, and KeyError for a slot that holds no key. */
+static int
+check_used(SlotKeys *self, PyObject *arg, Py_ssize_t *slot)
+{
+    if (check_slot(self, arg, slot) < 0)
+        return -1;
+    if (self->digest[*slot] == NULL) {
+        PyErr_Format(PyExc_KeyError, "slot %zd is free", *slot);
+        return -1;
+    }
+    return 0;
+}
+
 static PyObject *
 sk_key(SlotKeys *self, PyObject *arg)
 {
     Py_ssize_t slot;
-    if (check_slot(self, arg, &slot) < 0)
+    if (check_used(self, arg, &slot) < 0)
         return NULL;
-    if (self->digest[slot] == NULL) {
-        PyErr_Format(PyExc_KeyError, "slot %zd is free", slot);
-        return NULL;
-    }
     Space *sp = &self->spaces[self->space_of[slot]];
     return PyObject_CallFunction(self->key_type, "OOl", sp->meta, self->digest[slot], sp->layer);
 }
@@ -461,13 +470,9 @@ static PyObject *
 sk_name(SlotKeys *self, PyObject *arg)
 {
     Py_ssize_t slot;
-    if (check_slot(self, arg, &slot) < 0)
+    if (check_used(self, arg, &slot) < 0)
         return NULL;
     PyObject *digest = self->digest[slot];
-    if (digest == NULL) {
-        PyErr_Format(PyExc_KeyError, "slot %zd is free", slot);
-        return NULL;
-    }
     Space *sp = &self->spaces[self->space_of[slot]];
     PyObject *tag = PyLong_FromUnsignedLongLong(sp->tag);
     if (tag == NULL)
@@ -600,12 +605,8 @@ static PyObject *
 sk_space_number(SlotKeys *self, PyObject *arg)
 {
     Py_ssize_t slot;
-    if (check_slot(self, arg, &slot) < 0)
+    if (check_used(self, arg, &slot) < 0)
         return NULL;
-    if (self->digest[slot] == NULL) {
-        PyErr_Format(PyExc_KeyError, "slot %zd is free", slot);
-        return NULL;
-    }
     return PyLong_FromUnsignedLong(self->space_of[slot]);
 }
 
