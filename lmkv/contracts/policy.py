@@ -315,17 +315,15 @@ class EvictionPolicy(Plugin, ABC):
                 stored[key] = parent
             run.append(key)
             run_parents.append(parent)
-        lineage._count += len(run)
-        self._insert_run(hook, run, run_parents, counted=True)
+        self._insert_run(hook, run, run_parents)
 
     def _insert_run(self, hook: Callable[..., None], keys: list[int],
-                    parents: list[int | None], counted: bool = False) -> None:
+                    parents: list[int | None]) -> None:
         """The policy's ``on_insert_many`` for a run whose lineage is in place."""
         if not keys:
             return
-        if not counted:
-            assert self._slots is not None
-            self._slots._count += len(keys)
+        assert self._slots is not None
+        self._slots._count += len(keys)
         hook(keys, parents)
         if self._watcher is not None:
             key_of, watcher = self._key_of, self._watcher

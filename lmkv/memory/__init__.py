@@ -648,10 +648,6 @@ class MemoryAllocator:
         """A buffer of ``shape``/``dtype``, or None when the arena has no room."""
         return self._core.allocate(shape, dtype)
 
-    def allocate_layout(self, layout: Layout) -> MemoryObj | None:
-        """A buffer of an interned ``layout``, or None when the arena has no room."""
-        return self._core.allocate_layout(layout)
-
     @property
     def used_bytes(self) -> int:
         """Bytes of the arena handed out (aligned)."""
