@@ -70,7 +70,7 @@ class Stores:
         affinity.BACKGROUND_NICE = nice  # read by the storing threads as they start
         cpu = CPUBackend(CPUBackend.Options(max_bytes=256 << 20),
                          BackendContext(eviction_policy=LRUPolicy()))
-        fs = FSBackend(FSBackend.Options(url=root, max_bytes=512 << 20),
+        fs = FSBackend(FSBackend.Options(url=root, max_bytes=512 << 20, durable=True),
                        BackendContext(eviction_policy=LRUPolicy(),
                                       serializer=NaiveSerializer()))
         self.manager = StorageManager([cpu, fs])

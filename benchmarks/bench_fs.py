@@ -122,7 +122,8 @@ def make_tier(root: Path, arena: MemoryAllocator, io_threads: int | None,
               page_cache: bool = False, mapped_reads: bool = True) -> FSBackend:
     context = BackendContext(serializer=NaiveSerializer(), eviction_policy=LRUPolicy(),
                              allocate=arena.allocate)
-    return FSBackend(FSBackend.Options(url=str(root), io_threads=io_threads,
+    # durable: what this script times is the write that completes on the disk
+    return FSBackend(FSBackend.Options(url=str(root), io_threads=io_threads, durable=True,
                                        page_cache=page_cache, mapped_reads=mapped_reads),
                      context)
 

@@ -1,7 +1,7 @@
 """The ``fs`` tier: serialized chunks as files on local disk or objects in S3 (fsspec).
 
 One entry per chunk, named after its key (``fs_index``). On local disk
-(``fs_local``) writes are atomic and, by default, durable; entries survive a
+(``fs_local``) writes are atomic (durable on request); entries survive a
 restart and are found again; reads go straight into chunk buffers. Other URLs
 (``fs_remote``) go through fsspec. A budget (``max_bytes``) evicts unpinned
 entries in the order of the tier's eviction policy. Every fault (I/O error,

@@ -1,10 +1,11 @@
 """Entries of the ``fs`` tier on a local filesystem: one file per entry.
 
 A write goes to a temporary file in the same directory (``pwritev`` of the
-frame's buffers, no join), is flushed with ``fdatasync`` when durable, and is
-renamed onto the entry's name: a reader sees the whole entry or none of it.
-Temporaries left by a crashed process are removed at start. A read parses the
-header, then reads the payload straight into the chunk buffer.
+frame's buffers, no join), is flushed with ``fdatasync`` when durable (or when
+its pages are to be handed back: ``page_cache`` off), and is renamed onto the
+entry's name: a reader sees the whole entry or none of it. Temporaries left
+by a crashed process are removed at start. A read parses the header, then
+reads the payload straight into the chunk buffer.
 
 Only regular files are entries. Names are checked with ``lstat`` and opened
 with ``O_NOFOLLOW | O_NONBLOCK`` then ``fstat``-ed, so a symlink never serves
@@ -143,7 +144,7 @@ class LocalStore:
                 if self.file_mode & 0o060:  # a group mode the umask may have narrowed
                     os.fchmod(fd, self.file_mode)
                 written = _write_all(fd, buffers, self._writeback(fd))
-                if self.durable:
+                if self.durable or not self.page_cache:  # (pages are dropped once clean)
                     os.fdatasync(fd)
                     self._release_pages(fd)  # clean now: they can go
             finally:
@@ -155,13 +156,14 @@ class LocalStore:
         return written
 
     def _writeback(self, fd: int) -> Callable[[int, int], None] | None:
-        """How a durable write hands each segment to the disk early: dropping its
-        pages as it goes, or, keeping them, with ``sync_file_range`` (none where
-        the C library lacks it)."""
-        if not self.durable:
-            return None
+        """How a write hands each segment to the disk early: dropping its pages as
+        it goes (``page_cache`` off, durable or not: its pages can go only once
+        clean), or, a durable write that keeps them, with ``sync_file_range``
+        (none where the C library lacks it). None: the OS writes it back later."""
         if not self.page_cache:
             return partial(_start_writeback, fd)
+        if not self.durable:
+            return None
         return partial(_start_writeback_keeping, fd) if _sync_file_range else None
 
     def _release_pages(self, fd: int) -> None:

@@ -59,8 +59,11 @@ class FSOptions(PluginOptions):
     """Where entries live: ``/var/cache/lmkv``, ``file:///...``, ``s3://bucket/prefix``."""
     max_bytes: ByteCount | None = None
     """The tier's byte budget (LRU-evicted past it); None: unbounded."""
-    durable: bool = True
-    """Local disk: a put completes only once its data is on disk (fdatasync)."""
+    durable: bool = False
+    """Local disk: a put completes only once its data is on disk (fdatasync).
+    Off (the default): once it is in the OS page cache, which outlives the
+    process; a power cut may lose recent entries, and a damaged one fails its
+    checksum when read (a miss)."""
     page_cache: bool = True
     """Local disk: keep entries in the OS page cache after reading or writing them,
     so another process (a restarted engine, a second one) reads them from memory.

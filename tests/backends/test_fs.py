@@ -192,12 +192,18 @@ def test_durable_put_syncs_data_before_the_rename(make: Callable[..., FSBackend]
             return _real(*args)
 
         monkeypatch.setattr(os, name, spy)
-    durable = make(io_threads=1)
+    durable = make(io_threads=1, durable=True)
     put(durable, [0, 1])
     assert calls == ["fdatasync", "rename"] * 2 + ["fsync"]  # data, name, then the directory
     calls.clear()
     put(make(durable=False), [2])
     assert calls == ["rename"]
+    calls.clear()
+    put(make(), [3])  # the default: in the page cache, written back by the OS
+    assert calls == ["rename"]
+    calls.clear()
+    put(make(page_cache=False), [4])  # its pages go only once clean: flushed first
+    assert calls == ["fdatasync", "rename"]
 
 
 @pytest.mark.skipif(shutil.which("fincore") is None, reason="needs util-linux fincore")
@@ -251,7 +257,7 @@ def test_both_page_cache_settings_read_back_in_a_fresh_tier(
     writer = make(page_cache=page_cache)
     assert put(writer, [1, 2]) == 2
     writer.close()
-    assert (os.POSIX_FADV_DONTNEED in advice) is not page_cache  # after each durable write
+    assert (os.POSIX_FADV_DONTNEED in advice) is not page_cache  # after each write
     advice.clear()
     reader = make(page_cache=page_cache)  # a restart: the index comes from the directory
     assert reader.batched_async_contains("l", [key(1), key(2), key(3)]) == 2
@@ -272,7 +278,7 @@ def test_a_durable_write_keeping_the_page_cache_starts_writeback_early(
 
     monkeypatch.setattr(fs_local, "_sync_file_range", spy)
     monkeypatch.setattr(fs_local, "WRITE_SEGMENT", FRAME_BYTES // 3)
-    put(make(page_cache=True), [1])
+    put(make(page_cache=True, durable=True), [1])
     assert started and started[0][0] == 0
     assert sum(length for _, length in started) == FRAME_BYTES
     started.clear()
