@@ -2,9 +2,10 @@
 
 A fresh engine process that has just stored new prompts keeps writing them to
 its lower tiers (write-through to the ``fs`` tier: copies into the page cache,
-``fdatasync``) while the next request loads its prefix. Where the engine's
-other CPUs are taken (vLLM's CPU build binds an OpenMP thread to each), the
-storing threads and the loading thread share one CPU.
+and ``fdatasync`` with ``durable``, as here) while the next request loads its
+prefix. Where the engine's other CPUs are taken (vLLM's CPU build binds an
+OpenMP thread to each), the storing threads and the loading thread share one
+CPU.
 
 This pins the whole process to one CPU and times a foreground load (``--mib``
 MiB from a file in the page cache, 4 MiB pieces read into a staging buffer and

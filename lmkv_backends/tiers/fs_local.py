@@ -43,7 +43,8 @@ TMP_PREFIX = ".lmkv-tmp."
 # A temporary this old is stale even when its writer's pid cannot be checked
 # (another host sharing the directory).
 STALE_TMP_S = 3600.0
-# Bytes per pwritev: the unit in which a durable write is handed to the disk early.
+# Bytes per pwritev: the unit in which a durable write (or any write with page_cache
+# off) is handed to the disk early.
 # At most 1 MiB: a kernel that caches files in large folios (Linux 6.x on ext4)
 # gives a larger write new folios of 2 MiB and more, and on a virtual machine
 # whose host backs them lazily that cost 6-12x the CPU time (a new 4 MiB entry:

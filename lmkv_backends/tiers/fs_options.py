@@ -60,14 +60,15 @@ class FSOptions(PluginOptions):
     max_bytes: ByteCount | None = None
     """The tier's byte budget (LRU-evicted past it); None: unbounded."""
     durable: bool = False
-    """Local disk: a put completes only once its data is on disk (fdatasync).
+    """Local disk. On: a put completes only once its data is on disk (fdatasync).
     Off (the default): once it is in the OS page cache, which outlives the
     process; a power cut may lose recent entries, and a damaged one fails its
     checksum when read (a miss)."""
     page_cache: bool = True
     """Local disk: keep entries in the OS page cache after reading or writing them,
     so another process (a restarted engine, a second one) reads them from memory.
-    Off: pages are handed back (the memory tier above holds those chunks already)."""
+    Off: pages are handed back (the memory tier above holds those chunks already);
+    a write's pages go only once on disk, so each write then waits for it."""
     direct_reads: bool = True
     """Local disk: an engine whose KV is in host memory (vLLM's CPU build) reads
     entries straight into its KV, a few MiB at a time through a small buffer of

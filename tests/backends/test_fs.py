@@ -181,14 +181,20 @@ def test_a_crash_mid_write_leaves_no_entry_and_the_temporary_is_cleaned(
     assert backend.usage_bytes == 0
 
 
-def test_durable_put_syncs_data_before_the_rename(make: Callable[..., FSBackend],
-                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+def test_what_a_put_flushes_before_the_rename(make: Callable[..., FSBackend],
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Durable: data, name, then the directory. Not durable (the default): the
+    rename only. ``page_cache`` off: each segment's writeback started, the data
+    flushed, then its pages handed back, before the rename."""
     calls: list[str] = []
-    for name in ("fdatasync", "fsync", "rename"):
+    for name in ("fdatasync", "fsync", "rename", "posix_fadvise"):
         real = getattr(os, name)
 
         def spy(*args: object, _real: Callable = real, _name: str = name) -> object:
-            calls.append(_name)
+            if _name != "posix_fadvise":
+                calls.append(_name)
+            elif args[3] == os.POSIX_FADV_DONTNEED:
+                calls.append("dontneed")
             return _real(*args)
 
         monkeypatch.setattr(os, name, spy)
@@ -202,8 +208,11 @@ def test_durable_put_syncs_data_before_the_rename(make: Callable[..., FSBackend]
     put(make(), [3])  # the default: in the page cache, written back by the OS
     assert calls == ["rename"]
     calls.clear()
+    monkeypatch.setattr(fs_local, "WRITE_SEGMENT", FRAME_BYTES // 3)
     put(make(page_cache=False), [4])  # its pages go only once clean: flushed first
-    assert calls == ["fdatasync", "rename"]
+    segments = calls.index("fdatasync")
+    assert segments >= 3 and calls[:segments] == ["dontneed"] * segments
+    assert calls[segments:] == ["fdatasync", "dontneed", "rename"]
 
 
 @pytest.mark.skipif(shutil.which("fincore") is None, reason="needs util-linux fincore")
