@@ -11,7 +11,7 @@ from itertools import repeat
 from typing import Any, ClassVar, Protocol, final
 
 from lmkv.contracts.plugin import NoOptions, OptionsArg, Plugin, PluginOptions
-from lmkv.contracts.versions import parse_version
+from lmkv.contracts.versions import declared_version, parse_version
 
 
 @dataclass(frozen=True)
@@ -361,7 +361,7 @@ class EvictionPolicy(Plugin, ABC):
                 if klass is EvictionPolicy:
                     break
                 if name in vars(klass):  # written for 2.2 by that class
-                    version = parse_version(_declared(klass))
+                    version = parse_version(declared_version(klass, EvictionPolicy))
                     if version is not None and version >= (2, 2):
                         found = getattr(self, name)
                     break
@@ -489,18 +489,6 @@ class EvictionPolicy(Plugin, ABC):
         """The stored key ``key`` is a leaf again: its last stored extension left
         (called after that one's ``on_remove``). A policy that orders leaves only
         puts ``key`` back here, where its own history says it belongs."""
-
-
-def _declared(klass: type) -> object:
-    """The ``api_version`` ``klass`` was written for: its own, or one of its
-    plugin's classes' above it; a class of lmkv's lends none to a subclass (as
-    ``lmkv.plugins.contract.declared_version``)."""
-    for above in klass.__mro__:
-        if above is not klass and above.__module__.startswith(("lmkv.", "lmkv_")):
-            return None
-        if "api_version" in vars(above):
-            return vars(above)["api_version"]
-    return None
 
 
 #: The per-key hooks a batch hook stands for (``EvictionPolicy._batched``).

@@ -159,3 +159,28 @@ def parse_version(text: object) -> tuple[int, int] | None:
     if not dot or not major.isdigit() or not minor.isdigit():
         return None
     return int(major), int(minor)
+
+
+#: Modules of lmkv's own: its core and its built-in plugins.
+_LMKV_MODULES = ("lmkv.", "lmkv_backends", "lmkv_policies", "lmkv_kernels")
+
+
+def is_lmkv_class(klass: type) -> bool:
+    """Whether ``klass`` is lmkv's own (its core's or a built-in plugin's) or Python's."""
+    module = getattr(klass, "__module__", None)
+    return isinstance(module, str) and (module.startswith(_LMKV_MODULES)
+                                        or module == "builtins")
+
+
+def declared_version(cls: type, base: type) -> object:
+    """The ``api_version`` ``cls`` or a class of the plugin's own declares; None when
+    there is none. A class of lmkv's (its base classes, a built-in plugin a
+    plugin extends) never lends its declaration to a subclass: a subclass of
+    the built-in ``cpu`` tier written for 2.0 must not pass for 3.0 once lmkv's
+    tier says 3.0."""
+    for klass in cls.__mro__:
+        if klass is base or (klass is not cls and is_lmkv_class(klass)):
+            break
+        if "api_version" in vars(klass):
+            return vars(klass)["api_version"]
+    return None

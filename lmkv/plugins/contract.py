@@ -22,6 +22,8 @@ from lmkv.contracts.versions import (
     MIGRATION_GUIDE,
     UNDECLARED_UNTIL,
     Call,
+    declared_version,
+    is_lmkv_class,
     parse_version,
 )
 
@@ -36,20 +38,6 @@ class Verdict:
 
     problem: str = ""
     undeclared: bool = False
-
-
-def declared_version(cls: type, base: type) -> object:
-    """The ``api_version`` ``cls`` or a class of the plugin's own declares; None when
-    there is none. A class of lmkv's (its base classes, a built-in plugin a
-    plugin extends) never lends its declaration to a subclass: a subclass of
-    the built-in ``cpu`` tier written for 2.0 must not pass for 3.0 once lmkv's
-    tier says 3.0."""
-    for klass in cls.__mro__:
-        if klass is base or (klass is not cls and _is_lmkv(klass)):
-            break
-        if "api_version" in vars(klass):
-            return vars(klass)["api_version"]
-    return None
 
 
 def check(kind: str, cls: type, base: type) -> Verdict:
@@ -96,14 +84,14 @@ def _call_problem(cls: type, base: type, call: Call) -> str:
     found = inspect.getattr_static(cls, call.name, _MISSING)
     owner = _owner(cls, call.name)
     if call.kind == "final":
-        if owner is not None and not _is_lmkv(owner):
+        if owner is not None and not is_lmkv_class(owner):
             return (f"overrides {base.__name__}.{call.name}, which lmkv calls and a plugin "
                     f"must not replace (implement the on_* methods it calls instead)")
         return ""
     if found is _MISSING:
         use = "reads" if call.kind == "property" else "calls"
         return f"has no {call.shape()}, which lmkv {use}"
-    if owner is not None and _is_lmkv(owner):
+    if owner is not None and is_lmkv_class(owner):
         return ""  # lmkv's own implementation: it fits by construction
     if call.kind == "property":
         if isinstance(found, (property, functools.cached_property)) or not callable(found):
@@ -155,16 +143,6 @@ def _binds(signature: inspect.Signature, call: Call, skip_self: bool) -> bool:
 
 def _owner(cls: type, name: str) -> type | None:
     return next((k for k in cls.__mro__ if name in vars(k)), None)
-
-
-#: Modules of lmkv's own: its core and its built-in plugins.
-_LMKV_MODULES = ("lmkv.", "lmkv_backends", "lmkv_policies", "lmkv_kernels")
-
-
-def _is_lmkv(klass: type) -> bool:
-    module = getattr(klass, "__module__", None)
-    return isinstance(module, str) and (module.startswith(_LMKV_MODULES)
-                                        or module == "builtins")
 
 
 def _shown(signature: inspect.Signature) -> str:

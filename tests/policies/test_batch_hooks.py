@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections.abc import Hashable, Iterator, Sequence
 from typing import Any
 
+import pytest
+
 from lmkv.contracts.policy import EvictionContext, EvictionPolicy
 from lmkv.plugins.contract import check
 from lmkv_policies.lru import LRUPolicy
@@ -205,9 +207,25 @@ def test_a_subclass_of_lru_with_its_own_on_insert_has_it_called() -> None:
 
 
 def test_a_batch_with_too_few_parents_changes_nothing() -> None:
-    import pytest
-
     policy = _slots(LRUPolicy(None, EvictionContext()))
     with pytest.raises(ValueError, match="3 keys but 2 parents"):
         policy.insert_many([0, 1, 2], [None, 0])
     assert len(policy.lineage) == 0 and list(policy.candidates()) == []
+
+
+
+def test_a_hook_counts_from_a_third_party_plugins_declaration_above_it() -> None:
+    """A plugin package named ``lmkv_...`` is not lmkv's: a class of it that
+    defines a batch hook without a version of its own is written for the one a
+    class of the same plugin above it declares (as the contract check reads it)."""
+    got: list[list] = []
+    declares = type("Declares", (Recorder,), {"__module__": "lmkv_thirdparty.policy",
+                                              "api_version": "2.2"})
+    hooked = type("Hooked", (declares,), {
+        "__module__": "lmkv_thirdparty.policy", "name": "third-party-hooked",
+        "on_access_many": lambda self, keys: got.append(list(keys))})
+    policy = _slots(hooked(None, EvictionContext()))
+    policy.insert_many([0, 1], [None, 0])
+    policy.access_many([0, 1])
+    assert got == [[0, 1]]
+    assert not [call for call in policy.calls if call[0] == "access"]
