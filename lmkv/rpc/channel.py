@@ -142,8 +142,8 @@ class Channel:
     def reset(self) -> None:
         """Close the socket (dropping anything queued); the next request opens a new one."""
         if self._watch is not None:
-            self.handshake_failure()  # kept: the next connection may not get that far
-            self._watch.close()
+            # kept: the next connection may not get that far
+            self._handshake_failure = self._watch.close()
             self._watch = None
         if self._socket is not None:
             self._socket.close(linger=0)

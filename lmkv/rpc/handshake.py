@@ -4,18 +4,34 @@ A client whose security does not match the server's (no CURVE against a CURVE
 server, a key the server does not admit, the wrong server key) never gets a
 connection: with ``IMMEDIATE`` that looks exactly like no server at all. ZMQ
 reports the failed handshake on the socket's monitor; ``HandshakeWatch``
-reads those events when asked (after a failed request, or from the server's
-loop), so that the one line a user sees names the mismatch, not an absent
-server.
+keeps the latest outcome, so that the one line a user sees names the
+mismatch, not an absent server.
+
+Who reads the events: ZMQ sends each monitor event from the context's I/O
+thread with a send that waits while the monitor's queue is full. Left unread
+(an idle client whose server is gone retries every half second, a few events
+each time), the queue fills within minutes, and the I/O thread then waits
+forever: every connection of every socket in that context stops, and nothing
+recovers. So no monitor is ever left unread: one thread per process
+(``lmkv-zmq-monitors``) reads every watch's monitor as its events arrive,
+and the queue to it has no high-water mark, so the I/O thread never waits on
+it. Once handed to that thread, a monitor socket is touched by it alone.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
+import logging
+import os
+import threading
 import time
+from collections.abc import Callable
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
+
+logger = logging.getLogger(__name__)
 
 _EVENTS = (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
            | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_SUCCEEDED
@@ -25,9 +41,13 @@ _EVENTS = (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
 # a handshake outcome (refused, dropped: nothing more to wait for).
 _UNDER_WAY = zmq.EVENT_CONNECTED | zmq.EVENT_CONNECT_DELAYED
 _GONE = zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_DISCONNECTED
-# Events a watch reads at once at most: a peer retrying a failing handshake adds
-# some per reconnect, and reading them must stay cheap.
+# Events read from one monitor before the others get their turn.
 _MAX_EVENTS = 256
+# How long a caller waits for the reader thread to read what a monitor holds now
+# (it answers within microseconds unless the process is starved).
+SYNC_WAIT_S = 0.5
+CLOSE_WAIT_S = 5.0
+_ids = itertools.count()
 
 #: The peer spoke another security mechanism (CURVE against plain ZMQ, or back).
 MECHANISM_MISMATCH = "mechanism_mismatch"
@@ -39,41 +59,84 @@ CURVE_FAILED = "curve_failed"
 
 
 class HandshakeWatch:
-    """The handshake outcomes of one socket; ``failure()`` says the latest failure."""
+    """The handshake outcomes of one socket; ``failure()`` says the latest failure.
 
-    def __init__(self, sock: zmq.Socket) -> None:
-        self._monitor: zmq.Socket | None = sock.get_monitor_socket(_EVENTS)
+    ``on_failure`` (called on the reader thread, for each failure as it is
+    seen): for a server that logs them. ``close()`` before the socket is
+    closed."""
+
+    def __init__(self, sock: zmq.Socket,
+                 on_failure: Callable[[str], None] | None = None) -> None:
+        address = f"inproc://lmkv-handshake-{os.getpid()}-{next(_ids)}"
+        sock.monitor(address, _EVENTS)
+        monitor = sock.context.socket(zmq.PAIR)
+        # No high-water mark: the I/O thread's send to it never waits.
+        monitor.setsockopt(zmq.RCVHWM, 0)
+        monitor.setsockopt(zmq.LINGER, 0)
+        monitor.connect(address)
+        self._monitor: zmq.Socket | None = monitor
         self._sock = sock
+        self._on_failure = on_failure
+        self._cond = threading.Condition()
         self._failure: str | None = None
         # A connection under way whose handshake has not ended yet (a busy peer, or a
         # busy machine, may take longer than the request that gave up on it).
         self._pending = False
+        #: Events read so far (for tests and diagnostics).
+        self.events_read = 0
+        _reader().submit("add", self, 0.0)
 
-    @property
-    def monitor(self) -> zmq.Socket | None:
-        """The socket the events arrive on (to poll), None once closed."""
-        return self._monitor
+    def failure(self, wait_ms: int = 0) -> str | None:
+        """The latest handshake failure, unless a handshake succeeded since (the
+        events the monitor holds now are read first). ``wait_ms``: while a
+        connection is under way (connecting, or connected and its handshake not
+        ended), wait up to that long for how it ends (nothing is waited for once
+        it was refused or dropped: no server there)."""
+        if self._monitor is not None:
+            _reader().submit("sync", self, SYNC_WAIT_S)
+        deadline = time.monotonic() + max(0, wait_ms) / 1e3
+        with self._cond:
+            while self._pending and self._monitor is not None \
+                    and (left := deadline - time.monotonic()) > 0:
+                self._cond.wait(left)
+            return self._failure
 
-    def failures(self) -> list[str]:
-        """The handshake failures seen since the last call (oldest first); a
-        handshake that succeeded meanwhile clears the ones before it."""
-        seen: list[str] = []
+    def close(self) -> str | None:
+        """Stop watching (the events still queued are read first); the latest
+        failure, as ``failure()``."""
+        if self._monitor is not None:
+            with contextlib.suppress(zmq.ZMQError):
+                self._sock.disable_monitor()
+            if not _reader().submit("remove", self, CLOSE_WAIT_S):
+                logger.warning("lmkv: the ZMQ monitor reader did not close a monitor in "
+                               "%.0f s; its context may not terminate", CLOSE_WAIT_S)
+        with self._cond:
+            return self._failure
+
+    # -- on the reader thread ------------------------------------------------------
+    def _read(self) -> bool:
+        """Read what the monitor holds (up to ``_MAX_EVENTS``); True if it may hold more."""
         monitor = self._monitor
         if monitor is None:
-            return seen
-        for _ in range(_MAX_EVENTS):
+            return False
+        seen: list[str] = []
+        pending = None
+        succeeded = False
+        count = 0
+        while count < _MAX_EVENTS:
             try:
                 event = recv_monitor_message(monitor, zmq.NOBLOCK)
             except zmq.Again:
                 break
+            count += 1
             kind = event["event"]
             if kind & (_UNDER_WAY | _GONE):
-                self._pending = bool(kind & _UNDER_WAY)
+                pending = bool(kind & _UNDER_WAY)
                 continue
-            self._pending = False
+            pending = False
             if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 seen.clear()
-                self._failure = None
+                succeeded = True
             elif kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
                 seen.append(KEY_REFUSED)
             elif kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and \
@@ -81,31 +144,119 @@ class HandshakeWatch:
                 seen.append(MECHANISM_MISMATCH)
             else:
                 seen.append(CURVE_FAILED)
-        if seen:
-            self._failure = seen[-1]
-        return seen
+        if count:
+            with self._cond:
+                self.events_read += count
+                if pending is not None:
+                    self._pending = pending
+                if succeeded:
+                    self._failure = None
+                if seen:
+                    self._failure = seen[-1]
+                self._cond.notify_all()
+        if self._on_failure is not None:
+            for failure in seen:
+                try:
+                    self._on_failure(failure)
+                except Exception:  # a logger's failure must not stop the reader
+                    logger.exception("lmkv: a handshake failure callback failed")
+        return count == _MAX_EVENTS
 
-    def failure(self, wait_ms: int = 0) -> str | None:
-        """The latest handshake failure, unless a handshake succeeded since.
-        ``wait_ms``: while a connection is under way (connecting, or connected and
-        its handshake not ended), wait up to that long for how it ends (nothing is
-        waited for once it was refused or dropped: no server there)."""
-        self.failures()
-        monitor = self._monitor
-        if wait_ms > 0 and monitor is not None:
-            deadline = time.monotonic() + wait_ms / 1e3
-            while self._pending and (left := deadline - time.monotonic()) > 0:
-                if monitor.poll(int(left * 1e3) + 1, zmq.POLLIN):
-                    self.failures()
-        return self._failure
+    def _close_monitor(self) -> None:
+        monitor, self._monitor = self._monitor, None
+        if monitor is not None:
+            monitor.close(linger=0)
+        with self._cond:
+            self._cond.notify_all()
 
-    def close(self) -> None:
-        if self._monitor is None:
-            return
-        with contextlib.suppress(zmq.ZMQError):
-            self._sock.disable_monitor()
-        self._monitor.close(linger=0)
-        self._monitor = None
+
+class _Reader:
+    """The thread that reads every watch's monitor (``submit`` hands it work)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._requests: list[tuple[str, HandshakeWatch, threading.Event | None]] = []
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._thread: threading.Thread | None = None
+
+    def submit(self, op: str, watch: HandshakeWatch, wait_s: float) -> bool:
+        """Ask the thread to ``add``, ``sync`` (read now) or ``remove`` (read, then
+        close) ``watch``'s monitor; wait up to ``wait_s`` for it to be done."""
+        done = threading.Event() if wait_s > 0 else None
+        with self._lock:
+            self._requests.append((op, watch, done))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="lmkv-zmq-monitors",
+                                                daemon=True)
+                self._thread.start()
+        with contextlib.suppress(OSError):  # a full pipe: the thread is awake anyway
+            os.write(self._wake_w, b"\0")
+        return done.wait(wait_s) if done is not None else True
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._wake_r, zmq.POLLIN)
+        watches: dict[zmq.Socket, HandshakeWatch] = {}
+        more: list[HandshakeWatch] = []  # read up to the cap: their turn again at once
+        while True:
+            try:
+                ready = poller.poll(0 if more else None)
+                with contextlib.suppress(BlockingIOError):
+                    while os.read(self._wake_r, 4096):
+                        pass
+                with self._lock:
+                    requests, self._requests = self._requests, []
+                todo = set(more)
+                todo.update(watches[sock] for sock, _ in ready if sock in watches)
+                more = []
+                for op, watch, done in requests:
+                    monitor = watch._monitor
+                    if op == "add" and monitor is not None and monitor not in watches:
+                        poller.register(monitor, zmq.POLLIN)
+                        watches[monitor] = watch
+                        todo.add(watch)
+                    elif op == "remove" and monitor is not None:
+                        todo.discard(watch)
+                        if watches.pop(monitor, None) is not None:
+                            poller.unregister(monitor)
+                        while watch._read():
+                            pass
+                        watch._close_monitor()
+                    elif op == "sync" and monitor in watches:
+                        while watch._read():
+                            pass
+                        todo.discard(watch)
+                    if done is not None:
+                        done.set()
+                more = [watch for watch in todo if watch._read()]
+            except Exception:  # never leave the monitors unread for good
+                logger.exception("lmkv: reading ZMQ monitors failed; going on")
+                time.sleep(0.01)
+
+
+_READER: _Reader | None = None
+_READER_LOCK = threading.Lock()
+
+
+def _reader() -> _Reader:
+    global _READER
+    if _READER is None:
+        with _READER_LOCK:
+            if _READER is None:
+                _READER = _Reader()
+    return _READER
+
+
+def _forget_reader() -> None:
+    """In a forked child: the parent's thread is not there (nor usable contexts)."""
+    global _READER
+    _READER = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_reader)
 
 
 def client_problem(failure: str | None, has_curve: bool) -> str:

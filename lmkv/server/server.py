@@ -92,7 +92,7 @@ class KVServer:
             self._auth.secure(self._router)
             # A client without CURVE fails the handshake before any request: only
             # the socket's monitor sees it, and the log says so.
-            self._watch = HandshakeWatch(self._router)
+            self._watch = HandshakeWatch(self._router, on_failure=self._log_handshake)
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -147,9 +147,6 @@ class KVServer:
         poller = zmq.Poller()
         poller.register(self._router, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
-        monitor = self._watch.monitor if self._watch is not None else None
-        if monitor is not None:
-            poller.register(monitor, zmq.POLLIN)
         next_expiry = time.monotonic() + EXPIRY_CHECK_S
         while not self._stopping:
             timeout_ms = 5 if self._sending else int(EXPIRY_CHECK_S * 1000)
@@ -159,8 +156,6 @@ class KVServer:
             events = dict(poller.poll(timeout_ms))
             if self._wake_r in events:
                 self._drain_wake_pipe()
-            if monitor is not None and monitor in events:
-                self._log_handshakes()
             if self._sending:
                 self._reap_sent()
             self._run_completions()
@@ -173,16 +168,15 @@ class KVServer:
                 self.sessions.expire()
                 next_expiry = now + EXPIRY_CHECK_S
 
-    def _log_handshakes(self) -> None:
-        assert self._watch is not None
-        for failure in self._watch.failures():
-            if failure == MECHANISM_MISMATCH:
-                _log.warning("no-curve", "lmkv server: a client without CURVE tried to "
-                             "connect to %s; this server admits only CURVE clients with an "
-                             "authorized key (docs/security.md)", self.endpoint)
-            elif failure == CURVE_FAILED:
-                _log.warning("bad-curve", "lmkv server: a client's CURVE handshake on %s "
-                             "failed (does it hold this server's public key?)", self.endpoint)
+    def _log_handshake(self, failure: str) -> None:
+        """A client's failed handshake (on the thread that reads ZMQ monitors)."""
+        if failure == MECHANISM_MISMATCH:
+            _log.warning("no-curve", "lmkv server: a client without CURVE tried to "
+                         "connect to %s; this server admits only CURVE clients with an "
+                         "authorized key (docs/security.md)", self.endpoint)
+        elif failure == CURVE_FAILED:
+            _log.warning("bad-curve", "lmkv server: a client's CURVE handshake on %s "
+                         "failed (does it hold this server's public key?)", self.endpoint)
 
     def _drain_wake_pipe(self) -> None:
         try:

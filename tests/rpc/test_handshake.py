@@ -56,3 +56,58 @@ def test_no_server_there_is_said_without_waiting_for_a_handshake() -> None:
         assert client.connection_problem(wait_ms=60_000) == ""
         assert time.monotonic() - started < 30  # no connection made: nothing waited for
 
+
+
+def test_an_idle_client_whose_server_is_gone_never_stops_its_contexts_connections(
+        monkeypatch) -> None:
+    """ZMQ's I/O thread sends monitor events with a send that waits while their queue
+    is full: an idle client retrying a server that is gone must not fill it, or every
+    connection of the context stops for good. Retries every millisecond here make
+    in seconds the thousands of events that half-second retries make in minutes."""
+    import zmq
+
+    from lmkv.rpc import channel
+
+    monkeypatch.setattr(channel, "RECONNECT_IVL_MS", 1)
+    monkeypatch.setattr(channel, "RECONNECT_IVL_MAX_MS", 1)
+    context = zmq.Context()
+    other = zmq.Context()
+    free = socket.socket()
+    free.bind(("127.0.0.1", 0))
+    port = free.getsockname()[1]
+    free.close()  # nothing listens there now
+    router = other.socket(zmq.ROUTER)
+    fresh = context.socket(zmq.DEALER)
+    try:
+        with ServerClient(f"tcp://127.0.0.1:{port}", timeout_ms=200, data_path="inline",
+                          context=context) as idle:
+            assert idle.ping() is None
+            watch = idle._channel._watch
+            assert watch is not None
+            # Twice the queue a monitor has by default: the old way, this many unread
+            # events stopped the I/O thread.
+            deadline = time.monotonic() + 120
+            while watch.events_read < 4000 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert watch.events_read >= 4000, watch.events_read
+            # Another socket of the same context still connects...
+            elsewhere = router.bind_to_random_port("tcp://127.0.0.1")
+            fresh.setsockopt(zmq.IMMEDIATE, 1)
+            fresh.setsockopt(zmq.LINGER, 0)
+            fresh.connect(f"tcp://127.0.0.1:{elsewhere}")
+            assert fresh.poll(30_000, zmq.POLLOUT)
+            # ...and the idle client connects by itself once something listens.
+            router.unbind(f"tcp://127.0.0.1:{elsewhere}")
+            router.bind(f"tcp://127.0.0.1:{port}")
+            sock = idle._channel._socket
+            assert sock is not None and sock.poll(30_000, zmq.POLLOUT)
+        # Closed, the client leaves nothing open: the context terminates.
+        fresh.close(linger=0)
+        ended = threading.Thread(target=context.term, daemon=True)
+        ended.start()
+        ended.join(30)
+        assert not ended.is_alive(), "the context did not terminate: a socket left open"
+    finally:
+        router.close(linger=0)
+        other.term()
+
