@@ -26,6 +26,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable
 
 import zmq
@@ -58,12 +59,30 @@ KEY_REFUSED = "key_refused"
 CURVE_FAILED = "curve_failed"
 
 
+class _State:
+    """What a watch knows, shared by its caller and the reader thread (which holds
+    this, never the watch or its socket: a watch dropped unclosed is collected)."""
+
+    __slots__ = ("closed", "cond", "events_read", "failure", "on_failure", "pending")
+
+    def __init__(self, on_failure: Callable[[str], None] | None) -> None:
+        self.cond = threading.Condition()
+        self.failure: str | None = None
+        # A connection under way whose handshake has not ended yet (a busy peer, or
+        # a busy machine, may take longer than the request that gave up on it).
+        self.pending = False
+        self.events_read = 0
+        self.on_failure = on_failure
+        self.closed = False  # the monitor is closed: nothing more will be read
+
+
 class HandshakeWatch:
     """The handshake outcomes of one socket; ``failure()`` says the latest failure.
 
     ``on_failure`` (called on the reader thread, for each failure as it is
     seen): for a server that logs them. ``close()`` before the socket is
-    closed."""
+    closed and before its context is terminated (a watch dropped unclosed is
+    closed when it is collected)."""
 
     def __init__(self, sock: zmq.Socket,
                  on_failure: Callable[[str], None] | None = None) -> None:
@@ -74,17 +93,19 @@ class HandshakeWatch:
         monitor.setsockopt(zmq.RCVHWM, 0)
         monitor.setsockopt(zmq.LINGER, 0)
         monitor.connect(address)
-        self._monitor: zmq.Socket | None = monitor
         self._sock = sock
-        self._on_failure = on_failure
-        self._cond = threading.Condition()
-        self._failure: str | None = None
-        # A connection under way whose handshake has not ended yet (a busy peer, or a
-        # busy machine, may take longer than the request that gave up on it).
-        self._pending = False
-        #: Events read so far (for tests and diagnostics).
-        self.events_read = 0
-        _reader().submit("add", self, 0.0)
+        self._monitor = monitor  # the reader thread's from now on: never touched here
+        self._state = _State(on_failure)
+        self._pid = os.getpid()
+        self._closed = False
+        _reader().submit("add", monitor, self._state, 0.0)
+        self._finalizer = weakref.finalize(self, _remove_unclosed, monitor, self._pid)
+        self._finalizer.atexit = False
+
+    @property
+    def events_read(self) -> int:
+        """Monitor events read so far (for tests and diagnostics)."""
+        return self._state.events_read
 
     def failure(self, wait_ms: int = 0) -> str | None:
         """The latest handshake failure, unless a handshake succeeded since (the
@@ -92,148 +113,185 @@ class HandshakeWatch:
         connection is under way (connecting, or connected and its handshake not
         ended), wait up to that long for how it ends (nothing is waited for once
         it was refused or dropped: no server there)."""
-        if self._monitor is not None:
-            _reader().submit("sync", self, SYNC_WAIT_S)
+        state = self._state
+        if not self._closed and self._pid == os.getpid():
+            _reader().submit("sync", self._monitor, state, SYNC_WAIT_S)
         deadline = time.monotonic() + max(0, wait_ms) / 1e3
-        with self._cond:
-            while self._pending and self._monitor is not None \
+        with state.cond:
+            while state.pending and not state.closed \
                     and (left := deadline - time.monotonic()) > 0:
-                self._cond.wait(left)
-            return self._failure
+                state.cond.wait(left)
+            return state.failure
 
     def close(self) -> str | None:
         """Stop watching (the events still queued are read first); the latest
         failure, as ``failure()``."""
-        if self._monitor is not None:
-            with contextlib.suppress(zmq.ZMQError):
-                self._sock.disable_monitor()
-            if not _reader().submit("remove", self, CLOSE_WAIT_S):
-                logger.warning("lmkv: the ZMQ monitor reader did not close a monitor in "
-                               "%.0f s; its context may not terminate", CLOSE_WAIT_S)
-        with self._cond:
-            return self._failure
+        if not self._closed:
+            self._closed = True
+            self._finalizer.detach()
+            if self._pid == os.getpid():  # (a forked child leaves the parent's alone)
+                with contextlib.suppress(zmq.ZMQError):
+                    self._sock.disable_monitor()
+                if not _reader().submit("remove", self._monitor, self._state, CLOSE_WAIT_S):
+                    logger.warning("lmkv: the ZMQ monitor reader did not close a monitor "
+                                   "in %.0f s; its context may not terminate", CLOSE_WAIT_S)
+        with self._state.cond:
+            return self._state.failure
 
-    # -- on the reader thread ------------------------------------------------------
-    def _read(self) -> bool:
-        """Read what the monitor holds (up to ``_MAX_EVENTS``); True if it may hold more."""
-        monitor = self._monitor
-        if monitor is None:
-            return False
-        seen: list[str] = []
-        pending = None
-        succeeded = False
-        count = 0
-        while count < _MAX_EVENTS:
+
+def _remove_unclosed(monitor: zmq.Socket, pid: int) -> None:
+    """A watch collected unclosed: its monitor is closed (not waited for)."""
+    if pid == os.getpid():
+        _reader().submit("remove", monitor, None, 0.0)
+
+
+def _read(monitor: zmq.Socket, state: _State) -> bool:
+    """Read what ``monitor`` holds (up to ``_MAX_EVENTS``) into ``state``; True if it
+    may hold more. On the reader thread only."""
+    seen: list[str] = []
+    pending = None
+    succeeded = False
+    count = 0
+    while count < _MAX_EVENTS:
+        try:
+            event = recv_monitor_message(monitor, zmq.NOBLOCK)
+        except zmq.Again:
+            break
+        count += 1
+        kind = event["event"]
+        if kind & (_UNDER_WAY | _GONE):
+            pending = bool(kind & _UNDER_WAY)
+            continue
+        pending = False
+        if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            seen.clear()
+            succeeded = True
+        elif kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+            seen.append(KEY_REFUSED)
+        elif kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and \
+                event["value"] == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
+            seen.append(MECHANISM_MISMATCH)
+        else:
+            seen.append(CURVE_FAILED)
+    if count:
+        with state.cond:
+            state.events_read += count
+            if pending is not None:
+                state.pending = pending
+            if succeeded:
+                state.failure = None
+            if seen:
+                state.failure = seen[-1]
+            state.cond.notify_all()
+    if state.on_failure is not None:
+        for failure in seen:
             try:
-                event = recv_monitor_message(monitor, zmq.NOBLOCK)
-            except zmq.Again:
-                break
-            count += 1
-            kind = event["event"]
-            if kind & (_UNDER_WAY | _GONE):
-                pending = bool(kind & _UNDER_WAY)
-                continue
-            pending = False
-            if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                seen.clear()
-                succeeded = True
-            elif kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
-                seen.append(KEY_REFUSED)
-            elif kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and \
-                    event["value"] == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
-                seen.append(MECHANISM_MISMATCH)
-            else:
-                seen.append(CURVE_FAILED)
-        if count:
-            with self._cond:
-                self.events_read += count
-                if pending is not None:
-                    self._pending = pending
-                if succeeded:
-                    self._failure = None
-                if seen:
-                    self._failure = seen[-1]
-                self._cond.notify_all()
-        if self._on_failure is not None:
-            for failure in seen:
-                try:
-                    self._on_failure(failure)
-                except Exception:  # a logger's failure must not stop the reader
-                    logger.exception("lmkv: a handshake failure callback failed")
-        return count == _MAX_EVENTS
+                state.on_failure(failure)
+            except Exception:  # a logger's failure must not stop the reader
+                logger.exception("lmkv: a handshake failure callback failed")
+    return count == _MAX_EVENTS
 
-    def _close_monitor(self) -> None:
-        monitor, self._monitor = self._monitor, None
-        if monitor is not None:
-            monitor.close(linger=0)
-        with self._cond:
-            self._cond.notify_all()
+
+def _read_all(monitor: zmq.Socket, state: _State) -> None:
+    for _ in range(64):  # bounded: a peer retrying as fast as it is read ends too
+        if not _read(monitor, state):
+            return
 
 
 class _Reader:
     """The thread that reads every watch's monitor (``submit`` hands it work)."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._requests: list[tuple[str, HandshakeWatch, threading.Event | None]] = []
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
-        os.set_blocking(self._wake_w, False)
+        self.lock = threading.Lock()
+        self._requests: list[tuple[str, zmq.Socket, _State | None,
+                                   threading.Event | None]] = []
+        self.wake_r, self.wake_w = os.pipe()
+        os.set_blocking(self.wake_r, False)
+        os.set_blocking(self.wake_w, False)
         self._thread: threading.Thread | None = None
 
-    def submit(self, op: str, watch: HandshakeWatch, wait_s: float) -> bool:
-        """Ask the thread to ``add``, ``sync`` (read now) or ``remove`` (read, then
-        close) ``watch``'s monitor; wait up to ``wait_s`` for it to be done."""
+    def submit(self, op: str, monitor: zmq.Socket, state: _State | None,
+               wait_s: float) -> bool:
+        """Ask the thread to ``add``, ``sync`` (read now) or ``remove`` (read what is
+        left, then close) ``monitor``; wait up to ``wait_s`` for it to be done."""
         done = threading.Event() if wait_s > 0 else None
-        with self._lock:
-            self._requests.append((op, watch, done))
+        with self.lock:
+            self._requests.append((op, monitor, state, done))
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="lmkv-zmq-monitors",
                                                 daemon=True)
                 self._thread.start()
         with contextlib.suppress(OSError):  # a full pipe: the thread is awake anyway
-            os.write(self._wake_w, b"\0")
+            os.write(self.wake_w, b"\0")
         return done.wait(wait_s) if done is not None else True
 
     def _run(self) -> None:
         poller = zmq.Poller()
-        poller.register(self._wake_r, zmq.POLLIN)
-        watches: dict[zmq.Socket, HandshakeWatch] = {}
-        more: list[HandshakeWatch] = []  # read up to the cap: their turn again at once
+        poller.register(self.wake_r, zmq.POLLIN)
+        states: dict[zmq.Socket, _State] = {}
+
+        def drop(monitor: zmq.Socket) -> None:
+            """Stop reading ``monitor`` and close it (its context can then end)."""
+            state = states.pop(monitor, None)
+            with contextlib.suppress(KeyError, zmq.ZMQError):
+                poller.unregister(monitor)
+            with contextlib.suppress(zmq.ZMQError):
+                monitor.close(linger=0)
+            if state is not None:
+                with state.cond:
+                    state.closed = True
+                    state.cond.notify_all()
+
+        more: set[zmq.Socket] = set()  # read up to the cap: their turn again at once
         while True:
             try:
                 ready = poller.poll(0 if more else None)
-                with contextlib.suppress(BlockingIOError):
-                    while os.read(self._wake_r, 4096):
-                        pass
-                with self._lock:
-                    requests, self._requests = self._requests, []
-                todo = set(more)
-                todo.update(watches[sock] for sock, _ in ready if sock in watches)
-                more = []
-                for op, watch, done in requests:
-                    monitor = watch._monitor
-                    if op == "add" and monitor is not None and monitor not in watches:
+            except zmq.ZMQError:
+                # A monitor whose context is being terminated (its watch left open):
+                # closed, so that the context ends and the others are read on.
+                ready = []
+                for monitor in list(states):
+                    try:
+                        monitor.getsockopt(zmq.EVENTS)
+                    except zmq.ZMQError:
+                        drop(monitor)
+            with contextlib.suppress(BlockingIOError):
+                while os.read(self.wake_r, 4096):
+                    pass
+            with self.lock:
+                requests, self._requests = self._requests, []
+            todo = {m for m in more if m in states}
+            todo.update(m for m, _ in ready if m in states)
+            for op, monitor, state, done in requests:
+                try:
+                    if op == "add" and state is not None and monitor not in states:
+                        states[monitor] = state
                         poller.register(monitor, zmq.POLLIN)
-                        watches[monitor] = watch
-                        todo.add(watch)
-                    elif op == "remove" and monitor is not None:
-                        todo.discard(watch)
-                        if watches.pop(monitor, None) is not None:
-                            poller.unregister(monitor)
-                        while watch._read():
-                            pass
-                        watch._close_monitor()
-                    elif op == "sync" and monitor in watches:
-                        while watch._read():
-                            pass
-                        todo.discard(watch)
+                        todo.add(monitor)
+                    elif op == "sync" and monitor in states:
+                        _read_all(monitor, states[monitor])
+                        todo.discard(monitor)
+                    elif op == "remove":
+                        todo.discard(monitor)
+                        if monitor in states:
+                            _read_all(monitor, states[monitor])
+                        if monitor not in states and state is not None:
+                            states[monitor] = state  # (so that drop marks it closed)
+                        drop(monitor)
+                except Exception:  # that monitor only: the others are read on
+                    logger.exception("lmkv: reading a ZMQ monitor failed; it is closed")
+                    drop(monitor)
+                finally:
                     if done is not None:
                         done.set()
-                more = [watch for watch in todo if watch._read()]
-            except Exception:  # never leave the monitors unread for good
-                logger.exception("lmkv: reading ZMQ monitors failed; going on")
-                time.sleep(0.01)
+            more = set()
+            for monitor in todo:
+                try:
+                    if _read(monitor, states[monitor]):
+                        more.add(monitor)
+                except Exception:
+                    logger.exception("lmkv: reading a ZMQ monitor failed; it is closed")
+                    drop(monitor)
 
 
 _READER: _Reader | None = None
@@ -250,9 +308,14 @@ def _reader() -> _Reader:
 
 
 def _forget_reader() -> None:
-    """In a forked child: the parent's thread is not there (nor usable contexts)."""
-    global _READER
-    _READER = None
+    """In a forked child: the parent's thread is not there (nor usable contexts);
+    a reader is made afresh when a watch is."""
+    global _READER, _READER_LOCK
+    old, _READER, _READER_LOCK = _READER, None, threading.Lock()
+    if old is not None:
+        for fd in (old.wake_r, old.wake_w):
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
 
 if hasattr(os, "register_at_fork"):

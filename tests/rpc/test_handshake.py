@@ -84,12 +84,12 @@ def test_an_idle_client_whose_server_is_gone_never_stops_its_contexts_connection
             assert idle.ping() is None
             watch = idle._channel._watch
             assert watch is not None
-            # Twice the queue a monitor has by default: the old way, this many unread
-            # events stopped the I/O thread.
+            # More than the queue a monitor has by default (about 2,000 events): the
+            # old way, this many unread events stopped the I/O thread.
             deadline = time.monotonic() + 120
-            while watch.events_read < 4000 and time.monotonic() < deadline:
+            while watch.events_read < 3000 and time.monotonic() < deadline:
                 time.sleep(0.05)
-            assert watch.events_read >= 4000, watch.events_read
+            assert watch.events_read >= 3000, watch.events_read
             # Another socket of the same context still connects...
             elsewhere = router.bind_to_random_port("tcp://127.0.0.1")
             fresh.setsockopt(zmq.IMMEDIATE, 1)
@@ -111,3 +111,63 @@ def test_an_idle_client_whose_server_is_gone_never_stops_its_contexts_connection
         router.close(linger=0)
         other.term()
 
+
+
+def _terminates(context) -> bool:  # type: ignore[no-untyped-def]
+    ended = threading.Thread(target=context.term, daemon=True)
+    ended.start()
+    ended.join(30)
+    return not ended.is_alive()
+
+
+def _closed_port() -> int:
+    free = socket.socket()
+    free.bind(("127.0.0.1", 0))
+    port = free.getsockname()[1]
+    free.close()
+    return port
+
+
+def test_a_watch_left_open_neither_holds_its_context_nor_stops_the_others() -> None:
+    """A context terminated while a watch on one of its sockets was never closed:
+    the reader closes that monitor (the context ends) and reads the others on."""
+    import zmq
+
+    from lmkv.rpc.handshake import HandshakeWatch
+
+    doomed, healthy = zmq.Context(), zmq.Context()
+    left = doomed.socket(zmq.DEALER)
+    _open_watch = HandshakeWatch(left)  # never closed
+    left.close(linger=0)
+    assert _terminates(doomed)
+    sock = healthy.socket(zmq.DEALER)
+    sock.setsockopt(zmq.RECONNECT_IVL, 10)
+    watch = HandshakeWatch(sock)
+    try:
+        sock.connect(f"tcp://127.0.0.1:{_closed_port()}")
+        deadline = time.monotonic() + 30
+        while watch.events_read == 0 and time.monotonic() < deadline:
+            watch.failure()
+        assert watch.events_read > 0  # still read: the reader went on
+    finally:
+        watch.close()
+        sock.close(linger=0)
+    assert _terminates(healthy)
+    del _open_watch
+
+
+def test_a_watch_dropped_unclosed_lets_its_context_end() -> None:
+    import gc
+
+    import zmq
+
+    from lmkv.rpc.handshake import HandshakeWatch
+
+    context = zmq.Context()
+    sock = context.socket(zmq.DEALER)
+    watch = HandshakeWatch(sock)
+    sock.connect(f"tcp://127.0.0.1:{_closed_port()}")
+    del watch
+    gc.collect()
+    sock.close(linger=0)
+    assert _terminates(context)
