@@ -291,7 +291,7 @@ class RemoteEngine:
         for future in pending.values():
             future.set_result(0)
         self._poller.join(2.0)
-        self._lookups.close_connection()
+        self._lookups.close(end_session=False)  # (the session is the client's)
         self.client.close()
 
     def __enter__(self) -> RemoteEngine:

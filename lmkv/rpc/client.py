@@ -97,6 +97,7 @@ class ServerClient:
         #: Requests whose lease was released one way, not yet known to have arrived.
         self._sent_releases: list[int] = []
         self._lock = threading.RLock()
+        self._closed = False  # closed for good: no request opens a connection again
         self._chunk_bytes_hint = 32 << 20
 
     # -- connection -------------------------------------------------------------
@@ -151,6 +152,8 @@ class ServerClient:
 
     def _call(self, message: p.Request, expect: type[R], parts: Sequence[Any] = (),
               timeout_ms: int | None = None) -> tuple[R, list[zmq.Frame]] | None:
+        if self._closed:
+            return None  # (a late caller, a metrics scrape of a closed engine: a miss)
         message.session = self.session
         self.counters.requests += 1
         result = self._channel.request(message, parts, timeout_ms or self.timeout_ms)
@@ -550,12 +553,18 @@ class ServerClient:
                 self.segment = None
             self.info = None
 
-    def close(self) -> None:
-        """End the session (when the server is there) and drop the connection."""
+    def close(self, end_session: bool = True) -> None:
+        """End the session (when the server is there; not with ``end_session=False``,
+        for a client that shares it with another) and drop the connection, for
+        good: a request after this is a miss that connects nowhere (a socket left
+        reconnecting to a server that is gone would outlive its owner)."""
         with self._lock:
-            if self.info is not None and not self._channel.down:
+            if self._closed:
+                return
+            if end_session and self.info is not None and not self._channel.down:
                 self.end_session()
             self.close_connection()
+            self._closed = True
 
     def __enter__(self) -> ServerClient:
         return self

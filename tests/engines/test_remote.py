@@ -154,14 +154,13 @@ def test_prefetch_from_disk_after_a_server_restart(tmp_path) -> None:
 def test_transformers_style_engine_in_server_mode(server) -> None:
     """``open_engine`` honours ``mode: server`` with the connector it resolves (the hf
     connector builds its KV from the server's chunks before they are released)."""
-    engine = open_engine(config(server), SPEC, model_name="remote-hf")
-    assert isinstance(engine, RemoteEngine) and isinstance(engine.connector, HFConnector)
     tokens = prompt(5, 2 * CHUNK)
     gen = torch.Generator().manual_seed(3)
     kv = [(torch.randn(1, H, 2 * CHUNK, D, generator=gen).to(torch.bfloat16),
            torch.randn(1, H, 2 * CHUNK, D, generator=gen).to(torch.bfloat16))
           for _ in range(L)]
-    with engine:
+    with open_engine(config(server), SPEC, model_name="remote-hf") as engine:
+        assert isinstance(engine, RemoteEngine) and isinstance(engine.connector, HFConnector)
         assert engine.store(tokens, kv=kv) == 2 * CHUNK
         got = engine.retrieve(tokens)
     assert got.num_tokens == 2 * CHUNK
@@ -199,3 +198,16 @@ def test_spawn_server_starts_a_server_that_drains_on_terminate(tmp_path) -> None
         proc.terminate()
         assert proc.wait(30) == 0
     assert list(tmp_path.glob("server-*.log"))
+
+
+def test_a_closed_engine_opens_no_connection_again(server) -> None:
+    """A metrics scrape (or any late caller) of a closed engine is a miss that connects
+    nowhere: a socket it reopened would go on reconnecting after its owner is gone."""
+    engine = open_engine(config(server), SPEC, model_name="remote-closed")
+    assert isinstance(engine, RemoteEngine)
+    with engine:
+        assert engine.stats()  # connected
+    assert engine.stats() == []
+    assert engine.lookup(prompt(6, CHUNK)) == 0
+    assert engine.client._channel._socket is None
+    assert engine._lookups._channel._socket is None

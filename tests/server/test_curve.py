@@ -207,7 +207,8 @@ def test_insecure_starts_beyond_loopback_and_warns_at_each_start(tmp_path) -> No
                                  name=f"insecure-{start}")
         server = started(proc, port, log, None)
         try:
-            assert server.client().ping() is not None
+            with server.client() as client:
+                assert client.ping() is not None
             assert "INSECURE: serving 0.0.0.0 without CURVE" in server.log()
         finally:
             assert server.stop(signal.SIGTERM) == 0, server.log()

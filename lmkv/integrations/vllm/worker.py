@@ -423,16 +423,18 @@ class WorkerSide:
         return failed
 
     def close(self) -> None:
-        self._loader.shutdown(wait=True)
-        if self.config.layerwise:
-            self._layer_loader.shutdown(wait=True)
-            self._layer_saver.shutdown(wait=True)
-        self._saver.shutdown(wait=True)  # lazy stores in flight finish first
-        logger.info("lmkv worker counters: %s", vars(self.counters))
-        if self.responder is not None:
-            self.responder.close()
-        if self.engine is not None:
-            self.engine.close()
+        try:
+            self._loader.shutdown(wait=True)
+            if self.config.layerwise:
+                self._layer_loader.shutdown(wait=True)
+                self._layer_saver.shutdown(wait=True)
+            self._saver.shutdown(wait=True)  # lazy stores in flight finish first
+            logger.info("lmkv worker counters: %s", vars(self.counters))
+            if self.responder is not None:
+                self.responder.close()
+        finally:  # the engine's connections and threads end whatever failed before
+            if self.engine is not None:
+                self.engine.close()
 
 
 # vLLM allocates these KV caches as bytes (torch.uint8), whatever the format: the
