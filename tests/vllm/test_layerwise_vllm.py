@@ -9,6 +9,7 @@ tests/integrations/test_layerwise.py, the mode end to end in tests/vllm/e2e_vllm
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -220,10 +221,11 @@ def test_layerwise_through_an_lmkv_server(tmp_path) -> None:
         for w, r in zip(writer.kv_caches, reader.kv_caches, strict=True):
             assert torch.equal(w[:, [2, 5]], r[:, [1, 3]])
     finally:
-        writer.close()
-        reader.close()
-        server.terminate()
-        server.wait(60)
+        with contextlib.ExitStack() as stack:  # each closed whatever the others raise
+            stack.callback(server.wait, 60)
+            stack.callback(server.terminate)
+            stack.callback(reader.close)
+            stack.callback(writer.close)
 
 
 def test_the_connector_asks_for_piecewise_cuda_graphs_only_when_layerwise() -> None:
@@ -355,7 +357,8 @@ def test_a_layered_store_through_the_inline_data_path_stores_every_batch(tmp_pat
         for w, r in zip(writer.kv_caches, reader.kv_caches, strict=True):
             assert torch.equal(w[:, [2, 5]], r[:, [1, 3]])
     finally:
-        writer.close()
-        reader.close()
-        server.terminate()
-        server.wait(60)
+        with contextlib.ExitStack() as stack:  # each closed whatever the others raise
+            stack.callback(server.wait, 60)
+            stack.callback(server.terminate)
+            stack.callback(reader.close)
+            stack.callback(writer.close)
