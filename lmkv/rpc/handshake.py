@@ -202,7 +202,7 @@ class _Reader:
     """The thread that reads every watch's monitor (``submit`` hands it work)."""
 
     def __init__(self) -> None:
-        self.lock = threading.Lock()
+        self._lock = threading.Lock()
         self._requests: list[tuple[str, zmq.Socket, _State | None,
                                    threading.Event | None]] = []
         self.wake_r, self.wake_w = os.pipe()
@@ -215,7 +215,7 @@ class _Reader:
         """Ask the thread to ``add``, ``sync`` (read now) or ``remove`` (read what is
         left, then close) ``monitor``; wait up to ``wait_s`` for it to be done."""
         done = threading.Event() if wait_s > 0 else None
-        with self.lock:
+        with self._lock:
             self._requests.append((op, monitor, state, done))
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="lmkv-zmq-monitors",
@@ -250,15 +250,21 @@ class _Reader:
                 # A monitor whose context is being terminated (its watch left open):
                 # closed, so that the context ends and the others are read on.
                 ready = []
-                for monitor in list(states):
+                dead = []
+                for monitor in states:
                     try:
                         monitor.getsockopt(zmq.EVENTS)
                     except zmq.ZMQError:
-                        drop(monitor)
+                        dead.append(monitor)
+                for monitor in dead:
+                    drop(monitor)
+                if not dead:  # (not a monitor's context: do not spin on it)
+                    logger.warning("lmkv: polling ZMQ monitors failed; retrying")
+                    time.sleep(0.01)
             with contextlib.suppress(BlockingIOError):
                 while os.read(self.wake_r, 4096):
                     pass
-            with self.lock:
+            with self._lock:
                 requests, self._requests = self._requests, []
             todo = {m for m in more if m in states}
             todo.update(m for m, _ in ready if m in states)
@@ -275,7 +281,7 @@ class _Reader:
                         todo.discard(monitor)
                         if monitor in states:
                             _read_all(monitor, states[monitor])
-                        if monitor not in states and state is not None:
+                        elif state is not None:
                             states[monitor] = state  # (so that drop marks it closed)
                         drop(monitor)
                 except Exception:  # that monitor only: the others are read on

@@ -9,6 +9,22 @@ import time
 from lmkv.rpc.client import ServerClient
 
 
+def _terminates(context) -> bool:  # type: ignore[no-untyped-def]
+    """Whether ``context`` terminates within a bound (it waits for every socket)."""
+    ended = threading.Thread(target=context.term, daemon=True)
+    ended.start()
+    ended.join(30)
+    return not ended.is_alive()
+
+
+def _closed_port() -> int:
+    free = socket.socket()
+    free.bind(("127.0.0.1", 0))
+    port = free.getsockname()[1]
+    free.close()
+    return port
+
+
 def test_a_peer_that_accepts_and_never_greets_is_waited_for_within_the_bound() -> None:
     """A connection made whose handshake never ends (a listener that is not an lmkv
     server, or one too busy to answer): the wait for its outcome ends at
@@ -46,10 +62,7 @@ def test_a_peer_that_accepts_and_never_greets_is_waited_for_within_the_bound() -
 
 
 def test_no_server_there_is_said_without_waiting_for_a_handshake() -> None:
-    free = socket.socket()
-    free.bind(("127.0.0.1", 0))
-    port = free.getsockname()[1]
-    free.close()  # nothing listens there now
+    port = _closed_port()
     with ServerClient(f"tcp://127.0.0.1:{port}", timeout_ms=200, data_path="inline") as client:
         assert client.stats() is None
         started = time.monotonic()
@@ -72,10 +85,7 @@ def test_an_idle_client_whose_server_is_gone_never_stops_its_contexts_connection
     monkeypatch.setattr(channel, "RECONNECT_IVL_MAX_MS", 1)
     context = zmq.Context()
     other = zmq.Context()
-    free = socket.socket()
-    free.bind(("127.0.0.1", 0))
-    port = free.getsockname()[1]
-    free.close()  # nothing listens there now
+    port = _closed_port()
     router = other.socket(zmq.ROUTER)
     fresh = context.socket(zmq.DEALER)
     try:
@@ -103,29 +113,14 @@ def test_an_idle_client_whose_server_is_gone_never_stops_its_contexts_connection
             assert sock is not None and sock.poll(30_000, zmq.POLLOUT)
         # Closed, the client leaves nothing open: the context terminates.
         fresh.close(linger=0)
-        ended = threading.Thread(target=context.term, daemon=True)
-        ended.start()
-        ended.join(30)
-        assert not ended.is_alive(), "the context did not terminate: a socket left open"
+        assert _terminates(context), "the context did not terminate: a socket left open"
     finally:
+        fresh.close(linger=0)
         router.close(linger=0)
         other.term()
+        if not context.closed:  # (the test failed before: its sockets go with it)
+            context.destroy(linger=0)
 
-
-
-def _terminates(context) -> bool:  # type: ignore[no-untyped-def]
-    ended = threading.Thread(target=context.term, daemon=True)
-    ended.start()
-    ended.join(30)
-    return not ended.is_alive()
-
-
-def _closed_port() -> int:
-    free = socket.socket()
-    free.bind(("127.0.0.1", 0))
-    port = free.getsockname()[1]
-    free.close()
-    return port
 
 
 def test_a_watch_left_open_neither_holds_its_context_nor_stops_the_others() -> None:
@@ -153,7 +148,7 @@ def test_a_watch_left_open_neither_holds_its_context_nor_stops_the_others() -> N
         watch.close()
         sock.close(linger=0)
     assert _terminates(healthy)
-    del _open_watch
+    del _open_watch  # (held to here: collected, it would be closed, not left open)
 
 
 def test_a_watch_dropped_unclosed_lets_its_context_end() -> None:
