@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future
@@ -40,7 +41,7 @@ from lmkv.engines.direct_loads import DirectLoads
 from lmkv.engines.keys import engine_chunker, fits_spec, spec_misfit
 from lmkv.engines.protocol import EngineCounters, RetrieveResult
 from lmkv.keys.aliases import chunk_aliases
-from lmkv.keys.chunking import CacheKey, ChunkKeys, Identity, KeyMeta
+from lmkv.keys.chunking import CacheKey, ChunkKeys, Identity, KeyMeta, token_bytes
 from lmkv.memory import MemoryObj, release
 from lmkv.metrics import recorder
 from lmkv.metrics.record import record_load, record_lookup, record_store
@@ -48,6 +49,9 @@ from lmkv.storage.manager import Partials, StorageManager, chain_parents
 
 logger = logging.getLogger(__name__)
 _store_log = RateLimitedLog(logger)
+
+#: Lookups whose chunks are kept for their retrieve (the oldest go first).
+LOOKUPS_KEPT = 32
 
 
 class LocalEngine:
@@ -66,6 +70,10 @@ class LocalEngine:
         self.chunker = engine_chunker(config, spec, model_name, connector, world_size,
                                       worker_id, block_size)
         self.counters = EngineCounters()
+        # The chunks of the last lookups, by lookup id, with the tokens and identity
+        # they were made of: a retrieve of the same ones under that id reuses them.
+        self._looked_up: dict[str, tuple[bytes, Identity | None, ChunkKeys]] = {}
+        self._looked_up_lock = threading.Lock()
         storage.set_chunk_bytes(spec.chunk_nbytes(config.chunk_size))
         self.record_metrics = record_metrics
         self.direct = DirectLoads(connector) if direct_reads and connector.writes_in_place \
@@ -167,9 +175,33 @@ class LocalEngine:
         the tiers again; ``release_lookup`` drops them.
         """
         chunks = self.chunker.chunk(tokens, identity=identity)
+        if chunks.keys:
+            self._keep_chunks(lookup_id, tokens, identity, chunks)
         return self.storage.lookup_and_prefetch(lookup_id, chunks.keys, chunks.ends,
                                                 partials=self._partials(chunks),
                                                 direct=self.direct is not None)
+
+    def _keep_chunks(self, lookup_id: str, tokens: Sequence[int] | Any,
+                     identity: Identity | None, chunks: ChunkKeys) -> None:
+        entry = (token_bytes(tokens).tobytes(), identity, chunks)
+        with self._looked_up_lock:
+            kept = self._looked_up
+            kept.pop(lookup_id, None)
+            if len(kept) >= LOOKUPS_KEPT:
+                del kept[next(iter(kept))]
+            kept[lookup_id] = entry
+
+    def _chunks(self, tokens: Sequence[int] | Any, identity: Identity | None,
+                lookup_id: str | None) -> ChunkKeys:
+        """The chunks of ``tokens`` under ``identity``: those of lookup ``lookup_id``
+        where it was of the same tokens and identity (byte for byte), else made."""
+        if lookup_id is not None:
+            with self._looked_up_lock:
+                kept = self._looked_up.pop(lookup_id, None)
+            if kept is not None and kept[1] == identity \
+                    and kept[0] == token_bytes(tokens).tobytes():
+                return kept[2]
+        return self.chunker.chunk(tokens, identity=identity)
 
     def lookup_and_prefetch_hashes(self, lookup_id: str, chunk_hashes: Sequence[bytes],
                                    chunk_ends: Sequence[int],
@@ -190,6 +222,8 @@ class LocalEngine:
                                                 direct=self.direct is not None)
 
     def release_lookup(self, lookup_id: str) -> None:
+        with self._looked_up_lock:
+            self._looked_up.pop(lookup_id, None)
         self.storage.release_prefetched(lookup_id)
 
     def retrieve(self, tokens: Sequence[int] | Any, *, lookup_id: str | None = None,
@@ -209,7 +243,7 @@ class LocalEngine:
 
     def _retrieve(self, tokens: Sequence[int] | Any, lookup_id: str | None,
                   identity: Identity | None, kv: dict[str, Any]) -> RetrieveResult:
-        chunks = self.chunker.chunk(tokens, identity=identity)
+        chunks = self._chunks(tokens, identity, lookup_id)
         objs = self.storage.take_prefetched(lookup_id, chunks.keys) if lookup_id else None
         if objs is None and self.connector.writes_in_place:
             return self._retrieve_streaming(chunks, kv)

@@ -206,6 +206,50 @@ def test_a_lookup_id_reused_for_another_prompt_never_yields_its_kv() -> None:
         assert all(refs == (1, 0) for refs in tier.entry_refs())
 
 
+def test_a_retrieve_reuses_its_lookup_s_chunks_only_for_the_same_tokens_and_identity(
+        monkeypatch) -> None:
+    """The chunks a lookup made are reused by the retrieve under its id when the
+    tokens (byte for byte) and the identity are the same; any other retrieve
+    makes its own, so a reused id, a changed token list or another tenant never
+    gets the lookup's keys."""
+    from lmkv.engines import local
+    from lmkv.keys.chunking import Identity
+
+    with make_engine() as engine:
+        made = []
+        chunk = engine.chunker.chunk
+        monkeypatch.setattr(engine.chunker, "chunk",
+                            lambda *a, **k: made.append(1) or chunk(*a, **k))
+        tokens = list(range(64))
+        kv, kv_salted = hf_kv(64, seed=1), hf_kv(64, seed=2)
+        tenant = Identity(salt="tenant-b")
+        engine.store(tokens, kv=kv)
+        engine.store(tokens, kv=kv_salted, identity=tenant)
+        made.clear()
+        assert engine.lookup_and_prefetch(tokens, "same").result(5) == 64
+        result = engine.retrieve(list(tokens), lookup_id="same")
+        assert len(made) == 1 and torch.equal(result.kv[0][0][0], kv[0][0][0])
+
+        # another identity under the lookup's id: its own keys, its own KV
+        assert engine.lookup_and_prefetch(tokens, "other").result(5) == 64
+        result = engine.retrieve(tokens, lookup_id="other", identity=tenant)
+        assert torch.equal(result.kv[0][0][0], kv_salted[0][0][0])
+
+        # the list changed in place since the lookup: made again, of what it holds now
+        changed = list(tokens)
+        assert engine.lookup_and_prefetch(changed, "changed").result(5) == 64
+        changed[40] = 99_999
+        assert engine.retrieve(changed, lookup_id="changed").num_tokens == 32
+        tier = engine.storage.tiers[0]
+        assert all(refs == (1, 0) for refs in tier.entry_refs())
+
+        # lookups never retrieved are not kept without end
+        for i in range(3 * local.LOOKUPS_KEPT):
+            engine.lookup_and_prefetch(tokens, f"dropped-{i}").result(5)
+            engine.release_lookup(f"dropped-{i}") if i % 2 else None
+        assert len(engine._looked_up) <= local.LOOKUPS_KEPT
+
+
 def test_prefetch_after_close_is_a_miss() -> None:
     engine = make_engine()
     engine.close()

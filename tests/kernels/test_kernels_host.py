@@ -41,6 +41,7 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 def _own_cpus():  # type: ignore[no-untyped-def]
     yield
     use_host_cpus(None)
+    host_impl.use_team(True)
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -186,9 +187,11 @@ def test_helper_threads_run_on_the_cpus_named() -> None:
     ref = [c.clone() for c in mine]
     chunks = [(s, outer(4, 256, torch.float32, gen)) for s in range(0, 4096, 256)]
     ids = list(range(40))[::-1][:32]
-    for cpus in ([0], sorted(os.sched_getaffinity(0)), [10_000]):
-        use_host_cpus(cpus)
-        scatter_blocks(mine, ids, chunks, layout="cpu", kernels="host")
+    for team in (False, True):  # the main thread's copies: lmkv's helpers, its OpenMP team
+        host_impl.use_team(team)
+        for cpus in ([0], sorted(os.sched_getaffinity(0)), [10_000]):
+            use_host_cpus(cpus)
+            scatter_blocks(mine, ids, chunks, layout="cpu", kernels="host")
     scatter_blocks(ref, ids, chunks, layout="cpu", kernels="torch")
     assert all(torch.equal(a, b) for a, b in zip(mine, ref, strict=True))
 
@@ -261,3 +264,49 @@ def test_a_forked_child_copies_with_helpers_of_its_own() -> None:
             pytest.fail("the forked child's copy did not finish in 60 s")
         time.sleep(0.05)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+_THREADS_PROBE = """
+import os, sys, torch
+from lmkv_kernels import host_impl, scatter_blocks
+sys.path.insert(0, {here!r})
+from test_kernels_host import _big_load
+torch.set_num_threads(2)
+team = host_impl.use_team({team})
+torch.ones(1 << 22).add_(1)  # a parallel loop: the main thread's OpenMP team is up
+before = len(os.listdir("/proc/self/task"))
+mine, ids, chunks = _big_load(8)
+scatter_blocks(mine, ids, chunks, layout="cpu", kernels="host")
+print(team, len(os.listdir("/proc/self/task")) - before)
+"""
+
+
+@pytest.mark.skipif(not host_impl._torch_on_openmp(), reason="torch does not run on OpenMP")
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one CPU: copies are not split")
+@pytest.mark.parametrize("team", [True, False])
+def test_the_main_thread_s_copies_run_on_its_openmp_team(team: bool) -> None:
+    """A copy split over threads on the main thread runs on the thread's OpenMP
+    team (torch's threads): the process gains no thread. With the team off,
+    lmkv's helper starts beside it."""
+    import subprocess
+    import sys
+
+    probe = _THREADS_PROBE.format(here=os.path.dirname(__file__), team=team)
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         timeout=120, check=True).stdout.split()
+    assert out == [str(team), "0" if team else "1"]
+
+
+def test_a_copy_on_the_team_matches_one_on_helpers_and_the_reference() -> None:
+    """The same load three ways: the main thread's team, lmkv's helpers, torch."""
+    mine, ids, chunks = _big_load(9)
+    results = []
+    for team in (True, False):
+        host_impl.use_team(team)
+        target = [torch.zeros_like(c) for c in mine]
+        scatter_blocks(target, ids, chunks, layout="cpu", kernels="host")
+        results.append(target)
+    ref = [torch.zeros_like(c) for c in mine]
+    scatter_blocks(ref, ids, chunks, layout="cpu", kernels="torch")
+    for got in results:
+        assert all(torch.equal(a, b) for a, b in zip(got, ref, strict=True))

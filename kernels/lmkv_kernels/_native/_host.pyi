@@ -6,3 +6,6 @@ def copy_blocks(into_caches: bool, caches: Sequence[int], cache_bytes: int,
                 chunks: Sequence[tuple[int, int, tuple[int, int, int], int, int, int]],
                 threads: int, cpus: Sequence[int] | None) -> None:
     """Copy token rows between per-layer paged caches and chunk buffers (host.c)."""
+
+def use_openmp(on: bool, thread: int) -> bool:
+    """Run the split copies called on ``thread`` on its OpenMP team (host.c)."""
