@@ -129,7 +129,9 @@ def implementation(device: torch.device | str, kernels: Kernels | None = None) -
 def use_host_cpus(cpus: Iterable[int] | None) -> None:
     """The CPUs the C copies for host caches run on, one thread each (None: as
     many threads as torch's, on the caller's CPUs). An engine that binds each of
-    its threads to one CPU names its set here."""
+    its threads to one CPU names its set here. On the main thread the copies
+    run on its OpenMP team instead (``host_impl.use_team``), its threads and
+    CPUs as the engine set them."""
     host_impl.use_cpus(cpus)
 
 

@@ -8,12 +8,16 @@ vLLM's CPU build: a load or store of a prompt is then one call, and its runs
 are shared between threads, where torch's copies run one block at a time on
 one thread. On the main thread (where an engine runs its forward) the
 threads are the thread's OpenMP team, the one torch's own parallel loops
-use (``GOMP_parallel`` of the OpenMP runtime torch loaded): they are on the
-engine's cores and still awake from the forward, and threads of lmkv's beside
-them would fight them for those cores (measured on 2 CPUs right after a
-torch op: the copies ran 1.3-1.6x slower). On other threads (lmkv's loaders
-and savers), and where torch does not run on OpenMP, the calling thread and
-lmkv's helper threads share them (``use_cpus``). Anything else (other
+use (``GOMP_parallel``, resolved in the process as torch's calls are): they
+are on the engine's cores and still awake from the forward, and threads of
+lmkv's beside them would wait for those cores while they spin (measured on
+2 CPUs right after a torch op: the copies took 1.4-1.8x as long). On other
+threads (lmkv's loaders and savers), where the team has one thread, in a
+child forked after this module was imported, and where torch does not run
+on OpenMP, the calling thread and lmkv's helper threads share them
+(``use_cpus``). A process forked from one that ran torch's parallel loops
+must set ``torch.set_num_threads(1)`` before its own (torch's as much as
+these): an OpenMP team does not survive a fork. Anything else (other
 layouts, buffers in another order or on another device) goes to
 ``torch_ref``, the reference the copies here match bit for bit (a memcpy
 moves bits as they are).
@@ -53,8 +57,9 @@ def _torch_on_openmp() -> bool:
 
 def use_team(on: bool = True) -> bool:
     """Whether the main thread's copies that are split over threads run on its
-    OpenMP team (the default, where torch runs on OpenMP) or on lmkv's helper
-    threads; returns whether they now run on the team."""
+    OpenMP team (the default, where torch runs on OpenMP and the team has more
+    than one thread) or on lmkv's helper threads; returns whether the team is
+    now used."""
     return _host is not None and bool(_host.use_openmp(on and _torch_on_openmp(), _MAIN))
 
 
@@ -71,7 +76,10 @@ def use_cpus(cpus: Iterable[int] | None) -> None:
     None: as many threads as torch's (``torch.get_num_threads()``), on the
     caller's CPUs. An engine that binds its threads one to a CPU gives its set
     here: a helper thread would otherwise inherit the caller's single CPU. (A
-    helper keeps the CPUs it was last given: None does not widen it again.)"""
+    helper keeps the CPUs it was last given: None does not widen it again.)
+    A copy on the OpenMP team (``use_team``) runs on the team's threads, as
+    many as it has and where the engine bound them; a set of one CPU still
+    keeps every copy on its calling thread."""
     global _cpus
     _cpus = tuple(sorted(set(cpus))) if cpus is not None else None
 

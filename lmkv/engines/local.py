@@ -33,6 +33,8 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Any
 
+import msgspec
+
 from lmkv.base.logutil import RateLimitedLog
 from lmkv.config.model import LMKVConfig
 from lmkv.contracts.connector import ChunkSpan, GPUConnector, KVSpec
@@ -72,7 +74,7 @@ class LocalEngine:
         self.counters = EngineCounters()
         # The chunks of the last lookups, by lookup id, with the tokens and identity
         # they were made of: a retrieve of the same ones under that id reuses them.
-        self._looked_up: dict[str, tuple[bytes, Identity | None, ChunkKeys]] = {}
+        self._looked_up: dict[str, tuple[bytes, bytes, ChunkKeys]] = {}
         self._looked_up_lock = threading.Lock()
         storage.set_chunk_bytes(spec.chunk_nbytes(config.chunk_size))
         self.record_metrics = record_metrics
@@ -183,7 +185,7 @@ class LocalEngine:
 
     def _keep_chunks(self, lookup_id: str, tokens: Sequence[int] | Any,
                      identity: Identity | None, chunks: ChunkKeys) -> None:
-        entry = (token_bytes(tokens).tobytes(), identity, chunks)
+        entry = (token_bytes(tokens).tobytes(), _identity_bytes(identity), chunks)
         with self._looked_up_lock:
             kept = self._looked_up
             kept.pop(lookup_id, None)
@@ -194,11 +196,12 @@ class LocalEngine:
     def _chunks(self, tokens: Sequence[int] | Any, identity: Identity | None,
                 lookup_id: str | None) -> ChunkKeys:
         """The chunks of ``tokens`` under ``identity``: those of lookup ``lookup_id``
-        where it was of the same tokens and identity (byte for byte), else made."""
+        where it was of the same tokens and identity (byte for byte, as they are
+        hashed), else made."""
         if lookup_id is not None:
             with self._looked_up_lock:
                 kept = self._looked_up.pop(lookup_id, None)
-            if kept is not None and kept[1] == identity \
+            if kept is not None and kept[1] == _identity_bytes(identity) \
                     and kept[0] == token_bytes(tokens).tobytes():
                 return kept[2]
         return self.chunker.chunk(tokens, identity=identity)
@@ -346,3 +349,9 @@ class LocalEngine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _identity_bytes(identity: Identity | None) -> bytes:
+    """``identity`` as the keys hash it (an empty one as none); equal identities
+    that would hash apart (an int and a float of one value) differ here too."""
+    return msgspec.msgpack.encode(identity) if identity else b""

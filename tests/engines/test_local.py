@@ -213,7 +213,7 @@ def test_a_retrieve_reuses_its_lookup_s_chunks_only_for_the_same_tokens_and_iden
     makes its own, so a reused id, a changed token list or another tenant never
     gets the lookup's keys."""
     from lmkv.engines import local
-    from lmkv.keys.chunking import Identity
+    from lmkv.keys.chunking import Identity, MMInput
 
     with make_engine() as engine:
         made = []
@@ -234,6 +234,15 @@ def test_a_retrieve_reuses_its_lookup_s_chunks_only_for_the_same_tokens_and_iden
         assert engine.lookup_and_prefetch(tokens, "other").result(5) == 64
         result = engine.retrieve(tokens, lookup_id="other", identity=tenant)
         assert torch.equal(result.kv[0][0][0], kv_salted[0][0][0])
+
+        # identities equal to Python but hashed apart (an offset as int, then float)
+        as_int = Identity(mm=(MMInput("img", 8, 4),))
+        as_float = Identity(mm=(MMInput("img", 8.0, 4),))  # type: ignore[arg-type]
+        assert as_int == as_float
+        engine.lookup_and_prefetch(tokens, "mm", identity=as_int).result(5)
+        made.clear()
+        engine.retrieve(tokens, lookup_id="mm", identity=as_float)
+        assert len(made) == 1
 
         # the list changed in place since the lookup: made again, of what it holds now
         changed = list(tokens)

@@ -233,24 +233,35 @@ def test_copies_from_two_threads_at_once_are_both_whole() -> None:
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork here")
-def test_a_forked_child_copies_with_helpers_of_its_own() -> None:
+@pytest.mark.parametrize("parent", ["helpers", "team"])
+def test_a_forked_child_copies_with_helpers_of_its_own(parent: str) -> None:
     """The parent's helper threads are not in a forked child: it starts its own
-    (and no lock a parent's thread held at the fork is held in it)."""
+    (and no lock a parent's thread held at the fork is held in it). Nor is the
+    parent's OpenMP team: a child whose parent copied on it copies on helpers
+    too, with as many threads as torch's (its first parallel region on the
+    team would wait for ever for threads that are not there)."""
     import time
 
     mine, ids, chunks = _big_load(7)
-    use_host_cpus(range(4))  # four threads: helpers, wherever the CPUs are
-    scatter_blocks(mine, ids, chunks, layout="cpu", kernels="host")  # the parent's pool
+    host_impl.use_team(parent == "team")
+    if parent == "helpers":
+        use_host_cpus(range(4))  # four threads: helpers, wherever the CPUs are
+    scatter_blocks(mine, ids, chunks, layout="cpu", kernels="host")
+    assert host_impl._host.last_ran() == parent
     again = [torch.zeros_like(c) for c in mine]
     pid = os.fork()
     if pid == 0:  # the child: copy again, exit 0 when it matches
         code = 1
         try:
-            # (torch's OpenMP threads are not fork-safe: none in the child)
-            torch.set_num_threads(1)
+            if parent == "helpers":
+                # (torch's OpenMP threads are not fork-safe: none in the child)
+                torch.set_num_threads(1)
             scatter_blocks(again, ids, chunks, layout="cpu", kernels="host")
-            code = 0 if all(torch.equal(a[ids], b[ids])
-                            for a, b in zip(again, mine, strict=True)) else 1
+            ran = host_impl._host.last_ran()
+            torch.set_num_threads(1)  # (before torch's own loops: the comparison)
+            code = 0 if ran == "helpers" and all(torch.equal(a[ids], b[ids])
+                                                 for a, b in zip(again, mine, strict=True)) \
+                else 1
         finally:
             os._exit(code)
     deadline = time.monotonic() + 60
@@ -277,7 +288,7 @@ torch.ones(1 << 22).add_(1)  # a parallel loop: the main thread's OpenMP team is
 before = len(os.listdir("/proc/self/task"))
 mine, ids, chunks = _big_load(8)
 scatter_blocks(mine, ids, chunks, layout="cpu", kernels="host")
-print(team, len(os.listdir("/proc/self/task")) - before)
+print(team, host_impl._host.last_ran(), len(os.listdir("/proc/self/task")) - before)
 """
 
 
@@ -294,7 +305,37 @@ def test_the_main_thread_s_copies_run_on_its_openmp_team(team: bool) -> None:
     probe = _THREADS_PROBE.format(here=os.path.dirname(__file__), team=team)
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                          timeout=120, check=True).stdout.split()
-    assert out == [str(team), "0" if team else "1"]
+    assert out == ([str(team), "team", "0"] if team else [str(team), "helpers", "1"])
+
+
+@pytest.mark.skipif(not host_impl._torch_on_openmp(), reason="torch does not run on OpenMP")
+def test_a_team_of_one_thread_copies_alone_and_other_threads_use_helpers() -> None:
+    """The team is the main thread's only: a copy on another thread shares the
+    work with lmkv's helpers. A main thread whose team has one thread (torch's
+    thread count set to 1, as in a fork-safe child) copies as it asked: here
+    on two threads, the caller and a helper."""
+    import threading
+
+    mine, ids, chunks = _big_load(10)
+    assert host_impl.use_team(True)
+    ran: list[str | None] = []
+
+    def off_main() -> None:
+        scatter_blocks(mine, ids, chunks, layout="cpu", kernels="host")
+        ran.append(host_impl._host.last_ran())
+
+    worker = threading.Thread(target=off_main)
+    worker.start()
+    worker.join(60)
+    assert ran == ["helpers"]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        use_host_cpus(range(2))  # (two threads asked for: the team has one)
+        scatter_blocks(mine, ids, chunks, layout="cpu", kernels="host")
+        assert host_impl._host.last_ran() == "helpers"
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_a_copy_on_the_team_matches_one_on_helpers_and_the_reference() -> None:

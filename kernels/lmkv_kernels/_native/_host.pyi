@@ -9,3 +9,6 @@ def copy_blocks(into_caches: bool, caches: Sequence[int], cache_bytes: int,
 
 def use_openmp(on: bool, thread: int) -> bool:
     """Run the split copies called on ``thread`` on its OpenMP team (host.c)."""
+
+def last_ran() -> str | None:
+    """How the last copy ran: "alone", "helpers" or "team" (for tests)."""

@@ -17,7 +17,8 @@
  * up to ``threads`` threads (the caller's among them), taking batches of runs
  * as they come; helper threads run on ``cpus`` where given (the engine's CPUs:
  * a thread inherits its creator's affinity, which an engine may have narrowed to
- * one CPU). */
+ * one CPU). On the main thread the threads are its OpenMP team instead, as
+ * many as it has, where the engine put them (``use_openmp``, below). */
 #define _GNU_SOURCE
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -28,7 +29,6 @@
 #include <stdatomic.h>
 #include <stdint.h>
 #include <string.h>
-#include <unistd.h>
 #if defined(__x86_64__) || defined(__i386__)
 #include <emmintrin.h>
 #define STREAMING 1
@@ -181,6 +181,32 @@ run(job *j)
  * no job and sleeps again. One copy uses the pool at a time; another, in the
  * meantime, copies on its own thread. A forked child starts a pool of its own
  * (the parent's threads are not in it: pool_after_fork_in_child). */
+/* The OpenMP runtime torch runs its parallel loops on (its ``GOMP_parallel``,
+ * from the process's global scope once torch is loaded: the libgomp torch
+ * ships, or an Intel runtime preloaded in its place, which torch's own calls
+ * bind to then as well), with that library's ``omp_get_max_threads``, when
+ * ``use_openmp`` found both. A copy split over threads on the thread that runs
+ * the engine's forward (the main thread) runs on that thread's OpenMP team:
+ * the threads torch's own copies and the forward use, already on the engine's
+ * cores and still awake after the last parallel loop; lmkv's helpers beside
+ * them would wait for those cores while they spin. As many threads as the
+ * team has (the thread's OpenMP setting, torch's thread count: a team resized
+ * per call would make the runtime start and stop threads). Copies on other
+ * threads (lmkv's loaders and savers), where the team has one thread (a
+ * forked child as torch's fork-safe children set it), and in any child
+ * forked after ``use_openmp`` (an OpenMP team does not survive a fork: the
+ * child's first parallel region would wait forever for threads that are not
+ * there) use the helpers. */
+typedef void (*gomp_parallel_fn)(void (*)(void *), void *, unsigned, unsigned);
+typedef int (*omp_max_threads_fn)(void);
+static gomp_parallel_fn gomp_parallel; /* (atomic loads and stores) */
+static omp_max_threads_fn omp_max_threads;
+static pthread_t team_thread;
+
+/* How the last copy ran, for tests: alone, on lmkv's helpers, on the team. */
+enum { RAN_ALONE = 1, RAN_HELPERS, RAN_TEAM };
+static int last_ran;
+
 static pthread_mutex_t pool_lock = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t pool_wake = PTHREAD_COND_INITIALIZER;
 static pthread_cond_t pool_done = PTHREAD_COND_INITIALIZER;
@@ -231,6 +257,7 @@ pool_after_fork_in_child(void)
     pthread_cond_init(&pool_done, NULL);
     pool_job = NULL;
     pool_threads = 0;
+    __atomic_store_n(&gomp_parallel, NULL, __ATOMIC_RELEASE); /* the helpers, from now on */
 }
 
 /* Copy ``work`` with up to ``helpers`` pool threads beside the calling one
@@ -239,9 +266,11 @@ static void
 run_pooled(job *work, int helpers)
 {
     if (helpers <= 0 || pthread_mutex_trylock(&pool_user) != 0) {
+        __atomic_store_n(&last_ran, RAN_ALONE, __ATOMIC_RELAXED);
         run(work); /* another copy has the pool: this one copies alone */
         return;
     }
+    __atomic_store_n(&last_ran, RAN_HELPERS, __ATOMIC_RELAXED);
     pthread_mutex_lock(&pool_lock);
     while (pool_threads < helpers) {
         pthread_t tid;
@@ -280,42 +309,29 @@ run_pooled(job *work, int helpers)
     pthread_mutex_unlock(&pool_user);
 }
 
-/* The OpenMP runtime the process's torch runs its parallel loops on (its
- * ``GOMP_parallel``, from the global scope once torch is loaded: libgomp, or an
- * Intel runtime's compatible entry), when ``use_openmp`` found one. A copy
- * called on the thread that runs the engine's forward (the main thread) runs
- * on that thread's OpenMP team: the threads torch's own copies and the
- * forward use, already on the engine's cores and awake after the last
- * parallel loop. lmkv's own pool beside them would take the same cores from
- * those threads while they spin (measured: its copies 1.3-1.6x slower there).
- * Copies on other threads (lmkv's loaders and savers) use the pool, pinned to
- * the engine's CPUs; so does a forked child (the parent's team is not in it). */
-typedef void (*gomp_parallel_fn)(void (*)(void *), void *, unsigned, unsigned);
-static gomp_parallel_fn gomp_parallel;
-static pid_t gomp_pid;
-static pthread_t gomp_thread;
-
 static void
 run_team_member(void *work)
 {
     run((job *)work);
 }
 
-/* Copy ``work`` with ``threads`` threads in all (called without the GIL): on
- * the team, as many as it has (torch's thread count on this thread). */
+/* Copy ``work`` with ``threads`` threads in all (called without the GIL); on
+ * the team, as many as it has. */
 static void
 run_threads(job *work, int threads)
 {
-    if (threads > 1 && gomp_parallel != NULL && pthread_equal(pthread_self(), gomp_thread)
-        && gomp_pid == getpid()) {
-        gomp_parallel(run_team_member, work, 0, 0);
+    gomp_parallel_fn parallel = __atomic_load_n(&gomp_parallel, __ATOMIC_ACQUIRE);
+    if (threads > 1 && parallel != NULL && pthread_equal(pthread_self(), team_thread)
+        && omp_max_threads() > 1) {
+        __atomic_store_n(&last_ran, RAN_TEAM, __ATOMIC_RELAXED);
+        parallel(run_team_member, work, 0, 0);
         return;
     }
     run_pooled(work, threads - 1);
 }
 
-/* use_openmp(on, thread) -> whether copies on ``thread`` (a pthread id, as
- * threading's ident) now run on its OpenMP team */
+/* use_openmp(on, thread) -> whether the split copies called on ``thread`` (a
+ * pthread id, as threading's ident) now run on its OpenMP team */
 static PyObject *
 use_openmp(PyObject *self, PyObject *args)
 {
@@ -323,10 +339,38 @@ use_openmp(PyObject *self, PyObject *args)
     unsigned long thread;
     if (!PyArg_ParseTuple(args, "pk", &on, &thread))
         return NULL;
-    gomp_parallel = on ? (gomp_parallel_fn)dlsym(RTLD_DEFAULT, "GOMP_parallel") : NULL;
-    gomp_pid = getpid();
-    gomp_thread = (pthread_t)thread;
-    return PyBool_FromLong(gomp_parallel != NULL);
+    __atomic_store_n(&gomp_parallel, NULL, __ATOMIC_RELEASE);
+    if (!on)
+        Py_RETURN_FALSE;
+    gomp_parallel_fn parallel = (gomp_parallel_fn)dlsym(RTLD_DEFAULT, "GOMP_parallel");
+    omp_max_threads_fn max_threads = NULL;
+    Dl_info info;
+    if (parallel != NULL && dladdr((void *)parallel, &info) && info.dli_fname != NULL) {
+        /* the same library's: its team is the one asked about */
+        void *lib = dlopen(info.dli_fname, RTLD_NOW | RTLD_NOLOAD);
+        if (lib != NULL) {
+            max_threads = (omp_max_threads_fn)dlsym(lib, "omp_get_max_threads");
+            dlclose(lib); /* (loaded still: torch holds it) */
+        }
+    }
+    if (max_threads == NULL)
+        Py_RETURN_FALSE;
+    omp_max_threads = max_threads;
+    team_thread = (pthread_t)thread;
+    __atomic_store_n(&gomp_parallel, parallel, __ATOMIC_RELEASE);
+    Py_RETURN_TRUE;
+}
+
+/* last_ran() -> how the last copy split over threads or not ran: "alone",
+ * "helpers" or "team" (None before any); for tests */
+static PyObject *
+last_ran_of(PyObject *self, PyObject *unused)
+{
+    static const char *names[] = {NULL, "alone", "helpers", "team"};
+    int ran = __atomic_load_n(&last_ran, __ATOMIC_RELAXED);
+    if (ran < RAN_ALONE || ran > RAN_TEAM)
+        Py_RETURN_NONE;
+    return PyUnicode_FromString(names[ran]);
 }
 
 static int
@@ -542,6 +586,7 @@ static PyMethodDef methods[] = {
      "Copy token rows between per-layer paged caches and a chunk buffer (see host.c)."},
     {"use_openmp", use_openmp, METH_VARARGS,
      "Run the copies called on a thread on its OpenMP team (True) or lmkv's threads."},
+    {"last_ran", last_ran_of, METH_NOARGS, "How the last copy ran (for tests)."},
     {NULL, NULL, 0, NULL},
 };
 
