@@ -318,6 +318,37 @@ def block_prefix_hashes(tokens: Any, chunk_size: int, block_size: int,
     return out
 
 
+def _block_chain(data: memoryview, chunk_size: int, block_size: int
+                 ) -> tuple[list[bytes], list[list[bytes]]]:
+    """``prefix_hashes(..., keep_partial=True)`` and ``block_prefix_hashes`` of
+    block-aligned tokens (``data``, as ``token_bytes``) under no identity, in one
+    pass: each chunk's bytes are hashed once, its blocks' hashes taken from the
+    running hash on the way, and a whole chunk's hash is where it ends."""
+    n = len(data) // 4
+    hashes: list[bytes] = []
+    partials: list[list[bytes]] = []
+    prev = b""
+    for start in range(0, n, chunk_size):
+        length = min(chunk_size, n - start)
+        blocks = length // block_size
+        whole = length == chunk_size
+        flags = _PARTIAL | (0 if prev else _FIRST)
+        running = sha256(prev)
+        hs: list[bytes] = []
+        for j in range(1, blocks + 1):
+            running.update(data[(start + (j - 1) * block_size) * 4:(start + j * block_size) * 4])
+            if j < blocks or not whole:
+                h = running.copy()
+                h.update(_TRAILER.pack(j * block_size, flags, _TRAILER_TAG))
+                hs.append(h.digest())
+        # a whole chunk: the chain's hash; a shorter one (block-aligned): its last
+        # block's, the same trailed hash prefix_hashes gives a partial chunk
+        prev = running.digest() if whole else hs[-1]
+        hashes.append(prev)
+        partials.append(hs)
+    return hashes, partials
+
+
 def _trailed(prev: bytes, chunk: memoryview, extras: bytes | None, partial: bool) -> bytes:
     flags = ((_HAS_EXTRAS if extras else 0) | (_PARTIAL if partial else 0)
              | (0 if prev else _FIRST))
@@ -372,9 +403,12 @@ class TokenChunker:
             aligned = n // block * block
             if not keep or aligned == n:
                 tokens, n, keep = tokens[:aligned], aligned, True
-            hashes = prefix_hashes(tokens, self.chunk_size, keep, identity)
-            partials = block_prefix_hashes(tokens, self.chunk_size, block, identity,
-                                           full=hashes)
+            if identity or aligned != n:
+                hashes = prefix_hashes(tokens, self.chunk_size, keep, identity)
+                partials = block_prefix_hashes(tokens, self.chunk_size, block, identity,
+                                               full=hashes)
+            else:  # (the common case: one pass over the tokens)
+                hashes, partials = _block_chain(token_bytes(tokens), self.chunk_size, block)
         else:
             hashes = prefix_hashes(tokens, self.chunk_size, keep, identity)
         cs = self.chunk_size

@@ -159,3 +159,22 @@ def test_key_digests_name_the_fields_not_the_text() -> None:
     assert a.to_string() == b.to_string() and a.digest() != b.digest()
     assert a.digest() == CacheKey(KeyMeta("x@1", 1, 0, "bfloat16", "l2thd"), b"1" * 32).digest()
     assert len(a.digest()) == 16
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_one_pass_block_chain_gives_the_two_passes_hashes(seed: int) -> None:
+    """The chunker's one pass over block-aligned tokens without an identity gives
+    exactly ``prefix_hashes(keep_partial=True)`` and ``block_prefix_hashes``."""
+    import random
+
+    from lmkv.keys import chunking
+
+    rng = random.Random(seed)
+    for _ in range(40):
+        block = rng.choice([16, 32, 64, 128])
+        chunk = block * rng.choice([1, 2, 4])
+        n = rng.randint(0, 12) * block
+        tokens = [rng.randrange(2**32) for _ in range(n)]
+        one = chunking._block_chain(chunking.token_bytes(tokens), chunk, block)
+        full = chunking.prefix_hashes(tokens, chunk, True)
+        assert one == (full, chunking.block_prefix_hashes(tokens, chunk, block, full=full))
