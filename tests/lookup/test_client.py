@@ -14,16 +14,26 @@ from tests.lookup.worker_proc import hf_kv
 
 
 def test_a_pending_id_is_not_asked_twice_and_results_are_kept_up_to_a_bound(
-        engine, endpoints, responder) -> None:
+        engine, endpoints, responder, monkeypatch) -> None:
     tokens = prompt(1, 2)
     engine.store(tokens, kv=hf_kv(len(tokens)))
-    # (over the socket: a worker of this process, called, may have answered
-    # before the second ask)
+    # The worker holds its answer until both asks are made, so "a" is still
+    # pending at the second (an answer in between would make it a new lookup).
+    asked_twice = threading.Event()
+    prefetch = engine.lookup_and_prefetch_hashes
+
+    def held(*args, **kwargs):
+        assert asked_twice.wait(15), "the test never made its second ask"
+        return prefetch(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "lookup_and_prefetch_hashes", held)
     with LookupClient(endpoints, chunk_size=CHUNK, results_kept=2,
                       local_calls=False) as client:
         client.lookup("a", tokens)
         client.lookup("a", tokens)
+        asked_twice.set()
         assert poll_result(client, "a") == 2 * CHUNK
+        assert client.stats()["lookups"] == 1  # the second ask sent nothing
         assert responder.stats()["requests"] == 1
         for lookup_id in ("b", "c"):
             client.lookup(lookup_id, tokens[:CHUNK])
