@@ -114,7 +114,8 @@ def implementation(device: torch.device | str, kernels: Kernels | None = None) -
             raise ValueError("kernels = 'host' but lmkv_kernels' C copies were not built "
                              "(reinstall lmkv with a C compiler)")
         return host_impl
-    on_host = torch.device(device).type == "cpu"
+    on_host = (device if isinstance(device, torch.device) else torch.device(device)).type \
+        == "cpu"
     if choice == "auto" and on_host:
         return host_impl if host_impl.available() else torch_ref
     if choice == "auto" and not triton_available():
@@ -137,20 +138,33 @@ def use_host_cpus(cpus: Iterable[int] | None) -> None:
 
 def gather_blocks(caches: Sequence[torch.Tensor], block_ids: Sequence[int] | torch.Tensor,
                   chunks: Sequence[tuple[int, torch.Tensor]], *, layout: Layout | None = None,
-                  kernels: Kernels | None = None) -> None:
-    """Copy each chunk's tokens from the paged ``caches`` into its buffer."""
+                  kernels: Kernels | None = None, heads_outer: bool = False) -> None:
+    """Copy each chunk's tokens from the paged ``caches`` into its buffer.
+    ``heads_outer``: the buffers are given in the order they are held in memory,
+    ``[layers, kv_heads, tokens, planes, head_dim]`` (``torch_ref.planes_first``
+    makes the usual view of one)."""
     if caches:
-        implementation(caches[0].device, kernels).gather_blocks(caches, block_ids, chunks,
-                                                                layout)
+        impl = implementation(caches[0].device, kernels)
+        if impl is host_impl:
+            impl.gather_blocks(caches, block_ids, chunks, layout, heads_outer)
+        else:
+            impl.gather_blocks(caches, block_ids, torch_ref.planes_first(chunks, heads_outer),
+                               layout)
 
 
 def scatter_blocks(caches: Sequence[torch.Tensor], block_ids: Sequence[int] | torch.Tensor,
                    chunks: Sequence[tuple[int, torch.Tensor]], skip_tokens: int = 0, *,
-                   layout: Layout | None = None, kernels: Kernels | None = None) -> None:
-    """Copy each chunk's buffer into the paged ``caches``, tokens from ``skip_tokens`` on."""
+                   layout: Layout | None = None, kernels: Kernels | None = None,
+                   heads_outer: bool = False) -> None:
+    """Copy each chunk's buffer into the paged ``caches``, tokens from ``skip_tokens`` on.
+    ``heads_outer``: as for ``gather_blocks``."""
     if caches:
-        implementation(caches[0].device, kernels).scatter_blocks(caches, block_ids, chunks,
-                                                                 skip_tokens, layout)
+        impl = implementation(caches[0].device, kernels)
+        if impl is host_impl:
+            impl.scatter_blocks(caches, block_ids, chunks, skip_tokens, layout, heads_outer)
+        else:
+            impl.scatter_blocks(caches, block_ids, torch_ref.planes_first(chunks, heads_outer),
+                                skip_tokens, layout)
 
 
 def gather_dense(kv: Sequence[tuple[torch.Tensor, torch.Tensor]],

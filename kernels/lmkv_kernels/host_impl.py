@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterable, Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -85,29 +86,34 @@ def use_cpus(cpus: Iterable[int] | None) -> None:
 
 
 def gather_blocks(caches: Sequence[torch.Tensor], block_ids: BlockIds, chunks: Chunks,
-                  layout: Layout | None = None) -> None:
-    rest = _copy(caches, block_ids, chunks, 0, layout, into_caches=False)
+                  layout: Layout | None = None, heads_outer: bool = False) -> None:
+    """``heads_outer``: buffers as held in memory (``lmkv_kernels.gather_blocks``)."""
+    rest = _copy(caches, block_ids, chunks, 0, layout, into_caches=False,
+                 heads_outer=heads_outer)
     if rest:
-        torch_ref.gather_blocks(caches, block_ids, rest, layout)
+        torch_ref.gather_blocks(caches, block_ids, torch_ref.planes_first(rest, heads_outer),
+                                layout)
 
 
 def scatter_blocks(caches: Sequence[torch.Tensor], block_ids: BlockIds, chunks: Chunks,
-                   skip_tokens: int = 0, layout: Layout | None = None) -> None:
-    rest = _copy(caches, block_ids, chunks, skip_tokens, layout, into_caches=True)
+                   skip_tokens: int = 0, layout: Layout | None = None,
+                   heads_outer: bool = False) -> None:
+    rest = _copy(caches, block_ids, chunks, skip_tokens, layout, into_caches=True,
+                 heads_outer=heads_outer)
     if rest:
-        torch_ref.scatter_blocks(caches, block_ids, rest, skip_tokens, layout)
+        torch_ref.scatter_blocks(caches, block_ids, torch_ref.planes_first(rest, heads_outer),
+                                 skip_tokens, layout)
 
 
 def _copy(caches: Sequence[torch.Tensor], block_ids: BlockIds, chunks: Chunks,
-          skip_tokens: int, layout: Layout | None, *, into_caches: bool) -> list:
+          skip_tokens: int, layout: Layout | None, *, into_caches: bool,
+          heads_outer: bool = False) -> list:
     """Copy what the C side serves; the chunks it does not, returned."""
     if not chunks:
         return []
-    g = geometry(caches[0], layout)
-    if _host is None or not _served(caches, g):
+    bound = _bind(caches, layout) if _host is not None else None
+    if bound is None:
         return list(chunks)
-    size = caches[0].element_size()
-    first_cache = caches[0]
     runs: list[tuple[int, int, tuple[int, int, int], int, int, int]] = []
     rest = []
     for start, buf in chunks:
@@ -115,24 +121,92 @@ def _copy(caches: Sequence[torch.Tensor], block_ids: BlockIds, chunks: Chunks,
         first = max(start, skip_tokens) if into_caches else start
         if stop <= first:
             continue
-        heads_outer = _head_runs(buf, g) if buf.device.type == "cpu" else None
-        if heads_outer is None or heads_outer.dtype != first_cache.dtype \
-                or tuple(heads_outer.shape[:2]) != (len(caches), g.kv_heads) \
-                or heads_outer.shape[3] != 2 * g.head_dim:
+        run = _run(buf, bound, heads_outer)
+        if run is None:
             rest.append((start, buf))  # (the reference copies it, or says what is wrong)
             continue
-        runs.append((heads_outer.data_ptr(), _extent(heads_outer), _strides(heads_outer, size),
-                     start, first, stop))
+        runs.append((*run, start, first, stop))
     if runs:
         ids = block_ids.tolist() if isinstance(block_ids, torch.Tensor) else block_ids
         cpus = _cpus
         threads = len(cpus) if cpus else max(1, torch.get_num_threads())
-        _host.copy_blocks(into_caches, [cache.data_ptr() for cache in caches],
-                          min(_extent(cache) for cache in caches),
-                          _strides(first_cache, size), g.num_blocks,
-                          g.kv_heads, 2 * g.head_dim * size, g.block_size, ids, runs,
-                          threads, cpus)
+        _host.copy_blocks(into_caches, bound.ptrs, bound.extent, bound.strides,
+                          bound.num_blocks, bound.heads, bound.row, bound.block_size, ids,
+                          runs, threads, cpus)
     return rest
+
+
+class _Bound(NamedTuple):
+    """What the C copies need of a set of caches, checked once (``_bind``)."""
+
+    ptrs: list[int]
+    extent: int  # bytes from each cache's first element to the end of the shortest storage
+    strides: tuple[int, int, int]  # in bytes
+    num_blocks: int
+    heads: int
+    row: int  # bytes of a (block, head, token) row: 2 * head_dim elements
+    block_size: int
+    head_dim: int
+    layers: int
+    dtype: torch.dtype
+    size: int
+
+
+#: The caches copies ran on, by what identifies them as the C side sees them
+#: (address, shape, strides, dtype and device of each): a set whose tensors
+#: moved, changed shape or were replaced is another set, checked again.
+#: (None: a set the C side does not serve.)
+_bound: dict[tuple, _Bound | None] = {}
+_BOUND_KEPT = 8
+
+
+def _bind(caches: Sequence[torch.Tensor], layout: Layout | None) -> _Bound | None:
+    signature = (layout, *[(c.data_ptr(), c.shape, c.stride(), c.dtype, c.is_cpu)
+                           for c in caches])
+    try:
+        return _bound[signature]
+    except KeyError:
+        pass
+    g = geometry(caches[0], layout)
+    bound = None
+    if _served(caches, g):
+        first = caches[0]
+        size = first.element_size()
+        bound = _Bound([cache.data_ptr() for cache in caches],
+                       min(_extent(cache) for cache in caches), _strides(first, size),
+                       g.num_blocks, g.kv_heads, 2 * g.head_dim * size, g.block_size,
+                       g.head_dim, len(caches), first.dtype, size)
+    if len(_bound) >= _BOUND_KEPT:
+        _bound.clear()
+    _bound[signature] = bound
+    return bound
+
+
+def _run(buf: torch.Tensor, bound: _Bound, heads_outer: bool
+         ) -> tuple[int, int, tuple[int, int, int]] | None:
+    """A chunk buffer held heads outer in memory (``[layers, kv_heads, tokens, 2,
+    head_dim]``; with ``heads_outer`` given so, else as its ``[layers, 2, tokens,
+    kv_heads, head_dim]`` view, ``torch_ref._head_runs``): its address, extent and
+    the byte strides of its layers, heads and tokens; None for any other buffer
+    (order, device, dtype or sizes)."""
+    if not buf.is_cpu or buf.dtype != bound.dtype:
+        return None
+    shape = buf.shape
+    if heads_outer:
+        if len(shape) != 5 or shape[0] != bound.layers or shape[1] != bound.heads \
+                or shape[3] != 2 or shape[4] != bound.head_dim:
+            return None
+        layer, head, token, plane, elem = buf.stride()
+    else:
+        if len(shape) != 5 or shape[0] != bound.layers or shape[1] != 2 \
+                or shape[3] != bound.heads or shape[4] != bound.head_dim:
+            return None
+        layer, plane, token, head, elem = buf.stride()
+    d = bound.head_dim
+    if elem != 1 or plane != d or token != 2 * d:
+        return None
+    size = bound.size
+    return (buf.data_ptr(), _extent(buf), (layer * size, head * size, token * size))
 
 
 def _served(caches: Sequence[torch.Tensor], g: PagedGeometry) -> bool:
@@ -155,6 +229,3 @@ def _strides(t: torch.Tensor, size: int) -> tuple[int, int, int]:
 def _extent(t: torch.Tensor) -> int:
     """Bytes from ``t``'s first element to the end of its storage."""
     return int(t.untyped_storage().nbytes() - t.storage_offset() * t.element_size())
-
-
-_head_runs = torch_ref._head_runs

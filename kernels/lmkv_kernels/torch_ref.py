@@ -195,6 +195,15 @@ def _copy_all(dst: list[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
 _FOREACH_COPY = getattr(torch, "_foreach_copy_", None)
 
 
+def planes_first(chunks: Chunks, heads_outer: bool = True) -> Chunks:
+    """Chunks whose buffers are given as held in memory, ``[layers, kv_heads,
+    tokens, planes, head_dim]`` (``heads_outer``), as the usual ``[layers,
+    planes, tokens, kv_heads, head_dim]`` views; others as they are."""
+    if not heads_outer:
+        return chunks
+    return [(start, buf.permute(0, 3, 2, 1, 4)) for start, buf in chunks]
+
+
 def _head_runs(buf: torch.Tensor, g: PagedGeometry) -> torch.Tensor | None:
     """For cpu caches, a chunk buffer held heads outer (``[layers, heads, tokens,
     2, dim]`` in memory, viewed ``[layers, 2, tokens, heads, dim]``) as ``[layers,

@@ -97,6 +97,8 @@ class PagedConnector(GPUConnector):
             None if layout is None else lmkv_kernels.check_layout(layout))
         self.kernels: lmkv_kernels.Kernels | None = (
             None if options.kernels == "auto" else options.kernels)
+        #: (shape, dtype) of each cache of the sets that passed ``_check_caches``
+        self._checked: dict[tuple, PagedGeometry] = {}
         # the host copies' threads: on the engine's CPUs where it binds its threads
         cpus = affinity.shared()
         if cpus is not None:
@@ -105,6 +107,26 @@ class PagedConnector(GPUConnector):
     def _validate(self, kv_caches: Sequence[torch.Tensor], block_ids: Any,
                   end: int) -> PagedGeometry:
         """Check the caches against the spec and the block table against ``end``."""
+        # (what is checked of the caches depends on their shapes and dtypes only:
+        # a set of those that passed is not checked again)
+        shapes = tuple([(cache.shape, cache.dtype) for cache in kv_caches])
+        g = self._checked.get(shapes)
+        if g is None:
+            g = self._check_caches(kv_caches)
+            if len(self._checked) >= 8:
+                self._checked.clear()
+            self._checked[shapes] = g
+        check(len(block_ids) * g.block_size >= end,
+              f"{len(block_ids)} blocks of {g.block_size} tokens cannot hold {end} tokens")
+        used = block_ids[:-(-end // g.block_size)]
+        if len(used):  # a negative or too large id would wrap into another request's block
+            low, high = (int(used.min()), int(used.max())) if isinstance(used, torch.Tensor) \
+                else (min(used), max(used))
+            check(low >= 0 and high < g.num_blocks,
+                  f"block ids {low}..{high} out of range: the caches hold {g.num_blocks} blocks")
+        return g
+
+    def _check_caches(self, kv_caches: Sequence[torch.Tensor]) -> PagedGeometry:
         spec = self.spec
         check(len(kv_caches) == spec.num_layers,
               f"{len(kv_caches)} KV caches; this engine stores {spec.num_layers} layers")
@@ -125,14 +147,6 @@ class PagedConnector(GPUConnector):
         check(g.planes == spec.kv_planes,
               f"{g.layout} caches hold {g.planes} vector(s) per token and head; this "
               f"engine's KV holds {spec.kv_planes}")
-        check(len(block_ids) * g.block_size >= end,
-              f"{len(block_ids)} blocks of {g.block_size} tokens cannot hold {end} tokens")
-        used = block_ids[:-(-end // g.block_size)]
-        if len(used):  # a negative or too large id would wrap into another request's block
-            low, high = (int(used.min()), int(used.max())) if isinstance(used, torch.Tensor) \
-                else (min(used), max(used))
-            check(low >= 0 and high < g.num_blocks,
-                  f"block ids {low}..{high} out of range: the caches hold {g.num_blocks} blocks")
         return g
 
     def to_chunks(self, spans: Sequence[ChunkSpan], *,  # type: ignore[override]
@@ -141,12 +155,14 @@ class PagedConnector(GPUConnector):
         """``after``: the forward's stream or an event on it (``TransferStream.store``),
         when the caller is not the forward's thread."""
         g = self._validate(kv_caches, block_ids, max((s.end for s in spans), default=0))
-        chunks = [(s.start, self.spec.planes_first(s.buffer)) for s in spans]
+        chunks = [(s.start, s.buffer) for s in spans]  # (as held: heads_outer)
         # On the transfer stream, after the forward that wrote the KV (lmkv.memory.transfer_stream);
         # the buffers are published to tiers and other threads next: after its event.
         stream_for(kv_caches[0].device).store(
             lambda: lmkv_kernels.gather_blocks(kv_caches, block_ids, chunks, layout=g.layout,
-                                               kernels=self.kernels), after=after).wait()
+                                               kernels=self.kernels,
+                                               heads_outer=self.spec.heads_outer),
+            after=after).wait()
 
     def from_chunks(self, spans: Sequence[ChunkSpan], *,  # type: ignore[override]
                     kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int] | torch.Tensor,
@@ -156,11 +172,12 @@ class PagedConnector(GPUConnector):
         the forward's stream (``TransferStream.load``), when the caller is not the
         forward's thread."""
         g = self._validate(kv_caches, block_ids, max((s.end for s in spans), default=0))
-        chunks = [(s.start, self.spec.planes_first(s.buffer)) for s in spans]
+        chunks = [(s.start, s.buffer) for s in spans]  # (as held: heads_outer)
         # The compute stream's later kernels wait for the copy on the GPU; the chunk
         # buffers are released after this returns: after its event.
         stream_for(kv_caches[0].device).load(
             lambda: lmkv_kernels.scatter_blocks(kv_caches, block_ids, chunks, skip_tokens,
-                                                layout=g.layout, kernels=self.kernels),
+                                                layout=g.layout, kernels=self.kernels,
+                                                heads_outer=self.spec.heads_outer),
             after=after).wait()
         return None
