@@ -62,7 +62,7 @@ import importlib.util
 import os
 from collections.abc import Iterable, Sequence
 from types import ModuleType
-from typing import Literal
+from typing import Any, Literal, NamedTuple
 
 import torch
 
@@ -75,11 +75,13 @@ from lmkv_kernels.layouts import (
     geometry,
     layout_of,
     planes_of,
+    signature,
 )
 
-__all__ = ["KERNELS", "LAYOUTS", "Kernels", "Layout", "PagedGeometry", "check_layout",
-           "gather_blocks", "gather_dense", "geometry", "implementation", "layout_of",
-           "planes_of", "scatter_blocks", "scatter_dense", "use_host_cpus"]
+__all__ = ["KERNELS", "LAYOUTS", "Bound", "Kernels", "Layout", "PagedGeometry", "bind",
+           "check_layout", "gather_blocks", "gather_dense", "geometry", "implementation",
+           "layout_of", "planes_of", "scatter_blocks", "scatter_dense", "signature",
+           "use_host_cpus"]
 
 Kernels = Literal["auto", "triton", "host", "torch"]
 KERNELS: tuple[Kernels, ...] = ("auto", "triton", "host", "torch")
@@ -136,17 +138,39 @@ def use_host_cpus(cpus: Iterable[int] | None) -> None:
     host_impl.use_cpus(cpus)
 
 
+class Bound(NamedTuple):
+    """A set of caches whose copies were chosen and checked once (``bind``)."""
+
+    implementation: ModuleType
+    host: Any = None  # what the C copies need of them (host_impl.bind)
+
+
+def bind(caches: Sequence[torch.Tensor], layout: Layout | None = None,
+         kernels: Kernels | None = None) -> Bound:
+    """The copies that serve ``caches`` (``implementation``, ``kernels`` or
+    ``LMKV_KERNELS`` read now) and what they check of them once, for
+    ``gather_blocks`` and ``scatter_blocks`` (``bound=``) of these same caches:
+    a caller that copies to and from one set of caches many times binds it
+    once, and binds again when ``layouts.signature`` of its caches changes."""
+    impl = implementation(caches[0].device, kernels)
+    return Bound(impl, host_impl.bind(caches, layout) if impl is host_impl else None)
+
+
 def gather_blocks(caches: Sequence[torch.Tensor], block_ids: Sequence[int] | torch.Tensor,
                   chunks: Sequence[tuple[int, torch.Tensor]], *, layout: Layout | None = None,
-                  kernels: Kernels | None = None, heads_outer: bool = False) -> None:
+                  kernels: Kernels | None = None, heads_outer: bool = False,
+                  bound: Bound | None = None) -> None:
     """Copy each chunk's tokens from the paged ``caches`` into its buffer.
     ``heads_outer``: the buffers are given in the order they are held in memory,
     ``[layers, kv_heads, tokens, planes, head_dim]`` (``torch_ref.planes_first``
-    makes the usual view of one)."""
+    makes the usual view of one). ``bound``: ``bind(caches, layout, kernels)``
+    (then ``kernels`` is not read again)."""
     if caches:
-        impl = implementation(caches[0].device, kernels)
+        impl = bound.implementation if bound is not None else \
+            implementation(caches[0].device, kernels)
         if impl is host_impl:
-            impl.gather_blocks(caches, block_ids, chunks, layout, heads_outer)
+            impl.gather_blocks(caches, block_ids, chunks, layout, heads_outer,
+                               bound.host if bound is not None else host_impl.UNBOUND)
         else:
             impl.gather_blocks(caches, block_ids, torch_ref.planes_first(chunks, heads_outer),
                                layout)
@@ -155,13 +179,15 @@ def gather_blocks(caches: Sequence[torch.Tensor], block_ids: Sequence[int] | tor
 def scatter_blocks(caches: Sequence[torch.Tensor], block_ids: Sequence[int] | torch.Tensor,
                    chunks: Sequence[tuple[int, torch.Tensor]], skip_tokens: int = 0, *,
                    layout: Layout | None = None, kernels: Kernels | None = None,
-                   heads_outer: bool = False) -> None:
+                   heads_outer: bool = False, bound: Bound | None = None) -> None:
     """Copy each chunk's buffer into the paged ``caches``, tokens from ``skip_tokens`` on.
-    ``heads_outer``: as for ``gather_blocks``."""
+    ``heads_outer`` and ``bound``: as for ``gather_blocks``."""
     if caches:
-        impl = implementation(caches[0].device, kernels)
+        impl = bound.implementation if bound is not None else \
+            implementation(caches[0].device, kernels)
         if impl is host_impl:
-            impl.scatter_blocks(caches, block_ids, chunks, skip_tokens, layout, heads_outer)
+            impl.scatter_blocks(caches, block_ids, chunks, skip_tokens, layout, heads_outer,
+                                bound.host if bound is not None else host_impl.UNBOUND)
         else:
             impl.scatter_blocks(caches, block_ids, torch_ref.planes_first(chunks, heads_outer),
                                 skip_tokens, layout)

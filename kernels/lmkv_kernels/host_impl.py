@@ -31,12 +31,12 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterable, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
 from lmkv_kernels import torch_ref
-from lmkv_kernels.layouts import Layout, PagedGeometry, geometry
+from lmkv_kernels.layouts import Layout, PagedGeometry, geometry, signature
 from lmkv_kernels.torch_ref import BlockIds, Chunks
 
 try:
@@ -46,6 +46,8 @@ except ImportError:  # built without a C compiler: torch's copies
 
 _cpus: tuple[int, ...] | None = None
 _MAIN = threading.main_thread().ident or 0
+#: Given for ``bound`` where the caller has not bound the caches.
+UNBOUND: Any = object()
 
 
 def _torch_on_openmp() -> bool:
@@ -86,10 +88,12 @@ def use_cpus(cpus: Iterable[int] | None) -> None:
 
 
 def gather_blocks(caches: Sequence[torch.Tensor], block_ids: BlockIds, chunks: Chunks,
-                  layout: Layout | None = None, heads_outer: bool = False) -> None:
-    """``heads_outer``: buffers as held in memory (``lmkv_kernels.gather_blocks``)."""
+                  layout: Layout | None = None, heads_outer: bool = False,
+                  bound: Any = UNBOUND) -> None:
+    """``heads_outer``: buffers as held in memory (``lmkv_kernels.gather_blocks``);
+    ``bound``: ``bind(caches, layout)``, made before (else checked here)."""
     rest = _copy(caches, block_ids, chunks, 0, layout, into_caches=False,
-                 heads_outer=heads_outer)
+                 heads_outer=heads_outer, bound=bound)
     if rest:
         torch_ref.gather_blocks(caches, block_ids, torch_ref.planes_first(rest, heads_outer),
                                 layout)
@@ -97,9 +101,9 @@ def gather_blocks(caches: Sequence[torch.Tensor], block_ids: BlockIds, chunks: C
 
 def scatter_blocks(caches: Sequence[torch.Tensor], block_ids: BlockIds, chunks: Chunks,
                    skip_tokens: int = 0, layout: Layout | None = None,
-                   heads_outer: bool = False) -> None:
+                   heads_outer: bool = False, bound: Any = UNBOUND) -> None:
     rest = _copy(caches, block_ids, chunks, skip_tokens, layout, into_caches=True,
-                 heads_outer=heads_outer)
+                 heads_outer=heads_outer, bound=bound)
     if rest:
         torch_ref.scatter_blocks(caches, block_ids, torch_ref.planes_first(rest, heads_outer),
                                  skip_tokens, layout)
@@ -107,11 +111,16 @@ def scatter_blocks(caches: Sequence[torch.Tensor], block_ids: BlockIds, chunks: 
 
 def _copy(caches: Sequence[torch.Tensor], block_ids: BlockIds, chunks: Chunks,
           skip_tokens: int, layout: Layout | None, *, into_caches: bool,
-          heads_outer: bool = False) -> list:
+          heads_outer: bool = False, bound: Any = UNBOUND) -> list:
     """Copy what the C side serves; the chunks it does not, returned."""
     if not chunks:
         return []
-    bound = _bind(caches, layout) if _host is not None else None
+    if _host is None:
+        return list(chunks)
+    # (a bound given is used only for the caches at its addresses: the ones it checked)
+    if bound is UNBOUND or (bound is not None
+                            and [cache.data_ptr() for cache in caches] != bound.ptrs):
+        bound = _bind(caches, layout)
     if bound is None:
         return list(chunks)
     runs: list[tuple[int, int, tuple[int, int, int], int, int, int]] = []
@@ -136,8 +145,8 @@ def _copy(caches: Sequence[torch.Tensor], block_ids: BlockIds, chunks: Chunks,
     return rest
 
 
-class _Bound(NamedTuple):
-    """What the C copies need of a set of caches, checked once (``_bind``)."""
+class Bound(NamedTuple):
+    """What the C copies need of a set of caches, checked once (``bind``)."""
 
     ptrs: list[int]
     extent: int  # bytes from each cache's first element to the end of the shortest storage
@@ -152,37 +161,41 @@ class _Bound(NamedTuple):
     size: int
 
 
-#: The caches copies ran on, by what identifies them as the C side sees them
-#: (address, shape, strides, dtype and device of each): a set whose tensors
-#: moved, changed shape or were replaced is another set, checked again.
-#: (None: a set the C side does not serve.)
-_bound: dict[tuple, _Bound | None] = {}
+#: The caches copies ran on without a bound given, by ``signature`` (None: a
+#: set the C side does not serve).
+_bound: dict[tuple, Bound | None] = {}
 _BOUND_KEPT = 8
 
 
-def _bind(caches: Sequence[torch.Tensor], layout: Layout | None) -> _Bound | None:
-    signature = (layout, *[(c.data_ptr(), c.shape, c.stride(), c.dtype, c.is_cpu)
-                           for c in caches])
+def bind(caches: Sequence[torch.Tensor], layout: Layout | None) -> Bound | None:
+    """What the C copies need of ``caches`` (checked now), or None where they do
+    not serve them (another layout or device, layers that differ, rows that are
+    not whole)."""
+    g = geometry(caches[0], layout)
+    if not _served(caches, g):
+        return None
+    first = caches[0]
+    size = first.element_size()
+    return Bound([cache.data_ptr() for cache in caches],
+                 min(_extent(cache) for cache in caches), _strides(first, size),
+                 g.num_blocks, g.kv_heads, 2 * g.head_dim * size, g.block_size, g.head_dim,
+                 len(caches), first.dtype, size)
+
+
+def _bind(caches: Sequence[torch.Tensor], layout: Layout | None) -> Bound | None:
+    key = (layout, *signature(caches))
     try:
-        return _bound[signature]
+        return _bound[key]
     except KeyError:
         pass
-    g = geometry(caches[0], layout)
-    bound = None
-    if _served(caches, g):
-        first = caches[0]
-        size = first.element_size()
-        bound = _Bound([cache.data_ptr() for cache in caches],
-                       min(_extent(cache) for cache in caches), _strides(first, size),
-                       g.num_blocks, g.kv_heads, 2 * g.head_dim * size, g.block_size,
-                       g.head_dim, len(caches), first.dtype, size)
+    bound = bind(caches, layout)
     if len(_bound) >= _BOUND_KEPT:
         _bound.clear()
-    _bound[signature] = bound
+    _bound[key] = bound
     return bound
 
 
-def _run(buf: torch.Tensor, bound: _Bound, heads_outer: bool
+def _run(buf: torch.Tensor, bound: Bound, heads_outer: bool
          ) -> tuple[int, int, tuple[int, int, int]] | None:
     """A chunk buffer held heads outer in memory (``[layers, kv_heads, tokens, 2,
     head_dim]``; with ``heads_outer`` given so, else as its ``[layers, 2, tokens,

@@ -34,6 +34,7 @@ where it is unambiguous, and an ambiguous shape is a one-line ValueError.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -159,3 +160,10 @@ def as_blocks(cache: torch.Tensor, layout: Layout) -> torch.Tensor:
         return cache[None, :, :, None] if cache.dim() == 3 else cache[None].transpose(2, 3)
     num_blocks, heads, block_size, _ = cache.shape
     return cache.view(num_blocks, heads, block_size, 2, -1).permute(3, 0, 2, 1, 4)
+
+
+def signature(caches: Sequence[torch.Tensor]) -> tuple:
+    """What identifies a set of caches as a copy sees them: each one's address,
+    shape, strides, dtype and whether it is in host memory. A set whose tensors
+    moved, changed shape or were replaced has another."""
+    return tuple([(c.data_ptr(), c.shape, c.stride(), c.dtype, c.is_cpu) for c in caches])

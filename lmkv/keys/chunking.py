@@ -401,8 +401,9 @@ class TokenChunker:
         partials: list[list[bytes]] = []
         if block:
             aligned = n // block * block
-            if not keep or aligned == n:
-                tokens, n, keep = tokens[:aligned], aligned, True
+            if aligned != n and not keep:
+                tokens, n = tokens[:aligned], aligned
+            keep = True
             if identity or aligned != n:
                 hashes = prefix_hashes(tokens, self.chunk_size, keep, identity)
                 partials = block_prefix_hashes(tokens, self.chunk_size, block, identity,

@@ -626,6 +626,9 @@ class StorageManager:
     def _fetch(self, lookup_id: str, plans: list[tuple[StorageBackend, list[CacheKey]]],
                kpc: int, promotion: Promotion, longer: list[int] | None = None,
                direct: bool = False, gets: _Gets | None = None) -> list[MemoryObj]:
+        if gets is None and kpc == 1 and len(plans) == 1 \
+                and plans[0][0] is self._memory is self.tiers[0]:
+            return self._fetch_memory(lookup_id, plans[0][1], longer)
         objs: list[MemoryObj] = []
         with closing(self._iter_fetch(lookup_id, plans, kpc, promotion, direct,
                                       gets)) as reads:
@@ -640,6 +643,27 @@ class StorageManager:
         whole = len(objs) // kpc * kpc
         release(objs[whole:])
         return objs[:whole]
+
+    def _fetch_memory(self, lookup_id: str, keys: list[CacheKey],
+                      longer: list[int] | None) -> list[MemoryObj]:
+        """``_fetch`` of a plan the first tier, holding memory, serves whole (a
+        warm request's): the same get, pins and aliases, with nothing to promote
+        and no prefetch budget to take (its gets allocate nothing)."""
+        tier = self._memory
+        assert tier is not None
+        try:
+            got = self._result(tier, self._start_get(tier, lookup_id, keys))
+        finally:
+            for key in keys:
+                tier.unpin(key)
+        if len(got) > len(keys):  # a tier may answer no more than it was asked
+            release(got[len(keys):])
+            got = got[:len(keys)]
+        found: list[int] = []
+        objs = self._resolved(keys, got, found)
+        if longer is not None:
+            longer.extend(found)
+        return objs
 
     def stream(self, keys: Sequence[CacheKey]) -> Iterator[tuple[int, list[MemoryObj]]]:
         """The leading chunks across the tiers, yielded tier by tier as each tier's

@@ -97,25 +97,27 @@ class PagedConnector(GPUConnector):
             None if layout is None else lmkv_kernels.check_layout(layout))
         self.kernels: lmkv_kernels.Kernels | None = (
             None if options.kernels == "auto" else options.kernels)
-        #: (shape, dtype) of each cache of the sets that passed ``_check_caches``
-        self._checked: dict[tuple, PagedGeometry] = {}
+        #: The sets of caches that passed ``_check_caches``, by ``signature``: their
+        #: geometry and copies (LMKV_KERNELS is read when a set is first copied)
+        self._checked: dict[tuple, tuple[PagedGeometry, lmkv_kernels.Bound]] = {}
         # the host copies' threads: on the engine's CPUs where it binds its threads
         cpus = affinity.shared()
         if cpus is not None:
             lmkv_kernels.use_host_cpus(cpus)
 
     def _validate(self, kv_caches: Sequence[torch.Tensor], block_ids: Any,
-                  end: int) -> PagedGeometry:
-        """Check the caches against the spec and the block table against ``end``."""
-        # (what is checked of the caches depends on their shapes and dtypes only:
-        # a set of those that passed is not checked again)
-        shapes = tuple([(cache.shape, cache.dtype) for cache in kv_caches])
-        g = self._checked.get(shapes)
-        if g is None:
+                  end: int) -> tuple[PagedGeometry, lmkv_kernels.Bound]:
+        """Check the caches against the spec and the block table against ``end``;
+        the caches' geometry and their copies (bound once per set of caches)."""
+        signature = lmkv_kernels.signature(kv_caches)
+        checked = self._checked.get(signature)
+        if checked is None:
             g = self._check_caches(kv_caches)
+            checked = (g, lmkv_kernels.bind(kv_caches, g.layout, self.kernels))
             if len(self._checked) >= 8:
                 self._checked.clear()
-            self._checked[shapes] = g
+            self._checked[signature] = checked
+        g = checked[0]
         check(len(block_ids) * g.block_size >= end,
               f"{len(block_ids)} blocks of {g.block_size} tokens cannot hold {end} tokens")
         used = block_ids[:-(-end // g.block_size)]
@@ -124,7 +126,7 @@ class PagedConnector(GPUConnector):
                 else (min(used), max(used))
             check(low >= 0 and high < g.num_blocks,
                   f"block ids {low}..{high} out of range: the caches hold {g.num_blocks} blocks")
-        return g
+        return checked
 
     def _check_caches(self, kv_caches: Sequence[torch.Tensor]) -> PagedGeometry:
         spec = self.spec
@@ -154,14 +156,13 @@ class PagedConnector(GPUConnector):
                   after: Any = None, **_: Any) -> None:
         """``after``: the forward's stream or an event on it (``TransferStream.store``),
         when the caller is not the forward's thread."""
-        g = self._validate(kv_caches, block_ids, max((s.end for s in spans), default=0))
+        g, bound = self._validate(kv_caches, block_ids, max((s.end for s in spans), default=0))
         chunks = [(s.start, s.buffer) for s in spans]  # (as held: heads_outer)
         # On the transfer stream, after the forward that wrote the KV (lmkv.memory.transfer_stream);
         # the buffers are published to tiers and other threads next: after its event.
         stream_for(kv_caches[0].device).store(
             lambda: lmkv_kernels.gather_blocks(kv_caches, block_ids, chunks, layout=g.layout,
-                                               kernels=self.kernels,
-                                               heads_outer=self.spec.heads_outer),
+                                               heads_outer=self.spec.heads_outer, bound=bound),
             after=after).wait()
 
     def from_chunks(self, spans: Sequence[ChunkSpan], *,  # type: ignore[override]
@@ -171,13 +172,13 @@ class PagedConnector(GPUConnector):
         already holds them, possibly in blocks other requests share). ``after``:
         the forward's stream (``TransferStream.load``), when the caller is not the
         forward's thread."""
-        g = self._validate(kv_caches, block_ids, max((s.end for s in spans), default=0))
+        g, bound = self._validate(kv_caches, block_ids, max((s.end for s in spans), default=0))
         chunks = [(s.start, s.buffer) for s in spans]  # (as held: heads_outer)
         # The compute stream's later kernels wait for the copy on the GPU; the chunk
         # buffers are released after this returns: after its event.
         stream_for(kv_caches[0].device).load(
             lambda: lmkv_kernels.scatter_blocks(kv_caches, block_ids, chunks, skip_tokens,
-                                                layout=g.layout, kernels=self.kernels,
-                                                heads_outer=self.spec.heads_outer),
+                                                layout=g.layout,
+                                                heads_outer=self.spec.heads_outer, bound=bound),
             after=after).wait()
         return None
