@@ -158,9 +158,10 @@ _streams_lock = threading.Lock()
 def stream_for(device: torch.device | str) -> TransferStream:
     """This process's transfer stream for ``device`` (made on first use; a
     synchronous one for a device that is not CUDA)."""
-    stream = _streams.get(device)  # (a device already seen, as it was named then)
-    if stream is not None:
-        return stream
+    if isinstance(device, torch.device):  # one already seen, named as it was then
+        stream = _streams.get(device)
+        if stream is not None:
+            return stream
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
