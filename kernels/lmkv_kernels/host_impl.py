@@ -164,7 +164,7 @@ class Bound(NamedTuple):
 #: The caches copies ran on without a bound given, by ``signature`` (None: a
 #: set the C side does not serve).
 _bound: dict[tuple, Bound | None] = {}
-_BOUND_KEPT = 8
+_BOUND_KEPT = 256
 
 
 def bind(caches: Sequence[torch.Tensor], layout: Layout | None) -> Bound | None:

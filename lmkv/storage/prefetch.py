@@ -82,8 +82,9 @@ class EventManager:
     """Tracks prefetches by lookup id: ongoing, done, taken or cleaned up.
 
     Finished prefetches nobody claims are released after ``unclaimed_ttl_s`` by
-    a timer thread (started with the first prefetch), so an idle process gives
-    their memory back without waiting for another lookup.
+    a timer thread (started with the manager, not on a request's path: a
+    thread's start waits for it to run, up to milliseconds on busy CPUs), so an
+    idle process gives their memory back without waiting for another lookup.
     """
 
     def __init__(self, unclaimed_ttl_s: float = UNCLAIMED_TTL_S) -> None:
@@ -92,17 +93,15 @@ class EventManager:
         self.unclaimed_ttl_s = unclaimed_ttl_s
         self.expired = 0
         self._closed = threading.Event()
-        self._reaper: threading.Thread | None = None
+        self._reaper = threading.Thread(target=self._reap, daemon=True,
+                                        name="lmkv-prefetch-expiry")
+        self._reaper.start()
 
     def start(self, lookup_id: str, keys: Sequence = ()) -> PrefetchTask:
         task = PrefetchTask(lookup_id, tuple(keys))
         with self._lock:
             previous = self._tasks.pop(lookup_id, None)
             self._tasks[lookup_id] = task
-            if self._reaper is None and not self._closed.is_set():
-                self._reaper = threading.Thread(target=self._reap, daemon=True,
-                                                name="lmkv-prefetch-expiry")
-                self._reaper.start()
         if previous is not None:
             self._discard(previous)  # a reused id's old result
         return task
@@ -205,6 +204,8 @@ class EventManager:
 
     def close(self) -> None:
         self._closed.set()
+        if self._reaper is not threading.current_thread():
+            self._reaper.join(5)  # (it wakes at once: it waits on the event set above)
         with self._lock:
             tasks = list(self._tasks.values())
             self._tasks.clear()

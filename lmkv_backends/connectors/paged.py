@@ -114,7 +114,7 @@ class PagedConnector(GPUConnector):
         if checked is None:
             g = self._check_caches(kv_caches)
             checked = (g, lmkv_kernels.bind(kv_caches, g.layout, self.kernels))
-            if len(self._checked) >= 8:
+            if len(self._checked) >= 256:  # (a direct load binds a set per piece of layers)
                 self._checked.clear()
             self._checked[signature] = checked
         g = checked[0]
