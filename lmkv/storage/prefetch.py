@@ -115,8 +115,9 @@ class EventManager:
         return len(stale)
 
     def _reap(self) -> None:
-        # A quarter of the TTL: a prefetch is released at most 1.25 TTLs after it finished.
-        while not self._closed.wait(min(max(self.unclaimed_ttl_s / 4, 0.01), 5.0)):
+        # A quarter of the TTL: a prefetch is released at most 1.25 TTLs after it
+        # finished (and at least each second: a TTL set later is kept within one).
+        while not self._closed.wait(min(max(self.unclaimed_ttl_s / 4, 0.01), 1.0)):
             try:
                 self.expire()
             except Exception:  # a bug; expiry must go on

@@ -317,6 +317,25 @@ def test_paged_connector_checks_caches_against_its_spec() -> None:
         conn.to_chunks(span, kv_caches=make_paged("cpu", 4, 8), block_ids=[0])
 
 
+def test_paged_connector_checks_each_set_of_caches_it_is_given() -> None:
+    """Sets of caches checked once are remembered by each cache's address, shape,
+    strides and dtype: sets taken in turn each get their own KV, and a cache
+    replaced in its list by a wrong one is refused like any wrong set."""
+    spec = replace(SPEC, heads_outer=True)
+    conn = PagedConnector(None, ConnectorContext(spec))
+    spans = [ChunkSpan(0, 32, torch.randn(spec.chunk_shape(32)))]
+    sets = [[torch.zeros(8, H, 16, 2 * D) for _ in range(L)] for _ in range(2)]
+    for turn in range(4):
+        caches = sets[turn % 2]
+        conn.from_chunks(spans, kv_caches=caches, block_ids=[turn, 7 - turn])
+        back = [ChunkSpan(0, 32, torch.zeros(spec.chunk_shape(32)))]
+        conn.to_chunks(back, kv_caches=caches, block_ids=[turn, 7 - turn])
+        assert torch.equal(back[0].buffer, spans[0].buffer)
+    sets[0][1] = torch.zeros(8, H, 16, 2 * D, dtype=torch.float16)
+    with pytest.raises(ValueError, match=r"KV dtype torch\.float16; expected torch\.float32"):
+        conn.from_chunks(spans, kv_caches=sets[0], block_ids=[0, 1])
+
+
 def test_connectors_that_cannot_read_a_spec_say_so() -> None:
     with pytest.raises(NotImplementedError, match="'hf'"):
         HFConnector.spec_from(kv=[])

@@ -351,3 +351,68 @@ def test_a_copy_on_the_team_matches_one_on_helpers_and_the_reference() -> None:
     scatter_blocks(ref, ids, chunks, layout="cpu", kernels="torch")
     for got in results:
         assert all(torch.equal(a, b) for a, b in zip(got, ref, strict=True))
+
+
+@pytest.mark.parametrize("kernels", ["host", "torch"])
+def test_buffers_given_as_held_copy_as_their_views_do(kernels: str) -> None:
+    """``heads_outer=True``: buffers as held in memory (``[layers, heads, tokens, 2,
+    dim]``) move the bits their ``[layers, 2, tokens, heads, dim]`` views move."""
+    gen = torch.Generator().manual_seed(11)
+    held = [(0, torch.randn(2, HEADS, 48, 2, DIM, generator=gen)),
+            (48, torch.randn(2, HEADS, 30, 2, DIM, generator=gen))]
+    views = torch_ref.planes_first(held)
+    ids = [5, 2, 7, 0, 3]
+    base = caches(2, 8, 16, torch.float32, gen)
+    mine, ref = [c.clone() for c in base], [c.clone() for c in base]
+    scatter_blocks(mine, ids, held, 3, layout="cpu", kernels=kernels, heads_outer=True)
+    scatter_blocks(ref, ids, views, 3, layout="cpu", kernels="torch")
+    assert all(torch.equal(a, b) for a, b in zip(mine, ref, strict=True))
+    got = [(s, torch.zeros_like(b)) for s, b in held]
+    gather_blocks(base, ids, got, layout="cpu", kernels=kernels, heads_outer=True)
+    want = [(s, torch.zeros_like(b)) for s, b in views]
+    gather_blocks(base, ids, want, layout="cpu", kernels="torch")
+    assert all(torch.equal(a.permute(0, 3, 2, 1, 4), b)
+               for (_, a), (_, b) in zip(got, want, strict=True))
+
+
+def test_a_bound_set_is_used_only_for_the_caches_it_checked() -> None:
+    """``bind`` checks a set of caches once; given with caches at other addresses
+    (another set, or one whose tensors were replaced), the copy checks those
+    instead and lands in them, never in the set it was bound to."""
+    from lmkv_kernels import bind
+
+    gen = torch.Generator().manual_seed(12)
+    first = caches(2, 8, 16, torch.float32, gen)
+    bound = bind(first, "cpu")
+    assert bound.implementation is host_impl and bound.host is not None
+    chunk = outer(2, 32, torch.float32, gen)
+    other = caches(2, 8, 16, torch.float32, gen)
+    before = [c.clone() for c in first]
+    ref = [c.clone() for c in other]
+    scatter_blocks(other, [4, 1], [(0, chunk)], layout="cpu", bound=bound)
+    scatter_blocks(ref, [4, 1], [(0, chunk)], layout="cpu", kernels="torch")
+    assert all(torch.equal(a, b) for a, b in zip(other, ref, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(first, before, strict=True))
+    smaller = [torch.randn(4, HEADS, 16, 2 * DIM, generator=gen) for _ in range(2)]
+    with pytest.raises(ValueError, match=r"block id 6 out of range 0\.\.3"):
+        scatter_blocks(smaller, [6, 1], [(0, chunk)], layout="cpu", bound=bound)
+
+
+def test_a_set_of_caches_changed_in_place_is_checked_again() -> None:
+    """Copies without a bound remember the sets they checked by each cache's
+    address, shape and strides: a cache replaced in its list, or resized in
+    place to fewer blocks, is checked again before a byte moves."""
+    gen = torch.Generator().manual_seed(13)
+    mine = caches(2, 8, 16, torch.float32, gen)
+    chunk = outer(2, 32, torch.float32, gen)
+    scatter_blocks(mine, [6, 1], [(0, chunk)], layout="cpu", kernels="host")
+    replaced = mine[1]
+    mine[1] = torch.zeros_like(replaced)
+    kept = replaced.clone()
+    scatter_blocks(mine, [5, 2], [(0, chunk)], layout="cpu", kernels="host")
+    assert torch.equal(replaced, kept)  # the tensor no longer in the set is untouched
+    assert torch.equal(mine[1][5], chunk.permute(0, 3, 2, 1, 4)[1, :, :16].flatten(2))
+    mine[0].resize_(4, HEADS, 16, 2 * DIM)  # (the same storage: its address unchanged)
+    mine[1].resize_(4, HEADS, 16, 2 * DIM)
+    with pytest.raises(ValueError, match=r"block id 6 out of range 0\.\.3"):
+        scatter_blocks(mine, [6, 1], [(0, chunk)], layout="cpu", kernels="host")

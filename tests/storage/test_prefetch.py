@@ -696,3 +696,12 @@ def test_a_read_into_memory_gives_up_waiting_writes_as_a_store_does(tmp_path) ->
     finally:
         gate.set()
         manager.close()
+
+
+def test_the_expiry_thread_starts_with_the_manager_and_stops_with_it() -> None:
+    """Not on a request's path: a thread's start waits until it runs."""
+    manager = StorageManager([cpu()])
+    reaper = manager.events._reaper
+    assert reaper.is_alive()
+    manager.close()
+    assert not reaper.is_alive()
