@@ -117,9 +117,10 @@ def _copy(caches: Sequence[torch.Tensor], block_ids: BlockIds, chunks: Chunks,
         return []
     if _host is None:
         return list(chunks)
-    # (a bound given is used only for the caches at its addresses: the ones it checked)
+    # (a bound given is used only for caches of its signature, in its layout: the
+    # ones it checked, or ones the C side sees as the same)
     if bound is UNBOUND or (bound is not None
-                            and [cache.data_ptr() for cache in caches] != bound.ptrs):
+                            and bound.signature != (layout, *signature(caches))):
         bound = _bind(caches, layout)
     if bound is None:
         return list(chunks)
@@ -159,6 +160,7 @@ class Bound(NamedTuple):
     layers: int
     dtype: torch.dtype
     size: int
+    signature: tuple  # (layout, *signature(caches)) of the caches checked
 
 
 #: The caches copies ran on without a bound given, by ``signature`` (None: a
@@ -167,10 +169,11 @@ _bound: dict[tuple, Bound | None] = {}
 _BOUND_KEPT = 256
 
 
-def bind(caches: Sequence[torch.Tensor], layout: Layout | None) -> Bound | None:
+def bind(caches: Sequence[torch.Tensor], layout: Layout | None,
+         key: tuple | None = None) -> Bound | None:
     """What the C copies need of ``caches`` (checked now), or None where they do
     not serve them (another layout or device, layers that differ, rows that are
-    not whole)."""
+    not whole). ``key``: ``(layout, *signature(caches))``, where already made."""
     g = geometry(caches[0], layout)
     if not _served(caches, g):
         return None
@@ -179,7 +182,8 @@ def bind(caches: Sequence[torch.Tensor], layout: Layout | None) -> Bound | None:
     return Bound([cache.data_ptr() for cache in caches],
                  min(_extent(cache) for cache in caches), _strides(first, size),
                  g.num_blocks, g.kv_heads, 2 * g.head_dim * size, g.block_size, g.head_dim,
-                 len(caches), first.dtype, size)
+                 len(caches), first.dtype, size,
+                 key if key is not None else (layout, *signature(caches)))
 
 
 def _bind(caches: Sequence[torch.Tensor], layout: Layout | None) -> Bound | None:
@@ -188,7 +192,7 @@ def _bind(caches: Sequence[torch.Tensor], layout: Layout | None) -> Bound | None
         return _bound[key]
     except KeyError:
         pass
-    bound = bind(caches, layout)
+    bound = bind(caches, layout, key)
     if len(_bound) >= _BOUND_KEPT:
         _bound.clear()
     _bound[key] = bound

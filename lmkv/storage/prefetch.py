@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -93,15 +94,23 @@ class EventManager:
         self.unclaimed_ttl_s = unclaimed_ttl_s
         self.expired = 0
         self._closed = threading.Event()
-        self._reaper = threading.Thread(target=self._reap, daemon=True,
-                                        name="lmkv-prefetch-expiry")
-        self._reaper.start()
+        self._reaper = self._start_reaper()
+
+    def _start_reaper(self) -> threading.Thread:
+        # (the thread holds the manager weakly: one nobody closed still goes away)
+        reaper = threading.Thread(target=_reap, args=(weakref.ref(self), self._closed),
+                                  daemon=True, name="lmkv-prefetch-expiry")
+        reaper.start()
+        return reaper
 
     def start(self, lookup_id: str, keys: Sequence = ()) -> PrefetchTask:
         task = PrefetchTask(lookup_id, tuple(keys))
         with self._lock:
             previous = self._tasks.pop(lookup_id, None)
             self._tasks[lookup_id] = task
+            # (a child forked after the manager was made has no thread of it)
+            if not self._reaper.is_alive() and not self._closed.is_set():
+                self._reaper = self._start_reaper()
         if previous is not None:
             self._discard(previous)  # a reused id's old result
         return task
@@ -113,15 +122,6 @@ class EventManager:
         for task in stale:
             self._discard(task)
         return len(stale)
-
-    def _reap(self) -> None:
-        # A quarter of the TTL: a prefetch is released at most 1.25 TTLs after it
-        # finished (and at least each second: a TTL set later is kept within one).
-        while not self._closed.wait(min(max(self.unclaimed_ttl_s / 4, 0.01), 1.0)):
-            try:
-                self.expire()
-            except Exception:  # a bug; expiry must go on
-                logger.exception("lmkv prefetch expiry failed")
 
     def _expired_locked(self) -> list[PrefetchTask]:
         deadline = time.monotonic() - self.unclaimed_ttl_s
@@ -214,3 +214,25 @@ class EventManager:
             self._discard(task)
             if not task.future.done():  # queued, never run: answer a miss
                 task.future.set_result(0)
+
+
+def _reap(ref: weakref.ref[EventManager], closed: threading.Event) -> None:
+    """The expiry thread of the manager ``ref`` names, until it is closed or gone."""
+    while True:
+        manager = ref()
+        if manager is None:
+            return
+        # A quarter of the TTL: a prefetch is released at most 1.25 TTLs after it
+        # finished (and at least each second: a TTL set later is kept within one).
+        wait = min(max(manager.unclaimed_ttl_s / 4, 0.01), 1.0)
+        del manager
+        if closed.wait(wait):
+            return
+        manager = ref()
+        if manager is None:
+            return
+        try:
+            manager.expire()
+        except Exception:  # a bug; expiry must go on
+            logger.exception("lmkv prefetch expiry failed")
+        del manager

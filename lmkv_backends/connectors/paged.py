@@ -109,14 +109,18 @@ class PagedConnector(GPUConnector):
                   end: int) -> tuple[PagedGeometry, lmkv_kernels.Bound]:
         """Check the caches against the spec and the block table against ``end``;
         the caches' geometry and their copies (bound once per set of caches)."""
-        signature = lmkv_kernels.signature(kv_caches)
-        checked = self._checked.get(signature)
+        try:
+            signature: tuple | None = lmkv_kernels.signature(kv_caches)
+        except (AttributeError, TypeError):  # not tensors: _check_caches says what is wrong
+            signature = None
+        checked = self._checked.get(signature) if signature is not None else None
         if checked is None:
             g = self._check_caches(kv_caches)
             checked = (g, lmkv_kernels.bind(kv_caches, g.layout, self.kernels))
-            if len(self._checked) >= 256:  # (a direct load binds a set per piece of layers)
-                self._checked.clear()
-            self._checked[signature] = checked
+            if signature is not None:
+                if len(self._checked) >= 256:  # (a direct load binds a set per piece of layers)
+                    self._checked.clear()
+                self._checked[signature] = checked
         g = checked[0]
         check(len(block_ids) * g.block_size >= end,
               f"{len(block_ids)} blocks of {g.block_size} tokens cannot hold {end} tokens")

@@ -396,6 +396,13 @@ def test_a_bound_set_is_used_only_for_the_caches_it_checked() -> None:
     smaller = [torch.randn(4, HEADS, 16, 2 * DIM, generator=gen) for _ in range(2)]
     with pytest.raises(ValueError, match=r"block id 6 out of range 0\.\.3"):
         scatter_blocks(smaller, [6, 1], [(0, chunk)], layout="cpu", bound=bound)
+    # At the bound's very addresses, with fewer blocks (as new tensors allocated
+    # where a freed set was): the geometry is the new one's, not the bound's.
+    for cache in first:
+        cache.resize_(4, HEADS, 16, 2 * DIM)
+    assert [c.data_ptr() for c in first] == bound.host.ptrs
+    with pytest.raises(ValueError, match=r"block id 6 out of range 0\.\.3"):
+        scatter_blocks(first, [6, 1], [(0, chunk)], layout="cpu", bound=bound)
 
 
 def test_a_set_of_caches_changed_in_place_is_checked_again() -> None:

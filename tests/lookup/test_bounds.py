@@ -82,7 +82,7 @@ def held_refs(engine: LocalEngine) -> int:
 
 def test_a_burst_of_large_lookups_gives_its_memory_back_while_idle(engine, endpoints,
                                                                   peer) -> None:
-    engine.storage.events.unclaimed_ttl_s = 0.2  # before the first lookup starts the timer
+    engine.storage.events.unclaimed_ttl_s = 0.2  # (the timer takes it within a second)
     tokens = prompt(1, 8)
     engine.store(tokens, kv=hf_kv(len(tokens)))
     hashes = prefix_hashes(tokens, CHUNK) + misses(BIG, seed=2)[8:]  # 8 hits, then misses

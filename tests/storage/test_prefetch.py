@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+import os
 import threading
 import time
 from concurrent.futures import Future
@@ -705,3 +707,39 @@ def test_the_expiry_thread_starts_with_the_manager_and_stops_with_it() -> None:
     assert reaper.is_alive()
     manager.close()
     assert not reaper.is_alive()
+
+
+def test_a_manager_nobody_closed_takes_its_expiry_thread_with_it() -> None:
+    events = EventManager()
+    reaper = events._reaper
+    del events
+    gc.collect()
+    reaper.join(5)
+    assert not reaper.is_alive()
+
+
+def test_a_forked_child_expires_with_a_thread_of_its_own() -> None:
+    """A child forked after the manager was made: the parent's thread is not
+    there; the child's first lookup starts one, which expires what is unclaimed."""
+    tier = cpu()
+    manager = StorageManager([tier])
+    manager.events.unclaimed_ttl_s = 0.05
+    fill(tier, [0])
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report, then leave at once
+        try:
+            manager.lookup_and_prefetch("forgotten", [key(0)], [1]).result(5)
+            deadline = time.monotonic() + 10
+            while len(manager.events) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            os.write(write, b"1" if len(manager.events) == 0 else b"0")
+        finally:
+            os._exit(0)
+    os.close(write)
+    try:
+        assert os.read(read, 1) == b"1"
+    finally:
+        os.close(read)
+        os.waitpid(pid, 0)
+        manager.close()
