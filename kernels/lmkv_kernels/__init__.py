@@ -156,6 +156,14 @@ def bind(caches: Sequence[torch.Tensor], layout: Layout | None = None,
     return Bound(impl, host_impl.bind(caches, layout) if impl is host_impl else None)
 
 
+def _copies(caches: Sequence[torch.Tensor], kernels: Kernels | None,
+            bound: Bound | None) -> tuple[ModuleType, Any]:
+    """The implementation for ``caches`` and what to give ``host_impl`` as its bound."""
+    if bound is not None:
+        return bound.implementation, bound.host
+    return implementation(caches[0].device, kernels), host_impl.UNBOUND
+
+
 def gather_blocks(caches: Sequence[torch.Tensor], block_ids: Sequence[int] | torch.Tensor,
                   chunks: Sequence[tuple[int, torch.Tensor]], *, layout: Layout | None = None,
                   kernels: Kernels | None = None, heads_outer: bool = False,
@@ -166,11 +174,9 @@ def gather_blocks(caches: Sequence[torch.Tensor], block_ids: Sequence[int] | tor
     makes the usual view of one). ``bound``: ``bind(caches, layout, kernels)``
     (then ``kernels`` is not read again)."""
     if caches:
-        impl = bound.implementation if bound is not None else \
-            implementation(caches[0].device, kernels)
+        impl, host = _copies(caches, kernels, bound)
         if impl is host_impl:
-            impl.gather_blocks(caches, block_ids, chunks, layout, heads_outer,
-                               bound.host if bound is not None else host_impl.UNBOUND)
+            impl.gather_blocks(caches, block_ids, chunks, layout, heads_outer, host)
         else:
             impl.gather_blocks(caches, block_ids, torch_ref.planes_first(chunks, heads_outer),
                                layout)
@@ -183,11 +189,10 @@ def scatter_blocks(caches: Sequence[torch.Tensor], block_ids: Sequence[int] | to
     """Copy each chunk's buffer into the paged ``caches``, tokens from ``skip_tokens`` on.
     ``heads_outer`` and ``bound``: as for ``gather_blocks``."""
     if caches:
-        impl = bound.implementation if bound is not None else \
-            implementation(caches[0].device, kernels)
+        impl, host = _copies(caches, kernels, bound)
         if impl is host_impl:
             impl.scatter_blocks(caches, block_ids, chunks, skip_tokens, layout, heads_outer,
-                                bound.host if bound is not None else host_impl.UNBOUND)
+                                host)
         else:
             impl.scatter_blocks(caches, block_ids, torch_ref.planes_first(chunks, heads_outer),
                                 skip_tokens, layout)

@@ -206,19 +206,15 @@ def _run(buf: torch.Tensor, bound: Bound, heads_outer: bool
     kv_heads, head_dim]`` view, ``torch_ref._head_runs``): its address, extent and
     the byte strides of its layers, heads and tokens; None for any other buffer
     (order, device, dtype or sizes)."""
-    if not buf.is_cpu or buf.dtype != bound.dtype:
+    if not buf.is_cpu or buf.dtype != bound.dtype or buf.dim() != 5:
         return None
-    shape = buf.shape
-    if heads_outer:
-        if len(shape) != 5 or shape[0] != bound.layers or shape[1] != bound.heads \
-                or shape[3] != 2 or shape[4] != bound.head_dim:
-            return None
-        layer, head, token, plane, elem = buf.stride()
-    else:
-        if len(shape) != 5 or shape[0] != bound.layers or shape[1] != 2 \
-                or shape[3] != bound.heads or shape[4] != bound.head_dim:
-            return None
-        layer, plane, token, head, elem = buf.stride()
+    # (the dimensions of heads and planes: where each is in the order given)
+    h, p = (1, 3) if heads_outer else (3, 1)
+    shape, stride = buf.shape, buf.stride()
+    if shape[0] != bound.layers or shape[h] != bound.heads or shape[p] != 2 \
+            or shape[4] != bound.head_dim:
+        return None
+    layer, head, token, plane, elem = stride[0], stride[h], stride[2], stride[p], stride[4]
     d = bound.head_dim
     if elem != 1 or plane != d or token != 2 * d:
         return None
