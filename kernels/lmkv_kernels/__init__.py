@@ -80,8 +80,8 @@ from lmkv_kernels.layouts import (
 
 __all__ = ["KERNELS", "LAYOUTS", "Bound", "Kernels", "Layout", "PagedGeometry", "bind",
            "check_layout", "gather_blocks", "gather_dense", "geometry", "implementation",
-           "layout_of", "planes_of", "scatter_blocks", "scatter_dense", "signature",
-           "use_host_cpus"]
+           "layout_of", "planes_of", "scatter_blocks", "scatter_checked", "scatter_dense",
+           "signature", "use_host_cpus"]
 
 Kernels = Literal["auto", "triton", "host", "torch"]
 KERNELS: tuple[Kernels, ...] = ("auto", "triton", "host", "torch")
@@ -196,6 +196,26 @@ def scatter_blocks(caches: Sequence[torch.Tensor], block_ids: Sequence[int] | to
         else:
             impl.scatter_blocks(caches, block_ids, torch_ref.planes_first(chunks, heads_outer),
                                 skip_tokens, layout)
+
+
+def scatter_checked(caches: Sequence[torch.Tensor], block_ids: Sequence[int] | torch.Tensor,
+                    chunks: Sequence[tuple[int, int, torch.Tensor, int]], skip_tokens: int = 0,
+                    *, layout: Layout | None = None, kernels: Kernels | None = None,
+                    bound: Bound | None = None) -> list[bool] | None:
+    """``scatter_blocks`` of whole chunk buffers held heads outer, each one's bytes
+    checked against an xxh3-64 as they are copied: ``(start, stop, buffer,
+    checksum)`` copies the buffer's tokens up to the request's ``stop``. Per
+    chunk, whether its bytes matched (one that did not may have been copied in
+    part); None, nothing copied, where no implementation here checks as it
+    copies (``host_impl.scatter_checked``: the C copies built with libxxhash,
+    contiguous buffers in host memory): copy with ``scatter_blocks`` and check
+    the checksum apart then."""
+    if not caches:
+        return None
+    impl, host = _copies(caches, kernels, bound)
+    if impl is not host_impl:
+        return None
+    return host_impl.scatter_checked(caches, block_ids, chunks, skip_tokens, layout, host)
 
 
 def gather_dense(kv: Sequence[tuple[torch.Tensor, torch.Tensor]],

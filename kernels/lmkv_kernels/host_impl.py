@@ -109,6 +109,56 @@ def scatter_blocks(caches: Sequence[torch.Tensor], block_ids: BlockIds, chunks: 
                                  skip_tokens, layout)
 
 
+#: The longest row (one head's K and V of a token) a checked copy takes (host.c's BOUNCE).
+CHECKED_ROW_BYTES = 16 << 10
+
+
+def can_check() -> bool:
+    """Whether ``scatter_checked`` was built (the C copies, with libxxhash)."""
+    return _host is not None and hasattr(_host, "copy_checked")
+
+
+def scatter_checked(caches: Sequence[torch.Tensor], block_ids: BlockIds,
+                    chunks: Sequence[tuple[int, int, torch.Tensor, int]], skip_tokens: int = 0,
+                    layout: Layout | None = None, bound: Any = UNBOUND) -> list[bool] | None:
+    """``scatter_blocks`` of whole chunk buffers held heads outer, each checked as
+    it is copied: ``(start, stop, buffer, checksum)`` copies the buffer's tokens
+    up to the request's ``stop`` and reads all of its bytes, in memory order,
+    into their xxh3-64 (seed 0), which must be ``checksum``. Each buffer is read
+    once, a few KiB at a time into a thread's own small buffer, and the bytes
+    copied are the bytes checked. One thread a chunk.
+
+    Returns, per chunk, whether its bytes matched (one that did not may have
+    been copied in part); None, having copied nothing, where these copies do not
+    serve the caches or a buffer (not built, another layout, a buffer that is
+    not contiguous): copy and check another way then."""
+    if not can_check() or not chunks:
+        return None
+    if bound is UNBOUND or (bound is not None
+                            and bound.signature != (layout, *signature(caches))):
+        bound = _bind(caches, layout)
+    if bound is None or bound.row > CHECKED_ROW_BYTES:
+        return None
+    runs = []
+    for start, stop, buf, checksum in chunks:
+        tokens = buf.shape[2] if buf.dim() == 5 else 0
+        if not buf.is_contiguous() or not start < stop <= start + tokens:
+            return None
+        run = _run(buf, bound, heads_outer=True)
+        if run is None:
+            return None
+        address, _, strides = run
+        # (read whole: its bytes, not the storage's past them)
+        runs.append((address, buf.numel() * bound.size, strides, start,
+                     min(max(start, skip_tokens), stop), stop, tokens, checksum))
+    ids = block_ids.tolist() if isinstance(block_ids, torch.Tensor) else block_ids
+    cpus = _cpus
+    threads = len(cpus) if cpus else max(1, torch.get_num_threads())
+    copy = _host.copy_checked  # type: ignore[attr-defined]  # (can_check: it was built)
+    return copy(bound.ptrs, bound.extent, bound.strides, bound.num_blocks, bound.heads,
+                bound.row, bound.block_size, ids, runs, threads, cpus)
+
+
 def _copy(caches: Sequence[torch.Tensor], block_ids: BlockIds, chunks: Chunks,
           skip_tokens: int, layout: Layout | None, *, into_caches: bool,
           heads_outer: bool = False, bound: Any = UNBOUND) -> list:

@@ -20,13 +20,14 @@ dimension 0 in both orders.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from lmkv.contracts.plugin import OptionsArg, Plugin
+from lmkv.contracts.versions import declared_version, is_lmkv_class, parse_version
 
 CHUNK_LAYOUT = "l2thd"
 
@@ -150,3 +151,45 @@ class GPUConnector(Plugin, ABC):
         Returns the KV it wrote to when the connector builds it itself (see the
         connector's docs), else None. ``after=``: as for ``to_chunks``.
         """
+
+    def from_checked_chunks(self, spans: Sequence[ChunkSpan], checksums: Sequence[int],
+                            **kv: Any) -> list[bool] | None:
+        """``from_chunks`` of whole stored chunks, each one's bytes checked as they
+        are copied (API 2.2; optional: lmkv calls it where a class written for 2.2
+        defines it, and none below that class replaces ``from_chunks``).
+
+        Each span's buffer is a whole stored chunk, contiguous, as the spec holds
+        it; it may hold more tokens than the span, of which the first ``end -
+        start`` are copied. ``checksums[i]`` is the xxh3-64 (seed 0) of all of
+        buffer ``i``'s bytes. Returns, per span, whether the bytes read matched
+        (a span that did not may be in the KV in part: the caller treats its
+        blocks as never loaded), or None, having copied nothing, where the
+        connector does not check these buffers or this KV: lmkv then reads each
+        chunk in pieces, checks it itself and copies with ``from_chunks``. A
+        buffer may be a file's bytes mapped into memory: read each byte once,
+        and check the bytes copied, not a second read of them. The base class
+        checks nothing (None)."""
+        return None
+
+
+def checked_loads(connector: GPUConnector) -> Callable[..., list[bool] | None] | None:
+    """``connector.from_checked_chunks`` where lmkv may call it: defined by a class
+    of the connector's written for GPU connector API 2.2 or later, with no class
+    below it replacing ``from_chunks`` (that subclass copies its own way), and the
+    connector's class written for 2.2 too (the load check bound the method's
+    arguments) unless the method is lmkv's own; else None."""
+    def since_2_2(klass: type) -> bool:
+        version = parse_version(declared_version(klass, GPUConnector))
+        return version is not None and version >= (2, 2)
+
+    cls = type(connector)
+    for klass in cls.__mro__:
+        if klass is GPUConnector:
+            return None
+        if "from_checked_chunks" in vars(klass):
+            if since_2_2(klass) and (is_lmkv_class(klass) or since_2_2(cls)):
+                return connector.from_checked_chunks
+            return None
+        if "from_chunks" in vars(klass):
+            return None
+    return None

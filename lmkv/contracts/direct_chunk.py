@@ -176,6 +176,21 @@ class DirectChunk:
         if self._mapped is not None and self._mapped.damaged:
             raise self._failure(CorruptFrameError("the entry shrank while it was read"))
 
+    def mapping(self) -> torch.Tensor:
+        """A mapped payload's bytes where they are, shaped as the chunk, for a
+        connector that checks them as it copies them
+        (``GPUConnector.from_checked_chunks``); then ``finish_checked``. The
+        mapping stays while the tensor lives. ``ChunkReleased`` after ``ref_down``."""
+        return self._view(0, self.shape[0])[1]
+
+    def finish_checked(self, matched: bool) -> None:
+        """After a copy that read the whole mapped payload and compared it with
+        ``checksum`` (``matched``): ``CorruptFrameError`` (the tier told) unless it
+        matched and no read of the mapping faulted."""
+        self._check_mapping()
+        if not matched:
+            raise self._failure(CorruptFrameError("frame payload checksum mismatch"))
+
     def finish(self, hasher: xxhash.xxh3_64) -> None:
         """After the last piece: ``CorruptFrameError`` (the tier told) unless the
         payload read matches the header's checksum."""

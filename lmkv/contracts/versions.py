@@ -34,7 +34,7 @@ API_VERSIONS: dict[str, str] = {
     "eviction_policy": "2.2",
     "offload_policy": "2.0",
     "serializer": "2.0",
-    "gpu_connector": "2.1",
+    "gpu_connector": "2.2",
 }
 #: The lmkv release that stops taking a class without ``api_version``.
 UNDECLARED_UNTIL = "0.3"
@@ -137,6 +137,7 @@ CALLS: dict[str, tuple[Call, ...]] = {
         _CONSTRUCTOR,
         Call("to_chunks", ("spans",), ("after",), engine_state=True),
         Call("from_chunks", ("spans",), ("after",), engine_state=True),
+        Call("from_checked_chunks", ("spans", "checksums"), engine_state=True, since="2.2"),
     ),
 }
 

@@ -7,7 +7,10 @@ into a staging buffer (allocated once and touched, so reads never fault in
 fresh pages, and small enough to stay in the CPU's caches), folded into the
 chunk's checksum there, and copied from there into the KV by the same
 connector built for that many layers. A chunk its tier mapped is copied from
-the mapping, with no staging buffer (``DirectChunk.mapped``).
+the mapping, with no staging buffer (``DirectChunk.mapped``); where the
+connector checks chunks as it copies them (``GPUConnector.from_checked_chunks``:
+the ``paged`` connector into vLLM's CPU caches), a run of mapped chunks goes to
+it whole, in one call: each chunk read once, by one thread of the copy's.
 
 The reads run on the calling thread. A reader thread that fetched the next
 piece while this one copied measured slower inside vLLM's CPU build (its
@@ -30,7 +33,7 @@ from typing import Any
 import torch
 
 from lmkv.base.errors import CorruptFrameError
-from lmkv.contracts.connector import ChunkSpan, GPUConnector
+from lmkv.contracts.connector import ChunkSpan, GPUConnector, checked_loads
 from lmkv.contracts.direct_chunk import PIECE_BYTES, DirectChunk
 from lmkv.memory import MemoryObj
 
@@ -43,6 +46,7 @@ class DirectLoads:
         self.connector = connector
         self.piece_bytes = piece_bytes
         self._by_layers: dict[int, GPUConnector] = {connector.spec.num_layers: connector}
+        self._checker = checked_loads(connector)
         self._lock = threading.Lock()
         self._spare: list[torch.Tensor] = []  # staging buffers no load holds
 
@@ -58,6 +62,12 @@ class DirectLoads:
             i, n = 0, len(spans)
             while i < n:
                 if isinstance(objs[i], DirectChunk):
+                    checked = self._checked(spans, objs, i, kv)
+                    if checked is not None:  # a run of mapped chunks, copied and checked
+                        i, whole = checked
+                        if not whole:
+                            return i
+                        continue
                     try:
                         self._read(objs[i], spans[i], staging, kv)  # type: ignore[arg-type]
                     except CorruptFrameError as exc:  # the tier has counted and logged it
@@ -74,6 +84,40 @@ class DirectLoads:
         finally:
             if read:
                 self._give(staging)
+
+    def _checked(self, spans: Sequence[ChunkSpan], objs: Sequence[MemoryObj | DirectChunk],
+                 i: int, kv: dict[str, Any]) -> tuple[int, bool] | None:
+        """The run of mapped chunks from ``objs[i]`` on, copied and checked by the
+        connector in one call (``checked_loads``): the index after the chunks
+        loaded, and whether all of them were; None (nothing copied) where the
+        connector does not check them."""
+        checker = self._checker
+        if checker is None:
+            return None
+        j = i
+        while j < len(spans) and isinstance(objs[j], DirectChunk) and objs[j].mapped:  # type: ignore[union-attr]
+            j += 1
+        run: list[DirectChunk] = objs[i:j]  # type: ignore[assignment]
+        if not run:
+            return None
+        whole = [ChunkSpan(span.start, span.end, chunk.mapping())
+                 for span, chunk in zip(spans[i:j], run, strict=True)]
+        verdicts = checker(whole, [chunk.checksum for chunk in run], **kv)
+        del whole  # (the mappings' views: a released chunk unmaps once they are gone)
+        if verdicts is None:
+            return None
+        if len(verdicts) != len(run):  # the connector's fault, not the entries'
+            logger.warning("lmkv: gpu_connector %r judged %d chunks of %d in a checked load; "
+                           "the load stops", getattr(self.connector, "name", "?"),
+                           len(verdicts), len(run))
+            return i, False
+        for k, (chunk, matched) in enumerate(zip(run, verdicts, strict=True)):
+            try:
+                chunk.finish_checked(matched is True)
+            except CorruptFrameError as exc:  # the tier has counted and logged it
+                logger.debug("lmkv: %s; the load stops there", exc)
+                return i + k, False
+        return j, True
 
     def _read(self, chunk: DirectChunk, span: ChunkSpan, staging: torch.Tensor,
               kv: dict[str, Any]) -> None:

@@ -16,7 +16,11 @@ does, for the spec it reads from that state (``spec_from``; the kit's
 * chunks load back into other engine state bit for bit;
 * an engine takes the connector for that spec and never names its chunks by
   the other order's tag (a connector whose tag differs from its spec's where
-  either names heads-outer chunks is refused).
+  either names heads-outer chunks is refused);
+* where lmkv calls its ``from_checked_chunks`` (API 2.2), checked loads of
+  whole chunks copy what matched bit for bit, leave the tokens past a span
+  alone, and say False for a chunk whose checksum is not its bytes' (skipped
+  for a connector without one, or one that declines the kit's KV).
 """
 
 from __future__ import annotations
@@ -26,8 +30,15 @@ from typing import Any
 
 import pytest
 import torch
+import xxhash
 
-from lmkv.contracts.connector import ChunkSpan, ConnectorContext, GPUConnector, KVSpec
+from lmkv.contracts.connector import (
+    ChunkSpan,
+    ConnectorContext,
+    GPUConnector,
+    KVSpec,
+    checked_loads,
+)
 from lmkv.testing.building import build_plugin, config_of, load_problem
 
 
@@ -128,3 +139,31 @@ class GPUConnectorConformance:
         other = replace(spec, heads_outer=not spec.heads_outer).chunk_layout
         assert meta.kv_layout != other, (
             f"an engine names {spec.chunk_layout} chunks {meta.kv_layout}")
+
+    def test_checked_loads_copy_what_matched_and_fail_what_did_not(self) -> None:
+        spec, state, spans = self._stored()
+        connector = self.make_connector(spec)
+        checker = checked_loads(connector)
+        if checker is None:
+            pytest.skip("lmkv calls no from_checked_chunks of this connector (API 2.2)")
+        sums = [xxhash.xxh3_64(self._bits(s.buffer).numpy().tobytes()).intdigest()
+                for s in spans]
+        # the last span ends a token short of its chunk: that token is not copied
+        short = [*spans[:-1], replace(spans[-1], end=spans[-1].end - 1)]
+        other = self.engine_state(spec, self.tokens, None)
+        verdicts = checker(short, sums, **other)
+        if verdicts is None:
+            pytest.skip("the connector declines checked loads of the kit's KV")
+        assert list(verdicts) == [True] * len(spans), f"checksums that match: {verdicts}"
+        empty = self.engine_state(spec, self.tokens, None)
+        for t in range(self.tokens):
+            want = state if t < short[-1].end else empty  # (the last token: left alone)
+            for layer in range(spec.num_layers):
+                assert torch.equal(self._bits(self.token_kv(other, layer, t)),
+                                   self._bits(self.token_kv(want, layer, t))), \
+                    f"token {t}, layer {layer}: a checked load copied other KV"
+        wrong = [*sums]
+        wrong[0] ^= 1 << 17
+        verdicts = checker(spans, wrong, **self.engine_state(spec, self.tokens, None))
+        assert verdicts is not None and list(verdicts) == [False] + [True] * (len(spans) - 1), \
+            f"a chunk whose bytes do not have its checksum: {verdicts}"

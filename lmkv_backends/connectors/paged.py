@@ -70,7 +70,7 @@ class PagedConnector(GPUConnector):
     """
 
     name = "paged"
-    api_version = "2.1"
+    api_version = "2.2"
     kv_kind = "paged"
     writes_in_place = True
     Options = PagedOptions
@@ -186,3 +186,19 @@ class PagedConnector(GPUConnector):
                                                 heads_outer=self.spec.heads_outer, bound=bound),
             after=after).wait()
         return None
+
+    def from_checked_chunks(self, spans: Sequence[ChunkSpan],  # type: ignore[override]
+                            checksums: Sequence[int], *, kv_caches: Sequence[torch.Tensor],
+                            block_ids: Sequence[int] | torch.Tensor, skip_tokens: int = 0,
+                            **_: Any) -> list[bool] | None:
+        """Checked loads (``GPUConnector.from_checked_chunks``) of chunks held heads
+        outer into ``cpu`` caches, where the C copies were built with libxxhash
+        (``lmkv_kernels.scatter_checked``): each chunk is read once, checked and
+        copied by one thread; None otherwise."""
+        if not (self.spec.heads_outer and _own_copies(type(self))) or not spans \
+                or len(checksums) != len(spans):
+            return None
+        g, bound = self._validate(kv_caches, block_ids, max(s.end for s in spans))
+        chunks = [(s.start, s.end, s.buffer, c) for s, c in zip(spans, checksums, strict=True)]
+        return lmkv_kernels.scatter_checked(kv_caches, block_ids, chunks, skip_tokens,
+                                            layout=g.layout, bound=bound)

@@ -177,6 +177,50 @@ def test_a_damaged_entry_ends_the_load_before_it(tmp_path: Path, damage: str) ->
         reader.release_lookup("again")
 
 
+def checked_here(order: bool, reads: bool) -> None:
+    """Skip unless this engine's loads go to the connector's checked copies."""
+    from lmkv_kernels import host_impl
+
+    if not (order and reads and host_impl.can_check()):
+        pytest.skip("checked loads: mapped chunks held heads outer, the C copies with "
+                    "libxxhash")
+
+
+def test_mapped_chunks_load_checked_in_one_call(tmp_path: Path, order: bool,
+                                                reads: bool) -> None:
+    checked_here(order, reads)
+    tokens = list(range(4 * CHUNK))
+    src = stored(tmp_path, tokens)
+    with engine(tmp_path) as reader:
+        original, calls = reader.direct._checker, []
+        assert original is not None
+
+        def spy(spans, checksums, **kv):
+            calls.append(len(spans))
+            return original(spans, checksums, **kv)
+
+        reader.direct._checker = spy
+        target = caches()
+        assert load(reader, tokens, target, list(range(8, 16))) == (128, 128)
+        assert calls == [4]
+        assert blocks_equal(src, target, [(b, b + 8) for b in range(8)])
+
+
+def test_a_connector_that_judges_too_few_chunks_loads_none_and_blames_no_entry(
+        tmp_path: Path, order: bool, reads: bool) -> None:
+    checked_here(order, reads)
+    tokens = list(range(4 * CHUNK))
+    stored(tmp_path, tokens)
+    with engine(tmp_path) as reader:
+        original = reader.direct._checker
+        reader.direct._checker = lambda spans, sums, **kv: original(spans, sums, **kv)[:-1]
+        assert load(reader, tokens, caches(), list(range(8))) == (128, 0)
+        assert reader.storage.tiers[1].counters.corrupt_frames == 0
+        reader.direct._checker = original
+        target = caches()
+        assert load(reader, tokens, target, list(range(8)), "again") == (128, 128)
+
+
 def test_released_lookups_give_their_files_back(tmp_path: Path) -> None:
     tokens = list(range(4 * CHUNK))
     stored(tmp_path, tokens)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import lmkv_kernels
-from lmkv.contracts import EvictionPolicy, KVSpec, StorageBackend, done_future
+from lmkv.contracts import ChunkSpan, EvictionPolicy, KVSpec, StorageBackend, done_future
 from lmkv.testing import EvictionPolicyConformance, StorageBackendConformance, plugin_class
 from tests.plugins.test_legacy_plugin import PORTED
 from tests.testing.test_connector_kit import PagedKit
@@ -241,6 +241,18 @@ class OuterChunksCanonicalName(Paged):  # type: ignore[misc, valid-type]
         self.chunk_layout = "l2thd"
 
 
+class TrustsEveryChecksum(Paged):  # type: ignore[misc, valid-type]
+    """Copies whole chunks in checked loads and says every checksum matched."""
+
+    name = "mutant-trusts-every-checksum"
+    api_version = "2.2"
+
+    def from_checked_chunks(self, spans, checksums, **kv):
+        self.from_chunks([ChunkSpan(s.start, s.end, s.buffer.narrow(2, 0, s.end - s.start))
+                          for s in spans], **kv)
+        return [True] * len(spans)
+
+
 class TestCanonicalIntoOuter(PagedKit):
     connector_class = CanonicalIntoOuter
     spec = KVSpec(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float32)
@@ -253,3 +265,7 @@ class TestClaimsOuterOnCanonicalSpec(PagedKit):
 
 class TestOuterChunksCanonicalName(PagedKit):
     connector_class = OuterChunksCanonicalName
+
+
+class TestTrustsEveryChecksum(PagedKit):
+    connector_class = TrustsEveryChecksum

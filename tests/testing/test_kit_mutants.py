@@ -33,6 +33,7 @@ MUST_FAIL = {
     "TestCanonicalIntoOuter": ["test_chunks_hold_each_tokens_kv_in_the_specs_order"],
     "TestOuterChunksCanonicalName": ["test_an_engine_names_the_connectors_chunks"],
     "TestClaimsOuterOnCanonicalSpec": ["test_an_engine_names_the_connectors_chunks"],
+    "TestTrustsEveryChecksum": ["test_checked_loads_copy_what_matched_and_fail_what_did_not"],
 }
 
 

@@ -33,6 +33,15 @@
 #include <emmintrin.h>
 #define STREAMING 1
 #endif
+#ifdef LMKV_XXHASH
+#include <xxhash.h>
+#ifdef LMKV_XXHASH_DISPATCH /* the library's choice of the CPU's widest vectors */
+#include <xxh_x86dispatch.h>
+#define HASH_UPDATE XXH3_64bits_update_dispatch
+#else
+#define HASH_UPDATE XXH3_64bits_update
+#endif
+#endif
 
 #define MAX_THREADS 16
 /* Below this many bytes a copy runs on the calling thread alone (waking a
@@ -54,6 +63,9 @@ typedef struct {
     Py_ssize_t npieces;
     Py_ssize_t items; /* first item of this chunk (items: chunk, layer, head, piece) */
     Py_ssize_t nbytes, first, stop; /* as given: its extent, the tokens to copy */
+    Py_ssize_t tokens;              /* checked copies: the tokens the buffer holds */
+    uint64_t checksum;              /* checked copies: the xxh3-64 its bytes must have */
+    int verdict;                    /* checked copies: 1 matched, 0 not, -1 no memory */
 } chunk;
 
 typedef struct {
@@ -73,6 +85,7 @@ typedef struct {
 
 typedef struct {
     const plan *plan;
+    int checked; /* items are whole chunks, each copied and checked (copy_checked) */
     Py_ssize_t items;
     _Atomic Py_ssize_t next; /* the first item no thread has taken */
     const cpu_set_t *cpus;
@@ -159,13 +172,92 @@ copy_items(const plan *p, Py_ssize_t begin, Py_ssize_t end)
     }
 }
 
+#ifdef LMKV_XXHASH
+/* Checked copies: the bytes of a chunk buffer are read once, a few KiB at a
+ * time, into a buffer of the thread's own that stays in its first-level cache;
+ * there they are folded into the checksum and copied out into the caches. The
+ * bytes copied are the bytes checked, whatever happens to the source meanwhile
+ * (a file mapped as the source changed under the reader). */
+#define BOUNCE (16 << 10)
+
+/* The next ``n`` rows at ``bounce`` into layer ``layer``'s cache, head
+ * ``head``, from the request's token ``t`` on, in piece ``q``. */
+static void
+put_rows(const plan *p, const piece *q, Py_ssize_t layer, Py_ssize_t head, Py_ssize_t t,
+         const char *bounce, Py_ssize_t n)
+{
+    char *dst = p->caches[layer] + q->block * p->cache_block + head * p->cache_head
+                + (q->offset + (t - q->t)) * p->cache_token;
+    if (p->cache_token == p->row) {
+        copy_run(dst, bounce, (size_t)(n * p->row));
+        return;
+    }
+    for (Py_ssize_t i = 0; i < n; i++)
+        copy_run(dst + i * p->cache_token, bounce + i * p->row, (size_t)p->row);
+}
+
+/* Chunk ``k``'s bytes, in their order, checked against its checksum; its
+ * tokens [first, stop) copied into the caches on the way. The buffer is whole
+ * and back to back (checked by the caller): layer by layer, head by head, its
+ * ``tokens`` rows of ``row`` bytes. */
+static void
+check_chunk(const plan *p, chunk *k)
+{
+    _Alignas(64) char bounce[BOUNCE];
+    XXH3_state_t *state = XXH3_createState();
+    if (state == NULL || XXH3_64bits_reset(state) != XXH_OK) {
+        XXH3_freeState(state);
+        k->verdict = -1;
+        return;
+    }
+    Py_ssize_t cap = BOUNCE / p->row; /* (>= 1: the caller checked the row's size) */
+    Py_ssize_t end = k->start + k->tokens;
+    for (Py_ssize_t layer = 0; layer < p->layers; layer++) {
+        for (Py_ssize_t head = 0; head < p->heads; head++) {
+            const char *rows = k->base + layer * k->layer + head * k->head;
+            Py_ssize_t next = 0; /* the first piece that may hold token t */
+            for (Py_ssize_t t = k->start; t < end;) {
+                const piece *q = NULL;
+                Py_ssize_t n;
+                if (t < k->first) {
+                    n = k->first - t;
+                } else if (t >= k->stop) {
+                    n = end - t;
+                } else {
+                    while (k->pieces[next].t + k->pieces[next].count <= t)
+                        next++;
+                    q = &k->pieces[next];
+                    n = q->t + q->count - t;
+                }
+                if (n > cap)
+                    n = cap;
+                size_t bytes = (size_t)(n * p->row);
+                memcpy(bounce, rows + (t - k->start) * p->row, bytes);
+                (void)HASH_UPDATE(state, bounce, bytes);
+                if (q != NULL)
+                    put_rows(p, q, layer, head, t, bounce, n);
+                t += n;
+            }
+        }
+    }
+    k->verdict = XXH3_64bits_digest(state) == (XXH64_hash_t)k->checksum;
+    XXH3_freeState(state);
+}
+#endif
+
 static void
 run(job *j)
 {
     for (;;) {
-        Py_ssize_t begin = atomic_fetch_add(&j->next, BATCH);
+        Py_ssize_t begin = atomic_fetch_add(&j->next, j->checked ? 1 : BATCH);
         if (begin >= j->items)
             break;
+#ifdef LMKV_XXHASH
+        if (j->checked) {
+            check_chunk(j->plan, &j->plan->chunks[begin]);
+            continue;
+        }
+#endif
         copy_items(j->plan, begin, begin + BATCH < j->items ? begin + BATCH : j->items);
     }
 #ifdef STREAMING
@@ -449,21 +541,52 @@ plan_chunk(chunk *k, Py_ssize_t room, PyObject *ids, const plan *p, Py_ssize_t n
 /* copy_blocks(into_caches, caches, cache_bytes, (block, head, token) strides,
  *             num_blocks, heads, row, block_size, block_ids,
  *             chunks: [(address, bytes, (layer, head, token) strides, start, first, stop)],
- *             threads, cpus or None) */
+ *             threads, cpus or None)
+ * copy_checked(caches, ... as copy_blocks ..., block_ids,
+ *              chunks: [(address, bytes, (layer, head, token) strides, start, first, stop,
+ *                        tokens, checksum)], threads, cpus or None) -> [verdict]
+ *   Into the caches, each buffer whole (its ``tokens`` rows back to back, layer
+ *   by layer and head by head) and its bytes checked against ``checksum``
+ *   (xxh3-64) as they are copied, one thread a chunk: True where they matched.
+ *   A chunk that did not may have been copied in part. */
+static PyObject *copy_common(PyObject *args, int checked);
+
 static PyObject *
 copy_blocks(PyObject *self, PyObject *args)
 {
-    int into_caches;
+    return copy_common(args, 0);
+}
+
+#ifdef LMKV_XXHASH
+static PyObject *
+copy_checked(PyObject *self, PyObject *args)
+{
+    return copy_common(args, 1);
+}
+#endif
+
+static PyObject *
+copy_common(PyObject *args, int checked)
+{
+    int into_caches = 1;
     PyObject *caches_obj, *ids_obj, *chunks_obj, *cpus_obj;
     Py_ssize_t cache_bytes, num_blocks, heads, row, block_size, threads;
     Py_ssize_t cs[3];
-    if (!PyArg_ParseTuple(args, "pOn(nnn)nnnnOOnO", &into_caches, &caches_obj, &cache_bytes,
-                          &cs[0], &cs[1], &cs[2], &num_blocks, &heads, &row, &block_size,
-                          &ids_obj, &chunks_obj, &threads, &cpus_obj))
+    if (checked ? !PyArg_ParseTuple(args, "On(nnn)nnnnOOnO", &caches_obj, &cache_bytes,
+                                    &cs[0], &cs[1], &cs[2], &num_blocks, &heads, &row,
+                                    &block_size, &ids_obj, &chunks_obj, &threads, &cpus_obj)
+                : !PyArg_ParseTuple(args, "pOn(nnn)nnnnOOnO", &into_caches, &caches_obj,
+                                    &cache_bytes, &cs[0], &cs[1], &cs[2], &num_blocks, &heads,
+                                    &row, &block_size, &ids_obj, &chunks_obj, &threads,
+                                    &cpus_obj))
         return NULL;
     if (heads <= 0 || row <= 0 || block_size <= 0 || threads <= 0 || cs[0] < 0 || cs[1] < 0
         || cs[2] < 0)
         return bad("bad geometry");
+#ifdef LMKV_XXHASH
+    if (checked && row > BOUNCE)
+        return bad("rows too long for a checked copy");
+#endif
 
     PyObject *caches_seq = NULL, *ids_seq = NULL, *chunks_seq = NULL, *result = NULL;
     char **caches = NULL;
@@ -491,9 +614,12 @@ copy_blocks(PyObject *self, PyObject *args)
     Py_ssize_t room = 0;
     for (Py_ssize_t c = 0; c < nchunks; c++) {
         PyObject *item = PySequence_Fast_GET_ITEM(chunks_seq, c);
-        Py_ssize_t addr, nbytes, ls, hs, ts, start, first, stop;
-        if (!PyArg_ParseTuple(item, "nn(nnn)nnn", &addr, &nbytes, &ls, &hs, &ts, &start, &first,
-                              &stop))
+        Py_ssize_t addr, nbytes, ls, hs, ts, start, first, stop, tokens = 0;
+        unsigned long long checksum = 0;
+        if (checked ? !PyArg_ParseTuple(item, "nn(nnn)nnnnK", &addr, &nbytes, &ls, &hs, &ts,
+                                        &start, &first, &stop, &tokens, &checksum)
+                    : !PyArg_ParseTuple(item, "nn(nnn)nnn", &addr, &nbytes, &ls, &hs, &ts,
+                                        &start, &first, &stop))
             goto done;
         if (chunks == NULL)
             continue;
@@ -505,7 +631,16 @@ copy_blocks(PyObject *self, PyObject *args)
             bad("tokens before the buffer's first, or a negative range");
             goto done;
         }
-        chunks[c] = (chunk){(char *)addr, ls, hs, ts, start, NULL, 0, 0, nbytes, first, stop};
+        /* a checked buffer is read whole, in order: its rows back to back, its
+         * extent exactly its bytes, the tokens copied among its own */
+        if (checked && (tokens <= 0 || stop > start + tokens || ts != row
+                        || mul_add(tokens, row, 0) != hs || mul_add(heads, hs, 0) != ls
+                        || mul_add(layers, ls, 0) != nbytes)) {
+            bad("a checked buffer must be whole and back to back");
+            goto done;
+        }
+        chunks[c] = (chunk){(char *)addr, ls, hs, ts, start, NULL, 0, 0, nbytes, first, stop,
+                            tokens, (uint64_t)checksum, 0};
         /* a run of n tokens lies in at most n / block_size + 2 blocks */
         Py_ssize_t most = (stop - first) / block_size + 2;
         if (room > PY_SSIZE_T_MAX / (Py_ssize_t)sizeof(piece) - most) {
@@ -560,17 +695,33 @@ copy_blocks(PyObject *self, PyObject *args)
         Py_DECREF(cpu_seq);
     }
 
+    if (checked)
+        items = nchunks; /* one thread a chunk: its checksum is read in order */
     Py_ssize_t n = threads > MAX_THREADS ? MAX_THREADS : threads;
     if (bytes < SPLIT_BYTES)
         n = 1;
     if (n > items)
         n = items > 0 ? items : 1;
-    job work = {&p, items, 0, have_cpus ? &cpus : NULL, 0, 0, 0};
+    job work = {&p, checked, items, 0, have_cpus ? &cpus : NULL, 0, 0, 0};
     Py_BEGIN_ALLOW_THREADS
     run_threads(&work, (int)n);
     Py_END_ALLOW_THREADS
-    result = Py_None;
-    Py_INCREF(result);
+    if (!checked) {
+        result = Py_None;
+        Py_INCREF(result);
+        goto done;
+    }
+    result = PyList_New(nchunks);
+    for (Py_ssize_t c = 0; result != NULL && c < nchunks; c++) {
+        if (chunks[c].verdict < 0) {
+            Py_CLEAR(result);
+            PyErr_NoMemory();
+            break;
+        }
+        PyObject *verdict = chunks[c].verdict ? Py_True : Py_False;
+        Py_INCREF(verdict);
+        PyList_SET_ITEM(result, c, verdict);
+    }
 done:
     PyMem_Free(caches);
     PyMem_Free(chunks);
@@ -584,6 +735,10 @@ done:
 static PyMethodDef methods[] = {
     {"copy_blocks", copy_blocks, METH_VARARGS,
      "Copy token rows between per-layer paged caches and a chunk buffer (see host.c)."},
+#ifdef LMKV_XXHASH
+    {"copy_checked", copy_checked, METH_VARARGS,
+     "Copy chunk buffers into per-layer paged caches, checking each one's xxh3-64 (see host.c)."},
+#endif
     {"use_openmp", use_openmp, METH_VARARGS,
      "Run the copies called on a thread on its OpenMP team (True) or lmkv's threads."},
     {"last_ran", last_ran_of, METH_NOARGS, "How the last copy ran (for tests)."},
