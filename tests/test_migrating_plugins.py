@@ -119,3 +119,20 @@ class TestAfterConnectorKit(GPUConnectorConformance):
 
     def token_kv(self, state, layer, token):  # type: ignore[no-untyped-def]
         return state["kv"][layer, :, token].transpose(0, 1)
+
+
+class TestAfterCheckingConnectorKit(GPUConnectorConformance):
+    """The checking connector of the 2.2 section passes the GPU-connector kit,
+    its checked loads included."""
+
+    connector_class = AFTER["CheckingConnector"]
+
+    def engine_state(self, spec, tokens, seed):  # type: ignore[no-untyped-def]
+        shape = (spec.num_layers, spec.kv_planes, tokens, spec.num_kv_heads, spec.head_dim)
+        if seed is None:
+            return {"kv": torch.zeros(shape, dtype=spec.dtype)}
+        gen = torch.Generator().manual_seed(seed)
+        return {"kv": torch.randn(shape, generator=gen).to(spec.dtype)}
+
+    def token_kv(self, state, layer, token):  # type: ignore[no-untyped-def]
+        return state["kv"][layer, :, token]

@@ -7,6 +7,7 @@ are left to the caller (None, nothing copied)."""
 
 from __future__ import annotations
 
+import os
 import random
 import threading
 
@@ -17,8 +18,15 @@ import xxhash
 import lmkv_kernels
 from lmkv_kernels import host_impl, scatter_blocks, scatter_checked, use_host_cpus
 
-pytestmark = pytest.mark.skipif(not host_impl.can_check(),
+#: CI sets it (it installs libxxhash-dev): a build without checked copies fails there.
+REQUIRED = os.environ.get("CI_REQUIRE_CHECKED_LOADS") == "1"
+pytestmark = pytest.mark.skipif(not (host_impl.can_check() or REQUIRED),
                                 reason="lmkv_kernels' C copies were built without libxxhash")
+
+
+def test_the_checked_copies_were_built() -> None:
+    assert host_impl.can_check(), \
+        "lmkv_kernels._native._host has no copy_checked: was libxxhash-dev installed at setup?"
 
 HEADS, DIM = 4, 64
 
