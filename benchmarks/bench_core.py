@@ -34,6 +34,7 @@ from _timing import best_of, interleaved_times
 from lmkv.config.model import load_config
 from lmkv.contracts.policy import EvictionContext
 from lmkv.contracts.tier import BackendContext
+from lmkv.keys import chunking
 from lmkv.keys.chunking import (
     CacheKey,
     KeyMeta,
@@ -162,6 +163,19 @@ def bench_hash(n_tokens: int, chunk: int, rounds: int) -> None:
     one = best_of(lambda: _block_chain(token_bytes(aligned), chunk, block), rounds)
     print(f"  with {block}-token blocks: one pass {n_tokens / one / 1e6:7.1f} M tokens/s, "
           f"two passes {n_tokens / two / 1e6:7.1f}  ratio {two / one:.2f}")
+    # The one pass in C (the chunker's where the CPU has SHA extensions), against
+    # the same pass in Python, for vLLM's CPU block (128) and a GPU's (16).
+    if chunking._chain_c is None:
+        print("  the C chain: not used here (not built, or no SHA extensions)")
+        return
+    args = (chunking._PARTIAL, chunking._FIRST, chunking._TRAILER_TAG)
+    for blk in (block, 16):
+        kept = as_list[:n_tokens // blk * blk]
+        py = best_of(lambda k=kept, b=blk: _block_chain(token_bytes(k), chunk, b), rounds)
+        c = best_of(lambda k=kept, b=blk: chunking._chain_c(token_bytes(k), chunk, b, *args),
+                    rounds)
+        print(f"  one pass, {blk}-token blocks, in C: {n_tokens / c / 1e6:7.1f} M tokens/s, "
+              f"in Python {n_tokens / py / 1e6:7.1f}  ratio {py / c:.2f}")
 
 
 def bench_lookup(rounds: int) -> None:

@@ -39,12 +39,18 @@ _BIG_ENDIAN = sys.byteorder == "big"
 # The optional C accelerator (setup.py); pure Python gives the same bytes.
 _uint32_le: Callable[[list[int] | tuple[int, ...]], bytes] | None = None
 _int64_to_uint32_le: Callable[[np.ndarray], bytes] | None = None
+#: ``_block_chain`` in C (``_tokens.block_chain``, same bytes), where the CPU has
+#: SHA extensions: a few times faster than hashlib's calls at any length (its
+#: portable code is slower than OpenSSL's on long prompts: not used).
+_chain_c: Callable[..., tuple[list[bytes], list[list[bytes]]]] | None = None
 try:
     from lmkv._ext import _tokens
 except ImportError:  # pragma: no cover - depends on the build
     pass
 else:
     _uint32_le, _int64_to_uint32_le = _tokens.uint32_le, _tokens.int64_to_uint32_le
+    if getattr(_tokens, "use_sha_ni", None) is not None and _tokens.use_sha_ni(True):
+        _chain_c = _tokens.block_chain
 
 
 _GEOMETRY = re.compile(r"\d+x\d+x\d+")
@@ -408,7 +414,10 @@ class TokenChunker:
                 hashes = prefix_hashes(tokens, self.chunk_size, keep, identity)
                 partials = block_prefix_hashes(tokens, self.chunk_size, block, identity,
                                                full=hashes)
-            else:  # (the common case: one pass over the tokens)
+            elif _chain_c is not None:  # (the common case: one pass over the tokens)
+                hashes, partials = _chain_c(token_bytes(tokens), self.chunk_size, block,
+                                            _PARTIAL, _FIRST, _TRAILER_TAG)
+            else:
                 hashes, partials = _block_chain(token_bytes(tokens), self.chunk_size, block)
         else:
             hashes = prefix_hashes(tokens, self.chunk_size, keep, identity)
