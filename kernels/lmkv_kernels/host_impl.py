@@ -154,9 +154,8 @@ def scatter_checked(caches: Sequence[torch.Tensor], block_ids: BlockIds,
     ids = block_ids.tolist() if isinstance(block_ids, torch.Tensor) else block_ids
     cpus = _cpus
     threads = len(cpus) if cpus else max(1, torch.get_num_threads())
-    copy = _host.copy_checked  # type: ignore[attr-defined]  # (can_check: it was built)
-    return copy(bound.ptrs, bound.extent, bound.strides, bound.num_blocks, bound.heads,
-                bound.row, bound.block_size, ids, runs, threads, cpus)
+    return _host.copy_checked(bound.ptrs, bound.extent, bound.strides, bound.num_blocks,
+                              bound.heads, bound.row, bound.block_size, ids, runs, threads, cpus)
 
 
 def _copy(caches: Sequence[torch.Tensor], block_ids: BlockIds, chunks: Chunks,
