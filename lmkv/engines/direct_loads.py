@@ -60,14 +60,16 @@ class DirectLoads:
         staging = self._take(max(read)) if read else _NO_STAGING
         try:
             i, n = 0, len(spans)
+            checks = self._checker is not None  # (until the connector declines once)
             while i < n:
                 if isinstance(objs[i], DirectChunk):
-                    checked = self._checked(spans, objs, i, kv)
-                    if checked is not None:  # a run of mapped chunks, copied and checked
+                    checked = self._checked(spans, objs, i, kv) if checks else None
+                    if isinstance(checked, tuple):  # a run of mapped chunks, copied, checked
                         i, whole = checked
                         if not whole:
                             return i
                         continue
+                    checks = checks and checked is None  # (declined: not asked again)
                     try:
                         self._read(objs[i], spans[i], staging, kv)  # type: ignore[arg-type]
                     except CorruptFrameError as exc:  # the tier has counted and logged it
@@ -86,11 +88,11 @@ class DirectLoads:
                 self._give(staging)
 
     def _checked(self, spans: Sequence[ChunkSpan], objs: Sequence[MemoryObj | DirectChunk],
-                 i: int, kv: dict[str, Any]) -> tuple[int, bool] | None:
+                 i: int, kv: dict[str, Any]) -> tuple[int, bool] | bool | None:
         """The run of mapped chunks from ``objs[i]`` on, copied and checked by the
         connector in one call (``checked_loads``): the index after the chunks
-        loaded, and whether all of them were; None (nothing copied) where the
-        connector does not check them."""
+        loaded, and whether all of them were; nothing copied: None where
+        ``objs[i]`` is not mapped, False where the connector declined them."""
         checker = self._checker
         if checker is None:
             return None
@@ -105,7 +107,7 @@ class DirectLoads:
         verdicts = checker(whole, [chunk.checksum for chunk in run], **kv)
         del whole  # (the mappings' views: a released chunk unmaps once they are gone)
         if verdicts is None:
-            return None
+            return False
         if len(verdicts) != len(run):  # the connector's fault, not the entries'
             logger.warning("lmkv: gpu_connector %r judged %d chunks of %d in a checked load; "
                            "the load stops", getattr(self.connector, "name", "?"),
