@@ -128,10 +128,15 @@ def scatter_checked(caches: Sequence[torch.Tensor], block_ids: BlockIds,
     once, a few KiB at a time into a thread's own small buffer, and the bytes
     copied are the bytes checked. One thread a chunk.
 
+    The buffers are taken as heads outer (``[layers, kv_heads, tokens, 2,
+    head_dim]``): the caller knows their order; shapes alone cannot tell it
+    where there are two KV heads.
+
     Returns, per chunk, whether its bytes matched (one that did not may have
     been copied in part); None, having copied nothing, where these copies do not
-    serve the caches or a buffer (not built, another layout, a buffer that is
-    not contiguous): copy and check another way then."""
+    serve the caches or a buffer (not built, another layout, a buffer whose
+    elements are not back to back in order, a span past its tokens): copy and
+    check another way then."""
     if not can_check() or not chunks:
         return None
     if bound is UNBOUND or (bound is not None
@@ -142,7 +147,8 @@ def scatter_checked(caches: Sequence[torch.Tensor], block_ids: BlockIds,
     runs = []
     for start, stop, buf, checksum in chunks:
         tokens = buf.shape[2] if buf.dim() == 5 else 0
-        if not buf.is_contiguous() or not start < stop <= start + tokens:
+        if not (start < stop <= start + tokens and 0 <= checksum < 1 << 64) \
+                or buf.stride() != _packed(buf.shape):
             return None
         run = _run(buf, bound, heads_outer=True)
         if run is None:
@@ -269,6 +275,16 @@ def _run(buf: torch.Tensor, bound: Bound, heads_outer: bool
         return None
     size = bound.size
     return (buf.data_ptr(), _extent(buf), (layer * size, head * size, token * size))
+
+
+def _packed(shape: Sequence[int]) -> tuple[int, ...]:
+    """The strides of a tensor of ``shape`` whose elements are back to back in
+    order (``is_contiguous`` also takes any stride of a dimension of one)."""
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= n
+    return tuple(reversed(strides))
 
 
 def _served(caches: Sequence[torch.Tensor], g: PagedGeometry) -> bool:

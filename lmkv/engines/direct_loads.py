@@ -30,6 +30,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
+import numpy as np
 import torch
 
 from lmkv.base.errors import CorruptFrameError
@@ -104,18 +105,20 @@ class DirectLoads:
             return None
         whole = [ChunkSpan(span.start, span.end, chunk.mapping())
                  for span, chunk in zip(spans[i:j], run, strict=True)]
-        verdicts = checker(whole, [chunk.checksum for chunk in run], **kv)
+        answer = checker(whole, [chunk.checksum for chunk in run], **kv)
         del whole  # (the mappings' views: a released chunk unmaps once they are gone)
-        if verdicts is None:
+        if answer is None:
             return False
-        if len(verdicts) != len(run):  # the connector's fault, not the entries'
-            logger.warning("lmkv: gpu_connector %r judged %d chunks of %d in a checked load; "
-                           "the load stops", getattr(self.connector, "name", "?"),
-                           len(verdicts), len(run))
-            return i, False
+        verdicts = _verdicts(answer, len(run))
+        if verdicts is None:  # the connector's fault, not the entries': read them here
+            logger.warning("lmkv: gpu_connector %r answered a checked load of %d chunks with "
+                           "%.80r, not a bool for each; lmkv checks its loads itself from now "
+                           "on", getattr(self.connector, "name", "?"), len(run), answer)
+            self._checker = None
+            return False
         for k, (chunk, matched) in enumerate(zip(run, verdicts, strict=True)):
             try:
-                chunk.finish_checked(matched is True)
+                chunk.finish_checked(matched)
             except CorruptFrameError as exc:  # the tier has counted and logged it
                 logger.debug("lmkv: %s; the load stops there", exc)
                 return i + k, False
@@ -160,3 +163,14 @@ class DirectLoads:
     def close(self) -> None:
         with self._lock:
             self._spare = []
+
+
+def _verdicts(answer: object, n: int) -> list[bool] | None:
+    """A checked load's answer as ``n`` bools (numpy's too), or None when it is not one."""
+    try:
+        verdicts = list(answer)  # type: ignore[call-overload]
+    except TypeError:
+        return None
+    if len(verdicts) != n or not all(isinstance(v, (bool, np.bool_)) for v in verdicts):
+        return None
+    return [bool(v) for v in verdicts]

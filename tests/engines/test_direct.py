@@ -206,19 +206,38 @@ def test_mapped_chunks_load_checked_in_one_call(tmp_path: Path, order: bool,
         assert blocks_equal(src, target, [(b, b + 8) for b in range(8)])
 
 
-def test_a_connector_that_judges_too_few_chunks_loads_none_and_blames_no_entry(
-        tmp_path: Path, order: bool, reads: bool) -> None:
+@pytest.mark.parametrize("answer", ["too few", "ints", "a generator", "a bool", "numpy"])
+def test_a_connector_that_answers_no_verdicts_is_read_around_and_blames_no_entry(
+        tmp_path: Path, order: bool, reads: bool, answer: str) -> None:
+    """A checked load answered with anything but a bool per chunk (numpy's and a
+    generator's are taken): lmkv reads the chunks itself (verified), blames no
+    entry, and asks the connector no more."""
+    import numpy as np
+
     checked_here(order, reads)
     tokens = list(range(4 * CHUNK))
-    stored(tmp_path, tokens)
+    src = stored(tmp_path, tokens)
+    bent = {"too few": lambda v: v[:-1], "ints": lambda v: [int(x) for x in v],
+            "a generator": lambda v: (x for x in v), "a bool": lambda v: True,
+            "numpy": lambda v: np.array(v)}[answer]
     with engine(tmp_path) as reader:
-        original = reader.direct._checker
-        reader.direct._checker = lambda spans, sums, **kv: original(spans, sums, **kv)[:-1]
-        assert load(reader, tokens, caches(), list(range(8))) == (128, 0)
-        assert reader.storage.tiers[1].counters.corrupt_frames == 0
-        reader.direct._checker = original
+        original, calls = reader.direct._checker, []
+
+        def bad(spans, sums, **kv):
+            calls.append(len(spans))
+            return bent(original(spans, sums, **kv))
+
+        reader.direct._checker = bad
         target = caches()
-        assert load(reader, tokens, target, list(range(8)), "again") == (128, 128)
+        assert load(reader, tokens, target, list(range(8))) == (128, 128)
+        assert blocks_equal(src, target, [(b, b) for b in range(8)])
+        assert reader.storage.tiers[1].counters.corrupt_frames == 0
+        if answer in ("numpy", "a generator"):  # (bools all the same)
+            assert reader.direct._checker is bad
+            return
+        assert reader.direct._checker is None and calls == [4]
+        assert load(reader, tokens, caches(), list(range(8)), "again") == (128, 128)
+        assert calls == [4]
 
 
 def test_released_lookups_give_their_files_back(tmp_path: Path) -> None:

@@ -124,11 +124,16 @@ def test_buffers_they_do_not_take_are_left_to_the_caller() -> None:
     buf = chunk(2, 32, torch.float32, gen)
     target = caches(2, 4, 16, torch.float32)
     ids = [0, 1, 2, 3]
-    for spans in ([(0, 32, buf.transpose(1, 2), 0)],        # not held heads outer
-                  [(0, 32, buf.permute(0, 3, 2, 1, 4).contiguous(), 0)],  # canonical
+    one_layer = chunk(1, 32, torch.float32, gen)  # (contiguous, whatever its layer stride)
+    for spans in ([(0, 32, buf.transpose(1, 2), 0)],        # not back to back in order
+                  [(0, 32, buf.permute(0, 3, 2, 1, 4).contiguous(), 0)],  # 4 heads, 2 planes
                   [(0, 33, buf, 0)],                         # more tokens than it holds
+                  [(0, 32, buf, 1 << 64)],                   # not an xxh3-64
                   [(0, 32, buf[:, :, :, :, :DIM // 2], 0)]):  # another head size
         assert scatter_checked(target, ids, spans) is None
+    strided = one_layer.as_strided(one_layer.shape, (1, *one_layer.stride()[1:]))
+    assert strided.is_contiguous()
+    assert scatter_checked(target[:1], ids, [(0, 32, strided, checksum(one_layer))]) is None
     flash = [torch.zeros(2, 4, 16, HEADS, DIM) for _ in range(2)]
     assert scatter_checked(flash, ids, [(0, 32, buf, checksum(buf))], layout="flash") is None
     assert all(not t.any() for t in target)

@@ -633,7 +633,7 @@ copy_common(PyObject *args, int checked)
         }
         /* a checked buffer is read whole, in order: its rows back to back, its
          * extent exactly its bytes, the tokens copied among its own */
-        if (checked && (tokens <= 0 || stop > start + tokens || ts != row
+        if (checked && (tokens <= 0 || stop - start > tokens || ts != row
                         || mul_add(tokens, row, 0) != hs || mul_add(heads, hs, 0) != ls
                         || mul_add(layers, ls, 0) != nbytes)) {
             bad("a checked buffer must be whole and back to back");
@@ -674,7 +674,8 @@ copy_common(PyObject *args, int checked)
         used += chunks[c].npieces;
         chunks[c].items = items;
         items += layers * heads * chunks[c].npieces;
-        bytes += (k->stop - k->first) * layers * heads * row;
+        /* (a checked chunk is read whole: all of its bytes count) */
+        bytes += checked ? k->nbytes : (k->stop - k->first) * layers * heads * row;
     }
     if (cpus_obj != Py_None) {
         PyObject *cpu_seq = PySequence_Fast(cpus_obj, "cpus: a sequence of CPU numbers");
