@@ -10,8 +10,14 @@ bytes as the baseline of the same run::
 
     python benchmarks/bench_read_paths.py --dir /var/tmp --mib 64
 
-``mmap`` rows are for comparison only: an entry truncated while mapped raises
-SIGBUS in the reader, so lmkv does not map entries.
+lmkv maps entries in the page cache under its SIGBUS guard
+(docs/tiers/fs.md, "Mapped reads"). The last two rows load the file as 4 MiB
+chunks held heads outer (8 layers, 4 KV heads of 64, 256 tokens, float32) into
+vLLM-style cpu caches: copied by ``lmkv_kernels.scatter_blocks`` a piece at a
+time and each piece hashed after its copy (lmkv's mapped direct reads where the
+connector does not check), and in one ``lmkv_kernels.scatter_checked`` call
+(its checked loads: each chunk read once, hashed and copied in one pass, one
+thread a chunk), where the C copies were built with libxxhash.
 """
 
 from __future__ import annotations
@@ -25,6 +31,52 @@ from collections.abc import Callable
 
 import torch
 import xxhash
+
+LAYERS, HEADS, TOKENS, DIM, BLOCK = 8, 4, 256, 64, 128
+CHUNK_BYTES = LAYERS * HEADS * TOKENS * 2 * DIM * 4  # 4 MiB of float32
+
+
+def paged_rows(path: str, size: int) -> list[tuple[str, Callable[[], None]]]:
+    """The file as chunks held heads outer, loaded into cpu-layout caches."""
+    import lmkv_kernels
+    from lmkv_kernels import host_impl
+
+    chunks = size // CHUNK_BYTES
+    blocks = chunks * TOKENS // BLOCK
+    caches = [torch.zeros(blocks, HEADS, BLOCK, 2 * DIM) for _ in range(LAYERS)]
+    ids = list(range(blocks))[::-1]
+    with open(path, "rb") as f:
+        sums = [xxhash.xxh3_64(f.read(CHUNK_BYTES)).intdigest() for _ in range(chunks)]
+
+    def loaded(load: Callable[[list[torch.Tensor]], None]) -> None:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            m = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE,
+                          prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            whole = memoryview(m)
+            bufs = [torch.frombuffer(whole[c * CHUNK_BYTES:(c + 1) * CHUNK_BYTES],
+                                     dtype=torch.float32).view(LAYERS, HEADS, TOKENS, 2, DIM)
+                    for c in range(chunks)]
+            load(bufs)
+            del bufs
+            whole.release()
+            m.close()
+        finally:
+            os.close(fd)
+
+    def copy_then_hash(bufs: list[torch.Tensor]) -> None:
+        for c, buf in enumerate(bufs):
+            lmkv_kernels.scatter_blocks(caches, ids, [(c * TOKENS, buf)], heads_outer=True)
+            assert xxhash.xxh3_64(buf.numpy()).intdigest() == sums[c]
+
+    def checked(bufs: list[torch.Tensor]) -> None:
+        spans = [(c * TOKENS, (c + 1) * TOKENS, buf, sums[c]) for c, buf in enumerate(bufs)]
+        assert lmkv_kernels.scatter_checked(caches, ids, spans) == [True] * chunks
+
+    rows = [("mmap + paged copy, xxh3 after (lmkv)", lambda: loaded(copy_then_hash))]
+    if host_impl.can_check():
+        rows.append(("mmap + checked paged copy (lmkv)", lambda: loaded(checked)))
+    return rows
 
 
 def main() -> None:
@@ -95,6 +147,8 @@ def main() -> None:
             ("mmap + copy (ExampleConnector-like)", lambda: mapped(False)),
             ("mmap + copy + xxh3", lambda: mapped(True)),
         ]
+        if size % CHUNK_BYTES == 0:
+            rows += paged_rows(path, size)
         base = None
         print(f"{args.mib} MiB in the page cache, {args.piece_mib} MiB pieces, "
               f"best of {args.repeats}")
