@@ -111,11 +111,8 @@ class TestAfterConnectorKit(GPUConnectorConformance):
     connector_class = AFTER["HeadsOuterConnector"]
 
     def engine_state(self, spec, tokens, seed):  # type: ignore[no-untyped-def]
-        shape = (spec.num_layers, spec.num_kv_heads, tokens, spec.kv_planes, spec.head_dim)
-        if seed is None:
-            return {"kv": torch.zeros(shape, dtype=spec.dtype)}
-        gen = torch.Generator().manual_seed(seed)
-        return {"kv": torch.randn(shape, generator=gen).to(spec.dtype)}
+        return _one_tensor((spec.num_layers, spec.num_kv_heads, tokens, spec.kv_planes,
+                            spec.head_dim), spec.dtype, seed)
 
     def token_kv(self, state, layer, token):  # type: ignore[no-untyped-def]
         return state["kv"][layer, :, token].transpose(0, 1)
@@ -128,11 +125,15 @@ class TestAfterCheckingConnectorKit(GPUConnectorConformance):
     connector_class = AFTER["CheckingConnector"]
 
     def engine_state(self, spec, tokens, seed):  # type: ignore[no-untyped-def]
-        shape = (spec.num_layers, spec.kv_planes, tokens, spec.num_kv_heads, spec.head_dim)
-        if seed is None:
-            return {"kv": torch.zeros(shape, dtype=spec.dtype)}
-        gen = torch.Generator().manual_seed(seed)
-        return {"kv": torch.randn(shape, generator=gen).to(spec.dtype)}
+        return _one_tensor((spec.num_layers, spec.kv_planes, tokens, spec.num_kv_heads,
+                            spec.head_dim), spec.dtype, seed)
 
     def token_kv(self, state, layer, token):  # type: ignore[no-untyped-def]
         return state["kv"][layer, :, token]
+
+
+def _one_tensor(shape: tuple[int, ...], dtype: torch.dtype, seed: int | None) -> dict:
+    """An engine whose KV is one tensor ``kv`` of ``shape``: random with ``seed``, else zeros."""
+    if seed is None:
+        return {"kv": torch.zeros(shape, dtype=dtype)}
+    return {"kv": torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(dtype)}
