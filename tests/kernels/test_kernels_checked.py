@@ -143,7 +143,8 @@ def test_a_bad_block_table_copies_nothing() -> None:
     gen = torch.Generator().manual_seed(3)
     buf = chunk(2, 32, torch.float32, gen)
     target = caches(2, 4, 16, torch.float32)
-    for ids, message in (([0, 9], "out of range"), ([0], "does not cover")):
+    for ids, message in (([0, 9], "copy_checked: block id 9 out of range"),
+                         ([0], "copy_checked: the block table does not cover")):
         with pytest.raises(ValueError, match=message):
             scatter_checked(target, ids, [(0, 32, buf, checksum(buf))])
     assert all(not t.any() for t in target)

@@ -472,10 +472,14 @@ item_size(PyObject *seq, Py_ssize_t i, Py_ssize_t *out)
     return (*out == -1 && PyErr_Occurred()) ? -1 : 0;
 }
 
+/* The call whose input is checked, for its messages: copy_blocks or copy_checked
+ * (set under the GIL, which every check runs under). */
+static const char *checking = "copy_blocks";
+
 static PyObject *
 bad(const char *message)
 {
-    PyErr_Format(PyExc_ValueError, "copy_blocks: %s", message);
+    PyErr_Format(PyExc_ValueError, "%s: %s", checking, message);
     return NULL;
 }
 
@@ -517,7 +521,7 @@ plan_chunk(chunk *k, Py_ssize_t room, PyObject *ids, const plan *p, Py_ssize_t n
         if (item_size(ids, t / block_size, &block) < 0)
             return -1;
         if (block < 0 || block >= num_blocks) {
-            PyErr_Format(PyExc_ValueError, "copy_blocks: block id %zd out of range 0..%zd",
+            PyErr_Format(PyExc_ValueError, "%s: block id %zd out of range 0..%zd", checking,
                          block, num_blocks - 1);
             return -1;
         }
@@ -568,6 +572,7 @@ copy_checked(PyObject *self, PyObject *args)
 static PyObject *
 copy_common(PyObject *args, int checked)
 {
+    checking = checked ? "copy_checked" : "copy_blocks";
     int into_caches = 1;
     PyObject *caches_obj, *ids_obj, *chunks_obj, *cpus_obj;
     Py_ssize_t cache_bytes, num_blocks, heads, row, block_size, threads;
