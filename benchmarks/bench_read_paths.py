@@ -53,16 +53,18 @@ def paged_rows(path: str, size: int) -> list[tuple[str, Callable[[], None]]]:
         try:
             m = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE,
                           prot=mmap.PROT_READ | mmap.PROT_WRITE)
-            whole = memoryview(m)
-            bufs = [torch.frombuffer(whole[c * CHUNK_BYTES:(c + 1) * CHUNK_BYTES],
-                                     dtype=torch.float32).view(LAYERS, HEADS, TOKENS, 2, DIM)
-                    for c in range(chunks)]
+        finally:
+            os.close(fd)  # (the mapping holds a descriptor of its own)
+        whole = memoryview(m)
+        bufs = [torch.frombuffer(whole[c * CHUNK_BYTES:(c + 1) * CHUNK_BYTES],
+                                 dtype=torch.float32).view(LAYERS, HEADS, TOKENS, 2, DIM)
+                for c in range(chunks)]
+        try:
             load(bufs)
+        finally:  # (no view of the mapping may outlive it)
             del bufs
             whole.release()
             m.close()
-        finally:
-            os.close(fd)
 
     def copy_then_hash(bufs: list[torch.Tensor]) -> None:
         for c, buf in enumerate(bufs):

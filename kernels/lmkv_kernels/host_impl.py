@@ -139,9 +139,7 @@ def scatter_checked(caches: Sequence[torch.Tensor], block_ids: BlockIds,
     check another way then."""
     if not can_check() or not chunks:
         return None
-    if bound is UNBOUND or (bound is not None
-                            and bound.signature != (layout, *signature(caches))):
-        bound = _bind(caches, layout)
+    bound = _bound_for(caches, layout, bound)
     if bound is None or bound.row > CHECKED_ROW_BYTES:
         return None
     runs = []
@@ -157,11 +155,28 @@ def scatter_checked(caches: Sequence[torch.Tensor], block_ids: BlockIds,
         # (read whole: its bytes, not the storage's past them)
         runs.append((address, buf.numel() * bound.size, strides, start,
                      min(max(start, skip_tokens), stop), stop, tokens, checksum))
-    ids = block_ids.tolist() if isinstance(block_ids, torch.Tensor) else block_ids
-    cpus = _cpus
-    threads = len(cpus) if cpus else max(1, torch.get_num_threads())
     return _host.copy_checked(bound.ptrs, bound.extent, bound.strides, bound.num_blocks,
-                              bound.heads, bound.row, bound.block_size, ids, runs, threads, cpus)
+                              bound.heads, bound.row, bound.block_size, _ids(block_ids), runs,
+                              *_threads())
+
+
+def _bound_for(caches: Sequence[torch.Tensor], layout: Layout | None, bound: Any) -> Any:
+    """``bound`` where it is for these caches in ``layout`` (the ones it checked,
+    or ones the C side sees as the same), else theirs (None: not served)."""
+    if bound is UNBOUND or (bound is not None
+                            and bound.signature != (layout, *signature(caches))):
+        return _bind(caches, layout)
+    return bound
+
+
+def _ids(block_ids: BlockIds) -> Sequence[int]:
+    return block_ids.tolist() if isinstance(block_ids, torch.Tensor) else block_ids
+
+
+def _threads() -> tuple[int, tuple[int, ...] | None]:
+    """How many threads a copy may use, and the CPUs named for them (``use_cpus``)."""
+    cpus = _cpus
+    return (len(cpus) if cpus else max(1, torch.get_num_threads())), cpus
 
 
 def _copy(caches: Sequence[torch.Tensor], block_ids: BlockIds, chunks: Chunks,
@@ -172,11 +187,7 @@ def _copy(caches: Sequence[torch.Tensor], block_ids: BlockIds, chunks: Chunks,
         return []
     if _host is None:
         return list(chunks)
-    # (a bound given is used only for caches of its signature, in its layout: the
-    # ones it checked, or ones the C side sees as the same)
-    if bound is UNBOUND or (bound is not None
-                            and bound.signature != (layout, *signature(caches))):
-        bound = _bind(caches, layout)
+    bound = _bound_for(caches, layout, bound)
     if bound is None:
         return list(chunks)
     runs: list[tuple[int, int, tuple[int, int, int], int, int, int]] = []
@@ -192,12 +203,9 @@ def _copy(caches: Sequence[torch.Tensor], block_ids: BlockIds, chunks: Chunks,
             continue
         runs.append((*run, start, first, stop))
     if runs:
-        ids = block_ids.tolist() if isinstance(block_ids, torch.Tensor) else block_ids
-        cpus = _cpus
-        threads = len(cpus) if cpus else max(1, torch.get_num_threads())
         _host.copy_blocks(into_caches, bound.ptrs, bound.extent, bound.strides,
-                          bound.num_blocks, bound.heads, bound.row, bound.block_size, ids,
-                          runs, threads, cpus)
+                          bound.num_blocks, bound.heads, bound.row, bound.block_size,
+                          _ids(block_ids), runs, *_threads())
     return rest
 
 

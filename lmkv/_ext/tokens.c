@@ -1,10 +1,13 @@
 /* Optional accelerator for lmkv.keys.chunking: a list or tuple of Python ints as
  * little-endian uint32 bytes (the pure-Python fallback, array('I', tokens),
  * produces the same bytes; this only skips CPython's per-item argument
- * parsing), and the chain of SHA-256 prefix hashes of a short prompt's chunks
- * and blocks (``block_chain``; the Python ``_block_chain`` gives the same bytes:
- * this one runs as one small piece of code, where a warm request's few hashlib
- * calls each cost microseconds with the CPU's caches holding other data). */
+ * parsing), and the chain of SHA-256 prefix hashes of a prompt's chunks and
+ * blocks (``block_chain``; the Python ``_block_chain`` gives the same bytes).
+ * With the CPU's SHA extensions it is faster than hashlib's calls at any
+ * length, and a warm request's hashing runs as one small piece of code where
+ * each hashlib call costs microseconds with the CPU's caches holding other
+ * data; the portable code is slower than OpenSSL's on long prompts, and lmkv
+ * uses it only in tests (``use_sha_ni(False)``). */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>

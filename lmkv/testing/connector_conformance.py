@@ -30,7 +30,6 @@ from typing import Any
 
 import pytest
 import torch
-import xxhash
 
 from lmkv.contracts.connector import (
     ChunkSpan,
@@ -39,6 +38,7 @@ from lmkv.contracts.connector import (
     KVSpec,
     checked_loads,
 )
+from lmkv.contracts.serde import payload_checksum
 from lmkv.testing.building import build_plugin, config_of, load_problem
 
 
@@ -146,8 +146,8 @@ class GPUConnectorConformance:
         checker = checked_loads(connector)
         if checker is None:
             pytest.skip("lmkv calls no from_checked_chunks of this connector (API 2.2)")
-        sums = [xxhash.xxh3_64(self._bits(s.buffer).numpy().tobytes()).intdigest()
-                for s in spans]
+        # (the checksum stored entries carry: lmkv.contracts.serde.payload_checksum)
+        sums = [payload_checksum(self._bits(s.buffer).numpy().tobytes()) for s in spans]
         # the last span ends a token short of its chunk: that token is not copied
         short = [*spans[:-1], replace(spans[-1], end=spans[-1].end - 1)]
         other = self.engine_state(spec, self.tokens, None)
