@@ -29,6 +29,7 @@ import torch
 
 from lmkv.base import affinity
 from lmkv.base.errors import CorruptFrameError
+from lmkv.base.futures import Finished
 from lmkv.contracts.faults import TierCounters, TierFaults
 from lmkv.contracts.plugin import OptionsArg, Plugin
 from lmkv.contracts.policy import EvictionPolicy
@@ -43,9 +44,8 @@ logger = logging.getLogger(__name__)
 
 
 def done_future(value: object) -> Future:
-    fut: Future = Future()
-    fut.set_result(value)
-    return fut
+    """A future already finished with ``value``."""
+    return Finished(value)
 
 
 class ArenaPlacement(enum.Enum):

@@ -318,13 +318,19 @@ class LocalEngine:
         that does not fit is counted and removed from the tiers (``_drop_misfit``);
         the caller releases every obj."""
         out = []
+        spec = self.spec
+        starts, chunk_size = chunks.starts, self.chunker.chunk_size
         for i, obj in enumerate(objs):
             j = first + i
-            want = ends[j] - chunks.starts[j]
+            want = ends[j] - starts[j]
             tensor = obj.tensor
-            if tensor.dim() == 5 and want < tensor.shape[2] <= self.chunker.chunk_size:
+            shape = tensor.shape
+            if len(shape) == 5 and want < shape[2] <= chunk_size:
                 tensor = tensor.narrow(2, 0, want)
-            if not fits_spec(self.spec, self.counters, keys[j], tensor, want):
+                shape = tensor.shape
+            # (fits_spec's test first, without its calls: this runs per chunk)
+            if (tensor.dtype != spec.dtype or shape != spec.chunk_shape(want)) \
+                    and not fits_spec(spec, self.counters, keys[j], tensor, want):
                 self._drop_misfit(keys[j], spec_misfit(self.spec, tensor, want))
                 break
             out.append(tensor)

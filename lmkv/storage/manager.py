@@ -341,33 +341,75 @@ class StorageManager:
         """
         if self._closed:
             return done_future(0)
-        task = self.events.start(lookup_id, keys)
         keys = list(keys)
         first = self.tiers[0]
-        # A first tier that holds memory is asked here (no I/O): what it holds is
-        # pinned for the plan, and a lookup it holds whole is answered on the
-        # caller's thread (a hand-off to the prefetch threads and back costs more
-        # than the whole lookup).
-        pinned = (self._contains(first, lookup_id, keys, pin=True)
-                  if first.holds_memory_objs else None)
+        # A first tier that holds memory is asked here (no I/O), and a lookup it
+        # holds whole is answered on the caller's thread (a hand-off to the
+        # prefetch threads and back costs more than the whole lookup). Whole
+        # chunks are read from it at once (the references taken keep them); what
+        # it holds of a longer prompt is pinned for the plan, its reads kept as
+        # that plan's first get.
+        first_got: Future | None = None
+        if first is self._memory and keys_per_chunk == 1:
+            got = self._result(first, self._start_get(first, lookup_id, keys))
+            if len(got) >= len(keys):
+                return self._answer_whole(lookup_id, keys, chunk_ends, got)
+            task = self.events.start(lookup_id, keys)
+            pinned: int | None = self._pin_got(first, lookup_id, keys, got)
+            first_got = done_future(got[:pinned])
+        else:
+            task = self.events.start(lookup_id, keys)
+            pinned = (self._contains(first, lookup_id, keys, pin=True)
+                      if first.holds_memory_objs else None)
         args = (task, keys, list(chunk_ends), keys_per_chunk, partials,
-                direct and keys_per_chunk == 1, pinned)
+                direct and keys_per_chunk == 1, pinned, None, None, first_got)
         if pinned == len(keys):
             self._prefetch(*args)
             return task.future
-        if self._looks_up_here and self._look_up_here(*args):
+        if self._looks_up_here and self._look_up_here(*args[:7], first_got=first_got):
             return task.future
         try:
             self._executor.submit(self._prefetch, *args)
         except BaseException:
             for key in keys[:pinned or 0]:
                 first.unpin(key)
+            if first_got is not None:
+                release(first_got.result())
             raise
         return task.future
 
+    def _answer_whole(self, lookup_id: str, keys: list[CacheKey], chunk_ends: Sequence[int],
+                      got: list[MemoryObj]) -> Future:
+        """A lookup the first tier, holding memory, answered whole (a warm request's):
+        its chunks, aliases followed, are the prefetch's, finished at once; nothing
+        to promote."""
+        try:
+            if len(got) > len(keys):  # a tier may answer no more than it was asked
+                release(got[len(keys):])
+                got = got[:len(keys)]
+            longer: list[int] = []
+            objs = self._resolved(keys, got, longer)
+            return self.events.finished(lookup_id, keys, objs,
+                                        chunk_ends[len(objs) - 1] if objs else 0,
+                                        min(longer, default=len(objs)))
+        except Exception as exc:  # a bug, not a tier fault (tiers never raise)
+            logger.exception("lmkv prefetch %s failed", lookup_id)
+            task = self.events.start(lookup_id, keys)
+            self.events.fail(task, exc)
+            return task.future
+
+    def _pin_got(self, tier: StorageBackend, lookup_id: str, keys: list[CacheKey],
+                 got: list[MemoryObj]) -> int:
+        """Pin the leading keys whose chunks ``got`` holds (a read of part of a
+        lookup, kept as its plan's first get): how many were pinned; the
+        references past them are given back."""
+        pinned = self._contains(tier, lookup_id, keys[:len(got)], pin=True) if got else 0
+        release(got[pinned:])
+        return pinned
+
     def _look_up_here(self, task: PrefetchTask, keys: list[CacheKey], chunk_ends: list[int],
                       kpc: int, partials: Partials | None, direct: bool,
-                      pinned: int | None) -> bool:
+                      pinned: int | None, first_got: Future | None = None) -> bool:
         """A lookup over tiers that look up in memory, started on the caller's
         thread: the plan, and the reads (a tier that leaves chunks in place opens
         the entries whose pages are cached as it is asked). It ends here when
@@ -390,10 +432,12 @@ class StorageManager:
         except Exception as exc:  # a bug, not a tier fault (tiers never raise)
             if held:
                 semaphore.release(held)  # type: ignore[union-attr]
+            if first_got is not None:
+                release(first_got.result())
             logger.exception("lmkv prefetch %s failed", task.lookup_id)
             self.events.fail(task, exc)
             return True
-        gets = self._start_gets(task.lookup_id, plans, kpc, direct, held)
+        gets = self._start_gets(task.lookup_id, plans, kpc, direct, held, first_got)
         args = (task, keys, chunk_ends, kpc, partials, direct, pinned, plans, gets)
         whole = sum(len(ks) for _, ks in plans) == len(keys)
         if gets.settled(plans) and (partials is None or whole):
@@ -485,17 +529,18 @@ class StorageManager:
                   keys_per_chunk: int, partials: Partials | None, direct: bool = False,
                   pinned: int | None = None,
                   plans: list[tuple[StorageBackend, list[CacheKey]]] | None = None,
-                  gets: _Gets | None = None) -> None:
+                  gets: _Gets | None = None, first_got: Future | None = None) -> None:
         """``pinned``: the leading keys the first tier holds, pinned by the caller
         (None: not asked yet). ``plans`` and ``gets``: the plan made and the reads
-        started already, on the caller's thread (``_look_up_here``)."""
+        started already, on the caller's thread (``_look_up_here``). ``first_got``:
+        the first tier's read of its ``pinned`` keys, made already (``_start_gets``)."""
         promotion = Promotion()
         try:
             if plans is None:
                 plans = self._plan(task.lookup_id, keys, keys_per_chunk, pinned)
             longer: list[int] = []
             objs = (self._fetch(task.lookup_id, plans, keys_per_chunk, promotion, longer,
-                                direct, gets) if plans else [])
+                                direct, gets, first_got) if plans else [])
             chunks = len(objs) // keys_per_chunk
             hit = chunk_ends[chunks - 1] if chunks else 0
             if partials is not None and keys_per_chunk == 1 and chunks < len(keys):
@@ -625,13 +670,14 @@ class StorageManager:
 
     def _fetch(self, lookup_id: str, plans: list[tuple[StorageBackend, list[CacheKey]]],
                kpc: int, promotion: Promotion, longer: list[int] | None = None,
-               direct: bool = False, gets: _Gets | None = None) -> list[MemoryObj]:
+               direct: bool = False, gets: _Gets | None = None,
+               first_got: Future | None = None) -> list[MemoryObj]:
         if gets is None and kpc == 1 and len(plans) == 1 \
                 and plans[0][0] is self._memory is self.tiers[0]:
-            return self._fetch_memory(lookup_id, plans[0][1], longer)
+            return self._fetch_memory(lookup_id, plans[0][1], longer, first_got)
         objs: list[MemoryObj] = []
         with closing(self._iter_fetch(lookup_id, plans, kpc, promotion, direct,
-                                      gets)) as reads:
+                                      gets, first_got)) as reads:
             for _, ks, got in reads:
                 found: list[int] = []
                 resolved = self._resolved(ks, got, found) if kpc == 1 else got
@@ -645,14 +691,17 @@ class StorageManager:
         return objs[:whole]
 
     def _fetch_memory(self, lookup_id: str, keys: list[CacheKey],
-                      longer: list[int] | None) -> list[MemoryObj]:
-        """``_fetch`` of a plan the first tier, holding memory, serves whole (a
-        warm request's): the same get, pins and aliases, with nothing to promote
-        and no prefetch budget to take (its gets allocate nothing)."""
+                      longer: list[int] | None, first_got: Future | None = None
+                      ) -> list[MemoryObj]:
+        """``_fetch`` of a plan the first tier, holding memory, serves whole: the
+        same get (``first_got`` where made already), pins and aliases, with
+        nothing to promote and no prefetch budget to take (its gets allocate
+        nothing)."""
         tier = self._memory
         assert tier is not None
         try:
-            got = self._result(tier, self._start_get(tier, lookup_id, keys))
+            got = self._result(tier, first_got if first_got is not None
+                               else self._start_get(tier, lookup_id, keys))
         finally:
             for key in keys:
                 tier.unpin(key)
@@ -689,10 +738,12 @@ class StorageManager:
             self._promote(promotion)
 
     def _start_gets(self, lookup_id: str, plans: list[tuple[StorageBackend, list[CacheKey]]],
-                    kpc: int, direct: bool, held: int | None = None) -> _Gets:
+                    kpc: int, direct: bool, held: int | None = None,
+                    first_got: Future | None = None) -> _Gets:
         """Start every planned get, once the prefetch semaphore has room for their
         chunks. ``held``: chunks of the semaphore taken already, for at least as
-        many as planned (what the plan does not need goes back)."""
+        many as planned (what the plan does not need goes back). ``first_got``:
+        the first tier's get, made already (its keys pinned: the plan's first)."""
         chunks = sum(len(ks) for _, ks in plans) // kpc
         # (gets from the tier that holds memory allocate nothing: not counted)
         semaphore = (self._semaphore if chunks and any(t is not self._memory for t, _ in plans)
@@ -703,13 +754,15 @@ class StorageManager:
             taken = min(held, chunks) if semaphore else 0
             if held > taken:
                 self._semaphore.release(held - taken)  # type: ignore[union-attr]
-        futures = [self._start_get(tier, lookup_id, ks, direct and tier is not self.tiers[0])
+        first = self.tiers[0]
+        futures = [first_got if first_got is not None and tier is first
+                   else self._start_get(tier, lookup_id, ks, direct and tier is not first)
                    for tier, ks in plans]
         return _Gets(futures, semaphore, taken)
 
     def _iter_fetch(self, lookup_id: str, plans: list[tuple[StorageBackend, list[CacheKey]]],
                     kpc: int, promotion: Promotion, direct: bool = False,
-                    gets: _Gets | None = None
+                    gets: _Gets | None = None, first_got: Future | None = None
                     ) -> Generator[tuple[StorageBackend, list[CacheKey], list[MemoryObj]],
                                    None, None]:
         """Start every planned get (unless ``gets`` did already), then yield each
@@ -722,7 +775,7 @@ class StorageManager:
         for the caller to promote once the read is over.
         """
         if gets is None:
-            gets = self._start_gets(lookup_id, plans, kpc, direct)
+            gets = self._start_gets(lookup_id, plans, kpc, direct, first_got=first_got)
         futures, semaphore, taken = gets.futures, gets.semaphore, gets.taken
         done = 0
         short = False

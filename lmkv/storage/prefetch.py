@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+from lmkv.base.futures import Finished
 from lmkv.memory import MemoryObj, release
 
 logger = logging.getLogger(__name__)
@@ -104,10 +105,20 @@ class EventManager:
         return reaper
 
     def start(self, lookup_id: str, keys: Sequence = ()) -> PrefetchTask:
-        task = PrefetchTask(lookup_id, tuple(keys))
+        return self._register(PrefetchTask(lookup_id, tuple(keys)))
+
+    def finished(self, lookup_id: str, keys: Sequence, objs: list[MemoryObj],
+                 hit_tokens: int, whole: int | None = None) -> Future:
+        """``start`` and ``finish`` at once, for a lookup answered on the caller's
+        thread: its future, finished."""
+        return self._register(PrefetchTask(
+            lookup_id, tuple(keys[:len(objs)]), Finished(hit_tokens), objs,
+            finished_at=time.monotonic(), whole=whole)).future
+
+    def _register(self, task: PrefetchTask) -> PrefetchTask:
         with self._lock:
-            previous = self._tasks.pop(lookup_id, None)
-            self._tasks[lookup_id] = task
+            previous = self._tasks.pop(task.lookup_id, None)
+            self._tasks[task.lookup_id] = task
             # (a child forked after the manager was made has no thread of it)
             if not self._reaper.is_alive() and not self._closed.is_set():
                 self._reaper = self._start_reaper()

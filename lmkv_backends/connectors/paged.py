@@ -25,6 +25,7 @@ from lmkv.contracts.connector import ChunkSpan, ConnectorContext, GPUConnector, 
 from lmkv.contracts.plugin import OptionsArg, PluginOptions
 from lmkv.memory.transfer_stream import stream_for
 from lmkv_backends.connectors.common import check
+from lmkv_kernels import host_impl
 from lmkv_kernels.layouts import PagedGeometry, shape_of
 
 
@@ -122,14 +123,17 @@ class PagedConnector(GPUConnector):
                     self._checked.clear()
                 self._checked[signature] = checked
         g = checked[0]
-        check(len(block_ids) * g.block_size >= end,
-              f"{len(block_ids)} blocks of {g.block_size} tokens cannot hold {end} tokens")
+        # (each message is made only where its check fails: this runs per request)
+        if len(block_ids) * g.block_size < end:
+            check(False, f"{len(block_ids)} blocks of {g.block_size} tokens cannot hold "
+                  f"{end} tokens")
         used = block_ids[:-(-end // g.block_size)]
         if len(used):  # a negative or too large id would wrap into another request's block
             low, high = (int(used.min()), int(used.max())) if isinstance(used, torch.Tensor) \
                 else (min(used), max(used))
-            check(low >= 0 and high < g.num_blocks,
-                  f"block ids {low}..{high} out of range: the caches hold {g.num_blocks} blocks")
+            if low < 0 or high >= g.num_blocks:
+                check(False, f"block ids {low}..{high} out of range: the caches hold "
+                      f"{g.num_blocks} blocks")
         return checked
 
     def _check_caches(self, kv_caches: Sequence[torch.Tensor]) -> PagedGeometry:
@@ -178,6 +182,10 @@ class PagedConnector(GPUConnector):
         forward's thread."""
         g, bound = self._validate(kv_caches, block_ids, max((s.end for s in spans), default=0))
         chunks = [(s.start, s.buffer) for s in spans]  # (as held: heads_outer)
+        if bound.implementation is host_impl:  # host memory: copied here, now
+            host_impl.scatter_blocks(kv_caches, block_ids, chunks, skip_tokens, g.layout,
+                                     self.spec.heads_outer, bound.host)
+            return None
         # The compute stream's later kernels wait for the copy on the GPU; the chunk
         # buffers are released after this returns: after its event.
         stream_for(kv_caches[0].device).load(

@@ -98,15 +98,46 @@ class Forgetful(CPUBackend):
         return super().batched_get_non_blocking(lookup_id, keys)
 
 
+class Unpinnable(CPUBackend):
+    """Evicts a key between the get of a lookup's chunks and their pins."""
+
+    name = "unpinnable"
+    forget: CacheKey | None = None
+
+    def batched_async_contains(self, lookup_id, keys, pin=False):
+        if self.forget is not None:
+            self.remove(self.forget)
+        return super().batched_async_contains(lookup_id, keys, pin)
+
+
 def test_a_short_tier_ends_the_answer_and_releases_the_rest() -> None:
-    upper, lower = cpu(Forgetful), cpu()
+    upper, lower = cpu(), cpu(Forgetful)
+    manager = StorageManager([upper, lower])
+    fill(upper, [0])
+    fill(lower, [1, 2, 3])
+    lower.forget = key(2)
+    keys = [key(i) for i in range(4)]
+    assert manager.lookup_and_prefetch("s", keys, [1, 2, 3, 4]).result(5) == 2
+    objs = manager.take_prefetched("s")
+    assert values(objs) == [0, 1]
+    for obj in objs:
+        obj.ref_down()
+    no_leaks(upper, lower)
+    manager.close()
+
+
+def test_an_entry_evicted_before_its_pin_ends_the_first_tiers_part() -> None:
+    """The first tier (memory) is read at once; of a prompt it holds only part of,
+    what it read is pinned for the plan. An entry evicted in between ends its
+    part there: the chunks after it are given back, the rest is a miss."""
+    upper, lower = cpu(Unpinnable), cpu()
     manager = StorageManager([upper, lower])
     fill(upper, [0, 1, 2])
-    fill(lower, [3, 4])
+    fill(lower, [3])
     upper.forget = key(1)
-    keys = [key(i) for i in range(5)]
-    assert manager.lookup_and_prefetch("s", keys, [1, 2, 3, 4, 5]).result(5) == 1
-    objs = manager.take_prefetched("s")
+    keys = [key(i) for i in range(4)]
+    assert manager.lookup_and_prefetch("u", keys, [1, 2, 3, 4]).result(5) == 1
+    objs = manager.take_prefetched("u")
     assert values(objs) == [0]
     objs[0].ref_down()
     no_leaks(upper, lower)
@@ -465,27 +496,35 @@ def test_a_lookup_the_memory_tier_answers_whole_is_answered_on_the_callers_threa
     no_leaks(upper, lower)
 
 
-def test_the_memory_tier_is_asked_once_a_lookup_whatever_it_holds() -> None:
+def test_the_memory_tier_is_read_once_a_lookup_whatever_it_holds() -> None:
+    """One get of the whole prompt; only a part it holds is pinned after (the
+    plan's, while the tiers below are read): never asked key by key or again."""
     class Counting(CPUBackend):
         name = "counting"
-        asked = 0
+        asked: list[str] = []
 
         def batched_async_contains(self, lookup_id, keys, pin=False):
-            self.asked += 1
+            self.asked.append("contains")
             return super().batched_async_contains(lookup_id, keys, pin=pin)
+
+        def batched_get_non_blocking(self, lookup_id, keys):
+            self.asked.append("get")
+            return super().batched_get_non_blocking(lookup_id, keys)
 
     upper, lower = cpu(Counting), cpu()
     manager = StorageManager([upper, lower])
     try:
         fill(upper, [0])
         fill(lower, [1])
-        for lookup_id, ids, hit in (("whole", [0], 256), ("part", [0, 1], 512),
-                                    ("none", [7], 0)):
-            before = upper.asked
+        upper.asked = []
+        for lookup_id, ids, hit, asked in (("whole", [0], 256, ["get"]),
+                                           ("part", [0, 1], 512, ["get", "contains"]),
+                                           ("none", [7], 0, ["get"])):
+            upper.asked.clear()
             keys = [key(i) for i in ids]
             ends = [256 * (i + 1) for i in range(len(ids))]
             assert manager.lookup_and_prefetch(lookup_id, keys, ends).result(5) == hit
-            assert upper.asked - before == 1, lookup_id
+            assert upper.asked == asked, lookup_id
             manager.release_prefetched(lookup_id)
     finally:
         manager.close()
