@@ -109,6 +109,18 @@ def scatter_blocks(caches: Sequence[torch.Tensor], block_ids: BlockIds, chunks: 
                                  skip_tokens, layout)
 
 
+def scatter_bound(caches: Sequence[torch.Tensor], block_ids: BlockIds, chunks: Chunks,
+                  skip_tokens: int, heads_outer: bool, bound: Bound) -> None:
+    """``scatter_blocks`` with ``bound`` taken as it is: the caller found it by
+    these very caches' ``signature`` in this same call (a connector that checks
+    its caches per call already), so it is not compared again."""
+    rest = _copy(caches, block_ids, chunks, skip_tokens, None, into_caches=True,
+                 heads_outer=heads_outer, bound=bound, checked=True)
+    if rest:
+        torch_ref.scatter_blocks(caches, block_ids, torch_ref.planes_first(rest, heads_outer),
+                                 skip_tokens, bound.signature[0])
+
+
 #: The longest row (one head's K and V of a token) a checked copy takes (host.c's BOUNCE).
 CHECKED_ROW_BYTES = 16 << 10
 
@@ -181,13 +193,15 @@ def _threads() -> tuple[int, tuple[int, ...] | None]:
 
 def _copy(caches: Sequence[torch.Tensor], block_ids: BlockIds, chunks: Chunks,
           skip_tokens: int, layout: Layout | None, *, into_caches: bool,
-          heads_outer: bool = False, bound: Any = UNBOUND) -> list:
-    """Copy what the C side serves; the chunks it does not, returned."""
+          heads_outer: bool = False, bound: Any = UNBOUND, checked: bool = False) -> list:
+    """Copy what the C side serves; the chunks it does not, returned. ``checked``:
+    ``bound`` is these caches' (``scatter_bound``)."""
     if not chunks:
         return []
     if _host is None:
         return list(chunks)
-    bound = _bound_for(caches, layout, bound)
+    if not checked:
+        bound = _bound_for(caches, layout, bound)
     if bound is None:
         return list(chunks)
     runs: list[tuple[int, int, tuple[int, int, int], int, int, int]] = []
@@ -269,20 +283,22 @@ def _run(buf: torch.Tensor, bound: Bound, heads_outer: bool
     kv_heads, head_dim]`` view, ``torch_ref._head_runs``): its address, extent and
     the byte strides of its layers, heads and tokens; None for any other buffer
     (order, device, dtype or sizes)."""
-    if not buf.is_cpu or buf.dtype != bound.dtype or buf.dim() != 5:
+    shape = buf.shape
+    if len(shape) != 5 or not buf.is_cpu or buf.dtype != bound.dtype:
         return None
     # (the dimensions of heads and planes: where each is in the order given)
     h, p = (1, 3) if heads_outer else (3, 1)
-    shape, stride = buf.shape, buf.stride()
     if shape[0] != bound.layers or shape[h] != bound.heads or shape[p] != 2 \
             or shape[4] != bound.head_dim:
         return None
+    stride = buf.stride()
     layer, head, token, plane, elem = stride[0], stride[h], stride[2], stride[p], stride[4]
     d = bound.head_dim
     if elem != 1 or plane != d or token != 2 * d:
         return None
-    size = bound.size
-    return (buf.data_ptr(), _extent(buf), (layer * size, head * size, token * size))
+    size = bound.size  # (the dtype's: buf's is the caches')
+    extent = int(buf.untyped_storage().nbytes()) - buf.storage_offset() * size
+    return (buf.data_ptr(), extent, (layer * size, head * size, token * size))
 
 
 def _packed(shape: Sequence[int]) -> tuple[int, ...]:

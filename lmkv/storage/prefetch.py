@@ -12,6 +12,7 @@ than it promised ends the answer there, and everything after it is released.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 import weakref
@@ -99,6 +100,7 @@ class EventManager:
 
     def _start_reaper(self) -> threading.Thread:
         # (the thread holds the manager weakly: one nobody closed still goes away)
+        self._reaper_pid = os.getpid()
         reaper = threading.Thread(target=_reap, args=(weakref.ref(self), self._closed),
                                   daemon=True, name="lmkv-prefetch-expiry")
         reaper.start()
@@ -119,8 +121,9 @@ class EventManager:
         with self._lock:
             previous = self._tasks.pop(task.lookup_id, None)
             self._tasks[task.lookup_id] = task
-            # (a child forked after the manager was made has no thread of it)
-            if not self._reaper.is_alive() and not self._closed.is_set():
+            # (a child forked after the manager was made has no thread of it; the
+            # thread ends only then, or when the manager is closed)
+            if self._reaper_pid != os.getpid() and not self._closed.is_set():
                 self._reaper = self._start_reaper()
         if previous is not None:
             self._discard(previous)  # a reused id's old result

@@ -13,6 +13,7 @@ there, never a new connector.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any, Literal
@@ -101,6 +102,9 @@ class PagedConnector(GPUConnector):
         #: The sets of caches that passed ``_check_caches``, by ``signature``: their
         #: geometry and copies (LMKV_KERNELS is read when a set is first copied)
         self._checked: dict[tuple, tuple[PagedGeometry, lmkv_kernels.Bound]] = {}
+        #: The last set checked: its tensors (weakly), their addresses, its check.
+        self._last: tuple[tuple[weakref.ref, ...], tuple[int, ...],
+                          tuple[PagedGeometry, lmkv_kernels.Bound]] | None = None
         # the host copies' threads: on the engine's CPUs where it binds its threads
         cpus = affinity.shared()
         if cpus is not None:
@@ -110,18 +114,9 @@ class PagedConnector(GPUConnector):
                   end: int) -> tuple[PagedGeometry, lmkv_kernels.Bound]:
         """Check the caches against the spec and the block table against ``end``;
         the caches' geometry and their copies (bound once per set of caches)."""
-        try:
-            signature: tuple | None = lmkv_kernels.signature(kv_caches)
-        except (AttributeError, TypeError):  # not tensors: _check_caches says what is wrong
-            signature = None
-        checked = self._checked.get(signature) if signature is not None else None
+        checked = self._same_as_last(kv_caches)
         if checked is None:
-            g = self._check_caches(kv_caches)
-            checked = (g, lmkv_kernels.bind(kv_caches, g.layout, self.kernels))
-            if signature is not None:
-                if len(self._checked) >= 256:  # (a direct load binds a set per piece of layers)
-                    self._checked.clear()
-                self._checked[signature] = checked
+            checked = self._bound(kv_caches)
         g = checked[0]
         # (each message is made only where its check fails: this runs per request)
         if len(block_ids) * g.block_size < end:
@@ -134,6 +129,47 @@ class PagedConnector(GPUConnector):
             if low < 0 or high >= g.num_blocks:
                 check(False, f"block ids {low}..{high} out of range: the caches hold "
                       f"{g.num_blocks} blocks")
+        return checked
+
+    def _same_as_last(self, kv_caches: Sequence[torch.Tensor]
+                      ) -> tuple[PagedGeometry, lmkv_kernels.Bound] | None:
+        """The last set's check where ``kv_caches`` are its very tensors (held
+        weakly: none of them was freed and replaced), each at the same address.
+        An engine passes one set per request: this spares the full ``signature``.
+        A tensor changed in place since keeps its storage at that address, or
+        moves: what was bound then is still memory the copies may write."""
+        last = self._last
+        if last is None:
+            return None
+        refs, addresses, checked = last
+        try:
+            if len(kv_caches) != len(refs):
+                return None
+            for ref, cache, address in zip(refs, kv_caches, addresses, strict=True):
+                if ref() is not cache or cache.data_ptr() != address:
+                    return None
+        except (AttributeError, TypeError):  # not tensors: the full check says what
+            return None
+        return checked
+
+    def _bound(self, kv_caches: Sequence[torch.Tensor]
+               ) -> tuple[PagedGeometry, lmkv_kernels.Bound]:
+        """``kv_caches`` checked and bound (once per ``signature``), kept as the last set."""
+        try:
+            signature: tuple | None = lmkv_kernels.signature(kv_caches)
+        except (AttributeError, TypeError):  # not tensors: _check_caches says what is wrong
+            signature = None
+        checked = self._checked.get(signature) if signature is not None else None
+        if checked is None:
+            g = self._check_caches(kv_caches)
+            checked = (g, lmkv_kernels.bind(kv_caches, g.layout, self.kernels))
+            if signature is not None:
+                if len(self._checked) >= 256:  # (a direct load binds a set per piece of layers)
+                    self._checked.clear()
+                self._checked[signature] = checked
+        if signature is not None:
+            self._last = (tuple(weakref.ref(c) for c in kv_caches),
+                          tuple(c.data_ptr() for c in kv_caches), checked)
         return checked
 
     def _check_caches(self, kv_caches: Sequence[torch.Tensor]) -> PagedGeometry:
@@ -182,9 +218,10 @@ class PagedConnector(GPUConnector):
         forward's thread."""
         g, bound = self._validate(kv_caches, block_ids, max((s.end for s in spans), default=0))
         chunks = [(s.start, s.buffer) for s in spans]  # (as held: heads_outer)
-        if bound.implementation is host_impl:  # host memory: copied here, now
-            host_impl.scatter_blocks(kv_caches, block_ids, chunks, skip_tokens, g.layout,
-                                     self.spec.heads_outer, bound.host)
+        if bound.implementation is host_impl and bound.host is not None:
+            # host memory: copied here, now (the bound was found by these caches)
+            host_impl.scatter_bound(kv_caches, block_ids, chunks, skip_tokens,
+                                    self.spec.heads_outer, bound.host)
             return None
         # The compute stream's later kernels wait for the copy on the GPU; the chunk
         # buffers are released after this returns: after its event.

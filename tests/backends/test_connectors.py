@@ -336,6 +336,28 @@ def test_paged_connector_checks_each_set_of_caches_it_is_given() -> None:
         conn.from_chunks(spans, kv_caches=sets[0], block_ids=[0, 1])
 
 
+def test_a_cache_given_new_storage_in_place_is_bound_again() -> None:
+    """The last set is known again by its very tensors at their addresses: a cache
+    moved to other storage in place (``set_``) is checked and bound anew, and its
+    KV goes to its new memory, never to the storage it left."""
+    spec = replace(SPEC, heads_outer=True)
+    conn = PagedConnector(None, ConnectorContext(spec))
+    spans = [ChunkSpan(0, 32, torch.randn(spec.chunk_shape(32)))]
+    caches = [torch.zeros(8, H, 16, 2 * D) for _ in range(L)]
+    conn.from_chunks(spans, kv_caches=caches, block_ids=[0, 1])
+    left = caches[1][:]  # (a view: the storage caches[1] leaves)
+    before = left.clone()
+    caches[1].set_(torch.zeros(8, H, 16, 2 * D))  # same tensor object, other memory
+    conn.from_chunks(spans, kv_caches=caches, block_ids=[2, 3])
+    back = [ChunkSpan(0, 32, torch.zeros(spec.chunk_shape(32)))]
+    conn.to_chunks(back, kv_caches=caches, block_ids=[2, 3])
+    assert torch.equal(back[0].buffer, spans[0].buffer)
+    assert torch.equal(left, before)
+    caches[0].set_(torch.zeros(4, H, 16, 2 * D))  # fewer blocks, in place
+    with pytest.raises(ValueError, match="KV caches of shapes"):
+        conn.from_chunks(spans, kv_caches=caches, block_ids=[0, 1])
+
+
 def test_connectors_that_cannot_read_a_spec_say_so() -> None:
     with pytest.raises(NotImplementedError, match="'hf'"):
         HFConnector.spec_from(kv=[])
