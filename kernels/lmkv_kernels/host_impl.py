@@ -297,7 +297,7 @@ def _run(buf: torch.Tensor, bound: Bound, heads_outer: bool
     if elem != 1 or plane != d or token != 2 * d:
         return None
     size = bound.size  # (the dtype's: buf's is the caches')
-    extent = int(buf.untyped_storage().nbytes()) - buf.storage_offset() * size
+    extent = int(buf.untyped_storage().nbytes() - buf.storage_offset() * size)
     return (buf.data_ptr(), extent, (layer * size, head * size, token * size))
 
 
