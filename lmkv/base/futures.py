@@ -23,3 +23,6 @@ class Finished(Future):
         self._exception = None
         self._waiters: list = []
         self._done_callbacks: list = []
+
+    def result(self, timeout: float | None = None) -> Any:
+        return self._result  # (finished with a value: never cancelled, never raised)

@@ -1,7 +1,8 @@
 """One process's figures: counters, gauges, latency samples, and the tiers' own stats.
 
-The hot path only adds to a dict under a lock (``add``, ``observe``): no
-formatting, no I/O. Two readers, each at its own pace:
+The hot path only adds to a dict under a lock (``add``, ``observe``), or queues
+a request's figures without one (``record``): no formatting, no I/O. Two
+readers, each at its own pace, add up what was queued first:
 
 * ``totals()``: everything since start (Prometheus outside vLLM scrapes it);
 * ``take()``: what changed since the previous ``take`` (vLLM asks every step
@@ -19,6 +20,7 @@ import logging
 import threading
 import time
 import weakref
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +28,10 @@ from typing import Any
 from lmkv.metrics.catalog import BY_NAME, LATENCY_BUCKETS, TIER_SOURCES
 
 logger = logging.getLogger(__name__)
+
+#: Operations ``record`` queues before it adds them up itself (a process that no
+#: reader asks still holds a bounded queue).
+_FOLD_AT = 256
 
 TierStats = list[dict[str, Any]]
 
@@ -60,6 +66,8 @@ class Recorder:
         self._gauges: dict[str, float] = {}
         self._hists: dict[str, Histogram] = {}
         self._samples: dict[str, list[float]] = {}  # since the last take (bounded)
+        #: Operations recorded, not added up yet (``record``).
+        self._pending: deque[tuple[tuple[tuple[str, float], ...], str, float]] = deque()
         self._max_samples = max_samples
         self._taken: dict[str, float] = {}  # counters at the last take
         self._taken_tiers: dict[tuple[int, str, str], float] = {}
@@ -84,11 +92,21 @@ class Recorder:
 
     def record(self, counters: tuple[tuple[str, float], ...], histogram: str,
                seconds: float) -> None:
-        """Several counters and one latency sample of one operation, under one lock:
-        a lookup, load or store (``lmkv.metrics.record``, whose names are the
-        catalog's; unchecked here, since this runs once per request)."""
-        with self._lock:
-            totals = self._counters
+        """Several counters and one latency sample of one operation: a lookup, load
+        or store (``lmkv.metrics.record``, whose names are the catalog's; unchecked
+        here, since this runs once per request). Queued as they come (an append,
+        no lock), and added up by the next reader, or once ``_FOLD_AT`` wait."""
+        pending = self._pending
+        pending.append((counters, histogram, seconds))
+        if len(pending) >= _FOLD_AT:
+            with self._lock:
+                self._fold_locked()
+
+    def _fold_locked(self) -> None:
+        """Add up the operations ``record`` queued."""
+        pending, totals = self._pending, self._counters
+        while pending:  # (every fold holds the lock: what it sees is its own to take)
+            counters, histogram, seconds = pending.popleft()
             for name, value in counters:
                 totals[name] = totals.get(name, 0) + value
             self._sample_locked(histogram, seconds)
@@ -152,6 +170,7 @@ class Recorder:
     def totals(self) -> Totals:
         tiers = self.tiers()
         with self._lock:
+            self._fold_locked()
             hists = {n: Histogram(list(h.counts), h.sum, h.count) for n, h in self._hists.items()}
             return Totals(dict(self._counters), dict(self._gauges), hists, tiers)
 
@@ -163,6 +182,7 @@ class Recorder:
         rows = self.tiers() if tiers else []
         out: dict[str, Any] = {}
         with self._lock:
+            self._fold_locked()
             deltas = {}
             for name, value in self._counters.items():
                 delta = value - self._taken.get(name, 0)

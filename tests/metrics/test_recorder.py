@@ -123,6 +123,39 @@ def test_counts_from_many_threads_add_up() -> None:
     assert rec.totals().histograms["lookup_seconds"].count == 8000
 
 
+def test_requests_recorded_from_many_threads_add_up_across_takes() -> None:
+    """``record`` queues each request's figures; readers add them up, and the queue
+    adds itself up when nobody reads: no figure is lost or counted twice."""
+    rec = Recorder(max_samples=20000)
+    taken: list[dict] = []
+
+    def work() -> None:
+        for _ in range(3000):
+            rec.record((("loads_total", 1), ("loaded_tokens_total", 2)), "load_seconds", 1e-4)
+
+    def reader() -> None:
+        for _ in range(50):
+            taken.append(rec.take(tiers=False))
+
+    threads = [threading.Thread(target=work) for _ in range(4)] + [threading.Thread(target=reader)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    taken.append(rec.take(tiers=False))
+    loads = sum(t.get("counters", {}).get("loads_total", 0) for t in taken)
+    samples = sum(len(t.get("samples", {}).get("load_seconds", [])) for t in taken)
+    assert loads == 12000 and samples == 12000
+    totals = rec.totals()
+    assert totals.counters["loaded_tokens_total"] == 24000
+    assert totals.histograms["load_seconds"].count == 12000
+    quiet = Recorder()
+    for _ in range(1000):  # (never read: the queue stays bounded)
+        quiet.record((("loads_total", 1),), "load_seconds", 1e-4)
+    assert len(quiet._pending) < 300
+    assert quiet.totals().counters["loads_total"] == 1000
+
+
 def test_catalog_lookup_by_name() -> None:
     assert BY_NAME["tier_usage_bytes"].labels == ("tier", "type")
 
