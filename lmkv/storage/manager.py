@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from lmkv.base import affinity
+from lmkv.base.futures import Finished
 from lmkv.base.logutil import RateLimitedLog
 from lmkv.config.model import LMKVConfig
 from lmkv.contracts.tier import (
@@ -351,7 +352,13 @@ class StorageManager:
         # that plan's first get.
         first_got: Future | None = None
         if first is self._memory and keys_per_chunk == 1:
-            got = self._result(first, self._start_get(first, lookup_id, keys))
+            try:
+                future = first.batched_get_non_blocking(lookup_id, keys)
+            except Exception as exc:  # a failed get is a miss (``_start_get``)
+                future = Future()
+                future.set_exception(exc)
+            # (a get answered at once, the memory tiers' way, is read here)
+            got = future.result() if type(future) is Finished else self._result(first, future)
             if len(got) >= len(keys):
                 return self._answer_whole(lookup_id, keys, chunk_ends, got)
             task = self.events.start(lookup_id, keys)

@@ -110,6 +110,32 @@ class Unpinnable(CPUBackend):
         return super().batched_async_contains(lookup_id, keys, pin)
 
 
+def test_a_first_tier_whose_get_raises_is_a_miss_there_and_the_tiers_below_still_serve(
+        caplog) -> None:
+    class Broken(CPUBackend):
+        name = "broken-get"
+
+        def batched_get_non_blocking(self, lookup_id, keys):
+            raise RuntimeError("a bug in the tier")
+
+    upper, lower = cpu(Broken), cpu()
+    manager = StorageManager([upper, lower])
+    try:
+        fill(upper, [0, 1])
+        fill(lower, [0, 1])
+        keys = [key(0), key(1)]
+        assert manager.lookup_and_prefetch("b", keys, [1, 2]).result(5) == 2
+        objs = manager.take_prefetched("b")
+        assert values(objs) == [0, 1]
+        for obj in objs:
+            obj.ref_down()
+        assert "get raised RuntimeError" in caplog.text
+    finally:
+        manager.close()
+    no_leaks(lower)
+    assert pins(upper) == 0
+
+
 def test_a_short_tier_ends_the_answer_and_releases_the_rest() -> None:
     upper, lower = cpu(), cpu(Forgetful)
     manager = StorageManager([upper, lower])
