@@ -111,9 +111,11 @@ def scatter_blocks(caches: Sequence[torch.Tensor], block_ids: BlockIds, chunks: 
 
 def scatter_bound(caches: Sequence[torch.Tensor], block_ids: BlockIds, chunks: Chunks,
                   skip_tokens: int, heads_outer: bool, bound: Bound) -> None:
-    """``scatter_blocks`` with ``bound`` taken as it is: the caller found it by
-    these very caches' ``signature`` in this same call (a connector that checks
-    its caches per call already), so it is not compared again."""
+    """``scatter_blocks`` with ``bound`` taken as it is, not compared with the
+    caches again: the caller knows it is these caches' (the ``paged`` connector
+    checks its caches per call: by ``signature``, or as the very tensors of the
+    set it bound last, each at its address, with the storage each had then
+    held), and the memory it names theirs."""
     rest = _copy(caches, block_ids, chunks, skip_tokens, None, into_caches=True,
                  heads_outer=heads_outer, bound=bound, checked=True)
     if rest:

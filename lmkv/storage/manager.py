@@ -351,20 +351,25 @@ class StorageManager:
         # it holds of a longer prompt is pinned for the plan, its reads kept as
         # that plan's first get.
         first_got: Future | None = None
+        task: PrefetchTask | None = None
+        pinned: int | None = None
         if first is self._memory and keys_per_chunk == 1:
             try:
                 future = first.batched_get_non_blocking(lookup_id, keys)
             except Exception as exc:  # a failed get is a miss (``_start_get``)
                 future = Future()
                 future.set_exception(exc)
-            # (a get answered at once, the memory tiers' way, is read here)
-            got = future.result() if type(future) is Finished else self._result(first, future)
-            if len(got) >= len(keys):
-                return self._answer_whole(lookup_id, keys, chunk_ends, got)
-            task = self.events.start(lookup_id, keys)
-            pinned: int | None = self._pin_got(first, lookup_id, keys, got)
-            first_got = done_future(got[:pinned])
-        else:
+            if future.done():  # (answered at once, the memory tiers' way: read here)
+                got = (future.result() if type(future) is Finished
+                       else self._result(first, future))
+                if len(got) >= len(keys):
+                    return self._answer_whole(lookup_id, keys, chunk_ends, got, partials)
+                task = self.events.start(lookup_id, keys)
+                pinned = self._pin_got(first, lookup_id, keys, got)
+                first_got = done_future(got[:pinned])
+            else:  # a get that answers later is not waited for here: asked as before
+                future.add_done_callback(_release_result)
+        if task is None:
             task = self.events.start(lookup_id, keys)
             pinned = (self._contains(first, lookup_id, keys, pin=True)
                       if first.holds_memory_objs else None)
@@ -386,18 +391,28 @@ class StorageManager:
         return task.future
 
     def _answer_whole(self, lookup_id: str, keys: list[CacheKey], chunk_ends: Sequence[int],
-                      got: list[MemoryObj]) -> Future:
+                      got: list[MemoryObj], partials: Partials | None) -> Future:
         """A lookup the first tier, holding memory, answered whole (a warm request's):
         its chunks, aliases followed, are the prefetch's, finished at once; nothing
-        to promote."""
+        to promote. An alias that no longer resolves ends the answer there, with the
+        longest leading part of that chunk found (``partials``), as ``_prefetch``."""
         try:
             if len(got) > len(keys):  # a tier may answer no more than it was asked
                 release(got[len(keys):])
                 got = got[:len(keys)]
             longer: list[int] = []
             objs = self._resolved(keys, got, longer)
-            return self.events.finished(lookup_id, keys, objs,
-                                        chunk_ends[len(objs) - 1] if objs else 0,
+            hit = chunk_ends[len(objs) - 1] if objs else 0
+            held: Sequence[CacheKey] = keys
+            if partials is not None and len(objs) < len(keys):
+                tail = self.partial_hit(partials, len(objs), lookup_id)
+                if tail is not None:
+                    key, obj, tokens = tail
+                    held = (*keys[:len(objs)], key)
+                    longer.append(len(objs))
+                    objs.append(obj)
+                    hit += tokens
+            return self.events.finished(lookup_id, held, objs, hit,
                                         min(longer, default=len(objs)))
         except Exception as exc:  # a bug, not a tier fault (tiers never raise)
             logger.exception("lmkv prefetch %s failed", lookup_id)
@@ -439,8 +454,10 @@ class StorageManager:
         except Exception as exc:  # a bug, not a tier fault (tiers never raise)
             if held:
                 semaphore.release(held)  # type: ignore[union-attr]
-            if first_got is not None:
+            if first_got is not None:  # (the caller's pins of it as well)
                 release(first_got.result())
+                for key in keys[:pinned or 0]:
+                    self.tiers[0].unpin(key)
             logger.exception("lmkv prefetch %s failed", task.lookup_id)
             self.events.fail(task, exc)
             return True

@@ -102,8 +102,9 @@ class PagedConnector(GPUConnector):
         #: The sets of caches that passed ``_check_caches``, by ``signature``: their
         #: geometry and copies (LMKV_KERNELS is read when a set is first copied)
         self._checked: dict[tuple, tuple[PagedGeometry, lmkv_kernels.Bound]] = {}
-        #: The last set checked: its tensors (weakly), their addresses, its check.
-        self._last: tuple[tuple[weakref.ref, ...], tuple[int, ...],
+        #: The last set checked: its tensors (weakly), their addresses, their
+        #: storages then (held: ``_same_as_last``), its check.
+        self._last: tuple[tuple[weakref.ref, ...], tuple[int, ...], tuple[Any, ...],
                           tuple[PagedGeometry, lmkv_kernels.Bound]] | None = None
         # the host copies' threads: on the engine's CPUs where it binds its threads
         cpus = affinity.shared()
@@ -136,12 +137,14 @@ class PagedConnector(GPUConnector):
         """The last set's check where ``kv_caches`` are its very tensors (held
         weakly: none of them was freed and replaced), each at the same address.
         An engine passes one set per request: this spares the full ``signature``.
-        A tensor changed in place since keeps its storage at that address, or
-        moves: what was bound then is still memory the copies may write."""
+        The storage each one had when it was bound is held with the check: no
+        other memory can take its address while it does, so a tensor still at
+        that address is still in that storage (one given other storage in place
+        moves), and what was bound then is memory the copies may write."""
         last = self._last
         if last is None:
             return None
-        refs, addresses, checked = last
+        refs, addresses, _, checked = last
         try:
             if len(kv_caches) != len(refs):
                 return None
@@ -169,7 +172,8 @@ class PagedConnector(GPUConnector):
                 self._checked[signature] = checked
         if signature is not None:
             self._last = (tuple(weakref.ref(c) for c in kv_caches),
-                          tuple(c.data_ptr() for c in kv_caches), checked)
+                          tuple(c.data_ptr() for c in kv_caches),
+                          tuple(c.untyped_storage() for c in kv_caches), checked)
         return checked
 
     def _check_caches(self, kv_caches: Sequence[torch.Tensor]) -> PagedGeometry:

@@ -136,6 +136,79 @@ def test_a_first_tier_whose_get_raises_is_a_miss_there_and_the_tiers_below_still
     assert pins(upper) == 0
 
 
+def test_a_memory_tier_whose_get_answers_later_is_not_waited_for_on_the_callers_thread(
+        ) -> None:
+    """A memory tier's get is read on the caller's thread only when it answered at
+    once; one still pending is left to finish (its chunks given back) and the
+    lookup goes on as for any tier: its hits pinned, the reads of a prompt it
+    holds only part of handed to a prefetch thread."""
+    gate = threading.Event()
+
+    class Slow(CPUBackend):
+        name = "slow-get"
+
+        def batched_get_non_blocking(self, lookup_id, keys):
+            future: Future = Future()
+            answer = super().batched_get_non_blocking(lookup_id, keys).result()
+
+            def later() -> None:
+                gate.wait(10)
+                future.set_result(answer)
+
+            threading.Thread(target=later, daemon=True).start()
+            return future
+
+    upper, lower = cpu(Slow), cpu()
+    manager = StorageManager([upper, lower])
+    try:
+        fill(upper, [0])
+        fill(lower, [1])
+        started = time.monotonic()
+        future = manager.lookup_and_prefetch("p", [key(0), key(1)], [1, 2])
+        assert time.monotonic() - started < 5 and not future.done()
+        gate.set()
+        assert future.result(10) == 2
+        objs = manager.take_prefetched("p")
+        assert values(objs) == [0, 1]
+        for obj in objs:
+            obj.ref_down()
+        deadline = time.monotonic() + 10
+        while pins(upper) or upper.allocator.live_objects != len(upper):
+            assert time.monotonic() < deadline, "the first get's chunks were not given back"
+            time.sleep(0.01)
+    finally:
+        gate.set()
+        manager.close()
+    no_leaks(upper, lower)
+
+
+def test_an_alias_that_no_longer_resolves_ends_a_whole_memory_hit_with_its_longest_part(
+        ) -> None:
+    """The memory tier holds every key, but chunk 1 is an alias whose target went:
+    the answer ends there, with the longest leading blocks of chunk 1 found, as
+    for a lookup the tiers answer in part."""
+    from lmkv.keys.aliases import make_alias
+    from lmkv.storage.manager import Partials
+
+    upper, lower = cpu(), cpu()
+    manager = StorageManager([upper, lower])
+    try:
+        fill(upper, [0, 50])
+        alias = make_alias(key(99), upper.allocate)  # names a chunk stored nowhere
+        upper.batched_submit_put([key(1)], [alias]).result()
+        alias.ref_down()
+        partials = Partials([[], [key(50)]], 4)
+        got = manager.lookup_and_prefetch("a", [key(0), key(1)], [8, 16], partials=partials)
+        assert got.result(5) == 8 + 4
+        objs = manager.take_prefetched("a", longer=True)
+        assert values(objs) == [0, 50]
+        for obj in objs:
+            obj.ref_down()
+    finally:
+        manager.close()
+    no_leaks(upper, lower)
+
+
 def test_a_short_tier_ends_the_answer_and_releases_the_rest() -> None:
     upper, lower = cpu(), cpu(Forgetful)
     manager = StorageManager([upper, lower])
