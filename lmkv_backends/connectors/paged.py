@@ -222,14 +222,16 @@ class PagedConnector(GPUConnector):
         forward's thread."""
         g, bound = self._validate(kv_caches, block_ids, max((s.end for s in spans), default=0))
         chunks = [(s.start, s.buffer) for s in spans]  # (as held: heads_outer)
-        if bound.implementation is host_impl and bound.host is not None:
-            # host memory: copied here, now (the bound was found by these caches)
+        stream = stream_for(kv_caches[0].device)
+        if stream.synchronous and bound.implementation is host_impl \
+                and bound.host is not None:
+            # host memory, no stream: copied here, now (the bound was found by these caches)
             host_impl.scatter_bound(kv_caches, block_ids, chunks, skip_tokens,
                                     self.spec.heads_outer, bound.host)
             return None
         # The compute stream's later kernels wait for the copy on the GPU; the chunk
         # buffers are released after this returns: after its event.
-        stream_for(kv_caches[0].device).load(
+        stream.load(
             lambda: lmkv_kernels.scatter_blocks(kv_caches, block_ids, chunks, skip_tokens,
                                                 layout=g.layout,
                                                 heads_outer=self.spec.heads_outer, bound=bound),
