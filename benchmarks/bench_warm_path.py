@@ -47,22 +47,26 @@ LENGTHS = (512, 2048, 4096)
 BLOCKS = 2 * max(LENGTHS) // BLOCK  # room for a stored copy and a loaded one
 
 
-def engine(root: str | None, direct: bool):  # type: ignore[no-untyped-def]
+def engine(root: str | None, direct: bool, server: str = ""):  # type: ignore[no-untyped-def]
     from lmkv import load_config
+    from lmkv.engines import open_engine
     from lmkv.testing.engines import open_local_engine
     from lmkv_backends.connectors.paged import PagedConnector
 
     tiers: list = [{"type": "cpu", "options": {"max_bytes": "1GiB"}}]
     if root is not None:
         tiers.append({"type": "fs", "options": {"url": root}})
-    config = load_config(env={}, overrides={"lmkv.chunk_size": CHUNK,
-                                            "lmkv.gpu_connector": "paged",
-                                            "lmkv.tiers": tiers})
+    overrides = {"lmkv.chunk_size": CHUNK, "lmkv.gpu_connector": "paged", "lmkv.tiers": tiers}
+    if server:
+        overrides.update({"lmkv.mode": "server", "lmkv.server.address": server,
+                          "lmkv.server.timeout_ms": 2000})
+    config = load_config(env={}, overrides=overrides)
     # the spec the vLLM worker gets: read from the caches by the paged connector
     # (cpu caches: chunks held heads outer, KVSpec.heads_outer)
     spec = PagedConnector.spec_from(kv_caches=caches(fill=False)[:1] * LAYERS)
-    return open_local_engine(config, spec, model_name="bench-warm-path", kv_kind="paged",
-                             block_size=BLOCK, direct_reads=direct)
+    opener = open_engine if server else open_local_engine
+    return opener(config, spec, model_name="bench-warm-path", kv_kind="paged",
+                  block_size=BLOCK, direct_reads=direct)
 
 
 def caches(fill: bool) -> list[torch.Tensor]:
@@ -110,12 +114,13 @@ def timed(eng, n: int, kv: list[torch.Tensor], tag: str) -> tuple[float, float]:
     return (looked - start) * 1e3, (done - looked) * 1e3
 
 
-def memory(repeats: int) -> dict[str, list[float]]:
+def memory(repeats: int, server: str = "") -> dict[str, list[float]]:
     """Per length: best lookup + load, median lookup, median load, best memcpy,
     and the median of paired ratios (each sample's lookup + load over a memcpy
-    timed just before it, so both see the machine alike)."""
+    timed just before it, so both see the machine alike). ``server``: an lmkv
+    server's address (server mode, its cpu tier in shared memory)."""
     out: dict[str, list[float]] = {}
-    with engine(None, direct=False) as eng:
+    with engine(None, direct=False, server=server) as eng:
         src = caches(fill=True)
         kv = caches(fill=False)
         for n in LENGTHS:
@@ -157,8 +162,9 @@ def read(root: str, n: int, repeats: int) -> list[float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--paths", choices=("memory", "disk", "both"), default="both",
-                        help="which paths to time (default both)")
+    parser.add_argument("--paths", default="memory,disk",
+                        help="which paths to time, of memory, disk, server "
+                             "(default memory,disk)")
     parser.add_argument("--role", choices=("write", "read"), help=argparse.SUPPRESS)
     parser.add_argument("--root", help=argparse.SUPPRESS)
     parser.add_argument("--tokens", type=int, help=argparse.SUPPRESS)
@@ -170,10 +176,33 @@ def main() -> None:
     if args.role == "read":
         print(json.dumps(read(args.root, args.tokens, args.repeats)))
         return
-    rows = {"memory": memory(args.repeats)} if args.paths != "disk" else {}
-    if args.paths != "memory":
+    paths = {"memory", "disk"} if args.paths == "both" else set(args.paths.split(","))
+    if not paths or paths - {"memory", "disk", "server"}:
+        raise SystemExit(f"--paths: {args.paths!r}; allowed: memory, disk, server, "
+                         "comma-separated")
+    rows = {}
+    if "memory" in paths:
+        rows["memory"] = memory(args.repeats)
+    if "server" in paths:
+        rows["server"] = served(args.repeats)
+    if "disk" in paths:
         rows["disk"] = disk(args.repeats)
     print_rows(rows, args.repeats)
+
+
+def served(repeats: int) -> dict[str, list[float]]:
+    """The memory path in server mode: an lmkv server (cpu tier, shared memory)
+    holds the prompts this process stored through it."""
+    from lmkv.testing.server import spawn_server
+
+    with tempfile.TemporaryDirectory(prefix="lmkv-bench-warm-") as tmp:
+        proc, address = spawn_server(
+            tmp, "tiers:\n  - type: cpu\n    options: {max_bytes: 1GiB}\n")
+        try:
+            return memory(repeats, server=address)
+        finally:
+            proc.terminate()
+            proc.wait(60)
 
 
 def disk(repeats: int) -> dict[str, list[float]]:

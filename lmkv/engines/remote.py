@@ -161,9 +161,12 @@ class RemoteEngine:
         # Only blocks of this engine's size, as in process: the answer is counted in them.
         blocks = (partial_hashes if partial_hashes and block_tokens == self.chunker.block_size
                   else None)
+        # Chunks the server has at once come lent with the answer when this process
+        # maps its arena: the retrieve that loads them asks the server nothing.
         hit = self._lookups.start_lookup_hashes(self.meta, chunk_hashes, chunk_ends,
                                                 lookup_id, partial_hashes=blocks,
-                                                block_tokens=block_tokens if blocks else 0)
+                                                block_tokens=block_tokens if blocks else 0,
+                                                lend=self.client.shared_memory)
         if hit is not None:
             future.set_result(hit)
             return future
@@ -180,7 +183,8 @@ class RemoteEngine:
             future = self._pending.pop(lookup_id, None)
         if future is not None:
             future.set_result(0)
-        self._lookups.release_lookup(lookup_id)
+        if not self._lookups.release_lent(lookup_id):  # (else the server holds nothing more)
+            self._lookups.release_lookup(lookup_id)
 
     def _poll_loop(self) -> None:
         while True:
@@ -250,7 +254,9 @@ class RemoteEngine:
         n = self.client.retrieve_into(chunks.keys, consume, lookup_id=lookup_id or "",
                                       expected_bytes=expected,
                                       partial_hashes=self._partial_hashes(chunks),
-                                      block_tokens=self.chunker.block_size or 0)
+                                      block_tokens=self.chunker.block_size or 0,
+                                      lent=self._lookups.take_lent(lookup_id)
+                                      if lookup_id else None)
         n = min(n, fitting[0])
         if misfit:  # once the lease is back: the server reads the entry again
             self._drop_misfit(*misfit[0])
@@ -291,6 +297,7 @@ class RemoteEngine:
         for future in pending.values():
             future.set_result(0)
         self._poller.join(2.0)
+        self._lookups.release_all_lent()
         self._lookups.close(end_session=False)  # (the session is the client's)
         self.client.close()
 

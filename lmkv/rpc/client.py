@@ -24,6 +24,7 @@ import os
 import secrets
 import socket
 import threading
+import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -64,6 +65,28 @@ _HOLDING = (p.Lookup, p.Retrieve, p.Store)
 
 
 @dataclass
+class Lent:
+    """Chunks a lookup's reply lent (``start_lookup_hashes(..., lend=True)``): the
+    lease, the keys looked up, and when the reply came (monotonic)."""
+
+    reply: p.LookupReply
+    meta: KeyMeta
+    at: float
+
+    def as_retrieve(self) -> p.RetrieveReply:
+        """The lease as the Retrieve of its lookup id would have lent it."""
+        reply = self.reply
+        return p.RetrieveReply(req_id=reply.req_id, server_id=reply.server_id,
+                               handle=reply.handle, data_path="shm", shm_name=reply.shm_name,
+                               chunks=reply.chunks)
+
+
+#: Lent chunks a client keeps for the engine's retrieve at most; more and the
+#: oldest are given back (an engine retrieves or releases every lookup it makes).
+MAX_LENT = 1024
+
+
+@dataclass
 class ClientCounters:
     requests: int = 0
     timeouts: int = 0  # no reply before the deadline
@@ -96,6 +119,8 @@ class ServerClient:
         self._heartbeat = Heartbeat(self.address, self.session, context, curve)
         #: Requests whose lease was released one way, not yet known to have arrived.
         self._sent_releases: list[int] = []
+        #: Lookups whose reply lent their chunks, oldest first (``take_lent``).
+        self._lent: dict[str, Lent] = {}
         self._lock = threading.RLock()
         self._closed = False  # closed for good: no request opens a connection again
         self._chunk_bytes_hint = 32 << 20
@@ -232,13 +257,20 @@ class ServerClient:
 
     def start_lookup_hashes(self, meta: KeyMeta, chunk_hashes: Sequence[bytes],
                             chunk_ends: Sequence[int], lookup_id: str, *,
-                            partial_hashes: PartialHashes = None, block_tokens: int = 0
-                            ) -> int | None:
+                            partial_hashes: PartialHashes = None, block_tokens: int = 0,
+                            lend: bool = False) -> int | None:
         """Start a prefetch of chunk hashes computed elsewhere without waiting for it:
         the hit tokens when the server finished it at once, None while it is still
-        loading (poll ``prefetch_status``), 0 when the server does not answer."""
+        loading (poll ``prefetch_status``), 0 when the server does not answer.
+
+        ``lend`` (a process that maps the server's arena, through whichever client
+        of its session): the server lends the chunks in its reply when it has
+        them at once, as a Retrieve of ``lookup_id`` would; ``take_lent`` then
+        hands them to that retrieve, which needs no request of its own."""
         fields = {"meta": meta, "chunk_hashes": list(chunk_hashes),
                   **p.partial_fields(partial_hashes, block_tokens)}
+        if lend:
+            fields.update(lend=True, process=process_identity())
         got = self._lookup(fields, chunk_ends, lookup_id, 1, False, None)
         return 0 if got is False else got
 
@@ -249,11 +281,68 @@ class ServerClient:
         message = p.Lookup(**fields, chunk_ends=list(chunk_ends), lookup_id=lookup_id or "",
                            prefetch=lookup_id is not None, wait=wait, keys_per_chunk=kpc)
         with self._lock:
+            self._release_lent(self._lent.pop(lookup_id, None) if lookup_id else None)
             got = self._call(message, p.LookupReply, timeout_ms=timeout_ms)
-        if got is None:
-            return 0 if wait else False
-        reply = got[0]
+            if got is None:
+                return 0 if wait else False
+            reply = got[0]
+            if reply.handle and lookup_id:
+                lent = Lent(reply, fields["meta"], time.monotonic())
+                if self._server() is None:  # (its timeouts say how long lent chunks last)
+                    self._release_lent(lent)
+                else:
+                    self._keep_lent(lookup_id, lent)
         return reply.hit_tokens if reply.done else None
+
+    # -- chunks lent by a lookup ------------------------------------------------------
+    def _keep_lent(self, lookup_id: str, lent: Lent) -> None:
+        """Keep what a lookup's reply lent; give back those past their age or count."""
+        lent_list = self._lent
+        lent_list[lookup_id] = lent
+        oldest = lent.at - self._lent_max_age_s()
+        while lent_list:
+            first = next(iter(lent_list))
+            if lent_list[first].at >= oldest and len(lent_list) <= MAX_LENT:
+                break
+            self._release_lent(lent_list.pop(first))
+
+    def _lent_max_age_s(self) -> float:
+        """How long lent chunks are read without asking: half the shorter of the
+        server's handle time to live and session timeout, so that the lease (which
+        the server started before it replied) has not run out when they are read."""
+        info = self.info
+        if info is None:
+            return 0.0
+        return min(info.handle_ttl_s, info.session_timeout_s) / 2
+
+    def take_lent(self, lookup_id: str) -> Lent | None:
+        """What the lookup ``lookup_id``'s reply lent, for the retrieve that loads it
+        (``retrieve_into(..., lent=)``), which then gives it back; None when
+        nothing was, or it is too old to be read without asking (then it is given
+        back, and a Retrieve asks)."""
+        with self._lock:
+            lent = self._lent.pop(lookup_id, None)
+            if lent is not None and time.monotonic() - lent.at > self._lent_max_age_s():
+                self._release_lent(lent)
+                return None
+        return lent
+
+    def release_lent(self, lookup_id: str) -> bool:
+        """Give back what the lookup ``lookup_id``'s reply lent; False when nothing."""
+        with self._lock:
+            lent = self._lent.pop(lookup_id, None)
+            self._release_lent(lent)
+        return lent is not None
+
+    def release_all_lent(self) -> None:
+        with self._lock:
+            lent_list, self._lent = self._lent, {}
+            for lent in lent_list.values():
+                self._release_lent(lent)
+
+    def _release_lent(self, lent: Lent | None) -> None:
+        if lent is not None:
+            self._release(lent.as_retrieve())
 
     def prefetch_status(self, lookup_id: str) -> int | None:
         """Hit tokens once the prefetch is done, None while pending, -1 for an unknown id;
@@ -297,7 +386,7 @@ class ServerClient:
                       consume: Callable[..., Any], *, lookup_id: str = "",
                       keys_per_chunk: int = 1, timeout_ms: int | None = None,
                       expected_bytes: int | None = None, partial_hashes: PartialHashes = None,
-                      block_tokens: int = 0) -> int:
+                      block_tokens: int = 0, lent: Lent | None = None) -> int:
         """Call ``consume`` with the stored prefix of ``keys`` (or what ``lookup_id``
         prefetched): one read-only tensor per chunk, valid only during the call (views
         of the server's arena, or of the reply's data parts: no copy is made). Returns the
@@ -307,10 +396,21 @@ class ServerClient:
         by that chunk's longest stored leading blocks; ``consume`` is then called as
         ``consume(views, tail_tokens)``: ``tail_tokens`` > 0 says the last view is such
         a partial hit, and only its first ``tail_tokens`` tokens are the prompt's (the
-        view may hold more: the stored chunk they lead)."""
+        view may hold more: the stored chunk they lead).
+
+        ``lent``: what ``lookup_id``'s lookup lent (``take_lent``): its chunks, those
+        of ``keys``' leading ones, are handed over without asking the server,
+        then given back; when they are not ``keys``' they are given back and the
+        server is asked."""
         fields = p.key_fields(list(keys)) if keys is not None else {}
         partial = p.partial_fields(partial_hashes, block_tokens)
         with self._lock:
+            if lent is not None:
+                reply = lent.as_retrieve()
+                n = _lent_for(lent, keys, keys_per_chunk)
+                if n:
+                    return self._hand_over(reply, [], n, partial, consume)
+                self._release(reply)
             if self._server() is None:
                 return 0
             inline = self.segment is None
@@ -325,20 +425,26 @@ class ServerClient:
             if got is None:
                 return 0
             reply, data = got
+            return self._hand_over(reply, data, len(reply.chunks), partial, consume)
+
+    def _hand_over(self, reply: p.RetrieveReply, data: list[zmq.Frame], n: int,
+                   partial: dict[str, Any], consume: Callable[..., Any]) -> int:
+        """Call ``consume`` with the first ``n`` of the reply's chunks, then give its
+        lease back; the number of chunks handed over."""
+        if reply.handle:
+            self._heartbeat.begin(reply.handle)
+        try:
+            views = self._views(reply, data)[:n]
+            if views and partial:
+                tail = reply.tail_tokens if len(views) == len(reply.chunks) else 0
+                consume(views, max(tail, 0))
+            elif views:
+                consume(views)
+            return len(views)
+        finally:
             if reply.handle:
-                self._heartbeat.begin(reply.handle)
-            try:
-                views = self._views(reply, data)
-                if views and partial:
-                    tail = reply.tail_tokens if len(views) == len(reply.chunks) else 0
-                    consume(views, max(tail, 0))
-                elif views:
-                    consume(views)
-                return len(views)
-            finally:
-                if reply.handle:
-                    self._heartbeat.end(reply.handle)
-                    self._release(reply)
+                self._heartbeat.end(reply.handle)
+                self._release(reply)
 
     def _release(self, reply: p.RetrieveReply | p.StoreReply) -> None:
         """Give a handle back, without waiting for the answer (nothing in it is
@@ -571,6 +677,21 @@ class ServerClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _lent_for(lent: Lent, keys: Sequence[CacheKey] | None, keys_per_chunk: int) -> int:
+    """How many of ``lent``'s chunks a retrieve of ``keys`` may take: those of its
+    leading keys, when the chunks were lent under those very keys (the lookup's
+    meta, and the hashes the reply names); 0 when they were not (an id reused
+    for another prompt never yields its KV), as the server's take of a prefetch."""
+    reply = lent.reply
+    if keys is None or keys_per_chunk != 1 or len(reply.lent_hashes) != len(reply.chunks):
+        return 0
+    n = min(len(reply.chunks), len(keys))
+    for key, chunk_hash in zip(keys[:n], reply.lent_hashes[:n], strict=True):
+        if key.meta != lent.meta or key.chunk_hash != chunk_hash or key.layer >= 0:
+            return 0
+    return n
 
 
 def _byte_array(tensor: torch.Tensor) -> np.ndarray:

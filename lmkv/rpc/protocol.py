@@ -149,6 +149,12 @@ class Lookup(KeyedRequest, tag="lookup", kw_only=True):
     wait: bool = True
     keys_per_chunk: int = 1
     block_tokens: int = 0  # tokens in a block of ``partial_hashes``
+    # With prefetch, from a client that maps the server's arena: lend the
+    # prefetched chunks in the reply once they are there, as a Retrieve of
+    # ``lookup_id`` would (the client then needs no Retrieve). ``process`` as in
+    # Retrieve.
+    lend: bool = False
+    process: str = ""
 
 
 class PrefetchStatus(Request, tag="prefetch_status", kw_only=True):
@@ -245,6 +251,14 @@ class LookupReply(Reply, tag="lookup_reply", kw_only=True):
     lookup_id: str
     hit_tokens: int
     done: bool
+    # A lookup with ``lend`` whose chunks were lent: the lease (a RetrieveReply's
+    # handle, shm_name and chunks, on the shm data path); 0 when nothing was lent.
+    handle: int = 0
+    shm_name: str = ""
+    chunks: list[ChunkInfo] = msgspec.field(default_factory=list)
+    # The key (chunk hash, under the lookup's meta) of each lent chunk: a partial
+    # hit's chunk under its leading blocks' hash.
+    lent_hashes: list[bytes] = msgspec.field(default_factory=list)
 
 
 class PrefetchStatusReply(Reply, tag="prefetch_status_reply", kw_only=True):

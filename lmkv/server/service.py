@@ -173,6 +173,8 @@ class KVService:
         if not req.lookup_id:
             raise p.ProtocolError(p.BAD_REQUEST, "a lookup with prefetch needs a lookup_id")
         key = session.lookup_key(req.lookup_id)
+        # (checked now: a deferred reply runs after this request's peer is gone)
+        process = self._client_process(session, "shm", req.process) if req.lend else ""
         future = self.storage.lookup_and_prefetch(key, keys, req.chunk_ends, kpc,
                                                   partials=partials)
         self.sessions.hold_lookup(session, key, req.req_id)
@@ -180,8 +182,15 @@ class KVService:
         future.add_done_callback(lambda done: _lookup_done(req, _result(done), start))
 
         def reply() -> Outcome:
-            return Outcome(p.LookupReply(lookup_id=req.lookup_id, hit_tokens=future.result(),
-                                         done=True))
+            hit = future.result()
+            lent = self._lend(session, req, key, process) if req.lend and hit else None
+            if lent is None:
+                return Outcome(p.LookupReply(lookup_id=req.lookup_id, hit_tokens=hit, done=True))
+            handle, lent_keys, objs = lent
+            return Outcome(p.LookupReply(lookup_id=req.lookup_id, hit_tokens=hit, done=True,
+                                         handle=handle, shm_name=self.shm_name,
+                                         chunks=[_info(o, o.offset) for o in objs],
+                                         lent_hashes=[k.chunk_hash for k in lent_keys]))
 
         if future.done():
             return reply()
@@ -189,6 +198,33 @@ class KVService:
             return Deferred(future, reply, PREFETCH_GRACE_S, lambda: Outcome(
                 p.LookupReply(lookup_id=req.lookup_id, hit_tokens=0, done=False)))
         return Deferred(future, reply)
+
+    def _lend(self, session: Session, req: p.Lookup, key: str, process: str
+              ) -> tuple[int, list[CacheKey], list[MemoryObj]] | None:
+        """Lend what the finished prefetch ``key`` holds, as a Retrieve of its
+        lookup id naming the keys it holds them by would: a lease on the
+        shared-memory data path (its handle, those keys, and the chunks). None,
+        and the prefetch left held for a Retrieve, unless all of it is in the
+        shared segment and fits the session's limits (one key a chunk)."""
+        held = self.storage.events.held(key)
+        if held is None or not held[0] or not self._in_segment(held[0]) \
+                or key not in session.lookups or req.keys_per_chunk != 1 or req.meta is None:
+            return None
+        handles_left, bytes_left = self.sessions.room(session)
+        if handles_left < 1 or (bytes_left is not None
+                                and sum(o.tensor.nbytes for o in held[0]) > bytes_left):
+            return None
+        # Under the keys the prefetch holds them by: a partial hit's chunk under its
+        # leading blocks' key, which a retrieve of the prompt cut there names too.
+        keys = list(held[1])
+        objs = self.storage.take_prefetched(key, keys)
+        session.lookups.pop(key, None)
+        if not objs:
+            return None
+        _record_load(objs, 1, 0, time.perf_counter())
+        handle = self.sessions.add_handle(session, "lease", objs, data_path="shm",
+                                          req_id=req.req_id, process=process)
+        return (handle.id, keys[:len(objs)], objs) if handle is not None else None
 
     def _count_partial(self, session: Session, req: p.Lookup, key: CacheKey,
                        partials: Partials, index: int, hit: int, start: float
@@ -236,7 +272,7 @@ class KVService:
         partials = (Partials(partial_keys, req.block_tokens) if partial_keys and any(partial_keys)
                     else None)
         session = self.sessions.touch(req.session)
-        process = self._client_process(session, req)
+        process = self._client_process(session, req.data_path, req.process)
         start = time.perf_counter()
         key = session.lookup_key(req.lookup_id) if req.lookup_id else ""
         future = self.storage.events.future(key) if key in session.lookups else None
@@ -333,7 +369,7 @@ class KVService:
             except p.ProtocolError as exc:
                 raise p.ProtocolError(exc.code, f"chunk {i}: {exc.reason}") from None
         session = self.sessions.touch(req.session)
-        process = self._client_process(session, req)
+        process = self._client_process(session, req.data_path, req.process)
         if sizes and not self._chunk_bytes_known:
             self.storage.set_chunk_bytes(max(sizes))
             self._chunk_bytes_known = True
@@ -495,22 +531,22 @@ class KVService:
                                   f"buffers included): at most "
                                   f"server.session_max_handles and session_max_bytes")
 
-    def _client_process(self, session: Session, req: p.Retrieve | p.Store) -> str:
-        """The client process a shared-memory handle of ``req`` names: the one the
-        server verified; "" when none could be (see the module docstring)."""
-        if req.data_path != "shm" or self.segment is None:
+    def _client_process(self, session: Session, data_path: p.DataPath, claim: str) -> str:
+        """The client process a shared-memory handle of a request names (its
+        ``data_path``, and the process it ``claim``s): the one the server
+        verified; "" when none could be (see the module docstring)."""
+        if data_path != "shm" or self.segment is None:
             return ""
         pid = self._peer_pid()
         if pid is not None:
             if session.peer is None or session.peer[0] != pid:
                 session.peer = (pid, pid_identity(pid))
-                claimed = claimed_pid(req.process) if req.process else None
+                claimed = claimed_pid(claim) if claim else None
                 if claimed is not None and claimed != pid:
                     _log.warning("peer-mismatch", "lmkv server: session %s names process "
                                  "%d, but its ipc socket's peer is pid %d: pid %d is the one "
                                  "checked", session.id, claimed, pid, pid)
             return session.peer[1]
-        claim = req.process
         if not claim:
             return ""
         verified = session.claims.get(claim)

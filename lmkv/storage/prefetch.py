@@ -172,6 +172,16 @@ class EventManager:
             task = self._tasks.get(lookup_id)
         return task.future if task else None
 
+    def held(self, lookup_id: str) -> tuple[list[MemoryObj], tuple] | None:
+        """What a finished prefetch holds now and their keys (a partial hit's chunk
+        under its leading blocks' key), without taking them (no reference is
+        given: look, then ``take``); None while it is running or unknown."""
+        with self._lock:
+            task = self._tasks.get(lookup_id)
+            if task is None or not task.future.done():
+                return None
+            return list(task.objs), task.keys[:len(task.objs)]
+
     def take(self, lookup_id: str, keys: Sequence | None = None, longer: bool = False
              ) -> list[MemoryObj] | None:
         """The prefetched chunks (the caller now owns their references), once done.

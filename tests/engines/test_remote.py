@@ -15,7 +15,7 @@ from lmkv.engines.remote import RemoteEngine
 from lmkv.keys.chunking import prefix_hashes
 from lmkv_backends.connectors.hf import HFConnector
 from lmkv_backends.connectors.paged import PagedConnector
-from tests.server.procs import free_port, start_server
+from tests.server.procs import free_port, start_server, wait_for
 
 pytestmark = pytest.mark.slow  # a real lmkv server
 
@@ -87,17 +87,20 @@ def test_prefetched_lookup_is_what_retrieve_loads(server) -> None:
         hashes = prefix_hashes(tokens, CHUNK)
         ends = [CHUNK * (i + 1) for i in range(4)]
         assert engine.lookup_and_prefetch_hashes("req-1", hashes, ends).result(5) == 2 * CHUNK
-        assert engine.client.stats().server.held_lookups == 1
+        stats = engine.client.stats().server  # lent with the answer (tests/engines/
+        assert (stats.held_lookups, stats.leased_chunks) == (0, 2)  # test_remote_lent.py)
         dst = caches(None)
         got = engine.retrieve(tokens, lookup_id="req-1", kv_caches=dst, block_ids=blocks)
         assert got.num_tokens == 2 * CHUNK
-        assert engine.client.stats().server.held_lookups == 0  # consumed
+        stats = engine.client.stats().server
+        assert (stats.held_lookups, stats.leased_chunks) == (0, 0)  # consumed
         assert all(torch.equal(a, b) for a, b in zip(tokens_kv(src, blocks, 2 * CHUNK),
                                                      tokens_kv(dst, blocks, 2 * CHUNK),
                                                      strict=True))
         # A lookup that will not be loaded is released, server-side too.
         assert engine.lookup_and_prefetch_hashes("req-2", hashes, ends).result(5) == 2 * CHUNK
         engine.release_lookup("req-2")
+        assert wait_for(lambda: engine.client.stats().server.leased_chunks == 0)  # one way
         assert engine.client.stats().server.held_lookups == 0
         assert engine.lookup_and_prefetch_hashes("req-3", [], []).result(1) == 0
 
@@ -108,11 +111,12 @@ def test_lookup_and_prefetch_by_tokens_as_in_process(server) -> None:
     with paged_engine(config(server)) as engine:
         engine.store(tokens[:2 * CHUNK], kv_caches=src, block_ids=blocks)
         assert engine.lookup_and_prefetch(tokens, "by-tokens").result(5) == 2 * CHUNK
-        assert engine.client.stats().server.held_lookups == 1
+        assert engine.client.stats().server.leased_chunks == 2  # lent with the answer
         dst = caches(None)
         got = engine.retrieve(tokens, lookup_id="by-tokens", kv_caches=dst, block_ids=blocks)
         assert got.num_tokens == 2 * CHUNK
-        assert engine.client.stats().server.held_lookups == 0  # the prefetch was taken
+        stats = engine.client.stats().server
+        assert (stats.held_lookups, stats.leased_chunks) == (0, 0)  # the prefetch was taken
         assert all(torch.equal(a, b) for a, b in zip(tokens_kv(src, blocks, 2 * CHUNK),
                                                      tokens_kv(dst, blocks, 2 * CHUNK),
                                                      strict=True))

@@ -103,7 +103,10 @@ def test_a_retrieve_by_lookup_id_alone_gets_whole_chunks_only(server, data_path)
     with remote(server.address, data_path) as engine:
         engine.store(a, kv=hf_kv(a))
         b = a[:40] + fresh(24, 22)
-        assert engine.lookup_and_prefetch(b, "keyless").result(10) == 40
+        chunks = engine.chunker.chunk(b)  # (the client's own lookup: nothing lent)
+        assert engine.client.lookup(chunks.keys, chunks.ends, lookup_id="keyless",
+                                    partial_hashes=engine._partial_hashes(chunks),
+                                    block_tokens=engine.block_size or 0) == 40
         views = engine.client.retrieve(lookup_id="keyless")
         assert [v.shape[2] for v in views] == [32]
         assert engine.client.stats().server.held_lookups == 0
