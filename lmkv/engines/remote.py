@@ -75,7 +75,7 @@ class RemoteEngine:
         # prefetches are this engine's): a retrieve never queues behind a poll.
         self._lookups = ServerClient(server.address, session=self.client.session,
                                      timeout_ms=server.timeout_ms, data_path="inline",
-                                     curve=curve)
+                                     curve=curve, releases=self.client.releases)
         if self.client.ping() is None:  # maps the arena now, not on the first load
             logger.warning("lmkv: no lmkv server answers at %s yet; misses until one does",
                            server.address)

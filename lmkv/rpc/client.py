@@ -44,7 +44,7 @@ from lmkv.rpc import protocol as p
 from lmkv.rpc.auth import CurveKeys
 from lmkv.rpc.channel import Channel, Failure
 from lmkv.rpc.handshake import client_problem
-from lmkv.rpc.heartbeat import Heartbeat
+from lmkv.rpc.heartbeat import Heartbeat, Releases
 from lmkv.rpc.liveness import process_identity
 
 logger = logging.getLogger(__name__)
@@ -103,8 +103,8 @@ class ServerClient:
     def __init__(self, address: str | None = None, *, session: str | None = None,
                  timeout_ms: int = DEFAULT_TIMEOUT_MS,
                  data_path: Literal["auto", "inline"] = _CONNECTION["data_path"].default,
-                 context: zmq.Context | None = None, curve: CurveKeys | None = None
-                 ) -> None:
+                 context: zmq.Context | None = None, curve: CurveKeys | None = None,
+                 releases: Releases | None = None) -> None:
         if data_path not in DATA_PATHS:
             raise ValueError(f"data_path {data_path!r}: allowed: {', '.join(DATA_PATHS)}")
         address = address or default_server_address()
@@ -116,9 +116,10 @@ class ServerClient:
         self.info: p.PingReply | None = None
         self.segment: SharedSegment | None = None
         self._channel = Channel(self.address, context, curve)
-        self._heartbeat = Heartbeat(self.address, self.session, context, curve)
-        #: Requests whose lease was released one way, not yet known to have arrived.
-        self._sent_releases: list[int] = []
+        #: Leases given back and not told yet (shared with the session's other
+        #: clients: ``releases=`` another's): the next request carries them.
+        self.releases = releases if releases is not None else Releases()
+        self._heartbeat = Heartbeat(self.address, self.session, context, curve, self.releases)
         #: Lookups whose reply lent their chunks, oldest first (``take_lent``).
         self._lent: dict[str, Lent] = {}
         self._lock = threading.RLock()
@@ -180,16 +181,15 @@ class ServerClient:
         if self._closed:
             return None  # (a late caller, a metrics scrape of a closed engine: a miss)
         message.session = self.session
+        released = self.releases.take()
+        if released:
+            message.released = [*message.released, *released]
         self.counters.requests += 1
         result = self._channel.request(message, parts, timeout_ms or self.timeout_ms)
-        if self._sent_releases:
-            if isinstance(result, Failure):
-                # Releases sent one way may have been dropped with the socket: name
-                # their requests as abandoned (harmless for those that arrived).
-                for req_id in self._sent_releases:
-                    self._heartbeat.abandon(req_id)
-            # else: a reply on this connection, so the server read them before it
-            self._sent_releases.clear()
+        if released and isinstance(result, Failure):
+            # Maybe never read: name their requests as abandoned (harmless for those
+            # the server did read).
+            self._heartbeat.lost_releases(released)
         if result is Failure.UNREACHABLE:
             self.counters.unreachable += 1
             problem = self.connection_problem()
@@ -447,16 +447,12 @@ class ServerClient:
                 self._release(reply)
 
     def _release(self, reply: p.RetrieveReply | p.StoreReply) -> None:
-        """Give a handle back, without waiting for the answer (nothing in it is
-        needed: a round trip less on the thread that loads); when the server
-        cannot be told now, its request is named as abandoned as soon as it can.
-        A release lost with a dropped connection ends with the handle's lease."""
-        message = p.Release(handle=reply.handle, session=self.session)
-        if self._channel.down or not self._channel.send(message):
-            self._heartbeat.abandon(reply.req_id)
-        else:
-            self.counters.requests += 1
-            self._sent_releases.append(reply.req_id)
+        """Give a handle back without a message of its own: the session's next
+        request carries it, or the heartbeat sends it shortly (lmkv.rpc.heartbeat),
+        so the thread that loads pays nothing for it. A release lost with its
+        request names that request as abandoned; one lost with the client ends
+        with the handle's lease."""
+        self._heartbeat.release_later(reply.handle, reply.req_id)
 
     def _views(self, reply: p.RetrieveReply, data: list[zmq.Frame]) -> list[torch.Tensor]:
         """Typed views of the reply's chunks (the valid prefix of them)."""
@@ -652,7 +648,7 @@ class ServerClient:
         with self._lock:
             self._heartbeat.close()
             self._heartbeat = Heartbeat(self.address, self.session, self._channel.context,
-                                        self._channel.curve)
+                                        self._channel.curve, self.releases)
             self._channel.close()
             if self.segment is not None:
                 self.segment.close()

@@ -24,8 +24,18 @@ time, or a release that could not be sent) in a ``renew``'s ``abandoned``, at
 once and again every interval until the server has them: the server releases
 what those requests hold, even when the client has nothing else to say.
 
-On the hot path a transfer costs one dict insert and delete under a lock; the
-thread starts with the first transfer and sleeps while there is none.
+A lease the caller is done with is not released by a message of its own on the
+caller's thread: it waits in the session's ``Releases`` until the next
+request of the session carries it (``released``), or this thread sends it
+within ``FLUSH_S`` when no request comes first. Holding a lease that long
+keeps its chunks from being evicted for that long, nothing more; a release
+that may have been lost with its request is named as abandoned instead.
+
+On the hot path a transfer costs one dict insert and delete under a lock and
+no system call: the thread starts with the first transfer, wakes every
+``FLUSH_S`` while transfers keep coming (so that nothing needs to wake it),
+and sleeps without a deadline once there has been none for ``IDLE_AFTER_S``
+(the next transfer then wakes it).
 """
 
 from __future__ import annotations
@@ -46,6 +56,45 @@ logger = logging.getLogger(__name__)
 _log = RateLimitedLog(logger)
 
 MIN_INTERVAL_S = 0.05
+#: A given-back lease no request carried is sent by the thread within about this.
+FLUSH_S = 0.2
+#: With no transfer for this long the thread stops waking by itself.
+IDLE_AFTER_S = 10.0
+
+
+class Releases:
+    """Leases a session's clients are done with and have not told the server about:
+    handle -> the request that lent it. Shared by the clients of one session (an
+    engine's load and lookup connections): whichever sends a request next carries
+    them."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._items: dict[int, int] = {}
+        self.since = math.inf  # monotonic: when the oldest was given back
+
+    def add(self, handle: int, req_id: int) -> None:
+        with self._lock:
+            if not self._items:
+                self.since = time.monotonic()
+            self._items[handle] = req_id
+
+    def take(self) -> dict[int, int]:
+        """All of them, now the caller's to send (at most ``p.MAX_RELEASED``)."""
+        if not self._items:  # (read without the lock: a late add waits for the next)
+            return {}
+        with self._lock:
+            items = self._items
+            if len(items) <= p.MAX_RELEASED:
+                self._items, self.since = {}, math.inf
+                return items
+            taken = dict(list(items.items())[:p.MAX_RELEASED])
+            for handle in taken:
+                del items[handle]
+            return taken
+
+    def __len__(self) -> int:
+        return len(self._items)
 
 
 class _Use:
@@ -61,9 +110,12 @@ class _Use:
 
 class Heartbeat:
     def __init__(self, address: str, session: str, context: zmq.Context | None = None,
-                 curve: CurveKeys | None = None) -> None:
+                 curve: CurveKeys | None = None, releases: Releases | None = None) -> None:
         self.address = address
         self.session = session
+        self.releases = releases if releases is not None else Releases()
+        self._busy_until = 0.0  # monotonic: the thread wakes by itself until then
+        self._asleep = False  # waiting without a deadline: a transfer must wake it
         self._context = context
         self._curve = curve
         self.interval_s = 15.0
@@ -90,10 +142,26 @@ class Heartbeat:
             if use is not None:
                 use.count += 1
                 return
-            self._active[handle] = _Use(time.monotonic() + self.interval_s)
-            # The thread sleeps without a deadline only while nothing is in use; with
-            # something in use, it wakes at a due time no later than this one's.
-            self._wake_locked(len(self._active) == 1)
+            now = time.monotonic()
+            self._active[handle] = _Use(now + self.interval_s)
+            self._busy_until = now + IDLE_AFTER_S
+            # A thread that wakes by itself (every FLUSH_S, or interval, at most)
+            # finds this one in time: it is due an interval from now.
+            self._wake_locked(self._asleep)
+
+    def release_later(self, handle: int, req_id: int) -> None:
+        """The caller is done with ``handle`` (lent by request ``req_id``): the session's
+        next request tells the server, or this thread does within ``FLUSH_S``."""
+        self.releases.add(handle, req_id)
+        with self._cond:
+            self._busy_until = time.monotonic() + IDLE_AFTER_S
+            self._wake_locked(self._asleep)
+
+    def lost_releases(self, released: dict[int, int]) -> None:
+        """Releases sent with a request that got no answer (the server may not have
+        read them): their requests are named as abandoned, which releases them."""
+        for req_id in released.values():
+            self.abandon(req_id)
 
     def abandon(self, req_id: int) -> None:
         """Tell the server (from the thread) that request ``req_id``'s result is unused."""
@@ -120,19 +188,26 @@ class Heartbeat:
             if use.count <= 0:
                 del self._active[handle]
 
-    def _next_locked(self) -> tuple[dict[int, _Use], list[int]] | None:
-        """Wait until a renewal is due; the uses and abandoned ids it carries, or None
+    def _next_locked(self) -> tuple[dict[int, _Use], list[int], dict[int, int]] | None:
+        """Wait until a renewal is due, abandoned ids wait, or given-back leases have
+        waited ``FLUSH_S``; the uses, abandoned ids and releases it carries, or None
         once closed."""
         while not self._closed:
             now = time.monotonic()
             due = {h: u for h, u in self._active.items() if u.due <= now}
-            if due or self._abandoned:
+            flush = self.releases.since + FLUSH_S <= now
+            if due or self._abandoned or flush:
                 for use in due.values():
                     use.due = now + self.interval_s
-                return due, list(self._abandoned)
+                return due, list(self._abandoned), self.releases.take() if flush else {}
             wake = min((u.due for u in self._active.values() if u.due < math.inf),
-                       default=None)
-            self._cond.wait(None if wake is None else wake - now)
+                       default=math.inf)
+            wake = min(wake, self.releases.since + FLUSH_S)
+            if now < self._busy_until:  # (no later than a transfer begun now is due)
+                wake = min(wake, now + min(FLUSH_S, self.interval_s))
+            self._asleep = wake == math.inf
+            self._cond.wait(None if self._asleep else wake - now)
+            self._asleep = False
         return None
 
     def _run(self) -> None:
@@ -143,20 +218,25 @@ class Heartbeat:
                     work = self._next_locked()
                 if work is None:
                     return
-                uses, abandoned = work
-                if not self._renew(channel, uses, abandoned):
+                uses, abandoned, released = work
+                if not uses and not abandoned and not released:
+                    continue  # (the releases went with a request meanwhile)
+                if not self._renew(channel, uses, abandoned, released):
                     with self._cond:  # the server is not there: try again later
                         if not self._closed:
                             self._cond.wait(self.interval_s)
         finally:
             channel.close()
 
-    def _renew(self, channel: Channel, uses: dict[int, _Use], abandoned: list[int]) -> bool:
-        message = p.Renew(handles=list(uses), session=self.session, abandoned=abandoned)
+    def _renew(self, channel: Channel, uses: dict[int, _Use], abandoned: list[int],
+               released: dict[int, int]) -> bool:
+        message = p.Renew(handles=list(uses), session=self.session, abandoned=abandoned,
+                          released=list(released))
         result = channel.request(message, timeout_ms=max(1, int(self.interval_s * 1000)))
         if not isinstance(result, tuple) or not isinstance(result[0], p.RenewReply):
             _log.warning("failed", "lmkv client: heartbeat to %s failed (%s)", self.address,
                          result if not isinstance(result, tuple) else type(result[0]).__name__)
+            self.lost_releases(released)
             return False
         self.renewals += 1
         with self._cond:

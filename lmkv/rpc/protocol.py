@@ -40,6 +40,8 @@ ERROR_CODES = (BAD_REQUEST, TOO_LARGE, UNKNOWN_HANDLE, OVER_LIMIT, INTERNAL)
 
 # Request ids a client may name in one request's ``abandoned``.
 MAX_ABANDONED = 1024
+# Handles a client may name in one request's ``released``.
+MAX_RELEASED = 1024
 
 # Bounds of ``partial_hashes`` (block-granular hits), checked while decoding:
 # a crafted request cannot make the server build more than this many lists, of
@@ -80,6 +82,9 @@ class Request(msgspec.Struct, tag_field="op", kw_only=True, omit_defaults=True):
     # (it timed out, or could not release them): the server releases what they
     # hold now, or as soon as they produce it.
     abandoned: list[int] = msgspec.field(default_factory=list)
+    # Handles the client is done with (as ``release`` of each): carried by the
+    # session's next request instead of a message of their own.
+    released: list[int] = msgspec.field(default_factory=list)
 
 
 class KeyedRequest(Request, kw_only=True):
@@ -386,6 +391,9 @@ def decode_request(data: bytes | memoryview) -> AnyRequest:
     if len(req.abandoned) > MAX_ABANDONED:
         raise ProtocolError(BAD_REQUEST, f"{len(req.abandoned)} abandoned request ids: "
                             f"at most {MAX_ABANDONED} allowed")
+    if len(req.released) > MAX_RELEASED:
+        raise ProtocolError(BAD_REQUEST, f"{len(req.released)} released handles: "
+                            f"at most {MAX_RELEASED} allowed")
     return req
 
 

@@ -138,6 +138,10 @@ class KVService:
             raise p.ProtocolError(p.BAD_REQUEST, f"{len(data)} unexpected data parts")
         if req.abandoned:
             self.sessions.abandon(self.sessions.touch(req.session), req.abandoned)
+        if req.released:
+            session = self.sessions.touch(req.session)
+            for handle_id in req.released:
+                self.sessions.release_handle(session, handle_id)
         self._peer_pid = peer_pid  # this request's; handlers run one at a time
         try:
             return self._handlers[type(req)](req, data)

@@ -12,8 +12,8 @@ from lmkv.keys.chunking import CacheKey, KeyMeta
 from lmkv.rpc import protocol as p
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "server.md"
-COMMON_FIELDS = {"req_id", "session", "abandoned", "server_id", "keys", "meta", "chunk_hashes",
-                 "partial_hashes"}
+COMMON_FIELDS = {"req_id", "session", "abandoned", "released", "server_id", "keys", "meta",
+                 "chunk_hashes", "partial_hashes"}
 
 
 def sections() -> dict[str, str]:

@@ -87,6 +87,7 @@ def test_a_renewal_crossing_the_callers_release_is_not_reported_lost(
             assert renewals.sending.wait(30), "no renewal was started"
 
         assert client.retrieve_into(keys, consume) == len(keys)
+        client.stats()  # carries the release (lmkv.rpc.heartbeat: given-back leases)
         renewals.proceed.set()  # the renewal reaches the server after the release
         assert wait_for(lambda: renewals.replies, timeout_s=30)
         (reply,) = renewals.replies[:1]

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from lmkv.keys.chunking import CacheKey
+from lmkv.rpc import protocol as p
 from tests.server.conftest import MAX_REQUEST_BYTES
 from tests.server.procs import (
     CHUNK_BYTES,
@@ -15,6 +16,7 @@ from tests.server.procs import (
     chunk_for,
     prompt_keys,
     same_bytes,
+    wait_for,
 )
 
 pytestmark = pytest.mark.slow  # real lmkv server processes
@@ -105,3 +107,22 @@ def test_lookup_by_hashes_from_another_process(server) -> None:
         assert client.lookup_hashes(META, hashes, chunk_ends(keys), lookup_id="h") == \
             chunk_ends(keys)[1]
         assert len(client.retrieve(lookup_id="h")) == 2
+
+
+def test_a_lease_given_back_is_released_without_another_request(server) -> None:
+    """The client's heartbeat sends a release that no request of its session
+    carried; one its next request carries goes with it, and a handle the
+    session does not hold is skipped."""
+    keys = prompt_keys(130, chunks=3)
+    with server.client() as client, server.client() as watcher:
+        client.store(keys, [chunk_for(k) for k in keys])
+        assert len(client.retrieve(keys)) == 3
+        # Only the heartbeat speaks for ``client`` from here on.
+        assert wait_for(lambda: watcher.stats().server.leased_chunks == 0, timeout_s=5)
+        client._heartbeat.close()  # and from here on only its requests
+        assert len(client.retrieve(keys)) == 3
+        assert len(client.releases) == 1
+        assert watcher.stats().server.leased_chunks == 3  # given back, not told yet
+        assert client._call(p.Ping(released=[999_999]), p.PingReply) is not None
+        assert client.counters.error_replies == 0 and not client.releases
+        assert watcher.stats().server.leased_chunks == 0
