@@ -10,7 +10,11 @@ layout, for ``bench_vllm.py``'s model (8 layers, 4 KV heads of 64, float32,
 * ``disk``: the prompt was stored into the fs tier by another process; a fresh
   process opens the tier, looks the prompt up and loads it (direct reads: from
   the page cache into the KV, each entry verified), the first request of that
-  process as in a restarted engine.
+  process as in a restarted engine;
+* ``server`` (not run by default): the memory path in server mode: an ``lmkv
+  server`` (a cpu tier in shared memory) holds the prompt this process stored
+  through it; lookup (the server lends the chunks with its answer) and load
+  out of its arena.
 
 The baseline is ``torch.Tensor.copy_`` of N tokens' KV (the same bytes) between
 two touched buffers, best of ``--repeats``; for the memory path also the
@@ -26,6 +30,7 @@ from memory, and no request loads KV that is. Target: lookup + load at most
 
     python benchmarks/bench_warm_path.py --repeats 7
     python benchmarks/bench_warm_path.py --paths memory --repeats 40
+    python benchmarks/bench_warm_path.py --paths memory,server --repeats 60
 """
 
 from __future__ import annotations
@@ -222,8 +227,8 @@ def disk(repeats: int) -> dict[str, list[float]]:
 
 def print_rows(rows: dict[str, dict[str, list[float]]], repeats: int) -> None:
     print(f"lmkv's own time on a warm request vs memcpy of the same bytes ({DTYPE}, "
-          f"{LAYERS} layers x {HEADS} heads x {DIM}; memory: best lookup+load of "
-          f"{repeats} and medians of each; disk: medians over {repeats} fresh "
+          f"{LAYERS} layers x {HEADS} heads x {DIM}; memory, server: best lookup+load "
+          f"of {repeats} and medians of each; disk: medians over {repeats} fresh "
           "processes)")
     print(f"{'path':<8}{'tokens':>7}{'MiB':>6}{'lookup':>9}{'load':>8}{'l+l':>8}"
           f"{'memcpy':>8}{'x memcpy':>10}{'paired':>8}")

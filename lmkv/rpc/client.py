@@ -119,9 +119,11 @@ class ServerClient:
         #: Leases given back and not told yet (shared with the session's other
         #: clients: ``releases=`` another's): the next request carries them.
         self.releases = releases if releases is not None else Releases()
-        self._heartbeat = Heartbeat(self.address, self.session, context, curve, self.releases)
         #: Lookups whose reply lent their chunks, oldest first (``take_lent``).
         self._lent: dict[str, Lent] = {}
+        self._lent_lock = threading.Lock()
+        self._heartbeat = Heartbeat(self.address, self.session, context, curve, self.releases,
+                                    self._expire_lent)
         self._lock = threading.RLock()
         self._closed = False  # closed for good: no request opens a connection again
         self._chunk_bytes_hint = 32 << 20
@@ -280,8 +282,9 @@ class ServerClient:
         done, None when pending, False on failure."""
         message = p.Lookup(**fields, chunk_ends=list(chunk_ends), lookup_id=lookup_id or "",
                            prefetch=lookup_id is not None, wait=wait, keys_per_chunk=kpc)
+        if lookup_id:
+            self.release_lent(lookup_id)  # (an id looked up again: its old lease)
         with self._lock:
-            self._release_lent(self._lent.pop(lookup_id, None) if lookup_id else None)
             got = self._call(message, p.LookupReply, timeout_ms=timeout_ms)
             if got is None:
                 return 0 if wait else False
@@ -295,16 +298,18 @@ class ServerClient:
         return reply.hit_tokens if reply.done else None
 
     # -- chunks lent by a lookup ------------------------------------------------------
+    # ``_lent_lock`` guards the dict alone: leases are given back outside it (the
+    # heartbeat thread takes it, holding its own lock, to expire them).
     def _keep_lent(self, lookup_id: str, lent: Lent) -> None:
-        """Keep what a lookup's reply lent; give back those past their age or count."""
-        lent_list = self._lent
-        lent_list[lookup_id] = lent
-        oldest = lent.at - self._lent_max_age_s()
-        while lent_list:
-            first = next(iter(lent_list))
-            if lent_list[first].at >= oldest and len(lent_list) <= MAX_LENT:
-                break
-            self._release_lent(lent_list.pop(first))
+        """Keep what a lookup's reply lent (the heartbeat gives back those nobody
+        took in time); give back the oldest past ``MAX_LENT``."""
+        with self._lent_lock:
+            self._lent[lookup_id] = lent
+            extra = [self._lent.pop(next(iter(self._lent)))
+                     for _ in range(len(self._lent) - MAX_LENT)]
+        for old in extra:
+            self._release_lent(old)
+        self._heartbeat.touch()
 
     def _lent_max_age_s(self) -> float:
         """How long lent chunks are read without asking: half the shorter of the
@@ -315,30 +320,48 @@ class ServerClient:
             return 0.0
         return min(info.handle_ttl_s, info.session_timeout_s) / 2
 
+    def _expire_lent(self, now: float) -> float:
+        """Give back (through the heartbeat, which calls this) lent chunks no retrieve
+        took within their age; when the next ones are due (``math.inf``: none)."""
+        max_age = self._lent_max_age_s()
+        stale = []
+        with self._lent_lock:
+            while self._lent:
+                first = next(iter(self._lent.values()))
+                if first.at + max_age > now:
+                    break
+                stale.append(self._lent.pop(next(iter(self._lent))))
+            due = next(iter(self._lent.values())).at + max_age if self._lent else math.inf
+        for lent in stale:  # (a server that lends reads ``released``)
+            self.releases.add(lent.reply.handle, lent.reply.req_id)
+        return due
+
     def take_lent(self, lookup_id: str) -> Lent | None:
         """What the lookup ``lookup_id``'s reply lent, for the retrieve that loads it
         (``retrieve_into(..., lent=)``), which then gives it back; None when
         nothing was, or it is too old to be read without asking (then it is given
         back, and a Retrieve asks)."""
-        with self._lock:
+        if not self._lent:  # (read without the lock: nothing lent is the common miss)
+            return None
+        with self._lent_lock:
             lent = self._lent.pop(lookup_id, None)
-            if lent is not None and time.monotonic() - lent.at > self._lent_max_age_s():
-                self._release_lent(lent)
-                return None
+        if lent is not None and time.monotonic() - lent.at > self._lent_max_age_s():
+            self._release_lent(lent)
+            return None
         return lent
 
     def release_lent(self, lookup_id: str) -> bool:
         """Give back what the lookup ``lookup_id``'s reply lent; False when nothing."""
-        with self._lock:
+        with self._lent_lock:
             lent = self._lent.pop(lookup_id, None)
-            self._release_lent(lent)
+        self._release_lent(lent)
         return lent is not None
 
     def release_all_lent(self) -> None:
-        with self._lock:
+        with self._lent_lock:
             lent_list, self._lent = self._lent, {}
-            for lent in lent_list.values():
-                self._release_lent(lent)
+        for lent in lent_list.values():
+            self._release_lent(lent)
 
     def _release_lent(self, lent: Lent | None) -> None:
         if lent is not None:
@@ -451,8 +474,13 @@ class ServerClient:
         request carries it, or the heartbeat sends it shortly (lmkv.rpc.heartbeat),
         so the thread that loads pays nothing for it. A release lost with its
         request names that request as abandoned; one lost with the client ends
-        with the handle's lease."""
-        self._heartbeat.release_later(reply.handle, reply.req_id)
+        with the handle's lease. A server older than ``released`` is told by the
+        heartbeat at once, naming the request as abandoned (which releases it)."""
+        info = self.info
+        if info is not None and info.protocol >= p.RELEASED_SINCE:
+            self._heartbeat.release_later(reply.handle, reply.req_id)
+        else:
+            self._heartbeat.abandon(reply.req_id)
 
     def _views(self, reply: p.RetrieveReply, data: list[zmq.Frame]) -> list[torch.Tensor]:
         """Typed views of the reply's chunks (the valid prefix of them)."""
@@ -648,7 +676,7 @@ class ServerClient:
         with self._lock:
             self._heartbeat.close()
             self._heartbeat = Heartbeat(self.address, self.session, self._channel.context,
-                                        self._channel.curve, self.releases)
+                                        self._channel.curve, self.releases, self._expire_lent)
             self._channel.close()
             if self.segment is not None:
                 self.segment.close()

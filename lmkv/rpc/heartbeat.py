@@ -31,6 +31,10 @@ within ``FLUSH_S`` when no request comes first. Holding a lease that long
 keeps its chunks from being evicted for that long, nothing more; a release
 that may have been lost with its request is named as abandoned instead.
 
+Chunks a lookup's reply lent (lmkv.rpc.client) that no retrieve took within
+their age are given back by this thread too, so an engine that goes idle
+holds nothing for long.
+
 On the hot path a transfer costs one dict insert and delete under a lock and
 no system call: the thread starts with the first transfer, wakes every
 ``FLUSH_S`` while transfers keep coming (so that nothing needs to wake it),
@@ -44,6 +48,7 @@ import logging
 import math
 import threading
 import time
+from collections.abc import Callable
 
 import zmq
 
@@ -110,10 +115,15 @@ class _Use:
 
 class Heartbeat:
     def __init__(self, address: str, session: str, context: zmq.Context | None = None,
-                 curve: CurveKeys | None = None, releases: Releases | None = None) -> None:
+                 curve: CurveKeys | None = None, releases: Releases | None = None,
+                 expire: Callable[[float], float] | None = None) -> None:
         self.address = address
         self.session = session
         self.releases = releases if releases is not None else Releases()
+        # The client's leases nobody took in time, given back by this thread: called
+        # with the time, it gives back those due (into ``releases``) and says when
+        # the next are (math.inf: none). It must not wait on the client's lock.
+        self._expire = expire
         self._busy_until = 0.0  # monotonic: the thread wakes by itself until then
         self._asleep = False  # waiting without a deadline: a transfer must wake it
         self._context = context
@@ -147,6 +157,13 @@ class Heartbeat:
             self._busy_until = now + IDLE_AFTER_S
             # A thread that wakes by itself (every FLUSH_S, or interval, at most)
             # finds this one in time: it is due an interval from now.
+            self._wake_locked(self._asleep)
+
+    def touch(self) -> None:
+        """The client holds something with a due time (``expire``'s): have the
+        thread running, and looking at it."""
+        with self._cond:
+            self._busy_until = time.monotonic() + IDLE_AFTER_S
             self._wake_locked(self._asleep)
 
     def release_later(self, handle: int, req_id: int) -> None:
@@ -194,6 +211,7 @@ class Heartbeat:
         once closed."""
         while not self._closed:
             now = time.monotonic()
+            expires = self._expire(now) if self._expire is not None else math.inf
             due = {h: u for h, u in self._active.items() if u.due <= now}
             flush = self.releases.since + FLUSH_S <= now
             if due or self._abandoned or flush:
@@ -202,7 +220,7 @@ class Heartbeat:
                 return due, list(self._abandoned), self.releases.take() if flush else {}
             wake = min((u.due for u in self._active.values() if u.due < math.inf),
                        default=math.inf)
-            wake = min(wake, self.releases.since + FLUSH_S)
+            wake = min(wake, self.releases.since + FLUSH_S, expires)
             if now < self._busy_until:  # (no later than a transfer begun now is due)
                 wake = min(wake, now + min(FLUSH_S, self.interval_s))
             self._asleep = wake == math.inf

@@ -26,7 +26,11 @@ from lmkv.memory import shape_problem
 
 logger = logging.getLogger(__name__)
 
-PROTOCOL_VERSION = 1
+#: 2: ``lend`` on ``lookup`` (and what its reply lends), ``released`` on every
+#: request. A client tells servers of version 1 about its releases otherwise.
+PROTOCOL_VERSION = 2
+#: The first protocol version whose servers read ``released``.
+RELEASED_SINCE = 2
 
 DataPath = Literal["shm", "inline"]
 

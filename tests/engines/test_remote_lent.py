@@ -125,6 +125,22 @@ def test_lent_chunks_too_old_to_read_are_given_back_and_asked_for(server, monkey
         assert released(engine)
 
 
+def test_lent_chunks_nobody_takes_are_given_back_by_the_heartbeat(server) -> None:
+    """An engine that lookups and then goes idle holds its lent chunks only for
+    their age: its heartbeat gives them back, with no request of the engine's."""
+    tokens = prompt(28, 2 * CHUNK)
+    with paged_engine(config(server)) as engine, server.client() as watcher:
+        engine.store(tokens, kv_caches=caches(28), block_ids=list(range(4)))
+        engine._lookups._lent_max_age_s = lambda: 0.3  # type: ignore[method-assign]
+        hashes, ends = prefix_hashes(tokens, CHUNK), [CHUNK, 2 * CHUNK]
+        assert engine.lookup_and_prefetch_hashes("idle", hashes, ends).result(5) == 2 * CHUNK
+        asked = requests(engine)
+        assert watcher.stats().server.leased_chunks == 2
+        assert wait_for(lambda: watcher.stats().server.leased_chunks == 0, timeout_s=10)
+        assert requests(engine) == asked  # none of the engine's requests
+        assert engine._lookups.take_lent("idle") is None
+
+
 @pytest.mark.parametrize("why", ["inline", "limits"])
 def test_no_lend_leaves_the_prefetch_for_a_retrieve(tmp_path, why) -> None:
     """A client on the inline data path is never lent chunks; one whose session

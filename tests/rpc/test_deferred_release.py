@@ -17,10 +17,17 @@ from lmkv.rpc.client import ServerClient
 from lmkv.rpc.heartbeat import Releases
 
 
+def _info(protocol: int = p.PROTOCOL_VERSION) -> p.PingReply:
+    return p.PingReply(req_id=0, server_id="s", protocol=protocol, pid=1, host_id="",
+                       shm_name="", shm_size=0, max_request_bytes=1, session_timeout_s=30,
+                       handle_ttl_s=30)
+
+
 @pytest.fixture
 def client(tmp_path):
     made = ServerClient(f"ipc://{tmp_path}/none/sock", timeout_ms=50)
     made._heartbeat.close()  # (its thread would carry the releases too)
+    made.info = _info()
     sent: list[p.Request] = []
     yield made, sent
     made.close()
@@ -42,10 +49,7 @@ def test_a_release_rides_on_the_next_request(client) -> None:
     made, sent = client
     made._release(_lease(40, 6))
     made._release(_lease(41, 7))
-    reply = p.PingReply(req_id=0, server_id="s", protocol=p.PROTOCOL_VERSION, pid=1,
-                        host_id="", shm_name="", shm_size=0, max_request_bytes=1,
-                        session_timeout_s=30, handle_ttl_s=30)
-    made._channel.request = _answering(sent, (reply, []))  # type: ignore[method-assign]
+    made._channel.request = _answering(sent, (_info(), []))  # type: ignore[method-assign]
     assert made._call(p.Ping(), p.PingReply) is not None
     assert sent[0].released == [6, 7]
     made._call(p.Ping(), p.PingReply)
@@ -69,6 +73,7 @@ def test_clients_of_one_session_share_their_releases(client, tmp_path) -> None:
                          releases=made.releases)
     try:
         other._heartbeat.close()
+        other.info = _info()
         made._release(_lease(43, 9))
         other._channel.request = _answering(sent, Failure.UNREACHABLE)  # type: ignore[method-assign]
         other._call(p.Ping(), p.PingReply)
@@ -85,3 +90,11 @@ def test_releases_are_taken_at_most_a_request_s_worth_at_a_time() -> None:
     assert len(releases.take()) == p.MAX_RELEASED
     assert list(releases.take()) == list(range(p.MAX_RELEASED, p.MAX_RELEASED + 5))
     assert not releases.take() and releases.since == float("inf")
+
+
+def test_a_server_before_released_is_told_by_abandoning_the_request(client) -> None:
+    made, _ = client
+    made.info = _info(protocol=1)
+    made._release(_lease(44, 10))
+    assert not made.releases  # nothing rides on a request such a server skips
+    assert 44 in made._heartbeat._abandoned  # the heartbeat names it: released
