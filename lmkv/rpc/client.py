@@ -185,12 +185,12 @@ class ServerClient:
         message.session = self.session
         released = self.releases.take()
         if released:
-            message.released = [*message.released, *released]
+            message.released = [*message.released, *released.items()]
         self.counters.requests += 1
         result = self._channel.request(message, parts, timeout_ms or self.timeout_ms)
-        if released and isinstance(result, Failure):
-            # Maybe never read: name their requests as abandoned (harmless for those
-            # the server did read).
+        if released and (isinstance(result, Failure) or isinstance(result[0], p.ErrorReply)):
+            # Maybe never read (no reply, or a request refused before it was handled):
+            # name their requests as abandoned (harmless for those the server read).
             self._heartbeat.lost_releases(released)
         if result is Failure.UNREACHABLE:
             self.counters.unreachable += 1
@@ -302,11 +302,14 @@ class ServerClient:
     # heartbeat thread takes it, holding its own lock, to expire them).
     def _keep_lent(self, lookup_id: str, lent: Lent) -> None:
         """Keep what a lookup's reply lent (the heartbeat gives back those nobody
-        took in time); give back the oldest past ``MAX_LENT``."""
+        took in time); give back one it replaces, and the oldest past ``MAX_LENT``."""
         with self._lent_lock:
+            replaced = self._lent.pop(lookup_id, None)  # (the newest goes last)
             self._lent[lookup_id] = lent
             extra = [self._lent.pop(next(iter(self._lent)))
                      for _ in range(len(self._lent) - MAX_LENT)]
+        if replaced is not None:
+            extra.append(replaced)
         for old in extra:
             self._release_lent(old)
         self._heartbeat.touch()

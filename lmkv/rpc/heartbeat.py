@@ -249,7 +249,7 @@ class Heartbeat:
     def _renew(self, channel: Channel, uses: dict[int, _Use], abandoned: list[int],
                released: dict[int, int]) -> bool:
         message = p.Renew(handles=list(uses), session=self.session, abandoned=abandoned,
-                          released=list(released))
+                          released=list(released.items()))
         result = channel.request(message, timeout_ms=max(1, int(self.interval_s * 1000)))
         if not isinstance(result, tuple) or not isinstance(result[0], p.RenewReply):
             _log.warning("failed", "lmkv client: heartbeat to %s failed (%s)", self.address,

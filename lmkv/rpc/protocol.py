@@ -86,9 +86,11 @@ class Request(msgspec.Struct, tag_field="op", kw_only=True, omit_defaults=True):
     # (it timed out, or could not release them): the server releases what they
     # hold now, or as soon as they produce it.
     abandoned: list[int] = msgspec.field(default_factory=list)
-    # Handles the client is done with (as ``release`` of each): carried by the
-    # session's next request instead of a message of their own.
-    released: list[int] = msgspec.field(default_factory=list)
+    # Leases the client is done with, each ``[handle, req_id]`` (the request that
+    # lent it: a handle id of an earlier server run never releases another's
+    # lease), carried by the session's next request instead of a message of
+    # their own.
+    released: list[tuple[int, int]] = msgspec.field(default_factory=list)
 
 
 class KeyedRequest(Request, kw_only=True):

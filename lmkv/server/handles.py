@@ -111,10 +111,12 @@ class Quarantine:
                      "client may still copy (%d chunks); its buffers are quarantined until "
                      "the client is gone", handle.id, session_id, len(handle.objs))
 
-    def release(self, session_id: str, handle_id: int) -> int | None:
-        """The client is done with ``handle_id``: chunks freed, or None if not held here."""
+    def release(self, session_id: str, handle_id: int, req_id: int | None = None) -> int | None:
+        """The client is done with ``handle_id`` (lent to its request ``req_id``, when
+        given): chunks freed, or None if not held here."""
         held = self._held.get(handle_id)
-        if held is None or held.session_id != session_id:
+        if held is None or held.session_id != session_id or \
+                (req_id is not None and held.handle.req_id != req_id):
             return None
         return self._free(handle_id)
 

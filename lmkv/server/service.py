@@ -140,8 +140,8 @@ class KVService:
             self.sessions.abandon(self.sessions.touch(req.session), req.abandoned)
         if req.released:
             session = self.sessions.touch(req.session)
-            for handle_id in req.released:
-                self.sessions.release_handle(session, handle_id)
+            for handle_id, req_id in req.released:
+                self.sessions.release_handle(session, handle_id, req_id)
         self._peer_pid = peer_pid  # this request's; handlers run one at a time
         try:
             return self._handlers[type(req)](req, data)
@@ -209,14 +209,19 @@ class KVService:
         lookup id naming the keys it holds them by would: a lease on the
         shared-memory data path (its handle, those keys, and the chunks). None,
         and the prefetch left held for a Retrieve, unless all of it is in the
-        shared segment and fits the session's limits (one key a chunk)."""
+        shared segment and leaves half the session's limits free (one key a
+        chunk)."""
         held = self.storage.events.held(key)
         if held is None or not held[0] or not self._in_segment(held[0]) \
                 or key not in session.lookups or req.keys_per_chunk != 1 or req.meta is None:
             return None
+        # Lent leases wait for a load that may come later: they may take only half
+        # of the session's limits, the rest stays for its stores and retrieves.
         handles_left, bytes_left = self.sessions.room(session)
-        if handles_left < 1 or (bytes_left is not None
-                                and sum(o.tensor.nbytes for o in held[0]) > bytes_left):
+        limits = self.sessions.limits
+        if handles_left - 1 < limits.max_handles // 2 or (
+                bytes_left is not None and limits.max_bytes is not None
+                and bytes_left - sum(o.tensor.nbytes for o in held[0]) < limits.max_bytes // 2):
             return None
         # Under the keys the prefetch holds them by: a partial hit's chunk under its
         # leading blocks' key, which a retrieve of the prompt cut there names too.

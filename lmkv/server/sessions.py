@@ -155,12 +155,17 @@ class SessionTable:
     def pop_handle(self, session: Session, handle_id: int) -> Handle | None:
         return session.handles.pop(handle_id, None)
 
-    def release_handle(self, session: Session, handle_id: int) -> int:
-        """The client is done with ``handle_id`` (held or quarantined): chunks released."""
-        handle = session.handles.pop(handle_id, None)
+    def release_handle(self, session: Session, handle_id: int, req_id: int | None = None) -> int:
+        """The client is done with ``handle_id`` (held or quarantined): chunks released.
+        With ``req_id``, only a handle lent to that request: an id a client names
+        from an earlier run of the server (ids start again) is not another's lease."""
+        handle = session.handles.get(handle_id)
         if handle is not None:
+            if req_id is not None and handle.req_id != req_id:
+                return 0
+            del session.handles[handle_id]
             return handle.release()
-        return self.quarantine.release(session.id, handle_id) or 0
+        return self.quarantine.release(session.id, handle_id, req_id) or 0
 
     def renew(self, session: Session, handle_ids: list[int]) -> list[int]:
         """Extend the life of the session's ``handle_ids``; those it does not hold."""

@@ -144,9 +144,10 @@ def test_lent_chunks_nobody_takes_are_given_back_by_the_heartbeat(server) -> Non
 @pytest.mark.parametrize("why", ["inline", "limits"])
 def test_no_lend_leaves_the_prefetch_for_a_retrieve(tmp_path, why) -> None:
     """A client on the inline data path is never lent chunks; one whose session
-    holds as many handles as its limits allow keeps the prefetch held: both
-    load it with a retrieve, as before lookups could lend."""
-    limits = "server: {session_max_handles: 1}\n" if why == "limits" else ""
+    holds half the handles its limits allow keeps the prefetch held (the rest
+    stays for stores and retrieves): both load it with a retrieve, as before
+    lookups could lend."""
+    limits = "server: {session_max_handles: 4}\n" if why == "limits" else ""
     srv = start_server(tmp_path, "tiers:\n  - type: cpu\n    options: {max_bytes: 64MiB}\n"
                        + limits)
     try:
@@ -156,13 +157,15 @@ def test_no_lend_leaves_the_prefetch_for_a_retrieve(tmp_path, why) -> None:
         with paged_engine(config(srv, data_path)) as engine:
             engine.store(tokens, kv_caches=src, block_ids=blocks)
             hashes, ends = prefix_hashes(tokens, CHUNK), [CHUNK, 2 * CHUNK]
-            if why == "limits":  # the one handle the session may hold: lent to a lookup
-                assert engine.lookup_and_prefetch_hashes("first", hashes, ends).result(5)
-                assert held(engine) == (0, 2)
+            if why == "limits":  # two of the four handles lent: half the limit
+                for first in ("first", "second"):
+                    assert engine.lookup_and_prefetch_hashes(first, hashes, ends).result(5)
+                assert held(engine) == (0, 4)
             assert engine.lookup_and_prefetch_hashes("r", hashes, ends).result(5) == 2 * CHUNK
             assert held(engine)[0] == 1
             if why == "limits":
-                engine.release_lookup("first")
+                for first in ("first", "second"):
+                    engine.release_lookup(first)
                 assert wait_for(lambda: held(engine) == (1, 0), timeout_s=10)
             dst = caches(None)
             got = engine.retrieve(tokens, lookup_id="r", kv_caches=dst, block_ids=blocks)

@@ -51,7 +51,7 @@ def test_a_release_rides_on_the_next_request(client) -> None:
     made._release(_lease(41, 7))
     made._channel.request = _answering(sent, (_info(), []))  # type: ignore[method-assign]
     assert made._call(p.Ping(), p.PingReply) is not None
-    assert sent[0].released == [6, 7]
+    assert sent[0].released == [(6, 40), (7, 41)]
     made._call(p.Ping(), p.PingReply)
     assert sent[1].released == []  # carried once
     assert not made._heartbeat._abandoned
@@ -62,7 +62,7 @@ def test_a_release_lost_with_its_request_is_named_abandoned(client) -> None:
     made._release(_lease(41, 7))
     made._channel.request = _answering(sent, Failure.TIMEOUT)  # type: ignore[method-assign]
     assert made._call(p.Ping(), p.PingReply) is None
-    assert sent[0].released == [7]
+    assert sent[0].released == [(7, 41)]
     assert 41 in made._heartbeat._abandoned
 
 
@@ -77,7 +77,7 @@ def test_clients_of_one_session_share_their_releases(client, tmp_path) -> None:
         made._release(_lease(43, 9))
         other._channel.request = _answering(sent, Failure.UNREACHABLE)  # type: ignore[method-assign]
         other._call(p.Ping(), p.PingReply)
-        assert sent[0].released == [9]
+        assert sent[0].released == [(9, 43)]
         assert 43 in other._heartbeat._abandoned
     finally:
         other.close()
@@ -98,3 +98,15 @@ def test_a_server_before_released_is_told_by_abandoning_the_request(client) -> N
     made._release(_lease(44, 10))
     assert not made.releases  # nothing rides on a request such a server skips
     assert 44 in made._heartbeat._abandoned  # the heartbeat names it: released
+
+
+def test_a_refused_request_s_releases_are_named_abandoned(client) -> None:
+    """A request the server refuses may have been refused before its releases were
+    read (too large, undecodable): they are named as abandoned too."""
+    made, sent = client
+    made._release(_lease(45, 11))
+    refusal = p.ErrorReply(req_id=0, server_id="s", code=p.TOO_LARGE, reason="too large")
+    made._channel.request = _answering(sent, (refusal, []))  # type: ignore[method-assign]
+    assert made._call(p.Ping(), p.PingReply) is None
+    assert sent[0].released == [(11, 45)]
+    assert 45 in made._heartbeat._abandoned

@@ -248,7 +248,7 @@ DECODE_BOMBS = [
     nested(200_000),
     map_with(b"\xa6shapes", b"\x91\x91\xcf" + (1 << 64 - 1).to_bytes(8, "big")),
     b"\x82\xa2op\xa4ping\xa8abandoned" + b"\xdc\x08\x00" + b"\x01" * 2048,  # too many ids
-    b"\x82\xa2op\xa4ping\xa8released" + b"\xdc\x08\x00" + b"\x01" * 2048,  # too many handles
+    b"\x82\xa2op\xa4ping\xa8released" + b"\xdc\x08\x00" + b"\x92\x01\x01" * 2048,  # too many
 ]
 
 

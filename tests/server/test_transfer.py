@@ -111,8 +111,8 @@ def test_lookup_by_hashes_from_another_process(server) -> None:
 
 def test_a_lease_given_back_is_released_without_another_request(server) -> None:
     """The client's heartbeat sends a release that no request of its session
-    carried; one its next request carries goes with it, and a handle the
-    session does not hold is skipped."""
+    carried; a request's ``released`` releases the leases it names, each by its
+    handle and the request it was lent to, and skips any other."""
     keys = prompt_keys(130, chunks=3)
     with server.client() as client, server.client() as watcher:
         client.store(keys, [chunk_for(k) for k in keys])
@@ -123,6 +123,12 @@ def test_a_lease_given_back_is_released_without_another_request(server) -> None:
         assert len(client.retrieve(keys)) == 3
         assert len(client.releases) == 1
         assert watcher.stats().server.leased_chunks == 3  # given back, not told yet
-        assert client._call(p.Ping(released=[999_999]), p.PingReply) is not None
-        assert client.counters.error_replies == 0 and not client.releases
+        (handle, req_id), = client.releases.take().items()
+        # A handle named with another request (an id of an earlier server run: ids
+        # start again) is not released; nor is one the session does not hold.
+        for wrong in ([(handle, req_id + 1)], [(999_999, req_id)]):
+            assert client._call(p.Ping(released=wrong), p.PingReply) is not None
+            assert watcher.stats().server.leased_chunks == 3
+        assert client._call(p.Ping(released=[(handle, req_id)]), p.PingReply) is not None
+        assert client.counters.error_replies == 0
         assert watcher.stats().server.leased_chunks == 0
