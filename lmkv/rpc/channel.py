@@ -102,19 +102,6 @@ class Channel:
             self.down = False
             return reply, parts[1:]
 
-    def send(self, message: p.Request) -> bool:
-        """Send ``message`` without waiting for its reply (dropped when it comes, as
-        a late reply is); False when it could not be sent now."""
-        sock = self._socket if self._socket is not None else self._connect()
-        if sock is None or self.down or not sock.poll(0, zmq.POLLOUT):
-            return False
-        message.req_id = next(_req_ids)
-        try:
-            sock.send(p.encode(message), zmq.NOBLOCK)
-        except zmq.Again:
-            return False
-        return True
-
     def _connect(self) -> zmq.Socket | None:
         # A socket in a directory another user controls may be theirs: whatever
         # answers there could hand us planted KV. Checked on every (re)connect.

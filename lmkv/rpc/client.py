@@ -67,7 +67,8 @@ _HOLDING = (p.Lookup, p.Retrieve, p.Store)
 @dataclass
 class Lent:
     """Chunks a lookup's reply lent (``start_lookup_hashes(..., lend=True)``): the
-    lease, the keys looked up, and when the reply came (monotonic)."""
+    reply (the lease and the lent chunks' hashes), the meta they were looked up
+    under, and when the reply came (monotonic)."""
 
     reply: p.LookupReply
     meta: KeyMeta
@@ -355,6 +356,8 @@ class ServerClient:
 
     def release_lent(self, lookup_id: str) -> bool:
         """Give back what the lookup ``lookup_id``'s reply lent; False when nothing."""
+        if not self._lent:  # (read without the lock: the common case, every lookup)
+            return False
         with self._lent_lock:
             lent = self._lent.pop(lookup_id, None)
         self._release_lent(lent)

@@ -208,10 +208,12 @@ class KVService:
         """Lend what the finished prefetch ``key`` holds, as a Retrieve of its
         lookup id naming the keys it holds them by would: a lease on the
         shared-memory data path (its handle, those keys, and the chunks). None,
-        and the prefetch left held for a Retrieve, unless all of it is in the
-        shared segment and leaves half the session's limits free (one key a
-        chunk)."""
-        held = self.storage.events.held(key)
+        and the prefetch left held for a Retrieve, unless the client's process
+        is verified (``process``), all of it is in the shared segment, and it
+        leaves half the session's limits free (one key a chunk)."""
+        # Only to a client process verified to map the arena: a lease lent to one
+        # that cannot read it (another host) would only hold buffers.
+        held = self.storage.events.held(key) if process else None
         if held is None or not held[0] or not self._in_segment(held[0]) \
                 or key not in session.lookups or req.keys_per_chunk != 1 or req.meta is None:
             return None

@@ -192,3 +192,22 @@ def test_a_partial_hit_comes_lent_for_the_prompt_cut_there(server) -> None:
         assert result.num_tokens == hit and same_kv_b(result, b, hit)
         assert requests(engine) == asked  # the load sent nothing
         assert released(engine)
+
+
+def test_nothing_is_lent_to_a_process_the_server_cannot_verify(server) -> None:
+    """A lookup asking to ``lend`` without naming a process that maps the arena (a
+    client on another host, say) keeps its prefetch held: a lease it could not
+    read would only hold buffers."""
+    from lmkv.rpc import protocol as p
+
+    tokens = prompt(29, 2 * CHUNK)
+    with paged_engine(config(server)) as engine:
+        engine.store(tokens, kv_caches=caches(29), block_ids=list(range(4)))
+        for claim in ("", "otherhost|4026531836|1|1"):
+            got = engine.client._call(p.Lookup(
+                meta=engine.meta, chunk_hashes=prefix_hashes(tokens, CHUNK),
+                chunk_ends=[CHUNK, 2 * CHUNK], lookup_id=f"unverified{len(claim)}",
+                wait=False, lend=True, process=claim), p.LookupReply)
+            assert got is not None
+            assert (got[0].hit_tokens, got[0].handle, got[0].chunks) == (2 * CHUNK, 0, [])
+        assert held(engine) == (2, 0)
