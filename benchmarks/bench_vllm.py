@@ -40,7 +40,14 @@ in its own subprocess:
 
 ``--configs a,b`` runs a subset (``prefix-cache`` always runs: it is the baseline,
 except in a run of ``lmkv-layerwise`` alone, whose table has its own);
-``--repeats N`` takes the median of N (default 3).
+``--repeats N`` takes the median of N (default 3). ``--rounds K`` (default 1)
+runs the whole set K times, each round in fresh processes over fresh storage
+(its own directory, its own server or pool), the configurations' order
+reversed every other round, and pools each configuration's samples over the
+rounds: a vLLM process keeps its forward's speed for its lifetime, faster or
+slower than another process's by more than a connector's load (see
+docs/benchmarks.md), so a comparison of two configurations across processes
+needs several processes of each.
 
 ``--split`` picks where a warm prompt leaves the stored one:
 
@@ -81,6 +88,7 @@ import contextlib
 import json
 import os
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -90,6 +98,7 @@ from collections.abc import Iterator
 
 LENGTHS = (512, 2048, 4096)
 REPEATS = int(os.environ.get("BENCH_REPEATS", "3"))
+ROUNDS = 1  # (--rounds: the main process only)
 DTYPE = os.environ.get("BENCH_DTYPE", "float32")
 SPLIT = os.environ.get("BENCH_SPLIT", "chunk")
 SEED = int(os.environ.get("BENCH_SEED", "0"))
@@ -512,7 +521,6 @@ def sub(mode: str, model_dir: str, tmp: str, env: dict) -> dict:
 def main() -> int:
     import argparse
 
-    from lmkv.testing.server import spawn_server
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--configs", default=",".join(CONFIGS))
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
@@ -526,6 +534,9 @@ def main() -> int:
                         help="the fs tier's durable option in lmkv-2proc")
     parser.add_argument("--fs-mapped-reads", choices=("true", "false"), default="",
                         help="the fs tier's mapped_reads option in lmkv-2proc")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run the whole set this many times in fresh processes, "
+                             "alternating the order, and pool the samples")
     parser.add_argument("--timeline", type=int, choices=LENGTHS, metavar="N",
                         help="print each warm prompt's connector calls at N tokens "
                              "(see the docstring)")
@@ -539,8 +550,9 @@ def main() -> int:
     unknown = set(configs) - set(CONFIGS)
     if unknown:
         raise SystemExit(f"unknown configs {sorted(unknown)}; known: {', '.join(CONFIGS)}")
-    global REPEATS, DTYPE, SPLIT, SEED
+    global REPEATS, DTYPE, SPLIT, SEED, ROUNDS
     REPEATS, DTYPE, SPLIT, SEED = args.repeats, args.dtype, args.split, args.seed
+    ROUNDS = args.rounds
     os.environ.update(BENCH_REPEATS=str(REPEATS), BENCH_DTYPE=DTYPE, BENCH_SPLIT=SPLIT,
                       BENCH_SEED=str(SEED), BENCH_FS_PAGE_CACHE=args.fs_page_cache,
                       BENCH_FS_DURABLE=args.fs_durable,
@@ -551,42 +563,83 @@ def main() -> int:
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": cpus,
            "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     t_start = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="lmkv-bench-vllm-") as tmp:
-        model_dir = os.path.join(tmp, "model")
+    if args.rounds < 1:
+        raise SystemExit(f"--rounds must be at least 1, not {args.rounds}")
+    with tempfile.TemporaryDirectory(prefix="lmkv-bench-vllm-") as top:
+        model_dir = os.path.join(top, "model")
         print(f"model: {build(model_dir) / 1e6:.0f}M parameters, {DTYPE}", flush=True)
-        results = {}
-        for mode in configs:
-            server = pool = None
-            if mode.startswith("lmkv-mooncake"):
-                from lmkv.testing.mooncake import MooncakePool
-                if not MooncakePool.available():
-                    raise SystemExit("lmkv-mooncake-2proc needs lmkv-mooncake[cpu] in this venv")
-                real_client = mode.startswith("lmkv-mooncake-client")
-                pool = MooncakePool(tmp, segment_bytes=4 << 30, real_client=real_client)
-                env["BENCH_MOONCAKE"] = json.dumps({
-                    **pool.options, "local_buffer_size": "256MiB" if real_client else "1GiB"})
-            if mode.startswith("lmkv-server"):
-                server, env["BENCH_SERVER_ADDRESS"] = spawn_server(
-                    tmp, "tiers:\n  - type: cpu\n    options: {max_bytes: 4GiB}\n", env=env)
-            try:
-                if mode.endswith("-2proc"):
-                    writer = sub(f"{mode}-writer", model_dir, tmp, env)
-                    print("    writer counters:", writer["worker_counters"], flush=True)
-                    results[mode] = sub(f"{mode}-reader", model_dir, tmp, env)
-                else:
-                    results[mode] = sub(mode, model_dir, tmp, env)
-            finally:
-                if pool is not None:
-                    pool.close()
-                if server is not None:
-                    server.terminate()
-                    server.wait(60)
+        results: dict = {}
+        per_round: dict = {}  # each round's warm median, per configuration and length
+        for r in range(args.rounds):
+            order = configs if r % 2 == 0 else configs[::-1]
+            if args.rounds > 1:
+                print(f"round {r + 1} of {args.rounds}: {', '.join(order)}", flush=True)
+            tmp = os.path.join(top, f"round-{r}")
+            os.makedirs(tmp)
+            for mode, got in run_round(order, model_dir, tmp, env).items():
+                results[mode] = pool_rounds(results[mode], got) if mode in results else got
+                for n in LENGTHS:
+                    if str(n) in got:
+                        per_round.setdefault(mode, {}).setdefault(n, []).append(
+                            round(statistics.median(got[str(n)]["warm"]), 1))
+            shutil.rmtree(tmp, ignore_errors=True)
+    results = {m: results[m] for m in configs}
     separate = {m: results.pop(m) for m in SEPARATE if m in results}
     ok = report(results, [c for c in configs if c not in SEPARATE]) if results else True
     if "lmkv-layerwise" in separate:
         ok = report_layerwise(separate["lmkv-layerwise"]) and ok
+    if args.rounds > 1:
+        print("warm median of each round (ms; each round's processes are fresh):", per_round)
     print(f"total {time.perf_counter() - t_start:.0f} s")
     return 0 if ok else 1
+
+
+def pool_rounds(before: dict, more: dict) -> dict:
+    """One configuration's results of two rounds as one: each length's samples
+    (every list) one after the other, the worker's counters added up."""
+    out = dict(before)
+    for key, value in more.items():
+        if key == "worker_counters":
+            out[key] = {k: before.get(key, {}).get(k, 0) + v for k, v in value.items()}
+        elif isinstance(value, dict) and isinstance(before.get(key), dict):
+            out[key] = {k: (before[key].get(k, []) + v if isinstance(v, list) else v)
+                        for k, v in value.items()}
+        else:
+            out[key] = value
+    return out
+
+
+def run_round(configs: list[str], model_dir: str, tmp: str, env: dict) -> dict:
+    """Each configuration once, in its own subprocesses, storing under ``tmp``."""
+    from lmkv.testing.server import spawn_server
+    results = {}
+    for mode in configs:
+        server = pool = None
+        if mode.startswith("lmkv-mooncake"):
+            from lmkv.testing.mooncake import MooncakePool
+            if not MooncakePool.available():
+                raise SystemExit("lmkv-mooncake-2proc needs lmkv-mooncake[cpu] in this venv")
+            real_client = mode.startswith("lmkv-mooncake-client")
+            pool = MooncakePool(tmp, segment_bytes=4 << 30, real_client=real_client)
+            env["BENCH_MOONCAKE"] = json.dumps({
+                **pool.options, "local_buffer_size": "256MiB" if real_client else "1GiB"})
+        if mode.startswith("lmkv-server"):
+            server, env["BENCH_SERVER_ADDRESS"] = spawn_server(
+                tmp, "tiers:\n  - type: cpu\n    options: {max_bytes: 4GiB}\n", env=env)
+        try:
+            if mode.endswith("-2proc"):
+                writer = sub(f"{mode}-writer", model_dir, tmp, env)
+                print("    writer counters:", writer["worker_counters"], flush=True)
+                results[mode] = sub(f"{mode}-reader", model_dir, tmp, env)
+            else:
+                results[mode] = sub(mode, model_dir, tmp, env)
+        finally:
+            if pool is not None:
+                pool.close()
+            if server is not None:
+                server.terminate()
+                server.wait(60)
+    return results
 
 
 def report(results: dict, configs: list[str]) -> bool:
@@ -597,7 +650,8 @@ def report(results: dict, configs: list[str]) -> bool:
     how = ("N + 2-16" if SPLIT == "chunk" else
            "the first s tokens of a cold prompt, s uniform in [N/2, N), then fresh tokens "
            "up to N + 2-16")
-    print(f"\nTTFT, median of {REPEATS} (ms); cold = N + 16 tokens, warm = {how}; "
+    rounds = f" ({ROUNDS} rounds of {REPEATS})" if ROUNDS > 1 else ""
+    print(f"\nTTFT, median of {REPEATS * ROUNDS}{rounds} (ms); cold = N + 16 tokens, warm = {how}; "
           f"--split {SPLIT}" + (f" --seed {SEED}" if SPLIT == "random" else ""))
     if SPLIT == "random":
         print("split points s:", {n: results["prefix-cache"][str(n)]["split"] for n in LENGTHS})
