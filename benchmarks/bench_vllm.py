@@ -95,6 +95,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from typing import Any
 
 LENGTHS = (512, 2048, 4096)
 REPEATS = int(os.environ.get("BENCH_REPEATS", "3"))
@@ -579,7 +580,7 @@ def main() -> int:
             for mode, got in run_round(order, model_dir, tmp, env).items():
                 results[mode] = pool_rounds(results[mode], got) if mode in results else got
                 for n in LENGTHS:
-                    if str(n) in got:
+                    if "warm" in got.get(str(n), {}):  # (lmkv-layerwise's are its own)
                         per_round.setdefault(mode, {}).setdefault(n, []).append(
                             round(statistics.median(got[str(n)]["warm"]), 1))
             shutil.rmtree(tmp, ignore_errors=True)
@@ -594,19 +595,19 @@ def main() -> int:
     return 0 if ok else 1
 
 
-def pool_rounds(before: dict, more: dict) -> dict:
-    """One configuration's results of two rounds as one: each length's samples
-    (every list) one after the other, the worker's counters added up."""
-    out = dict(before)
-    for key, value in more.items():
-        if key == "worker_counters":
-            out[key] = {k: before.get(key, {}).get(k, 0) + v for k, v in value.items()}
-        elif isinstance(value, dict) and isinstance(before.get(key), dict):
-            out[key] = {k: (before[key].get(k, []) + v if isinstance(v, list) else v)
-                        for k, v in value.items()}
-        else:
-            out[key] = value
-    return out
+def pool_rounds(before: Any, more: Any) -> Any:
+    """One configuration's results of two rounds as one: every list of samples
+    one after the other, at any depth (lmkv-layerwise's too), counters added
+    up; anything else as the later round has it."""
+    if isinstance(before, list) and isinstance(more, list):
+        return before + more
+    if isinstance(before, dict) and isinstance(more, dict):
+        return {**before, **{k: pool_rounds(before[k], v) if k in before else v
+                             for k, v in more.items()}}
+    if (isinstance(before, int | float) and isinstance(more, int | float)
+            and not isinstance(before, bool)):
+        return before + more
+    return more
 
 
 def run_round(configs: list[str], model_dir: str, tmp: str, env: dict) -> dict:
