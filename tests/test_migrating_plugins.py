@@ -105,6 +105,17 @@ class TestAfterMemoryTierKit(AFTER["TestMemoryDictTier"]):
     """The 2.2 section's tier, which says its lookups need no I/O."""
 
 
+class TestAfterCountingTierKit(AFTER["TestCountingDictTier"]):
+    """The 2.3 section's tier, which reads the memory tier it is handed."""
+
+    def test_it_is_handed_the_memory_tier(self) -> None:
+        storage = self.build_storage([{"type": "cpu", "options": {"max_bytes": "1MiB"}},
+                                      self._tier_ref()])
+        memory, tier = storage.tiers
+        assert tier.context.memory is memory and memory.context.memory is None
+        assert tier.stats()["also_in_memory"] == 0
+
+
 class TestAfterConnectorKit(GPUConnectorConformance):
     """The heads-outer connector of the 2.1 section passes the GPU-connector kit."""
 

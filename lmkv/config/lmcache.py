@@ -246,8 +246,9 @@ OPTIONS: tuple[LMCacheOption, ...] = (
     _none(("enable_blending", "blend_*"), "lmkv reuses prefixes only (no CacheBlend)",
           switch="enable_blending"),
     _none(("enable_p2p", "p2p_*", "lookup_url", "distributed_url", "transfer_channel"),
-          "no peer-to-peer transfer between engines; share KV through a `redis` tier or an "
-          "`lmkv server`", switch="enable_p2p"),
+          "engines read each other's memory through the `peer` tier (docs/tiers/peer.md): add "
+          "it to `tiers` with this instance's `listen` and the fleet's `peers`",
+          switch="enable_p2p"),
     _none(("enable_pd", "pd_*", "enable_xpyd", "enable_nixl", "nixl_*"),
           "disaggregated prefill is a transport, not a cache: use vLLM's NixlConnector",
           switch="enable_pd"),

@@ -86,6 +86,13 @@ class BackendContext:
     #: at this moment (an arena the size of ``max_bytes``); ``close`` follows at
     #: once and no other method is called.
     dry_run: bool = False
+    #: The tier that holds memory (``holds_memory_objs``, built first), for a
+    #: tier that serves what it holds to other instances (the ``peer`` tier);
+    #: None for that tier itself and where no tier holds memory. Use its
+    #: thread-safe calls only (``contains``, ``get_blocking``, ``unpin``,
+    #: ``allocate``, ``batched_submit_put``, ``batched_async_contains``), and
+    #: never ``close`` it. Since storage_backend 2.3.
+    memory: StorageBackend | None = None
 
 
 class TrackedAllocate:
@@ -283,8 +290,10 @@ class StorageBackend(Plugin, ABC):
         self.faults.corrupt(key.to_string(), problem)
         self.remove(key)
 
-    def decode(self, key: CacheKey, frame: bytes | bytearray | memoryview) -> MemoryObj | None:
-        """Deserialize a stored frame into a buffer from ``context.allocate``.
+    def decode(self, key: CacheKey, frame: bytes | bytearray | memoryview,
+               allocate: Allocate | None = None) -> MemoryObj | None:
+        """Deserialize a stored frame into a buffer from ``allocate`` (by default
+        ``context.allocate``; the tier that holds memory passes its own ``allocate``).
 
         Returns None when there is no memory to decode into; raises
         ``CorruptFrameError`` for a frame that fails to decode or verify, is bound
@@ -297,7 +306,7 @@ class StorageBackend(Plugin, ABC):
             # A bug in how the tier was built, not a bad frame: the frame stays.
             raise TypeError(f"{type(self).__name__}.decode needs a serializer "
                             "(context.serializer is None)")
-        taken = TrackedAllocate(self.context.allocate)
+        taken = TrackedAllocate(allocate or self.context.allocate)
         try:
             # Bound to its key and of a sane shape whatever the serializer checks.
             header = read_header(memoryview(frame).cast("B"), key)

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 #: lmkv's version of each kind's contract (``major.minor``). API 1 is lmkv 0.1's.
 API_VERSIONS: dict[str, str] = {
-    "storage_backend": "2.2",
+    "storage_backend": "2.3",
     "eviction_policy": "2.2",
     "offload_policy": "2.0",
     "serializer": "2.0",

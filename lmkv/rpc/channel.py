@@ -23,7 +23,7 @@ import enum
 import itertools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import zmq
@@ -49,8 +49,12 @@ class Failure(enum.Enum):
 
 class Channel:
     def __init__(self, address: str, context: zmq.Context | None = None,
-                 curve: CurveKeys | None = None) -> None:
+                 curve: CurveKeys | None = None,
+                 decode_reply: Callable[[memoryview], Any] = p.decode_reply) -> None:
+        """``decode_reply``: the protocol's reply decoder (the server's; a peer's,
+        ``lmkv.fleet.wire``), raising ``UndecodableReply`` on what is not a reply."""
         self.address = address
+        self._decode_reply = decode_reply
         self.curve = curve
         self.context = context or zmq.Context.instance()
         self._socket: zmq.Socket | None = None
@@ -67,7 +71,7 @@ class Channel:
         return self._handshake_failure
 
     def request(self, message: p.Request, parts: Sequence[Any] = (), timeout_ms: int = 500
-                ) -> tuple[p.AnyReply, list[zmq.Frame]] | Failure:
+                ) -> tuple[Any, list[zmq.Frame]] | Failure:
         """Send ``message`` (and raw data ``parts``); the reply and its data parts, or a
         Failure."""
         sock = self._socket if self._socket is not None else self._connect()
@@ -92,7 +96,7 @@ class Channel:
                 return Failure.TIMEOUT
             parts = sock.recv_multipart(copy=False)
             try:
-                reply = p.decode_reply(parts[0].buffer)
+                reply = self._decode_reply(parts[0].buffer)
             except p.UndecodableReply as exc:
                 _log.warning("undecodable", "lmkv client: undecodable reply from %s dropped: "
                              "%s", self.address, exc)

@@ -76,6 +76,7 @@ def build_tiers(config: LMKVConfig, arena: ArenaPlacement = ArenaPlacement.PRIVA
                 tier_index=i,
                 arena=arena if i == memory else ArenaPlacement.PRIVATE,
                 dry_run=dry_run,
+                memory=None if i == memory or memory is None else built[memory],
             )
             built[i] = tier.backend.create(context)
             if i == memory:

@@ -617,6 +617,19 @@ class StorageBackendConformance:
                 "what the tier served was not promoted into the memory tier"
         assert storage.tiers[0].batched_async_contains("manager", keys) == 4
 
+    def test_a_tier_below_a_memory_tier_is_handed_it(self) -> None:
+        """API 2.3: a tier built below the tier that holds memory gets it as
+        ``BackendContext.memory`` and leaves it working: closing this tier never
+        closes the memory tier."""
+        storage, below = self._managed()
+        if not below:
+            pytest.skip("this tier holds memory itself")
+        tier = storage.tiers[-1]
+        assert tier.context.memory is storage.tiers[0]
+        keys, _ = self._stored_chain(storage, 950, 2)
+        tier.close()
+        assert storage.tiers[0].batched_async_contains("kit", keys) == 2
+
     def test_a_tier_that_looks_up_in_memory_is_asked_on_the_lookups_thread(self) -> None:
         """A tier that says ``lookups_in_memory`` (API 2.2) is asked on the thread
         that looks up, in a storage manager whose every tier says so: its

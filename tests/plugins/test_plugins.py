@@ -480,7 +480,8 @@ def _context_for(kind: str) -> object:
 # Options every built-in needs to open without side effects outside the test.
 _OPTIONS = {("storage_backend", "cpu"): {"max_bytes": "1MiB"},
             ("storage_backend", "fs"): {"url": "{tmp}/fs"},
-            ("storage_backend", "redis"): {"url": "redis://127.0.0.1:1"}}
+            ("storage_backend", "redis"): {"url": "redis://127.0.0.1:1"},
+            ("storage_backend", "peer"): {"peers": ["ipc://{tmp}/peers/a.sock"]}}
 
 
 @pytest.mark.slow  # builds the service tiers too
@@ -491,8 +492,9 @@ def test_every_installed_plugin_is_built_as_cls_options_context(tmp_path: Path) 
     for entry in manager.registry.entries():
         if entry.source.distribution not in OUR_DISTRIBUTIONS:
             continue  # a third-party plugin installed beside lmkv: not ours to configure
-        raw = {k: v.format(tmp=tmp_path) for k, v in
-               _OPTIONS.get((entry.kind, entry.name), {}).items()}
+        raw = {k: v.format(tmp=tmp_path) if isinstance(v, str) else
+               [item.format(tmp=tmp_path) for item in v]
+               for k, v in _OPTIONS.get((entry.kind, entry.name), {}).items()}
         context = _context_for(entry.kind)
         plugin = entry.cls(entry.cls.Options.model_validate(raw), context)
         assert plugin.context is context

@@ -1,0 +1,215 @@
+"""The peer endpoint: an instance's memory tier, served to its peers.
+
+One ZMQ ROUTER socket and one thread. Only the tier that holds memory is
+served (never a disk or remote tier: a peer is asked because it is faster
+than those), and only while the tier holds the entry: an entry is pinned
+while its frame is made, so eviction cannot take it mid-copy, and is
+released before the reply leaves. A peer asks for keys and gets frames bound
+to those keys (``lmkv.fleet.wire``); it checks them itself, as every tier
+does.
+
+``peer_remove`` drops keys from the tier (a frame a peer found corrupt).
+``peer_put`` stores what a peer sends to this instance as the chunk's owner
+(rendezvous mode): each frame is decoded under the key it was sent for and
+verified before anything is stored, straight into the tier (not through the
+storage manager: a peer's put is not written through to this instance's
+lower tiers, and never travels further).
+
+Bad input (garbage, a message over ``max_request_bytes``, a request for
+more than ``MAX_PEER_KEYS`` keys, a frame that fails to verify) gets an
+error reply or a shorter answer, one rate-limited log line, and the loop
+goes on. Who may connect is the transport's business: an ``ipc://`` socket
+lives in a private directory and is made 0600 (this user only); a ``tcp://``
+one admits only CURVE keys on its allow list (``PeerOptions`` refuses tcp
+without CURVE unless told ``insecure``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from typing import Any
+
+import zmq
+
+from lmkv.base.errors import ConfigError, CorruptFrameError
+from lmkv.base.logutil import RateLimitedLog
+from lmkv.base.private import ipc_dir_problem
+from lmkv.contracts.serde import Serializer
+from lmkv.contracts.tier import StorageBackend
+from lmkv.fleet import wire
+from lmkv.rpc import protocol as p
+from lmkv.rpc.auth import CurveAuthenticator, CurveKeys
+
+logger = logging.getLogger(__name__)
+_log = RateLimitedLog(logger)
+
+POLL_MS = 100
+
+
+class PeerEndpoint:
+    def __init__(self, tier: StorageBackend, serializer: Serializer, address: str, *,
+                 curve: CurveKeys | None = None, max_reply_bytes: int = 256 << 20,
+                 max_request_bytes: int = 256 << 20, accept_puts: bool = True) -> None:
+        self.tier = tier
+        self.serializer = serializer
+        self.max_reply_bytes = max_reply_bytes
+        self.accept_puts = accept_puts
+        # Its own context: ZeroMQ's authentication handler is one per context.
+        self.context = zmq.Context()
+        self.served = 0  # frames sent
+        self.stored = 0  # frames a peer put and this tier took
+        self.refused = 0  # requests answered with an error
+        self.rejected_frames = 0  # frames of peer_put that failed to verify
+        self._auth = CurveAuthenticator(self.context, curve) if curve is not None else None
+        self._socket = self.context.socket(zmq.ROUTER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.setsockopt(zmq.MAXMSGSIZE, max_request_bytes)
+        if self._auth is not None:
+            self._auth.secure(self._socket)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        try:
+            self.address = self._bind(address)
+        except BaseException:
+            self._close_socket()
+            raise
+
+    def _bind(self, address: str) -> str:
+        problem = ipc_dir_problem(address, create=True)
+        if problem:
+            raise ConfigError(f"peer endpoint: cannot listen on {address}: its {problem}")
+        if address.startswith("tcp://["):
+            self._socket.setsockopt(zmq.IPV6, 1)
+        try:
+            self._socket.bind(address)
+        except zmq.ZMQError as exc:
+            raise ConfigError(f"peer endpoint: cannot listen on {address}: {exc}") from None
+        if address.startswith("ipc://"):
+            os.chmod(address[len("ipc://"):], 0o600)
+        return self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    def start(self) -> PeerEndpoint:
+        self._thread = threading.Thread(target=self._serve, name="lmkv-peer-endpoint",
+                                        daemon=True)
+        self._thread.start()
+        return self
+
+    def _serve(self) -> None:
+        sock = self._socket
+        while not self._stop.is_set():
+            try:
+                if not sock.poll(POLL_MS, zmq.POLLIN):
+                    continue
+                parts = sock.recv_multipart(copy=False)
+            except zmq.ZMQError:
+                if self._stop.is_set():
+                    return
+                continue
+            if len(parts) < 2:
+                continue  # (no envelope and header: nothing to answer)
+            envelope, header, data = parts[0], parts[1], parts[2:]
+            reply = self._answer(header.buffer, data)
+            try:
+                sock.send_multipart([envelope, *reply], zmq.NOBLOCK)
+            except zmq.ZMQError as exc:  # the peer went away, or its queue is full
+                _log.warning("send", "lmkv peer endpoint: a reply was dropped: %s", exc)
+
+    def _answer(self, header: memoryview, data: list[zmq.Frame]) -> list[Any]:
+        req_id = p.salvage_req_id(header)
+        try:
+            req = wire.decode_peer_request(header)
+            req_id = req.req_id
+            if isinstance(req, wire.PeerFetch):
+                return self._fetch(req)
+            if isinstance(req, wire.PeerPut):
+                return self._put(req, data)
+            if isinstance(req, wire.PeerRemove):
+                if not self.accept_puts:
+                    raise p.ProtocolError(p.BAD_REQUEST, "this instance takes no removes "
+                                          "from peers")
+                removed = sum(bool(self.tier.remove(key)) for key in req.cache_keys())
+                return [p.encode(wire.PeerRemoveReply(req_id=req_id, removed=removed))]
+            return [p.encode(wire.PeerPingReply(req_id=req_id, address=self.address))]
+        except p.ProtocolError as exc:
+            return self._error(req_id, exc.code, exc.reason)
+        except Exception as exc:  # a bug here: the peer gets a miss, the loop goes on
+            logger.exception("lmkv peer endpoint: a request failed")
+            return self._error(req_id, p.INTERNAL, p.one_line(exc))
+
+    def _error(self, req_id: int, code: str, reason: str) -> list[Any]:
+        self.refused += 1
+        _log.warning(code, "lmkv peer endpoint: refused a request (%s): %s", code, reason)
+        return [p.encode(p.ErrorReply(req_id=req_id, code=code, reason=reason))]
+
+    def _fetch(self, req: wire.PeerFetch) -> list[Any]:
+        """The frames of the leading keys the tier holds, up to ``max_reply_bytes``
+        (at least one); with ``probe``, only their count."""
+        tier, keys = self.tier, req.cache_keys()
+        if req.probe:
+            hits = tier.batched_async_contains("", keys, pin=False)
+            return [p.encode(wire.PeerFetchReply(req_id=req.req_id, frames=hits))]
+        frames: list[bytes] = []
+        total = 0
+        for key in keys:
+            if not tier.contains(key, pin=True):
+                break
+            try:
+                obj = tier.get_blocking(key)
+            finally:
+                tier.unpin(key)
+            if obj is None:
+                break
+            try:
+                frame = b"".join(self.serializer.serialize(obj, key))
+            finally:
+                obj.ref_down()
+            if frames and total + len(frame) > self.max_reply_bytes:
+                break
+            frames.append(frame)
+            total += len(frame)
+        self.served += len(frames)
+        return [p.encode(wire.PeerFetchReply(req_id=req.req_id, frames=len(frames))), *frames]
+
+    def _put(self, req: wire.PeerPut, data: list[zmq.Frame]) -> list[Any]:
+        if not self.accept_puts:
+            raise p.ProtocolError(p.BAD_REQUEST, "this instance takes no puts from peers")
+        keys = req.cache_keys()
+        if len(data) != len(keys):
+            raise p.ProtocolError(p.BAD_REQUEST, f"{len(keys)} keys but {len(data)} frames")
+        tier = self.tier
+        accepted = 0
+        for key, part in zip(keys, data, strict=True):
+            if tier.contains(key):
+                accepted += 1
+                continue
+            try:
+                obj = tier.decode(key, part.buffer, allocate=tier.allocate)
+            except CorruptFrameError as exc:
+                self.rejected_frames += 1
+                _log.warning("corrupt", "lmkv peer endpoint: a peer's frame for %s was "
+                             "refused: %s", key.to_string(), exc)
+                continue
+            if obj is None:  # no room: the rest would find none either
+                break
+            try:
+                stored = tier.batched_submit_put([key], [obj]).result()
+            finally:
+                obj.ref_down()
+            accepted += bool(stored)
+        self.stored += accepted
+        return [p.encode(wire.PeerPutReply(req_id=req.req_id, accepted=accepted))]
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(5)
+        self._close_socket()
+
+    def _close_socket(self) -> None:
+        self._socket.close(linger=0)
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
+        self.context.term()

@@ -1,0 +1,100 @@
+"""Options of the ``peer`` tier (``tiers.N.options`` in an lmkv config)."""
+
+from __future__ import annotations
+
+import re
+from urllib.parse import urlsplit
+
+from pydantic import ByteSize, ConfigDict, Field, PositiveInt, StrictBool, model_validator
+
+from lmkv.base.units import ByteCount
+from lmkv.config.model import CurveConfig, is_loopback_host
+from lmkv.contracts.plugin import PluginOptions
+
+ADDRESS_FORMS = "ipc:///path/to/socket or tcp://host:port"
+_TCP = re.compile(r"^tcp://(\[[0-9a-fA-F:.]+\]|[^:/\[\]]+):(\d{1,5})$")
+
+
+def address_problem(address: str) -> str:
+    """Why ``address`` is not a peer address lmkv can use; "" when it is."""
+    if address.startswith("ipc://"):
+        return "" if len(address) > len("ipc://") and address[6] == "/" else \
+            "an ipc:// address needs an absolute path"
+    m = _TCP.match(address)
+    if not m:
+        return f"is not {ADDRESS_FORMS}"
+    if not 0 < int(m.group(2)) < 65536:
+        return "has a port outside 1-65535"
+    return ""
+
+
+def is_loopback_address(address: str) -> bool:
+    """Whether ``address`` (ipc://, or tcp:// on a loopback host) stays on this machine."""
+    if address.startswith("ipc://"):
+        return True
+    host = urlsplit(address).hostname or ""
+    return is_loopback_host(host)
+
+
+class PeerOptions(PluginOptions):
+    """The ``peer`` tier: the memory tiers of the other instances of a fleet."""
+
+    model_config = ConfigDict(allow_inf_nan=False)
+
+    peers: list[str] = Field(min_length=1)
+    """Every instance of the fleet, by the address it serves on (this one's too,
+    or it is added from ``listen``): the same list, in any order, everywhere."""
+    listen: str | None = None
+    """Where this instance serves its memory tier to the others; None: it serves
+    nothing (it only reads)."""
+    curve: CurveConfig | None = None
+    """CURVE keys for tcp:// addresses (docs/security.md): ``secret_key`` (this
+    instance's key pair), ``server_key`` (the peers' public key; default: this
+    key pair's own, for a fleet that shares one key pair), ``authorized_keys``
+    (who may connect; default: this key pair's own public key)."""
+    insecure: StrictBool = False
+    """Accept tcp:// addresses without CURVE: anyone who reaches the port can then
+    read what this instance shares and send it KV."""
+    timeout_ms: PositiveInt = 500
+    """How long one request to a peer may take; past it the request is a miss
+    and that peer is skipped for ``retry_after_s``."""
+    retry_after_s: float = Field(default=1.0, ge=0)
+    """After a peer failed to answer, treat it as missing for this long."""
+    push_to_owner: StrictBool = True
+    """Send each chunk this instance stores to its owner among the peers (rendezvous
+    hashing of the chunk's key): the owner then serves it to the fleet."""
+    accept_puts: StrictBool = True
+    """Store chunks the peers push to this instance as their owner."""
+    max_pending_bytes: ByteCount = Field(default=ByteSize(256 << 20), ge=0)
+    """Bytes of pushes not yet sent; past it new pushes are dropped and counted."""
+    max_request_bytes: ByteCount = Field(default=ByteSize(256 << 20), gt=0)
+    """The largest message the endpoint takes (a bigger one disconnects its sender),
+    and the most frame bytes one push carries."""
+    max_reply_bytes: ByteCount = Field(default=ByteSize(256 << 20), gt=0)
+    """The most frame bytes one answer carries (at least one frame)."""
+    close_timeout_s: float = Field(default=2.0, ge=0)
+    """``close()`` waits this long for pushes in flight, then drops them."""
+
+    @model_validator(mode="after")
+    def _addresses(self) -> PeerOptions:
+        for where, address in [("listen", self.listen)] + [
+                (f"peers.{i}", a) for i, a in enumerate(self.peers)]:
+            if address is None:
+                continue
+            problem = address_problem(address)
+            if problem:
+                raise ValueError(f"{where}: {address!r} {problem}")
+            if address.startswith("tcp://") and self.curve is None and not self.insecure:
+                raise ValueError(
+                    f"{where}: {address!r} is tcp:// without curve: every local user (and, "
+                    "beyond loopback, anyone who reaches the port) could read this fleet's "
+                    "KV and send it KV; set curve (docs/security.md), use ipc:// addresses "
+                    "on one machine, or insecure: true to accept that")
+        return self
+
+    def members(self) -> list[str]:
+        """The fleet: ``peers``, and ``listen`` when it is not among them."""
+        listed = list(dict.fromkeys(self.peers))
+        if self.listen is not None and self.listen not in listed:
+            listed.append(self.listen)
+        return listed
