@@ -90,8 +90,8 @@ class BackendContext:
     #: tier that serves what it holds to other instances (the ``peer`` tier);
     #: None for that tier itself and where no tier holds memory. Use its
     #: thread-safe calls only (``contains``, ``get_blocking``, ``unpin``,
-    #: ``allocate``, ``batched_submit_put``, ``batched_async_contains``), and
-    #: never ``close`` it. Since storage_backend 2.3.
+    #: ``allocate``, ``batched_submit_put``, ``batched_async_contains``,
+    #: ``remove``, ``decode``), and never ``close`` it. Since storage_backend 2.3.
     memory: StorageBackend | None = None
 
 

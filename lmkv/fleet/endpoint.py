@@ -15,20 +15,26 @@ verified before anything is stored, straight into the tier (not through the
 storage manager: a peer's put is not written through to this instance's
 lower tiers, and never travels further).
 
-Bad input (garbage, a message over ``max_request_bytes``, a request for
-more than ``MAX_PEER_KEYS`` keys, a frame that fails to verify) gets an
-error reply or a shorter answer, one rate-limited log line, and the loop
-goes on. Who may connect is the transport's business: an ``ipc://`` socket
-lives in a private directory and is made 0600 (this user only); a ``tcp://``
-one admits only CURVE keys on its allow list (``PeerOptions`` refuses tcp
-without CURVE unless told ``insecure``).
+Bad input (garbage, a request for more than ``MAX_PEER_KEYS`` keys, a
+message of more parts or bytes than that allows, a frame that fails to
+verify, a push or remove of a key this instance does not own) gets an error
+reply or a shorter answer, one rate-limited log line, and the loop goes on; a
+single part over ``max_request_bytes`` makes ZeroMQ drop the connection
+(reconnected at once), with no reply. Who may connect is the transport's
+business: an ``ipc://`` socket lives in a private directory and is made 0600
+(this user only), and a lock file beside it keeps a second process from
+taking its address over; a ``tcp://`` one admits only CURVE keys on its
+allow list (``PeerOptions`` refuses tcp without CURVE unless told
+``insecure``).
 """
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import zmq
@@ -39,6 +45,7 @@ from lmkv.base.private import ipc_dir_problem
 from lmkv.contracts.serde import Serializer
 from lmkv.contracts.tier import StorageBackend
 from lmkv.fleet import wire
+from lmkv.keys.chunking import CacheKey
 from lmkv.rpc import protocol as p
 from lmkv.rpc.auth import CurveAuthenticator, CurveKeys
 
@@ -51,11 +58,17 @@ POLL_MS = 100
 class PeerEndpoint:
     def __init__(self, tier: StorageBackend, serializer: Serializer, address: str, *,
                  curve: CurveKeys | None = None, max_reply_bytes: int = 256 << 20,
-                 max_request_bytes: int = 256 << 20, accept_puts: bool = True) -> None:
+                 max_request_bytes: int = 256 << 20, accept_puts: bool = True,
+                 owns: Callable[[CacheKey], bool] = lambda key: True) -> None:
+        """``owns``: whether a key is this instance's (the only ones it takes pushes
+        and removes of)."""
         self.tier = tier
         self.serializer = serializer
         self.max_reply_bytes = max_reply_bytes
+        self.max_request_bytes = max_request_bytes
         self.accept_puts = accept_puts
+        self.owns = owns
+        self._lock_fd: int | None = None
         # Its own context: ZeroMQ's authentication handler is one per context.
         self.context = zmq.Context()
         self.served = 0  # frames sent
@@ -80,6 +93,10 @@ class PeerEndpoint:
         problem = ipc_dir_problem(address, create=True)
         if problem:
             raise ConfigError(f"peer endpoint: cannot listen on {address}: its {problem}")
+        if address.startswith("ipc://"):
+            # Binding an ipc path unlinks whatever socket is there: a second process
+            # with the same ``listen`` would silently take the address over.
+            self._lock_fd = _lock(address[len("ipc://"):] + ".lock", address)
         if address.startswith("tcp://["):
             self._socket.setsockopt(zmq.IPV6, 1)
         try:
@@ -97,12 +114,18 @@ class PeerEndpoint:
         return self
 
     def _serve(self) -> None:
+        try:
+            self._loop()
+        finally:  # the socket is this thread's: closed here, by no other
+            self._close_socket()
+
+    def _loop(self) -> None:
         sock = self._socket
         while not self._stop.is_set():
             try:
                 if not sock.poll(POLL_MS, zmq.POLLIN):
                     continue
-                parts = sock.recv_multipart(copy=False)
+                parts, whole = self._receive()
             except zmq.ZMQError:
                 if self._stop.is_set():
                     return
@@ -110,11 +133,34 @@ class PeerEndpoint:
             if len(parts) < 2:
                 continue  # (no envelope and header: nothing to answer)
             envelope, header, data = parts[0], parts[1], parts[2:]
-            reply = self._answer(header.buffer, data)
+            if whole:
+                reply = self._answer(header.buffer, data)
+            else:
+                reply = self._error(p.salvage_req_id(header.buffer), p.TOO_LARGE,
+                                    f"more than {wire.MAX_PEER_KEYS + 2} parts or "
+                                    f"{self.max_request_bytes} bytes in one message")
             try:
-                sock.send_multipart([envelope, *reply], zmq.NOBLOCK)
+                # (frames are bytes of their own: ZeroMQ sends them without a copy)
+                sock.send_multipart([envelope, *reply], zmq.NOBLOCK, copy=False)
             except zmq.ZMQError as exc:  # the peer went away, or its queue is full
                 _log.warning("send", "lmkv peer endpoint: a reply was dropped: %s", exc)
+
+    def _receive(self) -> tuple[list[zmq.Frame], bool]:
+        """One message's parts, part by part: past ``MAX_PEER_KEYS`` frames (plus
+        envelope and header) or ``max_request_bytes`` in all, the rest is read and
+        dropped, not kept (False: the message was cut)."""
+        sock, total, whole = self._socket, 0, True
+        parts: list[zmq.Frame] = []
+        while True:
+            frame = sock.recv(copy=False)
+            total += len(frame.buffer)
+            if whole and len(parts) < wire.MAX_PEER_KEYS + 3 \
+                    and total <= self.max_request_bytes:
+                parts.append(frame)
+            else:
+                whole = False
+            if not frame.more:
+                return parts, whole
 
     def _answer(self, header: memoryview, data: list[zmq.Frame]) -> list[Any]:
         req_id = p.salvage_req_id(header)
@@ -129,7 +175,8 @@ class PeerEndpoint:
                 if not self.accept_puts:
                     raise p.ProtocolError(p.BAD_REQUEST, "this instance takes no removes "
                                           "from peers")
-                removed = sum(bool(self.tier.remove(key)) for key in req.cache_keys())
+                removed = sum(bool(self.tier.remove(key)) for key in req.cache_keys()
+                              if self.owns(key))
                 return [p.encode(wire.PeerRemoveReply(req_id=req_id, removed=removed))]
             return [p.encode(wire.PeerPingReply(req_id=req_id, address=self.address))]
         except p.ProtocolError as exc:
@@ -181,6 +228,12 @@ class PeerEndpoint:
         tier = self.tier
         accepted = 0
         for key, part in zip(keys, data, strict=True):
+            if not self.owns(key):  # a peer's mistake (another fleet list): not stored
+                self.rejected_frames += 1
+                _log.warning("not-owned", "lmkv peer endpoint: a peer pushed %s, which this "
+                             "instance does not own (do the fleet's peers lists differ?)",
+                             key.to_string())
+                continue
             if tier.contains(key):
                 accepted += 1
                 continue
@@ -202,10 +255,16 @@ class PeerEndpoint:
         return [p.encode(wire.PeerPutReply(req_id=req.req_id, accepted=accepted))]
 
     def close(self) -> None:
+        """Stop serving. The thread closes its socket as it ends (a request under way
+        finishes first); one still busy after 5 s is left to end on its own."""
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(5)
-        self._close_socket()
+        if self._thread is None:
+            self._close_socket()
+            return
+        self._thread.join(5)
+        if self._thread.is_alive():
+            logger.warning("lmkv peer endpoint: still answering a request after 5 s; "
+                           "it closes when that ends")
 
     def _close_socket(self) -> None:
         self._socket.close(linger=0)
@@ -213,3 +272,19 @@ class PeerEndpoint:
             self._auth.stop()
             self._auth = None
         self.context.term()
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+
+def _lock(path: str, address: str) -> int:
+    """An exclusive lock on ``path`` (created 0600), held while the descriptor is
+    open; ConfigError when another process holds it."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise ConfigError(f"peer endpoint: cannot listen on {address}: another process "
+                          f"serves it (it holds {path})") from None
+    return fd

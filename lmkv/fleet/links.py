@@ -4,8 +4,9 @@ peer's down time.
 A ``Channel`` is one ZMQ socket, used by one thread at a time: each thread
 that asks a peer (lookups, gets, pushes) has its own, made on first use and
 closed with the tier. A peer that did not answer in time is skipped for
-``retry_after_s`` (a stalled peer must not cost every lookup a timeout); one
-that is not connected fails at once (the channel's ``IMMEDIATE``).
+``retry_after_s`` (a stalled peer must not cost every lookup a timeout), and
+so is one that could not be reached (every thread would otherwise wait for
+its own connection attempt).
 """
 
 from __future__ import annotations
@@ -26,8 +27,12 @@ from lmkv.rpc.channel import Channel, Failure
 
 class PeerLinks:
     def __init__(self, faults: TierFaults, curve: CurveKeys | None, timeout_ms: int,
-                 retry_after_s: float, context: zmq.Context | None = None) -> None:
+                 retry_after_s: float, *, max_reply_bytes: int = 256 << 20,
+                 context: zmq.Context | None = None) -> None:
+        """``max_reply_bytes``: the largest part a peer's answer may hold (a larger
+        one makes ZeroMQ drop the connection: a miss)."""
         self.faults = faults
+        self.max_reply_bytes = max_reply_bytes
         self.curve = curve
         self.timeout_ms = timeout_ms
         self.retry_after_s = retry_after_s
@@ -51,7 +56,8 @@ class PeerLinks:
                 if self._closed:
                     return None
                 channel = Channel(peer, self.context, self.curve,
-                                  decode_reply=wire.decode_peer_reply)
+                                  decode_reply=wire.decode_peer_reply,
+                                  max_reply_bytes=self.max_reply_bytes)
                 self._all.append(channel)
             mine[peer] = channel
         return channel
@@ -73,18 +79,23 @@ class PeerLinks:
             if self._closed:
                 return None
             self._active += 1
+        got: tuple[Any, list[zmq.Frame]] | Failure | zmq.ZMQError
         try:
             got = channel.request(message, parts, self.timeout_ms)
+        except zmq.ZMQError as exc:  # no socket to be had (descriptors, a closed context)
+            channel.reset()
+            got = exc
         finally:
             with self._lock:
                 self._active -= 1
                 if not self._active:
                     self._idle.notify_all()
-        if isinstance(got, Failure):
-            if got is Failure.TIMEOUT:
-                self._down_until[peer] = time.monotonic() + self.retry_after_s
-            self._failed(peer, f"{got.value}; misses from it"
-                         + (f" for {self.retry_after_s:g} s" if got is Failure.TIMEOUT else ""))
+        if isinstance(got, (Failure, zmq.ZMQError)):
+            # Down for a while either way: every thread's channel would otherwise
+            # pay its own wait to find out.
+            self._down_until[peer] = time.monotonic() + self.retry_after_s
+            what = got.value if isinstance(got, Failure) else f"socket error ({got})"
+            self._failed(peer, f"{what}; misses from it for {self.retry_after_s:g} s")
             return None
         if isinstance(got[0], p.ErrorReply):
             self._failed(peer, f"refused a {message.__struct_config__.tag} "

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import re
-from urllib.parse import urlsplit
 
 from pydantic import ByteSize, ConfigDict, Field, PositiveInt, StrictBool, model_validator
 
 from lmkv.base.units import ByteCount
-from lmkv.config.model import CurveConfig, is_loopback_host
+from lmkv.config.model import CurveConfig
 from lmkv.contracts.plugin import PluginOptions
 
 ADDRESS_FORMS = "ipc:///path/to/socket or tcp://host:port"
@@ -28,22 +27,14 @@ def address_problem(address: str) -> str:
     return ""
 
 
-def is_loopback_address(address: str) -> bool:
-    """Whether ``address`` (ipc://, or tcp:// on a loopback host) stays on this machine."""
-    if address.startswith("ipc://"):
-        return True
-    host = urlsplit(address).hostname or ""
-    return is_loopback_host(host)
-
-
 class PeerOptions(PluginOptions):
     """The ``peer`` tier: the memory tiers of the other instances of a fleet."""
 
     model_config = ConfigDict(allow_inf_nan=False)
 
     peers: list[str] = Field(min_length=1)
-    """Every instance of the fleet, by the address it serves on (this one's too,
-    or it is added from ``listen``): the same list, in any order, everywhere."""
+    """Every instance of the fleet, by the address it serves on (this one's
+    ``listen`` among them): the same list, in any order, everywhere."""
     listen: str | None = None
     """Where this instance serves its memory tier to the others; None: it serves
     nothing (it only reads)."""
@@ -90,11 +81,13 @@ class PeerOptions(PluginOptions):
                     "beyond loopback, anyone who reaches the port) could read this fleet's "
                     "KV and send it KV; set curve (docs/security.md), use ipc:// addresses "
                     "on one machine, or insecure: true to accept that")
+        if self.listen is not None and self.listen not in self.peers:
+            # Spelled otherwise here than in the others' lists, the instances would
+            # not agree on who owns what.
+            raise ValueError(f"listen: {self.listen!r} is not in peers: list every instance "
+                             "(this one too) the same way in every instance's peers")
         return self
 
     def members(self) -> list[str]:
-        """The fleet: ``peers``, and ``listen`` when it is not among them."""
-        listed = list(dict.fromkeys(self.peers))
-        if self.listen is not None and self.listen not in listed:
-            listed.append(self.listen)
-        return listed
+        """The fleet: ``peers``, each once."""
+        return list(dict.fromkeys(self.peers))

@@ -13,8 +13,10 @@ key asked for, its checksum verified (``StorageBackend.decode``); a frame of
 another key or a damaged one is a miss, never wrong KV. A peer that is down,
 stalls or evicted the chunk since is a miss or a shorter hit, bounded by
 ``timeout_ms``; after a timeout that peer is skipped for ``retry_after_s``.
-A frame that fails to verify is counted, and its owner is asked to drop it
-(``peer_remove``), as any tier drops a corrupt entry.
+A frame that fails to verify is counted (``corrupt_frames``) and read as a
+miss; the owner keeps its entry (its frames are made fresh from memory: a
+failure says the two sides differ, not that the entry is bad). ``remove``
+asks the owner to drop a key.
 
 With ``listen``, the tier also starts this instance's endpoint
 (``lmkv.fleet.endpoint``), which serves its memory tier (the storage
@@ -76,20 +78,25 @@ class PeerBackend(StorageBackend):
             self.counters, "peer tier", RemoteTierOptions(retry_after_s=options.retry_after_s),
             absorbed=(), unreachable=(), log=logger)
         curve = peer_keys(options.curve) if options.curve is not None else None
-        self.links = PeerLinks(self.faults, curve, options.timeout_ms, options.retry_after_s)
+        self.links = PeerLinks(self.faults, curve, options.timeout_ms, options.retry_after_s,
+                               max_reply_bytes=int(options.max_reply_bytes))
         self._pins: PinTable[int] = PinTable()
         self._gets = PrefixGets(self.faults, GET_THREADS, "lmkv-peer-get")
         self._writer = _Pusher(self, options)
         self._close_lock = threading.Lock()
         self._closed = False
         self.endpoint: PeerEndpoint | None = None
+        if options.insecure and any(m.startswith("tcp://") for m in self.fleet.members):
+            logger.warning("lmkv peer tier: tcp:// without CURVE (insecure: true): whoever "
+                           "reaches these ports can read this fleet's KV and send it KV")
         if memory is not None and options.listen is not None and not context.dry_run:
             try:
                 self.endpoint = PeerEndpoint(
                     memory, context.serializer, options.listen, curve=curve,
                     max_reply_bytes=int(options.max_reply_bytes),
                     max_request_bytes=int(options.max_request_bytes),
-                    accept_puts=options.accept_puts).start()
+                    accept_puts=options.accept_puts,
+                    owns=lambda key: self.fleet.owner(key) == self.me).start()
             except BaseException:
                 self.close()
                 raise
@@ -172,9 +179,11 @@ class PeerBackend(StorageBackend):
             if got is None or not isinstance(got[0], wire.PeerFetchReply):
                 return
             reply, frames = got
-            if reply.frames != len(frames) or not frames or len(frames) > len(part):
+            if reply.frames != len(frames) or len(frames) > len(part):
                 self.faults.note("bad-reply", "peer %s answered %d frames for %d keys (says "
                                  "%d): a miss", owner, len(frames), len(part), reply.frames)
+                return
+            if not frames:  # the owner holds no more of them
                 return
             for key, frame in zip(part, frames, strict=False):
                 obj = self._decode(owner, key, frame.buffer)
@@ -192,7 +201,10 @@ class PeerBackend(StorageBackend):
         try:
             return self.decode(key, frame)
         except Exception as exc:  # CorruptFrameError, or what a crafted frame provokes
-            self.drop_corrupt(key, f"from peer {owner}: {exc}")  # (and asks it to drop it)
+            # Counted, not removed at the owner: a frame made fresh from its memory
+            # that fails here says the two sides differ (a serializer or frame
+            # format of another version), not that its entry is bad.
+            self.faults.corrupt(key.to_string(), f"from peer {owner}: {exc}")
             return None
 
     # -- puts ---------------------------------------------------------------------

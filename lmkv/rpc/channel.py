@@ -50,11 +50,15 @@ class Failure(enum.Enum):
 class Channel:
     def __init__(self, address: str, context: zmq.Context | None = None,
                  curve: CurveKeys | None = None,
-                 decode_reply: Callable[[memoryview], Any] = p.decode_reply) -> None:
+                 decode_reply: Callable[[memoryview], Any] = p.decode_reply,
+                 max_reply_bytes: int = -1) -> None:
         """``decode_reply``: the protocol's reply decoder (the server's; a peer's,
-        ``lmkv.fleet.wire``), raising ``UndecodableReply`` on what is not a reply."""
+        ``lmkv.fleet.wire``), raising ``UndecodableReply`` on what is not a reply.
+        ``max_reply_bytes``: the largest part of a reply taken (ZeroMQ drops the
+        connection on a larger one); -1: no limit (a server this client trusts)."""
         self.address = address
         self._decode_reply = decode_reply
+        self._max_reply_bytes = max_reply_bytes
         self.curve = curve
         self.context = context or zmq.Context.instance()
         self._socket: zmq.Socket | None = None
@@ -119,6 +123,7 @@ class Channel:
         sock.setsockopt(zmq.IMMEDIATE, 1)
         sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_IVL_MS)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_IVL_MAX_MS)
+        sock.setsockopt(zmq.MAXMSGSIZE, self._max_reply_bytes)
         if self.address.startswith("tcp://["):
             sock.setsockopt(zmq.IPV6, 1)
         if self.curve is not None:

@@ -927,7 +927,8 @@ class StorageManager:
         return out
 
     def close(self, timeout: float = 2.0) -> None:
-        """Drain write-through queues (up to ``timeout``), release prefetches, close tiers."""
+        """Drain write-through queues (up to ``timeout``), release prefetches, close
+        tiers (the tier that holds memory last)."""
         self._closed = True
         for writer in self._writers:
             writer.close(timeout)
@@ -936,7 +937,11 @@ class StorageManager:
         self.events.close()
         self._executor.shutdown(wait=False, cancel_futures=True)
         self._abandon_handed()
-        for tier in self.tiers:
+        # The tier that holds memory last: the others may still hold its buffers
+        # (reads, writes in flight) or serve it (the peer tier's endpoint).
+        memory = self._memory
+        last = [memory] if memory is not None else []
+        for tier in [t for t in reversed(self.tiers) if t is not memory] + last:
             try:
                 tier.close()
             except Exception:

@@ -107,7 +107,8 @@ def test_version() -> None:
     result = run_cli("--version")
     assert result.returncode == 0
     assert result.stdout.strip() == \
-        f"lmkv {lmkv.__version__} (plugin API 2.2, storage_backend 2.3, offload_policy 2.0, serializer 2.0)"
+        f"lmkv {lmkv.__version__} (plugin API 2.2, storage_backend 2.3, offload_policy 2.0, " \
+        "serializer 2.0)"
 
 
 def test_help_and_the_parser_import_no_torch() -> None:

@@ -228,7 +228,8 @@ def test_a_peer_answering_with_another_keys_frames_is_a_miss(sockets) -> None:
         assert reader.contains_prefix(ks) == len(ks)  # the probe says yes...
         assert reader.get(ks) == []  # ...and the frames are refused
         assert reader.tiers[1].stats()["corrupt_frames"] >= 1
-        assert removes == ks[:1], "the owner is asked to drop what failed to verify"
+        assert removes == [], "a frame that fails here says the sides differ: the owner's " \
+                              "entry stays"
     finally:
         reader.close()
         liar.close()
@@ -283,6 +284,10 @@ def test_the_endpoint_survives_bad_requests(pair, sockets) -> None:  # type: ign
         assert reply.accepted == 0
         assert not a.tiers[0].contains(fresh[0])
         assert a.tiers[1].stats()["rejected_frames"] == 1
+        # a message of more parts than any request may hold: refused, not kept
+        reply = wire.decode_peer_reply(ask(p.encode(wire.PeerPut(**p.key_fields(fresh))),
+                                           *[b"x"] * (wire.MAX_PEER_KEYS + 5))[0])
+        assert isinstance(reply, p.ErrorReply) and reply.code == p.TOO_LARGE
         # and it still serves
         assert read(b, ks) == [True] * len(ks)
     finally:
@@ -292,6 +297,7 @@ def test_the_endpoint_survives_bad_requests(pair, sockets) -> None:  # type: ign
 
 @pytest.mark.parametrize("options, problem", [
     ({"peers": ["tcp://127.0.0.1:5999"]}, "tcp:// without curve"),
+    ({"peers": ["ipc:///run/a.sock"], "listen": "ipc:///run/b.sock"}, "is not in peers"),
     ({"peers": ["http://x"]}, "is not ipc:///path/to/socket or tcp://host:port"),
     ({"peers": ["ipc://relative"]}, "needs an absolute path"),
     ({"peers": []}, "at least 1 item"),
@@ -343,3 +349,58 @@ def test_tcp_peers_need_each_others_keys(tmp_path: Path) -> None:
     finally:
         for manager in (stranger, reader, holder):
             manager.close()
+
+
+def test_a_second_process_cannot_take_an_address_over(sockets) -> None:
+    a, b = sockets
+    first = build(a, [a, b])
+    try:
+        with pytest.raises(ConfigError, match="another process serves it"):
+            build(a, [a, b])
+        ks = [k for k in keys(16, salt=12) if Rendezvous([a, b]).owner(k) == a]
+        store(first, ks)
+        reader = build(b, [a, b])
+        try:
+            assert read(reader, ks) == [True] * len(ks), "the first still serves"
+        finally:
+            reader.close()
+    finally:
+        first.close()
+    build(a, [a, b]).close()  # free again once it is closed
+
+
+def test_a_push_of_a_key_this_instance_does_not_own_is_refused(pair, sockets) -> None:
+    a, b = pair
+    mine = [k for k in keys(16, salt=13) if a.tiers[1].fleet.owner(k) == sockets[0]]
+    store(a, mine)
+    context = zmq.Context()
+    sock = context.socket(zmq.DEALER)
+    sock.connect(sockets[1])  # b does not own these
+    try:
+        fetched = []
+        for key in mine[:2]:
+            got = a.tiers[0].get_blocking(key)
+            fetched.append(b"".join(a.tiers[1].context.serializer.serialize(got, key)))
+            got.ref_down()
+        sock.send_multipart([p.encode(wire.PeerPut(**p.key_fields(mine[:2]))), *fetched])
+        assert sock.poll(3000)
+        reply = wire.decode_peer_reply(sock.recv_multipart()[0])
+        assert reply.accepted == 0
+        assert not any(b.tiers[0].contains(k) for k in mine[:2])
+    finally:
+        sock.close(0)
+        context.term()
+
+
+def test_every_reference_goes_back(pair) -> None:  # type: ignore[no-untyped-def]
+    """After reads, pushes, a refused frame and close, the memory tiers' entries
+    are held by the tiers alone (no buffer leaked by a peer path)."""
+    a, b = pair
+    ks = keys(24, salt=14)
+    store(a, ks)
+    assert read(b, ks) == [True] * len(ks)
+    assert b.contains_prefix(ks) == len(ks)
+    for manager in (a, b):
+        memory = manager.tiers[0]
+        assert wait_until(lambda m=memory: all(refs == (1, 0) for refs in
+                                                m.entry_refs())), memory.entry_refs()

@@ -18,6 +18,12 @@ temperature 0. The prompts are text sharing a long prefix.
 4. ``server-writer`` / ``server-reader``: two ``vllm serve`` in lmkv server mode,
    one after the other, through one ``lmkv server``: the second loads what the
    first stored.
+5. ``peer-a`` / ``peer-b``: two ``vllm serve`` running side by side, each pinned to
+   its own CPU, each with its own cpu tier and the ``peer`` tier (a fleet of the
+   two, private ipc sockets), nothing else: the first prompt goes to ``peer-a``,
+   the second to ``peer-b``, which can only find the shared prefix in
+   ``peer-a``'s memory (read from it, or pushed by it to ``peer-b`` as the
+   owner). ``peer-b`` must load it, and both answers must equal the baseline's.
 Every server (and the lmkv server) is stopped with SIGTERM and must exit 0
 leaving no process and no lmkv shared-memory segment behind.
 """
@@ -153,6 +159,42 @@ def main() -> int:
             return body
 
         serve("disk-reader", {"lmkv.tiers": disk}, reader("disk-reader"))
+
+        fleet = [f"ipc://{tmp}/fleet/a.sock", f"ipc://{tmp}/fleet/b.sock"]
+
+        def peer_tiers(me: str) -> list[dict]:
+            return [{"type": "cpu", "options": {"max_bytes": "256MiB"}},
+                    {"type": "peer", "options": {"listen": me, "peers": fleet}}]
+
+        def start_peer(name: str, me: str, cpu: str) -> VllmServe:
+            config = lmkv_kv_transfer_config({"lmkv.chunk_size": CHUNK,
+                                              "lmkv.tiers": peer_tiers(me)})
+            pinned = vllm_env(kvcache_gib=1, threads_bind=cpu, env=env)
+            started = time.monotonic()
+            handle = start_vllm_serve(model_dir, log_dir=tmp, kv_transfer_config=config,
+                                      args=SERVE_ARGS, env=pinned, name=name)
+            print(f"{name}: up in {time.monotonic() - started:.0f} s at {handle.url}",
+                  flush=True)
+            return handle
+
+        peers: list[VllmServe] = []
+        try:
+            peers.append(start_peer("peer-a", fleet[0], "0"))
+            peers.append(start_peer("peer-b", fleet[1], str(min(1, (os.cpu_count() or 1) - 1))))
+            a, b = peers
+            check(complete(a, first) == base[0], "peer-a: output equals the baseline's")
+            out = complete(b, second)
+            check(out == base[1], f"peer-b: output equals the baseline's {out!r}")
+            name, value = loaded_tokens(b)
+            check(value >= CHUNK, f"peer-b: loaded the shared prefix from peer-a's memory "
+                                  f"({name} = {value:g})")
+        finally:
+            for handle in reversed(peers):
+                problems = handle.stop()
+                check(not problems, f"{os.path.basename(handle.log_path)}: SIGTERM stops it "
+                                    f"cleanly {problems or ''}")
+                if problems:
+                    print(handle.log_tail(), flush=True)
 
         server, address = spawn_server(
             tmp, "tiers:\n  - type: cpu\n    options: {max_bytes: 256MiB}\n", env=env)
