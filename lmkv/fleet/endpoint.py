@@ -46,6 +46,7 @@ from lmkv.contracts.serde import Serializer
 from lmkv.contracts.tier import StorageBackend
 from lmkv.fleet import wire
 from lmkv.keys.chunking import CacheKey
+from lmkv.memory import MemoryObj
 from lmkv.rpc import protocol as p
 from lmkv.rpc.auth import CurveAuthenticator, CurveKeys
 
@@ -69,6 +70,9 @@ class PeerEndpoint:
         self.accept_puts = accept_puts
         self.owns = owns
         self._lock_fd: int | None = None
+        self._staging = _Staging()
+        # the reply being made's staging buffer, and its frames' trackers
+        self._staged: tuple[bytearray, list[zmq.MessageTracker]] | None = None
         # Its own context: ZeroMQ's authentication handler is one per context.
         self.context = zmq.Context()
         self.served = 0  # frames sent
@@ -139,11 +143,18 @@ class PeerEndpoint:
                 reply = self._error(p.salvage_req_id(header.buffer), p.TOO_LARGE,
                                     f"more than {wire.MAX_PEER_KEYS + 2} parts or "
                                     f"{self.max_request_bytes} bytes in one message")
+            staged, self._staged = self._staged, None
             try:
-                # (frames are bytes of their own: ZeroMQ sends them without a copy)
+                # Without a copy: the frames are views of a staging buffer, which goes
+                # back to the pool with their trackers (done once ZeroMQ let them go).
                 sock.send_multipart([envelope, *reply], zmq.NOBLOCK, copy=False)
             except zmq.ZMQError as exc:  # the peer went away, or its queue is full
                 _log.warning("send", "lmkv peer endpoint: a reply was dropped: %s", exc)
+                continue  # (a buffer ZeroMQ may still hold is not reused: the GC frees it)
+            finally:
+                del reply  # (its frames' own references: their trackers wait for them)
+            if staged is not None:
+                self._staging.give(*staged)
 
     def _receive(self) -> tuple[list[zmq.Frame], bool]:
         """One message's parts, part by part: past ``MAX_PEER_KEYS`` frames (plus
@@ -197,25 +208,46 @@ class PeerEndpoint:
         if req.probe:
             hits = tier.batched_async_contains("", keys, pin=False)
             return [p.encode(wire.PeerFetchReply(req_id=req.req_id, frames=hits))]
-        frames: list[bytes] = []
+        held: list[tuple[MemoryObj, list[Any], int]] = []  # (chunk, its frame's parts, size)
         total = 0
-        for key in keys:
-            if not tier.contains(key, pin=True):
-                break
-            try:
-                obj = tier.get_blocking(key)
-            finally:
-                tier.unpin(key)
-            if obj is None:
-                break
-            try:
-                frame = b"".join(self.serializer.serialize(obj, key))
-            finally:
+        try:
+            for key in keys:
+                if not tier.contains(key, pin=True):
+                    break
+                try:
+                    obj = tier.get_blocking(key)
+                finally:
+                    tier.unpin(key)
+                if obj is None:
+                    break
+                try:
+                    parts = self.serializer.serialize(obj, key)
+                except BaseException:
+                    obj.ref_down()
+                    raise
+                size = sum(memoryview(part).nbytes for part in parts)
+                if held and total + size > self.max_reply_bytes:
+                    obj.ref_down()
+                    break
+                held.append((obj, parts, size))
+                total += size
+            # Each frame copied once, into a reused buffer (a fresh one the size of
+            # the reply would cost a page fault per 4 KiB, more than the copy).
+            staging = self._staging.take(total)
+            view = memoryview(staging)
+            frames = []
+            at = 0
+            for _, parts, _size in held:
+                start = at
+                for part in parts:
+                    flat = memoryview(part).cast("B")
+                    view[at:at + flat.nbytes] = flat
+                    at += flat.nbytes
+                frames.append(zmq.Frame(view[start:at], copy=False, track=True))
+        finally:
+            for obj, _, _ in held:
                 obj.ref_down()
-            if frames and total + len(frame) > self.max_reply_bytes:
-                break
-            frames.append(frame)
-            total += len(frame)
+        self._staged = (staging, [frame.tracker for frame in frames])
         self.served += len(frames)
         return [p.encode(wire.PeerFetchReply(req_id=req.req_id, frames=len(frames))), *frames]
 
@@ -275,6 +307,29 @@ class PeerEndpoint:
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
+
+
+class _Staging:
+    """The reply buffers the endpoint reuses: a buffer goes back with the tracker of
+    the send that uses it and is taken again once ZeroMQ is done with it. At most
+    ``keep`` are kept (the largest replies sent); a reader that does not read its
+    reply keeps its buffer busy, and the next reply gets another."""
+
+    def __init__(self, keep: int = 2) -> None:
+        self.keep = keep
+        self._pool: list[tuple[bytearray, list[zmq.MessageTracker]]] = []
+
+    def take(self, nbytes: int) -> bytearray:
+        for i, (buf, trackers) in enumerate(self._pool):
+            if len(buf) >= nbytes and all(t.done for t in trackers):
+                del self._pool[i]
+                return buf
+        return bytearray(nbytes)
+
+    def give(self, buf: bytearray, trackers: list[zmq.MessageTracker]) -> None:
+        self._pool.append((buf, trackers))
+        if len(self._pool) > self.keep:  # the smallest goes (ZeroMQ holds it while it needs it)
+            self._pool.remove(min(self._pool, key=lambda item: len(item[0])))
 
 
 def _lock(path: str, address: str) -> int:
