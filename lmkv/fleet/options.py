@@ -6,6 +6,7 @@ import re
 
 from pydantic import ByteSize, ConfigDict, Field, PositiveInt, StrictBool, model_validator
 
+from lmkv.base.redact import redact_url
 from lmkv.base.units import ByteCount
 from lmkv.config.model import CurveConfig
 from lmkv.contracts.plugin import PluginOptions
@@ -65,6 +66,13 @@ class PeerOptions(PluginOptions):
     """The most frame bytes one answer carries (at least one frame)."""
     close_timeout_s: float = Field(default=2.0, ge=0)
     """``close()`` waits this long for pushes in flight, then drops them."""
+    directory: str | None = None
+    """A Redis the fleet runs (``redis://[[user]:password@]host[:port][/db]``,
+    ``rediss://...``, ``unix:///path?db=N``), kept as a directory of who holds which
+    chunk: each instance registers what it stores, a lookup reads from a holder.
+    None: owners by rendezvous hashing, chunks pushed to them."""
+    directory_ttl_s: float = Field(default=300.0, gt=0)
+    """A registration expires this long after it was last made."""
 
     @model_validator(mode="after")
     def _addresses(self) -> PeerOptions:
@@ -81,6 +89,11 @@ class PeerOptions(PluginOptions):
                     "beyond loopback, anyone who reaches the port) could read this fleet's "
                     "KV and send it KV; set curve (docs/security.md), use ipc:// addresses "
                     "on one machine, or insecure: true to accept that")
+        if self.directory is not None and not self.directory.startswith(
+                ("redis://", "rediss://", "unix://")):
+            raise ValueError(f"directory: {redact_url(self.directory)!r} is not a Redis URL "
+                             "(redis://[[user]:password@]host[:port][/db], rediss://... or "
+                             "unix:///path?db=N)")
         if self.listen is not None and self.listen not in self.peers:
             # Spelled otherwise here than in the others' lists, the instances would
             # not agree on who owns what.

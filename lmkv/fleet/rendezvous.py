@@ -35,6 +35,13 @@ class Rendezvous:
                 best, best_weight = i, weight
         return self.members[best]
 
+    def pick(self, candidates: Sequence[str], key: CacheKey) -> str:
+        """Of ``candidates`` (some of the members), the one the same weights put
+        first for ``key``: readers of one key spread over its holders alike."""
+        digest = key.digest()
+        return max(candidates, key=lambda m: xxhash.xxh3_64_intdigest(m.encode() + b"\0"
+                                                                      + digest))
+
     def runs(self, keys: Sequence[CacheKey]) -> list[tuple[str, int, int]]:
         """``keys`` cut into runs of one owner: ``(owner, start, stop)`` in order."""
         out: list[tuple[str, int, int]] = []

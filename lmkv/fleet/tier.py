@@ -31,6 +31,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 
 from lmkv.base.errors import ConfigError
+from lmkv.base.redact import secrets_in
 from lmkv.contracts.faults import TierFaults
 from lmkv.contracts.pins import PinTable
 from lmkv.contracts.prefix_gets import PrefixGets
@@ -38,6 +39,7 @@ from lmkv.contracts.put_queue import PutQueue
 from lmkv.contracts.remote import RemoteTierOptions, remote_faults
 from lmkv.contracts.tier import BackendContext, StorageBackend, done_future
 from lmkv.fleet import wire
+from lmkv.fleet.directory import RedisDirectory
 from lmkv.fleet.endpoint import PeerEndpoint
 from lmkv.fleet.links import PeerLinks
 from lmkv.fleet.options import PeerOptions
@@ -76,13 +78,19 @@ class PeerBackend(StorageBackend):
             else _NoMemory()  # type: ignore[assignment]
         self.faults: TierFaults = remote_faults(
             self.counters, "peer tier", RemoteTierOptions(retry_after_s=options.retry_after_s),
-            absorbed=(), unreachable=(), log=logger)
+            absorbed=(), unreachable=(), log=logger,
+            secrets=secrets_in(options.directory) if options.directory else ())
         curve = peer_keys(options.curve) if options.curve is not None else None
         self.links = PeerLinks(self.faults, curve, options.timeout_ms, options.retry_after_s,
                                max_reply_bytes=int(options.max_reply_bytes))
         self._pins: PinTable[int] = PinTable()
         self._gets = PrefixGets(self.faults, GET_THREADS, "lmkv-peer-get")
         self._writer = _Pusher(self, options)
+        self.directory: RedisDirectory | None = None
+        if options.directory is not None and not context.dry_run:
+            self.directory = RedisDirectory(options.directory, self.fleet.members,
+                                            ttl_s=options.directory_ttl_s,
+                                            timeout_s=options.timeout_ms / 1000)
         self._close_lock = threading.Lock()
         self._closed = False
         self.endpoint: PeerEndpoint | None = None
@@ -96,7 +104,7 @@ class PeerBackend(StorageBackend):
                     max_reply_bytes=int(options.max_reply_bytes),
                     max_request_bytes=int(options.max_request_bytes),
                     accept_puts=options.accept_puts,
-                    owns=lambda key: self.fleet.owner(key) == self.me).start()
+                    owns=self._owns).start()
             except BaseException:
                 self.close()
                 raise
@@ -104,8 +112,40 @@ class PeerBackend(StorageBackend):
     def __repr__(self) -> str:
         return f"PeerBackend(listen={self.me!r}, fleet={list(self.fleet.members)!r})"
 
-    def _mine(self, owner: str) -> bool:
+    def _mine(self, owner: str | None) -> bool:
         return owner == self.me
+
+    def _owns(self, key: CacheKey) -> bool:
+        """Whether this instance takes pushes and removes of ``key``: its owner's,
+        with a directory any it may hold."""
+        return self.directory is not None or self.fleet.owner(key) == self.me
+
+    def _runs(self, keys: Sequence[CacheKey]) -> list[tuple[str, int, int]]:
+        """``keys`` cut into runs of one source: the owner (rendezvous), or with a
+        directory a holder other than this instance, up to the first key that has
+        none (the directory down: none)."""
+        if self.options.directory is None:
+            return self.fleet.runs(keys)
+        directory = self.directory
+        if directory is None or not keys:
+            return []
+        try:
+            holders = directory.holders(keys)
+        except directory.errors as exc:
+            self.counters.errors += 1
+            self.faults.note("directory", "directory %s: %s; misses", directory.where, exc)
+            return []
+        out: list[tuple[str, int, int]] = []
+        for i, (key, found) in enumerate(zip(keys, holders, strict=True)):
+            others = [h for h in found if h != self.me]
+            if not others:
+                break
+            source = self.fleet.pick(others, key)
+            if out and out[-1][0] == source:
+                out[-1] = (source, out[-1][1], i + 1)
+            else:
+                out.append((source, i, i + 1))
+        return out
 
     # -- lookups ------------------------------------------------------------------
     def contains(self, key: CacheKey, pin: bool = False) -> bool:
@@ -114,7 +154,7 @@ class PeerBackend(StorageBackend):
     def batched_async_contains(self, lookup_id: str, keys: Sequence[CacheKey],
                                pin: bool = False) -> int:
         hits = 0
-        for owner, start, stop in self.fleet.runs(keys):
+        for owner, start, stop in self._runs(keys):
             run = keys[start:stop]
             if self._mine(owner):
                 found = self.memory.batched_async_contains(lookup_id, run, pin=pin)
@@ -143,7 +183,7 @@ class PeerBackend(StorageBackend):
         return self.contains(key, pin=True)
 
     def unpin(self, key: CacheKey) -> bool:
-        if self._mine(self.fleet.owner(key)):
+        if self.options.directory is None and self._mine(self.fleet.owner(key)):
             return self.memory.unpin(key)
         return self._pins.unpin(key.to_string())
 
@@ -156,8 +196,8 @@ class PeerBackend(StorageBackend):
         return self._gets.submit(keys, self._read)
 
     def _read(self, keys: Sequence[CacheKey], out: list[MemoryObj]) -> None:
-        """The leading chunks found, into ``out``: each run of one owner from it."""
-        for owner, start, stop in self.fleet.runs(keys):
+        """The leading chunks found, into ``out``: each run of one source from it."""
+        for owner, start, stop in self._runs(keys):
             run = keys[start:stop]
             before = len(out)
             if self._mine(owner):
@@ -210,6 +250,10 @@ class PeerBackend(StorageBackend):
     # -- puts ---------------------------------------------------------------------
     def batched_submit_put(self, keys: Sequence[CacheKey], objs: Sequence[MemoryObj],
                            parents: Sequence[CacheKey | None] | None = None) -> Future:
+        if self.options.directory is not None:  # the chunks stay here, said held
+            if self.me is not None and keys:
+                self._gets.run(self._register, list(keys))
+            return done_future(0)
         if not self.options.push_to_owner:
             return done_future(0)
         picked = [(k, o) for k, o in zip(keys, objs, strict=True)
@@ -218,9 +262,33 @@ class PeerBackend(StorageBackend):
             return done_future(0)
         return self._writer.submit([k for k, _ in picked], [o for _, o in picked])
 
+    def _register(self, keys: list[CacheKey]) -> None:
+        directory = self.directory
+        if directory is None or self.me is None:
+            return
+        try:
+            directory.register(self.me, keys)
+        except directory.errors as exc:
+            self.counters.dropped_writes += len(keys)
+            self.counters.errors += 1
+            self.faults.note("directory", "directory %s: %s; %d keys not registered",
+                             directory.where, exc, len(keys))
+        except Exception:  # a bug, on a background thread: say so
+            logger.exception("lmkv peer tier: registering %d keys failed", len(keys))
+
     # -- the rest -----------------------------------------------------------------
     def remove(self, key: CacheKey) -> bool:
-        """Drop ``key`` where its owner holds it (a frame found corrupt, a drop)."""
+        """Drop ``key`` where its owner holds it (a frame found corrupt, a drop);
+        with a directory, where this instance holds it."""
+        if self.options.directory is not None:
+            removed = self.me is not None and self.memory.remove(key)
+            directory = self.directory
+            if directory is not None and self.me is not None:
+                try:
+                    directory.unregister(self.me, [key])
+                except directory.errors:
+                    self.counters.errors += 1
+            return bool(removed)
         owner = self.fleet.owner(key)
         if self._mine(owner):
             return self.memory.remove(key)
@@ -252,6 +320,8 @@ class PeerBackend(StorageBackend):
         self.faults.close()
         self._gets.close()
         self.links.close()
+        if self.directory is not None:
+            self.directory.close()
         self._pins.clear()
         super().close()
 
