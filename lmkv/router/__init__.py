@@ -1,0 +1,1 @@
+"""The KV-aware router's parts: which instance holds which prefix (``index``)."""
