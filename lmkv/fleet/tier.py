@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import Future
 
@@ -52,6 +53,8 @@ from lmkv.rpc.auth import peer_keys
 logger = logging.getLogger(__name__)
 
 GET_THREADS = 4
+#: Registration batches that may wait for the directory; past it they are dropped.
+MAX_REGISTRATIONS = 64
 
 
 class PeerBackend(StorageBackend):
@@ -87,6 +90,9 @@ class PeerBackend(StorageBackend):
         self._gets = PrefixGets(self.faults, GET_THREADS, "lmkv-peer-get")
         self._writer = _Pusher(self, options)
         self.directory: RedisDirectory | None = None
+        self._directory_retry_at = 0.0
+        self._registrations = 0  # batches waiting to be registered
+        self._registrations_lock = threading.Lock()
         if options.directory is not None and not context.dry_run:
             self.directory = RedisDirectory(options.directory, self.fleet.members,
                                             ttl_s=options.directory_ttl_s,
@@ -127,13 +133,12 @@ class PeerBackend(StorageBackend):
         if self.options.directory is None:
             return self.fleet.runs(keys)
         directory = self.directory
-        if directory is None or not keys:
+        if directory is None or not keys or self._directory_down():
             return []
         try:
             holders = directory.holders(keys)
         except directory.errors as exc:
-            self.counters.errors += 1
-            self.faults.note("directory", "directory %s: %s; misses", directory.where, exc)
+            self._directory_failed(exc, "misses")
             return []
         out: list[tuple[str, int, int]] = []
         for i, (key, found) in enumerate(zip(keys, holders, strict=True)):
@@ -252,7 +257,7 @@ class PeerBackend(StorageBackend):
                            parents: Sequence[CacheKey | None] | None = None) -> Future:
         if self.options.directory is not None:  # the chunks stay here, said held
             if self.me is not None and keys:
-                self._gets.run(self._register, list(keys))
+                self._queue_registration(list(keys))
             return done_future(0)
         if not self.options.push_to_owner:
             return done_future(0)
@@ -262,19 +267,47 @@ class PeerBackend(StorageBackend):
             return done_future(0)
         return self._writer.submit([k for k, _ in picked], [o for _, o in picked])
 
+    def _directory_down(self) -> bool:
+        """Whether the directory failed less than ``retry_after_s`` ago (a hung Redis
+        must not cost every lookup and store a timeout)."""
+        return time.monotonic() < self._directory_retry_at
+
+    def _directory_failed(self, exc: BaseException, what: str) -> None:
+        self._directory_retry_at = time.monotonic() + self.options.retry_after_s
+        self.counters.errors += 1
+        directory = self.directory
+        self.faults.note("directory", "directory %s: %s; %s, and it is not asked for %g s",
+                         directory.where if directory else "?", exc, what,
+                         self.options.retry_after_s)
+
+    def _queue_registration(self, keys: list[CacheKey]) -> None:
+        """Register ``keys`` in the background: at most ``MAX_REGISTRATIONS`` batches
+        wait (past it, and while the directory is down, they are dropped, counted)."""
+        with self._registrations_lock:
+            full = self._registrations >= MAX_REGISTRATIONS or self._directory_down()
+            if not full:
+                self._registrations += 1
+        if full or self._gets.run(self._register, keys) is None:
+            if not full:
+                with self._registrations_lock:
+                    self._registrations -= 1
+            self.counters.dropped_writes += len(keys)
+
     def _register(self, keys: list[CacheKey]) -> None:
         directory = self.directory
-        if directory is None or self.me is None:
-            return
         try:
+            if directory is None or self.me is None or self._directory_down():
+                self.counters.dropped_writes += len(keys)
+                return
             directory.register(self.me, keys)
-        except directory.errors as exc:
+        except directory.errors as exc:  # type: ignore[union-attr]
             self.counters.dropped_writes += len(keys)
-            self.counters.errors += 1
-            self.faults.note("directory", "directory %s: %s; %d keys not registered",
-                             directory.where, exc, len(keys))
+            self._directory_failed(exc, f"{len(keys)} keys not registered")
         except Exception:  # a bug, on a background thread: say so
             logger.exception("lmkv peer tier: registering %d keys failed", len(keys))
+        finally:
+            with self._registrations_lock:
+                self._registrations -= 1
 
     # -- the rest -----------------------------------------------------------------
     def remove(self, key: CacheKey) -> bool:
@@ -283,11 +316,20 @@ class PeerBackend(StorageBackend):
         if self.options.directory is not None:
             removed = self.me is not None and self.memory.remove(key)
             directory = self.directory
-            if directory is not None and self.me is not None:
-                try:
+            if directory is None or self._directory_down():
+                return bool(removed)
+            try:
+                holders = directory.holders([key])[0]
+                if self.me is not None:
                     directory.unregister(self.me, [key])
-                except directory.errors:
-                    self.counters.errors += 1
+            except directory.errors as exc:
+                self._directory_failed(exc, "a remove reached this instance only")
+                return bool(removed)
+            for holder in holders:  # (the copy that was bad is one of theirs)
+                if holder != self.me:
+                    got = self.links.request(holder, wire.PeerRemove(**p.key_fields([key])))
+                    removed = removed or (got is not None and isinstance(
+                        got[0], wire.PeerRemoveReply) and got[0].removed > 0)
             return bool(removed)
         owner = self.fleet.owner(key)
         if self._mine(owner):

@@ -111,6 +111,9 @@ class KVIndex:
         bit = 1 << (2 * lane + lane_of(medium))
         masks, order, named = self._masks, self._order, self._hashes[lane]
         for engine_hash, key in zip(hashes, keys, strict=False):
+            old = self._by_hash.get((lane, engine_hash))
+            if old is not None and old != key:  # the engine's name now means another block
+                self._drop_lane(old, lane)
             masks[key] = masks.get(key, 0) | bit
             order[key] = None
             order.move_to_end(key)
@@ -181,10 +184,19 @@ class KVIndex:
             masks.pop(key, None)  # (its engine hashes go below, oldest first)
         by_hash = self._by_hash
         while len(by_hash) > 2 * self.max_blocks:
-            (lane, engine_hash), _ = by_hash.popitem(last=False)
+            # A block this lane can no longer name is no longer said to be its: a
+            # removal could not reach its bits, nor could the next instance given
+            # this lane tell them from its own.
+            (lane, engine_hash), key = by_hash.popitem(last=False)
+            self._drop_lane(key, lane)
             named = self._hashes.get(lane)
             if named is not None:
                 named.discard(engine_hash)
+
+    def _drop_lane(self, key: int, lane: int) -> None:
+        mask = self._masks.get(key)
+        if mask is not None:
+            self._set(key, mask & ~(3 << (2 * lane)))
 
     # -- questions ------------------------------------------------------------------
     def __len__(self) -> int:

@@ -108,3 +108,38 @@ def test_a_holder_gone_and_the_directory_down_are_misses(fleet, redis_server) ->
     finally:
         for manager in (a, b, c):
             manager.close()
+
+
+def test_a_hung_directory_costs_one_timeout_then_is_skipped(fleet, redis_server) -> None:
+    b = member(fleet, fleet[1], redis_server.url, retry_after_s=30)
+    try:
+        ks = keys(4, salt=25)
+        redis_server.pause()
+        try:
+            start = time.monotonic()
+            assert b.contains_prefix(ks) == 0
+            first = time.monotonic() - start
+            start = time.monotonic()
+            for _ in range(5):
+                assert b.contains_prefix(ks) == 0
+            assert time.monotonic() - start < first, "the directory is skipped meanwhile"
+            store(b, ks)  # registrations are dropped, counted, not queued
+            assert b.tiers[1].stats()["dropped_writes"] >= len(ks)
+        finally:
+            redis_server.resume()
+    finally:
+        b.close()
+
+
+def test_a_remove_reaches_the_holders(fleet, redis_server) -> None:
+    a = member(fleet, fleet[0], redis_server.url)
+    b = member(fleet, fleet[1], redis_server.url)
+    try:
+        ks = keys(2, salt=26)
+        store(a, ks)
+        assert wait_until(lambda: registered(a.tiers[1].directory, ks))
+        assert b.tiers[1].remove(ks[0])
+        assert not a.tiers[0].contains(ks[0]) and a.tiers[0].contains(ks[1])
+    finally:
+        a.close()
+        b.close()

@@ -87,3 +87,19 @@ def test_the_index_stays_bounded() -> None:
     newest = prompt(BS * 10, 149)
     assert index.match(block_keys(newest, BS))["a"] == Match(10, 10)
     assert index.match(block_keys(prompt(BS * 10, 100), BS)) == {}
+
+
+def test_a_lane_given_to_a_new_instance_inherits_nothing() -> None:
+    """Blocks the index can no longer name for an instance (its name map is
+    bounded) are no longer its own: neither its removal nor the next instance in
+    its lane sees stale bits."""
+    index = KVIndex(max_blocks=10)
+    tokens = prompt(BS * 10, 7)
+    keys = block_keys(tokens, BS)
+    for name in ("a", "b", "c"):
+        index.stored(name, engine_hashes(tokens, name), tokens, BS)
+    index.removed("a", engine_hashes(tokens, "a"))
+    assert "a" not in index.match(keys)
+    index.forget("a")
+    index.heard("new")
+    assert "new" not in index.match(keys)
