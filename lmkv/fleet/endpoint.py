@@ -54,6 +54,8 @@ logger = logging.getLogger(__name__)
 _log = RateLimitedLog(logger)
 
 POLL_MS = 100
+#: Answers queued per connected peer.
+SEND_QUEUE = 2
 
 
 class PeerEndpoint:
@@ -83,6 +85,9 @@ class PeerEndpoint:
         self._socket = self.context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.MAXMSGSIZE, max_request_bytes)
+        # A peer that does not read its answers holds at most this many queued (more
+        # are dropped: its requests time out), not a reply buffer per request.
+        self._socket.setsockopt(zmq.SNDHWM, SEND_QUEUE)
         if self._auth is not None:
             self._auth.secure(self._socket)
         self._stop = threading.Event()
